@@ -1,0 +1,62 @@
+"""Wire names and defaults: every header name, problem code and magic number lives here."""
+
+from __future__ import annotations
+
+from typing import Final
+
+# Request and response headers (SPEC §4, §7, §8, §10).
+DEFAULT_KEY_HEADER: Final = "Idempotency-Key"
+JOB_HEADER: Final = "Idempotency-Job"
+ATTEMPT_HEADER: Final = "Idempotency-Attempt"
+REPLAYED_HEADER: Final = "Idempotent-Replayed"
+REPLAY_OMITTED_HEADER: Final = "Idempotency-Replay"
+ERROR_HEADER: Final = "Idempotency-Error"
+PROBLEM_TYPE_PREFIX: Final = "urn:idemproxy:problem:"
+PROBLEM_CONTENT_TYPE: Final = "application/problem+json"
+
+# RFC 9110 §7.6.1: hop-by-hop headers never cross the proxy in either direction.
+HOP_BY_HOP_HEADERS: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
+# SPEC §7: not stored or replayed by default (per-user or per-challenge values).
+DEFAULT_UNREPLAYED_HEADERS: Final = ("set-cookie", "www-authenticate", "proxy-authenticate")
+
+# SPEC §3.2 default attempt outcomes by upstream status.
+DEFAULT_RELEASE_STATUSES: Final = (408, 425, 429, 503)
+DEFAULT_UNKNOWN_STATUSES: Final = (502, 504)
+
+# Defaults (SPEC §9, §11, §12).
+DEFAULT_LISTEN: Final = "127.0.0.1:8080"
+DEFAULT_STORE: Final = "sqlite:///idemproxy.db"
+DEFAULT_METHODS: Final = ("POST", "PATCH")
+DEFAULT_TTL_SECONDS: Final = 86_400
+DEFAULT_UPSTREAM_TIMEOUT: Final = 30.0
+DEFAULT_CONNECT_TIMEOUT: Final = 5.0
+MAX_WAIT_MARGIN_SECONDS: Final = 5.0
+DEFAULT_MAX_REQUEST_BODY: Final = 10 * 1024 * 1024
+DEFAULT_MAX_STORED_BODY: Final = 8 * 1024 * 1024
+DEFAULT_MAX_WAITERS_PER_KEY: Final = 64
+DEFAULT_MAX_WAITERS: Final = 10_000
+DEFAULT_RETRY_AFTER_SECONDS: Final = 1
+KEY_MAX_LENGTH: Final = 255
+
+# Owner scopes that are not hashes of a credential (SPEC §5).
+ANONYMOUS_OWNER: Final = "anonymous"
+GLOBAL_OWNER: Final = "global"
+
+# PostgreSQL channel that carries job state changes to every replica (SPEC §11).
+NOTIFY_CHANNEL: Final = "idemproxy_jobs"
+# A held duplicate re-reads the job at least this often even without a wake-up, so that a
+# lost notification (dropped LISTEN connection) delays an answer but never loses it.
+WAITER_RECHECK_SECONDS: Final = 2.0

@@ -1,0 +1,113 @@
+"""The exception tree. Every error the proxy answers itself derives from `IdemproxyError`.
+
+    IdemproxyError                  (500, never leaves the process as-is)
+    ├── ProblemError                an answer for the client (SPEC §8)
+    │   ├── KeyMissing              400 key-missing
+    │   ├── KeyInvalid              400 key-invalid
+    │   ├── OwnerMissing            401 owner-missing
+    │   ├── PayloadMismatch         409 payload-mismatch (422 in the ietf profile)
+    │   ├── RequestInFlight         409 request-in-flight + Retry-After
+    │   ├── OutcomeUnknown          409 outcome-unknown
+    │   ├── BodyTooLarge            413 body-too-large
+    │   ├── UpstreamUnavailable     502 upstream-unavailable
+    │   ├── StoreUnavailable        503 store-unavailable + Retry-After
+    │   ├── TooManyWaiters          503 too-many-waiters + Retry-After
+    │   └── UpstreamTimeout         504 upstream-timeout
+    └── ConfigError                 bad settings, raised at start-up
+
+Docstrings are the default `detail` of each problem.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class IdemproxyError(Exception):
+    """Internal error."""
+
+    def __init__(self, detail: str | None = None) -> None:
+        self.detail = detail or (self.__doc__ or "").strip()
+        super().__init__(self.detail)
+
+
+class ConfigError(IdemproxyError):
+    """Invalid configuration."""
+
+
+class ProblemError(IdemproxyError):
+    """The proxy could not process the request."""
+
+    code: ClassVar[str] = "internal-error"
+    status: ClassVar[int] = 500
+    title: ClassVar[str] = "Internal error"
+    retry_after: ClassVar[int | None] = None
+
+
+class KeyMissing(ProblemError):
+    """This route requires an Idempotency-Key header."""
+
+    code, status, title = "key-missing", 400, "Idempotency key missing"
+
+
+class KeyInvalid(ProblemError):
+    """The Idempotency-Key header must be one value of 1-255 visible ASCII characters."""
+
+    code, status, title = "key-invalid", 400, "Idempotency key invalid"
+
+
+class OwnerMissing(ProblemError):
+    """This route requires a credential that identifies the owner of the key."""
+
+    code, status, title = "owner-missing", 401, "Owner missing"
+
+
+class PayloadMismatch(ProblemError):
+    """This Idempotency-Key was already used with a different request payload."""
+
+    code, status, title = "payload-mismatch", 409, "Idempotency key reused with another payload"
+
+
+class RequestInFlight(ProblemError):
+    """A request with this Idempotency-Key is still being processed; retry later."""
+
+    code, status, title = "request-in-flight", 409, "Request in flight"
+    retry_after = 1
+
+
+class OutcomeUnknown(ProblemError):
+    """The outcome of the earlier request with this key is unknown; an operator must resolve it."""
+
+    code, status, title = "outcome-unknown", 409, "Outcome unknown"
+
+
+class BodyTooLarge(ProblemError):
+    """The request body exceeds the configured limit."""
+
+    code, status, title = "body-too-large", 413, "Request body too large"
+
+
+class UpstreamUnavailable(ProblemError):
+    """The upstream could not be reached or sent an invalid response."""
+
+    code, status, title = "upstream-unavailable", 502, "Upstream unavailable"
+
+
+class StoreUnavailable(ProblemError):
+    """The idempotency store is unavailable; the request was not forwarded."""
+
+    code, status, title = "store-unavailable", 503, "Store unavailable"
+    retry_after = 1
+
+
+class TooManyWaiters(ProblemError):
+    """Too many requests are waiting for this key or in total; retry later."""
+
+    code, status, title = "too-many-waiters", 503, "Too many waiters"
+    retry_after = 1
+
+
+class UpstreamTimeout(ProblemError):
+    """The upstream did not answer in time; the outcome of the request is unknown."""
+
+    code, status, title = "upstream-timeout", 504, "Upstream timeout"

@@ -1,0 +1,89 @@
+"""The request fingerprint (SPEC §6): SHA-256 over method, path, query, media type and body."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from idemproxy.errors import ConfigError
+
+
+def fingerprint(
+    method: str,
+    path: str,
+    query: str,
+    content_type: str | None,
+    body: bytes,
+    exclude_pointers: Sequence[str] = (),
+) -> str:
+    """A hex digest that is equal for requests with the same intent.
+
+    JSON bodies are canonicalised (sorted keys, no insignificant whitespace) with the configured
+    JSON pointers removed, so that semantically equal JSON matches. Every field is length-prefixed
+    so that no two different requests can produce the same hashed byte stream.
+    """
+    media_type = media_type_of(content_type)
+    if is_json(media_type):
+        body = canonical_json(body, exclude_pointers)
+    digest = hashlib.sha256()
+    for part in (method.upper().encode(), path.encode(), query.encode(), media_type.encode(), body):
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def media_type_of(content_type: str | None) -> str:
+    if not content_type:
+        return ""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def is_json(media_type: str) -> bool:
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
+def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
+    """Canonical JSON bytes, or the body unchanged when it is not valid JSON."""
+    try:
+        document = json.loads(body)
+    except (UnicodeDecodeError, ValueError):
+        return body
+    for pointer in exclude_pointers:
+        _remove(document, parse_pointer(pointer))
+    return json.dumps(
+        document, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    ).encode("utf-8", "surrogatepass")
+
+
+def parse_pointer(pointer: str) -> list[str]:
+    """RFC 6901 §3-§4: "/a/b~1c" → ["a", "b/c"]."""
+    if pointer == "":
+        return []
+    if not pointer.startswith("/"):
+        raise ConfigError(f"JSON pointer {pointer!r} must start with '/'")
+    return [token.replace("~1", "/").replace("~0", "~") for token in pointer[1:].split("/")]
+
+
+def _remove(document: Any, tokens: list[str]) -> None:
+    if not tokens:
+        return
+    parent = document
+    for token in tokens[:-1]:
+        parent = _child(parent, token)
+        if parent is None:
+            return
+    last = tokens[-1]
+    if isinstance(parent, dict):
+        parent.pop(last, None)
+    elif isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
+        parent[int(last)] = None  # keep the positions of the other elements
+
+
+def _child(node: Any, token: str) -> Any:
+    if isinstance(node, dict):
+        return node.get(token)
+    if isinstance(node, list) and token.isdigit() and int(token) < len(node):
+        return node[int(token)]
+    return None

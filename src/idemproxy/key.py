@@ -1,0 +1,60 @@
+"""Parsing and validating the Idempotency-Key header (SPEC §4)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from idemproxy.constants import KEY_MAX_LENGTH
+from idemproxy.errors import KeyInvalid
+
+_VISIBLE_ASCII = frozenset(range(0x21, 0x7F))
+
+
+def parse_key(values: Sequence[str]) -> str | None:
+    """The normalised key from every value of the header, or None when it is absent.
+
+    The RFC 8941 sf-string form (`"abc"`) and a bare token (`abc`) give the same key. More than one
+    header line, a comma-joined list, or anything outside 1-255 visible ASCII is `key-invalid`.
+    """
+    if not values:
+        return None
+    if len(values) > 1:
+        raise KeyInvalid("Send exactly one Idempotency-Key header.")
+    raw = values[0].strip(" \t")
+    key = _unquote(raw) if raw.startswith('"') else _bare(raw)
+    _check_characters(key)
+    return key
+
+
+def _unquote(raw: str) -> str:
+    # RFC 8941 §3.3.3: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
+    chars: list[str] = []
+    escaped = False
+    for index, char in enumerate(raw[1:], start=1):
+        if escaped:
+            if char not in '"\\':
+                raise KeyInvalid("Only \\\" and \\\\ may be escaped in a quoted key.")
+            chars.append(char)
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            if index != len(raw) - 1:
+                raise KeyInvalid("A quoted key must be a single sf-string.")
+            return "".join(chars)
+        else:
+            chars.append(char)
+    raise KeyInvalid("The quoted key is not terminated.")
+
+
+def _bare(raw: str) -> str:
+    if '"' in raw or "," in raw or "\\" in raw:
+        raise KeyInvalid("A bare key may not contain quotes, commas or backslashes.")
+    return raw
+
+
+def _check_characters(key: str) -> None:
+    if not 1 <= len(key) <= KEY_MAX_LENGTH:
+        raise KeyInvalid(f"The key must be 1-{KEY_MAX_LENGTH} characters long.")
+    if any(ord(char) not in _VISIBLE_ASCII for char in key):
+        raise KeyInvalid("The key may contain visible ASCII characters only.")

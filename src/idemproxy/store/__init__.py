@@ -1,0 +1,1 @@
+"""Storage: one interface (`base.Store`), real implementations chosen by DSN (`factory`)."""

@@ -1,0 +1,103 @@
+"""The storage interface every backend implements and one contract suite checks (SPEC §11).
+
+Every method that changes a job is a compare-and-swap on the job's `version`: it returns whether
+it won, and a loser changes nothing. Driver errors never leave a store: each implementation
+translates them into `StoreUnavailable` at one boundary.
+"""
+
+from __future__ import annotations
+
+import abc
+from contextlib import AbstractAsyncContextManager
+
+from idemproxy.store.watch import JobWatch
+from idemproxy.types import ClaimResult, Claimed, Intent, Job, JobState, StoredResponse
+
+
+class Store(abc.ABC):
+    """A durable home for jobs and attempts."""
+
+    def __init__(self) -> None:
+        self.watch = JobWatch()
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Connect (and start listening for changes made by other processes)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def migrate(self) -> list[str]:
+        """Apply pending versioned migrations; returns the versions applied."""
+
+    @abc.abstractmethod
+    async def claim(
+        self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
+    ) -> ClaimResult:
+        """Create the job and its first attempt atomically, or return the job that exists."""
+
+    @abc.abstractmethod
+    async def get(self, owner: str, key: str) -> Job | None: ...
+
+    @abc.abstractmethod
+    async def get_by_id(self, job_id: str) -> Job | None:
+        """The job with all its attempts."""
+
+    @abc.abstractmethod
+    async def complete(
+        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    ) -> bool:
+        """CAS the job to `completed` with this attempt's response; False if another won."""
+
+    @abc.abstractmethod
+    async def settle(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """CAS the job to `released` or `unknown` after a failed attempt."""
+
+    @abc.abstractmethod
+    async def start_next_attempt(
+        self, job: Job, upstream: str, *, lease: float
+    ) -> Claimed | None:
+        """CAS a released job back to `in_flight` with a new attempt; None if another won."""
+
+    @abc.abstractmethod
+    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
+        """Start one more attempt under a job in flight (hedging); None if it left in_flight."""
+
+    @abc.abstractmethod
+    async def forget(self, job: Job) -> bool:
+        """Delete an expired terminal job (CAS on version) so its key can be claimed again."""
+
+    @abc.abstractmethod
+    async def sweep_expired(self, batch_size: int) -> int:
+        """Delete up to `batch_size` expired terminal jobs; returns how many."""
+
+    @abc.abstractmethod
+    async def list_jobs(
+        self, *, state: JobState | None = None, owner: str | None = None, limit: int = 100
+    ) -> list[Job]: ...
+
+    @abc.abstractmethod
+    async def ping(self) -> None:
+        """Raise `StoreUnavailable` unless the store answers."""
+
+    def watching(self, job_id: str) -> AbstractAsyncContextManager[JobWatch.Subscription]:
+        """Subscribe to changes of one job (SPEC §2.3: held duplicates)."""
+        return self.watch.subscribe(job_id)
+
+
+def settle_states(state: JobState) -> tuple[str, str]:
+    """The (job state, attempt state) pair written by `settle` (SPEC §3.2)."""
+    if state is JobState.RELEASED:
+        return "released", "failed"
+    if state is JobState.UNKNOWN:
+        return "unknown", "unknown"
+    raise ValueError(f"settle cannot move a job to {state}")

@@ -1,0 +1,23 @@
+"""The one place where asyncpg's errors become `StoreUnavailable` (STYLE §4)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import asyncpg
+
+from idemproxy.errors import StoreUnavailable
+
+log = logging.getLogger("idemproxy.store")
+
+
+@contextlib.asynccontextmanager
+async def translate_errors(what: str) -> AsyncIterator[None]:
+    try:
+        yield
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        # SPEC §11: fail closed. The detail never carries SQL or driver text to the client.
+        log.warning("store error during %s: %s: %s", what, type(exc).__name__, exc)
+        raise StoreUnavailable() from exc

@@ -1,0 +1,220 @@
+"""The PostgreSQL store (asyncpg): the source of truth for production and many replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import asyncpg
+from asyncpg.pool import PoolConnectionProxy
+
+from idemproxy.constants import NOTIFY_CHANNEL
+from idemproxy.errors import StoreUnavailable
+from idemproxy.store.base import Store, settle_states
+from idemproxy.store.pg_errors import translate_errors
+from idemproxy.store.queries import load_migrations, load_queries
+from idemproxy.store.rows import attempt_from_row, encode_headers, job_from_row
+from idemproxy.types import ClaimResult, Claimed, Existing, Intent, Job, JobState, StoredResponse
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Pooled = PoolConnectionProxy[asyncpg.Record]
+# Several processes may start at once; one advisory lock serialises their migrations.
+_MIGRATION_LOCK = 0x1DE3_9A0C
+_CLAIM_RETRIES = 5
+
+
+class PostgresStore(Store):
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        min_connections: int = 2,
+        max_connections: int = 20,
+        command_timeout: float = 5.0,
+        listen: bool = True,
+    ) -> None:
+        super().__init__()
+        self._dsn = dsn
+        self._pool_size = (min_connections, max_connections)
+        self._command_timeout = command_timeout
+        self._listen = listen
+        self._sql = load_queries("postgres")
+        self._pool: asyncpg.Pool | None = None
+        self._listener: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        async with translate_errors("connect"):
+            self._pool = await asyncpg.create_pool(
+                self._dsn,
+                min_size=self._pool_size[0],
+                max_size=self._pool_size[1],
+                command_timeout=self._command_timeout,
+                init=_init_connection,
+            )
+        if self._listen:
+            self._listener = asyncio.create_task(self._listen_forever(), name="pg-listen")
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+        if self._pool is not None:
+            await self._pool.close()
+
+    async def migrate(self) -> list[str]:
+        applied: list[str] = []
+        async with self._connection("migrate") as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            await conn.execute(
+                "CREATE SCHEMA IF NOT EXISTS idemproxy;"
+                "CREATE TABLE IF NOT EXISTS idemproxy.schema_migrations ("
+                " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = {r["version"] for r in await conn.fetch("SELECT version FROM idemproxy.schema_migrations")}
+            for version, sql in load_migrations("postgres"):
+                if version not in done:
+                    await conn.execute(sql)
+                    await conn.execute(
+                        "INSERT INTO idemproxy.schema_migrations (version) VALUES ($1)", version
+                    )
+                    applied.append(version)
+        return applied
+
+    async def claim(
+        self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
+    ) -> ClaimResult:
+        args = (intent.owner, intent.key, job_id, intent.fingerprint, intent.method, intent.path)
+        for _ in range(_CLAIM_RETRIES):
+            row = await self._fetchrow("claim", *args, float(ttl), upstream, float(lease))
+            if row is None:
+                # A concurrent claim committed while this one waited: read it afresh.
+                row = await self._fetchrow("get_job", intent.owner, intent.key)
+            if row is None:
+                continue  # it was deleted in between (expiry); claim again
+            job = job_from_row(row)
+            return Claimed(job, 1) if row.get("created", False) else Existing(job)
+        raise StoreUnavailable("The claim did not settle; retry.")
+
+    async def get(self, owner: str, key: str) -> Job | None:
+        row = await self._fetchrow("get_job", owner, key)
+        return None if row is None else job_from_row(row)
+
+    async def get_by_id(self, job_id: str) -> Job | None:
+        async with self._connection("get_by_id") as conn:
+            row = await conn.fetchrow(self._sql["get_job_by_id"], job_id)
+            if row is None:
+                return None
+            attempts = await conn.fetch(self._sql["get_attempts"], job_id)
+        return job_from_row(row, tuple(attempt_from_row(a) for a in attempts))
+
+    async def complete(
+        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    ) -> bool:
+        row = await self._fetchrow(
+            "complete", job.id, job.version, attempt, response.status,
+            encode_headers(response.headers), response.body, response.omitted, float(ttl),
+        )
+        return row is not None
+
+    async def settle(
+        self, job: Job, attempt: int, state: JobState, *,
+        status: int | None = None, error: str | None = None,
+    ) -> bool:
+        job_state, attempt_state = settle_states(state)
+        row = await self._fetchrow(
+            "settle", job.id, job.version, attempt, job_state, attempt_state, status, error
+        )
+        return row is not None
+
+    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+        row = await self._fetchrow("start_next_attempt", job.id, job.version, upstream, float(lease))
+        if row is None:
+            return None
+        started = job_from_row(row)
+        return Claimed(started, started.attempt_count)
+
+    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
+        row = await self._fetchrow("add_attempt", job.id, job.version, upstream, float(lease))
+        return None if row is None else int(row["number"])
+
+    async def forget(self, job: Job) -> bool:
+        status = await self._run("forget", lambda c: c.execute(self._sql["forget"], job.id, job.version))
+        return bool(status == "DELETE 1")
+
+    async def sweep_expired(self, batch_size: int) -> int:
+        status = await self._run(
+            "sweep", lambda c: c.execute(self._sql["sweep_expired"], batch_size)
+        )
+        return int(status.rsplit(" ", 1)[-1])
+
+    async def list_jobs(
+        self, *, state: JobState | None = None, owner: str | None = None, limit: int = 100
+    ) -> list[Job]:
+        rows = await self._run(
+            "list_jobs",
+            lambda c: c.fetch(self._sql["list_jobs"], state and state.value, owner, limit),
+        )
+        return [job_from_row(row) for row in rows]
+
+    async def ping(self) -> None:
+        await self._fetchrow("ping")
+
+    async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
+        return await self._run(name, lambda c: c.fetchrow(self._sql[name], *args))
+
+    async def _run(self, what: str, call: Callable[[Pooled], Awaitable[T]]) -> T:
+        async with self._connection(what) as conn:
+            return await call(conn)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self, what: str) -> AsyncIterator[Pooled]:
+        if self._pool is None:
+            raise StoreUnavailable("The store is not open.")
+        async with translate_errors(what), self._pool.acquire(timeout=self._command_timeout) as conn:
+            yield conn
+
+    async def _listen_forever(self) -> None:
+        """Feed `LISTEN idemproxy_jobs` into the watch; reconnect with backoff when it drops."""
+        delay = 0.1
+        while True:
+            try:
+                conn = await asyncpg.connect(self._dsn, timeout=self._command_timeout)
+            except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
+                log.warning("change feed: cannot connect (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.1
+            await self._listen_on(conn)
+            # Whatever happened while the feed was down, waiters re-read the jobs themselves.
+            self.watch.notify_all()
+
+    async def _listen_on(self, conn: asyncpg.Connection) -> None:
+        lost = asyncio.Event()
+        conn.add_termination_listener(lambda _conn: lost.set())
+        try:
+            await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
+            self.watch.notify_all()  # changes may have been missed before LISTEN took effect
+            while not lost.is_set() and not conn.is_closed():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(5.0):
+                        await lost.wait()
+                if not lost.is_set():
+                    await conn.execute("SELECT 1")  # notice a dead server within seconds
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            log.warning("change feed lost: %s", exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), timeout=1.0)
+
+    def _on_notify(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
+        self.watch.notify(str(payload))
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=str, decoder=str, schema="pg_catalog")

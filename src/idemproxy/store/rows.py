@@ -1,0 +1,72 @@
+"""Turning database rows into the plain `Job`/`Attempt` data of `idemproxy.types`."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from idemproxy.types import Attempt, AttemptState, HeaderPairs, Job, JobState, StoredResponse
+
+
+class Row(Protocol):
+    """asyncpg.Record and sqlite3.Row alike."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
+
+
+def job_from_row(row: Row, attempts: tuple[Attempt, ...] = ()) -> Job:
+    return Job(
+        id=str(row["id"]),
+        owner=row["owner"],
+        key=row["key"],
+        fingerprint=row["fingerprint"],
+        state=JobState(row["state"]),
+        version=row["version"],
+        attempt_count=row["attempt_count"],
+        method=row["method"],
+        path=row["path"],
+        completed_by=row["completed_by"],
+        response=_response(row),
+        created_at=as_datetime(row["created_at"]),
+        expires_at=as_datetime(row["expires_at"]),
+        expired=bool(row["expired"]),
+        attempts=attempts,
+    )
+
+
+def attempt_from_row(row: Row) -> Attempt:
+    return Attempt(
+        number=row["number"],
+        upstream=row["upstream"],
+        state=AttemptState(row["state"]),
+        status=row["status"],
+        error=row["error"],
+        started_at=as_datetime(row["started_at"]),
+        finished_at=as_datetime(row["finished_at"]),
+    )
+
+
+def _response(row: Row) -> StoredResponse | None:
+    if row["response_status"] is None:
+        return None
+    body = None if row["response_omitted"] else bytes(row["response_body"] or b"")
+    return StoredResponse(row["response_status"], decode_headers(row["response_headers"]), body)
+
+
+def encode_headers(headers: HeaderPairs) -> str:
+    return json.dumps([list(pair) for pair in headers], separators=(",", ":"))
+
+
+def decode_headers(value: str | list[list[str]] | None) -> HeaderPairs:
+    if value is None:
+        return ()
+    pairs = json.loads(value) if isinstance(value, str) else value
+    return tuple((str(name), str(val)) for name, val in pairs)
+
+
+def as_datetime(value: datetime | float | None) -> datetime | None:
+    """PostgreSQL gives aware datetimes; SQLite stores Unix seconds from its own clock."""
+    if value is None or isinstance(value, datetime):
+        return value
+    return datetime.fromtimestamp(value, tz=UTC)

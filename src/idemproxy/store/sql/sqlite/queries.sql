@@ -1,0 +1,100 @@
+-- Named queries for the SQLite store. Each section starts with "-- name: <name>".
+-- SQLite has no data-modifying CTEs, so multi-row changes run in one IMMEDIATE transaction.
+-- (julianday('now') - 2440587.5) * 86400.0 is the database clock in Unix seconds (SPEC §3.5).
+
+-- name: insert_job
+-- SPEC §2.2: the (owner, key) primary key decides which claim creates the job.
+INSERT INTO jobs (owner, key, id, fingerprint, method, path, created_at, updated_at, expires_at)
+VALUES (:owner, :key, :id, :fingerprint, :method, :path,
+        (julianday('now') - 2440587.5) * 86400.0,
+        (julianday('now') - 2440587.5) * 86400.0,
+        (julianday('now') - 2440587.5) * 86400.0 + :ttl)
+ON CONFLICT (owner, key) DO NOTHING;
+
+-- name: insert_attempt
+INSERT INTO attempts (owner, job_id, number, upstream, started_at, lease_expires_at)
+VALUES (:owner, :job_id, :number, :upstream,
+        (julianday('now') - 2440587.5) * 86400.0,
+        (julianday('now') - 2440587.5) * 86400.0 + :lease);
+
+-- name: get_job
+SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
+       completed_by, response_status, response_headers, response_body, response_omitted,
+       created_at, expires_at,
+       expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired
+FROM jobs
+WHERE owner = :owner AND key = :key;
+
+-- name: get_job_by_id
+SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
+       completed_by, response_status, response_headers, response_body, response_omitted,
+       created_at, expires_at,
+       expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired
+FROM jobs
+WHERE id = :id;
+
+-- name: get_attempts
+SELECT number, upstream, state, status, error, started_at, finished_at
+FROM attempts
+WHERE job_id = :job_id
+ORDER BY number;
+
+-- name: complete_job
+-- The seed's compare-and-swap: exactly one attempt's result wins.
+UPDATE jobs
+SET state = 'completed', version = version + 1, completed_by = :attempt,
+    response_status = :status, response_headers = :headers, response_body = :body,
+    response_omitted = :omitted,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0,
+    expires_at = (julianday('now') - 2440587.5) * 86400.0 + :ttl
+WHERE id = :id AND version = :version AND completed_by IS NULL AND state = 'in_flight';
+
+-- name: finish_attempt
+UPDATE attempts
+SET state = :state, status = :status, error = :error,
+    finished_at = (julianday('now') - 2440587.5) * 86400.0, lease_expires_at = NULL
+WHERE job_id = :job_id AND number = :attempt AND state = 'started';
+
+-- name: settle_job
+UPDATE jobs
+SET state = :state, version = version + 1,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE id = :id AND version = :version AND state = 'in_flight';
+
+-- name: reopen_job
+-- SPEC §2.3: exactly one retry of a released job wins this CAS.
+UPDATE jobs
+SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE id = :id AND version = :version AND state = 'released';
+
+-- name: count_attempt
+UPDATE jobs
+SET attempt_count = attempt_count + 1, updated_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE id = :id AND version = :version AND state = 'in_flight';
+
+-- name: forget
+DELETE FROM jobs
+WHERE id = :id AND version = :version AND state IN ('completed', 'released')
+  AND expires_at <= (julianday('now') - 2440587.5) * 86400.0;
+
+-- name: sweep_expired
+-- SPEC §11: small batches, terminal jobs only; in_flight and unknown jobs are never swept.
+DELETE FROM jobs
+WHERE rowid IN (
+    SELECT rowid FROM jobs
+    WHERE expires_at <= (julianday('now') - 2440587.5) * 86400.0
+      AND state IN ('completed', 'released')
+    ORDER BY expires_at
+    LIMIT :limit
+);
+
+-- name: list_jobs
+SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
+       completed_by, response_status, response_headers, response_body, response_omitted,
+       created_at, expires_at,
+       expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired
+FROM jobs
+WHERE (:state IS NULL OR state = :state) AND (:owner IS NULL OR owner = :owner)
+ORDER BY created_at DESC
+LIMIT :limit;

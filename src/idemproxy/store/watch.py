@@ -1,0 +1,64 @@
+"""In-process wake-ups for held duplicates (SPEC §2.3).
+
+A store calls `notify(job_id)` whenever it learns that a job changed: from its own writes
+(SQLite) or from `LISTEN/NOTIFY` (PostgreSQL, any replica). Waiters never hold a database
+connection while they wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+
+class JobWatch:
+    class Subscription:
+        def __init__(self) -> None:
+            self._event = asyncio.Event()
+
+        def wake(self) -> None:
+            self._event.set()
+
+        async def wait(self, timeout: float) -> bool:
+            """True when woken, False when `timeout` passed first."""
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
+            except TimeoutError:
+                return False
+            self._event.clear()
+            return True
+
+    def __init__(self) -> None:
+        self._subscriptions: dict[str, set[JobWatch.Subscription]] = {}
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(subs) for subs in self._subscriptions.values())
+
+    def waiting_for(self, job_id: str) -> int:
+        return len(self._subscriptions.get(job_id, ()))
+
+    @asynccontextmanager
+    async def subscribe(self, job_id: str) -> AsyncIterator[JobWatch.Subscription]:
+        subscription = JobWatch.Subscription()
+        self._subscriptions.setdefault(job_id, set()).add(subscription)
+        try:
+            yield subscription
+        finally:
+            subs = self._subscriptions.get(job_id)
+            if subs is not None:
+                subs.discard(subscription)
+                if not subs:
+                    del self._subscriptions[job_id]
+
+    def notify(self, job_id: str) -> None:
+        for subscription in self._subscriptions.get(job_id, ()):
+            subscription.wake()
+
+    def notify_all(self) -> None:
+        """Wake everyone to re-read, e.g. after the change feed reconnected."""
+        for subs in self._subscriptions.values():
+            for subscription in subs:
+                subscription.wake()

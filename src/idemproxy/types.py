@@ -1,0 +1,102 @@
+"""Plain data shared by the decision core, the stores and the proxy (SPEC §3)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+
+HeaderPairs = tuple[tuple[str, str], ...]
+
+
+class JobState(enum.StrEnum):
+    """SPEC §3.1."""
+
+    IN_FLIGHT = "in_flight"
+    COMPLETED = "completed"
+    RELEASED = "released"
+    UNKNOWN = "unknown"
+
+
+class AttemptState(enum.StrEnum):
+    """SPEC §3.2."""
+
+    STARTED = "started"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    DISCARDED = "discarded"
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A response as kept for replay (SPEC §7). `body` is None when it was too large to keep."""
+
+    status: int
+    headers: HeaderPairs
+    body: bytes | None
+
+    @property
+    def omitted(self) -> bool:
+        return self.body is None
+
+
+@dataclass(frozen=True, slots=True)
+class Intent:
+    """What a request asks for: its scope and fingerprint (SPEC §4-§6)."""
+
+    owner: str
+    key: str
+    fingerprint: str
+    method: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    number: int
+    upstream: str
+    state: AttemptState
+    status: int | None = None
+    error: str | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A snapshot of one job row. `version` is the compare-and-swap token (SPEC §1)."""
+
+    id: str
+    owner: str
+    key: str
+    fingerprint: str
+    state: JobState
+    version: int
+    attempt_count: int
+    method: str = ""
+    path: str = ""
+    completed_by: int | None = None
+    response: StoredResponse | None = None
+    created_at: datetime | None = None
+    expires_at: datetime | None = None
+    expired: bool = False
+    attempts: tuple[Attempt, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """The claim created the job and its first attempt: this request runs it."""
+
+    job: Job
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Existing:
+    """The claim found a job for (owner, key) already."""
+
+    job: Job
+
+
+ClaimResult = Claimed | Existing
