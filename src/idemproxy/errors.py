@@ -8,6 +8,8 @@
     │   ├── PayloadMismatch         409 payload-mismatch (422 in the ietf profile)
     │   ├── RequestInFlight         409 request-in-flight + Retry-After
     │   ├── OutcomeUnknown          409 outcome-unknown
+    │   ├── NoRoute                 404 no-route
+    │   ├── RequestTimeout          408 request-timeout
     │   ├── BodyTooLarge            413 body-too-large
     │   ├── UpstreamUnavailable     502 upstream-unavailable
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
@@ -79,6 +81,18 @@ class OutcomeUnknown(ProblemError):
     """The outcome of the earlier request with this key is unknown; an operator must resolve it."""
 
     code, status, title = "outcome-unknown", 409, "Outcome unknown"
+
+
+class NoRoute(ProblemError):
+    """No upstream is configured for this host and path."""
+
+    code, status, title = "no-route", 404, "No route"
+
+
+class RequestTimeout(ProblemError):
+    """The request body did not arrive in time."""
+
+    code, status, title = "request-timeout", 408, "Request timeout"
 
 
 class BodyTooLarge(ProblemError):

@@ -33,7 +33,7 @@ def _unquote(raw: str) -> str:
     for index, char in enumerate(raw[1:], start=1):
         if escaped:
             if char not in '"\\':
-                raise KeyInvalid("Only \\\" and \\\\ may be escaped in a quoted key.")
+                raise KeyInvalid('Only \\" and \\\\ may be escaped in a quoted key.')
             chars.append(char)
             escaped = False
         elif char == "\\":

@@ -1,0 +1,155 @@
+"""Command line: argument parsing → Settings → run. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from idemproxy import __version__
+from idemproxy.config import Settings, load_settings, parse_listen
+from idemproxy.errors import ConfigError, IdemproxyError
+
+# Flag name → settings field (dotted for nested settings).
+_SERVE_FLAGS = {
+    "listen": "listen",
+    "upstream": "upstream",
+    "store": "store",
+    "profile": "profile",
+    "methods": "methods",
+    "owner": "owner.strategy",
+    "ttl": "ttl",
+    "lease": "lease",
+    "upstream_timeout": "upstream_timeout",
+    "max_wait": "max_wait",
+    "max_request_body": "max_request_body",
+    "max_stored_body": "max_stored_body",
+    "log_level": "log_level",
+    "log_format": "log_format",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except ValidationError as exc:
+        for error in exc.errors():
+            field = ".".join(str(part) for part in error["loc"]) or "settings"
+            print(f"idemproxy: invalid configuration: {field}: {error['msg']}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        print(f"idemproxy: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except IdemproxyError as exc:
+        print(f"idemproxy: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="idemproxy", description="Make any HTTP API idempotent.")
+    parser.add_argument("--version", action="version", version=f"idemproxy {__version__}")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the proxy")
+    _config_flag(serve)
+    serve.add_argument("--listen", metavar="HOST:PORT", help="default 127.0.0.1:8080")
+    serve.add_argument("--upstream", metavar="URL", help="the backend for the catch-all route")
+    serve.add_argument("--store", metavar="DSN", help="sqlite:///PATH (default) or postgresql://…")
+    serve.add_argument("--profile", choices=["default", "ietf"])
+    serve.add_argument("--methods", metavar="LIST", help="governed methods, default POST,PATCH")
+    serve.add_argument("--require-key", action="store_const", const=True, default=None)
+    serve.add_argument("--owner", metavar="STRATEGY", help="authorization | header:NAME | none")
+    serve.add_argument("--ttl", type=float, metavar="SECONDS", help="job lifetime, default 86400")
+    serve.add_argument("--lease", type=float, metavar="SECONDS")
+    serve.add_argument("--upstream-timeout", type=float, metavar="SECONDS", help="default 30")
+    serve.add_argument("--max-wait", type=float, metavar="SECONDS", help="default timeout + 5")
+    serve.add_argument("--max-request-body", type=int, metavar="BYTES")
+    serve.add_argument("--max-stored-body", type=int, metavar="BYTES")
+    serve.add_argument("--no-migrate", action="store_true", help="do not apply migrations")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--log-format", choices=["plain", "json"])
+    serve.set_defaults(run=_serve)
+
+    migrate = commands.add_parser("migrate", help="apply the store's SQL migrations")
+    _config_flag(migrate)
+    migrate.add_argument("--store", metavar="DSN")
+    migrate.set_defaults(run=_migrate)
+
+    demo = commands.add_parser("demo", help="show a double click becoming one execution")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def _config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        default=os.environ.get("IDEMPROXY_CONFIG"),
+        help="YAML settings file",
+    )
+
+
+def _settings(args: argparse.Namespace, flags: dict[str, str], **extra: Any) -> Settings:
+    overrides: dict[str, Any] = dict(extra)
+    for flag, field in flags.items():
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        target = overrides
+        *parents, leaf = field.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    if getattr(args, "require_key", None):
+        overrides["require_key"] = True
+    if getattr(args, "no_migrate", False):
+        overrides["migrate"] = False
+    if args.config is not None and not Path(args.config).is_file():
+        raise ConfigError(f"config: no such file: {args.config}")
+    return load_settings(args.config, **overrides)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from idemproxy.server import serve
+
+    settings = _settings(args, _SERVE_FLAGS)
+    parse_listen(settings.listen)
+    serve(settings)
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from idemproxy.store.factory import create_store
+
+    # Only the store matters here: an upstream is not required to migrate.
+    settings = _settings(args, {"store": "store"}, upstream="http://migrate.invalid")
+
+    async def run() -> list[str]:
+        store = create_store(settings.store)
+        await store.open()
+        try:
+            return await store.migrate()
+        finally:
+            await store.close()
+
+    applied = asyncio.run(run())
+    print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
+    return 0
+
+
+def _demo(_args: argparse.Namespace) -> int:
+    from idemproxy.demo import run_demo
+
+    logging.basicConfig(level=logging.WARNING)
+    return asyncio.run(run_demo())

@@ -1,0 +1,229 @@
+"""The settings model (SPEC §12): YAML file < environment (`IDEMPROXY_…`, nested with `__`) < flags.
+
+Built once in `cli.main()` and passed in; nothing reads it from a global.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from idemproxy import constants as c
+from idemproxy.fingerprint import parse_pointer
+from idemproxy.owner import OwnerPolicy
+
+_STRICT = ConfigDict(extra="forbid")
+
+
+class RouteSettings(BaseModel):
+    """A path prefix (and optionally a host) routed to an upstream (SPEC §10)."""
+
+    model_config = _STRICT
+    prefix: str = "/"
+    host: str | None = None
+    upstream: str
+    require_key: bool | None = None  # overrides the global setting for this route
+    ttl: float | None = Field(default=None, gt=0)
+
+    @field_validator("prefix")
+    @classmethod
+    def _absolute(cls, prefix: str) -> str:
+        if not prefix.startswith("/"):
+            raise ValueError("must start with '/'")
+        return prefix
+
+    @field_validator("upstream")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        return check_upstream_url(url)
+
+
+class OwnerSettings(BaseModel):
+    """SPEC §5: authorization | header:<NAME> | none."""
+
+    model_config = _STRICT
+    strategy: str = "authorization"
+    required: bool = False
+
+    @field_validator("strategy")
+    @classmethod
+    def _known(cls, strategy: str) -> str:
+        if strategy not in ("authorization", "none") and not (
+            strategy.startswith("header:") and strategy[7:].strip()
+        ):
+            raise ValueError("must be authorization, header:<NAME> or none")
+        return strategy
+
+    def policy(self) -> OwnerPolicy:
+        return OwnerPolicy(self.strategy, self.required)
+
+
+class OutcomeSettings(BaseModel):
+    """SPEC §3.2: which upstream statuses release the job or make it unknown."""
+
+    model_config = _STRICT
+    release_statuses: list[int] = Field(default_factory=lambda: list(c.DEFAULT_RELEASE_STATUSES))
+    unknown_statuses: list[int] = Field(default_factory=lambda: list(c.DEFAULT_UNKNOWN_STATUSES))
+
+
+class ServerSettings(BaseModel):
+    """The client-facing listener (SPEC §9: deadlines well under aiohttp's 75 s default)."""
+
+    model_config = _STRICT
+    keepalive_timeout: float = Field(default=15.0, gt=0)
+    body_read_timeout: float = Field(default=30.0, gt=0)
+    max_line_size: int = Field(default=8190, gt=0)
+    max_field_size: int = Field(default=8190, gt=0)
+    shutdown_timeout: float = Field(default=30.0, ge=0)
+
+
+class PoolSettings(BaseModel):
+    model_config = _STRICT
+    store_connections: int = Field(default=20, gt=0)
+    store_timeout: float = Field(default=5.0, gt=0)
+    upstream_connections: int = Field(default=256, gt=0)
+    # Shorter than common upstream idle timeouts (Node.js: 5 s) so that a pooled connection is
+    # rarely closed under a request: a POST cut off that way would leave its job unknown.
+    upstream_keepalive: float = Field(default=4.0, gt=0)
+
+
+class SweeperSettings(BaseModel):
+    model_config = _STRICT
+    interval: float = Field(default=60.0, gt=0)
+    batch_size: int = Field(default=500, gt=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="IDEMPROXY_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    listen: str = c.DEFAULT_LISTEN
+    upstream: str | None = None
+    routes: list[RouteSettings] = Field(default_factory=list)
+    store: str = c.DEFAULT_STORE
+    migrate: bool = True
+    profile: Literal["default", "ietf"] = "default"
+    key_header: str = c.DEFAULT_KEY_HEADER
+    methods: list[str] = Field(default_factory=lambda: list(c.DEFAULT_METHODS))
+    require_key: bool = False
+    owner: OwnerSettings = Field(default_factory=OwnerSettings)
+    ttl: float = Field(default=c.DEFAULT_TTL_SECONDS, gt=0)
+    lease: float = Field(default=10.0, gt=0)
+    upstream_timeout: float = Field(default=c.DEFAULT_UPSTREAM_TIMEOUT, gt=0)
+    connect_timeout: float = Field(default=c.DEFAULT_CONNECT_TIMEOUT, gt=0)
+    max_wait: float | None = Field(default=None, ge=0)
+    max_request_body: int = Field(default=c.DEFAULT_MAX_REQUEST_BODY, ge=0)
+    max_stored_body: int = Field(default=c.DEFAULT_MAX_STORED_BODY, ge=0)
+    max_waiters_per_key: int = Field(default=c.DEFAULT_MAX_WAITERS_PER_KEY, gt=0)
+    max_waiters: int = Field(default=c.DEFAULT_MAX_WAITERS, gt=0)
+    fingerprint_exclude: list[str] = Field(default_factory=list)
+    unreplayed_headers: list[str] = Field(
+        default_factory=lambda: list(c.DEFAULT_UNREPLAYED_HEADERS)
+    )
+    outcomes: OutcomeSettings = Field(default_factory=OutcomeSettings)
+    on_store_error: Literal["fail_closed", "passthrough"] = "fail_closed"
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    pool: PoolSettings = Field(default_factory=PoolSettings)
+    sweeper: SweeperSettings = Field(default_factory=SweeperSettings)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["plain", "json"] = "plain"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # SPEC §12: flags (init) > environment > YAML file.
+        return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, listen: str) -> str:
+        parse_listen(listen)
+        return listen
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream_url(cls, url: str | None) -> str | None:
+        return None if url is None else check_upstream_url(url)
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _methods(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part for part in value.split(",") if part.strip()]
+        if isinstance(value, list):
+            return [str(method).strip().upper() for method in value]
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _store_scheme(cls, dsn: str) -> str:
+        if not dsn.startswith(("sqlite://", "postgresql://", "postgres://")):
+            raise ValueError("must be sqlite:///PATH or postgresql://…")
+        return dsn
+
+    @field_validator("fingerprint_exclude")
+    @classmethod
+    def _pointers(cls, pointers: list[str]) -> list[str]:
+        for pointer in pointers:
+            if not pointer.startswith("/"):
+                raise ValueError(f"JSON pointer {pointer!r} must start with '/'")
+            parse_pointer(pointer)
+        return pointers
+
+    @model_validator(mode="after")
+    def _has_upstream(self) -> Settings:
+        if self.upstream is None and not self.routes:
+            raise ValueError("upstream: set --upstream URL or at least one entry in routes")
+        return self
+
+    @property
+    def effective_max_wait(self) -> float:
+        """SPEC §2.3: by default a duplicate waits as long as the first attempt may take + 5 s."""
+        if self.max_wait is not None:
+            return self.max_wait
+        return self.upstream_timeout + c.MAX_WAIT_MARGIN_SECONDS
+
+    @property
+    def all_routes(self) -> list[RouteSettings]:
+        """Configured routes, then `--upstream` as the catch-all route."""
+        routes = list(self.routes)
+        if self.upstream is not None:
+            routes.append(RouteSettings(prefix="/", upstream=self.upstream))
+        return routes
+
+
+def check_upstream_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ValueError("must be an http:// or https:// URL")
+    return url.rstrip("/")
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError("must be HOST:PORT")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Settings from the YAML file, the environment and explicit overrides (the CLI flags)."""
+
+    class FileSettings(Settings):
+        model_config = SettingsConfigDict(yaml_file=config_file)
+
+    return FileSettings(**{k: v for k, v in overrides.items() if v is not None})

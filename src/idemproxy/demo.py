@@ -1,0 +1,107 @@
+"""`idemproxy demo`: a sample payments backend behind the proxy on the embedded store.
+
+It fires a double click, a retry after a lost response and a reused key with another amount,
+and shows that the backend executed once per intent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from idemproxy.config import Settings, load_settings
+from idemproxy.proxy.app import create_app
+
+EXECUTIONS = web.AppKey("executions", list)
+
+
+async def create_payment(request: web.Request) -> web.Response:
+    """The sample backend: every call is a new charge, exactly what must not happen twice."""
+    payload = await request.json()
+    await asyncio.sleep(float(request.headers.get("X-Demo-Delay", "0.05")))
+    executions = request.app[EXECUTIONS]
+    executions.append(payload)
+    payment_id = f"pay_{len(executions)}"
+    return web.json_response(
+        {"id": payment_id, "amount": payload["amount"], "status": "charged"},
+        status=201,
+        headers={"Location": f"/payments/{payment_id}"},
+    )
+
+
+def sample_backend() -> web.Application:
+    app = web.Application()
+    app[EXECUTIONS] = []
+    app.router.add_post("/payments", create_payment)
+    return app
+
+
+async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, key: str, amount: int, **headers: str
+) -> str:
+    async with session.post(
+        f"{url}/payments",
+        json={"amount": amount, "currency": "EUR"},
+        headers={"Idempotency-Key": key, "Authorization": "Bearer demo-user", **headers},
+    ) as response:
+        body: Any = await response.json(content_type=None)
+        replayed = response.headers.get("Idempotent-Replayed") == "true"
+        shown = body.get("id") or body.get("code")
+        return f"{response.status} {shown}" + (" (replayed)" if replayed else "")
+
+
+async def run_demo() -> int:
+    backend_runner, backend_url = await _start(backend := sample_backend())
+    with tempfile.TemporaryDirectory() as folder:
+        settings = demo_settings(backend_url, Path(folder) / "idemproxy.db")
+        proxy_runner, proxy_url = await _start(create_app(settings))
+        try:
+            await _scenarios(proxy_url)
+        finally:
+            await proxy_runner.cleanup()
+            await backend_runner.cleanup()
+    executions = backend[EXECUTIONS]
+    print(f"\nThe backend charged {len(executions)} time(s) for 2 intents:")
+    for payload in executions:
+        print(f"  {json.dumps(payload)}")
+    return 0 if len(executions) == 2 else 1
+
+
+def demo_settings(backend_url: str, database: Path) -> Settings:
+    return load_settings(upstream=backend_url, store=f"sqlite:///{database}", listen="127.0.0.1:0")
+
+
+async def _scenarios(proxy: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        print("1. Double click: two identical POSTs at once with key order-1")
+        first, second = await asyncio.gather(
+            _post(session, proxy, "order-1", 100), _post(session, proxy, "order-1", 100)
+        )
+        print(f"   first click  → {first}\n   second click → {second}")
+
+        print("2. Lost response: the client gives up after 0.2 s, the charge takes 0.6 s")
+        try:
+            async with asyncio.timeout(0.2):
+                await _post(session, proxy, "order-2", 250, **{"X-Demo-Delay": "0.6"})
+        except TimeoutError:
+            print("   first try    → (no answer: connection lost)")
+        await asyncio.sleep(0.3)
+        print(f"   retry        → {await _post(session, proxy, 'order-2', 250)}")
+
+        print("3. Same key order-1, different amount (a bug or an attack)")
+        print(f"   request      → {await _post(session, proxy, 'order-1', 999)}")

@@ -1,0 +1,1 @@
+"""The aiohttp shell around the decision core: server side, upstream client, replay."""

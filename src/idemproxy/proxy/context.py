@@ -1,0 +1,49 @@
+"""Everything a request handler needs, built once from the settings (STYLE §6, §8)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from idemproxy.config import Settings
+from idemproxy.decision import Policy, StatusPolicy
+from idemproxy.owner import OwnerPolicy
+from idemproxy.proxy.forward import UpstreamClient
+from idemproxy.proxy.routing import RouteTable
+from idemproxy.store.base import Store
+
+
+@dataclass(slots=True)
+class ProxyContext:
+    settings: Settings
+    store: Store
+    upstream: UpstreamClient
+    routes: RouteTable
+    policy: Policy
+    statuses: StatusPolicy
+    owner: OwnerPolicy
+    governed_methods: frozenset[str]
+    # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
+    # call or the completion write (SPEC §2); shutdown waits for them.
+    attempts: set[asyncio.Task[web.StreamResponse | None]] = field(default_factory=set)
+
+    @classmethod
+    def build(cls, settings: Settings, store: Store, upstream: UpstreamClient) -> ProxyContext:
+        return cls(
+            settings=settings,
+            store=store,
+            upstream=upstream,
+            routes=RouteTable.from_settings(settings),
+            policy=Policy(hold_in_flight=settings.profile == "default"),
+            statuses=StatusPolicy(
+                frozenset(settings.outcomes.release_statuses),
+                frozenset(settings.outcomes.unknown_statuses),
+            ),
+            owner=settings.owner.policy(),
+            governed_methods=frozenset(settings.methods),
+        )
+
+
+CONTEXT = web.AppKey("idemproxy.context", ProxyContext)

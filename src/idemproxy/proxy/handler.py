@@ -1,0 +1,56 @@
+"""The request handler: route, identify (before any storage call), then govern or pass through."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from idemproxy.errors import KeyMissing, NoRoute, ProblemError
+from idemproxy.fingerprint import fingerprint
+from idemproxy.key import parse_key
+from idemproxy.owner import derive_owner
+from idemproxy.proxy.body import read_body
+from idemproxy.proxy.context import CONTEXT, ProxyContext
+from idemproxy.proxy.governed import handle_governed
+from idemproxy.proxy.passthrough import passthrough
+from idemproxy.proxy.problems import problem_response
+from idemproxy.types import Intent
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    ctx = request.app[CONTEXT]
+    try:
+        route = ctx.routes.find(request.path, request.host)
+        if route is None:
+            raise NoRoute()
+        if request.method not in ctx.governed_methods:
+            return await passthrough(ctx, request, route)  # SPEC §4: keys here are ignored
+        key = parse_key(request.headers.getall(ctx.settings.key_header, []))
+        if key is None:
+            if route.require_key:
+                raise KeyMissing()
+            return await passthrough(ctx, request, route)
+        intent, body = await _identify(ctx, request, key)
+        return await handle_governed(ctx, request, route, intent, body)
+    except ProblemError as error:
+        return problem_response(error, profile=ctx.settings.profile)
+
+
+async def _identify(ctx: ProxyContext, request: web.Request, key: str) -> tuple[Intent, bytes]:
+    """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call."""
+    owner = derive_owner(ctx.owner, request.headers)
+    body = await read_body(
+        request, limit=ctx.settings.max_request_body, timeout=ctx.settings.server.body_read_timeout
+    )
+    url = request.rel_url
+    digest = fingerprint(
+        request.method,
+        url.raw_path,
+        url.raw_query_string,
+        request.headers.get("Content-Type"),
+        body,
+        ctx.settings.fingerprint_exclude,
+    )
+    intent = Intent(
+        owner=owner, key=key, fingerprint=digest, method=request.method, path=url.raw_path
+    )
+    return intent, body

@@ -1,0 +1,52 @@
+"""Path-prefix (and optional host) routing to upstreams (SPEC §10)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from idemproxy.config import RouteSettings, Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    prefix: str
+    host: str | None
+    upstream: str
+    require_key: bool
+    ttl: float
+
+    def matches(self, path: str, host: str | None) -> bool:
+        if self.host is not None and (host or "").split(":")[0].lower() != self.host.lower():
+            return False
+        if self.prefix in ("/", path):
+            return True
+        return path.startswith(self.prefix.rstrip("/") + "/")
+
+
+class RouteTable:
+    """Longest prefix wins; routes with a host beat those without at equal length."""
+
+    def __init__(self, routes: list[Route]) -> None:
+        self._routes = sorted(
+            routes, key=lambda r: (len(r.prefix), r.host is not None), reverse=True
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RouteTable:
+        return cls([_route(r, settings) for r in settings.all_routes])
+
+    def find(self, path: str, host: str | None) -> Route | None:
+        for route in self._routes:
+            if route.matches(path, host):
+                return route
+        return None
+
+
+def _route(route: RouteSettings, settings: Settings) -> Route:
+    return Route(
+        prefix=route.prefix,
+        host=route.host,
+        upstream=route.upstream,
+        require_key=settings.require_key if route.require_key is None else route.require_key,
+        ttl=settings.ttl if route.ttl is None else route.ttl,
+    )
