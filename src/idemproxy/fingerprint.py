@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from idemproxy.errors import ConfigError
+
+_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
 def fingerprint(
@@ -45,16 +48,19 @@ def is_json(media_type: str) -> bool:
 
 
 def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
-    """Canonical JSON bytes, or the body unchanged when it is not valid JSON."""
+    """Canonical JSON bytes, or the body unchanged when it is not valid JSON.
+
+    A document nested too deeply for the parser (RecursionError) counts as not valid JSON: it is
+    fingerprinted as raw bytes instead of failing the request.
+    """
     try:
         document = json.loads(body)
-    except (UnicodeDecodeError, ValueError):
+        for pointer in exclude_pointers:
+            _remove(document, parse_pointer(pointer))
+        canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return body
-    for pointer in exclude_pointers:
-        _remove(document, parse_pointer(pointer))
-    return json.dumps(
-        document, sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    ).encode("utf-8", "surrogatepass")
+    return canonical.encode("utf-8", "surrogatepass")
 
 
 def parse_pointer(pointer: str) -> list[str]:
@@ -77,13 +83,21 @@ def _remove(document: Any, tokens: list[str]) -> None:
     last = tokens[-1]
     if isinstance(parent, dict):
         parent.pop(last, None)
-    elif isinstance(parent, list) and last.isdigit() and int(last) < len(parent):
-        parent[int(last)] = None  # keep the positions of the other elements
+    elif isinstance(parent, list) and (index := _array_index(last, parent)) is not None:
+        parent[index] = None  # keep the positions of the other elements
 
 
 def _child(node: Any, token: str) -> Any:
     if isinstance(node, dict):
         return node.get(token)
-    if isinstance(node, list) and token.isdigit() and int(token) < len(node):
-        return node[int(token)]
+    if isinstance(node, list) and (index := _array_index(token, node)) is not None:
+        return node[index]
     return None
+
+
+def _array_index(token: str, array: list[Any]) -> int | None:
+    """RFC 6901 §4: an array index is "0" or ASCII digits without a leading zero."""
+    if not _ARRAY_INDEX.fullmatch(token):
+        return None
+    index = int(token)
+    return index if index < len(array) else None

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, OwnerMissing
+
+# RFC 9110 §5.1: field-name = token.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +32,9 @@ class OwnerPolicy:
     def validate(self) -> None:
         if self.strategy in ("authorization", "none"):
             return
-        if not self.strategy.startswith("header:") or not self.strategy[7:].strip():
+        # The name must be an RFC 9110 token exactly: "header: X-Tenant" would look up
+        # " X-Tenant", never find it, and put every request in the shared anonymous scope.
+        if not self.strategy.startswith("header:") or not _TOKEN.fullmatch(self.strategy[7:]):
             raise ConfigError("owner.strategy must be authorization, header:<NAME> or none")
 
 

@@ -1,0 +1,290 @@
+"""SPEC §2.3, §3.1, §3.2, §11: the pure idempotency decision."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from idemproxy.constants import DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES
+from idemproxy.decision import (
+    Decision,
+    Failure,
+    Forget,
+    Hold,
+    Outcome,
+    Policy,
+    Reject,
+    Replay,
+    StartNextAttempt,
+    StatusPolicy,
+    classify_failure,
+    classify_response,
+    decide,
+)
+from idemproxy.errors import (
+    OutcomeUnknown,
+    PayloadMismatch,
+    RequestInFlight,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from idemproxy.types import Job, JobState, StoredResponse
+
+FINGERPRINT = "f" * 64
+OTHER_FINGERPRINT = "0" * 64
+VERSION = 7
+RESPONSE = StoredResponse(
+    status=201, headers=(("Content-Type", "application/json"), ("Location", "/p/1")), body=b"{}"
+)
+HOLD = Policy(hold_in_flight=True)
+IETF = Policy(hold_in_flight=False)
+DEFAULT_STATUSES = StatusPolicy(DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES)
+
+
+def make_job(
+    state: JobState,
+    *,
+    expired: bool = False,
+    version: int = VERSION,
+    fingerprint: str = FINGERPRINT,
+    response: StoredResponse | None = None,
+) -> Job:
+    if response is None and state is JobState.COMPLETED:
+        response = RESPONSE
+    return Job(
+        id="job-1",
+        owner="owner-hash",
+        key="key-1",
+        fingerprint=fingerprint,
+        state=state,
+        version=version,
+        attempt_count=1,
+        method="POST",
+        path="/v1/payments",
+        completed_by=1 if state is JobState.COMPLETED else None,
+        response=response,
+        expired=expired,
+    )
+
+
+# --- the full matrix ----------------------------------------------------------------------------
+
+
+def expected_decision(
+    state: JobState, matches: bool, hold: bool, wait_expired: bool, expired: bool
+) -> Decision:
+    """SPEC §2.3 and §11, written as a table rather than as code paths."""
+    if expired and state in (JobState.COMPLETED, JobState.RELEASED):
+        return Forget(VERSION)  # an expired job is gone; in_flight/unknown are never swept early
+    if not matches:
+        return Reject(PayloadMismatch)  # whatever the state: the stored job is untouched
+    return {
+        JobState.COMPLETED: Replay(RESPONSE),
+        JobState.RELEASED: StartNextAttempt(VERSION),
+        JobState.UNKNOWN: Reject(OutcomeUnknown),
+        JobState.IN_FLIGHT: Hold() if hold and not wait_expired else Reject(RequestInFlight),
+    }[state]
+
+
+MATRIX = [
+    pytest.param(
+        state,
+        matches,
+        hold,
+        wait_expired,
+        expired,
+        id="-".join(
+            [
+                state.value,
+                "match" if matches else "mismatch",
+                "hold" if hold else "ietf",
+                "wait_expired" if wait_expired else "waiting",
+                "expired" if expired else "live",
+            ]
+        ),
+    )
+    for state, matches, hold, wait_expired, expired in itertools.product(
+        JobState, [True, False], [True, False], [False, True], [False, True]
+    )
+]
+
+
+@pytest.mark.parametrize(("state", "matches", "hold", "wait_expired", "expired"), MATRIX)
+def test_decide_matrix(
+    state: JobState, matches: bool, hold: bool, wait_expired: bool, expired: bool
+) -> None:
+    job = make_job(state, expired=expired)
+    decision = decide(
+        job,
+        FINGERPRINT if matches else OTHER_FINGERPRINT,
+        HOLD if hold else IETF,
+        wait_expired=wait_expired,
+    )
+    assert decision == expected_decision(state, matches, hold, wait_expired, expired)
+
+
+def test_matrix_covers_every_state() -> None:
+    assert len(MATRIX) == len(JobState) * 16
+
+
+# --- the same rules, spelled out ---------------------------------------------------------------
+
+
+def test_completed_replays_the_stored_response() -> None:
+    decision = decide(make_job(JobState.COMPLETED), FINGERPRINT, HOLD)
+    assert isinstance(decision, Replay)
+    assert decision.response is RESPONSE
+
+
+def test_completed_with_omitted_body_replays_without_re_executing() -> None:
+    omitted = StoredResponse(status=200, headers=(), body=None)
+    decision = decide(make_job(JobState.COMPLETED, response=omitted), FINGERPRINT, HOLD)
+    assert decision == Replay(omitted)
+    assert decision.response.omitted
+
+
+@pytest.mark.parametrize("state", list(JobState), ids=str)
+def test_different_fingerprint_is_payload_mismatch(state: JobState) -> None:
+    assert decide(make_job(state), OTHER_FINGERPRINT, HOLD) == Reject(PayloadMismatch)
+    assert decide(make_job(state), OTHER_FINGERPRINT, IETF) == Reject(PayloadMismatch)
+
+
+def test_released_starts_the_next_attempt_by_cas_on_its_version() -> None:
+    assert decide(make_job(JobState.RELEASED, version=42), FINGERPRINT, HOLD) == StartNextAttempt(
+        42
+    )
+
+
+def test_unknown_is_rejected_until_resolved() -> None:
+    for policy in (HOLD, IETF):
+        for wait_expired in (False, True):
+            decision = decide(
+                make_job(JobState.UNKNOWN), FINGERPRINT, policy, wait_expired=wait_expired
+            )
+            assert decision == Reject(OutcomeUnknown)
+
+
+def test_in_flight_is_held_by_default() -> None:
+    assert decide(make_job(JobState.IN_FLIGHT), FINGERPRINT, HOLD) == Hold()
+    assert decide(make_job(JobState.IN_FLIGHT), FINGERPRINT, Policy()) == Hold()
+
+
+def test_in_flight_after_max_wait_is_request_in_flight() -> None:
+    decision = decide(make_job(JobState.IN_FLIGHT), FINGERPRINT, HOLD, wait_expired=True)
+    assert decision == Reject(RequestInFlight)
+    assert RequestInFlight.retry_after is not None
+
+
+def test_in_flight_in_the_ietf_profile_is_rejected_at_once() -> None:
+    assert decide(make_job(JobState.IN_FLIGHT), FINGERPRINT, IETF) == Reject(RequestInFlight)
+
+
+@pytest.mark.parametrize("state", [JobState.COMPLETED, JobState.RELEASED], ids=str)
+@pytest.mark.parametrize("fingerprint", [FINGERPRINT, OTHER_FINGERPRINT], ids=["match", "mismatch"])
+def test_expired_terminal_jobs_are_forgotten_by_cas_on_their_version(
+    state: JobState, fingerprint: str
+) -> None:
+    job = make_job(state, expired=True, version=13)
+    assert decide(job, fingerprint, HOLD) == Forget(13)
+    assert decide(job, fingerprint, IETF, wait_expired=True) == Forget(13)
+
+
+def test_expired_in_flight_job_is_not_forgotten() -> None:
+    job = make_job(JobState.IN_FLIGHT, expired=True)
+    assert decide(job, FINGERPRINT, HOLD) == Hold()
+    assert decide(job, FINGERPRINT, IETF) == Reject(RequestInFlight)
+    assert decide(job, OTHER_FINGERPRINT, HOLD) == Reject(PayloadMismatch)
+
+
+def test_expired_unknown_job_is_not_forgotten() -> None:
+    job = make_job(JobState.UNKNOWN, expired=True)
+    assert decide(job, FINGERPRINT, HOLD) == Reject(OutcomeUnknown)
+    assert decide(job, OTHER_FINGERPRINT, HOLD) == Reject(PayloadMismatch)
+
+
+def test_decide_does_not_modify_the_job() -> None:
+    job = make_job(JobState.RELEASED)
+    before = make_job(JobState.RELEASED)
+    decide(job, FINGERPRINT, HOLD)
+    assert job == before
+
+
+# --- attempt outcomes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [
+        *[pytest.param(status, Outcome.RELEASE, id=str(status)) for status in (408, 425, 429, 503)],
+        *[pytest.param(status, Outcome.UNKNOWN, id=str(status)) for status in (502, 504)],
+        *[
+            pytest.param(status, Outcome.COMPLETE, id=str(status))
+            for status in (
+                100, 200, 201, 202, 204, 301, 302, 304, 307,
+                400, 401, 403, 404, 405, 409, 410, 422, 451,
+                500, 501, 505, 507, 511, 599,
+            )
+        ],
+    ],
+)  # fmt: skip
+def test_classify_response_with_the_default_lists(status: int, outcome: Outcome) -> None:
+    assert classify_response(status, DEFAULT_STATUSES) is outcome
+
+
+def test_default_status_lists_match_the_spec() -> None:
+    assert set(DEFAULT_RELEASE_STATUSES) == {408, 425, 429, 503}
+    assert set(DEFAULT_UNKNOWN_STATUSES) == {502, 504}
+
+
+@given(st.integers(min_value=100, max_value=599))
+def test_every_unlisted_status_completes(status: int) -> None:
+    expected = (
+        Outcome.RELEASE
+        if status in DEFAULT_RELEASE_STATUSES
+        else Outcome.UNKNOWN
+        if status in DEFAULT_UNKNOWN_STATUSES
+        else Outcome.COMPLETE
+    )
+    assert classify_response(status, DEFAULT_STATUSES) is expected
+
+
+def test_classify_response_uses_the_configured_lists() -> None:
+    policy = StatusPolicy(release_statuses=frozenset({500}), unknown_statuses=[418])
+    assert classify_response(500, policy) is Outcome.RELEASE
+    assert classify_response(418, policy) is Outcome.UNKNOWN
+    assert classify_response(503, policy) is Outcome.COMPLETE
+    assert classify_response(504, policy) is Outcome.COMPLETE
+
+
+def test_classify_response_with_empty_lists_always_completes() -> None:
+    policy = StatusPolicy(release_statuses=(), unknown_statuses=())
+    for status in (408, 429, 502, 503, 504):
+        assert classify_response(status, policy) is Outcome.COMPLETE
+
+
+@pytest.mark.parametrize(
+    ("failure", "outcome", "problem"),
+    [
+        pytest.param(Failure.CONNECT, Outcome.RELEASE, UpstreamUnavailable, id="connect"),
+        pytest.param(Failure.TIMEOUT, Outcome.UNKNOWN, UpstreamTimeout, id="timeout"),
+        pytest.param(Failure.BROKEN, Outcome.UNKNOWN, UpstreamUnavailable, id="broken"),
+    ],
+)
+def test_classify_failure(failure: Failure, outcome: Outcome, problem: type) -> None:
+    assert classify_failure(failure) == (outcome, problem)
+
+
+def test_classify_failure_covers_every_failure() -> None:
+    for failure in Failure:
+        outcome, problem = classify_failure(failure)
+        assert outcome in (Outcome.RELEASE, Outcome.UNKNOWN)
+        assert problem.status in (502, 504)
+
+
+def test_only_a_connect_failure_releases() -> None:
+    """SPEC §3.2: once a request byte may have been written, the outcome is unknown."""
+    released = [failure for failure in Failure if classify_failure(failure)[0] is Outcome.RELEASE]
+    assert released == [Failure.CONNECT]

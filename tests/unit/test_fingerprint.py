@@ -1,0 +1,481 @@
+"""SPEC §6: the request fingerprint."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from idemproxy.errors import ConfigError
+from idemproxy.fingerprint import (
+    canonical_json,
+    fingerprint,
+    is_json,
+    media_type_of,
+    parse_pointer,
+)
+
+JSON = "application/json"
+BODY = b'{"amount": 100, "currency": "EUR", "meta": {"nonce": "n-1", "at": "2024-01-01"}}'
+
+
+def fp(
+    *,
+    method: str = "POST",
+    path: str = "/v1/payments",
+    query: str = "",
+    content_type: str | None = JSON,
+    body: bytes = BODY,
+    exclude: tuple[str, ...] = (),
+) -> str:
+    return fingerprint(method, path, query, content_type, body, exclude)
+
+
+def test_fingerprint_is_a_sha256_hex_digest_and_deterministic() -> None:
+    assert fp() == fp()
+    assert len(fp()) == 64
+    assert int(fp(), 16) >= 0
+
+
+# --- semantically equal requests ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(
+            b'{"currency":"EUR","amount":100,"meta":{"at":"2024-01-01","nonce":"n-1"}}',
+            id="reordered-keys",
+        ),
+        pytest.param(
+            b'{\n  "amount" : 100,\n\t"currency": "EUR",\r\n "meta": {"nonce":"n-1",'
+            b'"at":"2024-01-01"}}\n',
+            id="whitespace",
+        ),
+        pytest.param(
+            b' {"meta":{"at":"2024-01-01","nonce":"n-1"},"currency":"EUR","amount":100} ',
+            id="reordered-nested-and-padded",
+        ),
+        pytest.param(
+            b'{"amount":100,"currency":"\\u0045UR","meta":{"nonce":"n-1","at":"2024-01-01"}}',
+            id="unicode-escape",
+        ),
+        pytest.param(
+            b'{"amount":100,"currency":"EUR","currency":"EUR","meta":{"nonce":"n-1",'
+            b'"at":"2024-01-01"}}',
+            id="duplicate-key",
+        ),
+        pytest.param(
+            b'\xef\xbb\xbf{"amount":100,"currency":"EUR","meta":{"nonce":"n-1","at":"2024-01-01"}}',
+            id="utf8-bom",
+        ),
+    ],
+)
+def test_equal_json_gives_the_same_fingerprint(body: bytes) -> None:
+    assert fp(body=body) == fp()
+
+
+def test_non_ascii_json_escaped_or_literal_is_the_same() -> None:
+    assert fp(body='{"name":"Zoë 東京"}'.encode()) == fp(
+        body=b'{"name":"Zo\\u00eb \\u6771\\u4eac"}'
+    )
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json; charset=utf-8",
+        "application/json;charset=UTF-8",
+        "Application/JSON",
+        " application/json ; charset=utf-8",
+        "application/json; charset=iso-8859-1; foo=bar",
+    ],
+)
+def test_media_type_parameters_and_case_are_ignored(content_type: str) -> None:
+    assert fp(content_type=content_type) == fp()
+
+
+def test_method_case_is_ignored() -> None:
+    assert fp(method="post") == fp(method="POST")
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/merge-patch+json",
+        "application/vnd.api+json",
+        "application/problem+json; charset=utf-8",
+        "application/ld+json",
+    ],
+)
+def test_plus_json_media_types_are_canonicalised(content_type: str) -> None:
+    reordered = b'{ "b": [1, 2, {"d": 4, "c": 3}], "a": null }'
+    canonical = b'{"a":null,"b":[1,2,{"c":3,"d":4}]}'
+    assert fp(content_type=content_type, body=reordered) == fp(
+        content_type=content_type, body=canonical
+    )
+
+
+def test_canonical_form() -> None:
+    body = b'{ "b": [1, 2.5, {"d": true, "c": "x"}], "a": null, "\\u00e9": "\xc3\xa9" }'
+    assert canonical_json(body) == '{"a":null,"b":[1,2.5,{"c":"x","d":true}],"é":"é"}'.encode()
+
+
+# --- different requests -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        pytest.param({"method": "PATCH"}, id="method"),
+        pytest.param({"path": "/v1/payments/"}, id="path-trailing-slash"),
+        pytest.param({"path": "/v1/Payments"}, id="path-case"),
+        pytest.param({"path": "/v2/payments"}, id="path"),
+        pytest.param({"query": "dry_run=1"}, id="query"),
+        pytest.param(
+            {"content_type": "application/merge-patch+json"}, id="media-type-json-flavour"
+        ),
+        pytest.param({"content_type": "text/plain"}, id="media-type-text"),
+        pytest.param({"content_type": None}, id="media-type-absent"),
+        pytest.param({"body": BODY.replace(b"100", b"101")}, id="body-value"),
+        pytest.param({"body": BODY.replace(b"EUR", b"eur")}, id="body-string-case"),
+        pytest.param({"body": BODY.replace(b'"n-1"', b'"n-2"')}, id="body-nested-value"),
+        pytest.param({"body": BODY.replace(b"100", b'"100"')}, id="body-type"),
+        pytest.param({"body": b'{"amount":100,"currency":"EUR"}'}, id="body-missing-field"),
+        pytest.param({"body": b""}, id="body-empty"),
+    ],
+)
+def test_different_requests_give_different_fingerprints(changes: dict[str, Any]) -> None:
+    assert fp(**changes) != fp()
+
+
+def test_query_order_is_significant() -> None:
+    assert fp(query="a=1&b=2") != fp(query="b=2&a=1")
+
+
+def test_json_array_order_is_significant() -> None:
+    assert fp(body=b"[1,2,3]") != fp(body=b"[3,2,1]")
+
+
+def test_empty_query_and_empty_body_are_distinct_from_absent_content() -> None:
+    assert fp(query="", body=b"", content_type=None) != fp(query="?", body=b"", content_type=None)
+
+
+# --- non-JSON and broken JSON bodies ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        None,
+        "",
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "application/octet-stream",
+        "application/jsonl",
+        "application/json-seq",
+    ],
+)
+def test_non_json_bodies_are_fingerprinted_as_raw_bytes(content_type: str | None) -> None:
+    a = b'{"a":1,"b":2}'
+    b = b'{"b":2,"a":1}'
+    assert fp(content_type=content_type, body=a) != fp(content_type=content_type, body=b)
+    assert fp(content_type=content_type, body=b"x=1 ") != fp(content_type=content_type, body=b"x=1")
+
+
+def test_non_json_bodies_ignore_exclusions() -> None:
+    a = b'{"nonce":"a"}'
+    b = b'{"nonce":"b"}'
+    assert fp(content_type="text/plain", body=a, exclude=("/nonce",)) != fp(
+        content_type="text/plain", body=b, exclude=("/nonce",)
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b'{"a": 1', id="truncated"),
+        pytest.param(b"{'a': 1}", id="single-quotes"),
+        pytest.param(b"", id="empty"),
+        pytest.param(b"   ", id="blank"),
+        pytest.param(b'{"a": 1} trailing', id="trailing-data"),
+        pytest.param(b'{"a": "\xff\xfe"}', id="invalid-utf8"),
+        pytest.param(b"\x00\x01\x02", id="binary"),
+        pytest.param(b"1" * 5000, id="int-too-many-digits"),
+        pytest.param(b"[" * 100_000, id="deeply-nested-unterminated"),
+        pytest.param(b"[" * 5000 + b"]" * 5000, id="deeply-nested-valid"),
+        pytest.param(b'{"a":' * 5000 + b"1" + b"}" * 5000, id="deeply-nested-objects"),
+    ],
+)
+def test_unparsable_json_bodies_do_not_crash_and_are_deterministic(body: bytes) -> None:
+    first = fp(body=body, exclude=("/a",))
+    assert first == fp(body=body, exclude=("/a",))
+    assert first != fp(body=body + b" ", exclude=("/a",))
+
+
+def test_unparsable_json_is_taken_as_raw_bytes() -> None:
+    assert canonical_json(b'{"a": 1') == b'{"a": 1'
+    assert fp(body=b'{"a": 1') != fp(body=b'{"a":1')
+
+
+def test_lone_surrogates_do_not_crash() -> None:
+    body = b'{"s": "\\ud800", "t": "\\udfff"}'
+    assert fp(body=body) == fp(body=b'{"t":"\\udfff","s":"\\ud800"}')
+    assert fp(body=body) != fp(body=b'{"s": "\\ud801", "t": "\\udfff"}')
+
+
+# --- JSON pointer exclusions --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pointer", "tokens"),
+    [
+        pytest.param("", [], id="whole-document"),
+        pytest.param("/", [""], id="empty-key"),
+        pytest.param("/a", ["a"], id="one"),
+        pytest.param("/a/b/0", ["a", "b", "0"], id="nested"),
+        pytest.param("/a~1b", ["a/b"], id="tilde-one"),
+        pytest.param("/a~0b", ["a~b"], id="tilde-zero"),
+        pytest.param("/~01", ["~1"], id="tilde-zero-one-not-slash"),
+        pytest.param("/~10", ["/0"], id="tilde-one-zero"),
+        pytest.param("/a//b", ["a", "", "b"], id="empty-middle-token"),
+    ],
+)
+def test_parse_pointer(pointer: str, tokens: list[str]) -> None:
+    assert parse_pointer(pointer) == tokens
+
+
+@pytest.mark.parametrize("pointer", ["a", "a/b", "~1a", "#/a"])
+def test_pointer_must_start_with_slash(pointer: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_pointer(pointer)
+
+
+def _pair(document_a: Any, document_b: Any, *exclude: str) -> tuple[str, str]:
+    return (
+        fp(body=json.dumps(document_a).encode(), exclude=exclude),
+        fp(body=json.dumps(document_b).encode(), exclude=exclude),
+    )
+
+
+@pytest.mark.parametrize(
+    ("pointer", "first", "second"),
+    [
+        pytest.param("/nonce", {"a": 1, "nonce": "x"}, {"a": 1, "nonce": "y"}, id="top-level"),
+        pytest.param("/nonce", {"a": 1, "nonce": "x"}, {"a": 1}, id="top-level-absent"),
+        pytest.param(
+            "/meta/at",
+            {"a": 1, "meta": {"at": 1, "v": 2}},
+            {"a": 1, "meta": {"at": 9, "v": 2}},
+            id="nested",
+        ),
+        pytest.param(
+            "/items/0/ts",
+            {"items": [{"ts": 1, "id": "a"}, {"ts": 1}]},
+            {"items": [{"ts": 2, "id": "a"}, {"ts": 1}]},
+            id="through-array-index",
+        ),
+        pytest.param(
+            "/items/1", {"items": [1, "x", 3]}, {"items": [1, "y", 3]}, id="array-element"
+        ),
+        pytest.param("/a~1b", {"a/b": 1, "c": 2}, {"a/b": 2, "c": 2}, id="escaped-slash"),
+        pytest.param("/a~0b", {"a~b": 1, "c": 2}, {"a~b": 2, "c": 2}, id="escaped-tilde"),
+        pytest.param("/~01", {"~1": 1, "/": 0}, {"~1": 2, "/": 0}, id="escaped-tilde-one"),
+        pytest.param("/", {"": 1, "a": 0}, {"": 2, "a": 0}, id="empty-key"),
+    ],
+)
+def test_excluded_pointer_makes_the_value_irrelevant(pointer: str, first: Any, second: Any) -> None:
+    a, b = _pair(first, second, pointer)
+    assert a == b
+    # ... and without the exclusion, the same two bodies do differ.
+    a, b = _pair(first, second)
+    assert a != b
+
+
+def test_exclusion_removes_only_the_pointed_value() -> None:
+    a, b = _pair({"a": 1, "nonce": "x"}, {"a": 2, "nonce": "x"}, "/nonce")
+    assert a != b
+    a, b = _pair({"a/b": 1, "a": {"b": 1}}, {"a/b": 1, "a": {"b": 2}}, "/a~1b")
+    assert a != b, "~1 names the key 'a/b', not the path a → b"
+    a, b = _pair({"a~b": 1, "a": {"b": 1}}, {"a~b": 1, "a": {"b": 2}}, "/a~0b")
+    assert a != b
+
+
+def test_multiple_exclusions() -> None:
+    pointers = ("/nonce", "/meta/ts")
+    a, b = _pair(
+        {"nonce": 1, "meta": {"ts": 1, "v": 1}, "x": 1},
+        {"nonce": 2, "meta": {"ts": 2, "v": 1}, "x": 1},
+        *pointers,
+    )
+    assert a == b
+
+
+def test_excluded_array_element_keeps_the_other_positions() -> None:
+    a, b = _pair([1, 2, 3], [9, 2, 3], "/0")
+    assert a == b
+    a, b = _pair([1, 2, 3], [2, 3], "/0")
+    assert a != b, "removing an element must not shift the others into its place"
+
+
+@pytest.mark.parametrize(
+    ("pointer", "document"),
+    [
+        pytest.param("/missing", {"a": 1}, id="missing-key"),
+        pytest.param("/missing/deeper", {"a": 1}, id="missing-parent"),
+        pytest.param("/a/b", {"a": 1}, id="through-scalar"),
+        pytest.param("/a/5", {"a": [1, 2]}, id="index-out-of-range"),
+        pytest.param("/a/-", {"a": [1, 2]}, id="index-dash"),
+        pytest.param("/a/x", {"a": [1, 2]}, id="index-not-a-number"),
+        pytest.param("/a/01", {"a": [1, 2]}, id="index-leading-zero"),
+        pytest.param("/a/\u00b2", {"a": [1, 2]}, id="index-superscript-digit"),
+        pytest.param("/a/\u0661", {"a": [1, 2]}, id="index-arabic-digit"),
+        pytest.param("/a/-1", {"a": [1, 2]}, id="index-negative"),
+        pytest.param("", {"a": 1}, id="whole-document"),
+        pytest.param("/x", [1, 2], id="key-on-array-root"),
+        pytest.param("/x", "scalar", id="scalar-root"),
+    ],
+)
+def test_pointers_that_match_nothing_leave_the_document_alone(pointer: str, document: Any) -> None:
+    body = json.dumps(document).encode()
+    assert canonical_json(body, [pointer]) == canonical_json(body)
+
+
+def test_digit_token_on_an_object_is_a_key() -> None:
+    assert canonical_json(b'{"0": 1, "1": 2}', ["/0"]) == b'{"1":2}'
+
+
+def test_exclusions_do_not_apply_to_invalid_json() -> None:
+    assert canonical_json(b'{"nonce": 1', ["/nonce"]) == b'{"nonce": 1'
+
+
+# --- length-prefixing ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        pytest.param({"path": "/ab", "query": "c"}, {"path": "/a", "query": "bc"}, id="path-query"),
+        pytest.param(
+            {"method": "POST", "path": "/x"}, {"method": "POS", "path": "T/x"}, id="method-path"
+        ),
+        pytest.param(
+            {"query": "a", "content_type": "b/c"},
+            {"query": "ab/c", "content_type": None},
+            id="query-media-type",
+        ),
+        pytest.param(
+            {"content_type": "text/plain", "body": b"x"},
+            {"content_type": "text/plainx", "body": b""},
+            id="media-type-body",
+        ),
+        pytest.param({"path": "", "query": "/a"}, {"path": "/a", "query": ""}, id="empty-fields"),
+    ],
+)
+def test_length_prefix_prevents_field_boundary_ambiguity(
+    first: dict[str, Any], second: dict[str, Any]
+) -> None:
+    assert fp(**first) != fp(**second)
+
+
+@given(
+    st.tuples(
+        st.sampled_from(["POST", "PATCH", "PUT", "P", "OST"]),
+        st.text(max_size=8),
+        st.text(max_size=8),
+        st.sampled_from(["", "text/plain", "application/octet-stream", "text/plai"]),
+        st.binary(max_size=8),
+    ),
+    st.tuples(
+        st.sampled_from(["POST", "PATCH", "PUT", "P", "OST"]),
+        st.text(max_size=8),
+        st.text(max_size=8),
+        st.sampled_from(["", "text/plain", "application/octet-stream", "text/plai"]),
+        st.binary(max_size=8),
+    ),
+)
+def test_distinct_raw_requests_never_share_a_fingerprint(
+    first: tuple[str, str, str, str, bytes], second: tuple[str, str, str, str, bytes]
+) -> None:
+    if first == second:
+        assert fingerprint(*first) == fingerprint(*second)
+    else:
+        assert fingerprint(*first) != fingerprint(*second)
+
+
+# --- property: canonicalisation ----------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def _reverse_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _reverse_keys(value[key]) for key in reversed(list(value))}
+    if isinstance(value, list):
+        return [_reverse_keys(item) for item in value]
+    return value
+
+
+@given(json_values, st.sampled_from([None, 0, 2, "\t"]), st.booleans())
+def test_any_json_reformatted_gives_the_same_fingerprint(
+    document: Any, indent: int | str | None, ensure_ascii: bool
+) -> None:
+    compact = json.dumps(document, separators=(",", ":")).encode()
+    reformatted = json.dumps(
+        _reverse_keys(document), indent=indent, ensure_ascii=ensure_ascii
+    ).encode()
+    assert fp(body=compact) == fp(body=reformatted)
+    assert fp(body=compact) == fp(body=canonical_json(compact))
+
+
+@given(json_values)
+def test_canonical_json_parses_back_to_the_document_and_is_idempotent(document: Any) -> None:
+    canonical = canonical_json(json.dumps(document).encode())
+    assert json.loads(canonical) == document
+    assert canonical_json(canonical) == canonical
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content_type", "media_type"),
+    [
+        (None, ""),
+        ("", ""),
+        ("application/json", "application/json"),
+        ("Application/JSON; charset=UTF-8", "application/json"),
+        ("  text/plain ;format=flowed", "text/plain"),
+    ],
+)
+def test_media_type_of(content_type: str | None, media_type: str) -> None:
+    assert media_type_of(content_type) == media_type
+
+
+@pytest.mark.parametrize(
+    ("media_type", "expected"),
+    [
+        ("application/json", True),
+        ("application/problem+json", True),
+        ("application/vnd.api+json", True),
+        ("text/plain", False),
+        ("application/jsonl", False),
+        ("application/json-patch", False),
+        ("", False),
+    ],
+)
+def test_is_json(media_type: str, expected: bool) -> None:
+    assert is_json(media_type) is expected

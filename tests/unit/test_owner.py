@@ -1,0 +1,184 @@
+"""SPEC §5: the owner scope of a request. Only a hash of a credential is ever kept."""
+
+from __future__ import annotations
+
+import hashlib
+import string
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from multidict import CIMultiDict
+
+from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
+from idemproxy.errors import ConfigError, OwnerMissing
+from idemproxy.owner import OwnerPolicy, derive_owner, hash_credential
+
+TOKEN = "Bearer sk-live-4f9a1c2e7b"
+OTHER_TOKEN = "Bearer sk-live-4f9a1c2e7c"
+
+
+def sha256_hex(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+def test_authorization_is_the_default_strategy() -> None:
+    assert OwnerPolicy() == OwnerPolicy(strategy="authorization", required=False)
+
+
+def test_authorization_owner_is_the_sha256_of_the_header_value() -> None:
+    owner = derive_owner(OwnerPolicy(), {"Authorization": TOKEN})
+    assert owner == sha256_hex(TOKEN)
+    assert len(owner) == 64
+    assert set(owner) <= set(string.hexdigits.lower())
+
+
+def test_authorization_header_name_is_case_insensitive_in_real_headers() -> None:
+    headers = CIMultiDict({"authorization": TOKEN})
+    assert derive_owner(OwnerPolicy(), headers) == sha256_hex(TOKEN)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        pytest.param(TOKEN, OTHER_TOKEN, id="last-char"),
+        pytest.param("Bearer abc", "bearer abc", id="scheme-case"),
+        pytest.param("Basic dXNlcjpwYXNz", "Basic dXNlcjpwYXNt", id="basic"),
+        pytest.param("Bearer abc", "Bearer  abc", id="inner-whitespace"),
+    ],
+)
+def test_different_credentials_give_different_owners(first: str, second: str) -> None:
+    policy = OwnerPolicy()
+    assert derive_owner(policy, {"Authorization": first}) != derive_owner(
+        policy, {"Authorization": second}
+    )
+
+
+def test_same_credential_gives_the_same_owner() -> None:
+    policy = OwnerPolicy()
+    assert derive_owner(policy, {"Authorization": TOKEN}) == derive_owner(
+        policy, {"Authorization": TOKEN, "X-Other": "ignored"}
+    )
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [OwnerPolicy(), OwnerPolicy("header:X-Tenant")],
+    ids=["authorization", "header"],
+)
+def test_raw_credential_never_appears_in_the_owner(policy: OwnerPolicy) -> None:
+    headers = {"Authorization": TOKEN, "X-Tenant": TOKEN}
+    owner = derive_owner(policy, headers)
+    assert TOKEN not in owner
+    assert "sk-live" not in owner
+    assert owner == sha256_hex(TOKEN)
+
+
+def test_header_strategy_reads_that_header_only() -> None:
+    policy = OwnerPolicy("header:X-Tenant")
+    assert policy.header == "X-Tenant"
+    acme = derive_owner(policy, {"X-Tenant": "acme", "Authorization": TOKEN})
+    assert acme == sha256_hex("acme")
+    # The Authorization header plays no part under this strategy.
+    assert acme == derive_owner(policy, {"X-Tenant": "acme", "Authorization": OTHER_TOKEN})
+    assert acme != derive_owner(policy, {"X-Tenant": "globex", "Authorization": TOKEN})
+
+
+def test_header_strategy_ignores_authorization_when_its_header_is_absent() -> None:
+    policy = OwnerPolicy("header:X-Tenant")
+    assert derive_owner(policy, {"Authorization": TOKEN}) == ANONYMOUS_OWNER
+
+
+def test_header_strategy_is_case_insensitive_in_real_headers() -> None:
+    policy = OwnerPolicy("header:X-Tenant")
+    assert derive_owner(policy, CIMultiDict({"x-tenant": "acme"})) == sha256_hex("acme")
+
+
+@pytest.mark.parametrize("required", [False, True], ids=["optional", "required"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": TOKEN}, {"Authorization": OTHER_TOKEN, "X-Tenant": "acme"}],
+    ids=["no-headers", "token", "other-token"],
+)
+def test_none_strategy_is_one_global_scope(headers: dict[str, str], required: bool) -> None:
+    policy = OwnerPolicy("none", required=required)
+    assert policy.header is None
+    assert derive_owner(policy, headers) == GLOBAL_OWNER
+
+
+@pytest.mark.parametrize(
+    ("strategy", "headers"),
+    [
+        pytest.param("authorization", {}, id="authorization-absent"),
+        pytest.param("authorization", {"Authorization": ""}, id="authorization-empty"),
+        pytest.param("authorization", {"X-Tenant": "acme"}, id="authorization-other-header"),
+        pytest.param("header:X-Tenant", {}, id="header-absent"),
+        pytest.param("header:X-Tenant", {"X-Tenant": ""}, id="header-empty"),
+    ],
+)
+def test_missing_credential(strategy: str, headers: dict[str, str]) -> None:
+    assert derive_owner(OwnerPolicy(strategy), headers) == ANONYMOUS_OWNER
+    with pytest.raises(OwnerMissing) as caught:
+        derive_owner(OwnerPolicy(strategy, required=True), headers)
+    assert caught.value.status == 401
+    assert caught.value.code == "owner-missing"
+
+
+def test_required_owner_with_a_credential_is_hashed() -> None:
+    policy = OwnerPolicy(required=True)
+    assert derive_owner(policy, {"Authorization": TOKEN}) == sha256_hex(TOKEN)
+
+
+def test_credential_scopes_never_collide_with_the_fixed_scopes() -> None:
+    policy = OwnerPolicy()
+    for credential in (ANONYMOUS_OWNER, GLOBAL_OWNER):
+        assert derive_owner(policy, {"Authorization": credential}) not in (
+            ANONYMOUS_OWNER,
+            GLOBAL_OWNER,
+        )
+
+
+def test_surrogate_escaped_header_bytes_hash_as_the_original_bytes() -> None:
+    """aiohttp decodes undecodable header bytes with surrogateescape."""
+    raw = b"Bearer \xff\xfe"
+    decoded = raw.decode("utf-8", "surrogateescape")
+    assert hash_credential(decoded) == hashlib.sha256(raw).hexdigest()
+
+
+@given(st.text(min_size=1))
+def test_any_credential_is_reduced_to_its_hash(credential: str) -> None:
+    owner = derive_owner(OwnerPolicy(), {"Authorization": credential})
+    assert owner == hashlib.sha256(credential.encode("utf-8", "surrogateescape")).hexdigest()
+    assume(len(credential) > 64 or not set(credential) <= set(string.hexdigits.lower()))
+    assert credential not in owner
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["authorization", "none", "header:X-Tenant", "header:x-forwarded-user", "header:X_Org.Id"],
+)
+def test_validate_accepts_good_strategies(strategy: str) -> None:
+    OwnerPolicy(strategy).validate()
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("bogus", id="unknown"),
+        pytest.param("header", id="header-without-colon"),
+        pytest.param("header:", id="header-without-name"),
+        pytest.param("header:   ", id="header-blank-name"),
+        pytest.param("header: X-Tenant", id="header-leading-space"),
+        pytest.param("header:X-Tenant ", id="header-trailing-space"),
+        pytest.param("header:X Tenant", id="header-space-inside"),
+        pytest.param("header:X-Tenant\n", id="header-newline"),
+        pytest.param("header:X:Tenant", id="header-colon-inside"),
+        pytest.param("header:Ténant", id="header-non-ascii"),
+        pytest.param("authorization:Bearer", id="authorization-with-suffix"),
+        pytest.param("x-header:X-Tenant", id="header-prefix-typo"),
+    ],
+)
+def test_validate_rejects_bad_strategies(strategy: str) -> None:
+    with pytest.raises(ConfigError):
+        OwnerPolicy(strategy).validate()
