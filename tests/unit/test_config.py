@@ -1,0 +1,132 @@
+"""Settings: precedence, validation that names the field, and a documented example."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from idemproxy.config import Settings, load_settings
+from idemproxy.proxy.routing import RouteTable
+
+EXAMPLE = Path(__file__).parents[2] / "config" / "idemproxy.example.yaml"
+
+
+def _write(tmp_path: Path, data: dict[str, Any]) -> Path:
+    path = tmp_path / "idemproxy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_defaults_follow_the_spec() -> None:
+    settings = load_settings(upstream="http://127.0.0.1:9")
+    assert settings.listen == "127.0.0.1:8080"
+    assert settings.store == "sqlite:///idemproxy.db"
+    assert settings.methods == ["POST", "PATCH"]
+    assert settings.ttl == 86400
+    assert settings.upstream_timeout == 30
+    assert settings.effective_max_wait == 35
+    assert settings.max_request_body == 10 * 1024 * 1024
+    assert settings.max_stored_body == 8 * 1024 * 1024
+
+
+def test_file_then_environment_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _write(tmp_path, {"upstream": "http://file:1", "ttl": 10, "profile": "ietf"})
+    monkeypatch.setenv("IDEMPROXY_TTL", "20")
+    monkeypatch.setenv("IDEMPROXY_OWNER__STRATEGY", "header:X-User")
+    settings = load_settings(config, ttl=30)
+    assert settings.upstream == "http://file:1"
+    assert settings.profile == "ietf"
+    assert settings.owner.strategy == "header:X-User"
+    assert settings.ttl == 30
+    assert load_settings(config).ttl == 20
+
+
+def test_nested_flag_keeps_the_rest_of_the_section(tmp_path: Path) -> None:
+    config = _write(tmp_path, {"upstream": "http://x:1", "owner": {"required": True}})
+    settings = load_settings(config, owner={"strategy": "none"})
+    assert (settings.owner.strategy, settings.owner.required) == ("none", True)
+
+
+def test_methods_accept_a_comma_list() -> None:
+    assert load_settings(upstream="http://x:1", methods="post, put").methods == ["POST", "PUT"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"ttl": -1}, "ttl"),
+        ({"listen": "nonsense"}, "listen"),
+        ({"upstream": "ftp://x"}, "upstream"),
+        ({"store": "mysql://x"}, "store"),
+        ({"profile": "strict"}, "profile"),
+        ({"owner": {"strategy": "bogus"}}, "owner.strategy"),
+        ({"fingerprint_exclude": ["nonce"]}, "fingerprint_exclude"),
+        ({"routes": [{"prefix": "api", "upstream": "http://x:1"}]}, "routes.0.prefix"),
+        ({"no_such_setting": 1}, "no_such_setting"),
+    ],
+)
+def test_bad_values_name_the_field(overrides: dict[str, Any], field: str) -> None:
+    base = {"upstream": "http://x:1"}
+    with pytest.raises(ValidationError) as caught:
+        load_settings(**{**base, **overrides})
+    locations = {".".join(str(p) for p in error["loc"]) for error in caught.value.errors()}
+    assert field in locations
+
+
+def test_an_upstream_is_required() -> None:
+    with pytest.raises(ValidationError, match="upstream"):
+        load_settings()
+
+
+def test_routes_longest_prefix_then_host() -> None:
+    settings = load_settings(
+        upstream="http://default:1",
+        routes=[
+            {"prefix": "/api", "upstream": "http://api:1"},
+            {"prefix": "/api/pay", "upstream": "http://pay:1", "require_key": True},
+            {"prefix": "/api", "host": "eu.example.com", "upstream": "http://eu:1"},
+        ],
+    )
+    table = RouteTable.from_settings(settings)
+
+    def upstream(path: str, host: str | None = None) -> str:
+        route = table.find(path, host)
+        assert route is not None
+        return route.upstream
+
+    assert upstream("/api/pay/1") == "http://pay:1"
+    assert upstream("/api/other") == "http://api:1"
+    assert upstream("/api/other", "eu.example.com:443") == "http://eu:1"
+    assert upstream("/apiary") == "http://default:1"
+    assert upstream("/") == "http://default:1"
+    pay = table.find("/api/pay", None)
+    assert pay is not None and pay.require_key and pay.ttl == settings.ttl
+
+
+def _documented_keys(model: type[BaseModel]) -> set[str]:
+    keys = set()
+    for name, field in model.model_fields.items():
+        keys.add(name)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys |= {f"{name}.{sub}" for sub in _documented_keys(annotation)}
+    return keys
+
+
+def _keys_in(data: dict[str, Any], prefix: str = "") -> set[str]:
+    keys = set()
+    for name, value in data.items():
+        keys.add(prefix + name)
+        if isinstance(value, dict):
+            keys |= _keys_in(value, f"{prefix}{name}.")
+    return keys
+
+
+def test_example_config_documents_every_setting_and_loads() -> None:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    assert _keys_in(data) == _documented_keys(Settings)
+    assert load_settings(EXAMPLE).upstream == "http://127.0.0.1:3000"

@@ -1,0 +1,106 @@
+"""Header handling on both legs (SPEC §7, §10; RFC 9110 §7.6.1)."""
+
+from __future__ import annotations
+
+from multidict import CIMultiDict
+
+from idemproxy.proxy.headers import (
+    headers_to_store,
+    request_headers_for_upstream,
+    response_headers_for_client,
+)
+
+
+def _headers(*pairs: tuple[str, str]) -> CIMultiDict[str]:
+    return CIMultiDict[str](pairs)
+
+
+def test_hop_by_hop_and_connection_named_headers_are_dropped() -> None:
+    incoming = _headers(
+        ("Connection", "keep-alive, X-Secret"),
+        ("Keep-Alive", "timeout=5"),
+        ("TE", "trailers"),
+        ("Upgrade", "h2c"),
+        ("Proxy-Authorization", "Basic abc"),
+        ("Transfer-Encoding", "chunked"),
+        ("X-Secret", "do not forward"),
+        ("Authorization", "Bearer end-to-end"),
+    )
+    out = request_headers_for_upstream(incoming, client_ip="10.0.0.1", scheme="http", host="h")
+    assert {name.lower() for name in out} >= {"authorization"}
+    for dropped in (
+        "connection",
+        "keep-alive",
+        "te",
+        "upgrade",
+        "proxy-authorization",
+        "transfer-encoding",
+        "x-secret",
+    ):
+        assert dropped not in {name.lower() for name in out}
+
+
+def test_repeated_headers_keep_their_order() -> None:
+    incoming = _headers(("X-Tag", "a"), ("Accept", "x"), ("X-Tag", "b"))
+    out = request_headers_for_upstream(incoming, client_ip=None, scheme="http", host=None)
+    assert out.getall("X-Tag") == ["a", "b"]
+
+
+def test_forwarded_headers_are_added_and_appended() -> None:
+    incoming = _headers(("X-Forwarded-For", "203.0.113.7"), ("Host", "api.example.com"))
+    out = request_headers_for_upstream(
+        incoming, client_ip="10.0.0.1", scheme="https", host="api.example.com"
+    )
+    assert out["X-Forwarded-For"] == "203.0.113.7, 10.0.0.1"
+    assert out["X-Forwarded-Proto"] == "https"
+    assert out["X-Forwarded-Host"] == "api.example.com"
+    assert "Host" not in out  # the upstream client sets its own
+
+
+def test_proxy_owned_headers_from_clients_are_not_believed() -> None:
+    incoming = _headers(
+        ("Idempotent-Replayed", "true"), ("Idempotency-Job", "x"), ("Idempotency-Attempt", "9")
+    )
+    out = request_headers_for_upstream(incoming, client_ip=None, scheme="http", host=None)
+    assert not {"idempotent-replayed", "idempotency-job", "idempotency-attempt"} & {
+        name.lower() for name in out
+    }
+
+
+def test_response_headers_drop_framing_and_hop_by_hop() -> None:
+    upstream = _headers(
+        ("Content-Length", "10"),
+        ("Connection", "close"),
+        ("Content-Encoding", "gzip"),
+        ("Set-Cookie", "a=1"),
+        ("Set-Cookie", "b=2"),
+    )
+    out = response_headers_for_client(upstream)
+    assert "Content-Length" not in out and "Connection" not in out
+    assert out.getall("Set-Cookie") == ["a=1", "b=2"]
+    assert out["Content-Encoding"] == "gzip"
+
+
+def test_stored_headers_leave_out_date_length_cookies_and_challenges() -> None:
+    upstream = _headers(
+        ("Date", "Mon, 01 Jan 2024 00:00:00 GMT"),
+        ("Content-Length", "10"),
+        ("Set-Cookie", "a=1"),
+        ("WWW-Authenticate", "Bearer"),
+        ("Location", "/payments/1"),
+        ("ETag", '"v1"'),
+        ("Link", "<a>"),
+        ("Link", "<b>"),
+    )
+    stored = headers_to_store(upstream, ["set-cookie", "www-authenticate", "proxy-authenticate"])
+    assert stored == (
+        ("Location", "/payments/1"),
+        ("ETag", '"v1"'),
+        ("Link", "<a>"),
+        ("Link", "<b>"),
+    )
+
+
+def test_stored_headers_are_configurable() -> None:
+    upstream = _headers(("Set-Cookie", "a=1"), ("X-Request-Id", "r1"))
+    assert headers_to_store(upstream, ["x-request-id"]) == (("Set-Cookie", "a=1"),)
