@@ -19,8 +19,8 @@ from idemproxy.types import HeaderPairs
 PROXY_OWNED = frozenset(
     h.lower() for h in (REPLAYED_HEADER, REPLAY_OMITTED_HEADER, JOB_HEADER, ATTEMPT_HEADER)
 )
-# Recomputed by whoever sends the message next.
-_FRAMING = frozenset({"content-length", "host"})
+# Recomputed by whoever sends the message next; `Expect` was already answered by this proxy.
+_FRAMING = frozenset({"content-length", "host", "expect"})
 # SPEC §7: a replay gets a fresh Date and a recomputed Content-Length.
 _NOT_STORED = frozenset({"content-length", "date"})
 
