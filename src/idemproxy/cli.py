@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-wait", type=float, metavar="SECONDS", help="default timeout + 5")
     serve.add_argument("--max-request-body", type=int, metavar="BYTES")
     serve.add_argument("--max-stored-body", type=int, metavar="BYTES")
+    serve.add_argument(
+        "--admin-listen", metavar="HOST:PORT", help="admin listener, default 127.0.0.1:9090"
+    )
     serve.add_argument("--no-migrate", action="store_true", help="do not apply migrations")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", choices=["plain", "json"])

@@ -5,10 +5,11 @@ Built once in `cli.main()` and passed in; nothing reads it from a global.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -95,6 +96,28 @@ class PoolSettings(BaseModel):
     upstream_keepalive: float = Field(default=4.0, gt=0)
 
 
+class AdminSettings(BaseModel):
+    """The admin listener: jobs API, /healthz, /readyz, /metrics (SPEC §13)."""
+
+    model_config = _STRICT
+    listen: str = c.DEFAULT_ADMIN_LISTEN
+    # Bearer token for every admin request; required when `listen` is not a loopback address.
+    token: SecretStr | None = None
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, listen: str) -> str:
+        parse_listen(listen)
+        return listen
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> AdminSettings:
+        host, _port = parse_listen(self.listen)
+        if self.token is None and not is_loopback(host):
+            raise ValueError("admin.token is required when admin.listen is not a loopback address")
+        return self
+
+
 class SweeperSettings(BaseModel):
     model_config = _STRICT
     interval: float = Field(default=60.0, gt=0)
@@ -134,6 +157,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sweeper: SweeperSettings = Field(default_factory=SweeperSettings)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["plain", "json"] = "plain"
 
@@ -218,6 +242,15 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError("must be HOST:PORT")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:

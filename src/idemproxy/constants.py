@@ -38,6 +38,7 @@ DEFAULT_UNKNOWN_STATUSES: Final = (502, 504)
 
 # Defaults (SPEC §9, §11, §12).
 DEFAULT_LISTEN: Final = "127.0.0.1:8080"
+DEFAULT_ADMIN_LISTEN: Final = "127.0.0.1:9090"
 DEFAULT_STORE: Final = "sqlite:///idemproxy.db"
 DEFAULT_METHODS: Final = ("POST", "PATCH")
 DEFAULT_TTL_SECONDS: Final = 86_400

@@ -1,50 +1,103 @@
-"""Running the proxy as a process: event loop, logging, listener and graceful shutdown."""
+"""Running the proxy as a process: event loop, listeners, signals and graceful shutdown.
+
+SIGTERM/SIGINT: /readyz turns 503, the proxy listener stops accepting connections, requests in
+flight get `server.shutdown_timeout` to finish and store their outcome; attempts still running
+after that are cancelled and their jobs become `unknown`, never `released` (SPEC §3.2).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 
 from aiohttp import web
 
+from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.config import Settings, parse_listen
 from idemproxy.logs import configure_logging
 from idemproxy.proxy.app import create_app
+from idemproxy.store.base import Store
+from idemproxy.store.factory import create_store
 
 log = logging.getLogger("idemproxy")
 
 
 def serve(settings: Settings) -> None:
     configure_logging(settings.log_level, settings.log_format)
-    host, port = parse_listen(settings.listen)
-    loop = _new_loop()
-    log.info("idemproxy listening on %s:%d, store %s", host, port, _redacted(settings.store))
-    web.run_app(
-        create_app(settings),
-        host=host,
-        port=port,
-        loop=loop,
-        access_log=None,  # one log line per request costs more than the proxy itself
-        shutdown_timeout=settings.server.shutdown_timeout,
-        keepalive_timeout=settings.server.keepalive_timeout,
-        handler_cancellation=False,  # SPEC §2: a client hanging up cancels nothing
-        print=None,
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(run_server(settings))
+
+
+async def run_server(settings: Settings) -> None:
+    store = create_store(
+        settings.store,
+        max_connections=settings.pool.store_connections,
+        command_timeout=settings.pool.store_timeout,
     )
+    await store.open()
+    try:
+        if settings.migrate:
+            await store.migrate()
+        await _serve_until_signalled(settings, store)
+    finally:
+        await store.close()
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    if sys.platform != "win32":
-        try:
-            import uvloop
+async def _serve_until_signalled(settings: Settings, store: Store) -> None:
+    readiness = Readiness()
+    proxy = web.AppRunner(
+        create_app(settings, store=store),
+        access_log=None,  # one log line per request costs more than the proxy itself
+        handler_cancellation=False,  # SPEC §2: a client hanging up cancels nothing
+        keepalive_timeout=settings.server.keepalive_timeout,
+        shutdown_timeout=settings.server.shutdown_timeout,
+    )
+    admin = web.AppRunner(create_admin_app(settings, store, readiness), access_log=None)
+    await proxy.setup()
+    await admin.setup()
+    try:
+        await _start(proxy, settings.listen)
+        await _start(admin, settings.admin.listen)
+        log.info(
+            "idemproxy listening on %s (admin %s), store %s",
+            settings.listen,
+            settings.admin.listen,
+            redacted(settings.store),
+        )
+        await _wait_for_signal()
+        log.info("shutting down: draining requests in flight")
+        readiness.draining = True
+    finally:
+        await proxy.cleanup()
+        await admin.cleanup()
 
-            return uvloop.new_event_loop()
-        except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-            pass
-    return asyncio.new_event_loop()
+
+async def _start(runner: web.AppRunner, listen: str) -> None:
+    host, port = parse_listen(listen)
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
 
 
-def _redacted(dsn: str) -> str:
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+
+
+def _loop_factory() -> type[asyncio.AbstractEventLoop] | None:
+    if sys.platform == "win32":  # pragma: no cover
+        return None
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+        return None
+    return uvloop.Loop
+
+
+def redacted(dsn: str) -> str:
     """A DSN without its password, for logs."""
     scheme, sep, rest = dsn.partition("://")
     userinfo, at, hostpart = rest.rpartition("@")

@@ -130,3 +130,12 @@ def test_example_config_documents_every_setting_and_loads() -> None:
     data = yaml.safe_load(EXAMPLE.read_text())
     assert _keys_in(data) == _documented_keys(Settings)
     assert load_settings(EXAMPLE).upstream == "http://127.0.0.1:3000"
+
+
+def test_admin_token_is_required_off_loopback() -> None:
+    with pytest.raises(ValidationError, match="admin.token"):
+        load_settings(upstream="http://x:1", admin={"listen": "0.0.0.0:9090"})
+    settings = load_settings(upstream="http://x:1", admin={"listen": "0.0.0.0:9090", "token": "s"})
+    assert settings.admin.token is not None
+    assert "s" not in repr(settings)  # a secret never shows in logs or errors
+    assert load_settings(upstream="http://x:1", admin={"listen": "[::1]:9090"}).admin.token is None

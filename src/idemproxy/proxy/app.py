@@ -80,10 +80,17 @@ def _upstream_client(settings: Settings) -> UpstreamClient:
 
 
 async def _drain(ctx: ProxyContext, timeout: float) -> None:
-    """Let attempts in flight finish and store their outcome before the store closes."""
+    """Let attempts in flight finish and store their outcome before the store closes.
+
+    Attempts still running after `timeout` are cancelled: each marks its job `unknown` on the
+    way out (the upstream may have executed it), never `released`.
+    """
     if not ctx.attempts:
         return
     log.info("waiting up to %.0fs for %d attempts in flight", timeout, len(ctx.attempts))
     _done, pending = await asyncio.wait(set(ctx.attempts), timeout=timeout)
     if pending:
-        log.warning("%d attempts still in flight at shutdown", len(pending))
+        log.warning("cutting off %d attempts still in flight at shutdown", len(pending))
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=5.0)

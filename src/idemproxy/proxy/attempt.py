@@ -6,6 +6,7 @@ stop the upstream call or the completion write.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import aiohttp
@@ -49,6 +50,12 @@ async def run_attempt(
         outcome, problem = classify_failure(failure.failure)
         await _settle(ctx, job, number, outcome, status=None, error=failure.reason)
         return problem_response(problem(), profile=ctx.settings.profile)
+    except asyncio.CancelledError:
+        # Cut off by shutdown: the request may have reached the upstream (SPEC §3.2).
+        await asyncio.shield(
+            _settle(ctx, job, number, Outcome.UNKNOWN, status=None, error="cut off by shutdown")
+        )
+        raise
 
 
 async def _finish_buffered(

@@ -1,0 +1,1 @@
+"""The admin listener: health, readiness, the jobs API and metrics (SPEC §13)."""
