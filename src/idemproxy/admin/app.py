@@ -23,7 +23,9 @@ class Readiness:
 
 STORE = web.AppKey("idemproxy.admin.store", Store)
 READINESS = web.AppKey("idemproxy.admin.readiness", Readiness)
-_OPEN_PATHS = frozenset({"/healthz"})
+# Probes and scrapers cannot easily send a secret header; none of these reveal a job or a
+# response. The jobs API always needs the token when one is configured.
+_OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 def create_admin_app(settings: Settings, store: Store, readiness: Readiness) -> web.Application:
