@@ -31,6 +31,7 @@ _SERVE_FLAGS = {
     "max_wait": "max_wait",
     "max_request_body": "max_request_body",
     "max_stored_body": "max_stored_body",
+    "admin_listen": "admin.listen",
     "log_level": "log_level",
     "log_format": "log_format",
 }

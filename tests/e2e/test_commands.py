@@ -1,0 +1,87 @@
+"""The one-shot commands and a store without its schema (SPEC §11, §13)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+import pytest
+
+from .client import send
+
+if TYPE_CHECKING:
+    from .conftest import Backend, RunCli, StartProxy
+
+pytestmark = pytest.mark.slow
+
+FIRST_MIGRATION = "0001_jobs_and_attempts"
+
+
+def _migrate_twice(run_cli: RunCli, store: str) -> None:
+    first = run_cli("migrate", "--store", store)
+    assert first.returncode == 0, first
+    assert first.stdout.strip().startswith("applied ")
+    assert FIRST_MIGRATION in first.stdout
+    again = run_cli("migrate", "--store", store)
+    assert again.returncode == 0, again
+    assert again.stdout.strip() == "applied 0 migration(s)"
+
+
+@pytest.mark.postgres
+def test_migrate_a_fresh_postgres_database_once(empty_pg_dsn: str, run_cli: RunCli) -> None:
+    _migrate_twice(run_cli, empty_pg_dsn)
+
+
+def test_migrate_a_fresh_sqlite_file_once(tmp_path: Path, run_cli: RunCli) -> None:
+    path = tmp_path / "new" / "idemproxy.db"
+    _migrate_twice(run_cli, f"sqlite:///{path}")
+    assert path.is_file()
+
+
+def test_migrate_reports_an_unreachable_store(run_cli: RunCli) -> None:
+    # Port 9 (discard) on loopback: nothing listens, the connection is refused at once.
+    done = run_cli("migrate", "--store", "postgresql://nobody@127.0.0.1:9/none", timeout=20)
+    assert done.returncode == 1, done
+    assert "idemproxy: The idempotency store is unavailable" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres), "sqlite"])
+def unmigrated_dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/empty.db"
+    dsn: str = request.getfixturevalue("empty_pg_dsn")
+    return dsn
+
+
+async def test_serve_without_migrations_fails_closed(
+    unmigrated_dsn: str, backend: Backend, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy("--upstream", backend.url, "--store", unmigrated_dsn, "--no-migrate")
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):  # still answering after the first failure
+            answer = await send(session, f"{proxy.url}/payments", key="k-1")
+            assert (answer.status, answer.error) == (503, "store-unavailable"), proxy.describe()
+            assert answer.headers["Retry-After"].isdigit()
+            assert answer.headers["Content-Type"].startswith("application/problem+json")
+            problem = json.loads(answer.body)
+            assert problem["code"] == "store-unavailable"
+            # SPEC §8: no SQL or driver text reaches the client.
+            assert "jobs" not in problem["detail"]
+            assert "relation" not in answer.body.decode()
+        # SPEC §11: governed requests are not forwarded when the store fails ...
+        assert backend.ledger.count() == 0
+        # ... while requests without a key still pass through.
+        passthrough = await send(session, f"{proxy.url}/payments")
+        assert passthrough.status == 201
+    assert backend.ledger.count() == 1
+    assert proxy.running
+    assert await proxy.terminate() == 0, proxy.describe()
+
+
+def test_demo_shows_one_execution_per_intent(run_cli: RunCli) -> None:
+    done = run_cli("demo")
+    assert done.returncode == 0, done
+    assert "The backend charged 2 time(s) for 2 intents" in done.stdout, done.stdout

@@ -1,0 +1,96 @@
+"""SIGTERM with a governed request in flight: it finishes, its outcome is stored (SPEC §2, §3.2)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+import pytest
+
+from idemproxy.store.base import Store
+from idemproxy.store.factory import create_store
+from idemproxy.types import AttemptState, Job, JobState
+
+from .client import send
+
+if TYPE_CHECKING:
+    from .conftest import Backend, StartProxy
+
+pytestmark = pytest.mark.slow
+
+SHUTDOWN_TIMEOUT = 5.0
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/idemproxy.db"
+    pg: str = request.getfixturevalue("pg_dsn")
+    return pg
+
+
+async def test_sigterm_lets_the_request_in_flight_finish_and_store(
+    dsn: str, backend: Backend, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(
+        "--upstream",
+        backend.url,
+        "--store",
+        dsn,
+        env={"IDEMPROXY_SERVER__SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT)},
+    )
+    key = "slow-charge"
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(send(session, f"{proxy.url}/charges?delay=1", key=key))
+        await _until_in_flight(dsn)
+        assert not request.done()
+        signalled = time.monotonic()
+        code = await proxy.terminate(timeout=SHUTDOWN_TIMEOUT + 5)
+        stopped = time.monotonic() - signalled
+        answer = await request
+
+    assert code == 0, proxy.describe()
+    assert stopped < SHUTDOWN_TIMEOUT, f"exit took {stopped:.1f}s"
+    assert answer.status == 201, proxy.describe()
+    assert b'"execution": 1' in answer.body
+    assert backend.ledger.count(key) == 1
+
+    job = await _only_job(dsn)
+    assert (job.key, job.state) == (key, JobState.COMPLETED)
+    assert job.id == answer.job
+    assert [(a.number, a.state, a.status) for a in job.attempts] == [
+        (1, AttemptState.SUCCEEDED, 201)
+    ]
+
+
+async def _until_in_flight(dsn: str, deadline: float = 5.0) -> None:
+    """The claim is committed before a byte goes upstream (SPEC §2.2): wait for it to show."""
+    async with _opened(dsn) as store:
+        until = time.monotonic() + deadline
+        while not await store.list_jobs(state=JobState.IN_FLIGHT):
+            assert time.monotonic() < until, "the request never reached the proxy"
+            await asyncio.sleep(0.02)
+
+
+async def _only_job(dsn: str) -> Job:
+    async with _opened(dsn) as store:
+        jobs = await store.list_jobs()
+        assert len(jobs) == 1, jobs
+        job = await store.get_by_id(jobs[0].id)
+    assert job is not None
+    return job
+
+
+class _opened:
+    def __init__(self, dsn: str) -> None:
+        self._store: Store = create_store(dsn)
+
+    async def __aenter__(self) -> Store:
+        await self._store.open()
+        return self._store
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self._store.close()
