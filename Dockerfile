@@ -1,0 +1,66 @@
+# idemproxy container image: docker build -t idemproxy .
+#
+# Configure it with IDEMPROXY_* environment variables (they beat the file) or mount a settings
+# file over /etc/idemproxy/idemproxy.yaml. Jobs go to PostgreSQL in production
+# (IDEMPROXY_STORE=postgresql://…); the SQLite default lives in the /data volume, so the root
+# filesystem can be read-only.
+
+# Both stages use the same base, so the virtualenv built in the first runs in the second.
+ARG BASE_IMAGE=python:3.12-slim
+
+FROM ${BASE_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+WORKDIR /src
+# Dependencies first, from pyproject.toml alone: this layer is rebuilt only when they change,
+# not on every edit of the source.
+COPY pyproject.toml ./
+RUN python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
+        > requirements.txt \
+    && python -m pip wheel --wheel-dir /wheels -r requirements.txt \
+    && python -m venv /opt/idemproxy \
+    && /opt/idemproxy/bin/pip install --no-index --find-links /wheels -r requirements.txt
+# Then the project itself, without touching the dependencies installed above.
+COPY README.md ./
+COPY src ./src
+RUN /opt/idemproxy/bin/pip install --no-deps . \
+    && /opt/idemproxy/bin/pip uninstall --yes pip setuptools
+
+FROM ${BASE_IMAGE}
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+LABEL org.opencontainers.image.title="idemproxy" \
+      org.opencontainers.image.description="A reverse proxy that makes any HTTP API idempotent." \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+# A numeric non-root user (Kubernetes' runAsNonRoot can only verify a number). The image's own
+# settings file only moves the listener off loopback and the SQLite default into /data.
+RUN groupadd --gid 10001 idemproxy \
+    && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /data \
+        --shell /usr/sbin/nologin idemproxy \
+    && mkdir -p /data /etc/idemproxy \
+    && printf '%s\n' \
+        '# Image defaults; IDEMPROXY_* variables override them. Replace this file to configure.' \
+        'listen: 0.0.0.0:8080' \
+        'store: sqlite:////data/idemproxy.db' \
+        > /etc/idemproxy/idemproxy.yaml \
+    && chown 10001:10001 /data
+
+COPY --from=build /opt/idemproxy /opt/idemproxy
+ENV PATH=/opt/idemproxy/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    IDEMPROXY_CONFIG=/etc/idemproxy/idemproxy.yaml
+WORKDIR /data
+VOLUME ["/data"]
+USER 10001:10001
+# 8080: the proxy; 9090: the admin listener (/healthz, /readyz, /metrics), loopback by default.
+EXPOSE 8080 9090
+
+# No curl in slim images. The admin port follows IDEMPROXY_ADMIN__LISTEN when it is set.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('IDEMPROXY_ADMIN__LISTEN', ':9090').rpartition(':')[2]; urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=4)"]
+
+ENTRYPOINT ["idemproxy"]
+CMD ["serve"]
