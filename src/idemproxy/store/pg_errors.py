@@ -17,7 +17,14 @@ log = logging.getLogger("idemproxy.store")
 async def translate_errors(what: str) -> AsyncIterator[None]:
     try:
         yield
-    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except (
+        OSError,
+        TimeoutError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        # A pooled connection that the server ended, used before the driver noticed.
+        asyncpg.InternalClientError,
+    ) as exc:
         # SPEC §11: fail closed. The detail never carries SQL or driver text to the client.
         log.warning("store error during %s: %s: %s", what, type(exc).__name__, exc)
         raise StoreUnavailable() from exc

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
@@ -21,7 +22,8 @@ from idemproxy.types import ClaimResult, Claimed, Existing, Intent, Job, JobStat
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Pooled = PoolConnectionProxy[asyncpg.Record]
+if TYPE_CHECKING:  # PoolConnectionProxy is generic only in asyncpg-stubs, not at runtime
+    Pooled = PoolConnectionProxy[asyncpg.Record]
 # Several processes may start at once; one advisory lock serialises their migrations.
 _MIGRATION_LOCK = 0x1DE3_9A0C
 _CLAIM_RETRIES = 5
@@ -105,11 +107,15 @@ class PostgresStore(Store):
         return None if row is None else job_from_row(row)
 
     async def get_by_id(self, job_id: str) -> Job | None:
+        try:
+            job_uuid = uuid.UUID(job_id)
+        except ValueError:
+            return None  # ids are UUIDs here: anything else names no job, as in SQLite
         async with self._connection("get_by_id") as conn:
-            row = await conn.fetchrow(self._sql["get_job_by_id"], job_id)
+            row = await conn.fetchrow(self._sql["get_job_by_id"], job_uuid)
             if row is None:
                 return None
-            attempts = await conn.fetch(self._sql["get_attempts"], job_id)
+            attempts = await conn.fetch(self._sql["get_attempts"], job_uuid)
         return job_from_row(row, tuple(attempt_from_row(a) for a in attempts))
 
     async def complete(
@@ -206,7 +212,13 @@ class PostgresStore(Store):
                         await lost.wait()
                 if not lost.is_set():
                     await conn.execute("SELECT 1")  # notice a dead server within seconds
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+        except (
+            OSError,
+            asyncpg.PostgresError,
+            asyncpg.InterfaceError,
+            asyncpg.InternalClientError,
+            TimeoutError,
+        ) as exc:
             log.warning("change feed lost: %s", exc)
         finally:
             with contextlib.suppress(Exception):

@@ -1,0 +1,122 @@
+"""Shared fixtures: a fresh database per test, for every store backend (STYLE §13).
+
+PostgreSQL tests get their own database, cloned from a session-wide template that already holds
+every migration (`CREATE DATABASE … TEMPLATE …` is far cheaper than migrating each time). The
+server comes from `IDEMPROXY_TEST_POSTGRES`; only databases named `idemproxy_test_…` that these
+fixtures created are ever touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import secrets
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import asyncpg
+import pytest
+
+from idemproxy.store.base import Store
+from idemproxy.store.factory import create_store
+from idemproxy.store.postgres import PostgresStore
+
+T = TypeVar("T")
+
+SERVER_DSN = os.environ.get(
+    "IDEMPROXY_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+# Unique across pytest processes running at once against the same server.
+_PREFIX = f"idemproxy_test_{os.getpid()}_{secrets.token_hex(3)}"
+_counter = itertools.count(1)
+
+
+def database_dsn(name: str) -> str:
+    """The server DSN pointed at database `name`."""
+    return urlsplit(SERVER_DSN)._replace(path=f"/{name}").geturl()
+
+
+def run_admin(coro: Coroutine[Any, Any, T]) -> T:
+    """Run setup SQL on a private event loop, so fixtures work for sync and async tests alike."""
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+async def _execute(sql: str) -> None:
+    conn = await asyncpg.connect(SERVER_DSN)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+async def _migrate(dsn: str) -> None:
+    store = PostgresStore(dsn, min_connections=1, max_connections=1, listen=False)
+    await store.open()
+    try:
+        await store.migrate()
+    finally:
+        await store.close()
+
+
+@pytest.fixture(scope="session")
+def pg_server_dsn() -> str:
+    """The test server's maintenance database: for admin statements only, never for data."""
+    return SERVER_DSN
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    """A database with every migration applied, cloned by `pg_dsn`; dropped at session end."""
+    name = f"{_PREFIX}_template"
+    run_admin(_execute(f'CREATE DATABASE "{name}"'))
+    try:
+        run_admin(_migrate(database_dsn(name)))
+        yield name
+    finally:
+        run_admin(_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def pg_dsn(pg_template: str) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for one test."""
+    name = f"{_PREFIX}_{next(_counter)}"
+    run_admin(_execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
+    try:
+        yield database_dsn(name)
+    finally:
+        run_admin(_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def sqlite_dsn(tmp_path: Path) -> str:
+    """A new SQLite database file for one test."""
+    return f"sqlite:///{tmp_path}/idemproxy.db"
+
+
+_DSN_FIXTURES = {"sqlite": "sqlite_dsn", "postgres": "pg_dsn"}
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def store_dsn(request: pytest.FixtureRequest) -> str:
+    """Each backend in turn; the PostgreSQL fixtures are only set up when needed."""
+    dsn: str = request.getfixturevalue(_DSN_FIXTURES[request.param])
+    return dsn
+
+
+@pytest.fixture
+async def store(store_dsn: str) -> AsyncIterator[Store]:
+    """An open, migrated store on a fresh database."""
+    store = create_store(store_dsn)
+    await store.open()
+    try:
+        await store.migrate()
+        yield store
+    finally:
+        await store.close()
