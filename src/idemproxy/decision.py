@@ -50,13 +50,20 @@ class StartNextAttempt:
 
 
 @dataclass(frozen=True, slots=True)
+class TakeOver:
+    """The proxy running the job died (SPEC §3.5): CAS it to `unknown` on `version`."""
+
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
 class Forget:
     """The job has expired (SPEC §11): delete it by CAS on `version` and claim afresh."""
 
     version: int
 
 
-Decision = Replay | Reject | Hold | StartNextAttempt | Forget
+Decision = Replay | Reject | Hold | StartNextAttempt | TakeOver | Forget
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +87,9 @@ def decide(job: Job, fingerprint: str, policy: Policy, *, wait_expired: bool = F
         return StartNextAttempt(job.version)
     if job.state is JobState.UNKNOWN:
         return Reject(OutcomeUnknown)
+    if job.lease_expired:
+        # Nobody renews the lease: the attempt may or may not have reached the upstream.
+        return TakeOver(job.version)
     if policy.hold_in_flight and not wait_expired:
         return Hold()
     return Reject(RequestInFlight)

@@ -79,8 +79,13 @@ class Job:
     completed_by: int | None = None
     response: StoredResponse | None = None
     created_at: datetime | None = None
+    updated_at: datetime | None = None
     expires_at: datetime | None = None
     expired: bool = False
+    # SPEC §3.5: in flight, but the lease of its attempts ran out by the database clock.
+    lease_expired: bool = False
+    # How an operator or unknown_ttl settled it (SPEC §3.3), if they did.
+    resolution: str | None = None
     attempts: tuple[Attempt, ...] = field(default_factory=tuple)
 
 

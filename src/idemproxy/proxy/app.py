@@ -11,6 +11,7 @@ from aiohttp import web
 
 from idemproxy.config import Settings
 from idemproxy.proxy.context import CONTEXT, ProxyContext
+from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.handler import handle
 from idemproxy.proxy.sweeper import sweep_forever
@@ -47,9 +48,10 @@ def _lifecycle(
             await store.open()
             if settings.migrate:
                 await store.migrate()
-        upstream = _upstream_client(settings)
+        failpoints = Failpoints.from_env()
+        upstream = _upstream_client(settings, failpoints)
         await upstream.open()
-        ctx = ProxyContext.build(settings, store, upstream)
+        ctx = ProxyContext.build(settings, store, upstream, failpoints)
         app[CONTEXT] = ctx
         sweeper = asyncio.create_task(
             sweep_forever(
@@ -70,12 +72,13 @@ def _lifecycle(
     return lifecycle
 
 
-def _upstream_client(settings: Settings) -> UpstreamClient:
+def _upstream_client(settings: Settings, failpoints: Failpoints) -> UpstreamClient:
     return UpstreamClient(
         timeout=settings.upstream_timeout,
         connect_timeout=settings.connect_timeout,
         connections=settings.pool.upstream_connections,
         keepalive=settings.pool.upstream_keepalive,
+        trace_configs=failpoints.trace_configs(),
     )
 
 

@@ -18,6 +18,7 @@ from idemproxy.decision import Outcome, classify_failure, classify_response
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure
 from idemproxy.proxy.headers import headers_to_store, response_headers_for_client
+from idemproxy.proxy.lease import lease_kept
 from idemproxy.proxy.passthrough import forwarded_headers, upstream_url
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
@@ -36,9 +37,12 @@ async def run_attempt(
     headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
     headers[ATTEMPT_HEADER] = str(number)
     try:
-        async with ctx.upstream.request(
-            request.method, str(upstream_url(route, request)), headers, body
-        ) as upstream:
+        async with (
+            lease_kept(ctx.store, job, lease=ctx.settings.lease),
+            ctx.upstream.request(
+                request.method, upstream_url(route, request), headers, body
+            ) as upstream,
+        ):
             outcome = classify_response(upstream.status, ctx.statuses)
             content, whole = await UpstreamClient.read_body(upstream, ctx.settings.max_stored_body)
             if whole:
@@ -75,9 +79,11 @@ async def _finish_buffered(
             headers_to_store(upstream.headers, ctx.settings.unreplayed_headers),
             content,
         )
+        ctx.failpoints.hit("before_store")
         if not await ctx.store.complete(job, number, stored, ttl=route.ttl):
             log.info("late result discarded: job %s attempt %d lost the CAS", job.id, number)
             return None
+        ctx.failpoints.hit("after_store")
     else:
         await _settle(ctx, job, number, outcome, status=upstream.status, error=None)
     response = web.Response(

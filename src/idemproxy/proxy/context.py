@@ -10,6 +10,7 @@ from aiohttp import web
 from idemproxy.config import Settings
 from idemproxy.decision import Policy, StatusPolicy
 from idemproxy.owner import OwnerPolicy
+from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.routing import RouteTable
 from idemproxy.store.base import Store
@@ -25,12 +26,20 @@ class ProxyContext:
     statuses: StatusPolicy
     owner: OwnerPolicy
     governed_methods: frozenset[str]
+    failpoints: Failpoints
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[web.StreamResponse | None]] = field(default_factory=set)
 
     @classmethod
-    def build(cls, settings: Settings, store: Store, upstream: UpstreamClient) -> ProxyContext:
+    def build(
+        cls,
+        settings: Settings,
+        store: Store,
+        upstream: UpstreamClient,
+        failpoints: Failpoints | None = None,
+    ) -> ProxyContext:
+        failpoints = failpoints or Failpoints(None)
         return cls(
             settings=settings,
             store=store,
@@ -43,6 +52,7 @@ class ProxyContext:
             ),
             owner=settings.owner.policy(),
             governed_methods=frozenset(settings.methods),
+            failpoints=failpoints,
         )
 
 

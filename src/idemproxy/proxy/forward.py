@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from idemproxy.decision import Failure
 
@@ -32,10 +33,12 @@ class UpstreamClient:
         connect_timeout: float,
         connections: int,
         keepalive: float,
+        trace_configs: Sequence[aiohttp.TraceConfig] = (),
     ) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout, connect=connect_timeout)
         self._connections = connections
         self._keepalive = keepalive
+        self._trace_configs = list(trace_configs)
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
@@ -49,6 +52,7 @@ class UpstreamClient:
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             raise_for_status=False,
+            trace_configs=self._trace_configs or None,
         )
         # SPEC §10: never re-send a request on a pooled connection once any byte may have been
         # written. aiohttp retries idempotent methods after a disconnect on a reused connection
@@ -64,7 +68,7 @@ class UpstreamClient:
     async def request(
         self,
         method: str,
-        url: str,
+        url: URL,  # encoded=True; a str would be re-quoted by aiohttp (SPEC §10 fidelity)
         headers: Any,
         body: bytes | AsyncIterable[bytes] | None,
         *,

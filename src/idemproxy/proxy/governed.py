@@ -11,7 +11,15 @@ import uuid
 from aiohttp import web
 
 from idemproxy.constants import WAITER_RECHECK_SECONDS
-from idemproxy.decision import Forget, Hold, Reject, Replay, StartNextAttempt, decide
+from idemproxy.decision import (
+    Forget,
+    Hold,
+    Reject,
+    Replay,
+    StartNextAttempt,
+    TakeOver,
+    decide,
+)
 from idemproxy.errors import RequestInFlight, StoreUnavailable, TooManyWaiters
 from idemproxy.proxy.attempt import run_attempt
 from idemproxy.proxy.context import ProxyContext
@@ -37,6 +45,7 @@ async def handle_governed(
     deadline = loop.time() + ctx.settings.effective_max_wait
     for _ in range(_MAX_TURNS):
         if isinstance(result, Claimed):
+            ctx.failpoints.hit("after_claim")
             response = await run_shielded(ctx, request, route, result, body)
             if response is not None:
                 return response
@@ -55,6 +64,9 @@ async def handle_governed(
                 job, route.upstream, lease=ctx.settings.lease
             )
             result = claimed or await _reread(ctx, route, intent)
+        elif isinstance(decision, TakeOver):
+            await ctx.store.take_over(job)  # winners and losers alike re-read the job
+            result = await _reread(ctx, route, intent)
         elif isinstance(decision, Forget):
             await ctx.store.forget(job)
             result = await _claim(ctx, route, intent)
@@ -96,10 +108,19 @@ async def _hold(
     async with ctx.store.watching(job.id) as subscription:
         # Re-read after subscribing, so that a change just before it cannot be missed.
         current = await ctx.store.get(intent.owner, intent.key)
-        while current is not None and current.id == job.id and current.state is JobState.IN_FLIGHT:
+        while _still_running(current, job):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
             await subscription.wait(min(remaining, WAITER_RECHECK_SECONDS))
             current = await ctx.store.get(intent.owner, intent.key)
     return Existing(current) if current is not None else await _claim(ctx, route, intent)
+
+
+def _still_running(current: Job | None, job: Job) -> bool:
+    return (
+        current is not None
+        and current.id == job.id
+        and current.state is JobState.IN_FLIGHT
+        and not current.lease_expired
+    )

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def upstream_url(route: Route, request: web.Request) -> URL:
-    # raw_path keeps the client's exact path and query bytes, no re-quoting.
+    # raw_path keeps the client's exact path and query bytes, no re-quoting. Callers must pass
+    # this URL object on as it is: str() of it is re-parsed and re-quoted by aiohttp (%2F -> /).
     return URL(route.upstream + request.raw_path, encoded=True)
 
 
@@ -40,7 +41,7 @@ async def passthrough(
     try:
         async with ctx.upstream.request(
             request.method,
-            str(upstream_url(route, request)),
+            upstream_url(route, request),
             forwarded_headers(request),
             data,
             content_length=request.content_length,

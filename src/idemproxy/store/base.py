@@ -1,7 +1,8 @@
 """The storage interface every backend implements and one contract suite checks (SPEC §11).
 
-Every method that changes a job is a compare-and-swap on the job's `version`: it returns whether
-it won, and a loser changes nothing. Driver errors never leave a store: each implementation
+Every method that changes a job is a compare-and-swap on the job's `version` (and names its
+`owner`, so that every hot-path statement can be routed to one shard): it returns whether it
+won, and a loser changes nothing. Driver errors never leave a store: each implementation
 translates them into `StoreUnavailable` at one boundary.
 """
 
@@ -11,7 +12,7 @@ import abc
 from contextlib import AbstractAsyncContextManager
 
 from idemproxy.store.watch import JobWatch
-from idemproxy.types import ClaimResult, Claimed, Intent, Job, JobState, StoredResponse
+from idemproxy.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 
 
 class Store(abc.ABC):
@@ -31,6 +32,8 @@ class Store(abc.ABC):
     async def migrate(self) -> list[str]:
         """Apply pending versioned migrations; returns the versions applied."""
 
+    # --- the hot path -------------------------------------------------------------------------
+
     @abc.abstractmethod
     async def claim(
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
@@ -39,10 +42,6 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def get(self, owner: str, key: str) -> Job | None: ...
-
-    @abc.abstractmethod
-    async def get_by_id(self, job_id: str) -> Job | None:
-        """The job with all its attempts."""
 
     @abc.abstractmethod
     async def complete(
@@ -63,18 +62,76 @@ class Store(abc.ABC):
         """CAS the job to `released` or `unknown` after a failed attempt."""
 
     @abc.abstractmethod
-    async def start_next_attempt(
-        self, job: Job, upstream: str, *, lease: float
-    ) -> Claimed | None:
+    async def finish_attempt(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        """Record one attempt's failure (`released` → failed, `unknown`) without touching the job,
+        while other attempts of it still run (hedging, SPEC §3.4)."""
+
+    @abc.abstractmethod
+    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
         """CAS a released job back to `in_flight` with a new attempt; None if another won."""
+
+    @abc.abstractmethod
+    async def fail_over(
+        self,
+        job: Job,
+        attempt: int,
+        upstream: str,
+        *,
+        status: int | None,
+        error: str | None,
+        lease: float,
+    ) -> Claimed | None:
+        """Attempt `attempt` failed without executing: start the next one on `upstream` in the
+        same transaction, the job staying in flight (SPEC §3.4); None if the CAS lost."""
 
     @abc.abstractmethod
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
         """Start one more attempt under a job in flight (hedging); None if it left in_flight."""
 
     @abc.abstractmethod
+    async def renew_lease(self, job: Job, *, lease: float) -> bool:
+        """Extend the lease of a job in flight (SPEC §3.5); False once it is no longer ours."""
+
+    @abc.abstractmethod
+    async def take_over(self, job: Job) -> bool:
+        """CAS a job whose lease expired to `unknown` (SPEC §3.5); exactly one caller wins."""
+
+    @abc.abstractmethod
     async def forget(self, job: Job) -> bool:
         """Delete an expired terminal job (CAS on version) so its key can be claimed again."""
+
+    # --- operators and housekeeping -----------------------------------------------------------
+
+    @abc.abstractmethod
+    async def get_by_id(self, job_id: str) -> Job | None:
+        """The job with all its attempts."""
+
+    @abc.abstractmethod
+    async def resolve(
+        self,
+        job: Job,
+        state: JobState,
+        *,
+        response: StoredResponse | None = None,
+        ttl: float = 0.0,
+        resolution: str = "operator",
+    ) -> bool:
+        """CAS an `unknown` job to `completed` (with `response`) or `released` (SPEC §3.3)."""
+
+    @abc.abstractmethod
+    async def delete(self, job: Job) -> bool: ...
+
+    @abc.abstractmethod
+    async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
+        """Unknown jobs unchanged for `older_than` seconds (unknown_ttl, SPEC §3.3)."""
 
     @abc.abstractmethod
     async def sweep_expired(self, batch_size: int) -> int:
@@ -84,6 +141,9 @@ class Store(abc.ABC):
     async def list_jobs(
         self, *, state: JobState | None = None, owner: str | None = None, limit: int = 100
     ) -> list[Job]: ...
+
+    @abc.abstractmethod
+    async def count_unknown(self) -> int: ...
 
     @abc.abstractmethod
     async def ping(self) -> None:

@@ -23,6 +23,6 @@ def sqlite_path(dsn: str) -> str:
     path = dsn.removeprefix("sqlite://")
     if path in ("", "/"):
         raise ConfigError("store: a sqlite DSN needs a path, e.g. sqlite:///idemproxy.db")
-    if path == ":memory:" or path == "/:memory:":
+    if path in {":memory:", "/:memory:"}:
         return ":memory:"
     return path.removeprefix("/")

@@ -4,29 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
-from asyncpg.pool import PoolConnectionProxy
 
-from idemproxy.constants import NOTIFY_CHANNEL
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store, settle_states
 from idemproxy.store.pg_errors import translate_errors
+from idemproxy.store.pg_listen import listen_forever
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import attempt_from_row, encode_headers, job_from_row
-from idemproxy.types import ClaimResult, Claimed, Existing, Intent, Job, JobState, StoredResponse
+from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
-log = logging.getLogger(__name__)
-T = TypeVar("T")
 if TYPE_CHECKING:  # PoolConnectionProxy is generic only in asyncpg-stubs, not at runtime
+    from asyncpg.pool import PoolConnectionProxy
+
     Pooled = PoolConnectionProxy[asyncpg.Record]
+
+T = TypeVar("T")
 # Several processes may start at once; one advisory lock serialises their migrations.
 _MIGRATION_LOCK = 0x1DE3_9A0C
 _CLAIM_RETRIES = 5
+_ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
 
 
 class PostgresStore(Store):
@@ -58,7 +59,10 @@ class PostgresStore(Store):
                 init=_init_connection,
             )
         if self._listen:
-            self._listener = asyncio.create_task(self._listen_forever(), name="pg-listen")
+            self._listener = asyncio.create_task(
+                listen_forever(self._dsn, self.watch, timeout=self._command_timeout),
+                name="idemproxy-change-feed",
+            )
 
     async def close(self) -> None:
         if self._listener is not None:
@@ -77,7 +81,8 @@ class PostgresStore(Store):
                 "CREATE TABLE IF NOT EXISTS idemproxy.schema_migrations ("
                 " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
             )
-            done = {r["version"] for r in await conn.fetch("SELECT version FROM idemproxy.schema_migrations")}
+            rows = await conn.fetch("SELECT version FROM idemproxy.schema_migrations")
+            done = {row["version"] for row in rows}
             for version, sql in load_migrations("postgres"):
                 if version not in done:
                     await conn.execute(sql)
@@ -106,6 +111,84 @@ class PostgresStore(Store):
         row = await self._fetchrow("get_job", owner, key)
         return None if row is None else job_from_row(row)
 
+    async def complete(
+        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    ) -> bool:
+        row = await self._fetchrow(
+            "complete",
+            *_cas(job),
+            attempt,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            response.omitted,
+            float(ttl),
+        )
+        return row is not None
+
+    async def settle(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> bool:
+        job_state, attempt_state = settle_states(state)
+        row = await self._fetchrow(
+            "settle", *_cas(job), attempt, job_state, attempt_state, status, error
+        )
+        return row is not None
+
+    async def finish_attempt(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        await self._execute(
+            "finish_attempt", job.owner, job.id, attempt, _ATTEMPT_STATE[state], status, error
+        )
+
+    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+        row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))
+        return _claimed(row)
+
+    async def fail_over(
+        self,
+        job: Job,
+        attempt: int,
+        upstream: str,
+        *,
+        status: int | None,
+        error: str | None,
+        lease: float,
+    ) -> Claimed | None:
+        row = await self._fetchrow(
+            "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
+        )
+        return _claimed(row)
+
+    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
+        row = await self._fetchrow("add_attempt", *_cas(job), upstream, float(lease))
+        return None if row is None else int(row["number"])
+
+    async def renew_lease(self, job: Job, *, lease: float) -> bool:
+        rows = await self._run(
+            "renew_lease", lambda c: c.fetch(self._sql["renew_lease"], *_cas(job), float(lease))
+        )
+        return bool(rows)
+
+    async def take_over(self, job: Job) -> bool:
+        return await self._fetchrow("take_over", *_cas(job)) is not None
+
+    async def forget(self, job: Job) -> bool:
+        return await self._execute("forget", *_cas(job)) == "DELETE 1"
+
     async def get_by_id(self, job_id: str) -> Job | None:
         try:
             job_uuid = uuid.UUID(job_id)
@@ -115,47 +198,44 @@ class PostgresStore(Store):
             row = await conn.fetchrow(self._sql["get_job_by_id"], job_uuid)
             if row is None:
                 return None
-            attempts = await conn.fetch(self._sql["get_attempts"], job_uuid)
+            attempts = await conn.fetch(self._sql["get_attempts"], row["owner"], job_uuid)
         return job_from_row(row, tuple(attempt_from_row(a) for a in attempts))
 
-    async def complete(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    async def resolve(
+        self,
+        job: Job,
+        state: JobState,
+        *,
+        response: StoredResponse | None = None,
+        ttl: float = 0.0,
+        resolution: str = "operator",
     ) -> bool:
+        if state is JobState.RELEASED:
+            return await self._fetchrow("resolve_released", *_cas(job), resolution) is not None
+        if state is not JobState.COMPLETED or response is None or response.body is None:
+            raise ValueError("resolve as completed needs a response with a body")
         row = await self._fetchrow(
-            "complete", job.id, job.version, attempt, response.status,
-            encode_headers(response.headers), response.body, response.omitted, float(ttl),
+            "resolve_completed",
+            *_cas(job),
+            resolution,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            float(ttl),
         )
         return row is not None
 
-    async def settle(
-        self, job: Job, attempt: int, state: JobState, *,
-        status: int | None = None, error: str | None = None,
-    ) -> bool:
-        job_state, attempt_state = settle_states(state)
-        row = await self._fetchrow(
-            "settle", job.id, job.version, attempt, job_state, attempt_state, status, error
+    async def delete(self, job: Job) -> bool:
+        return await self._fetchrow("delete_job", job.owner, job.id) is not None
+
+    async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
+        rows = await self._run(
+            "stale_unknown", lambda c: c.fetch(self._sql["stale_unknown"], older_than, limit)
         )
-        return row is not None
-
-    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
-        row = await self._fetchrow("start_next_attempt", job.id, job.version, upstream, float(lease))
-        if row is None:
-            return None
-        started = job_from_row(row)
-        return Claimed(started, started.attempt_count)
-
-    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
-        row = await self._fetchrow("add_attempt", job.id, job.version, upstream, float(lease))
-        return None if row is None else int(row["number"])
-
-    async def forget(self, job: Job) -> bool:
-        status = await self._run("forget", lambda c: c.execute(self._sql["forget"], job.id, job.version))
-        return bool(status == "DELETE 1")
+        return [job_from_row(row) for row in rows]
 
     async def sweep_expired(self, batch_size: int) -> int:
-        status = await self._run(
-            "sweep", lambda c: c.execute(self._sql["sweep_expired"], batch_size)
-        )
+        status = await self._execute("sweep_expired", batch_size)
         return int(status.rsplit(" ", 1)[-1])
 
     async def list_jobs(
@@ -167,11 +247,18 @@ class PostgresStore(Store):
         )
         return [job_from_row(row) for row in rows]
 
+    async def count_unknown(self) -> int:
+        row = await self._fetchrow("count_unknown")
+        return 0 if row is None else int(row["unknown"])
+
     async def ping(self) -> None:
         await self._fetchrow("ping")
 
     async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
         return await self._run(name, lambda c: c.fetchrow(self._sql[name], *args))
+
+    async def _execute(self, name: str, *args: Any) -> str:
+        return await self._run(name, lambda c: c.execute(self._sql[name], *args))
 
     async def _run(self, what: str, call: Callable[[Pooled], Awaitable[T]]) -> T:
         async with self._connection(what) as conn:
@@ -181,51 +268,21 @@ class PostgresStore(Store):
     async def _connection(self, what: str) -> AsyncIterator[Pooled]:
         if self._pool is None:
             raise StoreUnavailable("The store is not open.")
-        async with translate_errors(what), self._pool.acquire(timeout=self._command_timeout) as conn:
+        pool = self._pool
+        async with translate_errors(what), pool.acquire(timeout=self._command_timeout) as conn:
             yield conn
 
-    async def _listen_forever(self) -> None:
-        """Feed `LISTEN idemproxy_jobs` into the watch; reconnect with backoff when it drops."""
-        delay = 0.1
-        while True:
-            try:
-                conn = await asyncpg.connect(self._dsn, timeout=self._command_timeout)
-            except (OSError, asyncpg.PostgresError, TimeoutError) as exc:
-                log.warning("change feed: cannot connect (%s); retrying in %.1fs", exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            delay = 0.1
-            await self._listen_on(conn)
-            # Whatever happened while the feed was down, waiters re-read the jobs themselves.
-            self.watch.notify_all()
 
-    async def _listen_on(self, conn: asyncpg.Connection) -> None:
-        lost = asyncio.Event()
-        conn.add_termination_listener(lambda _conn: lost.set())
-        try:
-            await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
-            self.watch.notify_all()  # changes may have been missed before LISTEN took effect
-            while not lost.is_set() and not conn.is_closed():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(5.0):
-                        await lost.wait()
-                if not lost.is_set():
-                    await conn.execute("SELECT 1")  # notice a dead server within seconds
-        except (
-            OSError,
-            asyncpg.PostgresError,
-            asyncpg.InterfaceError,
-            asyncpg.InternalClientError,
-            TimeoutError,
-        ) as exc:
-            log.warning("change feed lost: %s", exc)
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), timeout=1.0)
+def _cas(job: Job) -> tuple[str, str, int]:
+    """(owner, id, version): every hot-path statement names the owner (SPEC §11)."""
+    return job.owner, job.id, job.version
 
-    def _on_notify(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
-        self.watch.notify(str(payload))
+
+def _claimed(row: asyncpg.Record | None) -> Claimed | None:
+    if row is None:
+        return None
+    started = job_from_row(row)
+    return Claimed(started, started.attempt_count)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:

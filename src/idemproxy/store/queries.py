@@ -14,7 +14,9 @@ def load_queries(dialect: str) -> dict[str, str]:
     """`{name: sql}` from `sql/<dialect>/queries.sql`."""
     text = resources.files("idemproxy.store").joinpath("sql", dialect, "queries.sql").read_text()
     parts = _NAME.split(text)
-    return {name: body.strip().rstrip(";") for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    return {
+        name: body.strip().rstrip(";") for name, body in zip(parts[1::2], parts[2::2], strict=True)
+    }
 
 
 def load_migrations(dialect: str) -> list[tuple[str, str]]:

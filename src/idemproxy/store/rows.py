@@ -29,8 +29,11 @@ def job_from_row(row: Row, attempts: tuple[Attempt, ...] = ()) -> Job:
         completed_by=row["completed_by"],
         response=_response(row),
         created_at=as_datetime(row["created_at"]),
+        updated_at=as_datetime(row["updated_at"]),
         expires_at=as_datetime(row["expires_at"]),
         expired=bool(row["expired"]),
+        lease_expired=bool(row["lease_expired"]),
+        resolution=row["resolution"],
         attempts=attempts,
     )
 

@@ -15,7 +15,10 @@ from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store, settle_states
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import attempt_from_row, encode_headers, job_from_row
-from idemproxy.types import ClaimResult, Claimed, Existing, Intent, Job, JobState, StoredResponse
+from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState, StoredResponse
+
+Params = dict[str, Any]
+_ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
 
 
 class SqliteStore(Store):
@@ -55,12 +58,15 @@ class SqliteStore(Store):
                 "CREATE TABLE IF NOT EXISTS schema_migrations ("
                 " version TEXT PRIMARY KEY, applied_at REAL NOT NULL DEFAULT (unixepoch()))"
             )
-            done = {row[0] for row in await db.execute_fetchall("SELECT version FROM schema_migrations")}
+            rows = await db.execute_fetchall("SELECT version FROM schema_migrations")
+            done = {row[0] for row in rows}
             for version, sql in load_migrations("sqlite"):
                 if version not in done:
                     for statement in _statements(sql):
                         await db.execute(statement)
-                    await db.execute("INSERT INTO schema_migrations (version) VALUES (?)", (version,))
+                    await db.execute(
+                        "INSERT INTO schema_migrations (version) VALUES (?)", (version,)
+                    )
                     applied.append(version)
         return applied
 
@@ -68,18 +74,19 @@ class SqliteStore(Store):
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
         job_args = {
-            "owner": intent.owner, "key": intent.key, "id": job_id,
-            "fingerprint": intent.fingerprint, "method": intent.method, "path": intent.path,
+            "owner": intent.owner,
+            "key": intent.key,
+            "id": job_id,
+            "fingerprint": intent.fingerprint,
+            "method": intent.method,
+            "path": intent.path,
             "ttl": float(ttl),
+            "lease": float(lease),
         }
         async with self._transaction() as db:
-            cursor = await db.execute(self._sql["insert_job"], job_args)
-            created = cursor.rowcount == 1
+            created = await self._changed(db, "insert_job", job_args)
             if created:
-                await db.execute(self._sql["insert_attempt"], {
-                    "owner": intent.owner, "job_id": job_id, "number": 1,
-                    "upstream": upstream, "lease": float(lease),
-                })
+                await self._insert_attempt(db, intent.owner, job_id, 1, upstream, lease)
             row = await self._one(db, "get_job", {"owner": intent.owner, "key": intent.key})
         assert row is not None, "the job exists inside the claim's transaction"
         job = job_from_row(row)
@@ -90,78 +97,158 @@ class SqliteStore(Store):
             row = await self._one(db, "get_job", {"owner": owner, "key": key})
         return None if row is None else job_from_row(row)
 
+    async def complete(
+        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    ) -> bool:
+        params = _cas(job) | {
+            "attempt": attempt,
+            "status": response.status,
+            "ttl": float(ttl),
+            "headers": encode_headers(response.headers),
+            "body": response.body,
+            "omitted": response.omitted,
+        }
+        async with self._transaction() as db:
+            won = await self._changed(db, "complete_job", params)
+            attempt_row = {"owner": job.owner, "job_id": job.id, "attempt": attempt}
+            if won:
+                await db.execute(
+                    self._sql["finish_attempt"],
+                    attempt_row
+                    | {
+                        "state": "succeeded",
+                        "status": response.status,
+                        "error": None,
+                    },
+                )
+            else:
+                await db.execute(
+                    self._sql["discard_attempt"], attempt_row | {"status": response.status}
+                )
+        return self._notify_if(won, job)
+
+    async def settle(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> bool:
+        job_state, attempt_state = settle_states(state)
+        async with self._transaction() as db:
+            won = await self._changed(db, "settle_job", _cas(job) | {"state": job_state})
+            await self._finish(db, job, attempt, attempt_state, status, error)
+        return self._notify_if(won, job)
+
+    async def finish_attempt(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        async with self._transaction() as db:
+            await self._finish(db, job, attempt, _ATTEMPT_STATE[state], status, error)
+
+    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+        async with self._transaction() as db:
+            if not await self._changed(db, "reopen_job", _cas(job) | {"lease": float(lease)}):
+                return None
+            return await self._started(db, job, upstream, lease)
+
+    async def fail_over(
+        self,
+        job: Job,
+        attempt: int,
+        upstream: str,
+        *,
+        status: int | None,
+        error: str | None,
+        lease: float,
+    ) -> Claimed | None:
+        async with self._transaction() as db:
+            if not await self._changed(db, "advance_job", _cas(job) | {"lease": float(lease)}):
+                return None
+            await self._finish(db, job, attempt, "failed", status, error)
+            return await self._started(db, job, upstream, lease)
+
+    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
+        async with self._transaction() as db:
+            if not await self._changed(db, "count_attempt", _cas(job) | {"lease": float(lease)}):
+                return None
+            started = await self._started(db, job, upstream, lease)
+        return started.attempt
+
+    async def renew_lease(self, job: Job, *, lease: float) -> bool:
+        params = _cas(job) | {"lease": float(lease)}
+        async with self._transaction() as db:
+            renewed = await self._changed(db, "renew_job_lease", params)
+            if renewed:
+                await db.execute(self._sql["renew_attempt_leases"], params)
+        return renewed
+
+    async def take_over(self, job: Job) -> bool:
+        async with self._transaction() as db:
+            won = await self._changed(db, "take_over_job", _cas(job))
+            if won:
+                await db.execute(self._sql["lose_attempts"], {"owner": job.owner, "id": job.id})
+        return self._notify_if(won, job)
+
+    async def forget(self, job: Job) -> bool:
+        async with self._transaction() as db:
+            return await self._changed(db, "forget", _cas(job))
+
     async def get_by_id(self, job_id: str) -> Job | None:
         async with self._reading() as db:
             row = await self._one(db, "get_job_by_id", {"id": job_id})
             if row is None:
                 return None
-            attempts = await db.execute_fetchall(self._sql["get_attempts"], {"job_id": job_id})
+            attempts = await db.execute_fetchall(
+                self._sql["get_attempts"], {"owner": row["owner"], "job_id": job_id}
+            )
         return job_from_row(row, tuple(attempt_from_row(a) for a in attempts))
 
-    async def complete(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    async def resolve(
+        self,
+        job: Job,
+        state: JobState,
+        *,
+        response: StoredResponse | None = None,
+        ttl: float = 0.0,
+        resolution: str = "operator",
     ) -> bool:
+        params = _cas(job) | {"resolution": resolution}
+        if state is JobState.RELEASED:
+            query = "resolve_released"
+        elif state is JobState.COMPLETED and response is not None and response.body is not None:
+            query = "resolve_completed"
+            params |= {
+                "status": response.status,
+                "headers": encode_headers(response.headers),
+                "body": response.body,
+                "ttl": float(ttl),
+            }
+        else:
+            raise ValueError("resolve as completed needs a response with a body")
         async with self._transaction() as db:
-            cursor = await db.execute(self._sql["complete_job"], {
-                "id": job.id, "version": job.version, "attempt": attempt,
-                "status": response.status, "headers": encode_headers(response.headers),
-                "body": response.body, "omitted": response.omitted, "ttl": float(ttl),
-            })
-            won = cursor.rowcount == 1
-            await self._finish_attempt(
-                db, job.id, attempt, "succeeded" if won else "discarded", response.status, None
+            won = await self._changed(db, query, params)
+        return self._notify_if(won, job)
+
+    async def delete(self, job: Job) -> bool:
+        async with self._transaction() as db:
+            won = await self._changed(db, "delete_job", {"owner": job.owner, "id": job.id})
+        return self._notify_if(won, job)
+
+    async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
+        async with self._reading() as db:
+            rows = await db.execute_fetchall(
+                self._sql["stale_unknown"], {"age": float(older_than), "limit": limit}
             )
-        if won:
-            self.watch.notify(job.id)
-        return won
-
-    async def settle(
-        self, job: Job, attempt: int, state: JobState, *,
-        status: int | None = None, error: str | None = None,
-    ) -> bool:
-        job_state, attempt_state = settle_states(state)
-        async with self._transaction() as db:
-            cursor = await db.execute(
-                self._sql["settle_job"], {"id": job.id, "version": job.version, "state": job_state}
-            )
-            won = cursor.rowcount == 1
-            await self._finish_attempt(db, job.id, attempt, attempt_state, status, error)
-        if won:
-            self.watch.notify(job.id)
-        return won
-
-    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
-        async with self._transaction() as db:
-            cursor = await db.execute(self._sql["reopen_job"], {"id": job.id, "version": job.version})
-            if cursor.rowcount != 1:
-                return None
-            row = await self._one(db, "get_job_by_id", {"id": job.id})
-            assert row is not None
-            started = job_from_row(row)
-            await db.execute(self._sql["insert_attempt"], {
-                "owner": job.owner, "job_id": job.id, "number": started.attempt_count,
-                "upstream": upstream, "lease": float(lease),
-            })
-        return Claimed(started, started.attempt_count)
-
-    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
-        async with self._transaction() as db:
-            cursor = await db.execute(self._sql["count_attempt"], {"id": job.id, "version": job.version})
-            if cursor.rowcount != 1:
-                return None
-            row = await self._one(db, "get_job_by_id", {"id": job.id})
-            assert row is not None
-            number = int(row["attempt_count"])
-            await db.execute(self._sql["insert_attempt"], {
-                "owner": job.owner, "job_id": job.id, "number": number,
-                "upstream": upstream, "lease": float(lease),
-            })
-        return number
-
-    async def forget(self, job: Job) -> bool:
-        async with self._transaction() as db:
-            cursor = await db.execute(self._sql["forget"], {"id": job.id, "version": job.version})
-            return cursor.rowcount == 1
+        return [job_from_row(row) for row in rows]
 
     async def sweep_expired(self, batch_size: int) -> int:
         async with self._transaction() as db:
@@ -176,19 +263,77 @@ class SqliteStore(Store):
             rows = await db.execute_fetchall(self._sql["list_jobs"], params)
         return [job_from_row(row) for row in rows]
 
+    async def count_unknown(self) -> int:
+        async with self._reading() as db:
+            row = await self._one(db, "count_unknown", {})
+        return int(row["unknown"])
+
     async def ping(self) -> None:
         async with self._reading() as db:
             await db.execute("SELECT 1")
 
-    async def _finish_attempt(
-        self, db: aiosqlite.Connection, job_id: str, attempt: int, state: str,
-        status: int | None, error: str | None,
-    ) -> None:
-        await db.execute(self._sql["finish_attempt"], {
-            "job_id": job_id, "attempt": attempt, "state": state, "status": status, "error": error,
-        })
+    def _notify_if(self, won: bool, job: Job) -> bool:
+        """Held duplicates in this process learn of the change after the commit."""
+        if won:
+            self.watch.notify(job.id)
+        return won
 
-    async def _one(self, db: aiosqlite.Connection, name: str, params: dict[str, Any]) -> Any:
+    async def _started(
+        self, db: aiosqlite.Connection, job: Job, upstream: str, lease: float
+    ) -> Claimed:
+        row = await self._one(db, "get_job_by_id", {"id": job.id})
+        assert row is not None, "the job exists inside the transaction"
+        started = job_from_row(row)
+        number = started.attempt_count
+        await self._insert_attempt(db, job.owner, job.id, number, upstream, lease)
+        return Claimed(started, number)
+
+    async def _insert_attempt(
+        self,
+        db: aiosqlite.Connection,
+        owner: str,
+        job_id: str,
+        number: int,
+        upstream: str,
+        lease: float,
+    ) -> None:
+        await db.execute(
+            self._sql["insert_attempt"],
+            {
+                "owner": owner,
+                "job_id": job_id,
+                "number": number,
+                "upstream": upstream,
+                "lease": float(lease),
+            },
+        )
+
+    async def _finish(
+        self,
+        db: aiosqlite.Connection,
+        job: Job,
+        attempt: int,
+        state: str,
+        status: int | None,
+        error: str | None,
+    ) -> None:
+        await db.execute(
+            self._sql["finish_attempt"],
+            {
+                "owner": job.owner,
+                "job_id": job.id,
+                "attempt": attempt,
+                "state": state,
+                "status": status,
+                "error": error,
+            },
+        )
+
+    async def _changed(self, db: aiosqlite.Connection, name: str, params: Params) -> bool:
+        cursor = await db.execute(self._sql[name], params)
+        return cursor.rowcount == 1
+
+    async def _one(self, db: aiosqlite.Connection, name: str, params: Params) -> Any:
         async with db.execute(self._sql[name], params) as cursor:
             return await cursor.fetchone()
 
@@ -213,6 +358,10 @@ class SqliteStore(Store):
         if self._db is None:
             raise StoreUnavailable("The store is not open.")
         return self._db
+
+
+def _cas(job: Job) -> Params:
+    return {"owner": job.owner, "id": job.id, "version": job.version}
 
 
 @contextlib.asynccontextmanager

@@ -1,5 +1,7 @@
 -- Named queries for the PostgreSQL store. Each section starts with "-- name: <name>".
 -- Times always come from the database clock (SPEC §3.5), never from the proxy's.
+-- Every hot-path statement names `owner` in its WHERE clause or conflict target, so that the
+-- tables can be distributed by owner (Citus) and each statement is routed to one shard (§11).
 
 -- name: claim
 -- SPEC §2.2: create the job and its first attempt in one statement, relying on the (owner, key)
@@ -7,43 +9,40 @@
 -- branch returns it in the same round trip; when a concurrent claim committed it while this one
 -- waited on the unique index, no row comes back and the caller re-reads with `get_job`.
 WITH new_job AS (
-    INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at)
-    VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7))
+    INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
+                                lease_expires_at)
+    VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7),
+            now() + make_interval(secs => $9))
     ON CONFLICT (owner, key) DO NOTHING
     RETURNING *
 ), first_attempt AS (
     INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
-    SELECT owner, id, 1, $8, now() + make_interval(secs => $9) FROM new_job
+    SELECT owner, id, 1, $8, lease_expires_at FROM new_job
 )
-SELECT true AS created, id, owner, key, fingerprint, state, version, attempt_count, method, path,
-       completed_by, response_status, response_headers, response_body, response_omitted,
-       created_at, expires_at, false AS expired
+SELECT true AS created, *, false AS expired, false AS lease_expired
 FROM new_job
 UNION ALL
-SELECT false, id, owner, key, fingerprint, state, version, attempt_count, method, path,
-       completed_by, response_status, response_headers, response_body, response_omitted,
-       created_at, expires_at, expires_at <= now()
+SELECT false, *, expires_at <= now(), state = 'in_flight' AND lease_expires_at <= now()
 FROM idemproxy.jobs
 WHERE owner = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM new_job);
 
 -- name: get_job
-SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
-       completed_by, response_status, response_headers, response_body, response_omitted,
-       created_at, expires_at, expires_at <= now() AS expired
+SELECT *, expires_at <= now() AS expired,
+       state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
 FROM idemproxy.jobs
 WHERE owner = $1 AND key = $2;
 
 -- name: get_job_by_id
-SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
-       completed_by, response_status, response_headers, response_body, response_omitted,
-       created_at, expires_at, expires_at <= now() AS expired
+-- Operators only know the id; not on the hot path.
+SELECT *, expires_at <= now() AS expired,
+       state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
 FROM idemproxy.jobs
 WHERE id = $1;
 
 -- name: get_attempts
 SELECT number, upstream, state, status, error, started_at, finished_at
 FROM idemproxy.attempts
-WHERE job_id = $1
+WHERE owner = $1 AND job_id = $2
 ORDER BY number;
 
 -- name: complete
@@ -51,33 +50,41 @@ ORDER BY number;
 -- `discarded`; its response is never written.
 WITH won AS (
     UPDATE idemproxy.jobs
-    SET state = 'completed', version = version + 1, completed_by = $3,
-        response_status = $4, response_headers = $5, response_body = $6, response_omitted = $7,
-        updated_at = now(), expires_at = now() + make_interval(secs => $8)
-    WHERE id = $1 AND version = $2 AND completed_by IS NULL AND state = 'in_flight'
+    SET state = 'completed', version = version + 1, completed_by = $4,
+        response_status = $5, response_headers = $6, response_body = $7, response_omitted = $8,
+        lease_expires_at = NULL, updated_at = now(),
+        expires_at = now() + make_interval(secs => $9)
+    WHERE owner = $1 AND id = $2 AND version = $3 AND completed_by IS NULL
+      AND state = 'in_flight'
     RETURNING owner, id
 ), attempt AS (
     UPDATE idemproxy.attempts
     SET state = CASE WHEN EXISTS (SELECT 1 FROM won) THEN 'succeeded' ELSE 'discarded' END,
-        status = $4, finished_at = now(), lease_expires_at = NULL
-    WHERE job_id = $1 AND number = $3 AND state = 'started'
+        status = $5, finished_at = now(), lease_expires_at = NULL
+    WHERE owner = $1 AND job_id = $2 AND number = $4 AND state IN ('started', 'unknown')
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM won;
 
 -- name: settle
--- Release (nothing executed) or mark unknown (may have executed): $4 is the new job state and
--- $5 the attempt's. Only the attempt that holds the current version may settle the job.
+-- Release (nothing executed) or mark unknown (may have executed): $5 is the new job state and
+-- $6 the attempt's. Only an attempt holding the current version may settle the job.
 WITH settled AS (
     UPDATE idemproxy.jobs
-    SET state = $4, version = version + 1, updated_at = now()
-    WHERE id = $1 AND version = $2 AND state = 'in_flight'
+    SET state = $5, version = version + 1, lease_expires_at = NULL, updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING owner, id
 ), attempt AS (
     UPDATE idemproxy.attempts
-    SET state = $5, status = $6, error = $7, finished_at = now(), lease_expires_at = NULL
-    WHERE job_id = $1 AND number = $3 AND state = 'started'
+    SET state = $6, status = $7, error = $8, finished_at = now(), lease_expires_at = NULL
+    WHERE owner = $1 AND job_id = $2 AND number = $4 AND state = 'started'
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM settled;
+
+-- name: finish_attempt
+-- One attempt of several (hedging) ended without a result; the job is left to the others.
+UPDATE idemproxy.attempts
+SET state = $4, status = $5, error = $6, finished_at = now(), lease_expires_at = NULL
+WHERE owner = $1 AND job_id = $2 AND number = $3 AND state = 'started';
 
 -- name: start_next_attempt
 -- SPEC §2.3: of all the retries of a released job exactly one wins this CAS and runs the next
@@ -85,35 +92,121 @@ SELECT pg_notify('idemproxy_jobs', id::text) FROM settled;
 WITH job AS (
     UPDATE idemproxy.jobs
     SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
-        updated_at = now()
-    WHERE id = $1 AND version = $2 AND state = 'released'
+        lease_expires_at = now() + make_interval(secs => $5), updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'released'
     RETURNING *
 ), next_attempt AS (
     INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
-    SELECT owner, id, attempt_count, $3, now() + make_interval(secs => $4) FROM job
+    SELECT owner, id, attempt_count, $4, lease_expires_at FROM job
 )
-SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
-       completed_by, response_status, response_headers, response_body, response_omitted,
-       created_at, expires_at, false AS expired
-FROM job;
+SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
+
+-- name: fail_over
+-- SPEC §3.4: attempt $4 failed in a way that proves nothing executed; the next upstream gets
+-- attempt $4 + 1 under the same job, in one transaction, so no other request can slip in.
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET version = version + 1, attempt_count = attempt_count + 1,
+        lease_expires_at = now() + make_interval(secs => $8), updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+    RETURNING *
+), failed AS (
+    UPDATE idemproxy.attempts
+    SET state = 'failed', status = $5, error = $6, finished_at = now(), lease_expires_at = NULL
+    WHERE owner = $1 AND job_id = $2 AND number = $4 AND EXISTS (SELECT 1 FROM job)
+), next_attempt AS (
+    INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
+    SELECT owner, id, attempt_count, $7, lease_expires_at FROM job
+)
+SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
 
 -- name: add_attempt
 -- A further attempt under a job in flight (hedging, SPEC §3.4). The job's version is unchanged,
 -- so every attempt started under it races for the same completion CAS.
 WITH job AS (
     UPDATE idemproxy.jobs
-    SET attempt_count = attempt_count + 1, updated_at = now()
-    WHERE id = $1 AND version = $2 AND state = 'in_flight'
-    RETURNING owner, id, attempt_count
+    SET attempt_count = attempt_count + 1,
+        lease_expires_at = now() + make_interval(secs => $5), updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+    RETURNING owner, id, attempt_count, lease_expires_at
 )
 INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
-SELECT owner, id, attempt_count, $3, now() + make_interval(secs => $4) FROM job
+SELECT owner, id, attempt_count, $4, lease_expires_at FROM job
 RETURNING number;
+
+-- name: renew_lease
+-- SPEC §3.5: the proxy running an attempt keeps its lease alive while the upstream call runs.
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET lease_expires_at = now() + make_interval(secs => $4)
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+    RETURNING owner, id, lease_expires_at
+)
+UPDATE idemproxy.attempts a
+SET lease_expires_at = job.lease_expires_at
+FROM job
+WHERE a.owner = job.owner AND a.job_id = job.id AND a.state = 'started'
+RETURNING a.number;
+
+-- name: take_over
+-- SPEC §3.5: the proxy running the job died (its lease expired by the database clock). Exactly
+-- one of the requests that notice wins this CAS and marks the job and its attempts `unknown`.
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET state = 'unknown', version = version + 1, lease_expires_at = NULL, updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+      AND lease_expires_at <= now()
+    RETURNING owner, id
+), attempts AS (
+    UPDATE idemproxy.attempts a
+    SET state = 'unknown', error = 'lease expired', finished_at = now(), lease_expires_at = NULL
+    FROM job
+    WHERE a.owner = job.owner AND a.job_id = job.id AND a.state = 'started'
+)
+SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
+
+-- name: resolve_completed
+-- SPEC §3.3: an operator settles an `unknown` job with the response it really had.
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET state = 'completed', version = version + 1, completed_by = 0, resolution = $4,
+        response_status = $5, response_headers = $6, response_body = $7,
+        response_omitted = false, updated_at = now(),
+        expires_at = now() + make_interval(secs => $8)
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'unknown'
+    RETURNING owner, id
+)
+SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
+
+-- name: resolve_released
+-- SPEC §3.3: an operator (or unknown_ttl) states that nothing executed; a retry runs again.
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET state = 'released', version = version + 1, resolution = $4, updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'unknown'
+    RETURNING owner, id
+)
+SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
+
+-- name: stale_unknown
+-- SPEC §3.3: unknown jobs older than unknown_ttl, for the auto-release (off by default).
+SELECT *, expires_at <= now() AS expired, false AS lease_expired
+FROM idemproxy.jobs
+WHERE state = 'unknown' AND updated_at <= now() - make_interval(secs => $1)
+ORDER BY updated_at
+LIMIT $2;
+
+-- name: delete_job
+WITH job AS (
+    DELETE FROM idemproxy.jobs WHERE owner = $1 AND id = $2 RETURNING owner, id
+)
+SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 
 -- name: forget
 -- Deletes one expired terminal job so that its key can be claimed afresh (SPEC §11).
 DELETE FROM idemproxy.jobs
-WHERE id = $1 AND version = $2 AND state IN ('completed', 'released') AND expires_at <= now();
+WHERE owner = $1 AND id = $2 AND version = $3 AND state IN ('completed', 'released')
+  AND expires_at <= now();
 
 -- name: sweep_expired
 -- SPEC §11: small batches, terminal jobs only; in_flight and unknown jobs are never swept.
@@ -127,13 +220,15 @@ WHERE (owner, id) IN (
 );
 
 -- name: list_jobs
-SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
-       completed_by, response_status, response_headers, response_body, response_omitted,
-       created_at, expires_at, expires_at <= now() AS expired
+SELECT *, expires_at <= now() AS expired,
+       state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
 FROM idemproxy.jobs
 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR owner = $2)
 ORDER BY created_at DESC
 LIMIT $3;
+
+-- name: count_unknown
+SELECT count(*) AS unknown FROM idemproxy.jobs WHERE state = 'unknown';
 
 -- name: ping
 SELECT 1;

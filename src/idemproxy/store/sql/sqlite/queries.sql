@@ -4,11 +4,13 @@
 
 -- name: insert_job
 -- SPEC §2.2: the (owner, key) primary key decides which claim creates the job.
-INSERT INTO jobs (owner, key, id, fingerprint, method, path, created_at, updated_at, expires_at)
+INSERT INTO jobs (owner, key, id, fingerprint, method, path, created_at, updated_at, expires_at,
+                  lease_expires_at)
 VALUES (:owner, :key, :id, :fingerprint, :method, :path,
         (julianday('now') - 2440587.5) * 86400.0,
         (julianday('now') - 2440587.5) * 86400.0,
-        (julianday('now') - 2440587.5) * 86400.0 + :ttl)
+        (julianday('now') - 2440587.5) * 86400.0 + :ttl,
+        (julianday('now') - 2440587.5) * 86400.0 + :lease)
 ON CONFLICT (owner, key) DO NOTHING;
 
 -- name: insert_attempt
@@ -18,25 +20,23 @@ VALUES (:owner, :job_id, :number, :upstream,
         (julianday('now') - 2440587.5) * 86400.0 + :lease);
 
 -- name: get_job
-SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
-       completed_by, response_status, response_headers, response_body, response_omitted,
-       created_at, expires_at,
-       expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired
+SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       state = 'in_flight' AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0
+           AS lease_expired
 FROM jobs
 WHERE owner = :owner AND key = :key;
 
 -- name: get_job_by_id
-SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
-       completed_by, response_status, response_headers, response_body, response_omitted,
-       created_at, expires_at,
-       expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired
+SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       state = 'in_flight' AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0
+           AS lease_expired
 FROM jobs
 WHERE id = :id;
 
 -- name: get_attempts
 SELECT number, upstream, state, status, error, started_at, finished_at
 FROM attempts
-WHERE job_id = :job_id
+WHERE owner = :owner AND job_id = :job_id
 ORDER BY number;
 
 -- name: complete_job
@@ -44,38 +44,109 @@ ORDER BY number;
 UPDATE jobs
 SET state = 'completed', version = version + 1, completed_by = :attempt,
     response_status = :status, response_headers = :headers, response_body = :body,
-    response_omitted = :omitted,
+    response_omitted = :omitted, lease_expires_at = NULL,
     updated_at = (julianday('now') - 2440587.5) * 86400.0,
     expires_at = (julianday('now') - 2440587.5) * 86400.0 + :ttl
-WHERE id = :id AND version = :version AND completed_by IS NULL AND state = 'in_flight';
+WHERE owner = :owner AND id = :id AND version = :version AND completed_by IS NULL
+  AND state = 'in_flight';
 
 -- name: finish_attempt
 UPDATE attempts
 SET state = :state, status = :status, error = :error,
     finished_at = (julianday('now') - 2440587.5) * 86400.0, lease_expires_at = NULL
-WHERE job_id = :job_id AND number = :attempt AND state = 'started';
+WHERE owner = :owner AND job_id = :job_id AND number = :attempt AND state = 'started';
+
+-- name: discard_attempt
+-- A late result (the job completed or was taken over meanwhile): recorded, never stored.
+UPDATE attempts
+SET state = 'discarded', status = :status,
+    finished_at = (julianday('now') - 2440587.5) * 86400.0, lease_expires_at = NULL
+WHERE owner = :owner AND job_id = :job_id AND number = :attempt
+  AND state IN ('started', 'unknown');
 
 -- name: settle_job
 UPDATE jobs
-SET state = :state, version = version + 1,
+SET state = :state, version = version + 1, lease_expires_at = NULL,
     updated_at = (julianday('now') - 2440587.5) * 86400.0
-WHERE id = :id AND version = :version AND state = 'in_flight';
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'in_flight';
 
 -- name: reopen_job
 -- SPEC §2.3: exactly one retry of a released job wins this CAS.
 UPDATE jobs
 SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
+    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease,
     updated_at = (julianday('now') - 2440587.5) * 86400.0
-WHERE id = :id AND version = :version AND state = 'released';
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'released';
+
+-- name: advance_job
+-- SPEC §3.4: fail over to the next upstream without leaving in_flight.
+UPDATE jobs
+SET version = version + 1, attempt_count = attempt_count + 1,
+    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'in_flight';
 
 -- name: count_attempt
 UPDATE jobs
-SET attempt_count = attempt_count + 1, updated_at = (julianday('now') - 2440587.5) * 86400.0
-WHERE id = :id AND version = :version AND state = 'in_flight';
+SET attempt_count = attempt_count + 1,
+    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'in_flight';
+
+-- name: renew_job_lease
+-- SPEC §3.5: the proxy running an attempt keeps its lease alive.
+UPDATE jobs
+SET lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'in_flight';
+
+-- name: renew_attempt_leases
+UPDATE attempts
+SET lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease
+WHERE owner = :owner AND job_id = :id AND state = 'started';
+
+-- name: take_over_job
+-- SPEC §3.5: the lease expired by the database clock; exactly one takeover wins.
+UPDATE jobs
+SET state = 'unknown', version = version + 1, lease_expires_at = NULL,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'in_flight'
+  AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0;
+
+-- name: lose_attempts
+UPDATE attempts
+SET state = 'unknown', error = 'lease expired', lease_expires_at = NULL,
+    finished_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE owner = :owner AND job_id = :id AND state = 'started';
+
+-- name: resolve_completed
+-- SPEC §3.3: an operator settles an `unknown` job with the response it really had.
+UPDATE jobs
+SET state = 'completed', version = version + 1, completed_by = 0, resolution = :resolution,
+    response_status = :status, response_headers = :headers, response_body = :body,
+    response_omitted = 0, updated_at = (julianday('now') - 2440587.5) * 86400.0,
+    expires_at = (julianday('now') - 2440587.5) * 86400.0 + :ttl
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'unknown';
+
+-- name: resolve_released
+UPDATE jobs
+SET state = 'released', version = version + 1, resolution = :resolution,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'unknown';
+
+-- name: stale_unknown
+SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       0 AS lease_expired
+FROM jobs
+WHERE state = 'unknown' AND updated_at <= (julianday('now') - 2440587.5) * 86400.0 - :age
+ORDER BY updated_at
+LIMIT :limit;
+
+-- name: delete_job
+DELETE FROM jobs WHERE owner = :owner AND id = :id;
 
 -- name: forget
 DELETE FROM jobs
-WHERE id = :id AND version = :version AND state IN ('completed', 'released')
+WHERE owner = :owner AND id = :id AND version = :version AND state IN ('completed', 'released')
   AND expires_at <= (julianday('now') - 2440587.5) * 86400.0;
 
 -- name: sweep_expired
@@ -90,11 +161,13 @@ WHERE rowid IN (
 );
 
 -- name: list_jobs
-SELECT id, owner, key, fingerprint, state, version, attempt_count, method, path,
-       completed_by, response_status, response_headers, response_body, response_omitted,
-       created_at, expires_at,
-       expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired
+SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       state = 'in_flight' AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0
+           AS lease_expired
 FROM jobs
 WHERE (:state IS NULL OR state = :state) AND (:owner IS NULL OR owner = :owner)
 ORDER BY created_at DESC
 LIMIT :limit;
+
+-- name: count_unknown
+SELECT count(*) AS unknown FROM jobs WHERE state = 'unknown';

@@ -17,6 +17,11 @@ CREATE TABLE idemproxy.jobs (
     response_headers jsonb,
     response_body    bytea,
     response_omitted boolean     NOT NULL DEFAULT false,
+    -- SPEC §3.5: while in flight, the lease of its live attempts, renewed by the proxy running
+    -- them. Past it (by the database clock) the next request takes the job over as `unknown`.
+    lease_expires_at timestamptz,
+    -- How an operator or unknown_ttl settled an `unknown` job (SPEC §3.3); NULL otherwise.
+    resolution       text,
     created_at       timestamptz NOT NULL DEFAULT now(),
     updated_at       timestamptz NOT NULL DEFAULT now(),
     expires_at       timestamptz NOT NULL,

@@ -16,6 +16,8 @@ CREATE TABLE jobs (
     response_headers TEXT,
     response_body    BLOB,
     response_omitted INTEGER NOT NULL DEFAULT 0,
+    lease_expires_at REAL,
+    resolution       TEXT,
     created_at       REAL    NOT NULL,
     updated_at       REAL    NOT NULL,
     expires_at       REAL    NOT NULL,

@@ -1,0 +1,66 @@
+"""The PostgreSQL change feed: `LISTEN idemproxy_jobs` on a connection of its own (SPEC §11).
+
+Every job change that matters to a waiter is sent with `pg_notify` in the same statement that
+makes it, and delivered at commit to every replica. The feed reconnects with backoff; after any
+gap it wakes every waiter so that they re-read their jobs themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import asyncpg
+
+from idemproxy.constants import NOTIFY_CHANNEL
+from idemproxy.store.watch import JobWatch
+
+log = logging.getLogger(__name__)
+_FEED_ERRORS = (
+    OSError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    TimeoutError,
+)
+# A silent server is noticed within this many seconds.
+_HEARTBEAT_SECONDS = 5.0
+
+
+async def listen_forever(dsn: str, watch: JobWatch, *, timeout: float) -> None:
+    delay = 0.1
+    while True:
+        try:
+            conn = await asyncpg.connect(dsn, timeout=timeout)
+        except _FEED_ERRORS as exc:
+            log.warning("change feed: cannot connect (%s); retrying in %.1fs", exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+            continue
+        delay = 0.1
+        await _listen_on(conn, watch)
+        watch.notify_all()
+
+
+async def _listen_on(conn: asyncpg.Connection, watch: JobWatch) -> None:
+    lost = asyncio.Event()
+    conn.add_termination_listener(lambda _conn: lost.set())
+
+    def on_notify(_conn: object, _pid: int, _channel: str, payload: object) -> None:
+        watch.notify(str(payload))
+
+    try:
+        await conn.add_listener(NOTIFY_CHANNEL, on_notify)
+        watch.notify_all()  # changes may have been missed before LISTEN took effect
+        while not lost.is_set() and not conn.is_closed():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_HEARTBEAT_SECONDS):
+                    await lost.wait()
+            if not lost.is_set():
+                await conn.execute("SELECT 1")
+    except _FEED_ERRORS as exc:
+        log.warning("change feed lost: %s", exc)
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(conn.close(), timeout=1.0)
