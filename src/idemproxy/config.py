@@ -141,6 +141,9 @@ class Settings(BaseSettings):
     owner: OwnerSettings = Field(default_factory=OwnerSettings)
     ttl: float = Field(default=c.DEFAULT_TTL_SECONDS, gt=0)
     lease: float = Field(default=10.0, gt=0)
+    # SPEC §3.3: auto-release unknown jobs unchanged for this many seconds. Off by default: only
+    # turn it on when the upstream is known to drop requests it did not finish.
+    unknown_ttl: float | None = Field(default=None, gt=0)
     upstream_timeout: float = Field(default=c.DEFAULT_UPSTREAM_TIMEOUT, gt=0)
     connect_timeout: float = Field(default=c.DEFAULT_CONNECT_TIMEOUT, gt=0)
     max_wait: float | None = Field(default=None, ge=0)
