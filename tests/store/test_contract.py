@@ -93,6 +93,7 @@ async def wait_until_listening(store: Store) -> None:
     """PostgreSQL starts LISTEN in the background: once a probe job's wake-up arrives, it is up."""
     probe = await claim(store, key="feed-probe")
     async with store.watching(probe.job.id) as sub:
+        await store.watch_job(probe.job.owner, probe.job.key)
         assert await store.complete(probe.job, 1, RESPONSE, ttl=TTL)
         assert await sub.wait(WAKE_TIMEOUT)
 
@@ -403,6 +404,8 @@ async def test_complete_wakes_watchers_of_that_job_only(store: Store) -> None:
     await wait_until_listening(store)
     claimed, other = await claim(store, "k1"), await claim(store, "k2")
     async with store.watching(claimed.job.id) as sub, store.watching(other.job.id) as idle:
+        await store.watch_job(claimed.job.owner, claimed.job.key)
+        await store.watch_job(other.job.owner, other.job.key)
         assert not await sub.wait(QUIET)
         assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
         assert await sub.wait(WAKE_TIMEOUT)
@@ -414,6 +417,7 @@ async def test_settle_wakes_watchers(store: Store, state: JobState) -> None:
     await wait_until_listening(store)
     claimed = await claim(store)
     async with store.watching(claimed.job.id) as sub:
+        await store.watch_job(claimed.job.owner, claimed.job.key)
         assert await store.settle(claimed.job, 1, state)
         assert await sub.wait(WAKE_TIMEOUT)
 
@@ -424,10 +428,31 @@ async def test_a_second_replica_is_woken_through_notify(pg_dsn: str) -> None:
         await wait_until_listening(second)
         claimed = await claim(first)
         async with second.watching(claimed.job.id) as sub:
+            watched = await second.watch_job(claimed.job.owner, claimed.job.key)
+            assert watched is not None and watched.state is JobState.IN_FLIGHT
             assert not await sub.wait(QUIET)
             assert await first.complete(claimed.job, 1, RESPONSE, ttl=TTL)
             assert await sub.wait(WAKE_TIMEOUT)
         assert (await job_of(second, claimed.job.id)).response == RESPONSE
+
+
+async def test_watch_job_of_a_finished_job_returns_it_as_it_is(store: Store) -> None:
+    claimed = await claim(store)
+    assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    watched = await store.watch_job(claimed.job.owner, claimed.job.key)
+    assert watched is not None and watched.state is JobState.COMPLETED
+    assert await store.watch_job(claimed.job.owner, "no-such-key") is None
+
+
+@pytest.mark.postgres
+async def test_changes_of_unwatched_jobs_cost_no_notification(pg_dsn: str) -> None:
+    """SPEC §2.3 + performance: NOTIFY is serialised server-wide; only held duplicates pay it."""
+    async with open_store(pg_dsn) as first, open_store(pg_dsn) as second:
+        await wait_until_listening(second)
+        claimed = await claim(first)
+        async with second.watching(claimed.job.id) as sub:  # subscribed, but never announced
+            assert await first.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+            assert not await sub.wait(QUIET * 4)
 
 
 # --- migrations -------------------------------------------------------------------------------

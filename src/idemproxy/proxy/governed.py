@@ -107,7 +107,7 @@ async def _hold(
     loop = asyncio.get_running_loop()
     async with ctx.store.watching(job.id) as subscription:
         # Re-read after subscribing, so that a change just before it cannot be missed.
-        current = await ctx.store.get(intent.owner, intent.key)
+        current = await ctx.store.watch_job(intent.owner, intent.key)
         while _still_running(current, job):
             remaining = deadline - loop.time()
             if remaining <= 0:

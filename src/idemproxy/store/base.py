@@ -44,6 +44,11 @@ class Store(abc.ABC):
     async def get(self, owner: str, key: str) -> Job | None: ...
 
     @abc.abstractmethod
+    async def watch_job(self, owner: str, key: str) -> Job | None:
+        """The job, re-read after the caller subscribed to its changes, with its future state
+        changes announced to every replica (SPEC §2.3: held duplicates)."""
+
+    @abc.abstractmethod
     async def complete(
         self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
     ) -> bool:

@@ -57,6 +57,7 @@ class PostgresStore(Store):
                 max_size=self._pool_size[1],
                 command_timeout=self._command_timeout,
                 init=_init_connection,
+                reset=_keep_session,
             )
         if self._listen:
             self._listener = asyncio.create_task(
@@ -110,6 +111,10 @@ class PostgresStore(Store):
     async def get(self, owner: str, key: str) -> Job | None:
         row = await self._fetchrow("get_job", owner, key)
         return None if row is None else job_from_row(row)
+
+    async def watch_job(self, owner: str, key: str) -> Job | None:
+        row = await self._fetchrow("watch_job", owner, key)
+        return job_from_row(row) if row is not None else await self.get(owner, key)
 
     async def complete(
         self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
@@ -283,6 +288,12 @@ def _claimed(row: asyncpg.Record | None) -> Claimed | None:
         return None
     started = job_from_row(row)
     return Claimed(started, started.attempt_count)
+
+
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """No session reset on release: the store never leaves session state on a pooled
+    connection (LISTEN has its own connection, the migration lock is transaction-scoped), and
+    asyncpg still rolls back any open transaction. Saves a round trip per store call."""
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:

@@ -97,6 +97,9 @@ class SqliteStore(Store):
             row = await self._one(db, "get_job", {"owner": owner, "key": key})
         return None if row is None else job_from_row(row)
 
+    async def watch_job(self, owner: str, key: str) -> Job | None:
+        return await self.get(owner, key)  # every change is announced in-process anyway
+
     async def complete(
         self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
     ) -> bool:

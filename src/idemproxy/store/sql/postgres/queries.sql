@@ -32,6 +32,15 @@ SELECT *, expires_at <= now() AS expired,
 FROM idemproxy.jobs
 WHERE owner = $1 AND key = $2;
 
+-- name: watch_job
+-- A duplicate is about to wait (SPEC §2.3): from now on every state change of the job is
+-- announced. A row comes back only when this statement marked a job that is still in flight;
+-- otherwise the caller re-reads it (it may have changed while this statement waited).
+UPDATE idemproxy.jobs
+SET watched = true
+WHERE owner = $1 AND key = $2 AND state = 'in_flight' AND NOT watched
+RETURNING *, expires_at <= now() AS expired, lease_expires_at <= now() AS lease_expired;
+
 -- name: get_job_by_id
 -- Operators only know the id; not on the hot path.
 SELECT *, expires_at <= now() AS expired,
@@ -56,14 +65,14 @@ WITH won AS (
         expires_at = now() + make_interval(secs => $9)
     WHERE owner = $1 AND id = $2 AND version = $3 AND completed_by IS NULL
       AND state = 'in_flight'
-    RETURNING owner, id
+    RETURNING owner, id, watched
 ), attempt AS (
     UPDATE idemproxy.attempts
     SET state = CASE WHEN EXISTS (SELECT 1 FROM won) THEN 'succeeded' ELSE 'discarded' END,
         status = $5, finished_at = now(), lease_expires_at = NULL
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state IN ('started', 'unknown')
 )
-SELECT pg_notify('idemproxy_jobs', id::text) FROM won;
+SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
 
 -- name: settle
 -- Release (nothing executed) or mark unknown (may have executed): $5 is the new job state and
@@ -72,13 +81,13 @@ WITH settled AS (
     UPDATE idemproxy.jobs
     SET state = $5, version = version + 1, lease_expires_at = NULL, updated_at = now()
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
-    RETURNING owner, id
+    RETURNING owner, id, watched
 ), attempt AS (
     UPDATE idemproxy.attempts
     SET state = $6, status = $7, error = $8, finished_at = now(), lease_expires_at = NULL
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state = 'started'
 )
-SELECT pg_notify('idemproxy_jobs', id::text) FROM settled;
+SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM settled;
 
 -- name: finish_attempt
 -- One attempt of several (hedging) ended without a result; the job is left to the others.

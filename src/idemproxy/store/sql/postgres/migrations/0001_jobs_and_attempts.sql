@@ -20,6 +20,9 @@ CREATE TABLE idemproxy.jobs (
     -- SPEC §3.5: while in flight, the lease of its live attempts, renewed by the proxy running
     -- them. Past it (by the database clock) the next request takes the job over as `unknown`.
     lease_expires_at timestamptz,
+    -- Set by the first held duplicate: only then does a state change cost a NOTIFY, which
+    -- PostgreSQL serialises across the whole server at commit.
+    watched          boolean     NOT NULL DEFAULT false,
     -- How an operator or unknown_ttl settled an `unknown` job (SPEC §3.3); NULL otherwise.
     resolution       text,
     created_at       timestamptz NOT NULL DEFAULT now(),
