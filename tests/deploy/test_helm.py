@@ -1,10 +1,6 @@
 """The Helm chart: every `ci/*-values.yaml` scenario renders, passes the Kubernetes schemas and
 keeps the chart's promises (secrets only in Secrets, probes on the admin port, locked-down
 containers, a loopback sidecar upstream, a drain that fits the grace period).
-
-Rendering uses helm-template, the offline stand-in for `helm template` from the shared tools
-(`HELM_TEMPLATE_DIR`, default `../shared/tools/helm-template` next to the repository), built once
-per session into the git-ignored `build/`.
 """
 
 from __future__ import annotations
@@ -13,7 +9,6 @@ import base64
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,112 +18,25 @@ import yaml
 
 from idemproxy.config import Settings, load_settings, parse_listen
 
+from .chart import (
+    CHART,
+    Manifest,
+    container_port,
+    containers,
+    of_kind,
+    one,
+    pod_specs,
+    prestop_seconds,
+    proxy_config,
+    proxy_container,
+    proxy_pod,
+    render,
+)
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).parents[2]
-CHART = ROOT / "helm" / "idemproxy"
-SCENARIOS = sorted(path.name for path in (CHART / "ci").glob("*-values.yaml"))
 KUBE_VERSION = "1.34.0"
 SECRET_KEYS = ("store", "adminToken", "redis")
-
-Manifest = dict[str, Any]
-
-
-@pytest.fixture(scope="session")
-def helm_template() -> Path:
-    tool = Path(
-        os.environ.get("HELM_TEMPLATE_DIR", ROOT.parent / "shared" / "tools" / "helm-template")
-    )
-    binary = ROOT / "build" / "helm-template"
-    binary.parent.mkdir(exist_ok=True)
-    # The build script installs the Debian packages it needs; never build into the tools folder.
-    built = subprocess.run(
-        ["sh", str(tool / "build"), str(binary)], capture_output=True, text=True, check=False
-    )
-    if built.returncode != 0:
-        pytest.fail(f"building helm-template failed:\n{built.stderr}")
-    return binary
-
-
-def render(helm_template: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [str(helm_template), "idemproxy", str(CHART), *args]
-    return subprocess.run(command, capture_output=True, text=True, check=False)
-
-
-@pytest.fixture(scope="session")
-def rendered_files(
-    helm_template: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("rendered")
-    files = {}
-    for scenario in SCENARIOS:
-        result = render(helm_template, "-f", str(CHART / "ci" / scenario))
-        assert result.returncode == 0, f"{scenario}: {result.stderr}"
-        files[scenario] = out / scenario
-        files[scenario].write_text(result.stdout)
-    return files
-
-
-@pytest.fixture(params=SCENARIOS)
-def scenario(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def manifests(scenario: str, rendered_files: dict[str, Path]) -> list[Manifest]:
-    return [doc for doc in yaml.safe_load_all(rendered_files[scenario].read_text()) if doc]
-
-
-@pytest.fixture
-def values(scenario: str) -> dict[str, Any]:
-    merged = yaml.safe_load((CHART / "values.yaml").read_text())
-    _deep_merge(merged, yaml.safe_load((CHART / "ci" / scenario).read_text()))
-    return merged
-
-
-def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> None:
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_merge(base[key], value)
-        else:
-            base[key] = value
-
-
-def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
-    return [doc for doc in manifests if doc["kind"] == kind]
-
-
-def one(manifests: list[Manifest], kind: str) -> Manifest:
-    [doc] = of_kind(manifests, kind)
-    return doc
-
-
-def pod_specs(manifests: list[Manifest]) -> Iterator[tuple[str, Manifest]]:
-    for doc in manifests:
-        if doc["kind"] in ("Deployment", "Job"):
-            yield doc["metadata"]["name"], doc["spec"]["template"]["spec"]
-
-
-def containers(pod: Manifest) -> list[Manifest]:
-    return [*pod.get("initContainers", []), *pod["containers"]]
-
-
-def proxy_container(manifests: list[Manifest]) -> Manifest:
-    pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
-    [proxy] = [c for c in containers(pod) if c["name"] == "idemproxy"]
-    return proxy
-
-
-def container_port(container: Manifest, port: int | str) -> int:
-    if isinstance(port, int):
-        return port
-    [number] = [p["containerPort"] for p in container["ports"] if p["name"] == port]
-    return int(number)
-
-
-def proxy_config(manifests: list[Manifest]) -> dict[str, Any]:
-    config: dict[str, Any] = yaml.safe_load(one(manifests, "ConfigMap")["data"]["idemproxy.yaml"])
-    return config
 
 
 def secret_values(values: dict[str, Any], manifests: list[Manifest]) -> set[str]:
@@ -232,16 +140,10 @@ def test_every_container_is_locked_down(manifests: list[Manifest]) -> None:
 
 
 def test_grace_period_outlasts_prestop_and_drain(manifests: list[Manifest]) -> None:
-    pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
-    sleeps = [
-        int(c["lifecycle"]["preStop"].get("sleep", {}).get("seconds", 0))
-        + int(c["lifecycle"]["preStop"].get("exec", {}).get("command", ["sleep", "0"])[1])
-        for c in containers(pod)
-        if "lifecycle" in c
-    ]
-    assert len(sleeps) == 1
+    pod = proxy_pod(manifests)
+    [prestop] = [prestop_seconds(c) for c in containers(pod) if "lifecycle" in c]
     drain = proxy_config(manifests)["server"]["shutdown_timeout"]
-    assert pod["terminationGracePeriodSeconds"] > sleeps[0] + drain
+    assert pod["terminationGracePeriodSeconds"] > prestop + drain
 
 
 def test_service_selects_only_serving_pods(manifests: list[Manifest]) -> None:
@@ -290,7 +192,7 @@ def test_sidecar_forwards_to_the_app_on_loopback(
 ) -> None:
     manifests = list(yaml.safe_load_all(rendered_files["sidecar-values.yaml"].read_text()))
     app_port = yaml.safe_load((CHART / "ci" / "sidecar-values.yaml").read_text())["app"]["port"]
-    pod = one(manifests, "Deployment")["spec"]["template"]["spec"]
+    pod = proxy_pod(manifests)
     [proxy] = pod["initContainers"]
     [app] = pod["containers"]
     assert proxy["restartPolicy"] == "Always"  # a native sidecar

@@ -1,0 +1,110 @@
+"""Rendering the Helm chart and finding things in its manifests, for the deploy tests.
+
+Rendering uses helm-template, the offline stand-in for `helm template` from the shared tools
+(`HELM_TEMPLATE_DIR`, default `../shared/tools/helm-template` next to the repository), built
+into the git-ignored `build/`, never into the tools folder (read-only in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).parents[2]
+CHART = ROOT / "helm" / "idemproxy"
+SCENARIOS = sorted(path.name for path in (CHART / "ci").glob("*-values.yaml"))
+
+Manifest = dict[str, Any]
+
+
+def build_helm_template() -> Path:
+    """Builds the binary (the build script installs the Debian packages it needs)."""
+    default = ROOT.parent / "shared" / "tools" / "helm-template"
+    tool = Path(os.environ.get("HELM_TEMPLATE_DIR", default))
+    binary = ROOT / "build" / "helm-template"
+    binary.parent.mkdir(exist_ok=True)
+    built = subprocess.run(
+        ["sh", str(tool / "build"), str(binary)], capture_output=True, text=True, check=False
+    )
+    if built.returncode != 0:
+        raise RuntimeError(f"building helm-template failed:\n{built.stderr}")
+    return binary
+
+
+def render(helm_template: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [str(helm_template), "idemproxy", str(CHART), *args]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
+def scenario_values(scenario: str) -> dict[str, Any]:
+    """values.yaml with the scenario's file merged over it, as Helm merges them."""
+    merged: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+    _deep_merge(merged, yaml.safe_load((CHART / "ci" / scenario).read_text()))
+    return merged
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> None:
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
+    return [doc for doc in manifests if doc["kind"] == kind]
+
+
+def one(manifests: list[Manifest], kind: str) -> Manifest:
+    [doc] = of_kind(manifests, kind)
+    return doc
+
+
+def pod_specs(manifests: list[Manifest]) -> Iterator[tuple[str, Manifest]]:
+    for doc in manifests:
+        if doc["kind"] in ("Deployment", "Job"):
+            yield doc["metadata"]["name"], doc["spec"]["template"]["spec"]
+
+
+def containers(pod: Manifest) -> list[Manifest]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def proxy_pod(manifests: list[Manifest]) -> Manifest:
+    pod: Manifest = one(manifests, "Deployment")["spec"]["template"]["spec"]
+    return pod
+
+
+def proxy_container(manifests: list[Manifest]) -> Manifest:
+    [proxy] = [c for c in containers(proxy_pod(manifests)) if c["name"] == "idemproxy"]
+    return proxy
+
+
+def container_port(container: Manifest, port: int | str) -> int:
+    """A port number, or the number of the container's port with that name."""
+    if isinstance(port, int):
+        return port
+    [number] = [p["containerPort"] for p in container["ports"] if p["name"] == port]
+    return int(number)
+
+
+def proxy_config(manifests: list[Manifest]) -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(one(manifests, "ConfigMap")["data"]["idemproxy.yaml"])
+    return config
+
+
+def prestop_seconds(container: Manifest) -> int:
+    """How long the container's preStop hook sleeps: the `sleep` action or `exec: sleep N`."""
+    hook = container.get("lifecycle", {}).get("preStop", {})
+    if "sleep" in hook:
+        return int(hook["sleep"]["seconds"])
+    if "exec" in hook:
+        [program, seconds] = hook["exec"]["command"]
+        assert program == "sleep"
+        return int(seconds)
+    return 0
