@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
@@ -17,6 +18,8 @@ from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
 
 log = logging.getLogger(__name__)
+# Bodies up to this size with a declared length are read whole rather than streamed.
+SMALL_BODY = 64 * 1024
 
 
 def upstream_url(route: Route, request: web.Request) -> URL:
@@ -34,6 +37,10 @@ def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
 async def passthrough(
     ctx: ProxyContext, request: web.Request, route: Route, body: bytes | None = None
 ) -> web.StreamResponse:
+    """Forward untracked. Small bodies of known length go in one write each way; anything
+    else streams, so memory stays bounded whatever the size."""
+    if body is None and _small(request.content_length):
+        body = await request.read()
     data = (
         body if body is not None else (request.content.iter_any() if request.body_exists else None)
     )
@@ -46,14 +53,11 @@ async def passthrough(
             data,
             content_length=request.content_length,
         ) as upstream:
-            response.set_status(upstream.status, upstream.reason)
-            response.headers.extend(response_headers_for_client(upstream.headers))
-            if upstream.content_length is not None:
-                response.content_length = upstream.content_length
-            await response.prepare(request)
-            async for chunk in UpstreamClient.iter_body(upstream):
-                await response.write(chunk)
-            await response.write_eof()
+            # A HEAD response declares the length of a body it does not carry: stream it.
+            if _small(upstream.content_length) and request.method != "HEAD":
+                content, _ = await UpstreamClient.read_body(upstream, SMALL_BODY)
+                return _buffered(upstream, content)
+            await _stream(request, response, upstream)
             return response
     except UpstreamFailure as failure:
         if response.prepared:
@@ -61,3 +65,29 @@ async def passthrough(
             raise ConnectionResetError(failure.reason) from failure
         problem = UpstreamTimeout if failure.failure is Failure.TIMEOUT else UpstreamUnavailable
         return problem_response(problem(), profile=ctx.settings.profile)
+
+
+def _small(length: int | None) -> bool:
+    return length is not None and length <= SMALL_BODY
+
+
+def _buffered(upstream: aiohttp.ClientResponse, content: bytes) -> web.Response:
+    return web.Response(
+        status=upstream.status,
+        reason=upstream.reason,
+        body=content,
+        headers=response_headers_for_client(upstream.headers),
+    )
+
+
+async def _stream(
+    request: web.Request, response: web.StreamResponse, upstream: aiohttp.ClientResponse
+) -> None:
+    response.set_status(upstream.status, upstream.reason)
+    response.headers.extend(response_headers_for_client(upstream.headers))
+    if upstream.content_length is not None:
+        response.content_length = upstream.content_length
+    await response.prepare(request)
+    async for chunk in UpstreamClient.iter_body(upstream):
+        await response.write(chunk)
+    await response.write_eof()
