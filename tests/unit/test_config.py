@@ -133,7 +133,7 @@ def test_example_config_documents_every_setting_and_loads() -> None:
 
 
 def test_admin_token_is_required_off_loopback() -> None:
-    with pytest.raises(ValidationError, match="admin.token"):
+    with pytest.raises(ValidationError, match=r"admin\.token"):
         load_settings(upstream="http://x:1", admin={"listen": "0.0.0.0:9090"})
     admin = {"listen": "0.0.0.0:9090", "token": "tok-3141"}
     settings = load_settings(upstream="http://x:1", admin=admin)

@@ -1,7 +1,8 @@
 -- Named queries for the PostgreSQL store. Each section starts with "-- name: <name>".
 -- Times always come from the database clock (SPEC §3.5), never from the proxy's.
 -- Every hot-path statement names `owner` in its WHERE clause or conflict target, so that the
--- tables can be distributed by owner (Citus) and each statement is routed to one shard (§11).
+-- tables can be distributed by owner (Citus) and each statement is routed to one shard (§11);
+-- rows inserted from a CTE take the owner from the parameter, not the CTE, for the same reason.
 
 -- name: claim
 -- SPEC §2.2: create the job and its first attempt in one statement, relying on the (owner, key)
@@ -17,7 +18,7 @@ WITH new_job AS (
     RETURNING *
 ), first_attempt AS (
     INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
-    SELECT owner, id, 1, $8, lease_expires_at FROM new_job
+    SELECT $1, id, 1, $8, lease_expires_at FROM new_job
 )
 SELECT true AS created, *, false AS expired, false AS lease_expired
 FROM new_job
@@ -106,7 +107,7 @@ WITH job AS (
     RETURNING *
 ), next_attempt AS (
     INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
-    SELECT owner, id, attempt_count, $4, lease_expires_at FROM job
+    SELECT $1, id, attempt_count, $4, lease_expires_at FROM job
 )
 SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
 
@@ -125,7 +126,7 @@ WITH job AS (
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND EXISTS (SELECT 1 FROM job)
 ), next_attempt AS (
     INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
-    SELECT owner, id, attempt_count, $7, lease_expires_at FROM job
+    SELECT $1, id, attempt_count, $7, lease_expires_at FROM job
 )
 SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
 
@@ -140,7 +141,7 @@ WITH job AS (
     RETURNING owner, id, attempt_count, lease_expires_at
 )
 INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
-SELECT owner, id, attempt_count, $4, lease_expires_at FROM job
+SELECT $1, id, attempt_count, $4, lease_expires_at FROM job
 RETURNING number;
 
 -- name: renew_lease
