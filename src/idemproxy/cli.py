@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="show a double click becoming one execution")
     demo.set_defaults(run=_demo)
+
+    from idemproxy.batch.cli import add_batch_commands
+
+    add_batch_commands(commands)
     return parser
 
 

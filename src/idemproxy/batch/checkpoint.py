@@ -1,0 +1,148 @@
+"""The results file: an append-only JSONL checkpoint, fsynced line by line (SPEC §14).
+
+Each result is written as one complete line with a single `write` on an `O_APPEND` descriptor
+and fsynced before the runner moves on, so a crash at any moment loses at most the items in
+flight, and lines never interleave. Only the last line can be torn (the process died inside
+that write); it is recognised by its missing newline and cut off on the next run — its item is
+then sent again under the same key, and the proxy replays it instead of executing it again.
+Any other line that is not a result is corruption we did not cause, and stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from idemproxy.batch.errors import (
+    BatchError,
+    CheckpointCorrupt,
+    CheckpointLocked,
+    CheckpointUnwritable,
+)
+from idemproxy.batch.records import ResultRecord
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks, one run at a time is on you
+    fcntl = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class TornLine:
+    line: int  # 1-based line number of the torn line
+    size: int  # bytes cut off
+
+
+@dataclass
+class Checkpoint:
+    """What the results file holds: the last record of each id (a later line wins)."""
+
+    records: dict[str, ResultRecord] = field(default_factory=dict)
+    lines: int = 0
+    torn: TornLine | None = None
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Read without changing anything (for `batch status`); a missing file is empty."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return Checkpoint()
+    return parse_checkpoint(data, path)
+
+
+def parse_checkpoint(data: bytes, path: Path) -> Checkpoint:
+    complete, newline, rest = data.rpartition(b"\n")
+    body = complete + newline if newline else b""
+    tail = rest if newline else data
+    checkpoint = Checkpoint()
+    for number, raw in enumerate(body.split(b"\n")[:-1], start=1):
+        checkpoint.lines = number
+        if not raw.strip():
+            continue
+        try:
+            record = ResultRecord.from_object(json.loads(raw))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointCorrupt(f"{path}: line {number} is not a result ({exc})") from exc
+        checkpoint.records[record.id] = record
+    if tail:
+        checkpoint.torn = TornLine(checkpoint.lines + 1, len(tail))
+    return checkpoint
+
+
+class CheckpointWriter:
+    """The results file opened for one run: locked, repaired, appended to line by line."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    @classmethod
+    def open(cls, path: Path) -> tuple[CheckpointWriter, Checkpoint]:
+        try:
+            return cls._open(path)
+        except OSError as exc:
+            raise BatchError(f"cannot open {path}: {exc.strerror or exc}") from exc
+
+    @classmethod
+    def _open(cls, path: Path) -> tuple[CheckpointWriter, Checkpoint]:
+        created = not path.exists()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
+        try:
+            _lock(fd, path)
+            if created:
+                _fsync_directory(path.parent)  # the new file's name survives a power cut too
+            checkpoint = parse_checkpoint(path.read_bytes(), path)
+            if checkpoint.torn is not None:
+                _repair(fd, path.stat().st_size - checkpoint.torn.size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd), checkpoint
+
+    def append(self, record: ResultRecord) -> None:
+        """Write one line and fsync it.
+
+        Deliberately synchronous: nothing can interleave or cancel between the write and the
+        fsync, so a Ctrl-C or a sibling worker never leaves half a line behind.
+        """
+        view = memoryview(record.to_line())
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+            os.fsync(self._fd)
+        except OSError as exc:
+            # The item's request went through; a rerun sends it again under the same key and
+            # the proxy replays the answer, so stopping here loses nothing that was paid for.
+            raise CheckpointUnwritable(
+                f"cannot write {self.path}: {exc.strerror or exc}; rerun once fixed"
+            ) from exc
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing releases the lock
+            self._fd = -1
+
+
+def _lock(fd: int, path: Path) -> None:
+    if fcntl is None:  # pragma: no cover
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        raise CheckpointLocked(f"another batch run is writing {path}") from exc
+
+
+def _repair(fd: int, size: int) -> None:
+    os.ftruncate(fd, size)
+    os.fsync(fd)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,178 @@
+"""`idemproxy batch run|status`: flags → BatchOptions → `run_batch` (SPEC §13, §14).
+
+Exit status of `run`: 0 when every item has a `done` result, 1 when some do not (failed,
+unknown, changed), 2 when the run could not start or go on (bad flags, invalid input, a results
+file that is corrupt, locked, unwritable or written under another key prefix), 130 when it was
+stopped with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from contextlib import suppress
+from pathlib import Path
+
+from idemproxy.batch.constants import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_SECONDS,
+)
+from idemproxy.batch.errors import BatchError
+from idemproxy.batch.progress import PlainReporter, Reporter, RichReporter
+from idemproxy.batch.runner import BatchOptions, run_batch
+from idemproxy.batch.status import batch_status
+from idemproxy.batch.stop import Stop
+from idemproxy.batch.summary import BatchSummary
+from idemproxy.constants import DEFAULT_KEY_HEADER
+
+_EXIT_INCOMPLETE, _EXIT_CANNOT_START, _EXIT_STOPPED = 1, 2, 130
+
+
+def add_batch_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `batch run` and `batch status` on the top-level subparsers."""
+    batch = commands.add_parser("batch", help="send a JSONL file of requests, checkpointed")
+    actions = batch.add_subparsers(required=True, metavar="ACTION")
+    _add_run(actions.add_parser("run", help="send every item the results do not answer yet"))
+    _add_status(actions.add_parser("status", help="how far a run got; sends nothing"))
+
+
+def _add_run(run: argparse.ArgumentParser) -> None:
+    run.add_argument("input", type=Path, metavar="INPUT.jsonl")
+    run.add_argument("--target", required=True, metavar="URL", help="the proxy's base URL")
+    run.add_argument("--output", required=True, type=Path, metavar="RESULTS.jsonl")
+    run.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N")
+    run.add_argument("--key-prefix", default=DEFAULT_KEY_PREFIX, metavar="PREFIX")
+    run.add_argument("--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME")
+    run.add_argument("--retries", type=int, default=DEFAULT_RETRIES, metavar="N")
+    run.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, metavar="S", help="per attempt"
+    )
+    run.add_argument(
+        "-H", "--header", action="append", default=[], metavar="'NAME: VALUE'",
+        help="sent with every item, never written (repeatable)",
+    )  # fmt: skip
+    run.add_argument(
+        "--header-env", action="append", default=[], metavar="NAME=VAR",
+        help="header NAME from environment variable VAR, e.g. Authorization=API_AUTH",
+    )  # fmt: skip
+    for flag, text in _SWITCHES.items():
+        run.add_argument(flag, action="store_true", help=text)
+    run.add_argument("--no-progress", action="store_true", help="plain lines, no live bar")
+    run.set_defaults(run=_run)
+
+
+_SWITCHES = {
+    "--skip-invalid": "leave out invalid input lines instead of refusing to start",
+    "--retry-failed": "send failed items again (same key)",
+    "--retry-unknown": "ask again for items whose outcome was unknown (after resolving them)",
+    "--rerun-changed": "send items edited since their result was written, as new intents",
+}
+
+
+def _add_status(status: argparse.ArgumentParser) -> None:
+    status.add_argument("results", type=Path, metavar="RESULTS.jsonl")
+    status.add_argument("--input", type=Path, metavar="INPUT.jsonl")
+    status.add_argument("--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(run=_status)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        options = _options(args, os.environ)
+        reporter = _reporter(args.no_progress)
+        summary = asyncio.run(_run_until_stopped(args.input, args.output, options, reporter))
+    except BatchError as exc:
+        print(f"idemproxy batch: {exc}", file=sys.stderr)
+        return _EXIT_CANNOT_START
+    print(summary.describe(), file=sys.stderr)
+    return _exit_status(summary)
+
+
+def _exit_status(summary: BatchSummary) -> int:
+    if summary.stopped:
+        return _EXIT_STOPPED
+    return 0 if summary.complete else _EXIT_INCOMPLETE
+
+
+async def _run_until_stopped(
+    source: Path, output: Path, options: BatchOptions, reporter: Reporter
+) -> BatchSummary:
+    stop = Stop()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        stop.request()
+        if stop.abandoned.is_set():
+            reporter.note("abandoning the items in flight; a rerun resumes them")
+        else:
+            reporter.note("stopping: finishing the items in flight (Ctrl-C again to abandon them)")
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        with suppress(NotImplementedError):  # pragma: no cover - Windows
+            loop.add_signal_handler(signum, on_signal)
+    try:
+        return await run_batch(source, output, options, reporter=reporter, stop=stop)
+    finally:
+        for signum in signals:
+            with suppress(NotImplementedError):  # pragma: no cover - Windows
+                loop.remove_signal_handler(signum)
+
+
+def _options(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str]) -> BatchOptions:
+    return BatchOptions(
+        target=args.target,
+        concurrency=args.concurrency,
+        key_prefix=args.key_prefix,
+        key_header=args.key_header,
+        headers=_headers(args.header, args.header_env, environ),
+        retries=args.retries,
+        timeout=args.timeout,
+        skip_invalid=args.skip_invalid,
+        retry_failed=args.retry_failed,
+        retry_unknown=args.retry_unknown,
+        rerun_changed=args.rerun_changed,
+    )
+
+
+def _headers(
+    flags: Sequence[str], from_env: Sequence[str], environ: dict[str, str] | os._Environ[str]
+) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for flag in flags:
+        name, sep, value = flag.partition(":")
+        if not sep or not name.strip():
+            raise BatchError(f"--header must be 'Name: value', not {flag!r}")
+        headers[name.strip()] = value.strip()
+    for spec in from_env:
+        name, sep, variable = spec.partition("=")
+        if not sep or not name.strip() or not variable:
+            raise BatchError(f"--header-env must be NAME=VARIABLE, not {spec!r}")
+        if variable not in environ:
+            raise BatchError(f"--header-env {spec}: environment variable {variable} is not set")
+        headers[name.strip()] = environ[variable]
+    return headers
+
+
+def _reporter(no_progress: bool) -> Reporter:
+    if no_progress or not sys.stderr.isatty():
+        return PlainReporter()
+    return RichReporter()
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        status = batch_status(args.results, args.input, key_header=args.key_header)
+    except BatchError as exc:
+        print(f"idemproxy batch: {exc}", file=sys.stderr)
+        return _EXIT_CANNOT_START
+    print(json.dumps(status.to_json(), indent=2) if args.json else status.describe())
+    return 0

@@ -1,0 +1,80 @@
+"""Pure decisions of the client: what an answer means, and how long to wait before the next try.
+
+The retry is always under the same key (SPEC §14), so it can never execute twice behind the
+proxy: it is held while the first attempt runs, replayed once it completed, or told
+`outcome-unknown` if the first may have executed.
+"""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from enum import Enum
+
+from idemproxy.batch.constants import RETRY_AFTER_CAP_SECONDS, TRANSIENT_STATUSES
+from idemproxy.errors import OutcomeUnknown, PayloadMismatch, RequestInFlight
+
+_RNG = random.Random()
+
+
+class Verdict(Enum):
+    DONE = "done"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+    RETRY = "retry"
+
+
+def classify(status: int, error_code: str | None) -> Verdict:
+    """What an answer means for the item; `error_code` is the `Idempotency-Error` header."""
+    if error_code == OutcomeUnknown.code:
+        # SPEC §3.2: it may have executed; only an operator can say (§3.3). Never retried.
+        return Verdict.UNKNOWN
+    if error_code == RequestInFlight.code:
+        return Verdict.RETRY  # SPEC §2: still running under this key; ask again later
+    if error_code == PayloadMismatch.code:
+        return Verdict.FAILED  # SPEC §8: the key was used for another intent; retrying is futile
+    if status == 409 or status in TRANSIENT_STATUSES:
+        # A plain 409 is how APIs that honour Idempotency-Key say "this key is in use".
+        return Verdict.RETRY
+    return Verdict.DONE if status < 400 else Verdict.FAILED
+
+
+def retry_after_seconds(value: str | None, now: datetime | None = None) -> float | None:
+    """RFC 9110 §10.2.3: delay-seconds or an HTTP-date; None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return min(float(value), RETRY_AFTER_CAP_SECONDS)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    delay = (when - (now or datetime.now(UTC))).total_seconds()
+    return min(max(delay, 0.0), RETRY_AFTER_CAP_SECONDS)
+
+
+def backoff_seconds(retry: int, base: float, cap: float, rng: random.Random | None = None) -> float:
+    """Exponential backoff with jitter for the `retry`-th retry (1-based).
+
+    Half the delay is fixed and half random, so that workers that failed together (a reset that
+    cut every connection) do not come back together, and none comes back at once.
+    """
+    ceiling = min(cap, base * 2 ** (retry - 1))
+    jitter = (rng or _RNG).uniform(0, ceiling / 2)
+    return float(ceiling / 2 + jitter)
+
+
+def next_delay(
+    retry: int, retry_after: float | None, base: float, cap: float, rng: random.Random | None = None
+) -> float:
+    """The backoff, but never less than the server's Retry-After.
+
+    Retry-After is the least the server asks for; a server that keeps saying "1 second"
+    (a store that is down, SPEC §8) still gets an ever gentler retry.
+    """
+    backoff = backoff_seconds(retry, base, cap, rng)
+    return backoff if retry_after is None else max(retry_after, backoff)

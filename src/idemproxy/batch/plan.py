@@ -1,0 +1,91 @@
+"""Pure: given the input items and what the results file already holds, what this run sends.
+
+no result yet                           → send
+result for another request hash         → changed: reported and left out, or sent under its
+                                          new key with `rerun_changed` (a new intent, §1)
+result under another key, same request  → the key prefix changed: refuse (a resumed item
+                                          would be paid for twice)
+done                                    → skip
+failed, retries ran out (retryable)     → send again, same key
+failed for good                         → skip, unless `retry_failed`
+unknown                                 → skip, unless `retry_unknown` (after an operator
+                                          resolved the job, SPEC §3.3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from idemproxy.batch.errors import KeyPrefixChanged
+from idemproxy.batch.input import Item
+from idemproxy.batch.keys import Identity, identify, prefix_of
+from idemproxy.batch.records import Outcome, ResultRecord
+
+
+@dataclass(frozen=True)
+class PlanRules:
+    key_prefix: str
+    retry_failed: bool = False
+    retry_unknown: bool = False
+    rerun_changed: bool = False
+
+
+@dataclass
+class Plan:
+    send: list[tuple[Item, Identity]] = field(default_factory=list)
+    skipped_done: int = 0
+    kept_failed: int = 0  # failed for good earlier, not retried this run
+    kept_unknown: int = 0
+    changed: list[Item] = field(default_factory=list)  # edited since their result was written
+
+    @property
+    def skipped(self) -> int:
+        """Items not sent because the results file already answers them."""
+        return self.skipped_done + self.kept_failed + self.kept_unknown
+
+
+def make_plan(items: Sequence[Item], records: Mapping[str, ResultRecord], rules: PlanRules) -> Plan:
+    plan = Plan()
+    mismatched: list[str] = []
+    for item in items:
+        identity = identify(item, rules.key_prefix)
+        record = records.get(item.id)
+        if record is not None and _prefix_changed(record, identity):
+            mismatched.append(prefix_of(record.key, item.id))
+            continue
+        _place(plan, item, identity, record, rules)
+    if mismatched:
+        raise KeyPrefixChanged(
+            f"{len(mismatched)} result(s) were written with --key-prefix {mismatched[0]!r}, "
+            f"not {rules.key_prefix!r}; resume with the same prefix, or a resumed item could "
+            "execute twice (write to another results file for a fresh run)"
+        )
+    return plan
+
+
+def _prefix_changed(record: ResultRecord, identity: Identity) -> bool:
+    return record.request_hash == identity.request_hash and record.key != identity.key
+
+
+def _place(
+    plan: Plan, item: Item, identity: Identity, record: ResultRecord | None, rules: PlanRules
+) -> None:
+    if record is None:
+        plan.send.append((item, identity))
+    elif record.request_hash != identity.request_hash:
+        if rules.rerun_changed:
+            plan.send.append((item, identity))
+        else:
+            plan.changed.append(item)
+    elif record.outcome is Outcome.DONE:
+        plan.skipped_done += 1
+    elif record.outcome is Outcome.FAILED:
+        if record.retryable or rules.retry_failed:
+            plan.send.append((item, identity))
+        else:
+            plan.kept_failed += 1
+    elif rules.retry_unknown:
+        plan.send.append((item, identity))
+    else:
+        plan.kept_unknown += 1

@@ -1,0 +1,145 @@
+"""Showing a run as it goes: a live bar with rate and ETA on a terminal, plain lines elsewhere."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Protocol, TextIO
+
+from rich.console import Console, RenderableType
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+
+from idemproxy.batch.records import Outcome, ResultRecord
+
+
+class Reporter(Protocol):
+    def start(self, total: int, completed: int) -> None: ...
+    def advance(self, record: ResultRecord) -> None: ...
+    def note(self, message: str) -> None: ...
+    def finish(self) -> None: ...
+
+
+class NullReporter:
+    """Reports nothing: the default of the Python API."""
+
+    def start(self, total: int, completed: int) -> None:
+        pass
+
+    def advance(self, record: ResultRecord) -> None:
+        pass
+
+    def note(self, message: str) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def describe_problem(record: ResultRecord) -> str | None:
+    """One line for a result that needs attention, None for a done one."""
+    if record.outcome is Outcome.DONE:
+        return None
+    answer = f"HTTP {record.status}" if record.status is not None else (record.error or "")
+    code = f" {record.error_code}" if record.error_code else ""
+    again = ", retried on rerun" if record.retryable else ""
+    return (
+        f"item {record.id!r}: {record.outcome.value} ({answer}{code}, "
+        f"{record.attempts} attempt(s){again})"
+    )
+
+
+class PlainReporter:
+    """For logs and pipes: problems as they happen, and a line every tenth of the way."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = stream or sys.stderr
+        self._total = self._completed = self._step = 0
+
+    def start(self, total: int, completed: int) -> None:
+        self._total, self._completed = total, completed
+        self._step = max(1, total // 10)
+        self.note(f"{total - completed} item(s) to send, {completed} already answered")
+
+    def advance(self, record: ResultRecord) -> None:
+        self._completed += 1
+        problem = describe_problem(record)
+        if problem:
+            self.note(problem)
+        if self._completed % self._step == 0 or self._completed == self._total:
+            self.note(f"{self._completed}/{self._total} items")
+
+    def note(self, message: str) -> None:
+        print(message, file=self._stream, flush=True)
+
+    def finish(self) -> None:
+        pass
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        speed = task.speed
+        return Text(f"{speed:.1f}/s" if speed else "-/s", style="progress.data.speed")
+
+
+class _BatchProgress(Progress):
+    """The bar, and the counts on a line of their own so that both fit 80 columns."""
+
+    counts = ""
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(self.tasks)
+        if self.counts:
+            yield Text(self.counts, style="dim")
+
+
+class RichReporter:
+    """A live bar: done of total, rate, elapsed and ETA, and below it the counts so far."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self._progress = _BatchProgress(
+            TextColumn("[bold]batch"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            _RateColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=console or Console(stderr=True),
+        )
+        self._task = self._progress.add_task("batch", total=None, start=False)
+        self._counts = {outcome: 0 for outcome in Outcome}
+        self._replayed = 0
+
+    def start(self, total: int, completed: int) -> None:
+        self._progress.update(self._task, total=total, completed=completed)
+        self._progress.start_task(self._task)
+        self._progress.start()
+
+    def advance(self, record: ResultRecord) -> None:
+        self._counts[record.outcome] += 1
+        self._replayed += record.replayed
+        problem = describe_problem(record)
+        if problem:
+            self.note(problem)
+        done, failed, unknown = (self._counts[o] for o in Outcome)
+        self._progress.counts = (
+            f"this run: done {done} (replayed {self._replayed}) · failed {failed} · "
+            f"unknown {unknown}"
+        )
+        self._progress.update(self._task, advance=1)
+
+    def note(self, message: str) -> None:
+        self._progress.console.print(message, markup=False, highlight=False)
+
+    def finish(self) -> None:
+        self._progress.stop()

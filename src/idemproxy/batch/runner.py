@@ -1,0 +1,208 @@
+"""`run_batch`: the checkpointed batch runner that `idemproxy batch run` is built on (SPEC §14).
+
+    summary = await run_batch("in.jsonl", "out.jsonl", BatchOptions(target="http://127.0.0.1:8080"))
+
+The whole input is validated before anything is sent; the results file is locked, its torn last
+line (if any) repaired, and the ids it already answers are skipped. Up to `concurrency` items are
+in flight at once; each result is appended and fsynced as soon as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from idemproxy import __version__
+from idemproxy.batch.checkpoint import Checkpoint, CheckpointWriter
+from idemproxy.batch.client import RetryPolicy, build_request, send
+from idemproxy.batch.constants import (
+    DEFAULT_BACKOFF_BASE,
+    DEFAULT_BACKOFF_MAX,
+    DEFAULT_CONCURRENCY,
+    DEFAULT_KEY_PREFIX,
+    DEFAULT_RETRIES,
+    DEFAULT_TIMEOUT_SECONDS,
+    USER_AGENT,
+)
+from idemproxy.batch.errors import BatchError
+from idemproxy.batch.input import InputFile, Item, items_from_objects, read_input
+from idemproxy.batch.keys import Identity, check_prefix
+from idemproxy.batch.plan import Plan, PlanRules, make_plan
+from idemproxy.batch.progress import NullReporter, Reporter
+from idemproxy.batch.records import ResultRecord
+from idemproxy.batch.stop import Stop
+from idemproxy.batch.summary import BatchSummary
+from idemproxy.constants import DEFAULT_KEY_HEADER
+
+Source = str | PathLike[str] | Iterable[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """Everything a run needs besides its input and output."""
+
+    target: str  # base URL: the proxy, or any API that honours Idempotency-Key
+    concurrency: int = DEFAULT_CONCURRENCY
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    key_header: str = DEFAULT_KEY_HEADER
+    headers: Mapping[str, str] = field(default_factory=dict)  # sent, never written
+    retries: int = DEFAULT_RETRIES
+    timeout: float = DEFAULT_TIMEOUT_SECONDS  # per attempt, whole answer included
+    backoff_base: float = DEFAULT_BACKOFF_BASE
+    backoff_max: float = DEFAULT_BACKOFF_MAX
+    skip_invalid: bool = False
+    retry_failed: bool = False
+    retry_unknown: bool = False
+    rerun_changed: bool = False
+
+    def check(self) -> None:
+        url = URL(self.target)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise BatchError(f"target must be an http(s) URL, not {self.target!r}")
+        if self.concurrency < 1 or self.retries < 0 or self.timeout <= 0:
+            raise BatchError("concurrency must be ≥ 1, retries ≥ 0 and timeout > 0")
+        try:
+            check_prefix(self.key_prefix)
+        except ValueError as exc:
+            raise BatchError(str(exc)) from exc
+
+    def rules(self) -> PlanRules:
+        return PlanRules(self.key_prefix, self.retry_failed, self.retry_unknown, self.rerun_changed)
+
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(self.retries, self.timeout, self.backoff_base, self.backoff_max)
+
+
+async def run_batch(
+    source: Source,
+    output: str | PathLike[str],
+    options: BatchOptions,
+    *,
+    reporter: Reporter | None = None,
+    stop: Stop | None = None,
+) -> BatchSummary:
+    """Send every item of `source` that `output` does not answer yet; return what happened.
+
+    `source` is a JSONL file or an iterable of item objects. Raises `BatchError` (invalid
+    input, a results file that is corrupt, locked, or written under another key prefix) before
+    anything is sent; network failures never raise: they end up in the results.
+    """
+    options.check()
+    reporter = reporter or NullReporter()
+    started = time.monotonic()
+    source_items = _load(source, options)
+    writer, checkpoint = CheckpointWriter.open(Path(output))
+    try:
+        plan = make_plan(source_items.items, checkpoint.records, options.rules())
+        summary = _initial_summary(source_items, checkpoint, plan)
+        _announce(reporter, summary, plan)
+        reporter.start(plan.skipped + len(plan.send), plan.skipped)
+        try:
+            await _send_all(plan.send, writer, options, summary, reporter, stop or Stop())
+        finally:
+            reporter.finish()
+    finally:
+        writer.close()
+    summary.stopped = summary.interrupted > 0
+    summary.elapsed = time.monotonic() - started
+    return summary
+
+
+def _load(source: Source, options: BatchOptions) -> InputFile:
+    skip, header = options.skip_invalid, options.key_header
+    if isinstance(source, str | PathLike):
+        return read_input(Path(source), skip_invalid=skip, key_header=header)
+    return items_from_objects(source, skip_invalid=skip, key_header=header)
+
+
+def _initial_summary(source: InputFile, checkpoint: Checkpoint, plan: Plan) -> BatchSummary:
+    return BatchSummary(
+        total=len(source.items),
+        invalid=len(source.invalid),
+        skipped=plan.skipped,
+        sent=len(plan.send),
+        changed=len(plan.changed),
+        earlier_failed=plan.kept_failed,
+        earlier_unknown=plan.kept_unknown,
+        torn=checkpoint.torn,
+    )
+
+
+def _announce(reporter: Reporter, summary: BatchSummary, plan: Plan) -> None:
+    if summary.invalid:
+        reporter.note(f"left out {summary.invalid} invalid input line(s) (--skip-invalid)")
+    if summary.torn is not None:
+        reporter.note(
+            f"repaired the results file: cut off its torn line {summary.torn.line} "
+            f"({summary.torn.size} bytes); that item is sent again under the same key"
+        )
+    for item in plan.changed:
+        reporter.note(
+            f"item {item.id!r} (line {item.line}) changed since its result was written; "
+            "left out (--rerun-changed sends it as a new intent)"
+        )
+
+
+async def _send_all(
+    work: list[tuple[Item, Identity]],
+    writer: CheckpointWriter,
+    options: BatchOptions,
+    summary: BatchSummary,
+    reporter: Reporter,
+    stop: Stop,
+) -> None:
+    queue = deque(work)
+    policy = options.policy()
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while queue and not stop.requested.is_set():
+            item, identity = queue.popleft()
+            request = build_request(
+                item, identity, options.target, options.headers, options.key_header
+            )
+            record = await _unless_abandoned(send(session, request, policy), stop)
+            if record is None:
+                return
+            writer.append(record)  # durable before it is counted (SPEC §14)
+            summary.count(record)
+            reporter.advance(record)
+
+    try:
+        async with _session(options) as session, asyncio.TaskGroup() as group:
+            for _ in range(min(options.concurrency, len(queue))):
+                group.create_task(worker(session))
+    except* BatchError as failed:
+        # A worker could not write its result: the others were cancelled (their items are
+        # resumed under the same keys); report the cause, not the task group.
+        raise failed.exceptions[0] from None
+
+
+def _session(options: BatchOptions) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=options.concurrency),
+        headers={"User-Agent": f"{USER_AGENT}/{__version__}"},
+    )
+
+
+async def _unless_abandoned(
+    sending: Coroutine[Any, Any, ResultRecord], stop: Stop
+) -> ResultRecord | None:
+    """The item's result, or None when the stop is escalated while it is in flight."""
+    task = asyncio.ensure_future(sending)
+    abandon = asyncio.ensure_future(stop.abandoned.wait())
+    try:
+        await asyncio.wait({task, abandon}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, abandon):
+            pending.cancel()
+        await asyncio.gather(task, abandon, return_exceptions=True)
+    return None if task.cancelled() else task.result()

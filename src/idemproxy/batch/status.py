@@ -1,0 +1,104 @@
+"""`idemproxy batch status`: how far a run got, from the results file alone; nothing is sent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from idemproxy.batch.checkpoint import TornLine, read_checkpoint
+from idemproxy.batch.input import Item, read_input
+from idemproxy.batch.keys import request_hash
+from idemproxy.batch.records import Outcome, ResultRecord
+from idemproxy.constants import DEFAULT_KEY_HEADER
+
+
+@dataclass
+class BatchStatus:
+    results: str
+    lines: int = 0
+    torn: TornLine | None = None
+    done: int = 0
+    replayed: int = 0
+    failed: int = 0
+    retryable: int = 0  # of `failed`: a rerun tries them again
+    unknown: int = 0
+    # Known only with the input file:
+    items: int | None = None
+    invalid: int | None = None
+    pending: int | None = None  # no result yet
+    changed: int | None = None  # the result is for an earlier version of the item
+    extra: int | None = None  # results for ids that are not in the input
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        lines = [f"{self.results}: {self.lines} line(s)"]
+        if self.torn is not None:
+            lines.append(
+                f"  torn last line {self.torn.line} ({self.torn.size} bytes): "
+                "repaired by the next run"
+            )
+        if self.items is not None:
+            lines.append(f"  input items {self.items}" + _invalid(self.invalid))
+        lines.append(f"  done     {self.done} ({self.replayed} replayed)")
+        retried = f" ({self.retryable} retried on rerun)" if self.retryable else ""
+        lines.append(f"  failed   {self.failed}{retried}")
+        lines.append(f"  unknown  {self.unknown}")
+        for name in ("changed", "pending", "extra"):
+            value = getattr(self, name)
+            if value is not None:
+                lines.append(f"  {name:<8} {value}")
+        return "\n".join(lines)
+
+
+def _invalid(count: int | None) -> str:
+    return f" ({count} invalid line(s) not counted)" if count else ""
+
+
+def batch_status(
+    results: Path, input_path: Path | None = None, *, key_header: str = DEFAULT_KEY_HEADER
+) -> BatchStatus:
+    checkpoint = read_checkpoint(results)
+    status = BatchStatus(str(results), checkpoint.lines, checkpoint.torn)
+    records = checkpoint.records
+    if input_path is None:
+        _tally(status, records.values())
+        return status
+    source = read_input(input_path, skip_invalid=True, key_header=key_header)
+    status.items, status.invalid = len(source.items), len(source.invalid)
+    current = _current(source.items, records, status)
+    _tally(status, current)
+    status.extra = len(set(records) - {item.id for item in source.items})
+    return status
+
+
+def _current(
+    items: list[Item], records: dict[str, ResultRecord], status: BatchStatus
+) -> list[ResultRecord]:
+    """The results that answer the input as it is now; counts pending and changed items."""
+    status.pending = status.changed = 0
+    current: list[ResultRecord] = []
+    for item in items:
+        record = records.get(item.id)
+        if record is None:
+            status.pending += 1
+        elif record.request_hash != request_hash(item):
+            status.changed += 1
+        else:
+            current.append(record)
+    return current
+
+
+def _tally(status: BatchStatus, records: Iterable[ResultRecord]) -> None:
+    for record in records:
+        if record.outcome is Outcome.DONE:
+            status.done += 1
+            status.replayed += int(record.replayed)
+        elif record.outcome is Outcome.FAILED:
+            status.failed += 1
+            status.retryable += int(record.retryable)
+        else:
+            status.unknown += 1

@@ -1,0 +1,75 @@
+"""What a run did, counted as results arrive, and how it reads at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from idemproxy.batch.checkpoint import TornLine
+from idemproxy.batch.records import Outcome, ResultRecord
+
+
+@dataclass
+class BatchSummary:
+    total: int = 0  # valid input items
+    invalid: int = 0  # input lines left out (--skip-invalid)
+    skipped: int = 0  # already answered in the results file, not sent
+    sent: int = 0  # items this run set out to send
+    done: int = 0  # answered below 400 this run, replays included
+    replayed: int = 0  # of `done`: answered by the proxy from an earlier execution
+    failed: int = 0
+    retryable: int = 0  # of `failed`: retries ran out; a rerun tries again under the same key
+    unknown: int = 0
+    changed: int = 0  # edited since their result was written; left out
+    earlier_failed: int = 0  # skipped items whose recorded result is a failure
+    earlier_unknown: int = 0
+    torn: TornLine | None = None
+    stopped: bool = False
+    elapsed: float = 0.0
+
+    def count(self, record: ResultRecord) -> None:
+        if record.outcome is Outcome.DONE:
+            self.done += 1
+            self.replayed += record.replayed
+        elif record.outcome is Outcome.FAILED:
+            self.failed += 1
+            self.retryable += record.retryable
+        else:
+            self.unknown += 1
+
+    @property
+    def interrupted(self) -> int:
+        """Items this run did not answer because it was stopped."""
+        return self.sent - self.done - self.failed - self.unknown
+
+    @property
+    def outstanding(self) -> int:
+        """Items that still lack a `done` result."""
+        return (
+            self.failed
+            + self.unknown
+            + self.changed
+            + self.interrupted
+            + self.earlier_failed
+            + self.earlier_unknown
+        )
+
+    @property
+    def complete(self) -> bool:
+        return self.outstanding == 0
+
+    def describe(self) -> str:
+        parts = [
+            f"done {self.done} ({self.replayed} replayed)",
+            f"failed {self.failed}" + (f" ({self.retryable} retryable)" if self.retryable else ""),
+            f"unknown {self.unknown}",
+            f"skipped {self.skipped}",
+        ]
+        if self.changed:
+            parts.append(f"changed {self.changed}")
+        if self.interrupted:
+            parts.append(f"left to resume {self.interrupted}")
+        if self.invalid:
+            parts.append(f"invalid lines left out {self.invalid}")
+        verdict = "complete" if self.complete else f"{self.outstanding} item(s) not done"
+        head = "stopped" if self.stopped else "finished"
+        return f"{head} in {self.elapsed:.1f}s — {self.total} items: {', '.join(parts)} — {verdict}"
