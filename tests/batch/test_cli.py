@@ -1,0 +1,103 @@
+"""`idemproxy batch …` wiring: exit codes and messages that need no network (SPEC §13, §14).
+
+Runs that send are exercised as real processes in test_end_to_end.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemproxy.batch.checkpoint import CheckpointWriter
+from idemproxy.batch.input import Item
+from idemproxy.batch.records import Outcome
+from idemproxy.cli import main
+
+from .factory import record
+from .servers import write_jsonl
+
+ITEMS: list[dict[str, Any]] = [
+    {"id": f"i{n}", "method": "POST", "path": "/x", "body": {"id": f"i{n}"}} for n in range(4)
+]
+
+
+def _run(tmp_path: Path, source: Path, *extra: str) -> int:
+    out = tmp_path / "out.jsonl"
+    return main(["batch", "run", str(source), "--target", "http://127.0.0.1:9",
+                 "--output", str(out), *extra])  # fmt: skip
+
+
+def test_invalid_input_refuses_to_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"id": "a", "method": "POST", "path": "/x"}\n{"method": "POST"}\nnope\n')
+    assert _run(tmp_path, source) == 2
+    err = capsys.readouterr().err
+    assert "2 invalid input line(s)" in err
+    assert 'line 2: missing "id"' in err and "line 3: not valid JSON" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--header", "no colon"], "--header must be 'Name: value'"),
+        (["--header-env", "Authorization=BATCH_TEST_UNSET_VAR"], "BATCH_TEST_UNSET_VAR is not set"),
+        (["--header-env", "Authorization"], "--header-env must be NAME=VARIABLE"),
+        (["--key-prefix", "a,b"], "key prefix"),
+        (["--concurrency", "0"], "concurrency must be"),
+    ],
+)
+def test_bad_flags_refuse_to_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", ITEMS)
+    assert _run(tmp_path, source, *flags) == 2
+    assert message in capsys.readouterr().err
+
+
+def _results(tmp_path: Path) -> Path:
+    out = tmp_path / "out.jsonl"
+    items = [Item(o["id"], "POST", "/x", body=o["body"]) for o in ITEMS]
+    writer, _ = CheckpointWriter.open(out)
+    writer.append(record(items[0], replayed=True))
+    writer.append(record(items[1], Outcome.FAILED, retryable=True))
+    writer.append(record(Item("gone", "POST", "/x"), Outcome.UNKNOWN))
+    writer.close()
+    with out.open("ab") as sink:
+        sink.write(b'{"v":1,"id":"i2","outc')  # torn
+    return out
+
+
+def test_status_reports_without_sending(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _results(tmp_path)
+    source = write_jsonl(tmp_path / "in.jsonl", ITEMS)
+    assert main(["batch", "status", str(out), "--input", str(source)]) == 0
+    text = capsys.readouterr().out
+    assert "torn last line 4" in text and "done     1 (1 replayed)" in text
+    assert "failed   1 (1 retried on rerun)" in text and "pending  2" in text
+    assert main(["batch", "status", str(out), "--input", str(source), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["items"], status["done"], status["pending"], status["extra"]) == (4, 1, 2, 1)
+    assert status["unknown"] == 0 and status["changed"] == 0
+
+
+def test_status_without_input_counts_the_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _results(tmp_path)
+    assert main(["batch", "status", str(out), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["done"], status["failed"], status["unknown"]) == (1, 1, 1)
+    assert status["pending"] is None
+
+
+def test_status_of_a_corrupt_file_says_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text("garbage\n" + record("a").to_line().decode())
+    assert main(["batch", "status", str(out)]) == 2
+    assert "line 1 is not a result" in capsys.readouterr().err

@@ -1,0 +1,185 @@
+"""End to end: the batch runner → the real proxy (`idemproxy serve`) → a paid endpoint.
+
+The promise of SPEC §14, checked on the charges: a batch killed with SIGKILL at ~80% and rerun
+ends with exactly one result and exactly one charge per item; connections reset after the
+request went through cost nothing extra; a torn last line is repaired; an edited item is
+reported, not silently replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemproxy.batch import BatchOptions, run_batch
+
+from .paid import Charges
+from .relay import resetting_relay
+from .servers import charge_items, line_count, read_results, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+SECRET = "Bearer sk-test-never-written"
+
+
+async def _cli(
+    *args: str, log: Path, env: dict[str, str] | None = None
+) -> asyncio.subprocess.Process:
+    with log.open("ab") as sink:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "idemproxy", "batch", *args,
+            stdout=sink, stderr=sink, env={**os.environ, **(env or {})},
+        )  # fmt: skip
+
+
+def _run_args(source: Path, out: Path, target: str, *extra: str) -> tuple[str, ...]:
+    return ("run", str(source), "--target", target, "--output", str(out), *extra)
+
+
+async def _signal_at(
+    process: asyncio.subprocess.Process, out: Path, lines: int, signum: int
+) -> int:
+    """Signal the run once the results file holds `lines` lines; the count at that moment."""
+    while process.returncode is None:
+        written = line_count(out)
+        if written >= lines:
+            process.send_signal(signum)
+            return written
+        await asyncio.sleep(0.005)  # another process writes the file: polling is all there is
+    raise AssertionError(f"the run ended before it was signalled (exit {process.returncode})")
+
+
+def _options(target: str, **overrides: Any) -> BatchOptions:
+    return BatchOptions(
+        **{
+            "target": target,
+            "concurrency": 4,
+            "backoff_base": 0.01,
+            "backoff_max": 0.1,
+            **overrides,
+        }
+    )
+
+
+async def test_killed_at_80_percent_and_rerun_pays_exactly_once_per_item(
+    proxy_url: str, charges: Charges, tmp_path: Path
+) -> None:
+    charges.delay = 0.04
+    source = write_jsonl(tmp_path / "in.jsonl", charge_items(300))
+    out, log = tmp_path / "out.jsonl", tmp_path / "batch.log"
+    args = _run_args(source, out, proxy_url, "--concurrency", "8", "--header-env",
+                     "Authorization=BATCH_TEST_AUTH")  # fmt: skip
+    env = {"BATCH_TEST_AUTH": SECRET}
+
+    first = await _cli(*args, log=log, env=env)
+    written = await _signal_at(first, out, 240, signal.SIGKILL)
+    assert await first.wait() == -signal.SIGKILL and written < 300
+
+    status = await _status(out, source, tmp_path)
+    assert status["items"] == 300 and status["pending"] == 300 - status["done"]
+
+    second = await _cli(*args, log=log, env=env)
+    assert await second.wait() == 0, log.read_text()
+
+    results = read_results(out)
+    assert sorted(r["id"] for r in results) == [f"item-{n:04d}" for n in range(300)]
+    assert all(r["outcome"] == "done" for r in results)
+    assert charges.total == 300 and charges.doubled() == []
+    # The items in flight at the kill were executed once, and replayed on resume.
+    assert any(r["replayed"] for r in results[written:])
+    assert SECRET not in out.read_text()
+
+
+async def test_ctrl_c_stops_cleanly_with_a_result_for_every_charge(
+    proxy_url: str, charges: Charges, tmp_path: Path
+) -> None:
+    charges.delay = 0.04
+    source = write_jsonl(tmp_path / "in.jsonl", charge_items(150))
+    out, log = tmp_path / "out.jsonl", tmp_path / "batch.log"
+    args = _run_args(source, out, proxy_url, "--concurrency", "8")
+
+    first = await _cli(*args, log=log)
+    await _signal_at(first, out, 50, signal.SIGINT)
+    assert await first.wait() == 130, log.read_text()
+    assert "stopping: finishing the items in flight" in log.read_text()
+    data = out.read_bytes()
+    assert data.endswith(b"\n")  # no torn line: the items in flight finished and were written
+    assert charges.total == len(data.splitlines()) < 150  # nothing was paid without its result
+
+    second = await _cli(*args, log=log)
+    assert await second.wait() == 0, log.read_text()
+    assert len(read_results(out)) == 150 and charges.total == 150 and not charges.doubled()
+
+
+async def _status(out: Path, source: Path, tmp_path: Path) -> dict[str, Any]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "idemproxy", "batch", "status", str(out), "--input", str(source),
+        "--json", stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, _ = await process.communicate()
+    assert process.returncode == 0
+    status: dict[str, Any] = json.loads(stdout)
+    return status
+
+
+async def test_connections_reset_mid_way_cost_no_second_charge(
+    proxy_url: str, charges: Charges, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    async with resetting_relay(proxy_url, reset={2, 3, 6}) as (relay, relay_url):
+        summary = await run_batch(charge_items(60), out, _options(relay_url))
+    assert relay.resets == 3
+    results = read_results(out)
+    assert len(results) == 60 and all(r["outcome"] == "done" for r in results)
+    assert summary.complete and summary.replayed >= 1
+    retried = [r for r in results if r["attempts"] > 1]
+    assert retried and all(r["replayed"] for r in retried)
+    assert charges.total == 60 and charges.doubled() == []
+
+
+async def test_a_torn_last_line_is_repaired_and_its_item_replayed(
+    proxy_url: str, charges: Charges, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    items = charge_items(20)
+    await run_batch(items, out, _options(proxy_url))
+    data = out.read_bytes()
+    out.write_bytes(data[: len(data) - 25])  # the process died writing the last line
+    torn_id = json.loads(data.splitlines()[-1])["id"]
+
+    summary = await run_batch(items, out, _options(proxy_url))
+    assert summary.torn is not None and summary.torn.line == 20
+    assert (summary.skipped, summary.done, summary.replayed) == (19, 1, 1)
+    results = read_results(out)
+    assert len(results) == 20 and results[-1]["id"] == torn_id and results[-1]["replayed"]
+    assert charges.total == 20 and charges.doubled() == []
+
+
+async def test_a_changed_payload_is_reported_not_silently_replayed(
+    proxy_url: str, charges: Charges, tmp_path: Path
+) -> None:
+    out, log = tmp_path / "out.jsonl", tmp_path / "batch.log"
+    items = charge_items(10)
+    await run_batch(items, out, _options(proxy_url))
+    items[3]["body"] = {"amount": 400}  # edited after it was paid
+    source = write_jsonl(tmp_path / "in.jsonl", items)
+
+    rerun = await _cli(*_run_args(source, out, proxy_url), log=log)
+    assert await rerun.wait() == 1
+    assert "item 'item-0003' (line 4) changed since its result was written" in log.read_text()
+    assert charges.total == 10 and len(read_results(out)) == 10
+    assert (await _status(out, source, tmp_path))["changed"] == 1
+
+    again = await _cli(*_run_args(source, out, proxy_url, "--rerun-changed"), log=log)
+    assert await again.wait() == 0, log.read_text()
+    assert charges.total == 11 and charges.doubled() == []  # a new intent, paid once
+    latest = [r for r in read_results(out) if r["id"] == "item-0003"][-1]
+    assert latest["body"]["echo"] == {"amount": 400} and not latest["replayed"]
+    assert (await _status(out, source, tmp_path))["changed"] == 0

@@ -1,0 +1,67 @@
+"""What an answer means, and how long to wait before asking again (SPEC §3.2, §8, §14)."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+
+import pytest
+
+from idemproxy.batch.outcome import (
+    Verdict,
+    backoff_seconds,
+    classify,
+    next_delay,
+    retry_after_seconds,
+)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "verdict"),
+    [
+        (200, None, Verdict.DONE),
+        (201, None, Verdict.DONE),
+        (302, None, Verdict.DONE),
+        (400, None, Verdict.FAILED),
+        (401, None, Verdict.FAILED),
+        (422, None, Verdict.FAILED),
+        (500, None, Verdict.FAILED),  # stored and replayed by the proxy: asking again is futile
+        (409, "payload-mismatch", Verdict.FAILED),
+        (409, "outcome-unknown", Verdict.UNKNOWN),
+        (409, "request-in-flight", Verdict.RETRY),
+        (409, None, Verdict.RETRY),
+        (429, None, Verdict.RETRY),
+        (408, None, Verdict.RETRY),
+        (503, "store-unavailable", Verdict.RETRY),
+        (503, None, Verdict.RETRY),
+        (502, "upstream-unavailable", Verdict.RETRY),
+        (504, "upstream-timeout", Verdict.RETRY),
+    ],
+)
+def test_classify(status: int, code: str | None, verdict: Verdict) -> None:
+    assert classify(status, code) is verdict
+
+
+def test_retry_after_in_seconds_and_as_a_date() -> None:
+    now = datetime(2025, 1, 1, tzinfo=UTC)
+    assert retry_after_seconds("3") == 3.0
+    assert retry_after_seconds(format_datetime(now + timedelta(seconds=7), True), now) == 7.0
+    assert retry_after_seconds(format_datetime(now - timedelta(seconds=7), True), now) == 0.0
+    assert retry_after_seconds("100000") == 300.0
+    assert retry_after_seconds("soon") is None
+    assert retry_after_seconds(None) is None
+
+
+def test_backoff_grows_with_jitter_up_to_the_cap() -> None:
+    rng = random.Random(1)
+    for retry, ceiling in [(1, 0.5), (2, 1.0), (3, 2.0), (10, 30.0)]:
+        delays = [backoff_seconds(retry, 0.5, 30.0, rng) for _ in range(50)]
+        assert all(ceiling / 2 <= d <= ceiling for d in delays)
+        assert len(set(delays)) > 1
+
+
+def test_retry_after_is_the_least_wait() -> None:
+    assert next_delay(1, 7.0, 0.5, 30.0) == 7.0
+    assert 4.0 <= next_delay(5, 1.0, 0.5, 30.0) <= 8.0
+    assert next_delay(1, None, 0.5, 30.0) <= 0.5

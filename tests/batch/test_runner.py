@@ -1,0 +1,329 @@
+"""`run_batch` against a scripted API: keys, retries, resume, failures, stops (SPEC §14).
+
+These run in-process and fast; test_end_to_end.py puts the real proxy in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemproxy.batch import (
+    BatchOptions,
+    CheckpointLocked,
+    CheckpointUnwritable,
+    InvalidInput,
+    KeyPrefixChanged,
+    Outcome,
+    ResultRecord,
+    Stop,
+    run_batch,
+)
+from idemproxy.batch.checkpoint import CheckpointWriter
+
+from .scripted import Calls
+from .servers import free_port, read_results
+
+
+def _options(url: str, **overrides: Any) -> BatchOptions:
+    fast = {"concurrency": 4, "backoff_base": 0.001, "backoff_max": 0.01, "timeout": 5.0}
+    return BatchOptions(**{"target": url, **fast, **overrides})
+
+
+def _items(count: int, path: str = "/things", **extra: Any) -> list[dict[str, Any]]:
+    return [
+        {"id": f"i{n}", "method": "POST", "path": path, "body": {"n": n}, **extra}
+        for n in range(count)
+    ]
+
+
+class Recorder:
+    """A reporter that keeps what it was told, and can act on each result."""
+
+    def __init__(self, on_advance: Any = None) -> None:
+        self.notes: list[str] = []
+        self.records: list[ResultRecord] = []
+        self.on_advance = on_advance
+
+    def start(self, total: int, completed: int) -> None:
+        self.notes.append(f"start {completed}/{total}")
+
+    def advance(self, record: ResultRecord) -> None:
+        self.records.append(record)
+        if self.on_advance:
+            self.on_advance(len(self.records))
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+    def finish(self) -> None:
+        self.notes.append("finish")
+
+
+async def test_every_item_gets_one_line_under_its_own_key(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    summary = await run_batch(_items(20), out, _options(api_url))
+    results = read_results(out)
+    assert sorted(r["id"] for r in results) == sorted(f"i{n}" for n in range(20))
+    assert all(r["outcome"] == "done" and r["status"] == 201 for r in results)
+    assert all(r["body"]["key"] == r["key"] for r in results)
+    assert sorted(calls.by_key) == sorted(r["key"] for r in results)
+    assert set(calls.by_key.values()) == {1}
+    assert summary.complete and summary.done == 20 and summary.skipped == 0
+
+
+async def test_a_rerun_skips_what_is_already_answered(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    await run_batch(_items(10), out, _options(api_url))
+    summary = await run_batch(_items(12), out, _options(api_url))
+    assert (summary.skipped, summary.done, summary.sent) == (10, 2, 2)
+    assert sum(calls.by_key.values()) == 12 and len(read_results(out)) == 12
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "status=503",
+        "status=429",
+        "status=502",
+        "status=504",
+        "status=408",
+        "status=409",
+        "status=409&code=request-in-flight",
+    ],
+)
+async def test_transient_answers_are_retried_under_the_same_key(
+    api_url: str, calls: Calls, tmp_path: Path, script: str
+) -> None:
+    out = tmp_path / "out.jsonl"
+    summary = await run_batch(_items(1, f"/x?fail=2&{script}"), out, _options(api_url))
+    [result] = read_results(out)
+    assert result["outcome"] == "done" and result["attempts"] == 3
+    assert dict(calls.by_key) == {result["key"]: 3}
+    assert summary.complete
+
+
+async def test_a_held_duplicate_ends_in_a_replay(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    path = "/x?fail=1&status=409&code=request-in-flight&replay=1"
+    summary = await run_batch(_items(1, path), out, _options(api_url))
+    [result] = read_results(out)
+    assert result["replayed"] is True and result["attempts"] == 2
+    assert summary.replayed == 1 and summary.done == 1
+
+
+async def test_outcome_unknown_is_recorded_not_retried(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    items = _items(1, "/x?fail=9&status=409&code=outcome-unknown")
+    summary = await run_batch(items, out, _options(api_url))
+    [result] = read_results(out)
+    assert result["outcome"] == "unknown" and result["attempts"] == 1
+    assert result["error_code"] == "outcome-unknown" and result["status"] == 409
+    assert summary.unknown == 1 and not summary.complete
+    again = await run_batch(items, out, _options(api_url))
+    assert (again.sent, again.earlier_unknown, sum(calls.by_key.values())) == (0, 1, 1)
+    await run_batch(items, out, _options(api_url, retry_unknown=True))
+    assert sum(calls.by_key.values()) == 2
+
+
+async def test_permanent_failures_are_not_retried_unless_asked(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    items = _items(1, "/x?fail=1&status=422")
+    summary = await run_batch(items, out, _options(api_url))
+    [result] = read_results(out)
+    assert result["outcome"] == "failed" and result["attempts"] == 1
+    assert result["retryable"] is False and result["body"] == {"failed": True}
+    assert summary.failed == 1 and not summary.complete
+    again = await run_batch(items, out, _options(api_url))
+    assert again.sent == 0 and sum(calls.by_key.values()) == 1
+    retried = await run_batch(items, out, _options(api_url, retry_failed=True))
+    assert retried.done == 1 and retried.complete
+    assert [r["outcome"] for r in read_results(out)] == ["failed", "done"]
+
+
+async def test_when_retries_run_out_the_item_is_retried_on_the_next_run(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    items = _items(1, "/x?fail=3&status=503")
+    summary = await run_batch(items, out, _options(api_url, retries=1))
+    [result] = read_results(out)
+    assert result["outcome"] == "failed" and result["retryable"] is True
+    assert result["attempts"] == 2 and summary.retryable == 1
+    again = await run_batch(items, out, _options(api_url, retries=1))
+    assert again.done == 1 and len(set(calls.by_key)) == 1
+
+
+async def test_a_refused_connection_is_transient(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    target = f"http://127.0.0.1:{free_port()}"
+    summary = await run_batch(_items(2), out, _options(target, retries=2))
+    results = read_results(out)
+    assert all(r["outcome"] == "failed" and r["retryable"] for r in results)
+    assert all(r["status"] is None and r["attempts"] == 3 for r in results)
+    assert all("Connect" in r["error"] for r in results)
+    assert summary.retryable == 2
+
+
+async def test_a_timeout_is_retried(api_url: str, calls: Calls, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    await run_batch(_items(1, "/x?slow=1&delay=2"), out, _options(api_url, timeout=0.5))
+    [result] = read_results(out)
+    assert result["outcome"] == "done" and result["attempts"] == 2
+    assert dict(calls.by_key) == {result["key"]: 2}
+
+
+async def test_run_headers_are_sent_and_never_written(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    items = _items(3, headers={"X-Item": "yes"}, meta={"chapter": 4})
+    headers = {"Authorization": "Bearer sk-very-secret"}
+    await run_batch(items, out, _options(api_url, headers=headers))
+    assert all(h["Authorization"] == "Bearer sk-very-secret" for h in calls.headers)
+    assert all(
+        h["X-Item"] == "yes" and h["Content-Type"] == "application/json" for h in calls.headers
+    )
+    assert "sk-very-secret" not in out.read_text()
+    assert sorted(calls.bodies) == sorted(
+        json.dumps({"n": n}).replace(" ", "").encode() for n in range(3)
+    )
+    assert all(r["meta"] == {"chapter": 4} for r in read_results(out))
+
+
+async def test_a_changed_item_is_reported_not_replayed(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    items = _items(3)
+    await run_batch(items, out, _options(api_url))
+    items[1]["body"] = {"n": 1, "edited": True}
+    recorder = Recorder()
+    summary = await run_batch(items, out, _options(api_url), reporter=recorder)
+    assert summary.changed == 1 and summary.sent == 0 and not summary.complete
+    assert any("'i1' (line 2) changed" in note for note in recorder.notes)
+    assert sum(calls.by_key.values()) == 3
+    rerun = await run_batch(items, out, _options(api_url, rerun_changed=True))
+    assert rerun.done == 1 and rerun.complete
+    old, new = [r for r in read_results(out) if r["id"] == "i1"]
+    assert old["key"] != new["key"] and calls.by_key[new["key"]] == 1
+
+
+async def test_another_key_prefix_on_resume_is_refused(api_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    await run_batch(_items(2), out, _options(api_url, key_prefix="first"))
+    with pytest.raises(KeyPrefixChanged, match="'first'"):
+        await run_batch(_items(3), out, _options(api_url, key_prefix="second"))
+
+
+async def test_a_graceful_stop_lets_items_in_flight_finish(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    stop = Stop()
+    recorder = Recorder(on_advance=lambda n: stop.request() if n == 5 else None)
+    items = _items(40, "/x?delay=0.02")
+    summary = await run_batch(items, out, _options(api_url), reporter=recorder, stop=stop)
+    results = read_results(out)
+    assert summary.stopped and summary.interrupted == 40 - len(results)
+    assert 5 <= len(results) < 40
+    assert sum(calls.by_key.values()) == len(results)  # nothing in flight was dropped
+    resumed = await run_batch(items, out, _options(api_url))
+    assert resumed.complete and resumed.skipped == len(results)
+    assert len(read_results(out)) == 40 and set(calls.by_key.values()) == {1}
+
+
+async def test_a_second_stop_abandons_items_in_flight(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    stop = Stop()
+    items = _items(4, "/x?delay=5&slow=1") + _items(8)[4:]  # the first four hang
+
+    async def press_twice() -> None:
+        await calls.reached(4)
+        stop.request()
+        stop.request()
+
+    presser = asyncio.create_task(press_twice())
+    summary = await asyncio.wait_for(run_batch(items, out, _options(api_url), stop=stop), 3)
+    await presser
+    assert summary.stopped and summary.interrupted == 8 and out.read_bytes() == b""
+    resumed = await run_batch(items, out, _options(api_url))
+    assert resumed.complete and len(read_results(out)) == 8
+
+
+async def test_concurrent_results_never_interleave(api_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    summary = await run_batch(_items(150, "/x?size=20000"), out, _options(api_url, concurrency=16))
+    lines = out.read_bytes().split(b"\n")
+    assert lines[-1] == b"" and len(lines) == 151
+    assert {json.loads(line)["id"] for line in lines[:-1]} == {f"i{n}" for n in range(150)}
+    assert summary.done == 150
+
+
+async def test_invalid_input_sends_nothing_and_writes_nothing(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    items = [*_items(2), {"method": "POST", "path": "/x"}]
+    with pytest.raises(InvalidInput, match='line 3: missing "id"'):
+        await run_batch(items, out, _options(api_url))
+    assert not out.exists() and not calls.by_key
+    summary = await run_batch(items, out, _options(api_url, skip_invalid=True))
+    assert summary.invalid == 1 and summary.done == 2 and summary.complete
+
+
+async def test_one_results_file_one_run(api_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    writer, _ = CheckpointWriter.open(out)
+    try:
+        with pytest.raises(CheckpointLocked):
+            await run_batch(_items(1), out, _options(api_url))
+    finally:
+        writer.close()
+
+
+async def test_a_results_file_that_cannot_be_written_stops_the_run(
+    api_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def io_error(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    out = tmp_path / "out.jsonl"
+    out.touch()
+    monkeypatch.setattr(os, "fsync", io_error)
+    with pytest.raises(CheckpointUnwritable, match="Input/output error"):
+        await run_batch(_items(10), out, _options(api_url))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"target": "ftp://x"}, {"concurrency": 0}, {"key_prefix": "a,b"}, {"timeout": 0}],
+)
+async def test_bad_options_are_refused(tmp_path: Path, overrides: dict[str, Any]) -> None:
+    from idemproxy.batch import BatchError
+
+    options = _options("http://127.0.0.1:1", **overrides)
+    with pytest.raises(BatchError):
+        await run_batch(_items(1), tmp_path / "out.jsonl", options)
+
+
+def test_outcomes_are_the_documented_words() -> None:
+    assert [o.value for o in Outcome] == ["done", "failed", "unknown"]
