@@ -32,6 +32,8 @@ _SERVE_FLAGS = {
     "max_request_body": "max_request_body",
     "max_stored_body": "max_stored_body",
     "admin_listen": "admin.listen",
+    "fallbacks": "fallbacks",
+    "hedge_after": "hedge_after",
     "log_level": "log_level",
     "log_format": "log_format",
 }
@@ -65,6 +67,19 @@ def _parser() -> argparse.ArgumentParser:
     _config_flag(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="default 127.0.0.1:8080")
     serve.add_argument("--upstream", metavar="URL", help="the backend for the catch-all route")
+    serve.add_argument(
+        "--fallback",
+        action="append",
+        metavar="URL",
+        dest="fallbacks",
+        help="a fallback upstream for --upstream (repeatable, tried in order)",
+    )
+    serve.add_argument(
+        "--hedge-after",
+        type=float,
+        metavar="SECONDS",
+        help="hedge on the next upstream after this long (side-effect-free upstreams only)",
+    )
     serve.add_argument("--store", metavar="DSN", help="sqlite:///PATH (default) or postgresql://…")
     serve.add_argument("--profile", choices=["default", "ietf"])
     serve.add_argument("--methods", metavar="LIST", help="governed methods, default POST,PATCH")

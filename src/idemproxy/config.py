@@ -24,15 +24,52 @@ from idemproxy.owner import OwnerPolicy
 _STRICT = ConfigDict(extra="forbid")
 
 
+class ContractSettings(BaseModel):
+    """SPEC §3.4: the output contract a fallback must honour before it may take over."""
+
+    model_config = _STRICT
+    # JSON Schema that every 2xx response body of the group must validate against.
+    schema_file: Path
+    # JSONL file of sample requests: {"method", "path", "headers"?, "body"?} per line.
+    samples_file: Path
+    # Seconds between re-checks of the fallbacks; 0 checks only at start-up.
+    interval: float = Field(default=300.0, ge=0)
+    timeout: float = Field(default=10.0, gt=0)
+
+    @field_validator("schema_file", "samples_file")
+    @classmethod
+    def _exists(cls, path: Path) -> Path:
+        if not path.is_file():
+            raise ValueError(f"no such file: {path}")
+        return path
+
+
 class RouteSettings(BaseModel):
-    """A path prefix (and optionally a host) routed to an upstream (SPEC §10)."""
+    """A path prefix (and optionally a host) routed to an upstream group (SPEC §3.4, §10)."""
 
     model_config = _STRICT
     prefix: str = "/"
     host: str | None = None
     upstream: str
+    # Ordered fallbacks: a released outcome moves on to the next one as a new attempt.
+    fallbacks: list[str] = Field(default_factory=list)
+    # Start one more attempt on the next upstream after this many seconds without a response.
+    # Only for side-effect-free upstreams (LLM inference): both attempts may execute.
+    hedge_after: float | None = Field(default=None, gt=0)
+    contract: ContractSettings | None = None
     require_key: bool | None = None  # overrides the global setting for this route
     ttl: float | None = Field(default=None, gt=0)
+
+    @field_validator("fallbacks")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        return [check_upstream_url(url) for url in urls]
+
+    @model_validator(mode="after")
+    def _hedge_needs_a_fallback(self) -> RouteSettings:
+        if self.hedge_after is not None and not self.fallbacks:
+            raise ValueError("hedge_after needs at least one fallback to hedge on")
+        return self
 
     @field_validator("prefix")
     @classmethod
@@ -131,6 +168,9 @@ class Settings(BaseSettings):
 
     listen: str = c.DEFAULT_LISTEN
     upstream: str | None = None
+    # Fallbacks and hedging for the `upstream` route (flags --fallback, --hedge-after).
+    fallbacks: list[str] = Field(default_factory=list)
+    hedge_after: float | None = Field(default=None, gt=0)
     routes: list[RouteSettings] = Field(default_factory=list)
     store: str = c.DEFAULT_STORE
     migrate: bool = True
@@ -230,7 +270,14 @@ class Settings(BaseSettings):
         """Configured routes, then `--upstream` as the catch-all route."""
         routes = list(self.routes)
         if self.upstream is not None:
-            routes.append(RouteSettings(prefix="/", upstream=self.upstream))
+            routes.append(
+                RouteSettings(
+                    prefix="/",
+                    upstream=self.upstream,
+                    fallbacks=self.fallbacks,
+                    hedge_after=self.hedge_after,
+                )
+            )
         return routes
 
 

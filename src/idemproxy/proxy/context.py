@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -29,7 +30,7 @@ class ProxyContext:
     failpoints: Failpoints
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
-    attempts: set[asyncio.Task[web.StreamResponse | None]] = field(default_factory=set)
+    attempts: set[asyncio.Task[Any]] = field(default_factory=set)
 
     @classmethod
     def build(

@@ -21,8 +21,8 @@ from idemproxy.decision import (
     decide,
 )
 from idemproxy.errors import RequestInFlight, StoreUnavailable, TooManyWaiters
-from idemproxy.proxy.attempt import run_attempt
 from idemproxy.proxy.context import ProxyContext
+from idemproxy.proxy.jobrun import run_job
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.replay import replay_response
 from idemproxy.proxy.routing import Route
@@ -77,7 +77,7 @@ async def run_shielded(
     ctx: ProxyContext, request: web.Request, route: Route, claimed: Claimed, body: bytes
 ) -> web.StreamResponse | None:
     """SPEC §2: the client disconnecting must not cancel the upstream call or the completion."""
-    task = asyncio.create_task(run_attempt(ctx, request, route, claimed, body))
+    task = asyncio.create_task(run_job(ctx, request, route, claimed, body))
     ctx.attempts.add(task)
     task.add_done_callback(ctx.attempts.discard)
     return await asyncio.shield(task)

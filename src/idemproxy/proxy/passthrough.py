@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 SMALL_BODY = 64 * 1024
 
 
-def upstream_url(route: Route, request: web.Request) -> URL:
+def upstream_url(upstream: str, request: web.Request) -> URL:
     # raw_path keeps the client's exact path and query bytes, no re-quoting. Callers must pass
     # this URL object on as it is: str() of it is re-parsed and re-quoted by aiohttp (%2F -> /).
-    return URL(route.upstream + request.raw_path, encoded=True)
+    return URL(upstream + request.raw_path, encoded=True)
 
 
 def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
@@ -48,7 +48,7 @@ async def passthrough(
     try:
         async with ctx.upstream.request(
             request.method,
-            upstream_url(route, request),
+            upstream_url(route.upstream, request),
             forwarded_headers(request),
             data,
             content_length=request.content_length,

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from idemproxy.config import RouteSettings, Settings
+from idemproxy.config import ContractSettings, RouteSettings, Settings
+from idemproxy.proxy.contract import Contract, ContractGate
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
     prefix: str
     host: str | None
-    upstream: str
+    upstream: str  # the primary
     require_key: bool
     ttl: float
+    fallbacks: tuple[str, ...] = ()
+    hedge_after: float | None = None
+    contract: ContractSettings | None = None
+    # Mutable eligibility of the fallbacks, when the group has a contract (SPEC §3.4).
+    gate: ContractGate | None = field(default=None, compare=False, hash=False)
+
+    @property
+    def upstreams(self) -> tuple[str, ...]:
+        """The primary, then the fallbacks that may take over, in order."""
+        fallbacks = self.fallbacks if self.gate is None else self.gate.eligible
+        return (self.upstream, *fallbacks)
 
     def matches(self, path: str, host: str | None) -> bool:
         if self.host is not None and (host or "").split(":")[0].lower() != self.host.lower():
@@ -35,6 +47,10 @@ class RouteTable:
     def from_settings(cls, settings: Settings) -> RouteTable:
         return cls([_route(r, settings) for r in settings.all_routes])
 
+    @property
+    def routes(self) -> tuple[Route, ...]:
+        return tuple(self._routes)
+
     def find(self, path: str, host: str | None) -> Route | None:
         for route in self._routes:
             if route.matches(path, host):
@@ -49,4 +65,10 @@ def _route(route: RouteSettings, settings: Settings) -> Route:
         upstream=route.upstream,
         require_key=settings.require_key if route.require_key is None else route.require_key,
         ttl=settings.ttl if route.ttl is None else route.ttl,
+        fallbacks=tuple(route.fallbacks),
+        hedge_after=route.hedge_after,
+        contract=route.contract,
+        gate=None
+        if route.contract is None
+        else ContractGate(Contract(route.contract), tuple(route.fallbacks)),
     )

@@ -1,0 +1,141 @@
+"""Running a job's attempts across an upstream group (SPEC §3.4).
+
+In order: the primary, then each fallback while the outcome proves nothing executed (released),
+every try a new attempt under the same job. Hedged (`hedge_after`): after that delay with no
+answer, one more attempt starts on the next upstream; the first attempt to complete wins the
+CAS and the others' results are discarded and recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from idemproxy.decision import Outcome
+from idemproxy.proxy.attempt import SETTLED_STATE, Attempt, Failed, Mode, Step, run_attempt, settle
+from idemproxy.proxy.context import ProxyContext
+from idemproxy.proxy.problems import problem_response
+from idemproxy.proxy.routing import Route
+from idemproxy.types import Claimed
+
+log = logging.getLogger(__name__)
+Racing = dict["asyncio.Task[Step]", Attempt]
+
+
+async def run_job(
+    ctx: ProxyContext, request: web.Request, route: Route, claimed: Claimed, body: bytes
+) -> web.StreamResponse | None:
+    """The client's response, or None when another attempt won: the caller re-reads the job."""
+    upstreams = route.upstreams
+    if route.hedge_after is not None and len(upstreams) > 1:
+        return await _run_hedged(ctx, request, route, claimed, body, upstreams)
+    return await _run_in_order(ctx, request, route, claimed, body, upstreams)
+
+
+async def _run_in_order(
+    ctx: ProxyContext,
+    request: web.Request,
+    route: Route,
+    claimed: Claimed,
+    body: bytes,
+    upstreams: tuple[str, ...],
+) -> web.StreamResponse | None:
+    job, number = claimed.job, claimed.attempt
+    for index, upstream in enumerate(upstreams):
+        mode = Mode.FINAL if index == len(upstreams) - 1 else Mode.FAIL_OVER
+        step = await run_attempt(ctx, request, route, Attempt(job, number, upstream, mode), body)
+        if not isinstance(step, Failed):
+            return step
+        log.info(
+            "job %s attempt %d on %s released (%s): failing over",
+            job.id,
+            number,
+            upstream,
+            step.error or step.status,
+        )
+        following = await ctx.store.fail_over(
+            job,
+            number,
+            upstreams[index + 1],
+            status=step.status,
+            error=step.error,
+            lease=ctx.settings.lease,
+        )
+        if following is None:
+            return None
+        job, number = following.job, following.attempt
+    raise AssertionError("the last upstream runs in FINAL mode and never hands back")
+
+
+async def _run_hedged(
+    ctx: ProxyContext,
+    request: web.Request,
+    route: Route,
+    claimed: Claimed,
+    body: bytes,
+    upstreams: tuple[str, ...],
+) -> web.StreamResponse | None:
+    assert route.hedge_after is not None
+    job = claimed.job
+    racing: Racing = {}
+    failures: list[tuple[Attempt, Failed]] = []
+    _race(
+        ctx, request, route, body, racing, Attempt(job, claimed.attempt, upstreams[0], Mode.HEDGED)
+    )
+    waiting_for = 1
+    while racing:
+        more = waiting_for < len(upstreams)
+        done, _ = await asyncio.wait(
+            racing,
+            timeout=route.hedge_after if more else None,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        for task in done:
+            attempt = racing.pop(task)
+            step = task.result()
+            if not isinstance(step, Failed):
+                return step  # the winner's response, or None: another attempt won
+            await ctx.store.finish_attempt(
+                job,
+                attempt.number,
+                SETTLED_STATE[step.outcome],
+                status=step.status,
+                error=step.error,
+            )
+            failures.append((attempt, step))
+        if more and (not done or not racing):
+            # No answer within hedge_after, or every racer failed: bring in the next upstream.
+            number = await ctx.store.add_attempt(
+                job, upstreams[waiting_for], lease=ctx.settings.lease
+            )
+            if number is not None:
+                hedge = Attempt(job, number, upstreams[waiting_for], Mode.HEDGED)
+                _race(ctx, request, route, body, racing, hedge)
+            waiting_for += 1
+    return await _all_failed(ctx, failures)
+
+
+def _race(
+    ctx: ProxyContext,
+    request: web.Request,
+    route: Route,
+    body: bytes,
+    racing: Racing,
+    attempt: Attempt,
+) -> None:
+    task = asyncio.create_task(run_attempt(ctx, request, route, attempt, body))
+    ctx.attempts.add(task)  # a loser keeps running after the client has its answer
+    task.add_done_callback(ctx.attempts.discard)
+    racing[task] = attempt
+
+
+async def _all_failed(
+    ctx: ProxyContext, failures: list[tuple[Attempt, Failed]]
+) -> web.StreamResponse | None:
+    """No racer completed: the job is unknown if any attempt may have executed, else released."""
+    unknown = [(a, f) for a, f in failures if f.outcome is Outcome.UNKNOWN]
+    attempt, failed = (unknown or failures)[-1]
+    await settle(ctx, attempt, failed)
+    return problem_response(failed.problem(), profile=ctx.settings.profile)
