@@ -110,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     from idemproxy.batch.cli import add_batch_commands
 
     add_batch_commands(commands)
+
+    from idemproxy.contract_cli import add_contract_commands
+
+    add_contract_commands(commands)
     return parser
 
 
