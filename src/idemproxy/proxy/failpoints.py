@@ -6,6 +6,7 @@ the first governed request that reaches it. Never set it in production.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import types
@@ -44,7 +45,10 @@ class Failpoints:
             _context: types.SimpleNamespace,
             _params: aiohttp.TraceRequestChunkSentParams,
         ) -> None:
-            self.hit("after_send")
+            # aiohttp calls this *before* it writes the chunk (and the headers it buffered):
+            # dying here would mean nothing ever reached the upstream. Die on the next turn of
+            # the loop instead, once the request bytes were handed to the kernel.
+            asyncio.get_running_loop().call_soon(self.hit, "after_send")
 
         config.on_request_chunk_sent.append(on_chunk_sent)
         return (config,)
