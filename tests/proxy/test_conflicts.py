@@ -1,0 +1,127 @@
+"""SPEC §2.3, §5, §8: a reused key with another payload is a conflict; owners never share jobs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from backend import Ledger
+from idemproxy.store.base import Store
+
+from .conftest import ProxyFactory
+from .support import KEY, REPLAYED, assert_problem, only_job
+
+
+@pytest.mark.parametrize(("profile", "status"), [("default", 409), ("ietf", 422)])
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        pytest.param("POST", "/orders", b'{"amount": 99}', id="other-body"),
+        pytest.param("POST", "/orders?express=1", b'{"amount": 10}', id="other-query"),
+        pytest.param("POST", "/refunds", b'{"amount": 10}', id="other-path"),
+        pytest.param("PATCH", "/orders", b'{"amount": 10}', id="other-method"),
+    ],
+)
+async def test_same_key_other_request_is_payload_mismatch(
+    proxy: ProxyFactory,
+    ledger: Ledger,
+    jobs: Store,
+    profile: str,
+    status: int,
+    method: str,
+    path: str,
+    body: bytes,
+) -> None:
+    client = await proxy(profile=profile)
+    original: dict[str, Any] = {
+        "data": b'{"amount": 10}',
+        "headers": {KEY: "k1", "Content-Type": "application/json"},
+    }
+    async with client.post("/orders", **original) as first:
+        assert first.status == 201
+        first_body = await first.read()
+    before = await only_job(jobs)
+
+    async with client.request(method, path, data=body, headers=original["headers"]) as reuse:
+        await assert_problem(reuse, "payload-mismatch", status)
+
+    assert ledger.count() == 1
+    assert await only_job(jobs) == before  # the stored job is untouched
+    async with client.post("/orders", **original) as again:
+        assert again.status == 201
+        assert again.headers[REPLAYED] == "true"
+        assert await again.read() == first_body
+
+
+async def test_semantically_equal_json_is_the_same_intent(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    client = await proxy()
+    headers = {KEY: "json", "Content-Type": "application/json"}
+    async with client.post("/orders", data=b'{"a": 1, "b": [1, 2]}', headers=headers) as first:
+        assert first.status == 201
+    async with client.post("/orders", data=b'{"b":[1,2],"a":1}', headers=headers) as second:
+        assert second.status == 201
+        assert second.headers[REPLAYED] == "true"
+    assert ledger.count() == 1
+
+
+async def test_different_authorization_never_shares_a_job(
+    proxy: ProxyFactory, ledger: Ledger, jobs: Store
+) -> None:
+    client = await proxy()
+    answers: dict[str, list[tuple[int, str | None]]] = {}
+    for user in ("alice", "bob", "alice", "bob"):
+        headers = {KEY: "same-key", "Authorization": f"Bearer {user}"}
+        async with client.post("/payments", data=b"pay", headers=headers) as response:
+            assert response.status == 201
+            execution = json.loads(await response.read())["execution"]
+            replayed = response.headers.get(REPLAYED)
+        answers.setdefault(user, []).append((execution, replayed))
+
+    assert ledger.count("same-key") == 2
+    assert answers["alice"] == [(1, None), (1, "true")]
+    assert answers["bob"] == [(2, None), (2, "true")]
+    owners = {job.owner for job in await jobs.list_jobs()}
+    assert len(owners) == 2
+    assert not any("alice" in owner or "bob" in owner for owner in owners)  # only hashes kept
+
+
+async def test_owner_header_strategy_scopes_jobs_by_that_header(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    client = await proxy(owner={"strategy": "header:X-User"})
+
+    async def post(user: str, authorization: str) -> str | None:
+        headers = {KEY: "k", "X-User": user, "Authorization": authorization}
+        async with client.post("/payments", data=b"pay", headers=headers) as response:
+            assert response.status == 201
+            return response.headers.get(REPLAYED)
+
+    assert await post("u1", "Bearer a") is None
+    assert await post("u1", "Bearer other") == "true"  # Authorization plays no part now
+    assert await post("u2", "Bearer a") is None
+    assert ledger.count("k") == 2
+
+
+async def test_required_owner_missing_is_401_without_execution(
+    proxy: ProxyFactory, ledger: Ledger, jobs: Store
+) -> None:
+    client = await proxy(owner={"required": True})
+    async with client.post("/payments", data=b"pay", headers={KEY: "k"}) as response:
+        await assert_problem(response, "owner-missing", 401)
+    assert ledger.count() == 0
+    assert await jobs.list_jobs() == []
+
+
+async def test_requests_without_credentials_share_the_anonymous_scope(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    client = await proxy()
+    for replayed in (None, "true"):
+        async with client.post("/payments", data=b"pay", headers={KEY: "anon"}) as response:
+            assert response.status == 201
+            assert response.headers.get(REPLAYED) == replayed
+    assert ledger.count() == 1
