@@ -203,6 +203,8 @@ class Settings(BaseSettings):
     admin: AdminSettings = Field(default_factory=AdminSettings)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["plain", "json"] = "plain"
+    # One log line per governed request: outcome, job id, attempt, owner hash prefix, status.
+    log_requests: bool = True
 
     @classmethod
     def settings_customise_sources(

@@ -56,6 +56,9 @@ KEY_MAX_LENGTH: Final = 255
 ANONYMOUS_OWNER: Final = "anonymous"
 GLOBAL_OWNER: Final = "global"
 
+# Prometheus metric names start with this (SPEC §13).
+METRIC_PREFIX: Final = "idemproxy"
+
 # PostgreSQL channel that carries job state changes to every replica (SPEC §11).
 NOTIFY_CHANNEL: Final = "idemproxy_jobs"
 # A held duplicate re-reads the job at least this often even without a wake-up, so that a

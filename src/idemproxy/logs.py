@@ -7,14 +7,21 @@ import logging
 import sys
 
 
+_HANDLER_NAME = "idemproxy"
+_QUIET_LIBRARIES = ("aiosqlite", "asyncpg", "redis")
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "time": self.formatTime(record),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            entry.update({k: v for k, v in fields.items() if v is not None})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -26,6 +33,10 @@ def configure_logging(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.set_name(_HANDLER_NAME)
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [h for h in root.handlers if h.get_name() != _HANDLER_NAME] + [handler]
     root.setLevel(level.upper())
+    for name in _QUIET_LIBRARIES:
+        # Their debug output carries SQL parameters, i.e. request and response bodies.
+        logging.getLogger(name).setLevel(max(logging.INFO, root.level))

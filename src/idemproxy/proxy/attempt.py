@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from dataclasses import dataclass
 
 import aiohttp
@@ -69,14 +70,18 @@ async def run_attempt(
     headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
     headers[ATTEMPT_HEADER] = str(attempt.number)
     url = upstream_url(attempt.upstream, request)
+    started = time.perf_counter()
     try:
         async with (
             lease_kept(ctx.store, job, lease=ctx.settings.lease),
             ctx.upstream.request(request.method, url, headers, body) as upstream,
         ):
-            return await _on_response(ctx, request, route, attempt, upstream)
+            step = await _on_response(ctx, request, route, attempt, upstream)
+            _observe_upstream(ctx, started, "failed" if isinstance(step, Failed) else "answered")
+            return step
     except UpstreamFailure as failure:
         outcome, problem = classify_failure(failure.failure)
+        _observe_upstream(ctx, started, outcome.value)
         return await _fail(ctx, attempt, Failed(outcome, None, failure.reason, problem))
     except asyncio.CancelledError:
         # Cut off by shutdown: the request may have reached the upstream (SPEC §3.2).
@@ -123,8 +128,7 @@ async def _finish_buffered(
         headers = headers_to_store(upstream.headers, ctx.settings.unreplayed_headers)
         stored = StoredResponse(upstream.status, headers, content)
         ctx.failpoints.hit("before_store")
-        if not await ctx.store.complete(attempt.job, attempt.number, stored, ttl=route.ttl):
-            log.info("late result discarded: job %s attempt %d", attempt.job.id, attempt.number)
+        if not await completed(ctx, attempt, stored, route.ttl):
             return None
         ctx.failpoints.hit("after_store")
     else:
@@ -163,7 +167,7 @@ async def _finish_streamed(
     if outcome is Outcome.COMPLETE:
         headers = headers_to_store(upstream.headers, ctx.settings.unreplayed_headers)
         omitted = StoredResponse(upstream.status, headers, None)
-        await ctx.store.complete(attempt.job, attempt.number, omitted, ttl=route.ttl)
+        await completed(ctx, attempt, omitted, route.ttl)
     else:
         await settle(ctx, attempt, Failed(outcome, upstream.status, None))
     await client.finish()
@@ -187,7 +191,28 @@ async def _fail(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> Step:
     return problem_response(failed.problem(), profile=ctx.settings.profile)
 
 
+async def completed(
+    ctx: ProxyContext, attempt: Attempt, stored: StoredResponse, ttl: float
+) -> bool:
+    """The completion CAS (SPEC §1); a losing result is discarded, counted and logged."""
+    won = await ctx.store.complete(attempt.job, attempt.number, stored, ttl=ttl)
+    ctx.metrics.attempts.labels("succeeded" if won else "discarded").inc()
+    if not won:
+        ctx.metrics.late_results.inc()
+        log.info("late result discarded: job %s attempt %d", attempt.job.id, attempt.number)
+    return won
+
+
+def count_failed(ctx: ProxyContext, failed: Failed) -> None:
+    ctx.metrics.attempts.labels("failed" if failed.outcome is Outcome.RELEASE else "unknown").inc()
+
+
+def _observe_upstream(ctx: ProxyContext, started: float, outcome: str) -> None:
+    ctx.metrics.upstream_seconds.labels(outcome).observe(time.perf_counter() - started)
+
+
 async def settle(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> None:
+    count_failed(ctx, failed)
     state = SETTLED_STATE[failed.outcome]
     won = await ctx.store.settle(
         attempt.job, attempt.number, state, status=failed.status, error=failed.error

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from idemproxy.config import Settings
 from idemproxy.decision import Policy, StatusPolicy
+from idemproxy.metrics import Metrics
 from idemproxy.owner import OwnerPolicy
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
@@ -28,6 +29,7 @@ class ProxyContext:
     owner: OwnerPolicy
     governed_methods: frozenset[str]
     failpoints: Failpoints
+    metrics: Metrics
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -39,6 +41,7 @@ class ProxyContext:
         store: Store,
         upstream: UpstreamClient,
         failpoints: Failpoints | None = None,
+        metrics: Metrics | None = None,
     ) -> ProxyContext:
         failpoints = failpoints or Failpoints(None)
         return cls(
@@ -54,6 +57,7 @@ class ProxyContext:
             owner=settings.owner.policy(),
             governed_methods=frozenset(settings.methods),
             failpoints=failpoints,
+            metrics=metrics or Metrics(),
         )
 
 

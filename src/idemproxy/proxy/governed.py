@@ -26,6 +26,7 @@ from idemproxy.proxy.jobrun import run_job
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.replay import replay_response
 from idemproxy.proxy.routing import Route
+from idemproxy.proxy.trace import Trace
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState
 
 # Every turn makes progress (a state changed or time passed); this only guards against a bug.
@@ -33,7 +34,12 @@ _MAX_TURNS = 32
 
 
 async def handle_governed(
-    ctx: ProxyContext, request: web.Request, route: Route, intent: Intent, body: bytes
+    ctx: ProxyContext,
+    request: web.Request,
+    route: Route,
+    intent: Intent,
+    body: bytes,
+    trace: Trace,
 ) -> web.StreamResponse:
     try:
         result = await _claim(ctx, route, intent)
@@ -45,6 +51,7 @@ async def handle_governed(
     deadline = loop.time() + ctx.settings.effective_max_wait
     for _ in range(_MAX_TURNS):
         if isinstance(result, Claimed):
+            trace.ran(result.job.id, result.attempt)
             ctx.failpoints.hit("after_claim")
             response = await run_shielded(ctx, request, route, result, body)
             if response is not None:
@@ -54,10 +61,12 @@ async def handle_governed(
         job = result.job
         decision = decide(job, intent.fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
         if isinstance(decision, Replay):
+            trace.replayed(job.id)
             return replay_response(job.id, decision.response)
         if isinstance(decision, Reject):
             raise decision.problem()
         if isinstance(decision, Hold):
+            trace.held = True
             result = await _hold(ctx, route, intent, job, deadline)
         elif isinstance(decision, StartNextAttempt):
             claimed = await ctx.store.start_next_attempt(

@@ -13,11 +13,19 @@ from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.governed import handle_governed
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.problems import problem_response
+from idemproxy.proxy.trace import Trace, record
 from idemproxy.types import Intent
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
+    trace = Trace()
+    response = await _route(ctx, request, trace)
+    record(ctx.metrics, trace, response.status, log_requests=ctx.settings.log_requests)
+    return response
+
+
+async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.StreamResponse:
     try:
         route = ctx.routes.find(request.path, request.host)
         if route is None:
@@ -30,8 +38,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
                 raise KeyMissing()
             return await passthrough(ctx, request, route)
         intent, body = await _identify(ctx, request, key)
-        return await handle_governed(ctx, request, route, intent, body)
+        trace.owner = intent.owner
+        return await handle_governed(ctx, request, route, intent, body, trace)
     except ProblemError as error:
+        trace.problem(error)
         return problem_response(error, profile=ctx.settings.profile)
 
 

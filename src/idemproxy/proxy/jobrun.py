@@ -14,7 +14,15 @@ import logging
 from aiohttp import web
 
 from idemproxy.decision import Outcome
-from idemproxy.proxy.attempt import SETTLED_STATE, Attempt, Failed, Mode, Step, run_attempt, settle
+from idemproxy.proxy.attempt import (
+    SETTLED_STATE,
+    Attempt,
+    Failed,
+    Mode,
+    Step,
+    count_failed,
+    run_attempt,
+)
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
@@ -55,6 +63,7 @@ async def _run_in_order(
             upstream,
             step.error or step.status,
         )
+        count_failed(ctx, step)
         following = await ctx.store.fail_over(
             job,
             number,
@@ -97,6 +106,7 @@ async def _run_hedged(
             step = task.result()
             if not isinstance(step, Failed):
                 return step  # the winner's response, or None: another attempt won
+            count_failed(ctx, step)
             await ctx.store.finish_attempt(
                 job,
                 attempt.number,
@@ -137,5 +147,12 @@ async def _all_failed(
     """No racer completed: the job is unknown if any attempt may have executed, else released."""
     unknown = [(a, f) for a, f in failures if f.outcome is Outcome.UNKNOWN]
     attempt, failed = (unknown or failures)[-1]
-    await settle(ctx, attempt, failed)
+    # Every attempt's own end is recorded already; this settles the job.
+    await ctx.store.settle(
+        attempt.job,
+        attempt.number,
+        SETTLED_STATE[failed.outcome],
+        status=failed.status,
+        error=failed.error,
+    )
     return problem_response(failed.problem(), profile=ctx.settings.profile)

@@ -9,8 +9,12 @@ translates them into `StoreUnavailable` at one boundary.
 from __future__ import annotations
 
 import abc
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 
+from idemproxy.errors import StoreUnavailable
 from idemproxy.store.watch import JobWatch
 from idemproxy.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 
@@ -20,6 +24,21 @@ class Store(abc.ABC):
 
     def __init__(self) -> None:
         self.watch = JobWatch()
+        # (operation, seconds, failed) for every call: the metrics hook (SPEC §13).
+        self.observer: Callable[[str, float, bool], None] | None = None
+
+    @contextlib.contextmanager
+    def observed(self, operation: str) -> Iterator[None]:
+        started = time.perf_counter()
+        failed = False
+        try:
+            yield
+        except StoreUnavailable:
+            failed = True
+            raise
+        finally:
+            if self.observer is not None:
+                self.observer(operation, time.perf_counter() - started, failed)
 
     @abc.abstractmethod
     async def open(self) -> None:

@@ -274,8 +274,9 @@ class PostgresStore(Store):
         if self._pool is None:
             raise StoreUnavailable("The store is not open.")
         pool = self._pool
-        async with translate_errors(what), pool.acquire(timeout=self._command_timeout) as conn:
-            yield conn
+        with self.observed(what):
+            async with translate_errors(what), pool.acquire(timeout=self._command_timeout) as conn:
+                yield conn
 
 
 def _cas(job: Job) -> tuple[str, str, int]:

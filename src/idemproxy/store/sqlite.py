@@ -83,7 +83,7 @@ class SqliteStore(Store):
             "ttl": float(ttl),
             "lease": float(lease),
         }
-        async with self._transaction() as db:
+        async with self._transaction("claim") as db:
             created = await self._changed(db, "insert_job", job_args)
             if created:
                 await self._insert_attempt(db, intent.owner, job_id, 1, upstream, lease)
@@ -93,7 +93,7 @@ class SqliteStore(Store):
         return Claimed(job, 1) if created else Existing(job)
 
     async def get(self, owner: str, key: str) -> Job | None:
-        async with self._reading() as db:
+        async with self._reading("get_job") as db:
             row = await self._one(db, "get_job", {"owner": owner, "key": key})
         return None if row is None else job_from_row(row)
 
@@ -111,7 +111,7 @@ class SqliteStore(Store):
             "body": response.body,
             "omitted": response.omitted,
         }
-        async with self._transaction() as db:
+        async with self._transaction("complete") as db:
             won = await self._changed(db, "complete_job", params)
             attempt_row = {"owner": job.owner, "job_id": job.id, "attempt": attempt}
             if won:
@@ -140,7 +140,7 @@ class SqliteStore(Store):
         error: str | None = None,
     ) -> bool:
         job_state, attempt_state = settle_states(state)
-        async with self._transaction() as db:
+        async with self._transaction("settle") as db:
             won = await self._changed(db, "settle_job", _cas(job) | {"state": job_state})
             await self._finish(db, job, attempt, attempt_state, status, error)
         return self._notify_if(won, job)
@@ -341,12 +341,19 @@ class SqliteStore(Store):
             return await cursor.fetchone()
 
     @contextlib.asynccontextmanager
-    async def _reading(self) -> AsyncIterator[aiosqlite.Connection]:
-        async with self._lock, _translate():
-            yield self._connection()
+    async def _reading(self, what: str = "read") -> AsyncIterator[aiosqlite.Connection]:
+        with self.observed(what):
+            async with self._lock, _translate():
+                yield self._connection()
 
     @contextlib.asynccontextmanager
-    async def _transaction(self) -> AsyncIterator[aiosqlite.Connection]:
+    async def _transaction(self, what: str = "write") -> AsyncIterator[aiosqlite.Connection]:
+        with self.observed(what):
+            async with self._transaction_unobserved() as db:
+                yield db
+
+    @contextlib.asynccontextmanager
+    async def _transaction_unobserved(self) -> AsyncIterator[aiosqlite.Connection]:
         async with self._lock, _translate():
             db = self._connection()
             await db.execute("BEGIN IMMEDIATE")

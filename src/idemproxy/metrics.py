@@ -1,0 +1,146 @@
+"""Prometheus metrics (SPEC §13), on a registry of their own that the admin listener serves.
+
+Every request gets exactly one outcome:
+  new                 this request's attempt ran (first of its key, or retry of a released job)
+  replayed            answered at once from the stored response
+  held                waited for a duplicate in flight, then answered from its stored response
+  mismatch            the key was used with another payload (409/422)
+  in_flight_conflict  a duplicate in flight past max_wait, or at once in the ietf profile (409)
+  unknown             the key's outcome is unknown (409 outcome-unknown)
+  passthrough         not governed: no key, or a method that is not governed
+  rejected            refused before any storage call (bad key, no owner, body too large, …)
+  unavailable         the store (or the waiter limit) could not take it (503)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from idemproxy.constants import METRIC_PREFIX
+from idemproxy.errors import StoreUnavailable
+from idemproxy.store.base import Store
+
+log = logging.getLogger(__name__)
+# How often the unknown-jobs gauge is refreshed at most (one cheap COUNT on the store).
+_GAUGE_REFRESH_SECONDS = 15.0
+
+REQUEST_OUTCOMES = (
+    "new",
+    "replayed",
+    "held",
+    "mismatch",
+    "in_flight_conflict",
+    "unknown",
+    "passthrough",
+    "rejected",
+    "unavailable",
+)
+ATTEMPT_OUTCOMES = ("succeeded", "failed", "unknown", "discarded")
+# Sub-millisecond store calls up to upstream timeouts.
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.requests = self._counter("requests", "Requests by outcome.", ["outcome"])
+        self.attempts = self._counter("attempts", "Attempts by outcome.", ["outcome"])
+        self.late_results = self._counter(
+            "late_results_discarded", "Attempt results that lost the completion CAS.", []
+        )
+        self.store_errors = self._counter(
+            "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]
+        )
+        self.upstream_seconds = Histogram(
+            f"{METRIC_PREFIX}_upstream_seconds",
+            "Upstream call duration by attempt outcome.",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.store_seconds = Histogram(
+            f"{METRIC_PREFIX}_store_seconds",
+            "Store call duration by operation.",
+            ["operation"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.waiters = Gauge(
+            f"{METRIC_PREFIX}_waiters",
+            "Duplicates held right now, waiting for a job in flight.",
+            registry=self.registry,
+        )
+        self.unknown_jobs = Gauge(
+            f"{METRIC_PREFIX}_unknown_jobs",
+            "Jobs in state unknown, waiting for an operator.",
+            registry=self.registry,
+        )
+        for outcome in REQUEST_OUTCOMES:
+            self.requests.labels(outcome)  # every series exists from the start
+        for outcome in ATTEMPT_OUTCOMES:
+            self.attempts.labels(outcome)
+
+    def _counter(self, name: str, help_text: str, labels: list[str]) -> Counter:
+        return Counter(f"{METRIC_PREFIX}_{name}", help_text, labels, registry=self.registry)
+
+    def observe_store(self, operation: str, seconds: float, *, failed: bool) -> None:
+        self.store_seconds.labels(operation).observe(seconds)
+        if failed:
+            self.store_errors.labels(operation).inc()
+
+
+def watch_store(metrics: Metrics, store: Store) -> None:
+    """Store call latency and errors, and the waiters gauge, straight from the store."""
+    store.observer = lambda operation, seconds, failed: metrics.observe_store(
+        operation, seconds, failed=failed
+    )
+    metrics.waiters.set_function(lambda: store.watch.waiting)
+
+
+async def refresh_gauges(metrics: Metrics, store: Store, interval: float) -> None:
+    """Keep the unknown-jobs gauge current (an operator alerts on it, SPEC §3.3)."""
+    while True:
+        with contextlib.suppress(StoreUnavailable):
+            metrics.unknown_jobs.set(await store.count_unknown())
+        await asyncio.sleep(min(interval, _GAUGE_REFRESH_SECONDS))
+
+
+def metrics_handler(metrics: Metrics) -> Handler:
+    """`/metrics` in the Prometheus text format (SPEC §13)."""
+
+    async def serve_metrics(_request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    return serve_metrics
