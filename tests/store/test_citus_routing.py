@@ -2,9 +2,11 @@
 (SPEC §11: `owner` leads every key, so that Citus can shard both tables by it).
 
 A statement is routable when every reference to `jobs` or `attempts` in it is pinned to one
-owner: an INSERT lists `owner` among its columns (and in its conflict target), and an UPDATE,
-DELETE or SELECT names `owner` in its WHERE clause. Data-modifying CTEs count as statements of
-their own. The check reads the named sections with `load_queries`, as the stores do.
+owner: an INSERT lists `owner` among its columns (and in its conflict target) and takes its
+value from the parameter, and an UPDATE, DELETE or SELECT names `owner = <the parameter>` in its
+WHERE clause. Data-modifying CTEs count as statements of their own; an owner taken from another
+CTE's rows (`a.owner = job.owner`) is not enough, because the planner cannot see through it to
+the shard. The check reads the named sections with `load_queries`, as the stores do.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ HOT_PATH = {"postgres": POSTGRES_HOT_PATH, "sqlite": SQLITE_HOT_PATH}
 
 _TABLE = r"(?:idemproxy\.)?(?:jobs|attempts)\b"
 _REFERENCE = re.compile(rf"\b(INSERT\s+INTO|UPDATE|DELETE\s+FROM|FROM|JOIN)\s+({_TABLE})", re.I)
-_OWNER_FILTER = re.compile(r"\bWHERE\b.*?(?:\b\w+\.)?\bowner\s*=", re.I | re.S)
+# The owner parameter: `$1` in PostgreSQL, `:owner` in SQLite.
+_PARAMETER = r"(?:\$\d+|:owner)"
+_OWNER_FILTER = re.compile(rf"\bWHERE\b.*?(?:\b\w+\.)?\bowner\s*=\s*{_PARAMETER}\b", re.I | re.S)
 _COMMENT = re.compile(r"--[^\n]*")
 
 
@@ -100,6 +104,10 @@ def unpinned_references(sql: str) -> list[str]:
             columns = re.match(r"\s*\(([^)]*)\)", scope)
             if columns is None or "owner" not in _names(columns.group(1)):
                 problems.append(f"{where}: `owner` is not an inserted column")
+            else:
+                value = _inserted_owner(columns.group(1), scope[columns.end() :])
+                if value is not None and not re.fullmatch(_PARAMETER, value):
+                    problems.append(f"{where}: the owner inserted is {value!r}, not the parameter")
             conflict = re.search(r"ON\s+CONFLICT\s*\(([^)]*)\)", scope, re.I)
             if conflict is not None and "owner" not in _names(conflict.group(1)):
                 problems.append(f"{where}: the conflict target does not name `owner`")
@@ -108,8 +116,17 @@ def unpinned_references(sql: str) -> list[str]:
     return problems
 
 
-def _names(columns: str) -> set[str]:
-    return {column.strip().lower() for column in columns.split(",")}
+def _names(columns: str) -> list[str]:
+    return [column.strip().lower() for column in columns.split(",")]
+
+
+def _inserted_owner(columns: str, rest: str) -> str | None:
+    """The expression inserted as `owner` by `INSERT … SELECT`; None for `VALUES`."""
+    select = re.match(r"\s*SELECT\s+(.*?)\s+FROM\b", rest, re.I | re.S)
+    if select is None:
+        return None
+    values = [value.strip() for value in select.group(1).split(",")]
+    return values[_names(columns).index("owner")]
 
 
 @pytest.mark.parametrize(
@@ -175,6 +192,16 @@ def test_the_postgres_schema_leads_every_key_with_the_owner() -> None:
             "SELECT * FROM jobs WHERE owner = $1 UNION ALL SELECT * FROM jobs WHERE id = $2",
             "FROM jobs: no `owner",
         ),
+        (
+            "WITH job AS (UPDATE jobs SET v = 1 WHERE owner = $1 AND id = $2 RETURNING owner, id) "
+            "UPDATE attempts a SET v = 2 FROM job WHERE a.owner = job.owner AND a.job_id = job.id",
+            "UPDATE attempts: no `owner",
+        ),
+        (
+            "WITH job AS (UPDATE jobs SET v = 1 WHERE owner = $1 RETURNING *) "
+            "INSERT INTO attempts (job_id, owner, number) SELECT id, owner, 2 FROM job",
+            "not the parameter",
+        ),
     ],
 )
 def test_the_checker_catches_unrouted_statements(sql: str, problem: str) -> None:
@@ -189,6 +216,11 @@ def test_the_checker_accepts_routed_statements() -> None:
             WHERE owner = $1 AND id = $2 RETURNING owner, id
         )
         UPDATE idemproxy.attempts a SET v = 2 FROM job
-        WHERE a.owner = job.owner AND a.job_id = job.id
+        WHERE a.owner = $1 AND a.job_id = job.id
     """
     assert unpinned_references(sql) == []
+    insert = """
+        WITH job AS (UPDATE jobs SET n = n + 1 WHERE owner = :owner RETURNING id, n)
+        INSERT INTO attempts (owner, job_id, number) SELECT :owner, id, n FROM job
+    """
+    assert unpinned_references(insert) == []

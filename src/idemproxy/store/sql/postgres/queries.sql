@@ -155,7 +155,8 @@ WITH job AS (
 UPDATE idemproxy.attempts a
 SET lease_expires_at = job.lease_expires_at
 FROM job
-WHERE a.owner = job.owner AND a.job_id = job.id AND a.state = 'started'
+-- `a.owner = $1`, not `= job.owner`: only a parameter lets Citus route it to one shard.
+WHERE a.owner = $1 AND a.job_id = job.id AND a.state = 'started'
 RETURNING a.number;
 
 -- name: take_over
@@ -171,7 +172,7 @@ WITH job AS (
     UPDATE idemproxy.attempts a
     SET state = 'unknown', error = 'lease expired', finished_at = now(), lease_expires_at = NULL
     FROM job
-    WHERE a.owner = job.owner AND a.job_id = job.id AND a.state = 'started'
+    WHERE a.owner = $1 AND a.job_id = job.id AND a.state = 'started'  -- $1: routable (Citus)
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 
