@@ -151,13 +151,15 @@ WITH job AS (
     SET lease_expires_at = now() + make_interval(secs => $4)
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING owner, id, lease_expires_at
+), attempts AS (
+    UPDATE idemproxy.attempts a
+    SET lease_expires_at = job.lease_expires_at
+    FROM job
+    -- `a.owner = $1`, not `= job.owner`: only a parameter lets Citus route it to one shard.
+    WHERE a.owner = $1 AND a.job_id = job.id AND a.state = 'started'
 )
-UPDATE idemproxy.attempts a
-SET lease_expires_at = job.lease_expires_at
-FROM job
--- `a.owner = $1`, not `= job.owner`: only a parameter lets Citus route it to one shard.
-WHERE a.owner = $1 AND a.job_id = job.id AND a.state = 'started'
-RETURNING a.number;
+-- Renewed when the job is still ours, whether or not an attempt row is still `started`.
+SELECT id FROM job;
 
 -- name: take_over
 -- SPEC §3.5: the proxy running the job died (its lease expired by the database clock). Exactly
