@@ -114,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     from idemproxy.contract_cli import add_contract_commands
 
     add_contract_commands(commands)
+
+    from idemproxy.ops.cli import add_jobs_commands
+
+    add_jobs_commands(commands)
     return parser
 
 

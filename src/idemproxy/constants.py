@@ -52,6 +52,10 @@ DEFAULT_MAX_WAITERS: Final = 10_000
 DEFAULT_RETRY_AFTER_SECONDS: Final = 1
 KEY_MAX_LENGTH: Final = 255
 
+# Who settled an `unknown` job, as recorded in its `resolution` (SPEC §3.3).
+RESOLUTION_OPERATOR: Final = "operator"
+RESOLUTION_UNKNOWN_TTL: Final = "unknown_ttl"
+
 # Owner scopes that are not hashes of a credential (SPEC §5).
 ANONYMOUS_OWNER: Final = "anonymous"
 GLOBAL_OWNER: Final = "global"

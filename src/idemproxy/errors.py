@@ -14,7 +14,15 @@
     │   ├── UpstreamUnavailable     502 upstream-unavailable
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
     │   ├── TooManyWaiters          503 too-many-waiters + Retry-After
-    │   └── UpstreamTimeout         504 upstream-timeout
+    │   ├── UpstreamTimeout         504 upstream-timeout
+    │   └── OperatorError           the admin jobs API and `idemproxy jobs` (SPEC §3.3, §13)
+    │       ├── InvalidRequest      400 invalid-request
+    │       ├── Unauthorized        401 unauthorized
+    │       ├── JobNotFound         404 job-not-found
+    │       ├── JobNotUnknown       409 job-not-unknown
+    │       ├── VersionMismatch     409 version-mismatch
+    │       ├── ResolutionLost      409 resolution-lost
+    │       └── JobInFlight         409 job-in-flight
     └── ConfigError                 bad settings, raised at start-up
 
 Docstrings are the default `detail` of each problem.
@@ -125,3 +133,49 @@ class UpstreamTimeout(ProblemError):
     """The upstream did not answer in time; the outcome of the request is unknown."""
 
     code, status, title = "upstream-timeout", 504, "Upstream timeout"
+
+
+class OperatorError(ProblemError):
+    """The operator request could not be carried out."""
+
+
+class InvalidRequest(OperatorError):
+    """The request is not valid."""
+
+    code, status, title = "invalid-request", 400, "Invalid request"
+
+
+class Unauthorized(OperatorError):
+    """This admin endpoint needs the admin bearer token."""
+
+    code, status, title = "unauthorized", 401, "Unauthorized"
+
+
+class JobNotFound(OperatorError):
+    """No job has this id."""
+
+    code, status, title = "job-not-found", 404, "Job not found"
+
+
+class JobNotUnknown(OperatorError):
+    """Only a job in state `unknown` can be resolved; nothing was changed."""
+
+    code, status, title = "job-not-unknown", 409, "Job not unknown"
+
+
+class VersionMismatch(OperatorError):
+    """The job changed since the version given; nothing was changed."""
+
+    code, status, title = "version-mismatch", 409, "Version mismatch"
+
+
+class ResolutionLost(OperatorError):
+    """Another change to the job won the compare-and-swap first; nothing was changed."""
+
+    code, status, title = "resolution-lost", 409, "Resolution lost"
+
+
+class JobInFlight(OperatorError):
+    """The job is in flight with a live lease; deleting it could allow a second execution."""
+
+    code, status, title = "job-in-flight", 409, "Job in flight"

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from idemproxy.admin.jobs import add_jobs_routes, client_max_size
 from idemproxy.config import Settings
-from idemproxy.errors import StoreUnavailable
+from idemproxy.errors import StoreUnavailable, Unauthorized
+from idemproxy.proxy.problems import problem_response
 from idemproxy.store.base import Store
 
 
@@ -30,11 +32,15 @@ _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 def create_admin_app(settings: Settings, store: Store, readiness: Readiness) -> web.Application:
     token = settings.admin.token.get_secret_value() if settings.admin.token else None
-    app = web.Application(middlewares=[_bearer_auth(token)] if token else [])
+    app = web.Application(
+        middlewares=[_bearer_auth(token)] if token else [],
+        client_max_size=client_max_size(settings),
+    )
     app[STORE] = store
     app[READINESS] = readiness
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    add_jobs_routes(app, settings, store)  # SPEC §3.3: behind the token, like every other path
     return app
 
 
@@ -47,9 +53,9 @@ def _bearer_auth(token: str) -> Middleware:
             return await handler(request)
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, expected):  # constant time: no token oracle
-            return web.json_response(
-                {"error": "unauthorized"}, status=401, headers={"WWW-Authenticate": "Bearer"}
-            )
+            response = problem_response(Unauthorized())
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         return await handler(request)
 
     return bearer_auth

@@ -55,7 +55,10 @@ def _lifecycle(
         app[CONTEXT] = ctx
         sweeper = asyncio.create_task(
             sweep_forever(
-                store, interval=settings.sweeper.interval, batch_size=settings.sweeper.batch_size
+                store,
+                interval=settings.sweeper.interval,
+                batch_size=settings.sweeper.batch_size,
+                unknown_ttl=settings.unknown_ttl,
             )
         )
         try:

@@ -1,0 +1,129 @@
+"""The admin jobs API (SPEC §3.3, §13): list, show, resolve and delete jobs.
+
+    GET    /jobs?state=&owner=&limit=     newest first, each with its attempts
+    GET    /jobs/{id}[?include=response]  one job; the stored body only when asked for
+    POST   /jobs/{id}/resolve             {"as": "released"} or {"as": "completed", "status": …}
+    DELETE /jobs/{id}[?force=true]        204
+
+Every route sits behind the admin bearer token (`admin.app`); errors are RFC 9457 problems.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from idemproxy.config import Settings
+from idemproxy.errors import InvalidRequest, ProblemError
+from idemproxy.ops import service
+from idemproxy.ops.resolution import ResponseRules, resolution_from_json
+from idemproxy.ops.view import job_to_json
+from idemproxy.proxy.problems import problem_response
+from idemproxy.store.base import Store
+from idemproxy.types import JobState
+
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+# Room for a `max_stored_body` response sent as base64 (4/3) plus the rest of the JSON.
+_JSON_OVERHEAD = 64 * 1024
+
+JOBS_STORE = web.AppKey("idemproxy.admin.jobs.store", Store)
+JOBS_SETTINGS = web.AppKey("idemproxy.admin.jobs.settings", Settings)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def add_jobs_routes(app: web.Application, settings: Settings, store: Store) -> None:
+    app[JOBS_STORE] = store
+    app[JOBS_SETTINGS] = settings
+    app.router.add_get("/jobs", _problems(_list))
+    app.router.add_get("/jobs/{id}", _problems(_show))
+    app.router.add_post("/jobs/{id}/resolve", _problems(_resolve))
+    app.router.add_delete("/jobs/{id}", _problems(_delete))
+
+
+def client_max_size(settings: Settings) -> int:
+    """The admin app's request size limit: a resolution may carry a whole stored body."""
+    return max(1024**2, settings.max_stored_body * 4 // 3 + _JSON_OVERHEAD)
+
+
+def _problems(handler: Handler) -> Handler:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ProblemError as error:
+            return problem_response(error)
+
+    return answer
+
+
+async def _list(request: web.Request) -> web.Response:
+    query = request.query
+    jobs = await service.list_jobs(
+        request.app[JOBS_STORE],
+        state=_state(query.get("state")),
+        owner=query.get("owner") or None,
+        limit=_limit(query.get("limit")),
+    )
+    return _json([job_to_json(job) for job in jobs])
+
+
+async def _show(request: web.Request) -> web.Response:
+    job = await service.find_job(request.app[JOBS_STORE], request.match_info["id"])
+    include = request.query.get("include", "")
+    return _json(job_to_json(job, include_response=include == "response"))
+
+
+async def _resolve(request: web.Request) -> web.Response:
+    settings = request.app[JOBS_SETTINGS]
+    rules = ResponseRules.from_settings(settings)
+    resolution = resolution_from_json(await _json_body(request), rules)
+    job = await service.resolve_job(
+        request.app[JOBS_STORE],
+        request.match_info["id"],
+        resolution,
+        default_ttl=settings.ttl,
+    )
+    return _json(job_to_json(job))
+
+
+async def _delete(request: web.Request) -> web.Response:
+    force = request.query.get("force", "") in ("1", "true")
+    await service.delete_job(request.app[JOBS_STORE], request.match_info["id"], force=force)
+    return web.Response(status=204)
+
+
+def _state(value: str | None) -> JobState | None:
+    if not value:
+        return None
+    try:
+        return JobState(value)
+    except ValueError:
+        states = ", ".join(s.value for s in JobState)
+        raise InvalidRequest(f"state must be one of {states}") from None
+
+
+def _limit(value: str | None) -> int:
+    if value is None:
+        return DEFAULT_LIMIT
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_LIMIT:
+        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_LIMIT}")
+    return int(value)
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise InvalidRequest("the body is too large; see max_stored_body") from exc
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest("the body must be JSON") from exc
+
+
+def _json(data: Any) -> web.Response:
+    return web.json_response(data)

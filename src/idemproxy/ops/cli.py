@@ -1,0 +1,203 @@
+"""`idemproxy jobs list|show|resolve|delete`: operators working directly on the store (SPEC §13).
+
+Exit status: 0 done; 1 the job was not found or the change lost (not unknown, changed, resolved
+by someone else first, in flight), or the store failed; 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from idemproxy.config import Settings, load_settings
+from idemproxy.errors import ConfigError, InvalidRequest, OperatorError, StoreUnavailable
+from idemproxy.ops import service
+from idemproxy.ops.resolution import (
+    Resolution,
+    ResponseRules,
+    completed,
+    parse_header_line,
+    released,
+)
+from idemproxy.ops.table import job_details, jobs_table
+from idemproxy.ops.view import job_to_json
+from idemproxy.store.base import Store
+from idemproxy.store.factory import create_store, sqlite_path
+from idemproxy.types import JobState
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_MAX_LIMIT = 1000
+# Only the store and the stored-response rules matter here: no upstream is needed.
+_NO_UPSTREAM = "http://jobs.invalid"
+
+Action = Callable[[argparse.Namespace, Store, Settings], Awaitable[None]]
+
+
+def add_jobs_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `jobs list|show|resolve|delete` on the top-level subparsers."""
+    jobs = commands.add_parser("jobs", help="list, inspect and resolve jobs in the store")
+    actions = jobs.add_subparsers(required=True, metavar="ACTION")
+    _add_list(_store_flags(actions.add_parser("list", help="newest jobs first")))
+    _add_show(_store_flags(actions.add_parser("show", help="one job and its attempts")))
+    _add_resolve(_store_flags(actions.add_parser("resolve", help="settle an unknown job")))
+    _add_delete(_store_flags(actions.add_parser("delete", help="delete a job")))
+
+
+def _store_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--store", metavar="DSN", help="default: IDEMPROXY_STORE or --config")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        default=os.environ.get("IDEMPROXY_CONFIG"),
+        help="YAML settings file",
+    )
+    return parser
+
+
+def _add_list(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state", choices=[s.value for s in JobState])
+    parser.add_argument("--owner", metavar="OWNER", help="the owner hash, as shown by show")
+    parser.add_argument("--limit", type=_limit, default=100, metavar="N", help="default 100")
+    parser.add_argument("--json", action="store_true", help="an array of jobs (SPEC §13)")
+    parser.set_defaults(run=_runner(_list))
+
+
+def _add_show(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job_id", metavar="JOB_ID")
+    parser.add_argument("--json", action="store_true", help="one job (SPEC §13)")
+    parser.add_argument(
+        "--include-response",
+        action="store_true",
+        help="also print the stored response's headers and body (may hold a tenant's data)",
+    )
+    parser.set_defaults(run=_runner(_show))
+
+
+def _add_resolve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job_id", metavar="JOB_ID")
+    parser.add_argument("--as", dest="as_", required=True, choices=["released", "completed"])
+    parser.add_argument("--status", type=int, metavar="N", help="with --as completed")
+    parser.add_argument(
+        "--header", action="append", default=[], metavar="'Name: value'", help="repeatable"
+    )
+    parser.add_argument("--body-file", metavar="FILE", help="the response body; - for stdin")
+    parser.add_argument(
+        "--expect-version", type=int, metavar="N", help="refuse if the job is not at version N"
+    )
+    parser.add_argument("--json", action="store_true", help="print the resolved job")
+    parser.set_defaults(run=_runner(_resolve))
+
+
+def _add_delete(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job_id", metavar="JOB_ID")
+    parser.add_argument(
+        "--force", action="store_true", help="even a job in flight whose lease is live"
+    )
+    parser.set_defaults(run=_runner(_delete))
+
+
+async def _list(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
+    state = JobState(args.state) if args.state else None
+    jobs = await service.list_jobs(store, state=state, owner=args.owner, limit=args.limit)
+    views = [job_to_json(job) for job in jobs]
+    _print(views if args.json else jobs_table(views), as_json=args.json)
+
+
+async def _show(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
+    job = await service.find_job(store, args.job_id)
+    view = job_to_json(job, include_response=args.include_response)
+    _print(view if args.json else job_details(view), as_json=args.json)
+
+
+async def _resolve(args: argparse.Namespace, store: Store, settings: Settings) -> None:
+    resolution = _resolution(args, ResponseRules.from_settings(settings))
+    job = await service.resolve_job(store, args.job_id, resolution, default_ttl=settings.ttl)
+    status = f" (status {job.response.status})" if job.response else ""
+    summary = f"job {job.id}: resolved as {job.state.value}{status}; now at version {job.version}"
+    _print(job_to_json(job) if args.json else summary, as_json=args.json)
+
+
+async def _delete(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
+    job = await service.delete_job(store, args.job_id, force=args.force)
+    print(f"job {job.id}: deleted (it was {job.state.value})")
+
+
+def _resolution(args: argparse.Namespace, rules: ResponseRules) -> Resolution:
+    if args.as_ == "released":
+        if args.status is not None or args.header or args.body_file is not None:
+            raise InvalidRequest("--as released takes no --status, --header or --body-file")
+        return released(args.expect_version)
+    if args.status is None:
+        raise InvalidRequest("--as completed needs --status N")
+    headers = [parse_header_line(line) for line in args.header]
+    return completed(args.status, headers, _body(args.body_file), rules, args.expect_version)
+
+
+def _body(path: str | None) -> bytes:
+    if path is None:
+        return b""
+    if path == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidRequest(f"--body-file: cannot read {path}: {exc.strerror}") from exc
+
+
+def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        settings = _settings(args)
+        try:
+            asyncio.run(_with_store(settings, args, action))
+        except InvalidRequest as exc:
+            print(f"idemproxy: {exc.detail}", file=sys.stderr)
+            return EXIT_USAGE
+        except StoreUnavailable as exc:
+            cause = f": {exc.__cause__}" if exc.__cause__ else ""
+            print(f"idemproxy: store unavailable{cause}", file=sys.stderr)
+            return EXIT_FAILED
+        except OperatorError as exc:  # not found, or the change lost: say which
+            print(f"idemproxy: {exc.detail}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_OK
+
+    return run
+
+
+async def _with_store(settings: Settings, args: argparse.Namespace, action: Action) -> None:
+    store = create_store(settings.store, max_connections=2)
+    await store.open()
+    try:
+        await action(args, store, settings)
+    finally:
+        await store.close()
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """--store > IDEMPROXY_STORE > the config file, as for `migrate`."""
+    if args.config is not None and not Path(args.config).is_file():
+        raise ConfigError(f"config: no such file: {args.config}")
+    settings = load_settings(args.config, store=args.store, upstream=_NO_UPSTREAM)
+    if settings.store.startswith("sqlite://"):
+        path = sqlite_path(settings.store)
+        # Opening a missing file would create an empty database and hide a typo.
+        if path != ":memory:" and not Path(path).is_file():
+            raise ConfigError(f"store: no SQLite database at {path}")
+    return settings
+
+
+def _print(data: Any, *, as_json: bool) -> None:
+    print(json.dumps(data, indent=2) if as_json else data)
+
+
+def _limit(value: str) -> int:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= _MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {_MAX_LIMIT}")
+    return int(value)

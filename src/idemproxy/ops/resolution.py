@@ -1,0 +1,168 @@
+"""What an operator resolves an `unknown` job to, checked once for the API and CLI (SPEC §3.3).
+
+A `completed` resolution is stored and later replayed like an upstream response (SPEC §7), so it
+must be one that a replay can send: a final status, well-formed end-to-end headers that the proxy
+would have stored itself, and a body within `max_stored_body`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from multidict import CIMultiDict
+
+from idemproxy.config import Settings
+from idemproxy.errors import InvalidRequest
+from idemproxy.proxy.headers import headers_to_store
+from idemproxy.types import HeaderPairs, JobState, StoredResponse
+
+# RFC 9110 §5.1 field-name = token; §5.5 field-value: visible ASCII, SP and HTAB (obs-text is
+# legal but deprecated, and what a replay would encode it as is not worth guessing).
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_NOT_FIELD_VALUE = re.compile(r"[^\t\x20-\x7e]")
+# RFC 9110 §15.3.5, §15.4.5: these statuses never carry content.
+_NO_CONTENT = frozenset({204, 304})
+_JSON_FIELDS = frozenset({"as", "status", "headers", "body", "body_base64", "version"})
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseRules:
+    """What a stored response may contain, from the settings the proxy stores with."""
+
+    unreplayed_headers: Collection[str]
+    max_body: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ResponseRules:
+        return cls(settings.unreplayed_headers, settings.max_stored_body)
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """`released`, or `completed` with the response the upstream really gave.
+
+    `version`, when given, must be the job's current version (the operator saw that job).
+    """
+
+    state: JobState
+    response: StoredResponse | None = None
+    version: int | None = None
+
+
+def released(version: int | None = None) -> Resolution:
+    return Resolution(JobState.RELEASED, None, version)
+
+
+def completed(
+    status: int,
+    headers: Sequence[tuple[str, str]],
+    body: bytes,
+    rules: ResponseRules,
+    version: int | None = None,
+) -> Resolution:
+    _check_status(status, body)
+    if len(body) > rules.max_body:
+        raise InvalidRequest(f"body: {len(body)} bytes is over max_stored_body ({rules.max_body})")
+    pairs = _check_headers(headers, rules.unreplayed_headers)
+    return Resolution(JobState.COMPLETED, StoredResponse(status, pairs, body), version)
+
+
+def parse_header_line(line: str) -> tuple[str, str]:
+    """`Name: value` as given on the command line."""
+    name, sep, value = line.partition(":")
+    if not sep or not _TOKEN.fullmatch(name):
+        raise InvalidRequest(f"header {line!r}: expected 'Name: value'")
+    return name, value.strip(" \t")
+
+
+def resolution_from_json(data: Any, rules: ResponseRules) -> Resolution:
+    """The body of `POST /jobs/{id}/resolve`."""
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    if not set(data) <= _JSON_FIELDS:
+        raise InvalidRequest(f"unknown field; allowed: {', '.join(sorted(_JSON_FIELDS))}")
+    version = _optional_int(data, "version")
+    target = data.get("as")
+    if target == JobState.RELEASED.value:
+        if not set(data) <= {"as", "version"}:
+            raise InvalidRequest('"as": "released" takes no status, headers or body')
+        return released(version)
+    if target == JobState.COMPLETED.value:
+        status = _optional_int(data, "status")
+        if status is None:
+            raise InvalidRequest('"as": "completed" needs a "status"')
+        headers = _json_headers(data.get("headers", []))
+        return completed(status, headers, _json_body(data), rules, version)
+    raise InvalidRequest('"as" must be "released" or "completed"')
+
+
+def _check_status(status: int, body: bytes) -> None:
+    if not 200 <= status <= 599:
+        raise InvalidRequest("status: must be a final status, 200-599")
+    if status in _NO_CONTENT and body:
+        raise InvalidRequest(f"status {status} never carries a body")
+
+
+def _check_headers(headers: Sequence[tuple[str, str]], unreplayed: Collection[str]) -> HeaderPairs:
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name):
+            raise InvalidRequest("header names must be RFC 9110 tokens")
+        if _NOT_FIELD_VALUE.search(value):
+            raise InvalidRequest(f"header {name}: only visible ASCII, spaces and tabs")
+    pairs = tuple((name, value) for name, value in headers)
+    kept = headers_to_store(CIMultiDict(pairs), unreplayed)
+    if len(kept) != len(pairs):
+        # SPEC §7: a replay recomputes framing and Date, never sends hop-by-hop headers, and
+        # does not replay `unreplayed_headers`; storing them would only break or leak a replay.
+        dropped = sorted({n for n, _ in pairs} - {n for n, _ in kept})
+        raise InvalidRequest(f"header(s) never replayed, leave them out: {', '.join(dropped)}")
+    return pairs
+
+
+def _json_headers(value: Any) -> list[tuple[str, str]]:
+    """`[["Name", "value"], …]` (order and repeats kept) or `{"Name": "value"}`."""
+    items = list(value.items()) if isinstance(value, Mapping) else value
+    if not isinstance(items, list):
+        raise InvalidRequest('"headers" must be a list of [name, value] pairs')
+    pairs: list[tuple[str, str]] = []
+    for item in items:
+        if not (isinstance(item, list | tuple) and len(item) == 2):
+            raise InvalidRequest('"headers" must be a list of [name, value] pairs')
+        name, value = item
+        if not (isinstance(name, str) and isinstance(value, str)):
+            raise InvalidRequest("header names and values must be strings")
+        pairs.append((name, value))
+    return pairs
+
+
+def _json_body(data: Mapping[str, Any]) -> bytes:
+    text, encoded = data.get("body"), data.get("body_base64")
+    if text is not None and encoded is not None:
+        raise InvalidRequest('give "body" or "body_base64", not both')
+    if encoded is not None:
+        if not isinstance(encoded, str):
+            raise InvalidRequest('"body_base64" must be a string')
+        try:
+            return base64.b64decode(encoded, validate=True)
+        except binascii.Error as exc:
+            raise InvalidRequest('"body_base64" is not valid base64') from exc
+    if text is not None and not isinstance(text, str):
+        raise InvalidRequest('"body" must be a string (use "body_base64" for bytes)')
+    try:
+        return (text or "").encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate escaped in the JSON
+        raise InvalidRequest('"body" is not valid Unicode; use "body_base64"') from exc
+
+
+def _optional_int(data: Mapping[str, Any], name: str) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f'"{name}" must be an integer')
+    return value

@@ -1,0 +1,102 @@
+"""Operator actions on the store, shared by the admin API and the CLI (SPEC §3.3, §13).
+
+Each action reads the job, checks what an operator may do with it, then changes it by
+compare-and-swap; a loser changes nothing and says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from idemproxy.constants import RESOLUTION_OPERATOR
+from idemproxy.errors import (
+    JobInFlight,
+    JobNotFound,
+    JobNotUnknown,
+    ResolutionLost,
+    VersionMismatch,
+)
+from idemproxy.ops.resolution import Resolution
+from idemproxy.store.base import Store
+from idemproxy.types import Job, JobState
+
+log = logging.getLogger(__name__)
+
+
+async def find_job(store: Store, job_id: str) -> Job:
+    """The job with its attempts."""
+    job = await store.get_by_id(job_id)
+    if job is None:
+        raise JobNotFound(f"job {job_id} not found")
+    return job
+
+
+async def list_jobs(
+    store: Store, *, state: JobState | None, owner: str | None, limit: int
+) -> list[Job]:
+    """Newest first, each with its attempts (SPEC §13: a listed job has them too)."""
+    listed = await store.list_jobs(state=state, owner=owner, limit=limit)
+    full = [await store.get_by_id(job.id) for job in listed]
+    return [job for job in full if job is not None]  # deleted meanwhile: gone from the list
+
+
+async def resolve_job(
+    store: Store, job_id: str, resolution: Resolution, *, default_ttl: float
+) -> Job:
+    """SPEC §3.3: CAS an `unknown` job to `completed` or `released`; one of many callers wins."""
+    job = await find_job(store, job_id)
+    if resolution.version is not None and resolution.version != job.version:
+        raise VersionMismatch(
+            f"job {job.id} is at version {job.version}, not {resolution.version}; "
+            "nothing was changed"
+        )
+    if job.state is not JobState.UNKNOWN:
+        raise JobNotUnknown(
+            f"job {job.id} is {job.state.value}; only an unknown job can be resolved; "
+            "nothing was changed"
+        )
+    won = await store.resolve(
+        job,
+        resolution.state,
+        response=resolution.response,
+        ttl=resolution_ttl(job, default_ttl),
+        resolution=RESOLUTION_OPERATOR,
+    )
+    if not won:
+        raise ResolutionLost(
+            f"job {job.id} changed while it was being resolved (someone else won the "
+            "compare-and-swap); nothing was changed"
+        )
+    log.info("job %s: resolved as %s by an operator", job.id, resolution.state.value)
+    after = await store.get_by_id(job.id)
+    return after or dataclasses.replace(
+        job, state=resolution.state, version=job.version + 1, resolution=RESOLUTION_OPERATOR
+    )
+
+
+async def delete_job(store: Store, job_id: str, *, force: bool = False) -> Job:
+    """Delete a job and its attempts; its key can then be claimed afresh."""
+    job = await find_job(store, job_id)
+    if job.state is JobState.IN_FLIGHT and not job.lease_expired and not force:
+        # An attempt is running: without the job, a retry would claim the key and run again.
+        raise JobInFlight(
+            f"job {job.id} is in flight with a live lease; deleting it could let a retry run "
+            "a second time (force to delete anyway)"
+        )
+    if not await store.delete(job):
+        raise JobNotFound(f"job {job_id} not found")
+    log.info("job %s: deleted by an operator (it was %s)", job.id, job.state.value)
+    return job
+
+
+def resolution_ttl(job: Job, default: float) -> float:
+    """A resolved job lives as long as its route's jobs do: the ttl it was claimed with.
+
+    An `unknown` job was never completed, so its `expires_at` is still the claim's.
+    """
+    if job.created_at is not None and job.expires_at is not None:
+        claimed_for = (job.expires_at - job.created_at).total_seconds()
+        if claimed_for > 0:
+            return claimed_for
+    return default

@@ -1,0 +1,85 @@
+"""A job as JSON: the one shape shared by the admin API and `idemproxy jobs --json` (SPEC §13).
+
+A stored response body may hold a tenant's data, so it is left out unless asked for explicitly
+(`include_response`); the status alone is always shown.
+"""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+from idemproxy.types import Attempt, Job, StoredResponse
+
+JsonObject = dict[str, Any]
+
+
+def job_to_json(job: Job, *, include_response: bool = False) -> JsonObject:
+    """SPEC §13: at least id, owner, key, state, version, created_at, expires_at, attempts."""
+    view: JsonObject = {
+        "id": job.id,
+        "owner": job.owner,
+        "key": job.key,
+        "state": job.state.value,
+        "version": job.version,
+        "method": job.method,
+        "path": job.path,
+        "created_at": timestamp(job.created_at),
+        "updated_at": timestamp(job.updated_at),
+        "expires_at": timestamp(job.expires_at),
+        "expired": job.expired,
+        "lease_expired": job.lease_expired,
+        "resolution": job.resolution,
+        "completed_by": job.completed_by,
+        "attempt_count": job.attempt_count,
+        "response_status": job.response.status if job.response else None,
+        "attempts": [attempt_to_json(a) for a in job.attempts],
+    }
+    if include_response:
+        view["response"] = response_to_json(job.response)
+    return view
+
+
+def attempt_to_json(attempt: Attempt) -> JsonObject:
+    return {
+        "number": attempt.number,
+        "upstream": redact_url(attempt.upstream),
+        "state": attempt.state.value,
+        "status": attempt.status,
+        "error": attempt.error,
+        "started_at": timestamp(attempt.started_at),
+        "finished_at": timestamp(attempt.finished_at),
+    }
+
+
+def response_to_json(response: StoredResponse | None) -> JsonObject | None:
+    """Text bodies as `body`, anything else as `body_base64`: the same fields `resolve` takes."""
+    if response is None:
+        return None
+    view: JsonObject = {
+        "status": response.status,
+        "headers": [[name, value] for name, value in response.headers],
+        "omitted": response.omitted,
+    }
+    if response.body is not None:
+        try:
+            view["body"] = response.body.decode("utf-8")
+        except UnicodeDecodeError:
+            view["body_base64"] = base64.b64encode(response.body).decode("ascii")
+    return view
+
+
+def timestamp(value: datetime | None) -> str | None:
+    """ISO 8601 in UTC; both stores give aware datetimes from the database clock."""
+    return None if value is None else value.astimezone(UTC).isoformat()
+
+
+def redact_url(url: str) -> str:
+    """An upstream URL without a password, should one have been configured in it."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{parts.username}:***@{host}").geturl()
