@@ -106,16 +106,12 @@ async def _run_hedged(
             step = task.result()
             if not isinstance(step, Failed):
                 return step  # the winner's response, or None: another attempt won
-            count_failed(ctx, step)
-            await ctx.store.finish_attempt(
-                job,
-                attempt.number,
-                SETTLED_STATE[step.outcome],
-                status=step.status,
-                error=step.error,
-            )
-            failures.append((attempt, step))
-        if more and (not done or not racing):
+            failures.append((attempt, step))  # counted and recorded by the racer (_racer)
+        # FIX (SPEC §3.4 "an unknown outcome never fails over"): bringing in the next upstream
+        # because every racer failed is a fail-over, so not once any of them may have executed.
+        # Before, a primary answering 504 within hedge_after started an attempt on the fallback.
+        may_have_executed = any(f.outcome is Outcome.UNKNOWN for _, f in failures)
+        if more and (not done or (not racing and not may_have_executed)):
             # No answer within hedge_after, or every racer failed: bring in the next upstream.
             number = await ctx.store.add_attempt(
                 job, upstreams[waiting_for], lease=ctx.settings.lease
@@ -135,10 +131,32 @@ def _race(
     racing: Racing,
     attempt: Attempt,
 ) -> None:
-    task = asyncio.create_task(run_attempt(ctx, request, route, attempt, body))
+    task = asyncio.create_task(_racer(ctx, request, route, body, attempt))
     ctx.attempts.add(task)  # a loser keeps running after the client has its answer
     task.add_done_callback(ctx.attempts.discard)
     racing[task] = attempt
+
+
+async def _racer(
+    ctx: ProxyContext, request: web.Request, route: Route, body: bytes, attempt: Attempt
+) -> Step:
+    """One attempt of the race; a failure is counted and recorded on the attempt, the job is
+    left alone.
+
+    FIX: failures used to be recorded by `_run_hedged` only while it was still waiting, so a
+    racer that failed after another had won (a late 503, a timeout) stayed `started` for ever.
+    """
+    step = await run_attempt(ctx, request, route, attempt, body)
+    if isinstance(step, Failed):
+        count_failed(ctx, step)
+        await ctx.store.finish_attempt(
+            attempt.job,
+            attempt.number,
+            SETTLED_STATE[step.outcome],
+            status=step.status,
+            error=step.error,
+        )
+    return step
 
 
 async def _all_failed(
