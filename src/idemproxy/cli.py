@@ -25,6 +25,10 @@ _SERVE_FLAGS = {
     "profile": "profile",
     "methods": "methods",
     "owner": "owner.strategy",
+    "jwt_key": "owner.jwt.key",
+    "jwt_algorithms": "owner.jwt.algorithms",
+    "jwt_audience": "owner.jwt.audience",
+    "jwt_claim": "owner.jwt.claim",
     "ttl": "ttl",
     "lease": "lease",
     "upstream_timeout": "upstream_timeout",
@@ -84,7 +88,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--profile", choices=["default", "ietf"])
     serve.add_argument("--methods", metavar="LIST", help="governed methods, default POST,PATCH")
     serve.add_argument("--require-key", action="store_const", const=True, default=None)
-    serve.add_argument("--owner", metavar="STRATEGY", help="authorization | header:NAME | none")
+    serve.add_argument(
+        "--owner", metavar="STRATEGY", help="authorization | header:NAME | jwt | none"
+    )
+    serve.add_argument(
+        "--jwt-key", metavar="FILE|env:NAME", help="PEM or JWKS file, or env:NAME (HMAC secret)"
+    )
+    serve.add_argument("--jwt-algorithms", metavar="LIST", help="e.g. RS256,ES256 (required)")
+    serve.add_argument("--jwt-audience", metavar="LIST", help="accepted aud values (required)")
+    serve.add_argument("--jwt-claim", metavar="CLAIM", help="the owner claim, default sub")
     serve.add_argument("--ttl", type=float, metavar="SECONDS", help="job lifetime, default 86400")
     serve.add_argument("--lease", type=float, metavar="SECONDS")
     serve.add_argument("--upstream-timeout", type=float, metavar="SECONDS", help="default 30")
@@ -156,6 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args, _SERVE_FLAGS)
     parse_listen(settings.listen)
+    settings.owner.policy()  # JWT keys: a bad one stops the start before the store is opened
     serve(settings)
     return 0
 

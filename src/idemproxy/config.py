@@ -6,22 +6,34 @@ Built once in `cli.main()` and passed in; nothing reads it from a global.
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
 )
 
 from idemproxy import constants as c
+from idemproxy.errors import ConfigError
 from idemproxy.fingerprint import parse_pointer
-from idemproxy.owner import OwnerPolicy
+from idemproxy.owner import OwnerPolicy, check_strategy
 
 _STRICT = ConfigDict(extra="forbid")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class ContractSettings(BaseModel):
@@ -84,24 +96,84 @@ class RouteSettings(BaseModel):
         return check_upstream_url(url)
 
 
+class JwtSettings(BaseModel):
+    """SPEC §5, strategy `jwt`: the owner is a claim of a bearer JWT verified with `key`."""
+
+    model_config = _STRICT
+    # A PEM public key or certificate file, a JWKS file, or env:NAME (an HMAC secret).
+    key: str | None = None
+    # Never taken from the token; "none" is refused.
+    algorithms: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    audience: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    issuer: str | None = None
+    claim: str = Field(default=c.DEFAULT_JWT_CLAIM, min_length=1)
+    leeway: float = Field(default=c.DEFAULT_JWT_LEEWAY_SECONDS, ge=0, le=c.MAX_JWT_LEEWAY_SECONDS)
+
+    @field_validator("algorithms", "audience", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("algorithms")
+    @classmethod
+    def _signed(cls, algorithms: list[str]) -> list[str]:
+        for algorithm in algorithms:
+            if algorithm.lower() == "none":
+                raise ValueError('"none" is not an algorithm: tokens must be signed')
+            if algorithm not in c.JWT_ALGORITHMS:
+                raise ValueError(f"unknown algorithm; one of {', '.join(c.JWT_ALGORITHMS)}")
+        return algorithms
+
+    @field_validator("key")
+    @classmethod
+    def _env_name(cls, key: str | None) -> str | None:
+        if key is not None and key.startswith("env:") and not _ENV_NAME.fullmatch(key[4:]):
+            raise ValueError("env:NAME needs an environment variable name")
+        return key
+
+
 class OwnerSettings(BaseModel):
-    """SPEC §5: authorization | header:<NAME> | none."""
+    """SPEC §5: authorization | header:<NAME> | jwt | none."""
 
     model_config = _STRICT
     strategy: str = "authorization"
     required: bool = False
+    jwt: JwtSettings = Field(default_factory=JwtSettings)
+    _policy: OwnerPolicy | None = PrivateAttr(default=None)
 
     @field_validator("strategy")
     @classmethod
     def _known(cls, strategy: str) -> str:
-        if strategy not in ("authorization", "none") and not (
-            strategy.startswith("header:") and strategy[7:].strip()
-        ):
-            raise ValueError("must be authorization, header:<NAME> or none")
+        try:
+            check_strategy(strategy)
+        except ConfigError as exc:
+            raise ValueError("must be authorization, header:<NAME>, jwt or none") from exc
         return strategy
 
+    @model_validator(mode="after")
+    def _jwt_complete(self) -> OwnerSettings:
+        if self.strategy == "jwt":
+            missing = [
+                f"owner.jwt.{name}"
+                for name in ("key", "algorithms", "audience")
+                if not getattr(self.jwt, name)
+            ]
+            if missing:
+                raise ValueError(f"strategy jwt needs {', '.join(missing)}")
+        return self
+
     def policy(self) -> OwnerPolicy:
-        return OwnerPolicy(self.strategy, self.required)
+        """Built once: with `jwt`, this loads the keys (`ConfigError` naming the field)."""
+        if self._policy is None:
+            verifier = None
+            if self.strategy == "jwt":
+                from idemproxy.jwt_owner import JwtVerifier
+
+                verifier = JwtVerifier.from_settings(self.jwt)
+            self._policy = OwnerPolicy(self.strategy, self.required, verifier)
+        return self._policy
 
 
 class OutcomeSettings(BaseModel):

@@ -60,6 +60,17 @@ RESOLUTION_UNKNOWN_TTL: Final = "unknown_ttl"
 ANONYMOUS_OWNER: Final = "anonymous"
 GLOBAL_OWNER: Final = "global"
 
+# The `jwt` owner strategy (SPEC §5). "none" is never an algorithm: tokens must be signed.
+DEFAULT_JWT_CLAIM: Final = "sub"
+DEFAULT_JWT_LEEWAY_SECONDS: Final = 30.0
+MAX_JWT_LEEWAY_SECONDS: Final = 300.0
+JWT_HMAC_ALGORITHMS: Final = ("HS256", "HS384", "HS512")
+JWT_ALGORITHMS: Final = (
+    *JWT_HMAC_ALGORITHMS,
+    "RS256", "RS384", "RS512", "PS256", "PS384", "PS512",
+    "ES256", "ES384", "ES512", "ES256K", "EdDSA",
+)  # fmt: skip
+
 # Prometheus metric names start with this (SPEC §13).
 METRIC_PREFIX: Final = "idemproxy"
 

@@ -3,43 +3,67 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, OwnerMissing
 
 # RFC 9110 §5.1: field-name = token.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# RFC 9110 §5.5: a field value never holds NUL, so no header hash can start from this prefix.
+_CLAIM_NAMESPACE = "\0idemproxy:jwt\0"
+
+
+class OwnerVerifier(Protocol):
+    def owner(self, authorization: str) -> str:
+        """The owner of a present credential; raises `OwnerMissing` when it does not verify."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
 class OwnerPolicy:
-    """`strategy` is "authorization", "header:<name>" or "none"."""
+    """`strategy` is "authorization", "header:<name>", "jwt" (with its `verifier`) or "none"."""
 
     strategy: str = "authorization"
     required: bool = False
+    verifier: OwnerVerifier | None = None
+
+    def __post_init__(self) -> None:
+        # An unverified "jwt" policy would hash whatever token is sent: never build one.
+        if (self.strategy == "jwt") != (self.verifier is not None):
+            raise ConfigError("owner.strategy jwt goes with a verifier, and only it")
 
     @property
     def header(self) -> str | None:
-        if self.strategy == "authorization":
+        if self.strategy in ("authorization", "jwt"):
             return "Authorization"
         if self.strategy.startswith("header:"):
             return self.strategy.removeprefix("header:")
         return None
 
     def validate(self) -> None:
-        if self.strategy in ("authorization", "none"):
-            return
-        # The name must be an RFC 9110 token exactly: "header: X-Tenant" would look up
-        # " X-Tenant", never find it, and put every request in the shared anonymous scope.
-        if not self.strategy.startswith("header:") or not _TOKEN.fullmatch(self.strategy[7:]):
-            raise ConfigError("owner.strategy must be authorization, header:<NAME> or none")
+        check_strategy(self.strategy)
+
+
+def check_strategy(strategy: str) -> None:
+    if strategy in ("authorization", "jwt", "none"):
+        return
+    # The name must be an RFC 9110 token exactly: "header: X-Tenant" would look up
+    # " X-Tenant", never find it, and put every request in the shared anonymous scope.
+    if not strategy.startswith("header:") or not _TOKEN.fullmatch(strategy[7:]):
+        raise ConfigError("owner.strategy must be authorization, header:<NAME>, jwt or none")
 
 
 def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str]) -> str:
-    """The owner scope for a request; raises `OwnerMissing` when one is required and absent."""
+    """The owner scope for a request; raises `OwnerMissing` when one is required and absent.
+
+    With a verifier (`jwt`), a credential that is present but does not verify is 401 even when
+    the owner is optional: it must never fall into the shared anonymous scope.
+    """
     header = policy.header
     if header is None:
         return GLOBAL_OWNER
@@ -48,8 +72,20 @@ def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str]) -> str:
         if policy.required:
             raise OwnerMissing()
         return ANONYMOUS_OWNER
+    if policy.verifier is not None:
+        return policy.verifier.owner(credential)
     return hash_credential(credential)
 
 
 def hash_credential(credential: str) -> str:
     return hashlib.sha256(credential.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def hash_claim(issuer: object, claim: str, value: str) -> str:
+    """The owner for a verified JWT claim: never equal to the hash of any header value.
+
+    The issuer is part of it (OIDC Core §2: `sub` is unique only within its issuer). JSON with
+    ASCII escapes encodes the three parts without ambiguity, lone surrogates included.
+    """
+    parts = json.dumps([issuer, claim, value], ensure_ascii=True, sort_keys=True)
+    return hashlib.sha256((_CLAIM_NAMESPACE + parts).encode("ascii")).hexdigest()

@@ -1,0 +1,273 @@
+"""SPEC §5, §12: JWT owner settings and keys; a bad one stops the start, naming the field."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.x509.oid import NameOID
+from pydantic import ValidationError
+
+from idemproxy.cli import main
+from idemproxy.config import JwtSettings, load_settings
+from idemproxy.errors import ConfigError
+from idemproxy.jwt_keys import load_keys
+from idemproxy.jwt_owner import JwtVerifier
+from idemproxy.owner import OwnerPolicy
+from jwtkit import (
+    AUDIENCE,
+    SECRET,
+    claims,
+    ec_key,
+    private_pem,
+    public_jwk,
+    public_pem,
+    rsa_key,
+    token,
+    write_jwks,
+    write_pem,
+)
+
+JWT: dict[str, Any] = {"key": "env:JWT_SECRET", "algorithms": ["HS256"], "audience": [AUDIENCE]}
+ENVIRON = {"JWT_SECRET": SECRET}
+
+
+def config_error(source: str, algorithms: list[str], environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_keys(source, algorithms, ENVIRON if environ is None else environ)
+    return str(caught.value)
+
+
+def locations(error: ValidationError) -> set[str]:
+    return {".".join(str(part) for part in e["loc"]) for e in error.errors()}
+
+
+class TestSettings:
+    def test_jwt_strategy_loads_with_flags_file_or_environment(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        settings = load_settings(upstream="http://x:1", owner={"strategy": "jwt", "jwt": JWT})
+        assert settings.owner.jwt.claim == "sub"
+        assert settings.owner.jwt.leeway == 30
+        monkeypatch.setenv("IDEMPROXY_OWNER__STRATEGY", "jwt")
+        monkeypatch.setenv("IDEMPROXY_OWNER__JWT__KEY", "env:JWT_SECRET")
+        monkeypatch.setenv("IDEMPROXY_OWNER__JWT__ALGORITHMS", "HS256, HS384")
+        monkeypatch.setenv("IDEMPROXY_OWNER__JWT__AUDIENCE", f"{AUDIENCE},https://b.test")
+        monkeypatch.setenv("IDEMPROXY_OWNER__JWT__LEEWAY", "5")
+        jwt = load_settings(upstream="http://x:1").owner.jwt
+        assert jwt.algorithms == ["HS256", "HS384"]
+        assert jwt.audience == [AUDIENCE, "https://b.test"]
+        assert jwt.leeway == 5
+
+    def test_a_flag_replaces_one_jwt_setting_and_keeps_the_rest(self, tmp_path: Path) -> None:
+        config = tmp_path / "idemproxy.yaml"
+        config.write_text(json.dumps({"upstream": "http://x:1", "owner": {"jwt": JWT}}))
+        settings = load_settings(config, owner={"strategy": "jwt", "jwt": {"claim": "email"}})
+        assert settings.owner.jwt.key == "env:JWT_SECRET"
+        assert settings.owner.jwt.claim == "email"
+
+    @pytest.mark.parametrize("missing", ["key", "algorithms", "audience"])
+    def test_jwt_strategy_needs_key_algorithms_and_audience(self, missing: str) -> None:
+        jwt = {k: v for k, v in JWT.items() if k != missing}
+        with pytest.raises(ValidationError, match=rf"owner\.jwt\.{missing}"):
+            load_settings(upstream="http://x:1", owner={"strategy": "jwt", "jwt": jwt})
+
+    @pytest.mark.parametrize(
+        ("jwt", "field"),
+        [
+            ({"algorithms": ["none"]}, "owner.jwt.algorithms"),
+            ({"algorithms": "RS256,None"}, "owner.jwt.algorithms"),
+            ({"algorithms": ["rs256"]}, "owner.jwt.algorithms"),
+            ({"algorithms": ["HS1"]}, "owner.jwt.algorithms"),
+            ({"key": "env:"}, "owner.jwt.key"),
+            ({"key": "env:NOT A NAME"}, "owner.jwt.key"),
+            ({"leeway": 3600}, "owner.jwt.leeway"),
+            ({"leeway": -1}, "owner.jwt.leeway"),
+            ({"claim": ""}, "owner.jwt.claim"),
+            ({"secret": "x"}, "owner.jwt.secret"),
+        ],
+    )
+    def test_bad_jwt_values_name_the_field(self, jwt: dict[str, Any], field: str) -> None:
+        with pytest.raises(ValidationError) as caught:
+            load_settings(upstream="http://x:1", owner={"strategy": "jwt", "jwt": {**JWT, **jwt}})
+        assert field in locations(caught.value)
+
+    @pytest.mark.parametrize(
+        "strategy", ["header: X-Tenant", "header:X-Tenant ", "header:X Tenant", "header:Ténant"]
+    )
+    def test_header_names_must_be_rfc9110_tokens(self, strategy: str) -> None:
+        """Else the header is never found and every request lands in the anonymous scope."""
+        with pytest.raises(ValidationError) as caught:
+            load_settings(upstream="http://x:1", owner={"strategy": strategy})
+        assert "owner.strategy" in locations(caught.value)
+
+    def test_the_policy_is_built_once_with_its_verifier(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("JWT_SECRET", SECRET)
+        owner = load_settings(upstream="http://x:1", owner={"strategy": "jwt", "jwt": JWT}).owner
+        policy = owner.policy()
+        assert isinstance(policy.verifier, JwtVerifier)
+        assert owner.policy() is policy
+        plain = load_settings(upstream="http://x:1").owner.policy()
+        assert plain.verifier is None
+
+    def test_no_jwt_policy_without_a_verifier(self) -> None:
+        with pytest.raises(ConfigError):
+            OwnerPolicy("jwt")
+        verifier = JwtVerifier.from_settings(JwtSettings(**JWT), environ=ENVIRON)
+        with pytest.raises(ConfigError):
+            OwnerPolicy("authorization", verifier=verifier)
+
+
+class TestStartup:
+    """`idemproxy serve` stops with exit 2 and the field's name before opening the store."""
+
+    def serve(self, capsys: pytest.CaptureFixture[str], *flags: str) -> str:
+        args = ["serve", "--upstream", "http://127.0.0.1:9", "--store", "sqlite:///nowhere/x.db"]
+        assert main([*args, "--owner", "jwt", *flags]) == 2
+        return capsys.readouterr().err
+
+    def test_a_missing_secret_variable(
+        self, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.delenv("IDEMPROXY_TEST_NO_SUCH_SECRET", raising=False)
+        err = self.serve(
+            capsys,
+            *("--jwt-key", "env:IDEMPROXY_TEST_NO_SUCH_SECRET"),
+            *("--jwt-algorithms", "HS256", "--jwt-audience", AUDIENCE),
+        )
+        assert "owner.jwt.key" in err
+        assert "IDEMPROXY_TEST_NO_SUCH_SECRET" in err
+
+    def test_a_secret_on_the_command_line_is_refused_and_not_echoed(
+        self, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        err = self.serve(
+            capsys, "--jwt-key", SECRET, "--jwt-algorithms", "HS256", "--jwt-audience", AUDIENCE
+        )
+        assert "owner.jwt" in err
+        assert SECRET not in err
+
+    def test_alg_none_is_refused(self, capsys: pytest.CaptureFixture[str]) -> None:
+        flags = ("--jwt-key", "env:X", "--jwt-algorithms", "none", "--jwt-audience", AUDIENCE)
+        assert "owner.jwt.algorithms" in self.serve(capsys, *flags)
+
+    def test_missing_algorithms(self, capsys: pytest.CaptureFixture[str]) -> None:
+        err = self.serve(capsys, "--jwt-key", "env:X", "--jwt-audience", AUDIENCE)
+        assert "owner.jwt.algorithms" in err
+
+
+class TestKeys:
+    def test_a_missing_environment_variable(self) -> None:
+        message = config_error("env:NOPE", ["HS256"], environ={})
+        assert message.startswith("owner.jwt.key:") and "NOPE" in message
+
+    @pytest.mark.parametrize(("algorithm", "need"), [("HS256", 32), ("HS512", 64)])
+    def test_a_short_secret(self, algorithm: str, need: int) -> None:
+        message = config_error("env:S", [algorithm], environ={"S": "x" * (need - 1)})
+        assert "owner.jwt.key" in message and str(need) in message
+        assert "x" * 10 not in message
+
+    def test_a_public_key_as_the_secret(self) -> None:
+        message = config_error("env:S", ["HS256"], environ={"S": public_pem(rsa_key()).decode()})
+        assert "owner.jwt.key" in message
+
+    def test_a_secret_with_asymmetric_algorithms(self) -> None:
+        assert "owner.jwt.algorithms" in config_error("env:JWT_SECRET", ["HS256", "RS256"])
+
+    def test_hmac_algorithms_with_a_public_key(self, tmp_path: Path) -> None:
+        """No configuration can verify HS256 with a public key's bytes (algorithm confusion)."""
+        pem = write_pem(tmp_path / "rsa.pem", rsa_key())
+        message = config_error(str(pem), ["RS256", "HS256"])
+        assert message.startswith("owner.jwt.algorithms:") and "HS256" in message
+
+    def test_an_algorithm_that_does_not_fit_the_pem_key(self, tmp_path: Path) -> None:
+        assert "ES256" in config_error(str(write_pem(tmp_path / "k.pem", rsa_key())), ["ES256"])
+        p384 = write_pem(tmp_path / "p384.pem", ec_key(0, "P-384"))
+        assert "ES256" in config_error(str(p384), ["ES256"])
+        assert load_keys(str(p384), ["ES384"], {}).default is not None
+
+    def test_a_missing_file_is_not_echoed(self, tmp_path: Path) -> None:
+        message = config_error(str(tmp_path / "s3cr3t-value"), ["RS256"])
+        assert message.startswith("owner.jwt.key:") and "s3cr3t-value" not in message
+
+    @pytest.mark.parametrize(
+        "content",
+        [b"", b"hello", b"-----BEGIN PUBLIC KEY-----\nnope\n-----END PUBLIC KEY-----\n"],
+        ids=["empty", "text", "bad-pem"],
+    )
+    def test_a_file_that_is_no_key(self, tmp_path: Path, content: bytes) -> None:
+        path = tmp_path / "key.pem"
+        path.write_bytes(content)
+        assert config_error(str(path), ["RS256"]).startswith("owner.jwt.key:")
+
+    def test_a_private_key_file_is_refused(self, tmp_path: Path) -> None:
+        path = tmp_path / "private.pem"
+        path.write_bytes(private_pem(rsa_key()))
+        assert "private key" in config_error(str(path), ["RS256"])
+
+    def test_a_weak_rsa_key_is_refused(self, tmp_path: Path) -> None:
+        weak = write_pem(tmp_path / "weak.pem", rsa_key(0, 1024))
+        assert "2048" in config_error(str(weak), ["RS256"])
+
+    def test_a_certificate_file_gives_its_public_key(self, tmp_path: Path) -> None:
+        key = rsa_key()
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "idp.example.test")])
+        now = datetime.datetime.now(datetime.UTC)
+        certificate = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(1)
+            .not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256())
+        )
+        path = tmp_path / "idp.crt"
+        path.write_bytes(certificate.public_bytes(Encoding.PEM))
+        settings = JwtSettings(key=str(path), algorithms=["RS256"], audience=[AUDIENCE])
+        verifier = JwtVerifier.from_settings(settings)
+        assert verifier.owner(f"Bearer {token(claims('alice'), key, 'RS256')}")
+
+
+class TestJwks:
+    def test_not_json_or_no_keys(self, tmp_path: Path) -> None:
+        path = tmp_path / "jwks.json"
+        for content in ('{"keys": [', "{}", '{"keys": []}', '{"keys": "x"}', "[1]"):
+            path.write_text(content)
+            assert config_error(str(path), ["RS256"]).startswith("owner.jwt.key")
+
+    def test_symmetric_and_private_keys_are_refused(self, tmp_path: Path) -> None:
+        oct_key = {"kty": "oct", "kid": "s", "k": "c2VjcmV0"}
+        assert "keys[0]" in config_error(str(write_jwks(tmp_path / "a", oct_key)), ["RS256"])
+        private = {**public_jwk(rsa_key(), "p"), "d": "AQAB"}
+        assert "keys[0]" in config_error(str(write_jwks(tmp_path / "b", private)), ["RS256"])
+
+    def test_kids_must_be_unique_and_present_among_several(self, tmp_path: Path) -> None:
+        twice = write_jwks(tmp_path / "a", public_jwk(rsa_key(), "a"), public_jwk(rsa_key(1), "a"))
+        assert "twice" in config_error(str(twice), ["RS256"])
+        anonymous = write_jwks(tmp_path / "b", public_jwk(rsa_key()), public_jwk(rsa_key(1), "b"))
+        assert "kid" in config_error(str(anonymous), ["RS256"])
+
+    def test_encryption_keys_and_keys_for_other_algorithms_are_left_out(
+        self, tmp_path: Path
+    ) -> None:
+        jwks = write_jwks(
+            tmp_path / "jwks.json",
+            public_jwk(rsa_key(), "enc", use="enc"),
+            public_jwk(rsa_key(1), "ps", alg="PS256"),
+            public_jwk(ec_key(), "ec"),
+            public_jwk(rsa_key(2), "sig", alg="RS256"),
+        )
+        ring = load_keys(str(jwks), ["RS256"], {})
+        assert set(ring.by_kid) == {"sig"}
+        assert ring.default is not None and ring.default.algorithms == ("RS256",)
+        assert "no signing key" in config_error(str(jwks), ["ES384"])
