@@ -6,7 +6,6 @@ import json
 import logging
 import sys
 
-
 _HANDLER_NAME = "idemproxy"
 _QUIET_LIBRARIES = ("aiosqlite", "asyncpg", "redis")
 

@@ -17,11 +17,15 @@ from aiohttp import web
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.config import Settings, parse_listen
 from idemproxy.logs import configure_logging
+from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
+from idemproxy.proxy.context import CONTEXT
+from idemproxy.proxy.drain import drain
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 
 log = logging.getLogger("idemproxy")
+_HANDLER_GRACE_SECONDS = 1.0
 
 
 def serve(settings: Settings) -> None:
@@ -47,14 +51,18 @@ async def run_server(settings: Settings) -> None:
 
 async def _serve_until_signalled(settings: Settings, store: Store) -> None:
     readiness = Readiness()
+    metrics = Metrics()
     proxy = web.AppRunner(
-        create_app(settings, store=store),
+        create_app(settings, store=store, metrics=metrics),
         access_log=None,  # one log line per request costs more than the proxy itself
         handler_cancellation=False,  # SPEC §2: a client hanging up cancels nothing
         keepalive_timeout=settings.server.keepalive_timeout,
-        shutdown_timeout=settings.server.shutdown_timeout,
+        # The drain below already waited for requests in flight; this is only a last grace.
+        shutdown_timeout=_HANDLER_GRACE_SECONDS,
     )
-    admin = web.AppRunner(create_admin_app(settings, store, readiness), access_log=None)
+    admin = web.AppRunner(
+        create_admin_app(settings, store, readiness, metrics=metrics), access_log=None
+    )
     await proxy.setup()
     await admin.setup()
     try:
@@ -67,11 +75,20 @@ async def _serve_until_signalled(settings: Settings, store: Store) -> None:
             redacted(settings.store),
         )
         await _wait_for_signal()
-        log.info("shutting down: draining requests in flight")
         readiness.draining = True
+        await _drain(proxy, settings.server.shutdown_timeout)
     finally:
         await proxy.cleanup()
         await admin.cleanup()
+
+
+async def _drain(proxy: web.AppRunner, timeout: float) -> None:
+    """No new connections; then one deadline for every request and attempt in flight."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    log.info("shutting down: draining requests in flight for up to %.1fs", timeout)
+    for site in list(proxy.sites):
+        await site.stop()
+    await drain(proxy.app[CONTEXT], deadline)
 
 
 async def _start(runner: web.AppRunner, listen: str) -> None:

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 SHUTDOWN_TIMEOUT = 1.0
-# Longer than the time the attempt really gets (3 x the timeout today, see the xfail below), so
-# that it is cut off rather than finishing while the proxy drains.
+# Longer than the time the attempt gets (the shutdown timeout), so that it is cut off rather
+# than finishing while the proxy drains.
 BACKEND_DELAY = 4.0
 EXIT_LIMIT = SHUTDOWN_TIMEOUT + 5.0
 OWNER = hash_credential("Bearer e2e-user")  # the Authorization header `client.send` sets
@@ -94,13 +94,6 @@ async def test_sigterm_cuts_off_a_slow_attempt_as_unknown(
     assert (await _job(dsn)).state is JobState.UNKNOWN
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: aiohttp's runner.cleanup waits shutdown_timeout twice for handlers "
-    "(graceful, then after cancelling the request) before proxy/app.py `_drain` waits it a "
-    "third time, so attempts get 3 x server.shutdown_timeout, not 1 x (src/idemproxy/server.py "
-    "AppRunner(shutdown_timeout=...), src/idemproxy/proxy/app.py _drain)",
-)
 async def test_an_attempt_is_cut_off_after_the_shutdown_timeout(
     tmp_path: Path, backend: Backend, start_proxy: StartProxy
 ) -> None:

@@ -11,6 +11,7 @@ from aiohttp.typedefs import Handler, Middleware
 from idemproxy.admin.jobs import add_jobs_routes, client_max_size
 from idemproxy.config import Settings
 from idemproxy.errors import StoreUnavailable, Unauthorized
+from idemproxy.metrics import Metrics, metrics_handler
 from idemproxy.proxy.problems import problem_response
 from idemproxy.store.base import Store
 
@@ -30,7 +31,9 @@ READINESS = web.AppKey("idemproxy.admin.readiness", Readiness)
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
-def create_admin_app(settings: Settings, store: Store, readiness: Readiness) -> web.Application:
+def create_admin_app(
+    settings: Settings, store: Store, readiness: Readiness, *, metrics: Metrics | None = None
+) -> web.Application:
     token = settings.admin.token.get_secret_value() if settings.admin.token else None
     app = web.Application(
         middlewares=[_bearer_auth(token)] if token else [],
@@ -40,6 +43,8 @@ def create_admin_app(settings: Settings, store: Store, readiness: Readiness) -> 
     app[READINESS] = readiness
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    if metrics is not None:
+        app.router.add_get("/metrics", metrics_handler(metrics))
     add_jobs_routes(app, settings, store)  # SPEC §3.3: behind the token, like every other path
     return app
 

@@ -10,7 +10,10 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from idemproxy.config import Settings
+from idemproxy.metrics import Metrics, refresh_gauges, watch_store
 from idemproxy.proxy.context import CONTEXT, ProxyContext
+from idemproxy.proxy.contract import keep_checking
+from idemproxy.proxy.drain import drain
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.handler import handle
@@ -21,21 +24,24 @@ from idemproxy.store.factory import create_store
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, *, store: Store | None = None) -> web.Application:
-    """The proxy app. An injected `store` is owned (opened, migrated, closed) by the caller."""
+def create_app(
+    settings: Settings, *, store: Store | None = None, metrics: Metrics | None = None
+) -> web.Application:
+    """The proxy app. An injected `store` is owned (opened, migrated, closed) by the caller;
+    `metrics` are shared with the admin listener that serves them."""
     app = web.Application(
         handler_args={
             "max_line_size": settings.server.max_line_size,
             "max_field_size": settings.server.max_field_size,
         },
     )
-    app.cleanup_ctx.append(_lifecycle(settings, store))
+    app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics()))
     app.router.add_route("*", "/{tail:.*}", handle)
     return app
 
 
 def _lifecycle(
-    settings: Settings, injected: Store | None
+    settings: Settings, injected: Store | None, metrics: Metrics
 ) -> Callable[[web.Application], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -51,8 +57,14 @@ def _lifecycle(
         failpoints = Failpoints.from_env()
         upstream = _upstream_client(settings, failpoints)
         await upstream.open()
-        ctx = ProxyContext.build(settings, store, upstream, failpoints)
+        ctx = ProxyContext.build(settings, store, upstream, failpoints, metrics)
         app[CONTEXT] = ctx
+        watch_store(metrics, store)
+        gauges = asyncio.create_task(refresh_gauges(metrics, store, settings.sweeper.interval))
+        # SPEC §3.4: fallbacks are eligible only once they passed their contract check.
+        gates = [route.gate for route in ctx.routes.routes if route.gate is not None]
+        await asyncio.gather(*(gate.check(upstream) for gate in gates))
+        checker = asyncio.create_task(keep_checking(gates, upstream))
         sweeper = asyncio.create_task(
             sweep_forever(
                 store,
@@ -64,7 +76,10 @@ def _lifecycle(
         try:
             yield
         finally:
-            await _drain(ctx, settings.server.shutdown_timeout)
+            # A no-op after `idemproxy serve` drained; tests and the demo stop here.
+            await drain(ctx, asyncio.get_running_loop().time() + settings.server.shutdown_timeout)
+            checker.cancel()
+            gauges.cancel()
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
@@ -83,20 +98,3 @@ def _upstream_client(settings: Settings, failpoints: Failpoints) -> UpstreamClie
         keepalive=settings.pool.upstream_keepalive,
         trace_configs=failpoints.trace_configs(),
     )
-
-
-async def _drain(ctx: ProxyContext, timeout: float) -> None:
-    """Let attempts in flight finish and store their outcome before the store closes.
-
-    Attempts still running after `timeout` are cancelled: each marks its job `unknown` on the
-    way out (the upstream may have executed it), never `released`.
-    """
-    if not ctx.attempts:
-        return
-    log.info("waiting up to %.0fs for %d attempts in flight", timeout, len(ctx.attempts))
-    _done, pending = await asyncio.wait(set(ctx.attempts), timeout=timeout)
-    if pending:
-        log.warning("cutting off %d attempts still in flight at shutdown", len(pending))
-        for task in pending:
-            task.cancel()
-        await asyncio.wait(pending, timeout=5.0)

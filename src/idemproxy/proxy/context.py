@@ -33,6 +33,9 @@ class ProxyContext:
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
+    # Requests being handled right now, for the graceful drain (proxy/drain.py).
+    requests_in_flight: int = 0
+    drained: bool = False
 
     @classmethod
     def build(

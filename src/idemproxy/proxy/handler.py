@@ -20,7 +20,11 @@ from idemproxy.types import Intent
 async def handle(request: web.Request) -> web.StreamResponse:
     ctx = request.app[CONTEXT]
     trace = Trace()
-    response = await _route(ctx, request, trace)
+    ctx.requests_in_flight += 1
+    try:
+        response = await _route(ctx, request, trace)
+    finally:
+        ctx.requests_in_flight -= 1
     record(ctx.metrics, trace, response.status, log_requests=ctx.settings.log_requests)
     return response
 

@@ -1,0 +1,41 @@
+"""Graceful shutdown of the proxy: one deadline for everything in flight (SPEC §3.2).
+
+Requests in flight, and the attempts they run, get until the deadline to finish and store
+their outcome. Attempts still running then are cancelled: each marks its job `unknown` on the
+way out (the upstream may have executed it), never `released`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from idemproxy.proxy.context import ProxyContext
+
+log = logging.getLogger(__name__)
+_POLL_SECONDS = 0.02
+# Cancelled attempts get this long to write `unknown` before the store closes.
+_SETTLE_SECONDS = 5.0
+
+
+async def drain(ctx: ProxyContext, deadline: float) -> None:
+    if ctx.drained:
+        return
+    loop = asyncio.get_running_loop()
+    if ctx.requests_in_flight or ctx.attempts:
+        log.info(
+            "draining %d requests and %d attempts for up to %.1fs",
+            ctx.requests_in_flight,
+            len(ctx.attempts),
+            max(deadline - loop.time(), 0.0),
+        )
+    # Polled: it runs once, at shutdown; an event would cost every request on the hot path.
+    while (ctx.requests_in_flight or ctx.attempts) and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(_POLL_SECONDS)
+    pending = set(ctx.attempts)
+    if pending:
+        log.warning("cutting off %d attempts still in flight at shutdown", len(pending))
+        for task in pending:
+            task.cancel()
+        await asyncio.wait(pending, timeout=_SETTLE_SECONDS)
+    ctx.drained = True

@@ -1,0 +1,170 @@
+"""Metrics at /metrics on the admin listener move for every request outcome (SPEC §13)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
+
+from backend import Ledger, backend_app
+from idemproxy.admin.app import Readiness, create_admin_app
+from idemproxy.config import load_settings
+from idemproxy.metrics import Metrics
+from idemproxy.proxy.app import create_app
+from idemproxy.proxy.context import CONTEXT
+from idemproxy.store.factory import create_store
+
+Clients = tuple[TestClient[object, object], TestClient[object, object]]
+
+
+@pytest.fixture
+async def clients(sqlite_dsn: str) -> AsyncIterator[Clients]:
+    """The proxy and its admin listener sharing one Metrics, as `idemproxy serve` runs them."""
+    async with TestServer(backend_app(Ledger())) as backend:
+        settings = load_settings(
+            upstream=str(backend.make_url("")).rstrip("/"),
+            store=sqlite_dsn,
+            max_wait=0.2,
+            require_key=False,
+            max_request_body=100,
+            upstream_timeout=0.5,
+        )
+        metrics = Metrics()
+        store = create_store(sqlite_dsn)
+        await store.open()
+        await store.migrate()
+        proxy = TestClient(TestServer(create_app(settings, store=store, metrics=metrics)))
+        admin = TestClient(
+            TestServer(create_admin_app(settings, store, Readiness(), metrics=metrics))
+        )
+        async with proxy, admin:
+            yield proxy, admin
+        await store.close()
+
+
+async def scrape(
+    admin: TestClient[object, object],
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = await admin.get("/metrics")
+    assert response.status == 200
+    assert response.headers["Content-Type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(await response.text()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def requests(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], outcome: str) -> float:
+    return samples[("idemproxy_requests_total", (("outcome", outcome),))]
+
+
+async def test_every_request_outcome_is_counted(clients: Clients) -> None:
+    proxy, admin = clients
+    key = {"Idempotency-Key": "k1"}
+    assert (await proxy.post("/pay", data=b"a", headers=key)).status == 201  # new
+    assert (await proxy.post("/pay", data=b"a", headers=key)).status == 201  # replayed
+    assert (await proxy.post("/pay", data=b"b", headers=key)).status == 409  # mismatch
+    assert (await proxy.get("/pay")).status == 201  # passthrough
+    assert (await proxy.post("/pay", data=b"a", headers={"Idempotency-Key": ""})).status == 400
+    assert (
+        await proxy.post("/pay?status=504", data=b"a", headers={"Idempotency-Key": "u"})
+    ).status == 504
+    assert (
+        await proxy.post("/pay?status=504", data=b"a", headers={"Idempotency-Key": "u"})
+    ).status == 409
+    samples = await scrape(admin)
+    for outcome, count in [
+        ("new", 2),
+        ("replayed", 1),
+        ("mismatch", 1),
+        ("passthrough", 1),
+        ("rejected", 1),
+        ("unknown", 1),
+        ("held", 0),
+    ]:
+        assert requests(samples, outcome) == count, outcome
+    assert samples[("idemproxy_attempts_total", (("outcome", "succeeded"),))] == 1
+    assert samples[("idemproxy_attempts_total", (("outcome", "unknown"),))] == 1
+    assert samples[("idemproxy_upstream_seconds_count", (("outcome", "answered"),))] == 2
+    assert samples[("idemproxy_store_seconds_count", (("operation", "claim"),))] >= 5
+
+
+async def test_held_and_in_flight_conflicts_are_counted(clients: Clients) -> None:
+    proxy, admin = clients
+    key = {"Idempotency-Key": "slow"}
+    first = asyncio.create_task(proxy.post("/pay?delay=0.4", data=b"a", headers=key))
+    await asyncio.sleep(0.1)
+    conflict = await proxy.post("/pay?delay=0.4", data=b"a", headers=key)  # max_wait 0.2 s
+    assert conflict.status == 409
+    assert (await first).status == 201
+    samples = await scrape(admin)
+    assert requests(samples, "in_flight_conflict") == 1
+    assert requests(samples, "held") == 0  # it was held, but answered with a conflict
+    assert samples[("idemproxy_waiters", ())] == 0
+
+
+async def test_waiters_gauge_counts_held_duplicates(clients: Clients) -> None:
+    proxy, admin = clients
+    key = {"Idempotency-Key": "gauge"}
+    first = asyncio.create_task(proxy.post("/pay?delay=0.15", data=b"a", headers=key))
+    await asyncio.sleep(0.05)
+    held = asyncio.create_task(proxy.post("/pay?delay=0.15", data=b"a", headers=key))
+    await asyncio.sleep(0.05)
+    assert (await scrape(admin))[("idemproxy_waiters", ())] == 1
+    assert (await first).status == 201 and (await held).status == 201
+    samples = await scrape(admin)
+    assert requests(samples, "held") == 1
+    assert samples[("idemproxy_waiters", ())] == 0
+
+
+async def test_store_errors_are_counted(clients: Clients, sqlite_dsn: str) -> None:
+    proxy, admin = clients
+    store = proxy.server.app[CONTEXT].store
+    await store.close()  # the store goes away under the proxy
+    response = await proxy.post("/pay", data=b"a", headers={"Idempotency-Key": "down"})
+    assert response.status == 503
+    samples = await scrape(admin)
+    assert requests(samples, "unavailable") == 1
+    assert samples[("idemproxy_store_errors_total", (("operation", "claim"),))] == 1
+    await store.open()  # for the fixture's teardown
+
+
+def _answering_after(delay: float, name: str) -> web.Application:
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.sleep(delay)
+        return web.json_response({"from": name})
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", answer)
+    return app
+
+
+async def test_late_results_are_counted(sqlite_dsn: str) -> None:
+    """A hedged race: the slow primary's result loses the completion CAS (SPEC §3.4)."""
+    metrics = Metrics()
+    async with (
+        TestServer(_answering_after(0.4, "primary")) as primary,
+        TestServer(_answering_after(0.0, "fallback")) as fallback,
+    ):
+        settings = load_settings(
+            upstream=str(primary.make_url("")).rstrip("/"),
+            fallbacks=[str(fallback.make_url("")).rstrip("/")],
+            hedge_after=0.05,
+            store=sqlite_dsn,
+        )
+        async with TestClient(TestServer(create_app(settings, metrics=metrics))) as proxy:
+            response = await proxy.post("/x", data=b"a", headers={"Idempotency-Key": "race"})
+            assert (await response.json()) == {"from": "fallback"}
+            for _ in range(50):  # the loser finishes in the background
+                if metrics.late_results._value.get() == 1:
+                    break
+                await asyncio.sleep(0.02)
+    assert metrics.late_results._value.get() == 1
+    assert metrics.attempts.labels("discarded")._value.get() == 1
+    assert metrics.attempts.labels("succeeded")._value.get() == 1
