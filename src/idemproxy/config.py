@@ -241,14 +241,15 @@ class Settings(BaseSettings):
     listen: str = c.DEFAULT_LISTEN
     upstream: str | None = None
     # Fallbacks and hedging for the `upstream` route (flags --fallback, --hedge-after).
-    fallbacks: list[str] = Field(default_factory=list)
+    fallbacks: Annotated[list[str], NoDecode] = Field(default_factory=list)
     hedge_after: float | None = Field(default=None, gt=0)
     routes: list[RouteSettings] = Field(default_factory=list)
     store: str = c.DEFAULT_STORE
     migrate: bool = True
     profile: Literal["default", "ietf"] = "default"
     key_header: str = c.DEFAULT_KEY_HEADER
-    methods: list[str] = Field(default_factory=lambda: list(c.DEFAULT_METHODS))
+    # NoDecode: IDEMPROXY_METHODS=POST,PUT is a comma list, not JSON (also for the lists below).
+    methods: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(c.DEFAULT_METHODS))
     require_key: bool = False
     owner: OwnerSettings = Field(default_factory=OwnerSettings)
     ttl: float = Field(default=c.DEFAULT_TTL_SECONDS, gt=0)
@@ -263,8 +264,8 @@ class Settings(BaseSettings):
     max_stored_body: int = Field(default=c.DEFAULT_MAX_STORED_BODY, ge=0)
     max_waiters_per_key: int = Field(default=c.DEFAULT_MAX_WAITERS_PER_KEY, gt=0)
     max_waiters: int = Field(default=c.DEFAULT_MAX_WAITERS, gt=0)
-    fingerprint_exclude: list[str] = Field(default_factory=list)
-    unreplayed_headers: list[str] = Field(
+    fingerprint_exclude: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    unreplayed_headers: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(c.DEFAULT_UNREPLAYED_HEADERS)
     )
     outcomes: OutcomeSettings = Field(default_factory=OutcomeSettings)
@@ -300,6 +301,13 @@ class Settings(BaseSettings):
     @classmethod
     def _upstream_url(cls, url: str | None) -> str | None:
         return None if url is None else check_upstream_url(url)
+
+    @field_validator("fallbacks", "fingerprint_exclude", "unreplayed_headers", mode="before")
+    @classmethod
+    def _comma_lists(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("methods", mode="before")
     @classmethod

@@ -140,3 +140,13 @@ def test_admin_token_is_required_off_loopback() -> None:
     assert settings.admin.token is not None
     assert "tok-3141" not in repr(settings)  # a secret never shows in logs or errors
     assert load_settings(upstream="http://x:1", admin={"listen": "[::1]:9090"}).admin.token is None
+
+
+def test_lists_from_the_environment_are_comma_separated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IDEMPROXY_METHODS", "POST,PUT")
+    monkeypatch.setenv("IDEMPROXY_FALLBACKS", "http://b:1, http://c:1")
+    monkeypatch.setenv("IDEMPROXY_FINGERPRINT_EXCLUDE", "/nonce,/ts")
+    settings = load_settings(upstream="http://a:1")
+    assert settings.methods == ["POST", "PUT"]
+    assert settings.fallbacks == ["http://b:1", "http://c:1"]
+    assert settings.fingerprint_exclude == ["/nonce", "/ts"]
