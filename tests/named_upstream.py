@@ -68,7 +68,7 @@ class NamedUpstream:
         return sum(1 for e in self.received if e.header("Idempotency-Key") is None)
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # aiohttp's default: 1 MiB
         app.router.add_route("*", "/{tail:.*}", self._handle)
         return app
 

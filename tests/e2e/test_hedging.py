@@ -207,3 +207,16 @@ async def test_serve_checks_the_fallbacks_at_start_up_and_skips_a_violating_one(
     assert json.loads(answer.body)["upstream"] == "good"
     assert wrong.count("gate-e2e") == 0
     assert f"fallback {wrong.url} is not eligible" in proxy.stderr() + proxy.stdout()
+
+
+async def test_contract_check_with_an_invalid_schema_names_the_field(
+    tmp_path: Path, start_upstream: StartUpstream, run_cli: RunCli
+) -> None:
+    primary = await start_upstream("primary")
+    config = contract_config(tmp_path, primary.url, [])
+    (tmp_path / "chat.schema.json").write_text('{"type": 12}')
+    done = await cli(run_cli, "contract", "check", "--config", str(config))
+    assert done.returncode == 2, done
+    assert "invalid configuration: contract.schema_file" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert primary.samples == 0

@@ -7,6 +7,8 @@ tests run on SQLite and PostgreSQL (`proxy` and `jobs` follow `store_dsn`).
 
 from __future__ import annotations
 
+import importlib
+import io
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -484,6 +486,45 @@ async def test_a_large_response_under_hedging_reaches_the_client(
     assert fallback.count() == 0
     job = await only_job(jobs)
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 1)
+
+
+# Until request bodies are spooled to disk (RequestBody, server.spool_threshold), a 2 MiB body
+# goes upstream as one bytes object, which aiohttp warns about (an error under pytest).
+_SPOOLED = hasattr(importlib.import_module("idemproxy.proxy.body"), "RequestBody")
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        300 * 1024,
+        pytest.param(
+            2 * 1024 * 1024 + 768,
+            marks=pytest.mark.skipif(not _SPOOLED, reason="request bodies are not spooled yet"),
+        ),
+    ],
+    ids=["300K", "2M"],
+)
+@pytest.mark.parametrize("hedged", [False, True], ids=["fail-over", "hedged"])
+async def test_every_attempt_of_a_group_sends_the_same_request_body(
+    proxy: ProxyFactory, start_upstream: StartUpstream, jobs: Store, hedged: bool, size: int
+) -> None:
+    # 2M: above server.spool_threshold (1 MiB), the body is kept on disk, not in memory; every
+    # attempt, racing ones at the same time, re-sends all of it.
+    body = (bytes(range(256)) * (size // 256 + 1))[:size]
+    primary = await start_upstream("primary", status=503, delay=0.3 if hedged else 0.0)
+    fallback = await start_upstream("fallback", delay=0.05)
+    hedging: dict[str, Any] = {"hedge_after": 0.1} if hedged else {}
+    client = await proxy(upstream=primary.url, fallbacks=[fallback.url], **hedging)
+
+    headers = {KEY: "big-body", "Content-Type": "application/octet-stream"}
+    async with client.post("/v1/upload", data=io.BytesIO(body), headers=headers) as response:
+        assert response.status == 200
+        assert json.loads(await response.read())["upstream"] == "fallback"
+    await eventually(lambda: len(primary.finished) == 1)
+    assert [len(e.body) for e in primary.received + fallback.received] == [len(body)] * 2
+    assert primary.received[0].body == fallback.received[0].body == body
+    job = await attempts_settle(jobs, (await only_job(jobs)).id)
+    assert (job.state, job.completed_by) == (JobState.COMPLETED, 2)
 
 
 # --- contract-gated fallbacks --------------------------------------------------------------

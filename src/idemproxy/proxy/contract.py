@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jsonschema import validators
+from jsonschema.exceptions import SchemaError
 from yarl import URL
 
 from idemproxy.config import ContractSettings
@@ -36,9 +37,16 @@ class Sample:
 class Contract:
     def __init__(self, settings: ContractSettings) -> None:
         self.settings = settings
-        schema = json.loads(settings.schema_file.read_text())
-        validator_class = validators.validator_for(schema)
-        validator_class.check_schema(schema)
+        # FIX (SPEC §12: invalid configuration fails at start-up with a message naming the
+        # field): a schema file that is not JSON, or not a valid JSON Schema, ended `serve` and
+        # `contract check` with a traceback.
+        try:
+            schema = json.loads(settings.schema_file.read_text())
+            validator_class = validators.validator_for(schema)
+            validator_class.check_schema(schema)
+        except (ValueError, TypeError, SchemaError) as exc:
+            reason = exc.message if isinstance(exc, SchemaError) else str(exc)
+            raise ConfigError(f"contract.schema_file {settings.schema_file}: {reason}") from exc
         self._validator = validator_class(schema)
         self.samples = load_samples(settings.samples_file)
 
