@@ -190,6 +190,9 @@ class ServerSettings(BaseModel):
     model_config = _STRICT
     keepalive_timeout: float = Field(default=15.0, gt=0)
     body_read_timeout: float = Field(default=30.0, gt=0)
+    # Governed request bodies larger than this many bytes wait on disk, not in memory; they are
+    # fingerprinted as raw bytes (JSON canonicalisation applies up to this size).
+    spool_threshold: int = Field(default=1024 * 1024, ge=0)
     max_line_size: int = Field(default=8190, gt=0)
     max_field_size: int = Field(default=8190, gt=0)
     shutdown_timeout: float = Field(default=30.0, ge=0)

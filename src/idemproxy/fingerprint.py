@@ -27,13 +27,29 @@ def fingerprint(
     JSON pointers removed, so that semantically equal JSON matches. Every field is length-prefixed
     so that no two different requests can produce the same hashed byte stream.
     """
-    media_type = media_type_of(content_type)
-    if is_json(media_type):
+    digest = body_digest(content_type, body, exclude_pointers)
+    return fingerprint_of_digest(method, path, query, content_type, digest)
+
+
+def body_digest(
+    content_type: str | None, body: bytes, exclude_pointers: Sequence[str] = ()
+) -> bytes:
+    if is_json(media_type_of(content_type)):
         body = canonical_json(body, exclude_pointers)
+    return hashlib.sha256(body).digest()
+
+
+def fingerprint_of_digest(
+    method: str, path: str, query: str, content_type: str | None, body_sha256: bytes
+) -> str:
+    """The fingerprint from the SHA-256 of the (canonical) body. A body spooled to disk
+    (proxy/body.py) is hashed as raw bytes while it arrives: it is not canonicalised."""
+    media_type = media_type_of(content_type)
     digest = hashlib.sha256()
-    for part in (method.upper().encode(), path.encode(), query.encode(), media_type.encode(), body):
+    for part in (method.upper().encode(), path.encode(), query.encode(), media_type.encode()):
         digest.update(len(part).to_bytes(8, "big"))
         digest.update(part)
+    digest.update(body_sha256)
     return digest.hexdigest()
 
 

@@ -428,11 +428,6 @@ async def test_an_unknown_status_under_hedging_never_fails_over(
     assert fallback.count() == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: under hedging a failed racer's body is never read, so the client gets "
-    "a 502 upstream-unavailable problem instead of the upstream's own 503/504 (SPEC §3.2)",
-)
 @pytest.mark.parametrize("status", [503, 504])
 async def test_the_last_racers_own_response_reaches_the_client(
     proxy: ProxyFactory, start_upstream: StartUpstream, status: int
@@ -467,12 +462,6 @@ async def test_hedging_brings_in_one_more_upstream_per_hedge_after(
     assert job.completed_by == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: under hedging a response larger than max_stored_body is a failed "
-    "attempt ('response too large to race'): it is thrown away and, as a release, fails over "
-    "to the next upstream, which executes too (SPEC §7: it should stream to the client)",
-)
 async def test_a_large_response_under_hedging_reaches_the_client(
     proxy: ProxyFactory, start_upstream: StartUpstream, jobs: Store
 ) -> None:
@@ -709,11 +698,6 @@ async def test_a_racer_violating_the_contract_loses_to_a_compliant_one(
     assert (job.attempts[1].error or "").startswith("contract: ")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: a sample answered with a non-2xx status is not checked, so a fallback "
-    "that answers 404/500 to every sample passes its contract check without proving anything",
-)
 async def test_a_fallback_answering_the_samples_with_errors_is_not_eligible(
     proxy: ProxyFactory, start_upstream: StartUpstream, tmp_path: Path
 ) -> None:

@@ -20,7 +20,8 @@ from multidict import CIMultiDict
 
 from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER
 from idemproxy.decision import Outcome, classify_failure, classify_response
-from idemproxy.errors import ProblemError, UpstreamUnavailable
+from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
+from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure
 from idemproxy.proxy.headers import headers_to_store, response_headers_for_client
@@ -32,6 +33,12 @@ from idemproxy.proxy.sink import ClientSink
 from idemproxy.types import Job, JobState, StoredResponse
 
 log = logging.getLogger(__name__)
+# After forwarding, "the request was not forwarded" (StoreUnavailable's default) would be a lie:
+# the job stays in flight, and becomes unknown when its lease runs out (SPEC §3.5).
+_FORWARDED_NOT_STORED = (
+    "The request was forwarded, but its outcome could not be stored; retry later with the same "
+    "Idempotency-Key to learn it."
+)
 SETTLED_STATE = {Outcome.RELEASE: JobState.RELEASED, Outcome.UNKNOWN: JobState.UNKNOWN}
 
 
@@ -49,6 +56,8 @@ class Failed:
     status: int | None
     error: str | None
     problem: type[ProblemError] = UpstreamUnavailable
+    # In a race, the upstream's own answer, for the client if no other attempt does better.
+    reply: web.Response | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +72,7 @@ Step = web.StreamResponse | Failed | None
 
 
 async def run_attempt(
-    ctx: ProxyContext, request: web.Request, route: Route, attempt: Attempt, body: bytes
+    ctx: ProxyContext, request: web.Request, route: Route, attempt: Attempt, body: RequestBody
 ) -> Step:
     job = attempt.job
     headers = forwarded_headers(request)
@@ -74,7 +83,9 @@ async def run_attempt(
     try:
         async with (
             lease_kept(ctx.store, job, lease=ctx.settings.lease),
-            ctx.upstream.request(request.method, url, headers, body) as upstream,
+            ctx.upstream.request(
+                request.method, url, headers, body.payload(), content_length=body.size
+            ) as upstream,
         ):
             step = await _on_response(ctx, request, route, attempt, upstream)
             _observe_upstream(ctx, started, "failed" if isinstance(step, Failed) else "answered")
@@ -99,7 +110,11 @@ async def _on_response(
 ) -> Step:
     outcome = classify_response(upstream.status, ctx.statuses)
     if _handed_back(outcome, attempt.mode):
-        # Another upstream or attempt may still answer: this one's body is not needed.
+        if attempt.mode is Mode.HEDGED:  # it may be the last answer the race gets
+            return Failed(
+                outcome, upstream.status, None, reply=await _reply(ctx, upstream, attempt)
+            )
+        # The next upstream answers instead: this one's body is not needed.
         return Failed(outcome, upstream.status, None)
     content, whole = await UpstreamClient.read_body(upstream, ctx.settings.max_stored_body)
     if outcome is Outcome.COMPLETE and route.gate is not None:
@@ -109,9 +124,24 @@ async def _on_response(
             return await _fail(ctx, attempt, Failed(Outcome.RELEASE, upstream.status, error))
     if whole:
         return await _finish_buffered(ctx, route, attempt, upstream, outcome, content)
-    if attempt.mode is Mode.HEDGED:
-        return Failed(Outcome.RELEASE, upstream.status, "response too large to race")
     return await _finish_streamed(ctx, request, route, attempt, upstream, outcome, content)
+
+
+async def _reply(
+    ctx: ProxyContext, upstream: aiohttp.ClientResponse, attempt: Attempt
+) -> web.Response | None:
+    try:
+        content, whole = await UpstreamClient.read_body(upstream, ctx.settings.max_stored_body)
+    except UpstreamFailure:
+        return None
+    if not whole:
+        return None
+    return web.Response(
+        status=upstream.status,
+        reason=upstream.reason,
+        body=content,
+        headers=_client_headers(upstream, attempt.job),
+    )
 
 
 async def _finish_buffered(
@@ -149,8 +179,18 @@ async def _finish_streamed(
     upstream: aiohttp.ClientResponse,
     outcome: Outcome,
     head: bytes,
-) -> web.StreamResponse:
-    """SPEC §7: a body over max_stored_body streams through in full and is not kept."""
+) -> Step:
+    """SPEC §7: a body over max_stored_body streams through in full and is not kept.
+
+    In a race (hedging) the attempt must win before a byte reaches the client, so it completes
+    first, as "omitted"; a body cut off after that leaves the job completed, not unknown.
+    """
+    omitted = StoredResponse(
+        upstream.status, headers_to_store(upstream.headers, ctx.settings.unreplayed_headers), None
+    )
+    racing = attempt.mode is Mode.HEDGED and outcome is Outcome.COMPLETE
+    if racing and not await completed(ctx, attempt, omitted, route.ttl):
+        return None
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
     response.headers.extend(_client_headers(upstream, attempt.job))
     if upstream.content_length is not None:
@@ -161,13 +201,13 @@ async def _finish_streamed(
         async for chunk in UpstreamClient.iter_body(upstream):
             await client.write(chunk)
     except UpstreamFailure as failure:
-        await settle(ctx, attempt, Failed(Outcome.UNKNOWN, upstream.status, failure.reason))
+        if not racing:
+            await settle(ctx, attempt, Failed(Outcome.UNKNOWN, upstream.status, failure.reason))
         client.abort()
         return response
     if outcome is Outcome.COMPLETE:
-        headers = headers_to_store(upstream.headers, ctx.settings.unreplayed_headers)
-        omitted = StoredResponse(upstream.status, headers, None)
-        await completed(ctx, attempt, omitted, route.ttl)
+        if not racing:
+            await completed(ctx, attempt, omitted, route.ttl)
     else:
         await settle(ctx, attempt, Failed(outcome, upstream.status, None))
     await client.finish()
@@ -195,7 +235,10 @@ async def completed(
     ctx: ProxyContext, attempt: Attempt, stored: StoredResponse, ttl: float
 ) -> bool:
     """The completion CAS (SPEC §1); a losing result is discarded, counted and logged."""
-    won = await ctx.store.complete(attempt.job, attempt.number, stored, ttl=ttl)
+    try:
+        won = await ctx.store.complete(attempt.job, attempt.number, stored, ttl=ttl)
+    except StoreUnavailable as exc:
+        raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
     ctx.metrics.attempts.labels("succeeded" if won else "discarded").inc()
     if not won:
         ctx.metrics.late_results.inc()
@@ -214,9 +257,12 @@ def _observe_upstream(ctx: ProxyContext, started: float, outcome: str) -> None:
 async def settle(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> None:
     count_failed(ctx, failed)
     state = SETTLED_STATE[failed.outcome]
-    won = await ctx.store.settle(
-        attempt.job, attempt.number, state, status=failed.status, error=failed.error
-    )
+    try:
+        won = await ctx.store.settle(
+            attempt.job, attempt.number, state, status=failed.status, error=failed.error
+        )
+    except StoreUnavailable as exc:
+        raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
     if not won:
         log.info("job %s attempt %d: settle lost the CAS", attempt.job.id, attempt.number)
 

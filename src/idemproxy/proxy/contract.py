@@ -94,6 +94,10 @@ async def check_upstream(client: UpstreamClient, base: str, contract: Contract) 
         except (UpstreamFailure, TimeoutError) as exc:
             problems.append(f"sample {number}: no answer ({exc})")
             continue
+        if not 200 <= status < 300:
+            # An error answer proves nothing about the contract: the upstream must show it.
+            problems.append(f"sample {number}: answered {status}, not a 2xx response")
+            continue
         problems += [f"sample {number}: {v}" for v in contract.violations(status, body)]
     return problems
 

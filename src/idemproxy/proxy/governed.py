@@ -21,6 +21,7 @@ from idemproxy.decision import (
     decide,
 )
 from idemproxy.errors import RequestInFlight, StoreUnavailable, TooManyWaiters
+from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobrun import run_job
 from idemproxy.proxy.passthrough import passthrough
@@ -38,7 +39,7 @@ async def handle_governed(
     request: web.Request,
     route: Route,
     intent: Intent,
-    body: bytes,
+    body: RequestBody,
     trace: Trace,
 ) -> web.StreamResponse:
     try:
@@ -83,7 +84,7 @@ async def handle_governed(
 
 
 async def run_shielded(
-    ctx: ProxyContext, request: web.Request, route: Route, claimed: Claimed, body: bytes
+    ctx: ProxyContext, request: web.Request, route: Route, claimed: Claimed, body: RequestBody
 ) -> web.StreamResponse | None:
     """SPEC §2: the client disconnecting must not cancel the upstream call or the completion."""
     task = asyncio.create_task(run_job(ctx, request, route, claimed, body))

@@ -5,10 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from idemproxy.errors import KeyMissing, NoRoute, ProblemError
-from idemproxy.fingerprint import fingerprint
+from idemproxy.fingerprint import fingerprint, fingerprint_of_digest
 from idemproxy.key import parse_key
 from idemproxy.owner import derive_owner
-from idemproxy.proxy.body import read_body
+from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.governed import handle_governed
 from idemproxy.proxy.passthrough import passthrough
@@ -49,21 +49,32 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         return problem_response(error, profile=ctx.settings.profile)
 
 
-async def _identify(ctx: ProxyContext, request: web.Request, key: str) -> tuple[Intent, bytes]:
+async def _identify(
+    ctx: ProxyContext, request: web.Request, key: str
+) -> tuple[Intent, RequestBody]:
     """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call."""
     owner = derive_owner(ctx.owner, request.headers)
     body = await read_body(
-        request, limit=ctx.settings.max_request_body, timeout=ctx.settings.server.body_read_timeout
+        request,
+        limit=ctx.settings.max_request_body,
+        timeout=ctx.settings.server.body_read_timeout,
+        spool_threshold=ctx.settings.server.spool_threshold,
     )
     url = request.rel_url
-    digest = fingerprint(
-        request.method,
-        url.raw_path,
-        url.raw_query_string,
-        request.headers.get("Content-Type"),
-        body,
-        ctx.settings.fingerprint_exclude,
-    )
+    content_type = request.headers.get("Content-Type")
+    if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/body.py)
+        digest = fingerprint_of_digest(
+            request.method, url.raw_path, url.raw_query_string, content_type, body.raw_sha256
+        )
+    else:
+        digest = fingerprint(
+            request.method,
+            url.raw_path,
+            url.raw_query_string,
+            content_type,
+            body.memory,
+            ctx.settings.fingerprint_exclude,
+        )
     intent = Intent(
         owner=owner, key=key, fingerprint=digest, method=request.method, path=url.raw_path
     )

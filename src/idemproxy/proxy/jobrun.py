@@ -23,6 +23,7 @@ from idemproxy.proxy.attempt import (
     count_failed,
     run_attempt,
 )
+from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
@@ -33,7 +34,7 @@ Racing = dict["asyncio.Task[Step]", Attempt]
 
 
 async def run_job(
-    ctx: ProxyContext, request: web.Request, route: Route, claimed: Claimed, body: bytes
+    ctx: ProxyContext, request: web.Request, route: Route, claimed: Claimed, body: RequestBody
 ) -> web.StreamResponse | None:
     """The client's response, or None when another attempt won: the caller re-reads the job."""
     upstreams = route.upstreams
@@ -47,7 +48,7 @@ async def _run_in_order(
     request: web.Request,
     route: Route,
     claimed: Claimed,
-    body: bytes,
+    body: RequestBody,
     upstreams: tuple[str, ...],
 ) -> web.StreamResponse | None:
     job, number = claimed.job, claimed.attempt
@@ -83,7 +84,7 @@ async def _run_hedged(
     request: web.Request,
     route: Route,
     claimed: Claimed,
-    body: bytes,
+    body: RequestBody,
     upstreams: tuple[str, ...],
 ) -> web.StreamResponse | None:
     assert route.hedge_after is not None
@@ -127,7 +128,7 @@ def _race(
     ctx: ProxyContext,
     request: web.Request,
     route: Route,
-    body: bytes,
+    body: RequestBody,
     racing: Racing,
     attempt: Attempt,
 ) -> None:
@@ -138,7 +139,7 @@ def _race(
 
 
 async def _racer(
-    ctx: ProxyContext, request: web.Request, route: Route, body: bytes, attempt: Attempt
+    ctx: ProxyContext, request: web.Request, route: Route, body: RequestBody, attempt: Attempt
 ) -> Step:
     """One attempt of the race; a failure is counted and recorded on the attempt, the job is
     left alone.
@@ -173,4 +174,6 @@ async def _all_failed(
         status=failed.status,
         error=failed.error,
     )
+    if failed.reply is not None:  # SPEC §3.2: the upstream's own answer, e.g. its 503
+        return failed.reply
     return problem_response(failed.problem(), profile=ctx.settings.profile)

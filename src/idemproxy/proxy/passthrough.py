@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterable
 
 import aiohttp
 from aiohttp import web
@@ -11,6 +12,7 @@ from yarl import URL
 
 from idemproxy.decision import Failure
 from idemproxy.errors import UpstreamTimeout, UpstreamUnavailable
+from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure
 from idemproxy.proxy.headers import request_headers_for_upstream, response_headers_for_client
@@ -25,7 +27,12 @@ SMALL_BODY = 64 * 1024
 def upstream_url(upstream: str, request: web.Request) -> URL:
     # raw_path keeps the client's exact path and query bytes, no re-quoting. Callers must pass
     # this URL object on as it is: str() of it is re-parsed and re-quoted by aiohttp (%2F -> /).
-    return URL(upstream + request.raw_path, encoded=True)
+    target = request.raw_path
+    if not target.startswith("/"):
+        # RFC 9112 §3.2.2: absolute-form ("POST http://host/p"). Only its path and query go on:
+        # glued to the upstream URL it made an invalid one (500, and a claimed job never sent).
+        target = request.rel_url.raw_path_qs
+    return URL(upstream + target, encoded=True)
 
 
 def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
@@ -35,15 +42,24 @@ def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
 
 
 async def passthrough(
-    ctx: ProxyContext, request: web.Request, route: Route, body: bytes | None = None
+    ctx: ProxyContext, request: web.Request, route: Route, body: RequestBody | None = None
 ) -> web.StreamResponse:
     """Forward untracked. Small bodies of known length go in one write each way; anything
     else streams, so memory stays bounded whatever the size."""
     if body is None and _small(request.content_length):
-        body = await request.read()
-    data = (
-        body if body is not None else (request.content.iter_any() if request.body_exists else None)
-    )
+        body = await read_body(
+            request,
+            limit=SMALL_BODY,
+            timeout=ctx.settings.server.body_read_timeout,
+            spool_threshold=SMALL_BODY,
+        )  # SPEC §9: a drip-fed body gets 408, not a handler held for ever
+    data: bytes | AsyncIterable[bytes] | None
+    length: int | None
+    if body is not None:
+        data, length = body.payload(), body.size
+    else:
+        data = request.content.iter_any() if request.body_exists else None
+        length = request.content_length
     response = web.StreamResponse()
     try:
         async with ctx.upstream.request(
@@ -51,7 +67,7 @@ async def passthrough(
             upstream_url(route.upstream, request),
             forwarded_headers(request),
             data,
-            content_length=request.content_length,
+            content_length=length,
         ) as upstream:
             # A HEAD response declares the length of a body it does not carry: stream it.
             if _small(upstream.content_length) and request.method != "HEAD":
