@@ -25,6 +25,9 @@ async def sweep_forever(
                 await release_stale_unknown(store, older_than=unknown_ttl, batch_size=batch_size)
         except StoreUnavailable:
             log.warning("sweeper: store unavailable; will retry in %.0fs", interval)
+        except Exception:
+            # Housekeeping must outlive any one bad sweep: expiry stops for good otherwise.
+            log.exception("sweeper: unexpected error; will retry in %.0fs", interval)
 
 
 async def sweep_once(store: Store, *, batch_size: int) -> int:
