@@ -39,11 +39,11 @@ async def listen_forever(dsn: str, watch: JobWatch, *, timeout: float) -> None:
             delay = min(delay * 2, 5.0)
             continue
         delay = 0.1
-        await _listen_on(conn, watch)
+        await _listen_on(conn, watch, timeout)
         watch.notify_all()
 
 
-async def _listen_on(conn: asyncpg.Connection, watch: JobWatch) -> None:
+async def _listen_on(conn: asyncpg.Connection, watch: JobWatch, timeout: float) -> None:
     lost = asyncio.Event()
     conn.add_termination_listener(lambda _conn: lost.set())
 
@@ -51,14 +51,16 @@ async def _listen_on(conn: asyncpg.Connection, watch: JobWatch) -> None:
         watch.notify(str(payload))
 
     try:
-        await conn.add_listener(NOTIFY_CHANNEL, on_notify)
+        async with asyncio.timeout(timeout):  # bounded, like the heartbeat below
+            await conn.add_listener(NOTIFY_CHANNEL, on_notify)
         watch.notify_all()  # changes may have been missed before LISTEN took effect
         while not lost.is_set() and not conn.is_closed():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_HEARTBEAT_SECONDS):
                     await lost.wait()
             if not lost.is_set():
-                await conn.execute("SELECT 1")
+                # Bounded: a frozen or unreachable server must count as lost, not hang the feed.
+                await conn.execute("SELECT 1", timeout=timeout)
     except _FEED_ERRORS as exc:
         log.warning("change feed lost: %s", exc)
     finally:

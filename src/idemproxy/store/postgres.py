@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # PoolConnectionProxy is generic only in asyncpg-stubs, not a
     Pooled = PoolConnectionProxy[asyncpg.Record]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 # Several processes may start at once; one advisory lock serialises their migrations.
 _MIGRATION_LOCK = 0x1DE3_9A0C
 _CLAIM_RETRIES = 5
@@ -71,7 +73,13 @@ class PostgresStore(Store):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
         if self._pool is not None:
-            await self._pool.close()
+            # A stalled server (frozen, or a network black hole) never answers the graceful
+            # close, and asyncpg waits for it without limit: bound it, then abort the sockets
+            # (asyncpg terminates the pool when its close is cancelled).
+            try:
+                await asyncio.wait_for(self._pool.close(), timeout=self._command_timeout)
+            except TimeoutError:
+                log.warning("store: the pool did not close in time; connections aborted")
 
     async def migrate(self) -> list[str]:
         applied: list[str] = []
@@ -299,3 +307,12 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
     await conn.set_type_codec("jsonb", encoder=str, decoder=str, schema="pg_catalog")
+    # SPEC §2.2: the claim is durable before a byte goes upstream. With synchronous_commit=off
+    # (a common throughput setting for a database or role) PostgreSQL acknowledges a commit
+    # before its WAL is flushed: a crash loses the claim and a retry executes a second time
+    # (tests/faults/test_db_faults.py). Raised to `on` for this session only when it is off;
+    # kept because the pool runs no session reset (_keep_session).
+    await conn.execute(
+        "SELECT set_config('synchronous_commit', 'on', false)"
+        " WHERE current_setting('synchronous_commit') = 'off'"
+    )
