@@ -152,19 +152,22 @@ async def test_contract_check_names_the_violating_upstream_and_sample(
 ) -> None:
     primary = await start_upstream("primary")
     wrong = await start_upstream("wrong", document=WRONG_SHAPE)
+    erring = await start_upstream("erring", status=404)  # proves nothing about the contract
     good = await start_upstream("good")
-    config = contract_config(tmp_path, primary.url, [wrong.url, good.url])
+    config = contract_config(tmp_path, primary.url, [wrong.url, erring.url, good.url])
 
     done = await cli(run_cli, "contract", "check", "--config", str(config), "--route", "/v1")
     assert done.returncode == 1, done
     lines = done.stdout.splitlines()
     assert f"  FAIL {wrong.url}" in lines, done.stdout
+    assert f"  FAIL {erring.url}" in lines
     assert f"  ok   {primary.url}" in lines
     assert f"  ok   {good.url}" in lines
     # Each violation names its sample and what is wrong with the answer.
     problems = [line.strip() for line in lines if line.strip().startswith("sample ")]
     assert "sample 1: /: 'id' is a required property" in problems, done.stdout
     assert "sample 2: /: 'choices' is a required property" in problems
+    assert "sample 1: answered 404, not a 2xx response" in problems
     assert "Traceback" not in done.stderr
 
 

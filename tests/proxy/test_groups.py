@@ -7,7 +7,6 @@ tests run on SQLite and PostgreSQL (`proxy` and `jobs` follow `store_dsn`).
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import time
@@ -477,22 +476,7 @@ async def test_a_large_response_under_hedging_reaches_the_client(
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 1)
 
 
-# Until request bodies are spooled to disk (RequestBody, server.spool_threshold), a 2 MiB body
-# goes upstream as one bytes object, which aiohttp warns about (an error under pytest).
-_SPOOLED = hasattr(importlib.import_module("idemproxy.proxy.body"), "RequestBody")
-
-
-@pytest.mark.parametrize(
-    "size",
-    [
-        300 * 1024,
-        pytest.param(
-            2 * 1024 * 1024 + 768,
-            marks=pytest.mark.skipif(not _SPOOLED, reason="request bodies are not spooled yet"),
-        ),
-    ],
-    ids=["300K", "2M"],
-)
+@pytest.mark.parametrize("size", [300 * 1024, 2 * 1024 * 1024 + 768], ids=["300K", "2M"])
 @pytest.mark.parametrize("hedged", [False, True], ids=["fail-over", "hedged"])
 async def test_every_attempt_of_a_group_sends_the_same_request_body(
     proxy: ProxyFactory, start_upstream: StartUpstream, jobs: Store, hedged: bool, size: int
