@@ -50,7 +50,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 class Scenario:
     name: str
     title: str
-    target: str  # "backend", "proxy-pg" or "proxy-sqlite"
+    target: str  # "backend", "proxy-pg", "proxy-pg-redis" or "proxy-sqlite"
     script: str  # a Lua file in bench/
     store: str | None = None  # the store whose jobs a new-key run should have written
 
@@ -65,6 +65,19 @@ SCENARIOS = {
             "new-sqlite", "proxy new keys, SQLite", "proxy-sqlite", "unique_key.lua", "sqlite"
         ),
         Scenario("replay-pg", "proxy replays, PostgreSQL", "proxy-pg", "replay_keys.lua"),
+        Scenario(
+            "new-pg-redis",
+            "proxy new keys, PostgreSQL + Redis",
+            "proxy-pg-redis",
+            "unique_key.lua",
+            "pg",
+        ),
+        Scenario(
+            "replay-pg-redis",
+            "proxy replays, PostgreSQL + Redis",
+            "proxy-pg-redis",
+            "replay_keys.lua",
+        ),
     )
 }
 
@@ -76,6 +89,7 @@ class CpuUse:
     proxy: float = 0.0
     backend: float = 0.0
     postgres: float = 0.0  # the server processes serving the benchmark database
+    redis: float = 0.0  # the benchmark's own redis-server (PostgreSQL + Redis runs)
     wrk: float = 0.0
     softirq: float = 0.0  # kernel interrupt work, much of it loopback TCP, charged to no process
     other: float = 0.0  # everything else: other processes on the machine, hypervisor steal
@@ -156,6 +170,31 @@ class Service:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(STOP_TIMEOUT)
+
+
+class RedisService(Service):
+    """A throwaway redis-server of our own (no persistence) for the PostgreSQL + Redis runs."""
+
+    def __init__(self, binary: str, port: int, log_dir: Path) -> None:
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(log_dir)]
+        super().__init__("redis", argv, port, log_dir)
+        self.url = f"redis://127.0.0.1:{port}/0"
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis exited with {self.proc.returncode}: see {self.log}")
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock,
+            ):
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"redis not ready after {READY_TIMEOUT:.0f}s: see {self.log}")
 
 
 @contextlib.contextmanager
@@ -377,7 +416,7 @@ class Bench:
         self.services["backend"] = service
         return service
 
-    def start_proxy(self, target: str, store: str) -> Service:
+    def start_proxy(self, target: str, store: str, *extra: str) -> Service:
         port = free_port()
         argv = [
             sys.executable,
@@ -392,6 +431,7 @@ class Bench:
             store,
             "--admin-listen",
             f"127.0.0.1:{free_port()}",  # the default 127.0.0.1:9090 may be taken
+            *extra,
         ]
         service = Service(target, argv, port, self.run_dir)
         self.services[target] = service
@@ -407,8 +447,24 @@ class Bench:
                 self.measure(SCENARIOS["replay-pg"])
             with running(self.start_proxy("proxy-sqlite", f"sqlite:///{self.sqlite_path}")):
                 self.measure(SCENARIOS["new-sqlite"])
+            self.run_redis()
         order = list(SCENARIOS)
         self.results.sort(key=lambda r: (order.index(r.scenario), r.connections))
+
+    def run_redis(self) -> None:
+        """The same PostgreSQL store with the Redis replay cache in front (`--redis`)."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            print("bench: redis-server not installed; skipping the PostgreSQL + Redis runs")
+            return
+        redis = RedisService(binary, free_port(), self.run_dir)
+        self.services["redis"] = redis
+        store = pg_dsn(self.args.pg_dsn, BENCH_DB)
+        proxy = self.start_proxy("proxy-pg-redis", store, "--redis", redis.url)
+        with running(redis), running(proxy):
+            self.measure(SCENARIOS["new-pg-redis"])
+            self.prewarm_replays(proxy, "replay-redis")
+            self.measure(SCENARIOS["replay-pg-redis"])
 
     def script_args(self, scenario: Scenario, label: str) -> list[str]:
         if scenario.script == "unique_key.lua":
@@ -448,7 +504,7 @@ class Bench:
         self, scenario: Scenario, service: Service, threads: int, connections: int, args: list[str]
     ) -> Result:
         backend = self.services["backend"]
-        uses_pg = scenario.target == "proxy-pg"
+        uses_pg = scenario.target.startswith("proxy-pg")
         pg_pids = pg_backend_pids(self.args.pg_dsn) if uses_pg else set()
         posts0 = settled_posts(backend)  # the warm-up's last attempts land before this
         before = self._ticks(service, pg_pids)
@@ -482,6 +538,7 @@ class Bench:
             "proxy": process_ticks(service.pid),
             "backend": process_ticks(self.services["backend"].pid),
             "postgres": sum(process_ticks(pid) for pid in pg_pids),
+            "redis": process_ticks(self.services["redis"].pid) if "redis" in self.services else 0,
             "wrk": children_ticks(),
         }
 
@@ -497,10 +554,11 @@ class Bench:
             proxy=proxy,
             backend=pct("backend"),
             postgres=pct("postgres"),
+            redis=pct("redis"),
             wrk=pct("wrk"),
             softirq=pct("softirq"),
         )
-        accounted = use.proxy + use.backend + use.postgres + use.wrk + use.softirq
+        accounted = use.proxy + use.backend + use.postgres + use.redis + use.wrk + use.softirq
         use.other = max(0.0, pct("machine") - accounted)
         return use
 
@@ -509,9 +567,9 @@ class Bench:
             return pg_jobs(self.args.pg_dsn, prefix)
         return sqlite_jobs(self.sqlite_path, prefix)
 
-    def prewarm_replays(self, proxy: Service) -> None:
+    def prewarm_replays(self, proxy: Service, name: str = "replay") -> None:
         """Store each replay key once, then check that a repeat is answered as a replay."""
-        self.replay_prefix = f"{self.nonce}-replay"
+        self.replay_prefix = f"{self.nonce}-{name}"
         headers = {"Content-Type": "application/json"}
         for number in range(self.args.replay_keys):
             key = {"Idempotency-Key": f"{self.replay_prefix}-{number}"}
@@ -639,14 +697,15 @@ def results_table(results: list[Result]) -> str:
 
 def cpu_table(results: list[Result]) -> str:
     lines = [
-        "| Scenario | Conns | proxy | backend | PostgreSQL | wrk | kernel irq | other |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| Scenario | Conns | proxy | backend | PostgreSQL | Redis | wrk | kernel irq | other |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         c = r.cpu
         proxy = "-" if r.scenario == "direct" else f"{c.proxy:.0f} %"
         postgres = "-" if r.scenario in ("direct", "new-sqlite") else f"{c.postgres:.0f} %"
-        cells = [r.title, str(r.connections), proxy, f"{c.backend:.0f} %", postgres]
+        redis = f"{c.redis:.0f} %" if r.scenario.endswith("-redis") else "-"
+        cells = [r.title, str(r.connections), proxy, f"{c.backend:.0f} %", postgres, redis]
         cells += [f"{c.wrk:.0f} %", f"{c.softirq:.0f} %", f"{c.other:.0f} %"]
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
@@ -662,7 +721,7 @@ def check(r: Result) -> str | None:
             f"{r.title}, {conns}: {r.requests:,} responses, {r.jobs_stored:,} jobs stored, "
             f"{r.upstream_calls:,} upstream calls: {verdict}."
         )
-    if r.scenario == "replay-pg":
+    if r.scenario.startswith("replay-pg"):
         verdict = "ok" if r.upstream_calls == 0 else "**MISMATCH**: a replay must not execute"
         calls = f"{r.upstream_calls:,} upstream calls"
         return f"{r.title}, {conns}: {r.requests:,} responses, {calls}: {verdict}."
@@ -730,6 +789,9 @@ Scenarios:
   upstream call and the completion write, on PostgreSQL or SQLite.
 - **replays**: requests cycle through {args.replay_keys} keys stored beforehand
   (`bench/replay_keys.lua`); each is answered from PostgreSQL without calling the backend.
+- **PostgreSQL + Redis**: the same two with `--redis` (a local redis-server of the benchmark's
+  own, no persistence): a new key also looks Redis up first and caches its completion in the
+  background; a replay is answered from Redis without any PostgreSQL statement.
 
 ## Where the CPU went
 

@@ -22,6 +22,7 @@ _SERVE_FLAGS = {
     "listen": "listen",
     "upstream": "upstream",
     "store": "store",
+    "redis": "redis",
     "profile": "profile",
     "methods": "methods",
     "owner": "owner.strategy",
@@ -85,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         help="hedge on the next upstream after this long (side-effect-free upstreams only)",
     )
     serve.add_argument("--store", metavar="DSN", help="sqlite:///PATH (default) or postgresql://…")
+    serve.add_argument(
+        "--redis", metavar="URL", help="redis://HOST:PORT: replay cache and wake-ups (optional)"
+    )
     serve.add_argument("--profile", choices=["default", "ietf"])
     serve.add_argument("--methods", metavar="LIST", help="governed methods, default POST,PATCH")
     serve.add_argument("--require-key", action="store_const", const=True, default=None)

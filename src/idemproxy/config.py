@@ -230,6 +230,21 @@ class AdminSettings(BaseModel):
         return self
 
 
+class RedisSettings(BaseModel):
+    """The optional Redis replay cache in front of the store (`redis`, SPEC §11)."""
+
+    model_config = _STRICT
+    # Seconds a cache lookup may take; a slower (or failed) one is a miss, answered by the store.
+    timeout: float = Field(default=0.05, gt=0)
+    # Seconds for a cache write, invalidation or wake-up (in the background, never in a request).
+    write_timeout: float = Field(default=0.5, gt=0)
+    # Longest an entry is kept (never past its job's expiry): Redis holds about this many
+    # seconds of completed responses, plus those replayed since.
+    ttl: float = Field(default=300.0, gt=0)
+    # Largest response body cached; larger ones are replayed from the store.
+    max_body: int = Field(default=1024 * 1024, ge=0)
+
+
 class SweeperSettings(BaseModel):
     model_config = _STRICT
     interval: float = Field(default=60.0, gt=0)
@@ -249,6 +264,10 @@ class Settings(BaseSettings):
     routes: list[RouteSettings] = Field(default_factory=list)
     store: str = c.DEFAULT_STORE
     migrate: bool = True
+    # redis://[:password@]host:port/db (flag --redis): a replay cache and cross-replica wake-ups
+    # in front of the store; optional (pip install 'idemproxy[redis]'), never the source of truth.
+    redis: str | None = None
+    redis_options: RedisSettings = Field(default_factory=RedisSettings)
     profile: Literal["default", "ietf"] = "default"
     key_header: str = c.DEFAULT_KEY_HEADER
     # NoDecode: IDEMPROXY_METHODS=POST,PUT is a comma list, not JSON (also for the lists below).
@@ -327,6 +346,13 @@ class Settings(BaseSettings):
         if not dsn.startswith(("sqlite://", "postgresql://", "postgres://")):
             raise ValueError("must be sqlite:///PATH or postgresql://…")
         return dsn
+
+    @field_validator("redis")
+    @classmethod
+    def _redis_scheme(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be redis://…, rediss://… or unix://…")
+        return url
 
     @field_validator("fingerprint_exclude")
     @classmethod

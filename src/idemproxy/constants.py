@@ -79,3 +79,13 @@ NOTIFY_CHANNEL: Final = "idemproxy_jobs"
 # A held duplicate re-reads the job at least this often even without a wake-up, so that a
 # lost notification (dropped LISTEN connection) delays an answer but never loses it.
 WAITER_RECHECK_SECONDS: Final = 2.0
+
+# Redis, the optional replay cache and wake-up channel (SPEC §11). Entries are named by a hash
+# of (owner, key); tombstones mark deleted jobs so that a late cache write cannot bring one back.
+REDIS_JOB_PREFIX: Final = "idemproxy:job:"
+REDIS_GONE_PREFIX: Final = "idemproxy:gone:"
+REDIS_CHANNEL: Final = "idemproxy:jobs"
+# After a Redis error, lookups skip the cache this long before it is tried again.
+REDIS_RETRY_SECONDS: Final = 1.0
+# Slack for the proxy's clock against the database's, which decides expiry (SPEC §3.5).
+REDIS_CLOCK_MARGIN_SECONDS: Final = 1.0

@@ -22,7 +22,7 @@ from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import drain
 from idemproxy.store.base import Store
-from idemproxy.store.factory import create_store
+from idemproxy.store.factory import create_store, wrap_with_cache
 
 log = logging.getLogger("idemproxy")
 _HANDLER_GRACE_SECONDS = 1.0
@@ -40,6 +40,7 @@ async def run_server(settings: Settings) -> None:
         max_connections=settings.pool.store_connections,
         command_timeout=settings.pool.store_timeout,
     )
+    store = wrap_with_cache(store, settings)  # SPEC §11: Redis, when configured
     await store.open()
     try:
         if settings.migrate:

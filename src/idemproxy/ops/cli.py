@@ -28,7 +28,7 @@ from idemproxy.ops.resolution import (
 from idemproxy.ops.table import job_details, jobs_table
 from idemproxy.ops.view import job_to_json
 from idemproxy.store.base import Store
-from idemproxy.store.factory import create_store, sqlite_path
+from idemproxy.store.factory import create_store, sqlite_path, wrap_with_cache
 from idemproxy.types import JobState
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -51,6 +51,12 @@ def add_jobs_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 def _store_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--store", metavar="DSN", help="default: IDEMPROXY_STORE or --config")
+    parser.add_argument(
+        "--redis",
+        metavar="URL",
+        help="the proxies' Redis, if any (default: IDEMPROXY_REDIS or --config): a delete or"
+        " resolution then also invalidates its replay cache",
+    )
     parser.add_argument(
         "--config",
         type=Path,
@@ -172,7 +178,7 @@ def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
 
 
 async def _with_store(settings: Settings, args: argparse.Namespace, action: Action) -> None:
-    store = create_store(settings.store, max_connections=2)
+    store = wrap_with_cache(create_store(settings.store, max_connections=2), settings)
     await store.open()
     try:
         await action(args, store, settings)
@@ -184,7 +190,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     """--store > IDEMPROXY_STORE > the config file, as for `migrate`."""
     if args.config is not None and not Path(args.config).is_file():
         raise ConfigError(f"config: no such file: {args.config}")
-    settings = load_settings(args.config, store=args.store, upstream=_NO_UPSTREAM)
+    settings = load_settings(args.config, store=args.store, redis=args.redis, upstream=_NO_UPSTREAM)
     if settings.store.startswith("sqlite://"):
         path = sqlite_path(settings.store)
         # Opening a missing file would create an empty database and hide a typo.

@@ -19,7 +19,7 @@ from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.handler import handle
 from idemproxy.proxy.sweeper import sweep_forever
 from idemproxy.store.base import Store
-from idemproxy.store.factory import create_store
+from idemproxy.store.factory import create_store, wrap_with_cache
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,13 @@ def _lifecycle(
 ) -> Callable[[web.Application], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        store = injected or create_store(
-            settings.store,
-            max_connections=settings.pool.store_connections,
-            command_timeout=settings.pool.store_timeout,
+        store = injected or wrap_with_cache(
+            create_store(
+                settings.store,
+                max_connections=settings.pool.store_connections,
+                command_timeout=settings.pool.store_timeout,
+            ),
+            settings,
         )
         if injected is None:
             await store.open()

@@ -1,0 +1,311 @@
+"""A Redis replay cache and cross-replica wake-ups in front of a store (SPEC §11, optional).
+
+`RedisCachedStore(inner, client)` is a `Store` that delegates every decision to `inner` (the
+source of truth; PostgreSQL in production) and adds two things:
+
+* a hot replay cache: `claim` first looks up a cached *completed* job for (owner, key), with a
+  short timeout; a hit is `Existing(job)`, and the decision core replays it or answers
+  payload-mismatch exactly as it would from the store. Completed jobs are immutable, so a hit
+  is as good as a read. Anything else (a miss, an error, a late answer) goes to `inner.claim`.
+  Winning completions, and completed jobs that `claim`/`get` read from the store, are written
+  back in the background for at most `ttl` seconds and never past the job's own expiry.
+* wake-ups across replicas: each state change made through this store is published on a Redis
+  channel that every replica subscribes to (`redis_feed`), waking held duplicates there too. The
+  `watch` is the inner store's own, so the store's feed (PostgreSQL LISTEN) and Redis wake the
+  same waiters.
+
+Deletion: `delete` invalidates the entry and tombstones the job in Redis *before* deleting it in
+the store; the cache write script refuses a tombstoned job, so a write that was already on its
+way cannot resurrect it, and readers reject an entry whose job has expired. Redis failing is a
+cache miss; its errors never leave `redis_client`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+
+from redis.asyncio import Redis
+
+from idemproxy.constants import REDIS_CLOCK_MARGIN_SECONDS
+from idemproxy.store.base import Store
+from idemproxy.store.redis_client import RedisCache, connect
+from idemproxy.store.redis_codec import decode, encode, entry_name, tombstone_name
+from idemproxy.store.redis_feed import listen_forever
+from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState, StoredResponse
+
+log = logging.getLogger("idemproxy.store.redis")
+_MIN_ENTRY_SECONDS = 0.5  # not worth caching for less
+Observer = Callable[[str, float, bool], None]
+
+
+class RedisCachedStore(Store):
+    def __init__(
+        self,
+        inner: Store,
+        client: Redis,
+        *,
+        timeout: float = 0.05,
+        write_timeout: float = 0.5,
+        ttl: float = 300.0,
+        max_body: int = 1 << 20,
+    ) -> None:
+        self.inner = inner
+        observer = inner.observer
+        super().__init__()
+        self.observer = observer  # the inner store's, see the property
+        self.watch = inner.watch  # one set of waiters, woken by the store's feed and by Redis
+        self.cache = RedisCache(client, timeout=timeout, write_timeout=write_timeout)
+        self._ttl = ttl
+        self._max_body = max_body
+        self._feed: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_url(
+        cls,
+        inner: Store,
+        url: str,
+        *,
+        timeout: float = 0.05,
+        write_timeout: float = 0.5,
+        ttl: float = 300.0,
+        max_body: int = 1 << 20,
+    ) -> RedisCachedStore:
+        client = connect(url, timeout=write_timeout)
+        return cls(
+            inner, client, timeout=timeout, write_timeout=write_timeout, ttl=ttl, max_body=max_body
+        )
+
+    @property
+    def observer(self) -> Observer | None:
+        """The metrics hook is the inner store's: it times the statements that store runs."""
+        return self.inner.observer
+
+    @observer.setter
+    def observer(self, observer: Observer | None) -> None:
+        self.inner.observer = observer
+
+    async def open(self) -> None:
+        await self.inner.open()
+        where = self.cache.client.connection_pool.connection_kwargs  # never the password
+        log.info("replay cache and wake-ups on redis %s", where.get("path") or where.get("host"))
+        # Redis may be down at start-up: the feed keeps trying, lookups miss until it is up.
+        self._feed = asyncio.create_task(
+            listen_forever(self.cache.client, self.watch, self.cache), name="idemproxy-redis-feed"
+        )
+
+    async def close(self) -> None:
+        if self._feed is not None:
+            self._feed.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._feed
+        await self.cache.close()
+        await self.inner.close()
+
+    async def migrate(self) -> list[str]:
+        return await self.inner.migrate()
+
+    # --- the hot path -------------------------------------------------------------------------
+
+    async def claim(
+        self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
+    ) -> ClaimResult:
+        cached = await self.cached(intent.owner, intent.key)
+        if cached is not None:
+            return Existing(cached)
+        result = await self.inner.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
+        if isinstance(result, Existing):
+            self._remember(result.job)
+        return result
+
+    async def cached(self, owner: str, key: str) -> Job | None:
+        """The completed job cached for (owner, key), if Redis has it in time."""
+        started = time.perf_counter()
+        payload = await self.cache.get(entry_name(owner, key))
+        job = None if payload is None else decode(payload, owner, key)
+        if job is not None and _seconds_left(job) <= 0:
+            job = None  # SPEC §11: an expired job is gone, whatever a late write left behind
+        if self.observer is not None:  # store_seconds{operation="redis_hit"|"redis_miss"}
+            outcome = "redis_miss" if job is None else "redis_hit"
+            self.observer(outcome, time.perf_counter() - started, False)
+        return job
+
+    async def get(self, owner: str, key: str) -> Job | None:
+        job = await self.inner.get(owner, key)
+        if job is not None:
+            self._remember(job)
+        return job
+
+    async def watch_job(self, owner: str, key: str) -> Job | None:
+        return await self.inner.watch_job(owner, key)
+
+    async def complete(
+        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    ) -> bool:
+        started, now = time.monotonic(), time.time()
+        won = await self.inner.complete(job, attempt, response, ttl=ttl)
+        if won:
+            done = replace(
+                job,
+                state=JobState.COMPLETED,
+                version=job.version + 1,
+                completed_by=attempt,
+                response=response,
+                expires_at=datetime.fromtimestamp(now + ttl, tz=UTC),
+                lease_expired=False,
+            )
+            # Measured from before the store call: the entry never outlives the job.
+            self._remember(done, lifetime=ttl - (time.monotonic() - started), publish=True)
+        return won
+
+    async def settle(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> bool:
+        won = await self.inner.settle(job, attempt, state, status=status, error=error)
+        if won:
+            self.cache.publish(job.id)
+        return won
+
+    async def finish_attempt(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        await self.inner.finish_attempt(job, attempt, state, status=status, error=error)
+
+    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+        return await self.inner.start_next_attempt(job, upstream, lease=lease)
+
+    async def fail_over(
+        self,
+        job: Job,
+        attempt: int,
+        upstream: str,
+        *,
+        status: int | None,
+        error: str | None,
+        lease: float,
+    ) -> Claimed | None:
+        return await self.inner.fail_over(
+            job, attempt, upstream, status=status, error=error, lease=lease
+        )
+
+    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
+        return await self.inner.add_attempt(job, upstream, lease=lease)
+
+    async def renew_lease(self, job: Job, *, lease: float) -> bool:
+        return await self.inner.renew_lease(job, lease=lease)
+
+    async def take_over(self, job: Job) -> bool:
+        won = await self.inner.take_over(job)
+        if won:
+            self.cache.publish(job.id)
+        return won
+
+    async def forget(self, job: Job) -> bool:
+        forgotten = await self.inner.forget(job)
+        if forgotten:  # expired: readers reject its entry anyway; dropping it frees the memory
+            self._drop_soon(job)
+        return forgotten
+
+    # --- operators and housekeeping -----------------------------------------------------------
+
+    async def get_by_id(self, job_id: str) -> Job | None:
+        return await self.inner.get_by_id(job_id)
+
+    async def resolve(
+        self,
+        job: Job,
+        state: JobState,
+        *,
+        response: StoredResponse | None = None,
+        ttl: float = 0.0,
+        resolution: str = "operator",
+    ) -> bool:
+        won = await self.inner.resolve(
+            job, state, response=response, ttl=ttl, resolution=resolution
+        )
+        if won:  # an unknown job is never cached; dropped all the same, then announced
+            self._drop_soon(job)
+            self.cache.publish(job.id)
+        return won
+
+    async def delete(self, job: Job) -> bool:
+        # Invalidate first: from here on no replica replays it from Redis, and a cache write
+        # for it still on its way is refused by the tombstone until the job would have expired.
+        name = entry_name(job.owner, job.key)
+        expires = job.expires_at.timestamp() if job.expires_at else time.time() + self._ttl
+        until = max(expires, time.time()) + REDIS_CLOCK_MARGIN_SECONDS
+        await self.cache.drop(name, tombstone_name(name, job.id), until)
+        deleted = await self.inner.delete(job)
+        if deleted:
+            self.cache.publish(job.id)
+        return deleted
+
+    async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
+        return await self.inner.stale_unknown(older_than, limit)
+
+    async def sweep_expired(self, batch_size: int) -> int:
+        # Entries never outlive their jobs (their TTL ends first): nothing to invalidate.
+        return await self.inner.sweep_expired(batch_size)
+
+    async def list_jobs(
+        self, *, state: JobState | None = None, owner: str | None = None, limit: int = 100
+    ) -> list[Job]:
+        return await self.inner.list_jobs(state=state, owner=owner, limit=limit)
+
+    async def count_unknown(self) -> int:
+        return await self.inner.count_unknown()
+
+    async def ping(self) -> None:
+        await self.inner.ping()  # readiness is the store's: the proxy is correct without Redis
+
+    # --- the cache ------------------------------------------------------------------------------
+
+    def _remember(self, job: Job, *, lifetime: float | None = None, publish: bool = False) -> None:
+        """Cache a completed job (best effort, in the background) for at most `ttl` seconds and
+        never past its expiry; with `publish`, announce its change to every replica too."""
+        ttl = min(self._ttl, _seconds_left(job) if lifetime is None else lifetime)
+        name = entry_name(job.owner, job.key)
+        if self._cacheable(job) and ttl >= _MIN_ENTRY_SECONDS:
+            tombstone = tombstone_name(name, job.id)
+            self.cache.put(name, tombstone, encode(job), ttl, job.id if publish else "")
+        elif publish:
+            self.cache.publish(job.id)
+
+    def _cacheable(self, job: Job) -> bool:
+        response = job.response
+        return (
+            job.state is JobState.COMPLETED
+            and not job.expired
+            and job.expires_at is not None
+            and response is not None
+            and len(response.body or b"") <= self._max_body
+        )
+
+    def _drop_soon(self, job: Job) -> None:
+        name = entry_name(job.owner, job.key)
+        self.cache.drop_soon(name, tombstone_name(name, job.id))
+
+
+def _seconds_left(job: Job) -> float:
+    """The job's remaining lifetime by this proxy's clock, less a margin for clock skew against
+    the database's (whose clock decides expiry, SPEC §3.5)."""
+    if job.expires_at is None:
+        return 0.0
+    return job.expires_at.timestamp() - time.time() - REDIS_CLOCK_MARGIN_SECONDS

@@ -1,0 +1,65 @@
+"""Cache entries (pure): everything a replay needs survives the round trip, bytes exactly."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX
+from idemproxy.decision import Policy, Reject, Replay, decide
+from idemproxy.store.redis_codec import decode, encode, entry_name, tombstone_name
+from idemproxy.types import Job, JobState, StoredResponse
+
+OWNER = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+BODY = b"\x00\xff\n\r\n not utf-8 \x80\xc3\x28\n"
+HEADERS = (("Content-Type", "application/octet-stream"), ("X-Dup", "a"), ("x-dup", "b"))
+
+
+def _job(body: bytes | None = BODY) -> Job:
+    return Job(
+        id="0b6f4c3e-5a7c-4f43-9d1d-3c9b8f3e2a10",
+        owner=OWNER,
+        key='k"1 é',
+        fingerprint="fp",
+        state=JobState.COMPLETED,
+        version=3,
+        attempt_count=2,
+        method="POST",
+        path="/charges",
+        completed_by=2,
+        response=StoredResponse(201, HEADERS, body),
+        expires_at=datetime(2030, 1, 2, 3, 4, 5, 678000, tzinfo=UTC),
+    )
+
+
+@pytest.mark.parametrize("body", [BODY, b"", None])
+def test_a_completed_job_survives_the_round_trip(body: bytes | None) -> None:
+    job = _job(body)
+    assert decode(encode(job), job.owner, job.key) == job
+
+
+def test_the_decoded_job_replays_or_mismatches_like_the_stored_one() -> None:
+    job = decode(encode(_job()), OWNER, 'k"1 é')
+    assert job is not None
+    assert decide(job, "fp", Policy()) == Replay(StoredResponse(201, HEADERS, BODY))
+    assert isinstance(decide(job, "other", Policy()), Reject)
+
+
+@pytest.mark.parametrize(
+    "payload", [b"", b"2{}\n", b"1not json\n", b'1{"id": "x"}\n', b"1{}", b"\xff\xfe"]
+)
+def test_an_entry_it_cannot_read_is_a_miss(payload: bytes) -> None:
+    assert decode(payload, OWNER, "k") is None
+
+
+def test_names_hash_owner_and_key_and_keep_tombstones_in_the_entry_slot() -> None:
+    name = entry_name(OWNER, "secret-key")
+    assert name.startswith(REDIS_JOB_PREFIX)
+    assert OWNER not in name and "secret-key" not in name
+    assert entry_name(OWNER, "k") != entry_name(OWNER + "x", "k") != entry_name(OWNER, "k2")
+    assert entry_name("a\x00b", "c") != entry_name("a", "b\x00c")
+    tombstone = tombstone_name(name, "job-1")
+    assert tombstone.startswith(REDIS_GONE_PREFIX) and tombstone.endswith(":job-1")
+    slot = name[name.index("{") : name.index("}") + 1]
+    assert slot in tombstone  # one hash slot: the write script may read both

@@ -1,0 +1,191 @@
+"""SPEC §7, §11: replays answered from Redis, exactly as from the store, without reading it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDict
+from redis.asyncio import Redis
+from redis_support import CachedStoreFactory, ProxyFactory, RedisServer, cached_entries, wait_for
+
+from backend import Ledger
+from idemproxy import cli
+from idemproxy.config import load_settings
+from idemproxy.constants import REDIS_GONE_PREFIX
+from idemproxy.proxy.app import create_app
+from idemproxy.store.redis_codec import encode, entry_name, tombstone_name
+from idemproxy.types import JobState
+
+pytestmark = pytest.mark.postgres
+
+KEY = "Idempotency-Key"
+REPLAYED = "Idempotent-Replayed"
+# The stored response includes a Location, an ETag and a JSON body that names the execution.
+END_TO_END = ("Content-Type", "Location", "ETag", "Idempotency-Job")
+
+
+async def _post(
+    client: TestClient[Any, Any], key: str, body: bytes = b'{"amount": 1}', path: str = "/pay"
+) -> tuple[int, CIMultiDict[str], bytes]:
+    headers = {KEY: key, "Content-Type": "application/json", "Authorization": "Bearer alice"}
+    async with client.post(path, data=body, headers=headers) as response:
+        return response.status, response.headers.copy(), await response.read()
+
+
+async def _cached_once(
+    make_store: CachedStoreFactory,
+    make_proxy: ProxyFactory,
+    redis_client: Redis,
+    key: str = "k1",
+    path: str = "/pay",
+    **settings: Any,
+) -> tuple[Any, TestClient[Any, Any], tuple[int, CIMultiDict[str], bytes]]:
+    """A proxy on a cached store, one executed request, and its completion cached in Redis."""
+    store = await make_store()
+    client = await make_proxy(store, **settings)
+    first = await _post(client, key, path=path)
+    assert first[0] == 201 and REPLAYED not in first[1]
+    await wait_for(lambda: _has_entries(redis_client))
+    store.inner.calls.clear()
+    return store, client, first
+
+
+async def _has_entries(client: Redis) -> bool:
+    return await cached_entries(client) > 0
+
+
+async def test_a_hit_replays_byte_identically_without_reading_the_store(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
+) -> None:
+    store, client, (status, headers, body) = await _cached_once(
+        make_store, make_proxy, redis_client
+    )
+    for _ in range(3):
+        again_status, again_headers, again_body = await _post(client, "k1")
+        assert again_status == status
+        assert again_body == body  # byte-identical
+        assert again_headers[REPLAYED] == "true"
+        for name in END_TO_END:
+            assert again_headers[name] == headers[name], name
+    assert store.inner.calls == {}, "a cache hit must not touch the store"
+    assert ledger.count("k1") == 1
+
+
+async def test_a_different_payload_is_a_mismatch_from_the_cache_too(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
+) -> None:
+    store, client, _ = await _cached_once(make_store, make_proxy, redis_client)
+    status, headers, _ = await _post(client, "k1", body=b'{"amount": 2}')
+    assert status == 409
+    assert headers["Idempotency-Error"] == "payload-mismatch"
+    assert store.inner.calls == {}
+    assert ledger.count("k1") == 1
+
+
+async def test_another_owner_never_gets_the_cached_response(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
+) -> None:
+    _store, client, _ = await _cached_once(make_store, make_proxy, redis_client)
+    headers = {KEY: "k1", "Content-Type": "application/json", "Authorization": "Bearer bob"}
+    async with client.post("/pay", data=b'{"amount": 1}', headers=headers) as response:
+        assert response.status == 201
+        assert REPLAYED not in response.headers
+    assert ledger.count("k1") == 2  # SPEC §5: two owners, two jobs
+
+
+async def test_a_body_too_large_to_store_replays_as_omitted_from_the_cache(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis
+) -> None:
+    store, client, _ = await _cached_once(
+        make_store, make_proxy, redis_client, path="/big?size=5000", max_stored_body=1000
+    )
+    status, headers, body = await _post(client, "k1", path="/big?size=5000")
+    assert (status, body) == (201, b"")
+    assert headers["Idempotency-Replay"] == "omitted"
+    assert store.inner.calls == {}
+
+
+async def test_a_store_read_of_a_completed_job_fills_the_cache_again(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis
+) -> None:
+    store, client, first = await _cached_once(make_store, make_proxy, redis_client)
+    await redis_client.flushall()  # e.g. Redis restarted, or the entry's ttl ran out
+    assert (await _post(client, "k1"))[2] == first[2]
+    assert store.inner.calls["claim"] == 1  # the miss went to the store …
+    await wait_for(lambda: _has_entries(redis_client))  # … and the answer was cached
+    store.inner.calls.clear()
+    assert (await _post(client, "k1"))[2] == first[2]
+    assert store.inner.calls == {}
+
+
+async def test_deleting_a_job_invalidates_it_and_refuses_a_late_cache_write(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
+) -> None:
+    store, client, _ = await _cached_once(make_store, make_proxy, redis_client)
+    [listed] = await store.list_jobs()
+    job = await store.get_by_id(listed.id)
+    assert job is not None and job.state is JobState.COMPLETED
+
+    assert await store.delete(job)
+    assert await cached_entries(redis_client) == 0
+    name = entry_name(job.owner, job.key)
+    gone = await redis_client.pttl(tombstone_name(name, job.id))
+    assert gone > (job.expires_at.timestamp() - time.time() - 5) * 1000
+    assert (await redis_client.keys(f"{REDIS_GONE_PREFIX}*")) != []
+
+    # A write of the deleted job that was already on its way lands now: refused.
+    store.cache.put(name, tombstone_name(name, job.id), encode(job), 60.0, "")
+    await store.cache.drain()
+    assert await cached_entries(redis_client) == 0
+
+    status, headers, _ = await _post(client, "k1")
+    assert status == 201 and REPLAYED not in headers  # a new job, never the deleted one
+    assert ledger.count("k1") == 2
+
+
+async def test_lookups_are_timed_through_the_store_metrics_hook(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis
+) -> None:
+    store, client, _ = await _cached_once(make_store, make_proxy, redis_client)
+    seen: list[str] = []
+    store.observer = lambda operation, _seconds, _failed: seen.append(operation)
+    assert store.inner.observer is store.observer  # the inner store's statements are timed too
+    await _post(client, "k1")
+    await _post(client, "k2")
+    assert seen[:2] == ["redis_hit", "redis_miss"]
+    assert "claim" in seen
+
+
+async def test_the_app_builds_the_cached_store_from_its_settings(
+    backend_url: str, pg_dsn: str, redis_server: RedisServer, redis_client: Redis, ledger: Ledger
+) -> None:
+    settings = load_settings(upstream=backend_url, store=pg_dsn, redis=redis_server.url)
+    async with TestClient(TestServer(create_app(settings))) as client:
+        first = await _post(client, "k1")
+        await wait_for(lambda: _has_entries(redis_client))
+        again = await _post(client, "k1")
+    assert again[1][REPLAYED] == "true" and again[2] == first[2]
+    assert ledger.count("k1") == 1
+
+
+async def test_the_jobs_cli_deletes_through_the_cache_when_given_redis(
+    make_store: CachedStoreFactory,
+    make_proxy: ProxyFactory,
+    redis_server: RedisServer,
+    redis_client: Redis,
+    pg_dsn: str,
+    ledger: Ledger,
+) -> None:
+    store, client, _ = await _cached_once(make_store, make_proxy, redis_client)
+    [job] = await store.list_jobs()
+    argv = ["jobs", "delete", job.id, "--store", pg_dsn, "--redis", redis_server.url]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    assert await cached_entries(redis_client) == 0
+    assert await redis_client.keys(f"{REDIS_GONE_PREFIX}*") != []
+    status, headers, _ = await _post(client, "k1")
+    assert status == 201 and REPLAYED not in headers
+    assert ledger.count("k1") == 2
