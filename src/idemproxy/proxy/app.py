@@ -45,52 +45,69 @@ def _lifecycle(
 ) -> Callable[[web.Application], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        store = injected or wrap_with_cache(
-            create_store(
-                settings.store,
-                max_connections=settings.pool.store_connections,
-                command_timeout=settings.pool.store_timeout,
-            ),
-            settings,
-        )
-        if injected is None:
-            await store.open()
-            if settings.migrate:
-                await store.migrate()
-        failpoints = Failpoints.from_env()
-        upstream = _upstream_client(settings, failpoints)
-        await upstream.open()
-        ctx = ProxyContext.build(settings, store, upstream, failpoints, metrics)
-        app[CONTEXT] = ctx
-        watch_store(metrics, store)
-        gauges = asyncio.create_task(refresh_gauges(metrics, store, settings.sweeper.interval))
-        # SPEC §3.4: fallbacks are eligible only once they passed their contract check.
-        gates = [route.gate for route in ctx.routes.routes if route.gate is not None]
-        await asyncio.gather(*(gate.check(upstream) for gate in gates))
-        checker = asyncio.create_task(keep_checking(gates, upstream))
-        sweeper = asyncio.create_task(
+        # Whatever was opened is closed again, also when a later step fails (a bad contract
+        # file, an unreadable JWT key): the exit stack unwinds in reverse order.
+        async with contextlib.AsyncExitStack() as stack:
+            store = injected or await _own_store(settings, stack)
+            failpoints = Failpoints.from_env()
+            upstream = _upstream_client(settings, failpoints)
+            await upstream.open()
+            stack.push_async_callback(upstream.close)
+            ctx = ProxyContext.build(settings, store, upstream, failpoints, metrics)
+            app[CONTEXT] = ctx
+            watch_store(metrics, store)
+            await _start_housekeeping(ctx, stack)
+            # A no-op after `idemproxy serve` drained; tests and the demo stop here.
+            stack.push_async_callback(_drain_now, ctx)
+            yield
+
+    return lifecycle
+
+
+async def _own_store(settings: Settings, stack: contextlib.AsyncExitStack) -> Store:
+    store = wrap_with_cache(
+        create_store(
+            settings.store,
+            max_connections=settings.pool.store_connections,
+            command_timeout=settings.pool.store_timeout,
+        ),
+        settings,
+    )
+    await store.open()
+    stack.push_async_callback(store.close)
+    if settings.migrate:
+        await store.migrate()
+    return store
+
+
+async def _start_housekeeping(ctx: ProxyContext, stack: contextlib.AsyncExitStack) -> None:
+    settings, store = ctx.settings, ctx.store
+    # SPEC §3.4: fallbacks are eligible only once they passed their contract check.
+    gates = [route.gate for route in ctx.routes.routes if route.gate is not None]
+    await asyncio.gather(*(gate.check(ctx.upstream) for gate in gates))
+    tasks = [
+        asyncio.create_task(refresh_gauges(ctx.metrics, store, settings.sweeper.interval)),
+        asyncio.create_task(keep_checking(gates, ctx.upstream)),
+        asyncio.create_task(
             sweep_forever(
                 store,
                 interval=settings.sweeper.interval,
                 batch_size=settings.sweeper.batch_size,
                 unknown_ttl=settings.unknown_ttl,
             )
-        )
-        try:
-            yield
-        finally:
-            # A no-op after `idemproxy serve` drained; tests and the demo stop here.
-            await drain(ctx, asyncio.get_running_loop().time() + settings.server.shutdown_timeout)
-            checker.cancel()
-            gauges.cancel()
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-            await upstream.close()
-            if injected is None:
-                await store.close()
+        ),
+    ]
+    stack.push_async_callback(_cancel, tasks)
 
-    return lifecycle
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _drain_now(ctx: ProxyContext) -> None:
+    await drain(ctx, asyncio.get_running_loop().time() + ctx.settings.server.shutdown_timeout)
 
 
 def _upstream_client(settings: Settings, failpoints: Failpoints) -> UpstreamClient:
