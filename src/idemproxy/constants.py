@@ -85,6 +85,10 @@ WAITER_RECHECK_SECONDS: Final = 2.0
 REDIS_JOB_PREFIX: Final = "idemproxy:job:"
 REDIS_GONE_PREFIX: Final = "idemproxy:gone:"
 REDIS_CHANNEL: Final = "idemproxy:jobs"
+# A held duplicate marks its (owner, key) watched for this long; changes to jobs that nobody
+# watches are not published, as with PostgreSQL NOTIFY (each replica would read every message).
+REDIS_WATCH_PREFIX: Final = "idemproxy:watch:"
+REDIS_WATCH_SECONDS: Final = 300
 # After a Redis error, lookups skip the cache this long before it is tried again.
 REDIS_RETRY_SECONDS: Final = 1.0
 # Slack for the proxy's clock against the database's, which decides expiry (SPEC §3.5).

@@ -17,7 +17,7 @@ from idemproxy import cli
 from idemproxy.config import load_settings
 from idemproxy.constants import REDIS_GONE_PREFIX
 from idemproxy.proxy.app import create_app
-from idemproxy.store.redis_codec import encode, entry_name, tombstone_name
+from idemproxy.store.redis_codec import encode, entry_name, tombstone_name, watch_name
 from idemproxy.types import JobState
 
 pytestmark = pytest.mark.postgres
@@ -138,7 +138,7 @@ async def test_deleting_a_job_invalidates_it_and_refuses_a_late_cache_write(
     assert (await redis_client.keys(f"{REDIS_GONE_PREFIX}*")) != []
 
     # A write of the deleted job that was already on its way lands now: refused.
-    store.cache.put(name, tombstone_name(name, job.id), encode(job), 60.0, "")
+    store.cache.put(name, tombstone_name(name, job.id), watch_name(name), encode(job), 60, "")
     await store.cache.drain()
     assert await cached_entries(redis_client) == 0
 

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+from redis.asyncio import Redis
 from redis_support import CachedStoreFactory, ProxyFactory, closed_port_url, wait_for
 
 from backend import Ledger
-from idemproxy.constants import WAITER_RECHECK_SECONDS
+from idemproxy.constants import REDIS_CHANNEL, WAITER_RECHECK_SECONDS
 
 pytestmark = pytest.mark.postgres
 
@@ -65,3 +66,24 @@ async def test_without_redis_the_same_duplicate_waits_for_its_re_read(
     spread = await _held_across_replicas(make_store, make_proxy, url=closed_port_url())
     assert spread > WAKE_BUDGET
     assert ledger.count("held") == 1
+
+
+async def test_changes_of_jobs_nobody_waits_for_are_not_published(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis
+) -> None:
+    """Every replica reads every message: only watched jobs are announced, as with NOTIFY."""
+    pubsub = redis_client.pubsub()
+    await pubsub.subscribe(REDIS_CHANNEL)
+    try:
+        client = await make_proxy(await make_store())
+        for number in range(3):
+            headers = {KEY: f"quiet-{number}"}
+            async with client.post("/pay", data=b"{}", headers=headers) as response:
+                assert response.status == 201
+        await asyncio.sleep(0.3)
+        kinds = []
+        while (message := await pubsub.get_message(timeout=0.05)) is not None:
+            kinds.append(message["type"])
+        assert kinds == ["subscribe"]
+    finally:
+        await pubsub.aclose()  # type: ignore[no-untyped-call]

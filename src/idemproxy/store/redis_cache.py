@@ -9,10 +9,10 @@ source of truth; PostgreSQL in production) and adds two things:
   is as good as a read. Anything else (a miss, an error, a late answer) goes to `inner.claim`.
   Winning completions, and completed jobs that `claim`/`get` read from the store, are written
   back in the background for at most `ttl` seconds and never past the job's own expiry.
-* wake-ups across replicas: each state change made through this store is published on a Redis
-  channel that every replica subscribes to (`redis_feed`), waking held duplicates there too. The
-  `watch` is the inner store's own, so the store's feed (PostgreSQL LISTEN) and Redis wake the
-  same waiters.
+* wake-ups across replicas: a held duplicate marks its key watched in Redis, and each state
+  change of a watched job made through this store is published on a channel that every replica
+  subscribes to (`redis_feed`), waking held duplicates there too. The `watch` is the inner
+  store's own, so the store's feed (PostgreSQL LISTEN) and Redis wake the same waiters.
 
 Deletion: `delete` invalidates the entry and tombstones the job in Redis *before* deleting it in
 the store; the cache write script refuses a tombstoned job, so a write that was already on its
@@ -35,7 +35,7 @@ from redis.asyncio import Redis
 from idemproxy.constants import REDIS_CLOCK_MARGIN_SECONDS
 from idemproxy.store.base import Store
 from idemproxy.store.redis_client import RedisCache, connect
-from idemproxy.store.redis_codec import decode, encode, entry_name, tombstone_name
+from idemproxy.store.redis_codec import decode, encode, entry_name, tombstone_name, watch_name
 from idemproxy.store.redis_feed import listen_forever
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
@@ -142,6 +142,9 @@ class RedisCachedStore(Store):
         return job
 
     async def watch_job(self, owner: str, key: str) -> Job | None:
+        # Marked before the store re-reads the job: a change committed after that re-read is
+        # announced through Redis too (a change before it, the re-read sees).
+        await self.cache.watching(watch_name(entry_name(owner, key)))
         return await self.inner.watch_job(owner, key)
 
     async def complete(
@@ -174,7 +177,7 @@ class RedisCachedStore(Store):
     ) -> bool:
         won = await self.inner.settle(job, attempt, state, status=status, error=error)
         if won:
-            self.cache.publish(job.id)
+            self._announce(job)
         return won
 
     async def finish_attempt(
@@ -214,7 +217,7 @@ class RedisCachedStore(Store):
     async def take_over(self, job: Job) -> bool:
         won = await self.inner.take_over(job)
         if won:
-            self.cache.publish(job.id)
+            self._announce(job)
         return won
 
     async def forget(self, job: Job) -> bool:
@@ -242,7 +245,7 @@ class RedisCachedStore(Store):
         )
         if won:  # an unknown job is never cached; dropped all the same, then announced
             self._drop_soon(job)
-            self.cache.publish(job.id)
+            self._announce(job)
         return won
 
     async def delete(self, job: Job) -> bool:
@@ -254,7 +257,7 @@ class RedisCachedStore(Store):
         await self.cache.drop(name, tombstone_name(name, job.id), until)
         deleted = await self.inner.delete(job)
         if deleted:
-            self.cache.publish(job.id)
+            self._announce(job)
         return deleted
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
@@ -283,10 +286,13 @@ class RedisCachedStore(Store):
         ttl = min(self._ttl, _seconds_left(job) if lifetime is None else lifetime)
         name = entry_name(job.owner, job.key)
         if self._cacheable(job) and ttl >= _MIN_ENTRY_SECONDS:
-            tombstone = tombstone_name(name, job.id)
-            self.cache.put(name, tombstone, encode(job), ttl, job.id if publish else "")
+            keys = (name, tombstone_name(name, job.id), watch_name(name))
+            self.cache.put(*keys, encode(job), ttl, job.id if publish else "")
         elif publish:
-            self.cache.publish(job.id)
+            self._announce(job)
+
+    def _announce(self, job: Job) -> None:
+        self.cache.announce(watch_name(entry_name(job.owner, job.key)), job.id)
 
     def _cacheable(self, job: Job) -> bool:
         response = job.response

@@ -26,19 +26,27 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from idemproxy.constants import REDIS_CHANNEL, REDIS_RETRY_SECONDS
+from idemproxy.constants import REDIS_CHANNEL, REDIS_RETRY_SECONDS, REDIS_WATCH_SECONDS
 
 log = logging.getLogger("idemproxy.store.redis")
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 # Cache writes queued at once; beyond this a write is skipped (a later miss re-caches the job).
 _MAX_BACKGROUND = 512
 
-# KEYS: entry, the job's tombstone. ARGV: payload, ttl ms, channel ('' for none), job id.
+# KEYS: entry, the job's tombstone, the key's watch mark. ARGV: payload, ttl ms, channel, job
+# id to announce ('' for none): only if a duplicate is held somewhere (the watch mark is set).
 _PUT = """
 if redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 end
-if ARGV[3] ~= '' then redis.call('PUBLISH', ARGV[3], ARGV[4]) end
+if ARGV[4] ~= '' and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('PUBLISH', ARGV[3], ARGV[4])
+end
+return 1
+"""
+# KEYS: the key's watch mark. ARGV: channel, job id.
+_ANNOUNCE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PUBLISH', ARGV[1], ARGV[2]) end
 return 1
 """
 # KEYS: entry, the job's tombstone. ARGV: tombstone ttl ms (0: no tombstone needed).
@@ -93,17 +101,28 @@ class RedisCache:
             return None
         return value if isinstance(value, bytes) else None
 
-    def put(self, name: str, tombstone: str, payload: bytes, ttl: float, publish: str) -> None:
-        """In the background: write the entry unless the job is tombstoned, and publish
-        `publish` (a job id; '' for none) on the wake-up channel."""
-        channel = REDIS_CHANNEL if publish else ""
-        args = (payload, max(1, int(ttl * 1000)), channel, publish)
-        self._spawn(
-            self._quietly("write", lambda: self.client.eval(_PUT, 2, name, tombstone, *args))
-        )
+    def put(
+        self, name: str, tombstone: str, watch: str, payload: bytes, ttl: float, announce: str
+    ) -> None:
+        """In the background: write the entry unless the job is tombstoned, and announce the
+        job id `announce` ('' for none) if its key is watched."""
+        keys = (name, tombstone, watch)
+        args = (payload, max(1, int(ttl * 1000)), REDIS_CHANNEL, announce)
+        self._spawn(self._quietly("write", lambda: self.client.eval(_PUT, 3, *keys, *args)))
 
-    def publish(self, job_id: str) -> None:
-        self._spawn(self._quietly("publish", lambda: self.client.publish(REDIS_CHANNEL, job_id)))
+    def announce(self, watch: str, job_id: str) -> None:
+        """In the background: wake the held duplicates of a job, on every replica, if any."""
+        call = lambda: self.client.eval(_ANNOUNCE, 1, watch, REDIS_CHANNEL, job_id)  # noqa: E731
+        self._spawn(self._quietly("publish", call))
+
+    async def watching(self, watch: str) -> None:
+        """Mark a key watched before its job is re-read (so a change after the re-read is
+        announced); within the lookup timeout, and skipped while Redis is presumed down."""
+        if time.monotonic() < self._down_until:
+            return
+        with contextlib.suppress(CacheDown):
+            async with self._bounded("watch", self._timeout):
+                await self.client.set(watch, b"1", ex=REDIS_WATCH_SECONDS)
 
     async def drop(self, name: str, tombstone: str, until: float | None) -> None:
         """Invalidate an entry now, tombstoning its job until `until` (Unix time); if Redis

@@ -14,7 +14,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX
+from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX, REDIS_WATCH_PREFIX
 from idemproxy.types import Job, JobState, StoredResponse
 
 _FORMAT = b"1"  # an entry of any other format is a miss, never an error
@@ -29,6 +29,11 @@ def entry_name(owner: str, key: str) -> str:
 def tombstone_name(entry: str, job_id: str) -> str:
     """Marks one deleted job: a cache write for it that lands later is refused."""
     return f"{REDIS_GONE_PREFIX}{entry.removeprefix(REDIS_JOB_PREFIX)}:{job_id}"
+
+
+def watch_name(entry: str) -> str:
+    """Set while a duplicate of (owner, key) is held somewhere: its changes are published."""
+    return f"{REDIS_WATCH_PREFIX}{entry.removeprefix(REDIS_JOB_PREFIX)}"
 
 
 def encode(job: Job) -> bytes:

@@ -1,8 +1,9 @@
 """Cross-replica wake-ups over Redis pub/sub (SPEC §2.3, §11), beside PostgreSQL's LISTEN.
 
-Every replica publishes the id of each job whose state it changed on `REDIS_CHANNEL`, and
-subscribes to it here: a message wakes this process's held duplicates of that job, which then
-re-read it from the store. Wake-ups only shorten waits (a waiter re-reads at least every
+Every replica publishes on `REDIS_CHANNEL` the id of each job it changed whose key a held
+duplicate marked watched (as PostgreSQL NOTIFY only does for watched jobs), and subscribes to it
+here: a message wakes this process's held duplicates of that job, which then re-read it from
+the store. Wake-ups only shorten waits (a waiter re-reads at least every
 `WAITER_RECHECK_SECONDS` anyway), so a lost message delays an answer but never loses it. The
 feed reconnects with backoff and, once subscribed again, wakes every waiter to re-read. Each
 tick it also retries the cache invalidations that could not reach Redis when they were made.
