@@ -347,10 +347,12 @@ class Settings(BaseSettings):
             raise ValueError("must be sqlite:///PATH or postgresql://…")
         return dsn
 
-    @field_validator("redis")
+    @field_validator("redis", mode="before")
     @classmethod
-    def _redis_scheme(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+    def _redis_scheme(cls, url: Any) -> Any:
+        if url == "":
+            return None  # IDEMPROXY_REDIS="" (e.g. an empty secret) means off, as `redis:` does
+        if isinstance(url, str) and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must be redis://…, rediss://… or unix://…")
         return url
 

@@ -88,3 +88,8 @@ async def test_the_factory_wraps_the_store_only_when_asked() -> None:
     assert wrapped.inner is store
     assert wrapped.watch is store.watch  # one set of waiters for both feeds
     await wrapped.cache.client.aclose()  # never opened: nothing else to close
+
+
+def test_an_empty_redis_url_means_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IDEMPROXY_REDIS", "")
+    assert load_settings(upstream=UPSTREAM).redis is None
