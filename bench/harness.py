@@ -1,8 +1,9 @@
-"""The benchmark: backend direct vs. through idemproxy, in one run (see bench/README.md).
+"""The benchmark: the backend direct, nginx, idemproxy and the peer, in one run (bench/README.md).
 
-Starts the backend and the proxy on free loopback ports, drives them with wrk, stops everything
-it started (also on failure or Ctrl-C), writes docs/benchmarks.md and prints the results table.
-Run it through `bench/run`, which picks the project's virtualenv.
+Starts the backend, nginx, the proxies, the peer and their stores on free loopback ports, drives
+them with wrk (and pgbench, and an asyncio client for the memory tests), stops everything it
+started (also on failure or Ctrl-C), writes docs/benchmarks.md and docs/benchmarks.png and
+prints the results. Run it through `bench/run`, which picks the project's virtualenv.
 """
 
 from __future__ import annotations
@@ -14,15 +15,16 @@ import http.client
 import json
 import os
 import platform
-import shutil
 import signal
 import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from importlib import metadata
@@ -31,88 +33,36 @@ from types import FrameType
 from typing import Any
 
 import asyncpg
+import memory
+import nginx
+import pgbench_claim
+import profiling
+import report
+import tools
+
+from model import (
+    CONCURRENCY,
+    SCENARIOS,
+    CpuUse,
+    Result,
+    Scenario,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-BENCH_DB = "idemproxy_bench"  # the only database this script creates, uses and drops
+# The only databases this script creates, uses and drops.
+BENCH_DB = "idemproxy_bench"  # the proxies' store
+PGBENCH_DB = "idemproxy_bench_pg"  # pgbench's claim + complete
+BIG_DB = "idemproxy_bench_big"  # --big-store
 BODY = '{"amount":1250,"currency":"EUR","note":"bench"}'
 PATH = "/orders"
-CONCURRENCY = ((1, 1), (2, 32))  # (wrk threads, connections)
 READY_TIMEOUT = 20.0
 STOP_TIMEOUT = 15.0
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-# --- scenarios and results -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    title: str
-    target: str  # "backend", "proxy-pg", "proxy-pg-redis" or "proxy-sqlite"
-    script: str  # a Lua file in bench/
-    store: str | None = None  # the store whose jobs a new-key run should have written
-
-
-SCENARIOS = {
-    s.name: s
-    for s in (
-        Scenario("direct", "backend direct (POST)", "backend", "post.lua"),
-        Scenario("passthrough", "proxy pass-through (POST, no key)", "proxy-pg", "post.lua"),
-        Scenario("new-pg", "proxy new keys, PostgreSQL", "proxy-pg", "unique_key.lua", "pg"),
-        Scenario(
-            "new-sqlite", "proxy new keys, SQLite", "proxy-sqlite", "unique_key.lua", "sqlite"
-        ),
-        Scenario("replay-pg", "proxy replays, PostgreSQL", "proxy-pg", "replay_keys.lua"),
-        Scenario(
-            "new-pg-redis",
-            "proxy new keys, PostgreSQL + Redis",
-            "proxy-pg-redis",
-            "unique_key.lua",
-            "pg",
-        ),
-        Scenario(
-            "replay-pg-redis",
-            "proxy replays, PostgreSQL + Redis",
-            "proxy-pg-redis",
-            "replay_keys.lua",
-        ),
-    )
-}
-
-
-@dataclass
-class CpuUse:
-    """CPU time during one measured run, in % of one core (the machine has nproc times 100 %)."""
-
-    proxy: float = 0.0
-    backend: float = 0.0
-    postgres: float = 0.0  # the server processes serving the benchmark database
-    redis: float = 0.0  # the benchmark's own redis-server (PostgreSQL + Redis runs)
-    wrk: float = 0.0
-    softirq: float = 0.0  # kernel interrupt work, much of it loopback TCP, charged to no process
-    other: float = 0.0  # everything else: other processes on the machine, hypervisor steal
-
-
-@dataclass
-class Result:
-    scenario: str
-    title: str
-    threads: int
-    connections: int
-    requests: int
-    seconds: float
-    rps: float
-    latency_ms: dict[str, float]
-    errors: dict[str, int]
-    upstream_calls: int
-    jobs_stored: int | None = None
-    cpu: CpuUse = field(default_factory=CpuUse)
-
-    @property
-    def error_count(self) -> int:
-        return sum(self.errors.values())
+HOT_KEYS = 8  # the hot-key storm: keys in use at once …
+HOT_ROUNDS = 32  # … each replaced after this many requests for it per wrk thread
+PROFILED = ("passthrough", "new-pg", "replay-pg")  # py-spy runs, at saturation
+SWEEP_RATE = 1000  # --sweeper: jobs expiring per second
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -127,10 +77,18 @@ def free_port() -> int:
 class Service:
     """One child process we started; `stop()` ends exactly that process."""
 
-    def __init__(self, name: str, argv: Sequence[str], port: int, log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        port: int,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self.admin_url: str | None = None  # idemproxy's admin listener
         self.log = log_dir / f"{name}.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
@@ -139,6 +97,7 @@ class Service:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
                 start_new_session=True,  # a Ctrl-C reaches only us; we stop it ourselves
             )
 
@@ -146,8 +105,12 @@ class Service:
     def pid(self) -> int:
         return self.proc.pid
 
+    def pids(self) -> list[int]:
+        """The process and its children (nginx's workers)."""
+        return [self.pid, *children(self.pid)]
+
     def wait_ready(self) -> None:
-        """Until GET / answers 200 (through the proxy that means the backend answered too)."""
+        """Until GET / answers 200 (through a proxy that means the backend answered too)."""
         deadline = time.monotonic() + READY_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -164,7 +127,7 @@ class Service:
     def stop(self) -> None:
         if self.proc.poll() is not None:
             return
-        self.proc.terminate()  # both the proxy and the backend shut down cleanly on SIGTERM
+        self.proc.terminate()  # all of them shut down cleanly on SIGTERM (nginx: fast shutdown)
         try:
             self.proc.wait(STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -173,12 +136,12 @@ class Service:
 
 
 class RedisService(Service):
-    """A throwaway redis-server of our own (no persistence) for the PostgreSQL + Redis runs."""
+    """A throwaway redis-server of our own (no persistence): the cache, or the peer's store."""
 
-    def __init__(self, binary: str, port: int, log_dir: Path) -> None:
+    def __init__(self, name: str, binary: str, port: int, log_dir: Path) -> None:
         argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
         argv += ["--appendonly", "no", "--dir", str(log_dir)]
-        super().__init__("redis", argv, port, log_dir)
+        super().__init__(name, argv, port, log_dir)
         self.url = f"redis://127.0.0.1:{port}/0"
 
     def wait_ready(self) -> None:
@@ -206,6 +169,15 @@ def running(service: Service) -> Iterator[Service]:
         service.stop()
 
 
+def children(pid: int) -> list[int]:
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            text = (task / "children").read_text()
+            found += [int(child) for child in text.split()]
+    return found
+
+
 def http_request(
     port: int, method: str, path: str, headers: dict[str, str] | None = None, body: str = ""
 ) -> tuple[int, dict[str, str], bytes]:
@@ -218,24 +190,29 @@ def http_request(
         conn.close()
 
 
-def backend_posts(backend: Service) -> int:
-    status, _, body = http_request(backend.port, "GET", "/_stats")
+def counts(counter: Service, prefix: str | None = None) -> dict[str, int]:
+    """The backend's (or the peer's) POST counts; with `prefix`, of the keys starting with it."""
+    path = "/_stats" if prefix is None else f"/_stats?prefix={prefix}"
+    status, _, body = http_request(counter.port, "GET", path)
     if status != 200:
-        raise RuntimeError(f"backend /_stats answered {status}")
-    return int(json.loads(body)["posts"])
+        raise RuntimeError(f"{counter.name} /_stats answered {status}")
+    parsed: dict[str, int] = json.loads(body)
+    return parsed
 
 
-def settled_posts(backend: Service, quiet: float = 0.3, limit: float = 10.0) -> int:
-    """The backend's POST count once it stops changing.
+def settled_counts(
+    counter: Service, prefix: str | None = None, quiet: float = 0.3, limit: float = 10.0
+) -> dict[str, int]:
+    """The POST counts once they stop changing.
 
     wrk hangs up at the end of a run with requests in flight, and the proxy still finishes their
     attempts (a client hanging up cancels nothing); waiting counts them in the run they belong to.
     """
     deadline = time.monotonic() + limit
-    last = backend_posts(backend)
+    last = counts(counter, prefix)
     while time.monotonic() < deadline:
         time.sleep(quiet)
-        now = backend_posts(backend)
+        now = counts(counter, prefix)
         if now == last:
             break
         last = now
@@ -252,13 +229,14 @@ def machine_ticks() -> tuple[int, int]:
     return user + nice + system + irq + softirq + steal, irq + softirq
 
 
-def process_ticks(pid: int) -> int:
+def process_ticks(pid: int, user: bool = True) -> int:
+    """utime + stime of a process (stime alone with user=False)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0
     fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
+    return (int(fields[11]) if user else 0) + int(fields[12])
 
 
 def children_ticks() -> float:
@@ -274,7 +252,60 @@ def background_busy(seconds: float = 2.0) -> float:
     return 100.0 * (busy1 - busy0) / TICKS / seconds
 
 
-# --- PostgreSQL (only the benchmark's own database) --------------------------------------------
+def pg_backend_pids(database: str) -> set[int]:
+    """PostgreSQL's server processes connected to `database` (by their process title)."""
+    needle = f" {database} ".encode()
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            title = (entry / "cmdline").read_bytes()
+            if title.startswith(b"postgres: ") and needle in title:
+                found.add(int(entry.name))
+    return found
+
+
+class PgTicks:
+    """CPU of the server processes of one database over a run, including connections that come
+    and go during it (pgbench's): sampled five times a second from a thread."""
+
+    def __init__(self, database: str | None) -> None:
+        self.database = database
+        self.first: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self, initial: bool) -> None:
+        if self.database is None:
+            return
+        for pid in pg_backend_pids(self.database):
+            ticks = process_ticks(pid)
+            if pid not in self.first:
+                self.first[pid] = ticks if initial else 0
+            self.last[pid] = max(self.last.get(pid, 0), ticks)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._sample(initial=False)
+
+    def __enter__(self) -> PgTicks:
+        self._sample(initial=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample(initial=False)
+
+    @property
+    def ticks(self) -> int:
+        return sum(self.last[pid] - self.first[pid] for pid in self.first)
+
+
+# --- PostgreSQL (only the benchmark's own databases) -------------------------------------------
 
 
 def pg_dsn(admin_dsn: str, database: str) -> str:
@@ -282,16 +313,27 @@ def pg_dsn(admin_dsn: str, database: str) -> str:
     return f"{base}/{database}"
 
 
-async def _pg(admin_dsn: str, query: str, *args: Any, database: str = BENCH_DB) -> list[Any]:
+async def _pg(
+    admin_dsn: str, query: str, *args: Any, database: str, session: Sequence[str]
+) -> list[Any]:
     conn = await asyncpg.connect(pg_dsn(admin_dsn, database), timeout=10)
     try:
-        return list(await conn.fetch(query, *args))
+        for statement in session:
+            await conn.execute(statement)
+        return list(await conn.fetch(query, *args, timeout=3600))
     finally:
         await conn.close()
 
 
-def pg(admin_dsn: str, query: str, *args: Any, database: str = BENCH_DB) -> list[Any]:
-    return asyncio.run(_pg(admin_dsn, query, *args, database=database))
+def pg(
+    admin_dsn: str,
+    query: str,
+    *args: Any,
+    database: str = BENCH_DB,
+    session: Sequence[str] = (),
+) -> list[Any]:
+    """One query on its own connection, after the `session` statements (SET …)."""
+    return asyncio.run(_pg(admin_dsn, query, *args, database=database, session=session))
 
 
 def redacted(dsn: str) -> str:
@@ -306,31 +348,24 @@ def pg_admin_db(admin_dsn: str) -> str:
     return admin_dsn.rpartition("/")[2].split("?", 1)[0] or "postgres"
 
 
-def recreate_bench_db(admin_dsn: str) -> None:
+def recreate_db(admin_dsn: str, database: str) -> None:
     admin = pg_admin_db(admin_dsn)
-    pg(admin_dsn, f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)", database=admin)
-    pg(admin_dsn, f"CREATE DATABASE {BENCH_DB}", database=admin)
+    pg(admin_dsn, f"DROP DATABASE IF EXISTS {database} WITH (FORCE)", database=admin)
+    pg(admin_dsn, f"CREATE DATABASE {database}", database=admin)
 
 
-def drop_bench_db(admin_dsn: str) -> None:
-    pg(
-        admin_dsn,
-        f"DROP DATABASE IF EXISTS {BENCH_DB} WITH (FORCE)",
-        database=pg_admin_db(admin_dsn),
-    )
+def drop_db(admin_dsn: str, database: str) -> None:
+    admin = pg_admin_db(admin_dsn)
+    pg(admin_dsn, f"DROP DATABASE IF EXISTS {database} WITH (FORCE)", database=admin)
 
 
-def pg_backend_pids(admin_dsn: str) -> set[int]:
+def pg_jobs(admin_dsn: str, prefix: str, database: str = BENCH_DB) -> int:
     rows = pg(
         admin_dsn,
-        "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
-        BENCH_DB,
+        "SELECT count(*) FROM idemproxy.jobs WHERE key LIKE $1",
+        prefix + "-%",
+        database=database,
     )
-    return {int(row["pid"]) for row in rows}
-
-
-def pg_jobs(admin_dsn: str, prefix: str) -> int:
-    rows = pg(admin_dsn, "SELECT count(*) FROM idemproxy.jobs WHERE key LIKE $1", prefix + "-%")
     return int(rows[0][0])
 
 
@@ -343,47 +378,25 @@ def sqlite_jobs(path: Path, prefix: str) -> int:
 # --- wrk -----------------------------------------------------------------------------------------
 
 
-def ensure_wrk() -> str:
-    found = shutil.which("wrk")
-    if found:
-        return found
-    if os.geteuid() != 0:
-        sys.exit("bench: wrk is not installed; install it with `sudo apt-get install -y wrk`.")
-    print("bench: installing wrk (apt-get install -y wrk)…", flush=True)
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "wrk"]):
-        subprocess.run(command, check=True, env=env, timeout=600, stdout=subprocess.DEVNULL)
-    found = shutil.which("wrk")
-    if not found:
-        sys.exit("bench: apt-get did not install wrk.")
-    return found
+def wrk_argv(
+    wrk: str, url: str, script: str, threads: int, connections: int, seconds: float, *args: str
+) -> list[str]:
+    argv = [wrk, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(seconds))}s"]
+    argv += ["--timeout", "10s", "-s", str(BENCH / script), url]
+    if args:
+        argv += ["--", *args]
+    return argv
 
 
-def wrk_version(wrk: str) -> str:
-    out = subprocess.run([wrk, "-v"], capture_output=True, text=True, timeout=10, check=False)
-    first = (out.stdout or out.stderr).split("\n", 1)[0]
-    return first.split(" [", 1)[0].removeprefix("wrk ").strip() or "unknown"
+WRK_ENV = {**os.environ, "BENCH_BODY": BODY, "BENCH_PATH": PATH}
 
 
 def run_wrk(
     wrk: str, url: str, script: str, threads: int, connections: int, seconds: float, *args: str
 ) -> dict[str, Any]:
-    argv = [
-        wrk,
-        f"-t{threads}",
-        f"-c{connections}",
-        f"-d{max(1, round(seconds))}s",
-        "--timeout",
-        "10s",
-        "-s",
-        str(BENCH / script),
-        url,
-    ]
-    if args:
-        argv += ["--", *args]
-    env = {**os.environ, "BENCH_BODY": BODY, "BENCH_PATH": PATH}
+    argv = wrk_argv(wrk, url, script, threads, connections, seconds, *args)
     out = subprocess.run(
-        argv, capture_output=True, text=True, env=env, timeout=seconds + 60, check=False
+        argv, capture_output=True, text=True, env=WRK_ENV, timeout=seconds + 60, check=False
     )
     for line in out.stdout.splitlines():
         if line.startswith("BENCH_RESULT "):
@@ -398,16 +411,32 @@ def run_wrk(
 @dataclass
 class Bench:
     args: argparse.Namespace
-    wrk: str
+    tools: dict[str, str]
+    bench_python: Path
     run_dir: Path
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     services: dict[str, Service] = field(default_factory=dict)
     results: list[Result] = field(default_factory=list)
+    memory_results: list[memory.MemoryResult] = field(default_factory=list)
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # big store, sweeper: their own facts
     replay_prefix: str = ""
+    replay_count: int = 0
+    variant: str = ""  # set while measuring a variant (big store, sweeper)
+    database: str = BENCH_DB  # the proxies' current store database
+
+    @property
+    def wrk(self) -> str:
+        return self.tools["wrk"]
 
     @property
     def sqlite_path(self) -> Path:
         return self.run_dir / "sqlite-store.db"
+
+    def wanted(self, name: str) -> bool:
+        return not self.args.only or name in self.args.only
+
+    # -- starting things
 
     def start_backend(self) -> Service:
         port = free_port()
@@ -416,8 +445,10 @@ class Bench:
         self.services["backend"] = service
         return service
 
-    def start_proxy(self, target: str, store: str, *extra: str) -> Service:
-        port = free_port()
+    def start_proxy(
+        self, target: str, store: str, *extra: str, env: dict[str, str] | None = None
+    ) -> Service:
+        port, admin = free_port(), free_port()
         argv = [
             sys.executable,
             "-m",
@@ -430,53 +461,194 @@ class Bench:
             "--store",
             store,
             "--admin-listen",
-            f"127.0.0.1:{free_port()}",  # the default 127.0.0.1:9090 may be taken
+            f"127.0.0.1:{admin}",  # the default 127.0.0.1:9090 may be taken
             *extra,
         ]
-        service = Service(target, argv, port, self.run_dir)
+        service = Service(target, argv, port, self.run_dir, env)
+        service.admin_url = f"http://127.0.0.1:{admin}"
         self.services[target] = service
         return service
+
+    def start_redis(self, name: str) -> RedisService:
+        redis = RedisService(name, self.tools["redis-server"], free_port(), self.run_dir)
+        self.services[name] = redis
+        return redis
+
+    def pg_store(self) -> str:
+        return pg_dsn(self.args.pg_dsn, self.database)
+
+    # -- the whole run
 
     def run_all(self) -> None:
         with running(self.start_backend()):
             self.measure(SCENARIOS["direct"])
-            with running(self.start_proxy("proxy-pg", pg_dsn(self.args.pg_dsn, BENCH_DB))):
-                self.measure(SCENARIOS["passthrough"])
-                self.measure(SCENARIOS["new-pg"])
-                self.prewarm_replays(self.services["proxy-pg"])
-                self.measure(SCENARIOS["replay-pg"])
-            with running(self.start_proxy("proxy-sqlite", f"sqlite:///{self.sqlite_path}")):
-                self.measure(SCENARIOS["new-sqlite"])
-            self.run_redis()
+            if self.wanted("nginx"):
+                self.run_nginx()
+            if any(self.wanted(n) for n in ("passthrough", "new-pg", "replay-pg", "hot-pg")):
+                self.run_proxy_pg()
+            if self.wanted("new-sqlite"):
+                with running(self.start_proxy("proxy-sqlite", f"sqlite:///{self.sqlite_path}")):
+                    self.measure(SCENARIOS["new-sqlite"])
+            if self.wanted("new-pg-redis") or self.wanted("replay-pg-redis"):
+                self.run_redis()
+            if any(self.wanted(n) for n in ("peer-plain", "peer-new", "peer-replay")):
+                self.run_peer()
+            if self.wanted("pgbench"):
+                self.run_pgbench()
+            if self.wanted("memory"):
+                self.run_memory()
+            if self.args.sweeper:
+                self.run_sweeper()
+            if self.args.big_store:
+                self.run_big_store()
         order = list(SCENARIOS)
-        self.results.sort(key=lambda r: (order.index(r.scenario), r.connections))
+        variants = ["", "sweeper-idle", "sweeper-busy", "big-store-empty", "big-store"]
+        self.results.sort(
+            key=lambda r: (variants.index(r.variant), order.index(r.scenario), r.connections)
+        )
+
+    def run_nginx(self) -> None:
+        prefix = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
+        prefix.chmod(0o755)
+        try:
+            port = free_port()
+            conf = nginx.write_config(prefix, port, self.services["backend"].port)
+            argv = nginx.argv(self.tools["nginx"], prefix, conf)
+            service = Service("nginx", argv, port, self.run_dir)
+            self.services["nginx"] = service
+            with running(service):
+                self.measure(SCENARIOS["nginx"])
+            with contextlib.suppress(OSError):
+                (self.run_dir / "nginx.conf").write_text(conf.read_text())
+                (self.run_dir / "nginx-error.log").write_text((prefix / "error.log").read_text())
+        finally:
+            for path in sorted(prefix.rglob("*"), reverse=True):
+                with contextlib.suppress(OSError):
+                    path.rmdir() if path.is_dir() else path.unlink()
+            with contextlib.suppress(OSError):
+                prefix.rmdir()
+
+    def run_proxy_pg(self) -> None:
+        with running(self.start_proxy("proxy-pg", self.pg_store())) as proxy:
+            for name in ("passthrough", "new-pg"):
+                if self.wanted(name):
+                    self.measure(SCENARIOS[name])
+            if self.wanted("replay-pg") or self.wanted("profiles"):
+                self.prewarm_replays(proxy)
+            if self.wanted("replay-pg"):
+                self.measure(SCENARIOS["replay-pg"])
+            if self.wanted("hot-pg"):
+                self.measure(SCENARIOS["hot-pg"])
+            if self.wanted("profiles"):
+                for name in PROFILED:
+                    self.profile(SCENARIOS[name], proxy)
 
     def run_redis(self) -> None:
         """The same PostgreSQL store with the Redis replay cache in front (`--redis`)."""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            print("bench: redis-server not installed; skipping the PostgreSQL + Redis runs")
-            return
-        redis = RedisService(binary, free_port(), self.run_dir)
-        self.services["redis"] = redis
-        store = pg_dsn(self.args.pg_dsn, BENCH_DB)
-        proxy = self.start_proxy("proxy-pg-redis", store, "--redis", redis.url)
-        with running(redis), running(proxy):
-            self.measure(SCENARIOS["new-pg-redis"])
-            self.prewarm_replays(proxy, "replay-redis")
-            self.measure(SCENARIOS["replay-pg-redis"])
+        redis = self.start_redis("redis")
+        with (
+            running(redis),
+            running(self.start_proxy("proxy-pg-redis", self.pg_store(), "--redis", redis.url)),
+        ):
+            if self.wanted("new-pg-redis"):
+                self.measure(SCENARIOS["new-pg-redis"])
+            if self.wanted("replay-pg-redis"):
+                self.prewarm_replays(self.services["proxy-pg-redis"], "replay-redis")
+                self.measure(SCENARIOS["replay-pg-redis"])
+
+    def run_peer(self) -> None:
+        """The peer: the backend's POST in a Starlette app behind asgi-idempotency-header."""
+        redis = self.start_redis("redis-peer")
+        port = free_port()
+        argv = [str(self.bench_python), str(BENCH / "peer_app.py")]
+        argv += ["--listen", f"127.0.0.1:{port}", "--redis", redis.url]
+        with running(redis):
+            peer = Service("peer", argv, port, self.run_dir)
+            self.services["peer"] = peer
+            with running(peer):
+                for name in ("peer-plain", "peer-new"):
+                    if self.wanted(name):
+                        self.measure(SCENARIOS[name])
+                if self.wanted("peer-replay"):
+                    self.prewarm_replays(peer, "peer-replay")
+                    self.measure(SCENARIOS["peer-replay"])
+
+    def run_pgbench(self) -> None:
+        """The database's own limit for the proxy's claim + completion (bench/pgbench_claim.py)."""
+        recreate_db(self.args.pg_dsn, PGBENCH_DB)
+        try:
+            dsn = pg_dsn(self.args.pg_dsn, PGBENCH_DB)
+            subprocess.run(
+                [sys.executable, "-m", "idemproxy", "migrate", "--store", dsn],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+            script = pgbench_claim.write_script(self.run_dir / "pgbench-claim-complete.sql")
+            values = pgbench_claim.variables(PATH)
+            scenario = SCENARIOS["pgbench"]
+            for threads, clients in CONCURRENCY:
+                label = f"pgbench-c{clients}"
+                print(f"bench: {label}: {self.args.duration:g}s …", flush=True)
+                if self.args.warmup > 0:
+                    pgbench_claim.run(
+                        self.tools["pgbench"],
+                        dsn,
+                        script,
+                        values,
+                        clients,
+                        threads,
+                        self.args.warmup,
+                        self.run_dir,
+                        f"warm-{label}",
+                    )
+                before = self._ticks([], None, None)
+                with PgTicks(PGBENCH_DB) as pg_ticks:
+                    raw = pgbench_claim.run(
+                        self.tools["pgbench"],
+                        dsn,
+                        script,
+                        values,
+                        clients,
+                        threads,
+                        self.args.duration,
+                        self.run_dir,
+                        label,
+                    )
+                after = self._ticks([], None, None)
+                self.record(scenario, threads, clients, raw, 0, before, after, pg_ticks, None)
+        finally:
+            drop_db(self.args.pg_dsn, PGBENCH_DB)
+
+    # -- measuring
+
+    def counter_for(self, scenario: Scenario) -> Service | None:
+        """Whose POST count tells how many requests executed."""
+        if scenario.target == "pgbench":
+            return None
+        return self.services["peer" if scenario.target == "peer" else "backend"]
 
     def script_args(self, scenario: Scenario, label: str) -> list[str]:
-        if scenario.script == "unique_key.lua":
+        if scenario.kind == "new":
             return [f"{self.nonce}-{label}"]
-        if scenario.script == "replay_keys.lua":
-            return [self.replay_prefix, str(self.args.replay_keys)]
+        if scenario.kind == "replay":
+            return [self.replay_prefix, str(self.replay_count)]
+        if scenario.kind == "hot":
+            return [f"{self.nonce}-{label}", str(HOT_KEYS), str(HOT_ROUNDS)]
         return []
 
-    def measure(self, scenario: Scenario) -> None:
+    def key_prefix(self, scenario: Scenario, args: list[str]) -> str | None:
+        """What every key of a measured run starts with (None: the run sends no key)."""
+        if scenario.kind in ("new", "hot"):
+            return args[0] + "-"
+        if scenario.kind == "replay":
+            return self.replay_prefix + "-"
+        return None
+
+    def measure(self, scenario: Scenario, concurrency: Sequence[tuple[int, int]] = ()) -> None:
         service = self.services[scenario.target]
-        for threads, connections in CONCURRENCY:
-            label = f"{scenario.name}-c{connections}"
+        for threads, connections in concurrency or CONCURRENCY:
+            label = f"{scenario.name}{'-' + self.variant if self.variant else ''}-c{connections}"
             print(f"bench: {label}: {self.args.duration:g}s …", flush=True)
             if self.args.warmup > 0:
                 warm = self.script_args(scenario, f"warm-{label}")
@@ -493,30 +665,62 @@ class Bench:
             result = self.measured_run(scenario, service, threads, connections, args)
             if scenario.store is not None:
                 result.jobs_stored = self.jobs_stored(scenario.store, args[0])
-            self.results.append(result)
-            print(
-                f"bench: {label}: {result.rps:,.0f} req/s, p50 {result.latency_ms['p50']:.2f} ms,"
-                f" p99 {result.latency_ms['p99']:.2f} ms, errors {result.error_count}",
-                flush=True,
-            )
 
     def measured_run(
         self, scenario: Scenario, service: Service, threads: int, connections: int, args: list[str]
     ) -> Result:
-        backend = self.services["backend"]
+        counter = self.counter_for(scenario)
         uses_pg = scenario.target.startswith("proxy-pg")
-        pg_pids = pg_backend_pids(self.args.pg_dsn) if uses_pg else set()
-        posts0 = settled_posts(backend)  # the warm-up's last attempts land before this
-        before = self._ticks(service, pg_pids)
-        raw = run_wrk(
-            self.wrk, service.url, scenario.script, threads, connections, self.args.duration, *args
+        proxy_pids = [] if scenario.target == "backend" else service.pids()
+        redis = self.services.get("redis-peer" if scenario.target == "peer" else "redis")
+        if scenario.target not in ("peer", "proxy-pg-redis"):
+            redis = None
+        # Keyed runs count the executions of their own keys only (the warm-up's stragglers have
+        # other keys), and the most any one key executed.
+        prefix = self.key_prefix(scenario, args)
+        counts0 = settled_counts(counter, prefix) if counter else {}
+        metrics0 = profiling.scrape(service.admin_url) if service.admin_url else None
+        before = self._ticks(proxy_pids, counter, redis)
+        with PgTicks(self.database if uses_pg else None) as pg_ticks:
+            raw = run_wrk(
+                self.wrk,
+                service.url,
+                scenario.script,
+                threads,
+                connections,
+                self.args.duration,
+                *args,
+            )
+        after = self._ticks(proxy_pids, counter, redis)
+        counts1 = settled_counts(counter, prefix) if counter else {}
+        field_name = "posts" if prefix is None else "keyed"
+        upstream_calls = counts1.get(field_name, 0) - counts0.get(field_name, 0)
+        result = self.record(
+            scenario, threads, connections, raw, upstream_calls, before, after, pg_ticks, counter
         )
-        after = self._ticks(
-            service, pg_pids | (pg_backend_pids(self.args.pg_dsn) if uses_pg else set())
-        )
-        upstream_calls = settled_posts(backend) - posts0
+        if prefix is not None and scenario.kind in ("new", "hot"):
+            result.max_per_key = counts1["max_per_key"]
+        if metrics0 is not None and service.admin_url:
+            split = profiling.time_split(metrics0, profiling.scrape(service.admin_url))
+            result.split = asdict(split) if split else None
+        return result
+
+    def record(
+        self,
+        scenario: Scenario,
+        threads: int,
+        connections: int,
+        raw: dict[str, Any],
+        upstream_calls: int,
+        before: dict[str, float],
+        after: dict[str, float],
+        pg_ticks: PgTicks,
+        counter: Service | None,
+    ) -> Result:
         seconds = raw["duration_us"] / 1e6
-        return Result(
+        direct = scenario.target == "backend"
+        cpu = self._cpu(before, after, pg_ticks.ticks, seconds, direct, counter)
+        result = Result(
             scenario=scenario.name,
             title=scenario.title,
             threads=threads,
@@ -527,33 +731,49 @@ class Bench:
             latency_ms={k: v / 1000 for k, v in raw["latency_us"].items()},
             errors=raw["errors"],
             upstream_calls=upstream_calls,
-            cpu=self._cpu(before, after, seconds, service is backend),
+            cpu=cpu,
+            variant=self.variant,
         )
+        self.results.append(result)
+        print(
+            f"bench: {result.label}: {result.rps:,.0f} req/s, p50 {result.latency_ms['p50']:.2f}"
+            f" ms, p99 {result.latency_ms['p99']:.2f} ms, errors {result.error_count}",
+            flush=True,
+        )
+        return result
 
-    def _ticks(self, service: Service, pg_pids: set[int]) -> dict[str, float]:
+    def _ticks(
+        self, proxy_pids: list[int], counter: Service | None, redis: Service | None
+    ) -> dict[str, float]:
         busy, softirq = machine_ticks()
+        backend = self.services.get("backend")
         return {
             "machine": busy,
             "softirq": softirq,
-            "proxy": process_ticks(service.pid),
-            "backend": process_ticks(self.services["backend"].pid),
-            "postgres": sum(process_ticks(pid) for pid in pg_pids),
-            "redis": process_ticks(self.services["redis"].pid) if "redis" in self.services else 0,
+            "proxy": sum(process_ticks(pid) for pid in proxy_pids),
+            "proxy_sys": sum(process_ticks(pid, user=False) for pid in proxy_pids),
+            "backend": process_ticks(backend.pid) if backend and counter is backend else 0,
+            "redis": process_ticks(redis.pid) if redis else 0,
             "wrk": children_ticks(),
         }
 
     @staticmethod
     def _cpu(
-        before: dict[str, float], after: dict[str, float], seconds: float, direct: bool
+        before: dict[str, float],
+        after: dict[str, float],
+        pg_ticks: int,
+        seconds: float,
+        direct: bool,
+        counter: Service | None,
     ) -> CpuUse:
         def pct(name: str) -> float:
             return 100.0 * (after[name] - before[name]) / TICKS / seconds
 
-        proxy = 0.0 if direct else pct("proxy")
         use = CpuUse(
-            proxy=proxy,
-            backend=pct("backend"),
-            postgres=pct("postgres"),
+            proxy=0.0 if direct else pct("proxy"),
+            proxy_sys=0.0 if direct else pct("proxy_sys"),
+            backend=pct("backend") if counter is not None else 0.0,
+            postgres=100.0 * pg_ticks / TICKS / seconds,
             redis=pct("redis"),
             wrk=pct("wrk"),
             softirq=pct("softirq"),
@@ -564,26 +784,246 @@ class Bench:
 
     def jobs_stored(self, store: str, prefix: str) -> int:
         if store == "pg":
-            return pg_jobs(self.args.pg_dsn, prefix)
+            return pg_jobs(self.args.pg_dsn, prefix, self.database)
         return sqlite_jobs(self.sqlite_path, prefix)
 
     def prewarm_replays(self, proxy: Service, name: str = "replay") -> None:
         """Store each replay key once, then check that a repeat is answered as a replay."""
         self.replay_prefix = f"{self.nonce}-{name}"
+        self.replay_count = self.args.replay_keys
         headers = {"Content-Type": "application/json"}
         for number in range(self.args.replay_keys):
             key = {"Idempotency-Key": f"{self.replay_prefix}-{number}"}
             status, got, _ = http_request(proxy.port, "POST", PATH, headers | key, BODY)
-            if status != 201 or "Idempotent-Replayed" in got:
+            if status != 201 or "Idempotent-Replayed" in {k.title() for k in got}:
                 raise RuntimeError(f"pre-warm of replay key {number}: {status} {got}")
         key = {"Idempotency-Key": f"{self.replay_prefix}-0"}
         status, got, _ = http_request(proxy.port, "POST", PATH, headers | key, BODY)
-        if status != 201 or got.get("Idempotent-Replayed") != "true":
+        replayed = {k.title(): v for k, v in got.items()}.get("Idempotent-Replayed")
+        if status != 201 or replayed != "true":
             raise RuntimeError(f"a pre-warmed key was not replayed: {status} {got}")
+
+    # -- profiles: where the proxy's CPU goes
+
+    def profile(self, scenario: Scenario, proxy: Service) -> None:
+        """py-spy samples of the proxy during an extra, unmeasured run at saturation."""
+        threads, connections = CONCURRENCY[-1]
+        label = f"profile-{scenario.name}-c{connections}"
+        print(f"bench: {label}: {self.args.duration:g}s (py-spy) …", flush=True)
+        args = self.script_args(scenario, label)
+        seconds = self.args.duration + 1
+        argv = wrk_argv(self.wrk, proxy.url, scenario.script, threads, connections, seconds, *args)
+        raw = self.run_dir / f"{label}.txt"
+        with subprocess.Popen(
+            argv, env=WRK_ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        ) as load:
+            time.sleep(0.5)
+            spy = profiling.record(tools.bench_tool("py-spy"), proxy.pid, self.args.duration, raw)
+            spy.wait(self.args.duration + 60)
+            load.wait(seconds + 60)
+        summary = profiling.summarise(raw)
+        if summary is None:
+            log = raw.with_suffix(".log")
+            text = log.read_text() if log.exists() else ""
+            raise RuntimeError(f"py-spy recorded nothing for {label}: {text}")
+        self.profiles[scenario.name] = asdict(summary) | {"raw": str(raw.relative_to(ROOT))}
+
+    # -- memory
+
+    def run_memory(self) -> None:
+        backend = self.services["backend"]
+        long = ["--upstream-timeout", "120", "--max-wait", "120"]
+        hold_env = {"IDEMPROXY_MAX_WAITERS_PER_KEY": str(self.args.hold + 100)}
+        tests: list[tuple[str, dict[str, str], Callable[[Service], Any]]] = [
+            (
+                "proxy-hold",
+                hold_env,
+                lambda proxy: memory.hold_test(
+                    proxy.url,
+                    backend.url,
+                    proxy.admin_url or "",
+                    proxy.pid,
+                    f"{self.nonce}-hold",
+                    self.args.hold,
+                ),
+            ),
+            (
+                "proxy-bodies",
+                {},
+                lambda proxy: memory.bodies_test(
+                    proxy.url, backend.url, proxy.pid, f"{self.nonce}-body", 100, 10 * memory.MIB
+                ),
+            ),
+            (
+                "proxy-bodies-passthrough",
+                {},
+                lambda proxy: memory.bodies_test(
+                    proxy.url, backend.url, proxy.pid, None, 100, 10 * memory.MIB
+                ),
+            ),
+        ]
+        for name, env, test in tests:
+            print(f"bench: memory: {name} …", flush=True)
+            with running(self.start_proxy(name, self.pg_store(), *long, env=env)) as proxy:
+                time.sleep(0.5)
+                result: memory.MemoryResult = asyncio.run(test(proxy))
+            self.memory_results.append(result)
+            print(
+                f"bench: memory: {result.title}: VmHWM {result.hwm_mb:.0f} MB, peak VmRSS "
+                f"{result.rss_peak_mb:.0f} MB, statuses {result.statuses}",
+                flush=True,
+            )
+
+    # -- optional: the sweeper under 1,000 expiring jobs per second
+
+    def run_sweeper(self) -> None:
+        """New keys at saturation with the sweeper idle, then with SWEEP_RATE jobs expiring per
+        second (generated with one INSERT … SELECT generate_series), sweeping every second."""
+        env = {"IDEMPROXY_SWEEPER__INTERVAL": "1"}
+        scenario = SCENARIOS["new-pg"]
+        with running(self.start_proxy("proxy-sweeper", self.pg_store(), env=env)):
+            self.services["proxy-pg"] = self.services["proxy-sweeper"]
+            self.variant = "sweeper-idle"
+            self.measure(scenario, CONCURRENCY[-1:])
+            window = self.args.warmup + self.args.duration + 3
+            rows = int(SWEEP_RATE * window)
+            start = time.monotonic()
+            pg(
+                self.args.pg_dsn,
+                _EXPIRING_JOBS,
+                rows,
+                SWEEP_RATE,
+                f"{self.nonce}-expiring",
+                database=self.database,
+            )
+            backlog: list[int] = []
+            stop = threading.Event()
+
+            def watch() -> None:
+                while not stop.wait(0.5):
+                    backlog.append(self._expired_backlog())
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            self.variant = "sweeper-busy"
+            try:
+                self.measure(scenario, CONCURRENCY[-1:])
+            finally:
+                stop.set()
+                watcher.join()
+                self.variant = ""
+            elapsed = time.monotonic() - start
+            time.sleep(2.0)
+            self.extras["sweeper"] = {
+                "rate": SWEEP_RATE,
+                "rows": rows,
+                "interval": 1.0,
+                "elapsed": elapsed,
+                "backlog_max": max(backlog, default=0),
+                "backlog_samples": backlog,
+                "backlog_end": self._expired_backlog(),
+                "left": pg_jobs(self.args.pg_dsn, f"{self.nonce}-expiring", self.database),
+            }
+
+    def _expired_backlog(self) -> int:
+        rows = pg(
+            self.args.pg_dsn,
+            "SELECT count(*) FROM idemproxy.jobs WHERE expires_at <= now() "
+            "AND state IN ('completed', 'released')",
+            database=self.database,
+        )
+        return int(rows[0][0])
+
+    # -- optional: a store of millions of jobs
+
+    def run_big_store(self) -> None:
+        """New keys and replays at saturation on an empty store, then on one of
+        --big-store-rows jobs (one INSERT … SELECT generate_series, jobs and attempts)."""
+        recreate_db(self.args.pg_dsn, BIG_DB)
+        self.database = BIG_DB
+        try:
+            with running(self.start_proxy("proxy-pg", self.pg_store())) as proxy:
+                self.variant = "big-store-empty"
+                self.measure(SCENARIOS["new-pg"], CONCURRENCY[-1:])
+                self.prewarm_replays(proxy, "big-empty")
+                self.measure(SCENARIOS["replay-pg"], CONCURRENCY[-1:])
+                self.variant = ""
+                rows = self.args.big_store_rows
+                print(f"bench: big store: generating {rows:,} jobs …", flush=True)
+                started = time.monotonic()
+                pg(
+                    self.args.pg_dsn,
+                    _BIG_STORE,
+                    rows,
+                    database=BIG_DB,
+                    session=["SET session_replication_role = replica"],
+                )
+                generated = time.monotonic() - started
+                pg(self.args.pg_dsn, "VACUUM (ANALYZE) idemproxy.jobs", database=BIG_DB)
+                pg(self.args.pg_dsn, "VACUUM (ANALYZE) idemproxy.attempts", database=BIG_DB)
+                pg(self.args.pg_dsn, "CHECKPOINT", database=BIG_DB)
+                prepared = time.monotonic() - started
+                size = pg(
+                    self.args.pg_dsn,
+                    "SELECT pg_size_pretty(pg_database_size(current_database()))",
+                    database=BIG_DB,
+                )[0][0]
+                self.variant = "big-store"
+                self.measure(SCENARIOS["new-pg"], CONCURRENCY[-1:])
+                self.replay_prefix, self.replay_count = "big", rows  # keys spread over them all
+                self.measure(SCENARIOS["replay-pg"], CONCURRENCY[-1:])
+                self.extras["big_store"] = {
+                    "rows": rows,
+                    "generate_seconds": generated,
+                    "prepare_seconds": prepared,
+                    "size": size,
+                }
+        finally:
+            self.variant = ""
+            self.database = BENCH_DB
+            drop_db(self.args.pg_dsn, BIG_DB)
 
     def stop_all(self) -> None:
         for service in reversed(list(self.services.values())):
             service.stop()
+
+
+# Copies of one real completed job (the pre-warmed replay key `…-big-empty-0`: its owner,
+# fingerprint and stored response), under keys big-0 … big-(N-1), with one attempt each.
+# session_replication_role = replica skips the foreign-key trigger: the rows satisfy it by
+# construction, and checking ten million of them would double the load time.
+_BIG_STORE = """
+WITH template AS (
+    SELECT * FROM idemproxy.jobs WHERE key LIKE '%-big-empty-0' AND state = 'completed' LIMIT 1
+), jobs AS (
+    INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, state, version,
+                                attempt_count, completed_by, response_status, response_headers,
+                                response_body, created_at, updated_at, expires_at)
+    SELECT t.owner, 'big-' || g, gen_random_uuid(), t.fingerprint, t.method, t.path, 'completed',
+           2, 1, 1, t.response_status, t.response_headers, t.response_body, now(), now(),
+           now() + interval '1 day'
+    FROM template t, generate_series(0, $1::bigint - 1) AS g
+    RETURNING owner, id
+)
+INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, state, status, finished_at)
+SELECT owner, id, 1, 'http://127.0.0.1/', 'succeeded', 201, now() FROM jobs
+"""
+
+# $1 jobs expiring $2 per second from one second from now, completed, with one attempt each.
+_EXPIRING_JOBS = """
+WITH jobs AS (
+    INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, state, version,
+                                completed_by, response_status, response_headers, response_body,
+                                expires_at)
+    SELECT 'anonymous', $3::text || '-' || g, gen_random_uuid(), repeat('0', 64), 'POST', '/orders',
+           'completed', 2, 1, 201, '[["Content-Type","application/json"]]'::jsonb,
+           '\\x7b7d'::bytea, now() + interval '1 second' + g * interval '1 second' / $2::int
+    FROM generate_series(0, $1::int - 1) AS g
+    RETURNING owner, id
+)
+INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, state, status, finished_at)
+SELECT owner, id, 1, 'http://127.0.0.1/', 'succeeded', 201, now() FROM jobs
+"""
 
 
 # --- facts about this machine and run --------------------------------------------------------
@@ -604,7 +1044,7 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def memory() -> str:
+def memory_total() -> str:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
             return f"{int(line.split()[1]) / 1024 / 1024:.0f} GiB"
@@ -632,210 +1072,71 @@ def other_processes(limit: int = 5) -> list[str]:
     return found
 
 
-def facts(args: argparse.Namespace, wrk: str) -> dict[str, str]:
-    pg_version = pg(args.pg_dsn, "SHOW server_version", database=pg_admin_db(args.pg_dsn))[0][0]
-    sync = pg(args.pg_dsn, "SHOW synchronous_commit", database=pg_admin_db(args.pg_dsn))[0][0]
+def peer_versions(bench_python: Path) -> str:
+    names = ("asgi-idempotency-header", "starlette", "uvicorn", "redis")
+    code = f"import importlib.metadata as m;print(' / '.join(m.version(n) for n in {names!r}))"
+    return command_output([str(bench_python), "-c", code]) or "unknown"
+
+
+def facts(args: argparse.Namespace, found: dict[str, str], bench_python: Path) -> dict[str, str]:
+    admin = pg_admin_db(args.pg_dsn)
+    pg_version = pg(args.pg_dsn, "SHOW server_version", database=admin)[0][0]
+    sync = pg(args.pg_dsn, "SHOW synchronous_commit", database=admin)[0][0]
+    buffers = pg(args.pg_dsn, "SHOW shared_buffers", database=admin)[0][0]
+    redis = tools.version([found["redis-server"], "--version"]).split(" sha=")[0]
+    nginx_version = tools.version([found["nginx"], "-v"]).rpartition("/")[2]
     return {
         "CPU": f"{cpu_model()}, {command_output(['nproc']) or os.cpu_count()} cores (nproc)",
-        "Memory": memory(),
+        "Memory": memory_total(),
         "OS": f"{platform.system()} {platform.release()}",
         "Python": platform.python_version(),
         "aiohttp / uvloop": f"{metadata.version('aiohttp')} / {metadata.version('uvloop')}",
         "asyncpg / aiosqlite": f"{metadata.version('asyncpg')} / {metadata.version('aiosqlite')}",
-        "PostgreSQL": f"{pg_version.split()[0]} on 127.0.0.1, synchronous_commit={sync}",
+        "PostgreSQL": (
+            f"{pg_version.split()[0]} on 127.0.0.1, synchronous_commit={sync}, "
+            f"shared_buffers={buffers}"
+        ),
         "SQLite": f"{sqlite3.sqlite_version}, a file on local disk (WAL, synchronous=FULL)",
-        "wrk": wrk_version(wrk),
+        "Redis": redis.removeprefix("Redis server ").removeprefix("v="),
+        "nginx": f"{nginx_version}; {nginx.describe()}",
+        "pgbench": tools.version([found["pgbench"], "--version"]),
+        "peer": (
+            "asgi-idempotency-header / starlette / uvicorn / redis-py "
+            f"{peer_versions(bench_python)}, one uvicorn process (uvloop, httptools)"
+        ),
+        "wrk": tools.version([found["wrk"], "-v"]).split(" [", 1)[0].removeprefix("wrk "),
         "idemproxy": f"{metadata.version('idemproxy')}, commit {git_revision()}",
     }
-
-
-# --- the report ----------------------------------------------------------------------------------
-
-
-def ratios(results: list[Result]) -> dict[tuple[str, int], dict[str, float]]:
-    direct = {r.connections: r for r in results if r.scenario == "direct"}
-    out: dict[tuple[str, int], dict[str, float]] = {}
-    for r in results:
-        base = direct[r.connections]
-        out[r.scenario, r.connections] = {
-            "throughput": r.rps / base.rps,
-            "p50_overhead": r.latency_ms["p50"] - base.latency_ms["p50"],
-            "p99_overhead": r.latency_ms["p99"] - base.latency_ms["p99"],
-        }
-    return out
-
-
-def results_table(results: list[Result]) -> str:
-    rel = ratios(results)
-    lines = [
-        "| Scenario | Conns | req/s | p50 ms | p99 ms | req/s vs direct "
-        "| p50 overhead ms | p99 overhead ms | Errors |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in results:
-        x = rel[r.scenario, r.connections]
-        if r.scenario == "direct":
-            relative = ["1", "-", "-"]
-        else:
-            relative = [
-                f"{x['throughput']:.3f}",
-                f"{x['p50_overhead']:+.2f}",
-                f"{x['p99_overhead']:+.2f}",
-            ]
-        cells = [
-            r.title,
-            str(r.connections),
-            f"{r.rps:,.0f}",
-            f"{r.latency_ms['p50']:.2f}",
-            f"{r.latency_ms['p99']:.2f}",
-            *relative,
-            str(r.error_count),
-        ]
-        lines.append(f"| {' | '.join(cells)} |")
-    return "\n".join(lines)
-
-
-def cpu_table(results: list[Result]) -> str:
-    lines = [
-        "| Scenario | Conns | proxy | backend | PostgreSQL | Redis | wrk | kernel irq | other |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in results:
-        c = r.cpu
-        proxy = "-" if r.scenario == "direct" else f"{c.proxy:.0f} %"
-        postgres = "-" if r.scenario in ("direct", "new-sqlite") else f"{c.postgres:.0f} %"
-        redis = f"{c.redis:.0f} %" if r.scenario.endswith("-redis") else "-"
-        cells = [r.title, str(r.connections), proxy, f"{c.backend:.0f} %", postgres, redis]
-        cells += [f"{c.wrk:.0f} %", f"{c.softirq:.0f} %", f"{c.other:.0f} %"]
-        lines.append(f"| {' | '.join(cells)} |")
-    return "\n".join(lines)
-
-
-def check(r: Result) -> str | None:
-    """What a run must show, or None when it has nothing to check."""
-    conns = f"{r.connections} connection{'s' if r.connections > 1 else ''}"
-    if r.jobs_stored is not None:
-        ok = r.jobs_stored == r.upstream_calls and r.jobs_stored >= r.requests
-        verdict = "ok" if ok else "**MISMATCH**: every new key must store one job and execute once"
-        return (
-            f"{r.title}, {conns}: {r.requests:,} responses, {r.jobs_stored:,} jobs stored, "
-            f"{r.upstream_calls:,} upstream calls: {verdict}."
-        )
-    if r.scenario.startswith("replay-pg"):
-        verdict = "ok" if r.upstream_calls == 0 else "**MISMATCH**: a replay must not execute"
-        calls = f"{r.upstream_calls:,} upstream calls"
-        return f"{r.title}, {conns}: {r.requests:,} responses, {calls}: {verdict}."
-    return None
-
-
-def checks(results: list[Result]) -> list[str]:
-    return [f"- {line}" for r in results if (line := check(r))]
-
-
-def load_note(before: float, after: float, results: list[Result], others: list[str]) -> str:
-    busiest = max(r.cpu.other for r in results)
-    idle = before < 10 and after < 10 and busiest < 10
-    text = (
-        f"Busy CPU with none of the benchmark's processes running: {before:.0f} % of one core "
-        f"before the run, {after:.0f} % after it; during the measured runs, other processes used "
-        f"up to {busiest:.0f} % (the column *other* below)."
-    )
-    if idle:
-        return "The machine was idle. " + text
-    seen = (
-        f" Busy processes at the start (ps, CPU averaged over their life): {'; '.join(others)}."
-        if others
-        else ""
-    )
-    return (
-        "**The machine was not idle during this run**: other work shared its 2 cores and the "
-        "PostgreSQL server, so absolute numbers are lower and noisier than on a quiet machine. "
-        + text
-        + seen
-    )
-
-
-def render(
-    results: list[Result], info: dict[str, str], args: argparse.Namespace, load: str, when: str
-) -> str:
-    machine = "\n".join(f"| {k} | {v} |" for k, v in info.items())
-    notes = "".join(f"\n{note}\n" for note in args.note)
-    return f"""# Benchmarks
-
-Backend direct vs. through idemproxy, measured in one run of `bench/run` on {when}.
-Each row is one wrk run of {args.duration:g} s (after a {args.warmup:g} s warm-up that is not
-counted), at 1 connection (`wrk -t1 -c1`) and 32 connections (`wrk -t2 -c32`), against a minimal
-aiohttp backend on uvloop. wrk, the backend, the proxy and PostgreSQL all share the same machine,
-so these are numbers from one run on a small box: **the ratios matter more than the absolute
-values.**
-
-| Machine | |
-| --- | --- |
-{machine}
-
-{load}
-{notes}
-## Results
-
-*req/s vs direct* is the scenario's throughput divided by the backend's own at the same number of
-connections; the overheads are the scenario's latency percentile minus the backend's (ms).
-
-{results_table(results)}
-
-Scenarios:
-- **backend direct**: POST with a small JSON body straight to the backend (201, small JSON).
-- **pass-through**: the same POST through the proxy without an `Idempotency-Key`; no storage call.
-- **new keys**: every request has a key never seen before (`bench/unique_key.lua`): a claim, the
-  upstream call and the completion write, on PostgreSQL or SQLite.
-- **replays**: requests cycle through {args.replay_keys} keys stored beforehand
-  (`bench/replay_keys.lua`); each is answered from PostgreSQL without calling the backend.
-- **PostgreSQL + Redis**: the same two with `--redis` (a local redis-server of the benchmark's
-  own, no persistence): a new key also looks Redis up first and caches its completion in the
-  background; a replay is answered from Redis without any PostgreSQL statement.
-
-## Where the CPU went
-
-CPU time during each measured run, in % of one core (the machine has 200 %). *PostgreSQL* counts
-the server processes connected to the benchmark database (not its WAL writer); *kernel irq* is
-interrupt and softirq time, much of it loopback TCP, which Linux charges to no process; *other*
-is everything else: other people's processes and hypervisor steal.
-
-{cpu_table(results)}
-
-## Checks
-
-{chr(10).join(checks(results))}
-
-## Rerun
-
-From the repository root, with PostgreSQL reachable at `{redacted(args.pg_dsn)}`
-(`--pg-dsn` or `BENCH_PG_DSN` to change it; the benchmark creates and drops only the database
-`{BENCH_DB}`), run `bench/run`. It takes about {estimate(args):.0f} s; `bench/run --duration 10`
-or `BENCH_DURATION=10 bench/run` makes each run longer, `bench/run --help` lists the rest. It
-installs wrk with apt-get when run as root, writes this file, and keeps the raw results and the
-processes' logs in `bench/results/` (not committed). Compare ratios across runs, not absolute
-numbers, and prefer a quiet machine.
-"""
-
-
-def estimate(args: argparse.Namespace) -> float:
-    per_run = float(args.duration) + float(args.warmup) + 1.0
-    return len(SCENARIOS) * len(CONCURRENCY) * per_run + 10.0
 
 
 # --- entry point ---------------------------------------------------------------------------------
 
 
+def estimate(args: argparse.Namespace) -> float:
+    per_run = float(args.duration) + float(args.warmup) + 1.5
+    runs = len(SCENARIOS) * len(CONCURRENCY) + len(PROFILED)
+    total = runs * per_run + 60.0  # + starting things, pre-warming, the memory tests
+    if args.sweeper:
+        total += 2 * per_run + 10
+    if args.big_store:
+        total += 4 * per_run + args.big_store_rows / 9_000
+    return total
+
+
+ONLY = (*SCENARIOS, "memory", "profiles")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     env = os.environ.get
     parser = argparse.ArgumentParser(
-        prog="bench/run", description="Benchmark idemproxy against its backend with wrk."
+        prog="bench/run",
+        description="Benchmark idemproxy against its backend, nginx and an in-process peer.",
     )
     parser.add_argument(
         "--duration",
         type=float,
         default=float(env("BENCH_DURATION", "5")),
-        help="seconds per measured wrk run (env BENCH_DURATION, default 5)",
+        help="seconds per measured run (env BENCH_DURATION, default 5)",
     )
     parser.add_argument(
         "--warmup",
@@ -846,18 +1147,52 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pg-dsn",
         default=env("BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"),
-        help=f"an administrative DSN, used only to create and drop {BENCH_DB} (env BENCH_PG_DSN)",
+        help=(
+            f"an administrative DSN, used only to create and drop {BENCH_DB}, {PGBENCH_DB} and "
+            f"{BIG_DB} (env BENCH_PG_DSN)"
+        ),
     )
     parser.add_argument("--replay-keys", type=int, default=64, help="stored keys to replay")
+    parser.add_argument(
+        "--hold", type=int, default=2000, help="held duplicates in the memory test (2000)"
+    )
+    parser.add_argument(
+        "--sweeper",
+        action="store_true",
+        help=f"also: new keys while {SWEEP_RATE:,} jobs expire per second (about 20 s more)",
+    )
+    parser.add_argument(
+        "--big-store",
+        action="store_true",
+        help="also: new keys and replays on a store of --big-store-rows jobs (minutes more)",
+    )
+    parser.add_argument("--big-store-rows", type=int, default=10_000_000, metavar="N")
+    parser.add_argument(
+        "--only",
+        type=lambda text: [name.strip() for name in text.split(",") if name.strip()],
+        default=[],
+        metavar="NAMES",
+        help=f"run only these (comma-separated; the backend direct always runs): {', '.join(ONLY)}",
+    )
     parser.add_argument(
         "--output", type=Path, default=ROOT / "docs" / "benchmarks.md", help="the report to write"
     )
     parser.add_argument(
         "--note", action="append", default=[], help="a sentence to add to the report (repeatable)"
     )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="measure nothing: write the report and plot again from a run's results.json "
+        "(after editing bench/findings.md, say)",
+    )
     args = parser.parse_args(argv)
     if args.duration < 1 or args.duration > 120 or args.warmup < 0 or args.warmup > 30:
         parser.error("--duration must be 1-120 s and --warmup 0-30 s")
+    unknown = [name for name in args.only if name not in ONLY]
+    if unknown:
+        parser.error(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(ONLY)}")
     return args
 
 
@@ -866,43 +1201,67 @@ def _terminate(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop our processes
 
 
+def write_report(data: dict[str, Any], raw: Path, output: Path, bench_python: Path) -> list[str]:
+    """docs/benchmarks.md and its plot from one run's results; the failed checks."""
+    image = output.with_suffix(".png")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [str(bench_python), str(BENCH / "plot.py"), str(raw), str(image)],
+        check=True,
+        timeout=120,
+    )
+    text, failures = report.render(data, image.name)
+    output.write_text(text)
+    print(report.summary(data))
+    print(f"bench: wrote {output} and {image}")
+    return failures
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render is not None:
+        data = json.loads(args.render.read_text())
+        return 1 if write_report(data, args.render, args.output, tools.bench_python()) else 0
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
-    wrk = ensure_wrk()
+    found = tools.ensure_debian_tools(["wrk", "nginx", "pgbench", "redis-server"])
+    bench_python = tools.bench_python()
     stamp = datetime.now(UTC)
     run_dir = BENCH / "results" / stamp.strftime("%Y%m%dT%H%M%SZ")
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"bench: about {estimate(args):.0f} s; logs and raw results in {run_dir}", flush=True)
     others = other_processes()
     idle_before = background_busy()
-    info = facts(args, wrk)
-    bench = Bench(args, wrk, run_dir)
-    recreate_bench_db(args.pg_dsn)
+    info = facts(args, found, bench_python)
+    bench = Bench(args, found, bench_python, run_dir)
+    recreate_db(args.pg_dsn, BENCH_DB)
+    started = time.monotonic()
     try:
         bench.run_all()
     finally:
         bench.stop_all()
-        drop_bench_db(args.pg_dsn)
+        drop_db(args.pg_dsn, BENCH_DB)
+    elapsed = time.monotonic() - started
     idle_after = background_busy()
-    results = bench.results
-    load = load_note(idle_before, idle_after, results, others)
     when = stamp.strftime("%Y-%m-%d %H:%M UTC")
-    (run_dir / "results.json").write_text(
-        json.dumps({"when": when, "facts": info, "results": [asdict(r) for r in results]}, indent=2)
-    )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(render(results, info, args, load, when))
-    print(f"\n{results_table(results)}\n\n{cpu_table(results)}\n\n{load}\n")
-    print(f"bench: wrote {args.output}")
-    failed = [r for r in results if r.error_count]
-    if failed:
-        print(f"bench: {len(failed)} runs had errors (non-2xx or socket errors)", file=sys.stderr)
-    mismatched = [line for line in checks(results) if "MISMATCH" in line]
-    for line in mismatched:
+    data = {
+        "when": when,
+        "facts": info,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "elapsed": elapsed,
+        "load": {"before": idle_before, "after": idle_after, "others": others},
+        "results": [asdict(r) for r in bench.results],
+        "memory": [asdict(m) for m in bench.memory_results],
+        "profiles": bench.profiles,
+        "extras": bench.extras,
+    }
+    raw = run_dir / "results.json"
+    raw.write_text(json.dumps(data, indent=2))
+    failures = write_report(data, raw, args.output, bench_python)
+    print(f"bench: the run took {elapsed:.0f} s")
+    for line in failures:
         print(f"bench: check failed: {line}", file=sys.stderr)
-    return 1 if failed or mismatched else 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
