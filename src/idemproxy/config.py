@@ -189,12 +189,17 @@ class ServerSettings(BaseModel):
 
     model_config = _STRICT
     keepalive_timeout: float = Field(default=15.0, gt=0)
+    # A request head must arrive in full within this many seconds of its first byte (of the
+    # connection, for a new one): aiohttp has no such deadline (slowloris, proxy/listener.py).
+    header_read_timeout: float = Field(default=10.0, gt=0)
     body_read_timeout: float = Field(default=30.0, gt=0)
     # Governed request bodies larger than this many bytes wait on disk, not in memory; they are
     # fingerprinted as raw bytes (JSON canonicalisation applies up to this size).
     spool_threshold: int = Field(default=1024 * 1024, ge=0)
     max_line_size: int = Field(default=8190, gt=0)
     max_field_size: int = Field(default=8190, gt=0)
+    # Header lines per request; aiohttp before 3.14 allowed 32768 (of max_field_size each).
+    max_headers: int = Field(default=128, gt=0)
     shutdown_timeout: float = Field(default=30.0, ge=0)
 
 

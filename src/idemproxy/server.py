@@ -21,6 +21,7 @@ from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import drain
+from idemproxy.proxy.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store, wrap_with_cache
 
@@ -67,7 +68,8 @@ async def _serve_until_signalled(settings: Settings, store: Store) -> None:
     await proxy.setup()
     await admin.setup()
     try:
-        await _start(proxy, settings.listen)
+        # SPEC §9: the proxy listener cuts off slow request heads (proxy/listener.py).
+        await GuardedSite(proxy, settings.listen, settings.server).start()
         await _start(admin, settings.admin.listen)
         log.info(
             "idemproxy listening on %s (admin %s), store %s",

@@ -11,6 +11,7 @@ from idemproxy.owner import derive_owner
 from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.governed import handle_governed
+from idemproxy.proxy.listener import head_read
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.trace import Trace, record
@@ -18,6 +19,7 @@ from idemproxy.types import Intent
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
+    head_read(request)  # SPEC §9: the header-read deadline is over for this request
     ctx = request.app[CONTEXT]
     trace = Trace()
     ctx.requests_in_flight += 1

@@ -1,0 +1,195 @@
+"""The client-facing listener: the slow-client deadline aiohttp lacks (SPEC §9), quiet 400s (§8).
+
+aiohttp reads a request head without a deadline of its own. Before 3.14 a connection that
+trickles header bytes (slowloris) is never cut off; since then only by `keepalive_timeout`, which
+behind a load balancer must outlast the balancer's idle timeout (60 s on AWS ALB). Each
+connection here is served by `GuardedHandler` instead: a new connection must deliver its first
+request head within `server.header_read_timeout`, and on a kept-alive connection the next head
+must arrive in full within that time of its first byte. Idle time between requests stays
+`keepalive_timeout`'s business. A head that is too slow gets 408 and the connection is closed;
+nothing of it reached the handler, so no job exists and nothing went upstream.
+
+The request handler tells its connection when a head was read (`head_read`): from then on only
+the body deadline (`server.body_read_timeout`) and the upstream timeout apply, until the
+response has been written. Private aiohttp surface used here: `RequestHandler.finish_response`
+and `Server._kwargs` (tests/hostile pin both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import HttpVersion11, StreamReader, hdrs, web
+
+from idemproxy.config import ServerSettings, parse_listen
+from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
+from idemproxy.errors import RequestTimeout
+from idemproxy.proxy.problems import problem_response
+
+log = logging.getLogger(__name__)
+
+
+class GuardedHandler(web.RequestHandler):
+    """aiohttp's connection handler plus a header-read deadline and 4xx pages that echo nothing."""
+
+    def __init__(self, manager: web.Server, *, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._header_timeout = header_timeout
+        self._deadline: asyncio.TimerHandle | None = None
+        self._serving = False  # the head of the current request was read; its handler runs
+        self._head_started = False  # bytes of the next head arrived since the last response
+        self._unread: StreamReader | None = None  # a body aiohttp drains after the response
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()  # a new connection owes its first head within the deadline
+
+    def data_received(self, data: bytes) -> None:
+        if data and not self._serving and not self._draining():
+            self._head_started = True
+            if self._deadline is None:
+                self._arm()  # the first byte of the next head on a kept-alive connection
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def head_read(self) -> None:
+        """The request's head arrived and its handler runs: no deadline until the response."""
+        self._serving = True
+        self._disarm()
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        # Every response ends here, also those answered before the handler ran (417).
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._served(request, resp.status)
+
+    def _served(self, request: web.BaseRequest, status: int) -> None:
+        """The response is out: the next byte starts a new head (unless it is unread body)."""
+        self._serving = self._head_started = False
+        self._disarm()
+        body = request.content
+        self._unread = None if body.is_eof() else body
+        if status == 408 and self._unread is not None:
+            # Too slow to send its body: it will not finish while aiohttp lingers over it
+            # (up to 10 s more). Close now.
+            self.force_close()
+        elif request.version < HttpVersion11 and hdrs.TRANSFER_ENCODING in request.headers:
+            # RFC 9112 §6.1: HTTP/1.0 with Transfer-Encoding has faulty framing: close after it
+            # (aiohttp kept such a connection alive for the next request).
+            self.force_close()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        # SPEC §8: never echo raw attacker bytes. aiohttp's own page quotes the offending line,
+        # and logs a traceback per malformed request (a cheap way to flood the logs).
+        log.info("malformed request from %s refused with %d", request.remote, status)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response has started; no room for the 4xx")
+        response = web.Response(status=status, text=f"{status} {_phrase(status)}\n")
+        response.force_close()
+        return response
+
+    def _draining(self) -> bool:
+        """Whether bytes are the rest of an unread body (aiohttp's lingering_time bounds it)."""
+        if self._unread is not None and not self._unread.is_eof():
+            return True
+        self._unread = None
+        return False
+
+    def _arm(self) -> None:
+        self._disarm()
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(self._header_timeout, self._head_timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._deadline = None
+        transport = self.transport
+        if self._serving or transport is None or transport.is_closing():
+            return
+        if self._head_started:  # RFC 9110 §15.5.9; a connection that sent nothing just closes
+            transport.write(_REQUEST_TIMEOUT)
+        self.force_close()
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Client Error"
+
+
+def _request_timeout_bytes() -> bytes:
+    """A complete 408 problem response (SPEC §8), written straight to the socket."""
+    error = RequestTimeout("The request head did not arrive in time.")
+    body = problem_response(error).body
+    assert isinstance(body, bytes)
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\n"
+        f"Content-Type: {PROBLEM_CONTENT_TYPE}\r\n"
+        f"{ERROR_HEADER}: {error.code}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+_REQUEST_TIMEOUT = _request_timeout_bytes()
+
+
+def head_read(request: web.BaseRequest) -> None:
+    """Stop the header-read deadline of the request's connection (a no-op on other listeners)."""
+    protocol = request.protocol
+    if isinstance(protocol, GuardedHandler):
+        protocol.head_read()
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP listener like `web.TCPSite` whose connections are served by `GuardedHandler`."""
+
+    def __init__(self, runner: web.AppRunner, listen: str, settings: ServerSettings) -> None:
+        super().__init__(runner)
+        self._host, self._port = parse_listen(listen)
+        self._settings = settings
+        self._app_runner = runner
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._app_runner.server
+        assert server is not None, "runner.setup() first"
+        loop = asyncio.get_running_loop()
+        # What aiohttp itself would pass to each connection's handler (the runner's keyword
+        # arguments and the app's handler_args), plus the deadline and the header-count bound.
+        kwargs = {**server._kwargs, "max_headers": self._settings.max_headers}
+        header_timeout = self._settings.header_read_timeout
+
+        def protocol() -> GuardedHandler:
+            return GuardedHandler(server, loop=loop, header_timeout=header_timeout, **kwargs)
+
+        self._server = await loop.create_server(
+            protocol, self._host, self._port, backlog=self._backlog, reuse_address=True
+        )

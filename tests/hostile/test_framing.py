@@ -1,0 +1,262 @@
+"""SPEC §8, §9: malformed framing against a real `idemproxy serve`, with both aiohttp parsers.
+
+Every case is a governed request (POST with an Idempotency-Key) whose framing is broken: it must
+get a clean 4xx (400, or 413 for an absurd length) or a closed connection; nothing may reach the
+backend and no job may exist afterwards. Each case runs against two proxy processes: one with
+aiohttp's C parser (llhttp, the default) and one with its pure-Python parser
+(`AIOHTTP_NO_EXTENSIONS=1`), which differ in what they tolerate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from backend import Ledger, backend_app
+from e2e.conftest import ProxyProcess, child_env, free_port
+from idemproxy.store.factory import create_store
+
+pytestmark = pytest.mark.slow
+
+HEAD = b"POST /pay HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: framing\r\n"
+
+CASES: dict[str, bytes] = {
+    # RFC 9112 §6.3: Content-Length with Transfer-Encoding is request smuggling's classic.
+    "length-and-chunked": HEAD
+    + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "chunked-and-length": HEAD
+    + b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n",
+    "two-lengths": HEAD + b"Content-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+    "two-equal-lengths": HEAD + b"Content-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+    "length-list": HEAD + b"Content-Length: 3, 3\r\n\r\nabc",
+    "length-plus": HEAD + b"Content-Length: +3\r\n\r\nabc",
+    "length-negative": HEAD + b"Content-Length: -1\r\n\r\nabc",
+    "length-hex": HEAD + b"Content-Length: 0x3\r\n\r\nabc",
+    "length-inner-space": HEAD + b"Content-Length: 1 2\r\n\r\nabc",
+    "length-overflow": HEAD + b"Content-Length: 99999999999999999999999\r\n\r\nabc",
+    "coding-not-chunked": HEAD + b"Transfer-Encoding: gzip\r\n\r\nabc",
+    "chunked-not-last": HEAD + b"Transfer-Encoding: chunked, gzip\r\n\r\n0\r\n\r\n",
+    "xchunked": HEAD + b"Transfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
+    "two-chunked": HEAD
+    + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "bad-chunk-size": HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+    "chunk-size-bare-lf": HEAD + b"Transfer-Encoding: chunked\r\n\r\n3\nabc\r\n0\r\n\r\n",
+    # RFC 9112 §5.2: obs-fold is rejected with 400 (or replaced by SP; aiohttp rejects).
+    "obs-fold": HEAD + b"X-Note: a\r\n b\r\nContent-Length: 0\r\n\r\n",
+    "obs-fold-in-key": b"POST /pay HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: a\r\n b\r\n"
+    b"Content-Length: 0\r\n\r\n",
+    "bare-lf-everywhere": b"POST /pay HTTP/1.1\nHost: proxy\nIdempotency-Key: framing\n"
+    b"Content-Length: 0\n\n",
+    "bare-lf-once": HEAD + b"X-Note: a\nContent-Length: 0\r\n\r\n",
+    "bare-cr": HEAD + b"X-Note: a\rX-Other: b\r\nContent-Length: 0\r\n\r\n",
+    "nul-in-value": HEAD + b"X-Note: a\x00b\r\nContent-Length: 0\r\n\r\n",
+    "cr-in-value": HEAD + b"X-Note: a\rb\r\nContent-Length: 0\r\n\r\n",
+    "nul-in-key": b"POST /pay HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: a\x00b\r\n"
+    b"Content-Length: 0\r\n\r\n",
+    "space-before-colon": HEAD + b"Content-Length : 3\r\n\r\nabc",
+    "space-in-name": HEAD + b"X Note: b\r\nContent-Length: 0\r\n\r\n",
+    "empty-name": HEAD + b": b\r\nContent-Length: 0\r\n\r\n",
+    # SPEC §9: server.max_field_size / max_line_size (8190) and server.max_headers (128).
+    "oversized-header": HEAD + b"X-Big: " + b"a" * 9000 + b"\r\nContent-Length: 0\r\n\r\n",
+    "oversized-request-line": b"POST /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: proxy\r\n"
+    b"Idempotency-Key: framing\r\nContent-Length: 0\r\n\r\n",
+    "too-many-headers": HEAD
+    + b"".join(b"X-H%d: v\r\n" % i for i in range(130))
+    + b"Content-Length: 0\r\n\r\n",
+    # RFC 9112 §3.2: more than one Host, or none in HTTP/1.1, is 400.
+    "two-hosts": b"POST /pay HTTP/1.1\r\nHost: a\r\nHost: b\r\nIdempotency-Key: framing\r\n"
+    b"Content-Length: 0\r\n\r\n",
+    "no-host": b"POST /pay HTTP/1.1\r\nIdempotency-Key: framing\r\nContent-Length: 0\r\n\r\n",
+    "bad-method-token": b"P<ST /pay HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: framing\r\n"
+    b"Content-Length: 0\r\n\r\n",
+    # A smuggled second request hidden in a body of disputed length is never run.
+    "smuggled-in-body": HEAD + b"Content-Length: 44\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"0\r\n\r\nPOST /hidden HTTP/1.1\r\nHost: proxy\r\n\r\n",
+}
+
+PARSERS = {"c-parser": {}, "python-parser": {"AIOHTTP_NO_EXTENSIONS": "1"}}
+
+
+class Proxies:
+    """The backend (in a thread of its own: module-scoped, loop-independent) and one proxy
+    process per parser."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.ledger = Ledger()
+        self.tmp = tmp
+        self.processes: dict[str, ProxyProcess] = {}
+        self.stores: dict[str, str] = {}
+        self._loop = asyncio.new_event_loop()
+        self._runner = web.AppRunner(backend_app(self.ledger), access_log=None)
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.backend_url = ""
+
+    def start(self) -> None:
+        self._thread.start()
+        self.backend_url = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(10)
+        for name, env in PARSERS.items():
+            self.stores[name] = f"sqlite:///{self.tmp}/{name}.db"
+            self.processes[name] = self._spawn(name, env)
+
+    async def _serve(self) -> str:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    def _spawn(self, name: str, env: dict[str, str]) -> ProxyProcess:
+        port = free_port()
+        args = ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{free_port()}"]
+        args += ["--upstream", self.backend_url, "--store", self.stores[name]]
+        process = ProxyProcess(name, args, port, 0, self.tmp, self.tmp)
+        process.spawn(child_env({**env, "IDEMPROXY_SERVER__HEADER_READ_TIMEOUT": "2"}))
+        deadline = time.monotonic() + 20
+        while True:
+            assert process.running, process.describe()
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+                return process
+            assert time.monotonic() < deadline, process.describe()
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            _stop(process)
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+def _stop(process: ProxyProcess) -> None:
+    """SIGTERM, a bounded wait, then SIGKILL; always reaped."""
+    if process.running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while process.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+    process.kill()
+
+
+@pytest.fixture(scope="module")
+def proxies(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxies]:
+    running = Proxies(tmp_path_factory.mktemp("framing"))
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+async def exchange(port: int, data: bytes, idle: float = 2.0) -> bytes:
+    """Send raw bytes; what the proxy answers until it closes the connection or, once it has
+    answered, falls silent (aiohttp lingers up to 10 s over an unread body before closing)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    answer = b""
+    try:
+        writer.write(data)
+        await writer.drain()
+        while chunk := await asyncio.wait_for(reader.read(65536), idle):
+            answer += chunk
+    except TimeoutError:
+        assert answer, "no answer at all, and the connection is still open"
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    return answer
+
+
+def request(path: str, key: str, extra: bytes = b"") -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nHost: p\r\nIdempotency-Key: {key}\r\nContent-Length: 1\r\n"
+    return head.encode() + extra + b"\r\nx"
+
+
+async def job_count(dsn: str) -> int:
+    store = create_store(dsn)
+    await store.open()
+    try:
+        return len(await store.list_jobs())
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("case", CASES)
+async def test_malformed_framing_is_refused_before_anything_happens(
+    proxies: Proxies, parser: str, case: str
+) -> None:
+    executed = len(proxies.ledger.executions)
+    jobs = await job_count(proxies.stores[parser])
+    answer = await exchange(proxies.processes[parser].port, CASES[case])
+    status_line = answer.split(b"\r\n", 1)[0]
+    # A clean 4xx (the connection then closed, as exchange() waited for), or just a close.
+    assert answer == b"" or status_line.split(b" ")[1] in (b"400", b"413"), answer[:200]
+    assert b"\x00" not in answer and b"framing" not in answer  # SPEC §8: no echo
+    await asyncio.sleep(0.05)
+    assert len(proxies.ledger.executions) == executed, proxies.ledger.executions[-1]
+    assert await job_count(proxies.stores[parser]) == jobs
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+async def test_pipelined_requests_are_answered_in_order_each_once(
+    proxies: Proxies, parser: str
+) -> None:
+    one = request("/one", f"pipe-1-{parser}")
+    two = request("/two", f"pipe-2-{parser}", b"Connection: close\r\n")
+    jobs = await job_count(proxies.stores[parser])
+    answer = await exchange(proxies.processes[parser].port, one + two)
+    assert answer.count(b"HTTP/1.1 201 Created") == 2
+    assert answer.index(b'"path": "/one"') < answer.index(b'"path": "/two"')
+    assert proxies.ledger.count(f"pipe-1-{parser}") == proxies.ledger.count(f"pipe-2-{parser}") == 1
+    assert await job_count(proxies.stores[parser]) == jobs + 2
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+async def test_garbage_pipelined_after_a_request_closes_with_400(
+    proxies: Proxies, parser: str
+) -> None:
+    """aiohttp parses what one read brought as a unit: garbage right behind a valid request in
+    the same packet gets the whole packet refused (400, closed) and nothing runs; if the packet
+    is split, the request runs once and the garbage alone is refused. Never more."""
+    key = f"pipe-3-{parser}"
+    jobs = await job_count(proxies.stores[parser])
+    answer = await exchange(
+        proxies.processes[parser].port, request("/one", key) + b"NOT HTTP AT ALL\r\n\r\n"
+    )
+    assert answer.split(b"\r\n")[0] in (b"HTTP/1.0 400 Bad Request", b"HTTP/1.1 201 Created")
+    assert b"400 Bad Request" in answer
+    ran = proxies.ledger.count(key)
+    assert ran <= 1
+    assert await job_count(proxies.stores[parser]) == jobs + ran
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+async def test_a_slow_head_is_cut_off_by_header_read_timeout(proxies: Proxies, parser: str) -> None:
+    """SPEC §9 in the real process: server.header_read_timeout (2 s here) cuts a trickle off."""
+    jobs = await job_count(proxies.stores[parser])
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxies.processes[parser].port)
+    began = time.monotonic()
+    answer = asyncio.ensure_future(reader.read())  # everything until the proxy closes
+    with contextlib.suppress(ConnectionError):
+        writer.write(HEAD)
+        while not answer.done() and time.monotonic() - began < 6:
+            writer.write(b"X-Slow: 1\r\n")
+            await writer.drain()
+            await asyncio.wait([answer], timeout=0.2)
+    cut_after = time.monotonic() - began
+    writer.close()
+    assert 1.5 < cut_after < 4
+    assert (await answer).startswith(b"HTTP/1.1 408 Request Timeout")
+    assert await job_count(proxies.stores[parser]) == jobs
