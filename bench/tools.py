@@ -71,7 +71,7 @@ def bench_python() -> Path:
     wanted = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
     if python.exists() and stamp.exists() and stamp.read_text().strip() == wanted:
         return python
-    print(f"bench: preparing {BENCH_VENV.relative_to(ROOT)} (pip install)…", flush=True)
+    print(f"bench: preparing {BENCH_VENV} (pip install)…", flush=True)
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True, timeout=300)
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
