@@ -484,7 +484,8 @@ class Bench:
             self.measure(SCENARIOS["direct"])
             if self.wanted("nginx"):
                 self.run_nginx()
-            if any(self.wanted(n) for n in ("passthrough", "new-pg", "replay-pg", "hot-pg")):
+            names = ("passthrough", "new-pg", "replay-pg", "hot-pg", "profiles")
+            if any(self.wanted(n) for n in names):
                 self.run_proxy_pg()
             if self.wanted("new-sqlite"):
                 with running(self.start_proxy("proxy-sqlite", f"sqlite:///{self.sqlite_path}")):
@@ -942,11 +943,12 @@ class Bench:
         recreate_db(self.args.pg_dsn, BIG_DB)
         self.database = BIG_DB
         try:
+            io: dict[str, Any] = {}
             with running(self.start_proxy("proxy-pg", self.pg_store())) as proxy:
                 self.variant = "big-store-empty"
-                self.measure(SCENARIOS["new-pg"], CONCURRENCY[-1:])
+                io["new-pg@empty"] = self.measure_io(SCENARIOS["new-pg"])
                 self.prewarm_replays(proxy, "big-empty")
-                self.measure(SCENARIOS["replay-pg"], CONCURRENCY[-1:])
+                io["replay-pg@empty"] = self.measure_io(SCENARIOS["replay-pg"])
                 self.variant = ""
                 rows = self.args.big_store_rows
                 print(f"bench: big store: generating {rows:,} jobs …", flush=True)
@@ -969,19 +971,41 @@ class Bench:
                     database=BIG_DB,
                 )[0][0]
                 self.variant = "big-store"
-                self.measure(SCENARIOS["new-pg"], CONCURRENCY[-1:])
+                io["new-pg@big"] = self.measure_io(SCENARIOS["new-pg"])
                 self.replay_prefix, self.replay_count = "big", rows  # keys spread over them all
-                self.measure(SCENARIOS["replay-pg"], CONCURRENCY[-1:])
+                io["replay-pg@big"] = self.measure_io(SCENARIOS["replay-pg"])
                 self.extras["big_store"] = {
                     "rows": rows,
                     "generate_seconds": generated,
                     "prepare_seconds": prepared,
                     "size": size,
+                    "io": io,
                 }
         finally:
             self.variant = ""
             self.database = BENCH_DB
             drop_db(self.args.pg_dsn, BIG_DB)
+
+    def measure_io(self, scenario: Scenario) -> dict[str, dict[str, float]]:
+        """One run at saturation, with the database's buffer reads per request by relation:
+        *read* blocks came from outside shared_buffers (the OS cache or the disk), *hit* from
+        inside (pg_statio_user_tables and _indexes of the current database)."""
+        before = self._statio()
+        self.measure(scenario, CONCURRENCY[-1:])
+        time.sleep(1.5)  # backends report their statistics at most once a second
+        after = self._statio()
+        requests = max(self.results[-1].requests, 1)
+        return {
+            name: {
+                "read": (after[name][0] - before.get(name, (0, 0))[0]) / requests,
+                "hit": (after[name][1] - before.get(name, (0, 0))[1]) / requests,
+            }
+            for name in after
+        }
+
+    def _statio(self) -> dict[str, tuple[int, int]]:
+        rows = pg(self.args.pg_dsn, _STATIO, database=self.database)
+        return {str(row[0]): (int(row[1] or 0), int(row[2] or 0)) for row in rows}
 
     def stop_all(self) -> None:
         for service in reversed(list(self.services.values())):
@@ -1007,6 +1031,14 @@ WITH template AS (
 )
 INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, state, status, finished_at)
 SELECT owner, id, 1, 'http://127.0.0.1/', 'succeeded', 201, now() FROM jobs
+"""
+
+_STATIO = """
+SELECT relname || ' (table)', heap_blks_read, heap_blks_hit
+FROM pg_statio_user_tables WHERE schemaname = 'idemproxy'
+UNION ALL
+SELECT indexrelname, idx_blks_read, idx_blks_hit
+FROM pg_statio_user_indexes WHERE schemaname = 'idemproxy'
 """
 
 # $1 jobs expiring $2 per second from one second from now, completed, with one attempt each.

@@ -478,6 +478,7 @@ def optional_section(data: dict[str, Any], res: Results) -> str:
             f"insert into its indexes; replays draw keys from all {big['rows']:,} stored jobs "
             "(the empty store's replays cycle through the few pre-warmed keys).\n\n"
             + results_table(rows, res)
+            + _io_table(big.get("io", {}))
         )
     else:
         parts.append(
@@ -503,6 +504,31 @@ def optional_section(data: dict[str, Any], res: Results) -> str:
             "Not run in this run (`bench/run --sweeper`)."
         )
     return "\n\n".join(parts)
+
+
+def _io_table(io: dict[str, dict[str, dict[str, float]]]) -> str:
+    """PostgreSQL buffer reads per request, by relation, for each big-store run."""
+    if not io:
+        return ""
+    runs = list(io)
+    relations = sorted({name for run in io.values() for name in run})
+    head = " | ".join(f"{run} read / hit" for run in runs)
+    lines = [
+        "",
+        "",
+        "PostgreSQL blocks per request by relation: *read* from outside shared_buffers (the OS "
+        "cache or the disk), *hit* inside it (pg_statio of the benchmark's database).",
+        "",
+        f"| Relation | {head} |",
+        "| --- |" + " ---: |" * len(runs),
+    ]
+    for relation in relations:
+        cells = []
+        for run in runs:
+            value = io[run].get(relation)
+            cells.append("-" if value is None else f"{value['read']:.2f} / {value['hit']:.1f}")
+        lines.append(f"| {relation} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 # --- checks ------------------------------------------------------------------------------------
