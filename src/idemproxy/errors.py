@@ -4,6 +4,7 @@
     ├── ProblemError                an answer for the client (SPEC §8)
     │   ├── KeyMissing              400 key-missing
     │   ├── KeyInvalid              400 key-invalid
+    │   ├── HeaderInvalid           400 header-invalid
     │   ├── OwnerMissing            401 owner-missing
     │   ├── PayloadMismatch         409 payload-mismatch (422 in the ietf profile)
     │   ├── RequestInFlight         409 request-in-flight + Retry-After
@@ -64,6 +65,12 @@ class KeyInvalid(ProblemError):
     """The Idempotency-Key header must be one value of 1-255 visible ASCII characters."""
 
     code, status, title = "key-invalid", 400, "Idempotency key invalid"
+
+
+class HeaderInvalid(ProblemError):
+    """The Connection header may not name the headers that identify the request's owner or key."""
+
+    code, status, title = "header-invalid", 400, "Header invalid"
 
 
 class OwnerMissing(ProblemError):

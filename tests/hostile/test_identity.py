@@ -195,44 +195,44 @@ async def test_an_upstream_cannot_forge_the_proxy_headers_either(
         assert replay.headers.getall(JOB) == first.headers.getall(JOB)
 
 
-async def test_connection_authorization_strips_the_credential_the_job_is_scoped_by(
-    make_proxy: ProxyFactory, sqlite_dsn: str, sqlite_jobs: Store, ledger: Ledger
+@pytest.mark.parametrize(
+    ("strategy", "connection"),
+    [
+        ("authorization", "Authorization"),
+        ("authorization", "keep-alive, authorization"),
+        ("header:X-User", "X-User"),
+        ("authorization", "Idempotency-Key"),
+    ],
+)
+async def test_connection_may_not_hide_the_identity_the_job_is_scoped_by(
+    make_proxy: ProxyFactory,
+    sqlite_dsn: str,
+    sqlite_jobs: Store,
+    ledger: Ledger,
+    strategy: str,
+    connection: str,
 ) -> None:
-    """What the code does (SPEC §10: the owner is derived before hop-by-hop stripping): the
-    job is alice's, the backend never sees her credential. No response crosses owners because
-    of it: only alice's requests reach that job. It is an identity mismatch all the same
-    (docs/reliability.md, "Identity and keys")."""
-    client = await make_proxy(store=sqlite_dsn)
-    tricky = {KEY: "conn", "Authorization": "Bearer alice", "Connection": "Authorization"}
-    async with client.post("/pay", data=b"x", headers=tricky) as first:
-        assert first.status == 201
-        seen_by_backend = json.loads(await first.read())["headers"]
-    assert "authorization" not in {name.lower() for name, _ in seen_by_backend}
-    (job,) = await sqlite_jobs.list_jobs()
-    assert job.owner == hash_credential("Bearer alice")
-
-    plain = {KEY: "conn", "Authorization": "Bearer alice"}
-    async with client.post("/pay", data=b"x", headers=plain) as alice_again:
-        assert alice_again.headers[REPLAYED] == "true"  # her job, her (credential-less) answer
-    bob = {KEY: "conn", "Authorization": "Bearer bob"}
-    async with client.post("/pay", data=b"x", headers=bob) as other:
-        assert other.status == 201 and REPLAYED not in other.headers
-    anonymous = {KEY: "conn"}
-    async with client.post("/pay", data=b"x", headers=anonymous) as nobody:
-        assert nobody.status == 201 and REPLAYED not in nobody.headers
-    assert ledger.count("conn") == 3  # alice once, bob once, anonymous once
-
-
-async def test_connection_can_hide_the_key_but_not_the_job_from_the_backend(
-    make_proxy: ProxyFactory, sqlite_dsn: str, ledger: Ledger
-) -> None:
-    client = await make_proxy(store=sqlite_dsn)
-    headers = {KEY: "hidden", "Connection": "Idempotency-Key, Idempotency-Job"}
-    async with client.post("/pay", data=b"x", headers=headers) as first:
-        job_id = first.headers[JOB]
-    (execution,) = ledger.executions
-    assert execution.header(KEY) is None  # SPEC §10 says pass it through; RFC 9110 won out
-    assert execution.header(JOB) == job_id  # the proxy's own headers are set after stripping
+    """The owner and the key are read before hop-by-hop stripping (SPEC §10); a `Connection`
+    header naming them would have the backend see another identity than the job's (with a
+    gateway-set `header:X-User`, the trusted header would vanish). It is refused, before any
+    storage call."""
+    client = await make_proxy(store=sqlite_dsn, owner={"strategy": strategy})
+    tricky = {
+        KEY: "conn",
+        "Authorization": "Bearer alice",
+        "X-User": "alice",
+        "Connection": connection,
+    }
+    async with client.post("/pay", data=b"x", headers=tricky) as refused:
+        assert refused.status == 400
+        assert refused.headers["Idempotency-Error"] == "header-invalid"
+    assert await sqlite_jobs.list_jobs() == []
+    assert ledger.count("conn") == 0
+    plain = {KEY: "conn", "Authorization": "Bearer alice", "X-User": "alice"}
+    async with client.post("/pay", data=b"x", headers=plain) as allowed:
+        assert allowed.status == 201
+        seen_by_backend = {n.lower() for n, _ in json.loads(await allowed.read())["headers"]}
+    assert {"authorization", KEY.lower()} <= seen_by_backend
 
 
 async def _store_calls_for(

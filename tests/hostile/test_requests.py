@@ -55,12 +55,6 @@ async def test_expect_continue_with_an_oversize_body_gets_413_without_sending_it
     assert await sqlite_jobs.list_jobs() == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: aiohttp's default expect handler answers 100 Continue before the "
-    "handler sees the declared length, inviting the client to send a body that will be "
-    "refused (fix: an expect_handler on the route in proxy/app.py that answers 413 first)",
-)
 async def test_expect_continue_with_an_oversize_body_is_not_invited(
     listening_proxy: ListeningProxy,
 ) -> None:

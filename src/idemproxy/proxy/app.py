@@ -16,7 +16,7 @@ from idemproxy.proxy.contract import keep_checking
 from idemproxy.proxy.drain import drain
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
-from idemproxy.proxy.handler import handle
+from idemproxy.proxy.handler import expect_continue, handle
 from idemproxy.proxy.sweeper import sweep_forever
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store, wrap_with_cache
@@ -36,7 +36,7 @@ def create_app(
         },
     )
     app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics()))
-    app.router.add_route("*", "/{tail:.*}", handle)
+    app.router.add_route("*", "/{tail:.*}", handle, expect_handler=expect_continue)
     return app
 
 

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
-from idemproxy.errors import KeyMissing, NoRoute, ProblemError
+from idemproxy.errors import BodyTooLarge, HeaderInvalid, KeyMissing, NoRoute, ProblemError
 from idemproxy.fingerprint import fingerprint, fingerprint_of_digest
 from idemproxy.key import parse_key
 from idemproxy.owner import derive_owner
 from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.governed import handle_governed
+from idemproxy.proxy.headers import hop_by_hop
 from idemproxy.proxy.listener import head_read
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.problems import problem_response
@@ -31,6 +32,27 @@ async def handle(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """RFC 9110 §10.1.1: refuse an over-size governed body before inviting it (SPEC §9: 413);
+    otherwise answer as aiohttp's default handler does."""
+    if request.version != HttpVersion11:
+        return None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return web.Response(status=417, text="Unknown Expect")
+    ctx = request.app[CONTEXT]
+    declared = request.content_length
+    if (
+        request.method in ctx.governed_methods
+        and ctx.settings.key_header in request.headers
+        and declared is not None
+        and declared > ctx.settings.max_request_body
+    ):
+        return problem_response(BodyTooLarge(), profile=ctx.settings.profile)
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim response is not part of the body's size
+    return None
+
+
 async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.StreamResponse:
     try:
         route = ctx.routes.find(request.path, request.host)
@@ -43,12 +65,26 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
             if route.require_key:
                 raise KeyMissing()
             return await passthrough(ctx, request, route)
+        _refuse_hidden_identity(ctx, request)
         intent, body = await _identify(ctx, request, key)
         trace.owner = intent.owner
         return await handle_governed(ctx, request, route, intent, body, trace)
     except ProblemError as error:
         trace.problem(error)
         return problem_response(error, profile=ctx.settings.profile)
+
+
+def _refuse_hidden_identity(ctx: ProxyContext, request: web.Request) -> None:
+    """RFC 9110 §7.6.1 lets a client list any header in `Connection` to have it stripped. The
+    job is scoped by the owner header and keyed by the key header before that stripping, so a
+    client listing them would make the backend see another identity than the job's (with a
+    gateway-set `header:X-User`, the trusted header would vanish): refuse it."""
+    named = hop_by_hop(request.headers)
+    identity = {ctx.settings.key_header.lower()}
+    if ctx.owner.header is not None:
+        identity.add(ctx.owner.header.lower())
+    if named & identity:
+        raise HeaderInvalid()
 
 
 async def _identify(

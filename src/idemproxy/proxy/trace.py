@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from idemproxy.errors import (
     BodyTooLarge,
+    HeaderInvalid,
     KeyInvalid,
     KeyMissing,
     NoRoute,
@@ -35,6 +36,7 @@ _PROBLEM_OUTCOMES: dict[type[ProblemError], str] = {
     StoreUnavailable: "unavailable",
     TooManyWaiters: "unavailable",
     KeyInvalid: "rejected",
+    HeaderInvalid: "rejected",
     KeyMissing: "rejected",
     OwnerMissing: "rejected",
     BodyTooLarge: "rejected",
