@@ -33,13 +33,13 @@ from types import FrameType
 from typing import Any
 
 import asyncpg
+
 import memory
 import nginx
 import pgbench_claim
 import profiling
 import report
 import tools
-
 from model import (
     CONCURRENCY,
     SCENARIOS,
