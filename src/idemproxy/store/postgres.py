@@ -274,6 +274,15 @@ class PostgresStore(Store):
         return await self._run(name, lambda c: c.execute(self._sql[name], *args))
 
     async def _run(self, what: str, call: Callable[[Pooled], Awaitable[T]]) -> T:
+        try:
+            async with self._connection(what) as conn:
+                return await call(conn)
+        except StoreUnavailable as exc:
+            # A pooled session the server had just ended, handed out before asyncpg noticed:
+            # asyncpg refuses the statement before sending it, so one retry on a fresh
+            # connection cannot run anything twice (and every write here is a CAS anyway).
+            if not isinstance(exc.__cause__, asyncpg.InternalClientError):
+                raise
         async with self._connection(what) as conn:
             return await call(conn)
 
