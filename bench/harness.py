@@ -423,6 +423,7 @@ class Bench:
     replay_prefix: str = ""
     replay_count: int = 0
     variant: str = ""  # set while measuring a variant (big store, sweeper)
+    io_probe: Callable[[str], None] | None = None  # called with "start"/"stop" around a run
     database: str = BENCH_DB  # the proxies' current store database
 
     @property
@@ -663,7 +664,11 @@ class Bench:
                     *warm,
                 )
             args = self.script_args(scenario, label)
+            if self.io_probe is not None:
+                self.io_probe("start")  # after the warm-up
             result = self.measured_run(scenario, service, threads, connections, args)
+            if self.io_probe is not None:
+                self.io_probe("stop")  # before the checks' own queries
             if scenario.store is not None:
                 result.jobs_stored = self.jobs_stored(scenario.store, args[0])
 
@@ -989,23 +994,36 @@ class Bench:
     def measure_io(self, scenario: Scenario) -> dict[str, dict[str, float]]:
         """One run at saturation, with the database's buffer reads per request by relation:
         *read* blocks came from outside shared_buffers (the OS cache or the disk), *hit* from
-        inside (pg_statio_user_tables and _indexes of the current database)."""
-        before = self._statio()
-        self.measure(scenario, CONCURRENCY[-1:])
-        time.sleep(1.5)  # backends report their statistics at most once a second
-        after = self._statio()
+        inside (pg_statio_user_tables and _indexes of the current database), and the
+        sequential and index scans per request (pg_stat_user_tables and _indexes)."""
+        snapshots: dict[str, dict[str, tuple[int, ...]]] = {}
+
+        def probe(when: str) -> None:
+            # An idle backend reports its statistics within 10 s (PostgreSQL 15's
+            # PGSTAT_IDLE_INTERVAL): wait for the pool's connections to report, then read.
+            time.sleep(11.0)
+            snapshots[when] = self._statio()
+
+        self.io_probe = probe
+        try:
+            self.measure(scenario, CONCURRENCY[-1:])
+        finally:
+            self.io_probe = None
+        before, after = snapshots["start"], snapshots["stop"]
         requests = max(self.results[-1].requests, 1)
+        fields = ("read", "hit", "seq_scans", "idx_scans")
+        zero = (0, 0, 0, 0)
         return {
             name: {
-                "read": (after[name][0] - before.get(name, (0, 0))[0]) / requests,
-                "hit": (after[name][1] - before.get(name, (0, 0))[1]) / requests,
+                field_name: (after[name][i] - before.get(name, zero)[i]) / requests
+                for i, field_name in enumerate(fields)
             }
             for name in after
         }
 
-    def _statio(self) -> dict[str, tuple[int, int]]:
+    def _statio(self) -> dict[str, tuple[int, ...]]:
         rows = pg(self.args.pg_dsn, _STATIO, database=self.database)
-        return {str(row[0]): (int(row[1] or 0), int(row[2] or 0)) for row in rows}
+        return {str(row[0]): tuple(int(value or 0) for value in row[1:]) for row in rows}
 
     def stop_all(self) -> None:
         for service in reversed(list(self.services.values())):
@@ -1034,11 +1052,13 @@ SELECT owner, id, 1, 'http://127.0.0.1/', 'succeeded', 201, now() FROM jobs
 """
 
 _STATIO = """
-SELECT relname || ' (table)', heap_blks_read, heap_blks_hit
-FROM pg_statio_user_tables WHERE schemaname = 'idemproxy'
+SELECT s.relname || ' (table)', s.heap_blks_read, s.heap_blks_hit, t.seq_scan, t.idx_scan
+FROM pg_statio_user_tables s JOIN pg_stat_user_tables t USING (relid)
+WHERE s.schemaname = 'idemproxy'
 UNION ALL
-SELECT indexrelname, idx_blks_read, idx_blks_hit
-FROM pg_statio_user_indexes WHERE schemaname = 'idemproxy'
+SELECT s.indexrelname, s.idx_blks_read, s.idx_blks_hit, 0, i.idx_scan
+FROM pg_statio_user_indexes s JOIN pg_stat_user_indexes i USING (indexrelid)
+WHERE s.schemaname = 'idemproxy'
 """
 
 # $1 jobs expiring $2 per second from one second from now, completed, with one attempt each.

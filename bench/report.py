@@ -512,12 +512,14 @@ def _io_table(io: dict[str, dict[str, dict[str, float]]]) -> str:
         return ""
     runs = list(io)
     relations = sorted({name for run in io.values() for name in run})
-    head = " | ".join(f"{run} read / hit" for run in runs)
+    head = " | ".join(f"{run} read / hit / scans" for run in runs)
     lines = [
         "",
         "",
         "PostgreSQL blocks per request by relation: *read* from outside shared_buffers (the OS "
-        "cache or the disk), *hit* inside it (pg_statio of the benchmark's database).",
+        "cache or the disk), *hit* inside it, and *scans* per request: index scans, plus "
+        "sequential scans after a + for tables (pg_statio and pg_stat of the benchmark's "
+        "database; everything in the database during the run, the proxy's housekeeping too).",
         "",
         f"| Relation | {head} |",
         "| --- |" + " ---: |" * len(runs),
@@ -526,7 +528,13 @@ def _io_table(io: dict[str, dict[str, dict[str, float]]]) -> str:
         cells = []
         for run in runs:
             value = io[run].get(relation)
-            cells.append("-" if value is None else f"{value['read']:.2f} / {value['hit']:.1f}")
+            if value is None:
+                cells.append("-")
+                continue
+            scans = f"{value.get('idx_scans', 0):.1f}"
+            if value.get("seq_scans"):
+                scans += f" + {value['seq_scans']:.3f}"
+            cells.append(f"{value['read']:.2f} / {value['hit']:.1f} / {scans}")
         lines.append(f"| {relation} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
