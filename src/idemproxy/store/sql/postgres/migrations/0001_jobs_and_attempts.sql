@@ -38,7 +38,9 @@ CREATE TABLE idemproxy.jobs (
 CREATE INDEX jobs_id_idx ON idemproxy.jobs (id);
 -- SPEC §11: the sweeper only ever deletes terminal jobs, oldest first.
 CREATE INDEX jobs_expiry_idx ON idemproxy.jobs (expires_at) WHERE state IN ('completed', 'released');
-CREATE INDEX jobs_state_idx ON idemproxy.jobs (state, created_at);
+-- Operators list unknown jobs (SPEC §3.3). Partial: an index over every state made the
+-- completion's CAS walk all in-flight entries on a big store instead of one (owner, id) lookup.
+CREATE INDEX jobs_unknown_idx ON idemproxy.jobs (created_at) WHERE state = 'unknown';
 
 CREATE TABLE idemproxy.attempts (
     owner            text        NOT NULL,

@@ -26,7 +26,7 @@ CREATE TABLE jobs (
     CHECK (state <> 'completed' OR (completed_by IS NOT NULL AND response_status IS NOT NULL))
 );
 CREATE INDEX jobs_expiry_idx ON jobs (expires_at) WHERE state IN ('completed', 'released');
-CREATE INDEX jobs_state_idx ON jobs (state, created_at);
+CREATE INDEX jobs_unknown_idx ON jobs (created_at) WHERE state = 'unknown';
 
 CREATE TABLE attempts (
     owner            TEXT    NOT NULL,
