@@ -41,11 +41,14 @@ _SERVE_FLAGS = {
     "hedge_after": "hedge_after",
     "log_level": "log_level",
     "log_format": "log_format",
+    "workers": "server.workers",
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    args.argv = argv  # a supervisor re-runs the same command line for each worker
     try:
         return int(args.run(args))
     except ValidationError as exc:
@@ -110,9 +113,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--admin-listen", metavar="HOST:PORT", help="admin listener, default 127.0.0.1:9090"
     )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="proxy processes sharing --listen (PostgreSQL store only), default 1",
+    )
     serve.add_argument("--no-migrate", action="store_true", help="do not apply migrations")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--log-format", choices=["plain", "json"])
+    # Internal: set by the supervisor for each of its workers (workers/role.py).
+    serve.add_argument("--worker-role", metavar="JSON", help=argparse.SUPPRESS)
     serve.set_defaults(run=_serve)
 
     migrate = commands.add_parser("migrate", help="apply the store's SQL migrations")
@@ -173,6 +184,15 @@ def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args, _SERVE_FLAGS)
     parse_listen(settings.listen)
     settings.owner.policy()  # JWT keys: a bad one stops the start before the store is opened
+    if args.worker_role is not None:
+        from idemproxy.workers.role import WorkerRole
+
+        serve(settings, WorkerRole.from_arg(args.worker_role))
+        return 0
+    if settings.server.workers > 1:
+        from idemproxy.workers.supervisor import supervise
+
+        return supervise(settings, args.argv)
     serve(settings)
     return 0
 

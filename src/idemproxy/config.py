@@ -201,6 +201,9 @@ class ServerSettings(BaseModel):
     # Header lines per request; aiohttp before 3.14 allowed 32768 (of max_field_size each).
     max_headers: int = Field(default=128, gt=0)
     shutdown_timeout: float = Field(default=30.0, ge=0)
+    # Proxy processes sharing `listen` (SO_REUSEPORT) under one supervisor: the proxy is
+    # CPU-bound in one event loop, so this is how one host uses more than one core.
+    workers: int = Field(default=1, ge=1, le=c.MAX_WORKERS)
 
 
 class PoolSettings(BaseModel):
@@ -374,6 +377,17 @@ class Settings(BaseSettings):
     def _has_upstream(self) -> Settings:
         if self.upstream is None and not self.routes:
             raise ValueError("upstream: set --upstream URL or at least one entry in routes")
+        return self
+
+    @model_validator(mode="after")
+    def _workers_need_postgres(self) -> Settings:
+        # SQLite wakes held duplicates in-process only (store/watch.py): a duplicate held by one
+        # worker would sleep through the completion written by another.
+        if self.server.workers > 1 and self.store.startswith("sqlite://"):
+            raise ValueError(
+                "server.workers: more than one worker needs the PostgreSQL store; SQLite wakes "
+                "held duplicates only within one process"
+            )
         return self
 
     @property

@@ -49,6 +49,8 @@ DEFAULT_MAX_REQUEST_BODY: Final = 10 * 1024 * 1024
 DEFAULT_MAX_STORED_BODY: Final = 8 * 1024 * 1024
 DEFAULT_MAX_WAITERS_PER_KEY: Final = 64
 DEFAULT_MAX_WAITERS: Final = 10_000
+# server.workers: each worker holds its own store pool, so a typo must not open thousands.
+MAX_WORKERS: Final = 64
 DEFAULT_RETRY_AFTER_SECONDS: Final = 1
 KEY_MAX_LENGTH: Final = 255
 

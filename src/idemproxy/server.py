@@ -8,14 +8,18 @@ after that are cancelled and their jobs become `unknown`, never `released` (SPEC
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import os
 import signal
+import socket
 import sys
 
 from aiohttp import web
 
 from idemproxy.admin.app import Readiness, create_admin_app
+from idemproxy.admin.peers import Peers
 from idemproxy.config import Settings, parse_listen
 from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
@@ -25,18 +29,22 @@ from idemproxy.proxy.drain import drain
 from idemproxy.proxy.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store, wrap_with_cache
+from idemproxy.workers.role import WorkerRole
 
 log = logging.getLogger("idemproxy")
 _HANDLER_GRACE_SECONDS = 1.0
+# A worker whose supervisor vanished (SIGKILL, OOM) drains instead of serving on unsupervised.
+_PARENT_CHECK_SECONDS = 1.0
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, worker: WorkerRole | None = None) -> None:
+    """One proxy process; `worker` when it is one of a supervisor's (`server.workers` > 1)."""
     configure_logging(settings.log_level, settings.log_format)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(run_server(settings))
+        runner.run(run_server(settings, worker))
 
 
-async def run_server(settings: Settings) -> None:
+async def run_server(settings: Settings, worker: WorkerRole | None = None) -> None:
     store = create_store(
         settings.store,
         max_connections=settings.pool.store_connections,
@@ -47,12 +55,14 @@ async def run_server(settings: Settings) -> None:
     try:
         if settings.migrate:
             await store.migrate()
-        await _serve_until_signalled(settings, store)
+        await _serve_until_signalled(settings, store, worker)
     finally:
         await store.close()
 
 
-async def _serve_until_signalled(settings: Settings, store: Store) -> None:
+async def _serve_until_signalled(
+    settings: Settings, store: Store, worker: WorkerRole | None
+) -> None:
     readiness = Readiness()
     metrics = Metrics()
     proxy = web.AppRunner(
@@ -63,8 +73,10 @@ async def _serve_until_signalled(settings: Settings, store: Store) -> None:
         # The drain below already waited for requests in flight; this is only a last grace.
         shutdown_timeout=_HANDLER_GRACE_SECONDS,
     )
+    peers = Peers(worker.peers) if worker is not None and worker.peers else None
     admin = web.AppRunner(
-        create_admin_app(settings, store, readiness, metrics=metrics), access_log=None
+        create_admin_app(settings, store, readiness, metrics=metrics, peers=peers),
+        access_log=None,
     )
     await proxy.setup()
     await admin.setup()
@@ -74,15 +86,17 @@ async def _serve_until_signalled(settings: Settings, store: Store) -> None:
     gc.freeze()
     try:
         # SPEC §9: the proxy listener cuts off slow request heads (proxy/listener.py).
-        await GuardedSite(proxy, settings.listen, settings.server).start()
-        await _start(admin, settings.admin.listen)
+        site = GuardedSite(proxy, settings.listen, settings.server, reuse_port=worker is not None)
+        await site.start()
+        admin_at = await _start_admin(admin, settings.admin.listen, worker)
         log.info(
-            "idemproxy listening on %s (admin %s), store %s",
+            "idemproxy %slistening on %s (admin %s), store %s",
+            f"{worker.label()} " if worker is not None else "",
             settings.listen,
-            settings.admin.listen,
+            admin_at,
             redacted(settings.store),
         )
-        await _wait_for_signal()
+        await _wait_for_signal(supervised=worker is not None)
         readiness.draining = True
         await _drain(proxy, settings.server.shutdown_timeout)
     finally:
@@ -99,17 +113,34 @@ async def _drain(proxy: web.AppRunner, timeout: float) -> None:
     await drain(proxy.app[CONTEXT], deadline)
 
 
-async def _start(runner: web.AppRunner, listen: str) -> None:
+async def _start_admin(runner: web.AppRunner, listen: str, worker: WorkerRole | None) -> str:
+    """The configured admin address, or a worker's loopback socket from its supervisor."""
+    if worker is not None and worker.admin_fd is not None:
+        sock = socket.socket(fileno=worker.admin_fd)
+        await web.SockSite(runner, sock).start()
+        host, port = sock.getsockname()[:2]
+        return f"{host}:{port}, answered for by worker 0"
     host, port = parse_listen(listen)
     await web.TCPSite(runner, host, port, reuse_address=True).start()
+    return listen
 
 
-async def _wait_for_signal() -> None:
+async def _wait_for_signal(*, supervised: bool = False) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
+    if not supervised:
+        await stop.wait()
+        return
+    parent = os.getppid()
+    while not stop.is_set():
+        if os.getppid() != parent:
+            log.warning("the supervisor (pid %d) is gone: shutting down", parent)
+            return
+        # Polled: getppid() is the only portable way to notice a parent that was SIGKILLed.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), _PARENT_CHECK_SECONDS)
 
 
 def _loop_factory() -> type[asyncio.AbstractEventLoop] | None:

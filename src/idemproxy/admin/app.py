@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from idemproxy.admin.jobs import add_jobs_routes, client_max_size
+from idemproxy.admin.peers import Peers, merge_metrics
 from idemproxy.config import Settings
 from idemproxy.errors import StoreUnavailable, Unauthorized
 from idemproxy.metrics import Metrics, metrics_handler
@@ -26,14 +29,21 @@ class Readiness:
 
 STORE = web.AppKey("idemproxy.admin.store", Store)
 READINESS = web.AppKey("idemproxy.admin.readiness", Readiness)
+PEERS = web.AppKey("idemproxy.admin.peers", Peers)
 # Probes and scrapers cannot easily send a secret header; none of these reveal a job or a
 # response. The jobs API always needs the token when one is configured.
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 def create_admin_app(
-    settings: Settings, store: Store, readiness: Readiness, *, metrics: Metrics | None = None
+    settings: Settings,
+    store: Store,
+    readiness: Readiness,
+    *,
+    metrics: Metrics | None = None,
+    peers: Peers | None = None,
 ) -> web.Application:
+    """`peers`: the other workers' admin apps, when this one answers for all (admin/peers.py)."""
     token = settings.admin.token.get_secret_value() if settings.admin.token else None
     app = web.Application(
         middlewares=[_bearer_auth(token)] if token else [],
@@ -43,8 +53,12 @@ def create_admin_app(
     app[READINESS] = readiness
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
+    if peers is not None:
+        app[PEERS] = peers
+        app.cleanup_ctx.append(_peers_session)
     if metrics is not None:
-        app.router.add_get("/metrics", metrics_handler(metrics))
+        handler = metrics_handler(metrics) if peers is None else _all_workers_metrics(metrics)
+        app.router.add_get("/metrics", handler)
     add_jobs_routes(app, settings, store)  # SPEC §3.3: behind the token, like every other path
     return app
 
@@ -79,4 +93,27 @@ async def _readyz(request: web.Request) -> web.Response:
         await request.app[STORE].ping()
     except StoreUnavailable:
         return web.json_response({"status": "store-unavailable"}, status=503)
+    peers = request.app.get(PEERS)
+    if peers is not None and (worker := await peers.first_not_ready()) is not None:
+        return web.json_response({"status": "worker-not-ready", "worker": worker}, status=503)
     return web.json_response({"status": "ready"})
+
+
+async def _peers_session(app: web.Application) -> AsyncIterator[None]:
+    peers = app[PEERS]
+    await peers.open()
+    yield
+    await peers.close()
+
+
+def _all_workers_metrics(metrics: Metrics) -> Handler:
+    """`/metrics` for every worker, each series labelled with its worker (admin/peers.py)."""
+
+    async def serve_metrics(request: web.Request) -> web.Response:
+        own = generate_latest(metrics.registry).decode()
+        others = await request.app[PEERS].metrics_texts()
+        response = web.Response(body=merge_metrics([own, *others]))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    return serve_metrics

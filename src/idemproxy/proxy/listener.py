@@ -167,11 +167,21 @@ def head_read(request: web.BaseRequest) -> None:
 class GuardedSite(web.BaseSite):
     """A TCP listener like `web.TCPSite` whose connections are served by `GuardedHandler`."""
 
-    def __init__(self, runner: web.AppRunner, listen: str, settings: ServerSettings) -> None:
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        listen: str,
+        settings: ServerSettings,
+        *,
+        reuse_port: bool = False,
+    ) -> None:
         super().__init__(runner)
         self._host, self._port = parse_listen(listen)
         self._settings = settings
         self._app_runner = runner
+        # SO_REUSEPORT (set before bind by the event loop): the workers of one supervisor each
+        # bind `listen`, and the kernel spreads new connections over them.
+        self._reuse_port = reuse_port
 
     @property
     def name(self) -> str:
@@ -191,5 +201,10 @@ class GuardedSite(web.BaseSite):
             return GuardedHandler(server, loop=loop, header_timeout=header_timeout, **kwargs)
 
         self._server = await loop.create_server(
-            protocol, self._host, self._port, backlog=self._backlog, reuse_address=True
+            protocol,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=True,
+            reuse_port=self._reuse_port or None,
         )
