@@ -43,6 +43,8 @@ import tools
 from model import (
     CONCURRENCY,
     SCENARIOS,
+    WORKER_SCENARIOS,
+    WORKERS,
     CpuUse,
     Result,
     Scenario,
@@ -106,7 +108,7 @@ class Service:
         return self.proc.pid
 
     def pids(self) -> list[int]:
-        """The process and its children (nginx's workers)."""
+        """The process and its children (nginx's workers, idemproxy's with --workers)."""
         return [self.pid, *children(self.pid)]
 
     def wait_ready(self) -> None:
@@ -167,6 +169,23 @@ def running(service: Service) -> Iterator[Service]:
         yield service
     finally:
         service.stop()
+
+
+def wait_all_workers(proxy: Service) -> None:
+    """GET / through the port proves one worker; /readyz on the admin listener proves all."""
+    assert proxy.admin_url is not None
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            status, _, _ = http_request(_port(proxy.admin_url), "GET", "/readyz")
+            if status == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{proxy.name}: not every worker ready: see {proxy.log}")
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def children(pid: int) -> list[int]:
@@ -488,6 +507,8 @@ class Bench:
             names = ("passthrough", "new-pg", "replay-pg", "hot-pg", "profiles")
             if any(self.wanted(n) for n in names):
                 self.run_proxy_pg()
+            if any(self.wanted(n) for n in WORKER_SCENARIOS):
+                self.run_proxy_pg_workers()
             if self.wanted("new-sqlite"):
                 with running(self.start_proxy("proxy-sqlite", f"sqlite:///{self.sqlite_path}")):
                     self.measure(SCENARIOS["new-sqlite"])
@@ -544,6 +565,18 @@ class Bench:
             if self.wanted("profiles"):
                 for name in PROFILED:
                     self.profile(SCENARIOS[name], proxy)
+
+    def run_proxy_pg_workers(self) -> None:
+        """The same store and scenarios with `--workers 2`: two processes on one port."""
+        proxy = self.start_proxy("proxy-pg-w2", self.pg_store(), "--workers", str(WORKERS))
+        with running(proxy):
+            wait_all_workers(proxy)
+            for name in ("passthrough-w2", "new-pg-w2"):
+                if self.wanted(name):
+                    self.measure(SCENARIOS[name])
+            if self.wanted("replay-pg-w2"):
+                self.prewarm_replays(proxy, "replay-w2")
+                self.measure(SCENARIOS["replay-pg-w2"])
 
     def run_redis(self) -> None:
         """The same PostgreSQL store with the Redis replay cache in front (`--redis`)."""

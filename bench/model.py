@@ -13,8 +13,9 @@ SATURATED = CONCURRENCY[-1][1]
 class Scenario:
     name: str
     title: str
-    # What wrk talks to: "backend", "nginx", "proxy-pg", "proxy-pg-redis", "proxy-sqlite",
-    # "peer" (the in-process middleware) or "pgbench" (no HTTP: the database alone).
+    # What wrk talks to: "backend", "nginx", "proxy-pg", "proxy-pg-w2" (2 workers),
+    # "proxy-pg-redis", "proxy-sqlite", "peer" (the in-process middleware) or "pgbench" (no
+    # HTTP: the database alone).
     target: str
     script: str  # a Lua file in bench/ ("" for pgbench)
     store: str | None = None  # the store whose jobs a keyed run should have written
@@ -42,6 +43,23 @@ SCENARIOS = {
         ),
         Scenario("replay-pg", "proxy replays, PostgreSQL", "proxy-pg", "replay_keys.lua"),
         Scenario("hot-pg", "proxy hot-key storm, PostgreSQL", "proxy-pg", "hot_keys.lua", "pg"),
+        # `serve --workers 2`: the same scenarios with two proxy processes on one port.
+        Scenario(
+            "passthrough-w2",
+            "proxy pass-through (POST, no key), 2 workers",
+            "proxy-pg-w2",
+            "post.lua",
+        ),
+        Scenario(
+            "new-pg-w2",
+            "proxy new keys, PostgreSQL, 2 workers",
+            "proxy-pg-w2",
+            "unique_key.lua",
+            "pg",
+        ),
+        Scenario(
+            "replay-pg-w2", "proxy replays, PostgreSQL, 2 workers", "proxy-pg-w2", "replay_keys.lua"
+        ),
         Scenario(
             "new-pg-redis",
             "proxy new keys, PostgreSQL + Redis",
@@ -63,6 +81,8 @@ SCENARIOS = {
 }
 # Measured again on a store of millions of jobs (--big-store), and under the sweeper (--sweeper).
 BIG_STORE_SCENARIOS = ("new-pg", "replay-pg")
+WORKERS = 2  # the proxy-pg-w2 scenarios: `idemproxy serve --workers 2`
+WORKER_SCENARIOS = ("passthrough-w2", "new-pg-w2", "replay-pg-w2")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
+_WORKER_LABEL = re.compile(r',?worker="\d+"')
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^():]*)(?::\d+)?\)$")
 
 
@@ -31,8 +32,10 @@ def scrape(admin_url: str) -> dict[str, float]:
     for line in text.splitlines():
         match = _SAMPLE.match(line)
         if match and match["name"].startswith("idemproxy_"):
-            labels = match["labels"] or ""
-            out[f"{match['name']}{{{labels}}}" if labels else match["name"]] = float(match["value"])
+            # --workers: each series once per worker (worker="i"); summed, as one proxy's.
+            labels = _WORKER_LABEL.sub("", match["labels"] or "").strip(",")
+            name = f"{match['name']}{{{labels}}}" if labels else match["name"]
+            out[name] = out.get(name, 0.0) + float(match["value"])
     return out
 
 

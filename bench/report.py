@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model import CONCURRENCY, SATURATED, SCENARIOS, Result, result_from_dict
+from model import CONCURRENCY, SATURATED, SCENARIOS, WORKERS, Result, result_from_dict
 
 BENCH = Path(__file__).resolve().parent
 FINDINGS = BENCH / "findings.md"
@@ -88,6 +88,14 @@ def targets(data: dict[str, Any]) -> list[Target]:
     return t.out
 
 
+# The throughput targets, for one proxy process and, in the row after it, for `--workers 2`
+# (scenario, suffix of the target's description).
+_WORKER_ROWS = {
+    name: ((name, ""), (f"{name}-w2", f", {WORKERS} workers"))
+    for name in ("passthrough", "new-pg", "replay-pg")
+}
+
+
 def _passthrough_targets(t: _Targets) -> None:
     direct1, nginx1 = t.res.get("direct", 1), t.res.get("nginx", 1)
     pt1 = t.res.get("passthrough", 1)
@@ -108,12 +116,16 @@ def _passthrough_targets(t: _Targets) -> None:
         latency,
     )
 
-    def rate() -> tuple[str, bool]:
-        assert nginxs and pts
-        ratio = pts.rps / nginxs.rps
-        return f"{_rate(pts.rps)} vs nginx {_rate(nginxs.rps)}: {ratio:.0%}", ratio >= 0.5
+    for scenario, workers in _WORKER_ROWS["passthrough"]:
+        pts = t.res.get(scenario, SATURATED)
 
-    t.add("pass-through", f"throughput at c={SATURATED}, vs nginx", "≥ 50 %", [nginxs, pts], rate)
+        def rate(pts: Result | None = pts) -> tuple[str, bool]:
+            assert nginxs and pts
+            ratio = pts.rps / nginxs.rps
+            return f"{_rate(pts.rps)} vs nginx {_rate(nginxs.rps)}: {ratio:.0%}", ratio >= 0.5
+
+        what = f"throughput at c={SATURATED}, vs nginx{workers}"
+        t.add("pass-through", what, "≥ 50 %", [nginxs, pts], rate)
 
 
 def _new_key_targets(t: _Targets) -> None:
@@ -129,43 +141,55 @@ def _new_key_targets(t: _Targets) -> None:
     area = "new keys, PostgreSQL"
     t.add(area, "p50 overhead over direct at c=1", "≤ 1.0 ms", [new1, direct1], latency)
 
-    def vs_pgbench() -> tuple[str, bool]:
-        assert news and pgbs
-        ratio = news.rps / pgbs.rps
-        return f"{_rate(news.rps)} vs pgbench {pgbs.rps:,.0f} tx/s: {ratio:.0%}", ratio >= 0.5
+    for scenario, workers in _WORKER_ROWS["new-pg"]:
+        news = t.res.get(scenario, SATURATED)
 
-    what = f"throughput at c={SATURATED}, vs pgbench claim + complete"
-    t.add(area, what, "≥ 50 %", [news, pgbs], vs_pgbench)
+        def vs_pgbench(news: Result | None = news) -> tuple[str, bool]:
+            assert news and pgbs
+            ratio = news.rps / pgbs.rps
+            return f"{_rate(news.rps)} vs pgbench {pgbs.rps:,.0f} tx/s: {ratio:.0%}", ratio >= 0.5
 
-    def vs_peer() -> tuple[str, bool]:
-        assert news and peers
-        ratio = news.rps / peers.rps
-        return f"{_rate(news.rps)} vs peer {_rate(peers.rps)}: {ratio:.2f}x", ratio >= 1
+        what = f"throughput at c={SATURATED}, vs pgbench claim + complete{workers}"
+        t.add(area, what, "≥ 50 %", [news, pgbs], vs_pgbench)
 
-    what = f"throughput at c={SATURATED}, vs the peer's new keys"
-    t.add(area, what, "≥ 1x", [news, peers], vs_peer)
+    for scenario, workers in _WORKER_ROWS["new-pg"]:
+        news = t.res.get(scenario, SATURATED)
+
+        def vs_peer(news: Result | None = news) -> tuple[str, bool]:
+            assert news and peers
+            ratio = news.rps / peers.rps
+            return f"{_rate(news.rps)} vs peer {_rate(peers.rps)}: {ratio:.2f}x", ratio >= 1
+
+        what = f"throughput at c={SATURATED}, vs the peer's new keys{workers}"
+        t.add(area, what, "≥ 1x", [news, peers], vs_peer)
 
 
 def _replay_targets(t: _Targets) -> None:
-    rep1, reps = t.res.get("replay-pg", 1), t.res.get("replay-pg", SATURATED)
-    news, peers = t.res.get("new-pg", SATURATED), t.res.get("peer-replay", SATURATED)
+    rep1, peers = t.res.get("replay-pg", 1), t.res.get("peer-replay", SATURATED)
     area = "replays, PostgreSQL"
+    # With 2 workers, replays are compared with new keys on 2 workers too.
+    pairs = zip(_WORKER_ROWS["replay-pg"], _WORKER_ROWS["new-pg"], strict=True)
+    for (replays, workers), (new, _) in pairs:
+        reps, news = t.res.get(replays, SATURATED), t.res.get(new, SATURATED)
 
-    def vs_new() -> tuple[str, bool]:
-        assert reps and news
-        ratio = reps.rps / news.rps
-        return f"{_rate(reps.rps)} vs {_rate(news.rps)}: {ratio:.1f}x", ratio >= 3
+        def vs_new(reps: Result | None = reps, news: Result | None = news) -> tuple[str, bool]:
+            assert reps and news
+            ratio = reps.rps / news.rps
+            return f"{_rate(reps.rps)} vs {_rate(news.rps)}: {ratio:.1f}x", ratio >= 3
 
-    what = f"throughput at c={SATURATED}, vs idemproxy's own new keys"
-    t.add(area, what, "≥ 3x", [reps, news], vs_new)
+        what = f"throughput at c={SATURATED}, vs idemproxy's own new keys{workers}"
+        t.add(area, what, "≥ 3x", [reps, news], vs_new)
 
-    def vs_peer() -> tuple[str, bool]:
-        assert reps and peers
-        ratio = reps.rps / peers.rps
-        return f"{_rate(reps.rps)} vs peer {_rate(peers.rps)}: {ratio:.2f}x", ratio >= 1
+    for replays, workers in _WORKER_ROWS["replay-pg"]:
+        reps = t.res.get(replays, SATURATED)
 
-    what = f"throughput at c={SATURATED}, vs the peer's replays"
-    t.add(area, what, "≥ 1x", [reps, peers], vs_peer)
+        def vs_peer(reps: Result | None = reps) -> tuple[str, bool]:
+            assert reps and peers
+            ratio = reps.rps / peers.rps
+            return f"{_rate(reps.rps)} vs peer {_rate(peers.rps)}: {ratio:.2f}x", ratio >= 1
+
+        what = f"throughput at c={SATURATED}, vs the peer's replays{workers}"
+        t.add(area, what, "≥ 1x", [reps, peers], vs_peer)
 
     def latency() -> tuple[str, bool]:
         assert rep1
@@ -308,6 +332,14 @@ RATIOS = (
     ("replay-pg", "passthrough", "replays vs pass-through"),
     ("replay-pg", "peer-replay", "replays vs the peer's"),
     ("hot-pg", "new-pg", "hot-key storm vs new keys"),
+    ("passthrough-w2", "passthrough", "pass-through: 2 workers vs 1"),
+    ("passthrough-w2", "nginx", "pass-through with 2 workers vs nginx"),
+    ("new-pg-w2", "new-pg", "new keys: 2 workers vs 1"),
+    ("new-pg-w2", "pgbench", "new keys with 2 workers vs the database's claim + complete"),
+    ("new-pg-w2", "peer-new", "new keys with 2 workers vs the peer's"),
+    ("replay-pg-w2", "replay-pg", "replays: 2 workers vs 1"),
+    ("replay-pg-w2", "new-pg-w2", "replays vs new keys, both with 2 workers"),
+    ("replay-pg-w2", "peer-replay", "replays with 2 workers vs the peer's"),
     ("new-pg-redis", "new-pg", "new keys with the Redis cache vs without"),
     ("replay-pg-redis", "replay-pg", "replays from Redis vs from PostgreSQL"),
     ("peer-new", "peer-plain", "the peer's new keys vs its own no-key POST"),
