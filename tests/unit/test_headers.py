@@ -104,3 +104,61 @@ def test_stored_headers_leave_out_date_length_cookies_and_challenges() -> None:
 def test_stored_headers_are_configurable() -> None:
     upstream = _headers(("Set-Cookie", "a=1"), ("X-Request-Id", "r1"))
     assert headers_to_store(upstream, ["x-request-id"]) == (("Set-Cookie", "a=1"),)
+
+
+def test_connection_naming_a_custom_header_drops_it_on_every_leg() -> None:
+    upstream = _headers(
+        ("Connection", "X-Hop,  x-other ,"),
+        ("X-Hop", "1"),
+        ("X-Other", "2"),
+        ("ETag", '"v1"'),
+    )
+    assert list(response_headers_for_client(upstream).items()) == [("ETag", '"v1"')]
+    assert headers_to_store(upstream, []) == (("ETag", '"v1"'),)
+    incoming = _headers(("Connection", "keep-alive"), ("Connection", "X-Hop"), ("X-Hop", "1"))
+    out = request_headers_for_upstream(incoming, client_ip=None, scheme="http", host=None)
+    assert list(out.items()) == [("X-Forwarded-Proto", "http")]
+
+
+def test_connection_naming_only_fixed_hop_by_hop_headers_keeps_the_rest() -> None:
+    incoming = _headers(
+        ("Connection", "keep-alive"), ("Keep-Alive", "timeout=5"), ("Accept", "x"), ("X-A", "1")
+    )
+    out = request_headers_for_upstream(incoming, client_ip="10.0.0.1", scheme="http", host=None)
+    assert list(out.items()) == [
+        ("Accept", "x"),
+        ("X-A", "1"),
+        ("X-Forwarded-For", "10.0.0.1"),
+        ("X-Forwarded-Proto", "http"),
+    ]
+
+
+def test_repeated_headers_keep_their_order_and_case_on_the_way_back() -> None:
+    upstream = _headers(
+        ("link", "<a>"), ("Content-Length", "2"), ("X-Tag", "t"), ("LINK", "<b>"), ("Date", "d")
+    )
+    assert list(response_headers_for_client(upstream).items()) == [
+        ("link", "<a>"),
+        ("X-Tag", "t"),
+        ("LINK", "<b>"),
+        ("Date", "d"),
+    ]
+    assert headers_to_store(upstream, ["X-TAG"]) == (("link", "<a>"), ("LINK", "<b>"))
+
+
+def test_names_are_matched_whatever_their_case() -> None:
+    incoming = _headers(
+        ("CONTENT-LENGTH", "3"), ("host", "h"), ("TRANSFER-encoding", "chunked"), ("Ok", "1")
+    )
+    out = request_headers_for_upstream(incoming, client_ip=None, scheme="https", host=None)
+    assert list(out.items()) == [("Ok", "1"), ("X-Forwarded-Proto", "https")]
+
+
+def test_an_empty_forwarded_for_without_a_client_address_is_passed_on() -> None:
+    incoming = _headers(("X-Forwarded-For", ""), ("X-Forwarded-Proto", "https"))
+    out = request_headers_for_upstream(incoming, client_ip=None, scheme="http", host="h")
+    assert list(out.items()) == [
+        ("X-Forwarded-For", ""),
+        ("X-Forwarded-Proto", "https"),
+        ("X-Forwarded-Host", "h"),
+    ]

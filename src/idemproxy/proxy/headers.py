@@ -1,7 +1,15 @@
-"""Header handling on both legs (SPEC §7, §10)."""
+"""Header handling on both legs (SPEC §7, §10).
+
+Every request runs these filters two or three times, so the common case is kept cheap: the
+sets of dropped names are built once, and a `Connection` header only costs a set union when it
+names a header beyond the fixed hop-by-hop list. The filters copy the headers in one C-level
+call and delete the dropped names (multidict matches them case-insensitively), rather than
+lower-casing every name in Python.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -23,19 +31,44 @@ PROXY_OWNED = frozenset(
 _FRAMING = frozenset({"content-length", "host", "expect"})
 # SPEC §7: a replay gets a fresh Date and a recomputed Content-Length.
 _NOT_STORED = frozenset({"content-length", "date"})
+# What each filter drops when `Connection` names nothing beyond the fixed list.
+_REQUEST_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _FRAMING
+_RESPONSE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | frozenset({"content-length"})
+_STORE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _NOT_STORED
+_NONE: frozenset[str] = frozenset()
 
 Headers = CIMultiDictProxy[str] | CIMultiDict[str]
 
 
+def connection_named(headers: Headers) -> frozenset[str]:
+    """The header names listed in `Connection` (RFC 9110 §7.6.1), lower-cased."""
+    values = headers.getall("Connection", None)
+    if values is None:
+        return _NONE
+    return frozenset(
+        token.strip().lower() for value in values for token in value.split(",") if token.strip()
+    )
+
+
 def hop_by_hop(headers: Headers) -> frozenset[str]:
     """RFC 9110 §7.6.1: the fixed list plus every header named in `Connection`."""
-    named = {
-        token.strip().lower()
-        for value in headers.getall("Connection", ())
-        for token in value.split(",")
-        if token.strip()
-    }
-    return HOP_BY_HOP_HEADERS | named
+    return _with_named(HOP_BY_HOP_HEADERS, headers)
+
+
+def _with_named(dropped: frozenset[str], headers: Headers) -> frozenset[str]:
+    named = connection_named(headers)
+    # `Connection: keep-alive` or `close` adds nothing that is not dropped already (or, for
+    # `close`, only a header name nobody sends): no new set for the common case.
+    return dropped if named <= dropped else dropped | named
+
+
+def _without(headers: Headers, dropped: Collection[str]) -> CIMultiDict[str]:
+    """A copy minus every header named in `dropped` (lower-case), repeated ones kept in order."""
+    out = CIMultiDict[str](headers)
+    for name in dropped:
+        if name in out:
+            del out[name]
+    return out
 
 
 def request_headers_for_upstream(
@@ -49,15 +82,15 @@ def request_headers_for_upstream(
 
     Repeated headers keep their order. Host and Content-Length are set by the upstream client.
     """
-    dropped = hop_by_hop(headers) | PROXY_OWNED | _FRAMING
-    out = CIMultiDict[str](
-        (name, value) for name, value in headers.items() if name.lower() not in dropped
-    )
-    forwarded_for = ", ".join(
-        [*headers.getall("X-Forwarded-For", ()), *([client_ip] if client_ip else [])]
-    )
+    out = _without(headers, _with_named(_REQUEST_DROPPED, headers))
+    earlier = headers.getall("X-Forwarded-For", None)
+    if earlier is None:
+        forwarded_for = client_ip
+    else:
+        forwarded_for = ", ".join([*earlier, client_ip] if client_ip else earlier)
     if forwarded_for:
-        out.popall("X-Forwarded-For", None)
+        if earlier is not None:
+            out.popall("X-Forwarded-For", None)
         out["X-Forwarded-For"] = forwarded_for
     out.setdefault("X-Forwarded-Proto", scheme)
     if host:
@@ -67,14 +100,19 @@ def request_headers_for_upstream(
 
 def response_headers_for_client(headers: Headers) -> CIMultiDict[str]:
     """The upstream's response headers minus hop-by-hop, framing and proxy-owned ones."""
-    dropped = hop_by_hop(headers) | PROXY_OWNED | {"content-length"}
-    return CIMultiDict[str]((n, v) for n, v in headers.items() if n.lower() not in dropped)
+    return _without(headers, _with_named(_RESPONSE_DROPPED, headers))
 
 
 def headers_to_store(headers: Headers, unreplayed: Collection[str]) -> HeaderPairs:
     """SPEC §7: end-to-end headers only; Set-Cookie and auth challenges not kept by default."""
-    dropped = hop_by_hop(headers) | PROXY_OWNED | _NOT_STORED | {h.lower() for h in unreplayed}
-    return tuple((n, v) for n, v in headers.items() if n.lower() not in dropped)
+    dropped = _with_named(_store_dropped(tuple(unreplayed)), headers)
+    return tuple(_without(headers, dropped).items())
+
+
+@functools.lru_cache(maxsize=16)
+def _store_dropped(unreplayed: tuple[str, ...]) -> frozenset[str]:
+    # The setting is one list for the process's life: lower-cased and merged once, not per call.
+    return _STORE_DROPPED | {h.lower() for h in unreplayed}
 
 
 def multidict(pairs: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
