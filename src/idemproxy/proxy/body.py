@@ -72,6 +72,11 @@ async def read_body(
     declared = request.content_length
     if declared is not None and declared > limit:
         raise BodyTooLarge()
+    content = request.content
+    if content.is_eof():
+        # The whole body is in aiohttp's buffer already (a small body arrives with its head):
+        # nothing left to wait for, so no deadline to arm (SPEC §9) and one read takes it all.
+        return _buffered(content.read_nowait(), limit, spool_threshold)
     try:
         async with asyncio.timeout(timeout):
             return await _receive(request, limit, spool_threshold)
@@ -79,11 +84,29 @@ async def read_body(
         raise RequestTimeout() from exc
 
 
+def _buffered(data: bytes, limit: int, spool_threshold: int) -> RequestBody:
+    """A body read whole: the same limit (a chunked one declared none) and spooling rules."""
+    if len(data) > limit:
+        raise BodyTooLarge()
+    if len(data) <= spool_threshold:
+        return RequestBody(memory=data)
+    # Spooled even though it is in memory now: the attempts hold it for as long as they run.
+    spool = tempfile.TemporaryFile()  # noqa: SIM115 - closed by RequestBody
+    digest = hashlib.sha256()
+    try:
+        _spill(spool, digest, data)
+        spool.flush()
+    except BaseException:
+        spool.close()
+        raise
+    return RequestBody(spool=spool, size=len(data), raw_sha256=digest.digest())
+
+
 async def _receive(request: web.Request, limit: int, spool_threshold: int) -> RequestBody:
     chunks: list[bytes] = []
     size = 0
     spool: BinaryIO | None = None
-    digest = hashlib.sha256()
+    digest: Any = None  # only a spooled body is hashed as it arrives
     try:
         async for chunk in request.content.iter_any():
             size += len(chunk)
@@ -91,6 +114,7 @@ async def _receive(request: web.Request, limit: int, spool_threshold: int) -> Re
                 raise BodyTooLarge()
             if spool is None and size > spool_threshold:
                 spool = tempfile.TemporaryFile()  # noqa: SIM115 - closed by RequestBody
+                digest = hashlib.sha256()
                 for held in chunks:
                     _spill(spool, digest, held)
                 chunks = []
