@@ -5,12 +5,41 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 
 _HANDLER_NAME = "idemproxy"
 _QUIET_LIBRARIES = ("aiosqlite", "asyncpg", "redis")
+_PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-class JsonFormatter(logging.Formatter):
+class _SecondCache(logging.Formatter):
+    """`formatTime` as the stock one formats it, with the date and time up to the second made
+    once per second rather than once per line (`localtime` and `strftime`, on every request)."""
+
+    def __init__(self, fmt: str | None = None) -> None:
+        super().__init__(fmt)
+        # One tuple, replaced whole: a thread that logs at the same time reads a consistent pair.
+        self._second: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt or not self.default_msec_format:
+            return super().formatTime(record, datefmt)
+        second, stamp = self._second
+        if int(record.created) != second:
+            second = int(record.created)
+            stamp = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = (second, stamp)
+        return self.default_msec_format % (stamp, record.msecs)
+
+
+class PlainFormatter(_SecondCache):
+    """`time level logger: message`, one line per record (docs/operations.md, Logs)."""
+
+    def __init__(self) -> None:
+        super().__init__(_PLAIN)
+
+
+class JsonFormatter(_SecondCache):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
             "time": self.formatTime(record),
@@ -31,7 +60,7 @@ def configure_logging(level: str, fmt: str) -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(PlainFormatter())
     handler.set_name(_HANDLER_NAME)
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if h.get_name() != _HANDLER_NAME] + [handler]

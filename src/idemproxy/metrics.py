@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -28,12 +30,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store
 
 log = logging.getLogger(__name__)
+C = TypeVar("C", bound=MetricWrapperBase)
 # How often the unknown-jobs gauge is refreshed at most (one cheap COUNT on the store).
 _GAUGE_REFRESH_SECONDS = 15.0
 
@@ -68,6 +72,26 @@ _LATENCY_BUCKETS = (
     30,
     60,
 )
+
+
+class Children(dict[str, C]):
+    """A metric's children by label value, bound once: `labels()` takes a lock, builds a tuple
+    and looks it up on every call, which the hot path pays several times per request.
+
+    A value not seen yet is bound on first use, so the exposition only gains a series when it
+    is first observed, exactly as with `labels()`.
+    """
+
+    def __init__(self, bind: Callable[[str], C], values: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self._bind: Callable[[str], C] = bind
+        for value in values:
+            self[value] = bind(value)
+
+    def __missing__(self, value: str) -> C:
+        child: C = self._bind(value)
+        self[value] = child
+        return child
 
 
 class Metrics:
@@ -105,25 +129,27 @@ class Metrics:
             "Jobs in state unknown, waiting for an operator.",
             registry=self.registry,
         )
-        for outcome in REQUEST_OUTCOMES:
-            self.requests.labels(outcome)  # every series exists from the start
-        for outcome in ATTEMPT_OUTCOMES:
-            self.attempts.labels(outcome)
+        # The hot path's children, bound once. Request and attempt outcomes: every series
+        # exists from the start; the others appear when first observed.
+        self.request_outcome = Children[Counter](self.requests.labels, REQUEST_OUTCOMES)
+        self.attempt_outcome = Children[Counter](self.attempts.labels, ATTEMPT_OUTCOMES)
+        self.upstream_outcome = Children[Histogram](self.upstream_seconds.labels)
+        self._store_seconds = Children[Histogram](self.store_seconds.labels)
+        self._store_errors = Children[Counter](self.store_errors.labels)
 
     def _counter(self, name: str, help_text: str, labels: list[str]) -> Counter:
         return Counter(f"{METRIC_PREFIX}_{name}", help_text, labels, registry=self.registry)
 
-    def observe_store(self, operation: str, seconds: float, *, failed: bool) -> None:
-        self.store_seconds.labels(operation).observe(seconds)
+    def observe_store(self, operation: str, seconds: float, failed: bool) -> None:
+        """`Store.observer` itself: it runs for every store call, so no wrapper in between."""
+        self._store_seconds[operation].observe(seconds)
         if failed:
-            self.store_errors.labels(operation).inc()
+            self._store_errors[operation].inc()
 
 
 def watch_store(metrics: Metrics, store: Store) -> None:
     """Store call latency and errors, and the waiters gauge, straight from the store."""
-    store.observer = lambda operation, seconds, failed: metrics.observe_store(
-        operation, seconds, failed=failed
-    )
+    store.observer = metrics.observe_store
     metrics.waiters.set_function(lambda: store.watch.waiting)
 
 

@@ -239,7 +239,7 @@ async def completed(
         won = await ctx.store.complete(attempt.job, attempt.number, stored, ttl=ttl)
     except StoreUnavailable as exc:
         raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
-    ctx.metrics.attempts.labels("succeeded" if won else "discarded").inc()
+    ctx.metrics.attempt_outcome["succeeded" if won else "discarded"].inc()
     if not won:
         ctx.metrics.late_results.inc()
         log.info("late result discarded: job %s attempt %d", attempt.job.id, attempt.number)
@@ -247,11 +247,11 @@ async def completed(
 
 
 def count_failed(ctx: ProxyContext, failed: Failed) -> None:
-    ctx.metrics.attempts.labels("failed" if failed.outcome is Outcome.RELEASE else "unknown").inc()
+    ctx.metrics.attempt_outcome["failed" if failed.outcome is Outcome.RELEASE else "unknown"].inc()
 
 
 def _observe_upstream(ctx: ProxyContext, started: float, outcome: str) -> None:
-    ctx.metrics.upstream_seconds.labels(outcome).observe(time.perf_counter() - started)
+    ctx.metrics.upstream_outcome[outcome].observe(time.perf_counter() - started)
 
 
 async def settle(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> None:

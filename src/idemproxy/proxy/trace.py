@@ -68,7 +68,7 @@ class Trace:
 
 
 def record(metrics: Metrics, trace: Trace, status: int, *, log_requests: bool) -> None:
-    metrics.requests.labels(trace.outcome).inc()
+    metrics.request_outcome[trace.outcome].inc()
     if not log_requests or trace.outcome == "passthrough" or not log.isEnabledFor(logging.INFO):
         return
     fields = {
@@ -79,8 +79,38 @@ def record(metrics: Metrics, trace: Trace, status: int, *, log_requests: bool) -
         "owner": trace.owner[:_OWNER_PREFIX] if trace.owner else None,
         "ms": round((time.perf_counter() - trace.started) * 1000, 2),
     }
-    log.info(
-        "governed %s",
-        " ".join(f"{k}={v}" for k, v in fields.items() if v is not None),
-        extra={"fields": fields},
+    # What `log.info` does, minus its walk up the stack for the caller: it is always this
+    # function. The message is joined when a handler formats it, once, not here.
+    log.handle(
+        log.makeRecord(
+            log.name,
+            logging.INFO,
+            __file__,
+            _LINE,
+            _Line(fields),
+            (),
+            None,
+            "record",
+            {"fields": fields},
+        )
     )
+
+
+class _Line:
+    """The plain message, `governed outcome=new status=201 …` (docs/operations.md, Logs)."""
+
+    __slots__ = ("_fields", "_text")
+
+    def __init__(self, fields: dict[str, object]) -> None:
+        self._fields = fields
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:  # every handler's formatter asks for it
+            pairs = [f"{name}={value}" for name, value in self._fields.items() if value is not None]
+            self._text = "governed " + " ".join(pairs)
+        return self._text
+
+
+# The records' line number: `record`'s own (its name and file are given with it).
+_LINE = record.__code__.co_firstlineno

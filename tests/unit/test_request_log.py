@@ -1,0 +1,110 @@
+"""The request log line and the metrics' exposition (SPEC §13): cheap to make, same output."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from prometheus_client import generate_latest
+
+from idemproxy.logs import JsonFormatter, PlainFormatter
+from idemproxy.metrics import ATTEMPT_OUTCOMES, REQUEST_OUTCOMES, Metrics
+from idemproxy.proxy.trace import Trace, record
+
+STOCK_PLAIN = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _at(created: float) -> logging.LogRecord:
+    entry = logging.LogRecord("idemproxy.x", logging.WARNING, __file__, 1, "m %s", ("a",), None)
+    entry.created, entry.msecs = created, (created - int(created)) * 1000
+    return entry
+
+
+def test_the_plain_line_is_the_stock_formatters_across_seconds() -> None:
+    formatter = PlainFormatter()
+    for created in (1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.0005, 1_699_999_999.5):
+        assert formatter.format(_at(created)) == STOCK_PLAIN.format(_at(created))
+
+
+def test_json_time_is_the_stock_time() -> None:
+    entry = _at(1_700_000_000.25)
+    assert json.loads(JsonFormatter().format(entry))["time"] == STOCK_PLAIN.formatTime(entry)
+
+
+@pytest.fixture
+def captured(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="idemproxy.requests")
+    return caplog
+
+
+def test_a_governed_request_logs_one_line_with_its_fields(
+    captured: pytest.LogCaptureFixture,
+) -> None:
+    trace = Trace(outcome="new", owner="0123456789abcdef", job_id="j-1", attempt=2)
+    record(Metrics(), trace, 201, log_requests=True)
+    [entry] = captured.records
+    fields = entry.fields  # type: ignore[attr-defined]
+    assert entry.levelno == logging.INFO and entry.name == "idemproxy.requests"
+    assert entry.funcName == "record" and entry.pathname.endswith("trace.py")
+    assert entry.getMessage() == (
+        f"governed outcome=new status=201 job=j-1 attempt=2 owner=01234567 ms={fields['ms']}"
+    )
+    assert fields["owner"] == "01234567" and fields["status"] == 201
+    line = json.loads(JsonFormatter().format(entry))
+    assert line["message"] == entry.getMessage() and line["job"] == "j-1"
+
+
+def test_fields_without_a_value_are_left_out(captured: pytest.LogCaptureFixture) -> None:
+    record(Metrics(), Trace(outcome="rejected"), 400, log_requests=True)
+    [entry] = captured.records
+    assert entry.getMessage().startswith("governed outcome=rejected status=400 ms=")
+    assert set(json.loads(JsonFormatter().format(entry))) == {
+        "time",
+        "level",
+        "logger",
+        "message",
+        "outcome",
+        "status",
+        "ms",
+    }
+
+
+def test_pass_through_is_counted_not_logged(captured: pytest.LogCaptureFixture) -> None:
+    metrics = Metrics()
+    record(metrics, Trace(), 200, log_requests=True)
+    assert captured.records == []
+    assert _value(metrics, "idemproxy_requests_total", outcome="passthrough") == 1
+
+
+def _value(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_every_outcome_series_exists_from_the_start_and_no_other() -> None:
+    metrics = Metrics()
+    text = generate_latest(metrics.registry).decode()
+    for outcome in REQUEST_OUTCOMES:
+        assert f'idemproxy_requests_total{{outcome="{outcome}"}} 0.0' in text
+    for outcome in ATTEMPT_OUTCOMES:
+        assert f'idemproxy_attempts_total{{outcome="{outcome}"}} 0.0' in text
+    assert "idemproxy_store_seconds_count{" not in text
+    assert "idemproxy_store_errors_total{" not in text
+    assert "idemproxy_upstream_seconds_count{" not in text
+
+
+def test_pre_bound_children_move_the_labelled_series() -> None:
+    metrics = Metrics()
+    metrics.request_outcome["new"].inc()
+    metrics.attempt_outcome["discarded"].inc()
+    metrics.upstream_outcome["succeeded"].observe(0.01)
+    metrics.observe_store("claim", 0.002, False)
+    metrics.observe_store("claim", 0.003, True)
+    assert _value(metrics, "idemproxy_requests_total", outcome="new") == 1
+    assert _value(metrics, "idemproxy_attempts_total", outcome="discarded") == 1
+    assert _value(metrics, "idemproxy_upstream_seconds_count", outcome="succeeded") == 1
+    assert _value(metrics, "idemproxy_store_seconds_count", operation="claim") == 2
+    assert _value(metrics, "idemproxy_store_errors_total", operation="claim") == 1
+    assert _value(metrics, "idemproxy_store_errors_total", operation="get") is None
+    # A child bound lazily is the one `labels()` gives: one series, not two.
+    assert metrics.store_seconds.labels("claim") is metrics._store_seconds["claim"]
