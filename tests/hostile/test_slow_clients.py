@@ -203,12 +203,6 @@ async def _drip_body(client: Connection, index: int) -> None:
     await client.trickle(b"y" * 1000, every=0.05)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: upstream_timeout is aiohttp's total timeout (proxy/forward.py), which "
-    "also runs while a response over max_stored_body streams to the client: a client reading "
-    "it slowly makes the job unknown ('upstream timed out') though the upstream answered",
-)
 async def test_a_slow_reader_of_a_streamed_response_does_not_make_its_job_unknown(
     listening_proxy: ListeningProxy, sqlite_jobs: Store, ledger: Ledger
 ) -> None:

@@ -116,5 +116,5 @@ def _upstream_client(settings: Settings, failpoints: Failpoints) -> UpstreamClie
         connect_timeout=settings.connect_timeout,
         connections=settings.pool.upstream_connections,
         keepalive=settings.pool.upstream_keepalive,
-        trace_configs=failpoints.trace_configs(),
+        on_sent=failpoints.on_sent(),
     )

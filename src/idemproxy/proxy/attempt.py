@@ -14,7 +14,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -23,9 +22,9 @@ from idemproxy.decision import Outcome, classify_failure, classify_response
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure
+from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamResponse
 from idemproxy.proxy.headers import headers_to_store, response_headers_for_client
-from idemproxy.proxy.lease import lease_kept
+from idemproxy.proxy.lease import KeptLease
 from idemproxy.proxy.passthrough import forwarded_headers, upstream_url
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
@@ -82,7 +81,7 @@ async def run_attempt(
     started = time.perf_counter()
     try:
         async with (
-            lease_kept(ctx.store, job, lease=ctx.settings.lease),
+            KeptLease(ctx.store, job, lease=ctx.settings.lease),
             ctx.upstream.request(
                 request.method, url, headers, body.payload(), content_length=body.size
             ) as upstream,
@@ -106,7 +105,7 @@ async def _on_response(
     request: web.Request,
     route: Route,
     attempt: Attempt,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
 ) -> Step:
     outcome = classify_response(upstream.status, ctx.statuses)
     if _handed_back(outcome, attempt.mode):
@@ -128,7 +127,7 @@ async def _on_response(
 
 
 async def _reply(
-    ctx: ProxyContext, upstream: aiohttp.ClientResponse, attempt: Attempt
+    ctx: ProxyContext, upstream: UpstreamResponse, attempt: Attempt
 ) -> web.Response | None:
     try:
         content, whole = await UpstreamClient.read_body(upstream, ctx.settings.max_stored_body)
@@ -148,7 +147,7 @@ async def _finish_buffered(
     ctx: ProxyContext,
     route: Route,
     attempt: Attempt,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     outcome: Outcome,
     content: bytes,
 ) -> Step:
@@ -176,7 +175,7 @@ async def _finish_streamed(
     request: web.Request,
     route: Route,
     attempt: Attempt,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     outcome: Outcome,
     head: bytes,
 ) -> Step:
@@ -267,7 +266,7 @@ async def settle(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> None:
         log.info("job %s attempt %d: settle lost the CAS", attempt.job.id, attempt.number)
 
 
-def _client_headers(upstream: aiohttp.ClientResponse, job: Job) -> CIMultiDict[str]:
+def _client_headers(upstream: UpstreamResponse, job: Job) -> CIMultiDict[str]:
     headers = response_headers_for_client(upstream.headers)
     headers[JOB_HEADER] = job.id
     return headers

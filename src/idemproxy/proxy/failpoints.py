@@ -6,13 +6,9 @@ the first governed request that reaches it. Never set it in production.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import types
-from collections.abc import Sequence
-
-import aiohttp
+from collections.abc import Callable
 
 ENV = "IDEMPROXY_TEST_FAILPOINT"
 # After the claim committed; after the request was sent upstream; after the response arrived
@@ -34,21 +30,9 @@ class Failpoints:
         if name == self.armed:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def trace_configs(self) -> Sequence[aiohttp.TraceConfig]:
-        """`after_send` fires from aiohttp's client once a body chunk is on the wire."""
+    def on_sent(self) -> Callable[[], None] | None:
+        """`after_send`: called by the upstream client once the request's bytes were handed
+        to the kernel (on the loop turn after the write)."""
         if self.armed != "after_send":
-            return ()
-        config = aiohttp.TraceConfig()
-
-        async def on_chunk_sent(
-            _session: aiohttp.ClientSession,
-            _context: types.SimpleNamespace,
-            _params: aiohttp.TraceRequestChunkSentParams,
-        ) -> None:
-            # aiohttp calls this *before* it writes the chunk (and the headers it buffered):
-            # dying here would mean nothing ever reached the upstream. Die on the next turn of
-            # the loop instead, once the request bytes were handed to the kernel.
-            asyncio.get_running_loop().call_soon(self.hit, "after_send")
-
-        config.on_request_chunk_sent.append(on_chunk_sent)
-        return (config,)
+            return None
+        return lambda: self.hit("after_send")

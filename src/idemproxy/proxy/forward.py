@@ -1,28 +1,34 @@
 """The upstream client (SPEC §10): pooled keep-alive, no decompression, no silent re-sends.
 
-This module is the one boundary where aiohttp's client errors become `UpstreamFailure`.
+This module is the one boundary where the upstream leg's errors become `UpstreamFailure`; the
+HTTP/1.1 work itself is in `proxy/h1.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+import ssl
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
-import aiohttp
 from yarl import URL
 
 from idemproxy.decision import Failure
+from idemproxy.proxy.h1 import (
+    ONE_WRITE,
+    Connection,
+    ConnectionPool,
+    Origin,
+    UpstreamFailure,
+    UpstreamResponse,
+    framing_for,
+    request_head,
+    send_stream,
+)
 
-
-class UpstreamFailure(Exception):
-    """The upstream call failed; `failure` says how far the request got (SPEC §3.2)."""
-
-    def __init__(self, failure: Failure, reason: str) -> None:
-        super().__init__(reason)
-        self.failure = failure
-        self.reason = reason
+__all__ = ["UpstreamClient", "UpstreamFailure", "UpstreamResponse"]
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class UpstreamClient:
@@ -33,103 +39,117 @@ class UpstreamClient:
         connect_timeout: float,
         connections: int,
         keepalive: float,
-        trace_configs: Sequence[aiohttp.TraceConfig] = (),
+        on_sent: Callable[[], None] | None = None,
     ) -> None:
-        self._timeout = aiohttp.ClientTimeout(total=timeout, connect=connect_timeout)
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
         self._connections = connections
         self._keepalive = keepalive
-        self._trace_configs = list(trace_configs)
-        self._session: aiohttp.ClientSession | None = None
+        # Test-only (proxy/failpoints.py): called once the request's bytes are on the wire.
+        self._on_sent = on_sent
+        self._pool: ConnectionPool | None = None
+        self._origins: dict[tuple[str | None, str | None, int | None], tuple[Origin, str]] = {}
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(
-            limit=self._connections, keepalive_timeout=self._keepalive, ttl_dns_cache=60
+        self._pool = ConnectionPool(
+            limit=self._connections,
+            keepalive=self._keepalive,
+            ssl=ssl.create_default_context(),
         )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            auto_decompress=False,  # SPEC §7: bodies byte-identical
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            raise_for_status=False,
-            trace_configs=self._trace_configs or None,
-        )
-        # SPEC §10: never re-send a request on a pooled connection once any byte may have been
-        # written. aiohttp retries idempotent methods after a disconnect on a reused connection
-        # (client.py, "retry_persistent_connection") and has no public switch for it; its own
-        # test client turns it off the same way.
-        self._session._retry_connection = False
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
 
     @contextlib.asynccontextmanager
     async def request(
         self,
         method: str,
-        url: URL,  # encoded=True; a str would be re-quoted by aiohttp (SPEC §10 fidelity)
+        url: URL,  # encoded=True: its path and query go out byte for byte (SPEC §10 fidelity)
         headers: Any,
         body: bytes | AsyncIterable[bytes] | None,
         *,
         content_length: int | None = None,
-    ) -> AsyncIterator[aiohttp.ClientResponse]:
-        """Send the request; yields the response once its headers arrived."""
-        if self._session is None:
+    ) -> AsyncIterator[UpstreamResponse]:
+        """Send the request; yields the response once its head arrived."""
+        if self._pool is None:
             raise RuntimeError("UpstreamClient.open() was not called")
-        if content_length is not None and not isinstance(body, bytes):
-            headers["Content-Length"] = str(content_length)
+        pool = self._pool
+        origin, host = self._origin(url)
+        framing = framing_for(method, body, content_length)
+        head = request_head(method, url.raw_path_qs, host, headers, framing)
+        connection = await pool.acquire(origin, self._connect_timeout)
+        exchange = UpstreamResponse(connection, method, self._timeout)
+        connection.exchange = exchange
+        sender: asyncio.Task[None] | None = None
         try:
-            async with self._session.request(
-                method,
-                url,
-                headers=headers,
-                data=body,
-                allow_redirects=False,
-                compress=None,
-                chunked=None,
-            ) as response:
-                yield response
-        except aiohttp.ClientError as exc:
-            raise classify(exc) from exc
-        except TimeoutError as exc:
-            raise UpstreamFailure(Failure.TIMEOUT, "upstream timed out") from exc
+            try:
+                if body is None or isinstance(body, bytes | bytearray):
+                    self._send_whole(connection, exchange, head, bytes(body or b""))
+                else:
+                    connection.write(head)
+                    sender = asyncio.create_task(
+                        send_stream(
+                            connection,
+                            exchange,
+                            body,
+                            chunked=framing.startswith("Transfer-Encoding"),
+                            content_length=content_length,
+                            on_sent=self._on_sent,
+                        )
+                    )
+                await exchange.wait_head()
+            except (ConnectionError, OSError) as exc:
+                raise UpstreamFailure(Failure.BROKEN, f"upstream connection broke: {exc}") from exc
+            yield exchange
+        finally:
+            if sender is not None and not sender.done():
+                sender.cancel()  # answered before the whole body was sent: not reusable
+                connection.abort()
+            pool.release(origin, connection)
+
+    def _send_whole(
+        self, connection: Connection, exchange: UpstreamResponse, head: bytes, body: bytes
+    ) -> None:
+        if len(body) <= ONE_WRITE:
+            connection.write(head + body)
+        else:
+            connection.writelines((head, body))
+        exchange.request_sent = True
+        if self._on_sent is not None:
+            connection.loop.call_soon(self._on_sent)
+
+    def _origin(self, url: URL) -> tuple[Origin, str]:
+        """(host, port, TLS) and the Host header for an upstream URL; cached per upstream."""
+        cache_key = (url.scheme, url.raw_host, url.port)
+        found = self._origins.get(cache_key)
+        if found is None:
+            if url.scheme not in _DEFAULT_PORTS or not url.raw_host:
+                raise UpstreamFailure(Failure.CONNECT, f"unsupported upstream URL: {url}")
+            port = url.port or _DEFAULT_PORTS[url.scheme]
+            host = url.raw_host
+            # RFC 9110 §7.2: the port is left out when it is the scheme's default.
+            authority = f"[{host}]" if ":" in host else host
+            if url.explicit_port and port != _DEFAULT_PORTS[url.scheme]:
+                authority = f"{authority}:{port}"
+            found = ((host, port, url.scheme == "https"), authority)
+            self._origins[cache_key] = found
+        return found
 
     @staticmethod
-    async def read_body(response: aiohttp.ClientResponse, limit: int) -> tuple[bytes, bool]:
+    async def read_body(response: UpstreamResponse, limit: int) -> tuple[bytes, bool]:
         """Up to `limit` bytes of the body; the flag says whether all of it fits."""
         chunks: list[bytes] = []
         size = 0
-        try:
-            while size <= limit:
-                chunk = await response.content.readany()
-                if not chunk:
-                    return b"".join(chunks), True
-                chunks.append(chunk)
-                size += len(chunk)
-        except aiohttp.ClientError as exc:
-            raise classify(exc) from exc
-        except TimeoutError as exc:
-            raise UpstreamFailure(Failure.TIMEOUT, "upstream body timed out") from exc
+        while size <= limit:
+            chunk = await response.read_chunk()
+            if not chunk:
+                return b"".join(chunks), True
+            chunks.append(chunk)
+            size += len(chunk)
         return b"".join(chunks), False
 
     @staticmethod
-    async def iter_body(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in response.content.iter_any():
-                yield chunk
-        except aiohttp.ClientError as exc:
-            raise classify(exc) from exc
-        except TimeoutError as exc:
-            raise UpstreamFailure(Failure.TIMEOUT, "upstream body timed out") from exc
-
-
-def classify(exc: aiohttp.ClientError) -> UpstreamFailure:
-    """How far a failed request got (SPEC §3.2)."""
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        # Refused, DNS, TLS handshake, or no connection within the connect timeout:
-        # not one byte of the request was written.
-        return UpstreamFailure(Failure.CONNECT, f"connect failed: {type(exc).__name__}")
-    if isinstance(exc, asyncio.TimeoutError):
-        return UpstreamFailure(Failure.TIMEOUT, "upstream timed out")
-    return UpstreamFailure(Failure.BROKEN, f"upstream connection broke: {type(exc).__name__}")
+    async def iter_body(response: UpstreamResponse) -> AsyncIterator[bytes]:
+        while chunk := await response.read_chunk():
+            yield chunk

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterable
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
@@ -14,7 +13,7 @@ from idemproxy.decision import Failure
 from idemproxy.errors import UpstreamTimeout, UpstreamUnavailable
 from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure
+from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamResponse
 from idemproxy.proxy.headers import request_headers_for_upstream, response_headers_for_client
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
@@ -87,7 +86,7 @@ def _small(length: int | None) -> bool:
     return length is not None and length <= SMALL_BODY
 
 
-def _buffered(upstream: aiohttp.ClientResponse, content: bytes) -> web.Response:
+def _buffered(upstream: UpstreamResponse, content: bytes) -> web.Response:
     return web.Response(
         status=upstream.status,
         reason=upstream.reason,
@@ -97,7 +96,7 @@ def _buffered(upstream: aiohttp.ClientResponse, content: bytes) -> web.Response:
 
 
 async def _stream(
-    request: web.Request, response: web.StreamResponse, upstream: aiohttp.ClientResponse
+    request: web.Request, response: web.StreamResponse, upstream: UpstreamResponse
 ) -> None:
     response.set_status(upstream.status, upstream.reason)
     response.headers.extend(response_headers_for_client(upstream.headers))

@@ -1,0 +1,51 @@
+"""Leases kept alive while an attempt runs (SPEC §3.5), against the real SQLite store."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+from idemproxy.proxy.lease import KeptLease
+from idemproxy.store.sqlite import SqliteStore
+from idemproxy.types import Claimed, Intent
+
+
+async def claimed_job(store: SqliteStore, lease: float) -> Claimed:
+    intent = Intent(owner="o", key="k", fingerprint="f", method="POST", path="/pay")
+    claim = await store.claim(intent, str(uuid.uuid4()), "http://up", ttl=60, lease=lease)
+    assert isinstance(claim, Claimed)
+    return claim
+
+
+async def test_a_long_attempt_keeps_its_lease_and_a_short_one_never_renews(
+    tmp_path: Path,
+) -> None:
+    store = SqliteStore(str(tmp_path / "jobs.db"))
+    await store.open()
+    await store.migrate()
+    renewals: list[float] = []
+    renew = store.renew_lease
+
+    async def counted(*args: object, **kwargs: object) -> bool:
+        renewals.append(asyncio.get_running_loop().time())
+        return await renew(*args, **kwargs)  # type: ignore[arg-type]
+
+    store.renew_lease = counted  # type: ignore[method-assign]
+    try:
+        job = (await claimed_job(store, lease=0.6)).job
+        async with KeptLease(store, job, lease=0.6):
+            await asyncio.sleep(0.05)
+        assert renewals == []  # ended before the first renewal was due: no task, no call
+
+        async with KeptLease(store, job, lease=0.6):
+            await asyncio.sleep(1.3)  # twice the lease: alive only if it was renewed
+            current = await store.get("o", "k")
+            assert current is not None and not current.lease_expired
+        assert len(renewals) >= 3  # every 0.2 s from 0.2 s on
+        await asyncio.sleep(0.5)
+        count = len(renewals)
+        await asyncio.sleep(0.5)
+        assert len(renewals) == count  # stopped with the block
+    finally:
+        await store.close()
