@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import ipaddress
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
 import uvloop
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from yarl import URL
 
 from idemproxy.decision import Failure
@@ -419,3 +427,76 @@ async def test_an_upstream_silent_mid_body_past_the_timeout_is_a_timeout() -> No
                 pieces += chunk
     assert pieces == b"z" * 10
     assert failure.value.failure is Failure.TIMEOUT
+
+
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 that is its own CA, and its key."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "idemproxy test upstream")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "upstream.pem", folder / "upstream.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.mark.parametrize("trusted", [True, False], ids=["trusted", "untrusted"])
+def test_an_https_upstream_is_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trusted: bool
+) -> None:
+    """TLS to the upstream with the system's verification; an unknown certificate is a
+    connect failure, so nothing was sent (SPEC §3.2)."""
+    cert, key = _self_signed(tmp_path)
+    if trusted:
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # read by ssl.create_default_context
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def scenario() -> None:
+        received: list[bytes] = []
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+                received.append(await reader.readuntil(b"\r\n\r\n"))
+                writer.write(OK)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_tls)
+        port = server.sockets[0].getsockname()[1]
+        url = URL(f"https://127.0.0.1:{port}/pay", encoded=True)
+        try:
+            async with client() as c:
+                if trusted:
+                    assert (await call(c, url, body=None, method="GET"))[::2] == (201, b"ok")
+                    assert received[0].startswith(b"GET /pay HTTP/1.1\r\n")
+                else:
+                    with pytest.raises(UpstreamFailure) as failure:
+                        await call(c, url)
+                    assert failure.value.failure is Failure.CONNECT
+                    assert received == []
+        finally:
+            server.close()
+
+    uvloop.run(scenario())
