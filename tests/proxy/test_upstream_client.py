@@ -11,7 +11,10 @@ import asyncio
 import contextlib
 import datetime
 import ipaddress
+import socket
 import ssl
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -500,3 +503,37 @@ def test_an_https_upstream_is_verified(
             server.close()
 
     uvloop.run(scenario())
+
+
+def _answer_then_close(listener: socket.socket, connections: list[int]) -> None:
+    """A blocking upstream in a thread of its own: it can close while the loop is blocked."""
+    for _ in range(2):
+        conn, _ = listener.accept()
+        connections.append(1)
+        with conn:
+            data = b""
+            while not data.endswith(b'{"a":1}'):
+                data += conn.recv(65536)
+            conn.sendall(OK)  # a keep-alive answer ...
+            time.sleep(0.05)  # ... then the upstream's own idle timeout closes it
+
+
+@on_both_loops
+async def test_an_idle_connection_the_upstream_closed_is_never_reused() -> None:
+    """The upstream closed an idle keep-alive connection and the loop has not handled that
+    close yet when the next request wants the connection: it must take a new one, or the
+    request would go into a closing socket and its outcome would be unknown (SPEC §3.2)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    connections: list[int] = []
+    thread = threading.Thread(target=_answer_then_close, args=(listener, connections))
+    thread.start()
+    url = URL(f"http://127.0.0.1:{listener.getsockname()[1]}/pay", encoded=True)
+    try:
+        async with client() as c:
+            await call(c, url)
+            time.sleep(0.3)  # noqa: ASYNC251 - on purpose: the close reaches the kernel, not our loop
+            assert (await call(c, url))[0] == 201
+    finally:
+        thread.join(5)
+        listener.close()
+    assert len(connections) == 2

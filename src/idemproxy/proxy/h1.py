@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import select
 from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any, cast
 
@@ -312,6 +313,21 @@ class Connection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
 
+    def readable(self) -> bool:
+        """Whether an idle connection has something to read: its peer's close (or bytes nobody
+        asked for) that the loop has not handled yet. Reusing it would send a request into a
+        closing connection, and its outcome would be unknown (SPEC §3.2); a poll with no wait
+        narrows that race to the network's own delay, as urllib3 does."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return True
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+        return bool(poller.poll(0))
+
     def abort(self) -> None:
         self.closed = True
         if self.transport is not None:
@@ -402,7 +418,7 @@ class ConnectionPool:
             connection = idle.pop()
             if connection.closed:
                 continue  # the upstream closed it while it idled
-            if now - connection.idle_since < self._keepalive:
+            if now - connection.idle_since < self._keepalive and not connection.readable():
                 return connection
             for stale in (*idle, connection):  # older ones idled longer still
                 stale.abort()
