@@ -12,19 +12,26 @@ from idemproxy.errors import StoreUnavailable
 
 log = logging.getLogger("idemproxy.store")
 
+DRIVER_ERRORS = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    # A pooled connection that the server ended, used before the driver noticed.
+    asyncpg.InternalClientError,
+)
+
+
+def unavailable(what: str, exc: BaseException) -> StoreUnavailable:
+    """What one of DRIVER_ERRORS becomes; raise it `from exc`."""
+    # SPEC §11: fail closed. The detail never carries SQL or driver text to the client.
+    log.warning("store error during %s: %s: %s", what, type(exc).__name__, exc)
+    return StoreUnavailable()
+
 
 @contextlib.asynccontextmanager
 async def translate_errors(what: str) -> AsyncIterator[None]:
     try:
         yield
-    except (
-        OSError,
-        TimeoutError,
-        asyncpg.PostgresError,
-        asyncpg.InterfaceError,
-        # A pooled connection that the server ended, used before the driver noticed.
-        asyncpg.InternalClientError,
-    ) as exc:
-        # SPEC §11: fail closed. The detail never carries SQL or driver text to the client.
-        log.warning("store error during %s: %s: %s", what, type(exc).__name__, exc)
-        raise StoreUnavailable() from exc
+    except DRIVER_ERRORS as exc:
+        raise unavailable(what, exc) from exc

@@ -1,0 +1,97 @@
+"""One PostgreSQL store call (SPEC §11, §13): timed, its driver errors translated, and retried
+once on a fresh connection only when asyncpg refused a pooled session the server had ended."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idemproxy.errors import StoreUnavailable
+from idemproxy.store.postgres import PostgresStore
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+async def pg_store(pg_dsn: str) -> AsyncIterator[tuple[PostgresStore, list[tuple[str, bool]]]]:
+    store = PostgresStore(pg_dsn, min_connections=1, max_connections=2, listen=False)
+    seen: list[tuple[str, bool]] = []
+    store.observer = lambda operation, seconds, failed: seen.append((operation, failed))
+    await store.open()
+    yield store, seen
+    await store.close()
+
+
+def _failing(*errors: BaseException) -> Any:
+    remaining = list(errors)
+
+    async def call(conn: Any) -> int:
+        if remaining:
+            raise remaining.pop(0)
+        return int(await conn.fetchval("SELECT 7"))
+
+    return call
+
+
+async def test_a_call_is_timed_once(pg_store: tuple[PostgresStore, list[tuple[str, bool]]]) -> None:
+    store, seen = pg_store
+    assert await store._run("probe", _failing()) == 7
+    assert seen == [("probe", False)]
+
+
+async def test_an_ended_pooled_session_is_retried_once_on_a_fresh_connection(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    store, seen = pg_store
+    assert await store._run("probe", _failing(asyncpg.InternalClientError("gone"))) == 7
+    assert seen == [("probe", True), ("probe", False)]
+
+
+async def test_a_second_refusal_is_store_unavailable(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    store, seen = pg_store
+    refusals = (asyncpg.InternalClientError("gone"), asyncpg.InternalClientError("again"))
+    with pytest.raises(StoreUnavailable):
+        await store._run("probe", _failing(*refusals))
+    assert seen == [("probe", True), ("probe", True)]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [asyncpg.PostgresError("boom"), ConnectionResetError(), TimeoutError()],
+    ids=["server", "socket", "timeout"],
+)
+async def test_other_driver_errors_are_not_retried(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]], error: BaseException
+) -> None:
+    store, seen = pg_store
+    with pytest.raises(StoreUnavailable) as caught:
+        await store._run("probe", _failing(error))
+    assert caught.value.__cause__ is error
+    assert seen == [("probe", True)]
+
+
+async def test_other_errors_pass_through_and_the_connection_goes_back(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    store, seen = pg_store
+    for _ in range(3):  # more than the pool holds: each call gave its connection back
+        with pytest.raises(KeyError):
+            await store._run("probe", _failing(KeyError("bug")))
+    assert seen == [("probe", False)] * 3
+    assert await store._run("probe", _failing()) == 7
+
+
+async def test_a_closed_store_is_unavailable_and_not_timed(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    store, seen = pg_store
+    await store.close()
+    store._pool = None
+    with pytest.raises(StoreUnavailable):
+        await store.ping()
+    assert seen == []
