@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from idemproxy.types import Attempt, AttemptState, HeaderPairs, Job, JobState, StoredResponse
+
+# `JobState(value)` goes through EnumMeta.__call__ (about a microsecond); a dict does not.
+_JOB_STATES = {state.value: state for state in JobState}
+# Distinct stored header lists kept parsed (see `decode_headers`); each is a few hundred bytes.
+_PARSED_HEADERS = 64
 
 
 class Row(Protocol):
@@ -21,7 +27,7 @@ def job_from_row(row: Row, attempts: tuple[Attempt, ...] = ()) -> Job:
         owner=row["owner"],
         key=row["key"],
         fingerprint=row["fingerprint"],
-        state=JobState(row["state"]),
+        state=_job_state(row["state"]),
         version=row["version"],
         attempt_count=row["attempt_count"],
         method=row["method"],
@@ -50,6 +56,11 @@ def attempt_from_row(row: Row) -> Attempt:
     )
 
 
+def _job_state(value: str) -> JobState:
+    state = _JOB_STATES.get(value)
+    return JobState(value) if state is None else state  # an unknown value raises, as before
+
+
 def _response(row: Row) -> StoredResponse | None:
     if row["response_status"] is None:
         return None
@@ -64,8 +75,20 @@ def encode_headers(headers: HeaderPairs) -> str:
 def decode_headers(value: str | list[list[str]] | None) -> HeaderPairs:
     if value is None:
         return ()
-    pairs = json.loads(value) if isinstance(value, str) else value
-    return tuple((str(name), str(val)) for name, val in pairs)
+    if isinstance(value, str):
+        return _parsed_headers(value)
+    return _pairs(value)
+
+
+@functools.lru_cache(maxsize=_PARSED_HEADERS)
+def _parsed_headers(value: str) -> HeaderPairs:
+    # Every replay of a job reads the same stored headers, and one upstream's responses often
+    # store identical ones: the result is an immutable function of the text, so it is kept.
+    return _pairs(json.loads(value))
+
+
+def _pairs(pairs: list[list[str]]) -> HeaderPairs:
+    return tuple([(str(name), str(val)) for name, val in pairs])
 
 
 def as_datetime(value: datetime | float | None) -> datetime | None:
