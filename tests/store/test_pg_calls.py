@@ -3,6 +3,8 @@ once on a fresh connection only when asyncpg refused a pooled session the server
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,7 +12,7 @@ import asyncpg
 import pytest
 
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.postgres import PostgresStore
+from idemproxy.store.postgres import PostgresStore, _live_connection_next
 
 pytestmark = pytest.mark.postgres
 
@@ -95,3 +97,43 @@ async def test_a_closed_store_is_unavailable_and_not_timed(
     with pytest.raises(StoreUnavailable):
         await store.ping()
     assert seen == []
+
+
+async def test_waiting_for_a_connection_is_bounded_by_the_command_timeout(pg_dsn: str) -> None:
+    store = PostgresStore(
+        pg_dsn, min_connections=1, max_connections=1, command_timeout=0.3, listen=False
+    )
+    await store.open()
+    try:
+        held = asyncio.Event()
+        done = asyncio.Event()
+
+        async def hold() -> None:
+            async with store._connection("hold"):
+                held.set()
+                await done.wait()
+
+        holder = asyncio.create_task(hold())
+        await held.wait()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as caught:
+            await store.ping()
+        assert isinstance(caught.value.__cause__, TimeoutError)
+        assert time.monotonic() - started < 2
+        done.set()
+        await holder
+        await store.ping()  # the connection came back and is handed out at once
+        await store.ping()
+    finally:
+        await store.close()
+
+
+async def test_an_idle_live_connection_is_seen_so_its_acquire_arms_no_deadline(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    """Reads asyncpg's internals: if they change, this fails rather than every call silently
+    paying for a deadline again."""
+    store, _ = pg_store
+    await store.ping()
+    assert _live_connection_next(store._pool)
+    assert not _live_connection_next(object())  # anything else: the bounded acquire
