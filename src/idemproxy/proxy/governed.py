@@ -6,7 +6,6 @@ Each turn does one I/O step (claim, wait, CAS, re-read) and feeds the result bac
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 from aiohttp import web
 
@@ -21,6 +20,7 @@ from idemproxy.decision import (
     decide,
 )
 from idemproxy.errors import RequestInFlight, StoreUnavailable, TooManyWaiters
+from idemproxy.ids import new_job_id
 from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobrun import run_job
@@ -95,7 +95,7 @@ async def run_shielded(
 
 async def _claim(ctx: ProxyContext, route: Route, intent: Intent) -> ClaimResult:
     return await ctx.store.claim(
-        intent, str(uuid.uuid4()), route.upstream, ttl=route.ttl, lease=ctx.settings.lease
+        intent, new_job_id(), route.upstream, ttl=route.ttl, lease=ctx.settings.lease
     )
 
 

@@ -1,0 +1,30 @@
+"""Job ids: UUIDv7 (RFC 9562 §5.7), time-ordered.
+
+A random (v4) id lands on a random leaf of every index over it, so on a large store each new
+job read about one uncached index page per id index (bench/findings.md, store growth). A v7 id
+starts with the time in milliseconds: new ids land on the right-most leaves, which stay cached.
+The 74 bits after the time are random, so ids stay unguessable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+_TIME_BITS = (1 << 48) - 1
+_RAND_A_BITS = (1 << 12) - 1
+_RAND_B_BITS = (1 << 62) - 1
+
+
+def new_job_id() -> str:
+    millis = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (
+        (millis & _TIME_BITS) << 80
+        | 0x7 << 76  # version 7
+        | ((rand >> 62) & _RAND_A_BITS) << 64
+        | 0b10 << 62  # the RFC 9562 variant
+        | (rand & _RAND_B_BITS)
+    )
+    return str(uuid.UUID(int=value))
