@@ -13,8 +13,6 @@ import contextlib
 import socket
 import time
 
-import pytest
-
 from backend import Ledger
 from idemproxy.store.base import Store
 from idemproxy.types import JobState
