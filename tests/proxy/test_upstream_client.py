@@ -29,6 +29,7 @@ from yarl import URL
 
 from idemproxy.decision import Failure
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure
+from idemproxy.proxy.h1 import MAX_HEAD_BYTES
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {
     "asyncio": asyncio.run,
@@ -537,3 +538,20 @@ async def test_an_idle_connection_the_upstream_closed_is_never_reused() -> None:
         thread.join(5)
         listener.close()
     assert len(connections) == 2
+
+
+@on_both_loops
+async def test_an_endless_response_head_is_broken_not_buffered_for_ever() -> None:
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await upstream_of[endless].read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
+        for _ in range(2 * MAX_HEAD_BYTES // 65536):
+            writer.write(b"a" * 65536)
+            await writer.drain()
+        await reader.read()
+
+    async with serving(endless) as upstream, client() as c:
+        with pytest.raises(UpstreamFailure) as failure:
+            await call(c, upstream.url)
+    assert failure.value.failure is Failure.BROKEN
+    assert "too large" in failure.value.reason

@@ -36,6 +36,9 @@ _LOW_WATER = 64 * 1024
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
 # Set by this client from the request itself; a caller's copies are dropped.
 _FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
+# Bytes received before a response head is whole: 128 fields of 8 KiB (aiohttp's limits) plus
+# one read's worth of body behind the head.
+MAX_HEAD_BYTES = 128 * 8 * 1024 + 256 * 1024
 ONE_WRITE = 16 * 1024  # up to this size head and body are joined into one write
 
 
@@ -77,6 +80,7 @@ class UpstreamResponse:
         self._error: UpstreamFailure | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.request_sent = False
+        self.head_bytes = 0  # received while the head was incomplete (MAX_HEAD_BYTES)
 
     # --- reading, for the proxy -------------------------------------------------------------
 
@@ -103,6 +107,10 @@ class UpstreamResponse:
     @property
     def complete(self) -> bool:
         return self._stage is _Stage.DONE
+
+    @property
+    def awaiting_head(self) -> bool:
+        return self._stage is _Stage.HEAD
 
     async def _wait(self, reason: str) -> None:
         """Wait for the upstream, at most `timeout` (SPEC §3.2: a timeout is unknown)."""
@@ -225,6 +233,14 @@ class Connection(asyncio.Protocol):
         if exchange is None or exchange.complete:
             self.abort()  # bytes nobody asked for: this connection can not be trusted again
             return
+        if exchange.awaiting_head:
+            # llhttp sets no limit on a response head; aiohttp's parser allowed 128 fields of
+            # 8 KiB. Past this much without a whole head, the upstream is broken.
+            exchange.head_bytes += len(data)
+            if exchange.head_bytes > MAX_HEAD_BYTES:
+                exchange.fail(UpstreamFailure(Failure.BROKEN, "upstream response head too large"))
+                self.abort()
+                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
