@@ -406,7 +406,7 @@ def cpu_per_request_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def split_table(results: list[Result]) -> str:
+def split_table(results: list[Result], *, upstream_excludes_store: bool) -> str:
     """Per request, from the proxy's own metrics: the store, the upstream, and the rest."""
     lines = [
         "| Scenario | Conns | mean latency ms | store ms (calls) | store ms by operation "
@@ -424,9 +424,12 @@ def split_table(results: list[Result]) -> str:
         outcomes = ", ".join(
             f"{name} {n / total:.0%}" for name, n in sorted(s["outcomes"].items(), key=_by_count)
         )
-        # idemproxy_upstream_seconds runs until the attempt's outcome is stored: it includes
-        # the completion (or settle) write, which the store column already counts.
-        nested = s["store_ms"].get("complete", 0.0) + s["store_ms"].get("settle", 0.0)
+        # In runs before `upstream_excludes_store`, idemproxy_upstream_seconds ran until the
+        # attempt's outcome was stored: it included the completion (or settle) write, which
+        # the store column already counts.
+        nested = 0.0
+        if not upstream_excludes_store:
+            nested = s["store_ms"].get("complete", 0.0) + s["store_ms"].get("settle", 0.0)
         upstream = max(0.0, s["upstream_ms"] - nested) if s["upstream_ms"] else 0.0
         cells = [
             r.title,
@@ -689,6 +692,12 @@ def render(data: dict[str, Any], image: str) -> tuple[str, list[str]]:
     lines = findings.split("\n")
     findings = "\n".join("#" + line if line.startswith("## ") else line for line in lines)
     check_lines = checks(data)
+    excludes_store = data.get("upstream_excludes_store", False)
+    upstream_source = (
+        "histogram, which ends when the upstream's answer is whole"
+        if excludes_store
+        else "histogram minus the completion write it includes"
+    )
     text = f"""# Benchmarks
 
 The backend direct, nginx, idemproxy and an in-process peer, measured in one run of `bench/run`
@@ -755,12 +764,12 @@ Scenario A's throughput and p50 latency divided by scenario B's, at the same con
 The proxy's `/metrics` (store and upstream call histograms, requests by outcome) read before and
 after each measured run, divided by the requests in it: time waiting on the store (all calls;
 *calls* is store calls per request), time waiting on the upstream (the proxy's upstream
-histogram minus the completion write it includes), and the *rest* (the client's mean latency
+{upstream_source}), and the *rest* (the client's mean latency
 minus both): the proxy's own CPU, its event loop's queue, and the loopback hops. Under load the
 store and upstream times include waiting for the proxy's own event loop, busy with other
 requests.
 
-{split_table(main)}
+{split_table(main, upstream_excludes_store=excludes_store)}
 
 ### CPU per request
 

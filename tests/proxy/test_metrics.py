@@ -168,3 +168,27 @@ async def test_late_results_are_counted(sqlite_dsn: str) -> None:
     assert metrics.late_results._value.get() == 1
     assert metrics.attempts.labels("discarded")._value.get() == 1
     assert metrics.attempts.labels("succeeded")._value.get() == 1
+
+
+async def test_upstream_time_ends_when_the_answer_arrived_not_when_it_was_stored(
+    clients: Clients,
+) -> None:
+    """A slow completion write is the store's time (idemproxy_store_seconds), not the
+    upstream's: dashboards must not blame the upstream for the database."""
+    proxy, admin = clients
+    store = proxy.server.app[CONTEXT].store
+    complete = store.complete
+
+    async def slow_complete(*args: object, **kwargs: object) -> bool:
+        await asyncio.sleep(0.3)
+        return await complete(*args, **kwargs)  # type: ignore[arg-type]
+
+    store.complete = slow_complete  # type: ignore[method-assign]
+    began = asyncio.get_running_loop().time()
+    response = await proxy.post("/pay", data=b"a", headers={"Idempotency-Key": "slow-store"})
+    assert response.status == 201
+    assert asyncio.get_running_loop().time() - began >= 0.3  # stored before it was answered
+    samples = await scrape(admin)
+    answered = (("outcome", "answered"),)
+    assert samples[("idemproxy_upstream_seconds_count", answered)] == 1
+    assert samples[("idemproxy_upstream_seconds_sum", answered)] < 0.25

@@ -87,7 +87,12 @@ async def run_attempt(
             ) as upstream,
         ):
             step = await _on_response(ctx, request, route, attempt, upstream)
-            _observe_upstream(ctx, started, "failed" if isinstance(step, Failed) else "answered")
+            # Until the upstream's answer was whole, not until it was stored: the store's time
+            # is idemproxy_store_seconds' (SPEC §13).
+            ended = upstream.finished_at or time.perf_counter()
+            _observe_upstream(
+                ctx, started, "failed" if isinstance(step, Failed) else "answered", ended
+            )
             return step
     except UpstreamFailure as failure:
         outcome, problem = classify_failure(failure.failure)
@@ -249,8 +254,11 @@ def count_failed(ctx: ProxyContext, failed: Failed) -> None:
     ctx.metrics.attempt_outcome["failed" if failed.outcome is Outcome.RELEASE else "unknown"].inc()
 
 
-def _observe_upstream(ctx: ProxyContext, started: float, outcome: str) -> None:
-    ctx.metrics.upstream_outcome[outcome].observe(time.perf_counter() - started)
+def _observe_upstream(
+    ctx: ProxyContext, started: float, outcome: str, ended: float | None = None
+) -> None:
+    finished = time.perf_counter() if ended is None else ended
+    ctx.metrics.upstream_outcome[outcome].observe(finished - started)
 
 
 async def settle(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> None:

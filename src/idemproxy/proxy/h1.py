@@ -20,6 +20,7 @@ import collections
 import contextlib
 import enum
 import select
+import time
 from collections.abc import AsyncIterable, Callable, Iterable
 from typing import Any, cast
 
@@ -81,6 +82,7 @@ class UpstreamResponse:
         self._waiter: asyncio.Future[None] | None = None
         self.request_sent = False
         self.head_bytes = 0  # received while the head was incomplete (MAX_HEAD_BYTES)
+        self.finished_at: float | None = None  # time.perf_counter() when the body was whole
 
     # --- reading, for the proxy -------------------------------------------------------------
 
@@ -171,8 +173,9 @@ class UpstreamResponse:
         self.content_length = int(length) if length is not None and length.isdigit() else None
         self._stage = _Stage.BODY
         if self.method == "HEAD" or status in (204, 304):
-            self._stage = _Stage.DONE  # RFC 9110 §6.4.1: no body, whatever the headers say
-        elif length is None and "chunked" not in headers.get("Transfer-Encoding", "").lower():
+            self._done()  # RFC 9110 §6.4.1: no body, whatever the headers say
+            return
+        if length is None and "chunked" not in headers.get("Transfer-Encoding", "").lower():
             self._until_close = True  # RFC 9112 §6.3 (7): read until the connection closes
         self._wake()
 
@@ -188,13 +191,19 @@ class UpstreamResponse:
         if self._interim:
             self._interim = False
             return
-        self._stage = _Stage.DONE
+        self._done()
+
+    def _done(self) -> None:
+        if self._stage is not _Stage.DONE:
+            self._stage = _Stage.DONE
+            self.finished_at = time.perf_counter()
         self._wake()
 
     def on_connection_lost(self, exc: BaseException | None) -> None:
         if self._stage is _Stage.BODY and self._until_close and exc is None:
-            self._stage = _Stage.DONE  # a close-delimited body ends here
-        elif self.request_sent or self._stage is not _Stage.HEAD:
+            self._done()  # a close-delimited body ends here
+            return
+        if self.request_sent or self._stage is not _Stage.HEAD:
             self.fail(UpstreamFailure(Failure.BROKEN, "upstream closed the connection"))
         else:
             self.fail(UpstreamFailure(Failure.BROKEN, "upstream closed before the request"))
