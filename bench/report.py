@@ -96,10 +96,42 @@ _WORKER_ROWS = {
 }
 
 
+def _throughput_ratio(
+    t: _Targets,
+    row: tuple[str, str, str],
+    pair: tuple[Result | None, Result | None],
+    other: Callable[[Result], str],
+    show: Callable[[float], str],
+    minimum: float,
+) -> None:
+    """A target row (area, what, threshold): the first result's throughput over the second's,
+    at least `minimum`."""
+    ours, theirs = pair
+
+    def check() -> tuple[str, bool]:
+        assert ours and theirs
+        ratio = ours.rps / theirs.rps
+        return f"{_rate(ours.rps)} vs {other(theirs)}: {show(ratio)}", ratio >= minimum
+
+    t.add(*row, [ours, theirs], check)
+
+
+def _percent(ratio: float) -> str:
+    return f"{ratio:.0%}"
+
+
+def _times(digits: int) -> Callable[[float], str]:
+    return lambda ratio: f"{ratio:.{digits}f}x"
+
+
+def _peer(result: Result) -> str:
+    return f"peer {_rate(result.rps)}"
+
+
 def _passthrough_targets(t: _Targets) -> None:
     direct1, nginx1 = t.res.get("direct", 1), t.res.get("nginx", 1)
     pt1 = t.res.get("passthrough", 1)
-    nginxs, pts = t.res.get("nginx", SATURATED), t.res.get("passthrough", SATURATED)
+    nginxs = t.res.get("nginx", SATURATED)
 
     def latency() -> tuple[str, bool]:
         assert direct1 and nginx1 and pt1
@@ -117,20 +149,15 @@ def _passthrough_targets(t: _Targets) -> None:
     )
 
     for scenario, workers in _WORKER_ROWS["passthrough"]:
-        pts = t.res.get(scenario, SATURATED)
-
-        def rate(pts: Result | None = pts) -> tuple[str, bool]:
-            assert nginxs and pts
-            ratio = pts.rps / nginxs.rps
-            return f"{_rate(pts.rps)} vs nginx {_rate(nginxs.rps)}: {ratio:.0%}", ratio >= 0.5
-
         what = f"throughput at c={SATURATED}, vs nginx{workers}"
-        t.add("pass-through", what, "≥ 50 %", [nginxs, pts], rate)
+        pair = (t.res.get(scenario, SATURATED), nginxs)
+        row = ("pass-through", what, "≥ 50 %")
+        _throughput_ratio(t, row, pair, lambda r: f"nginx {_rate(r.rps)}", _percent, 0.5)
 
 
 def _new_key_targets(t: _Targets) -> None:
     direct1, new1 = t.res.get("direct", 1), t.res.get("new-pg", 1)
-    news, pgbs = t.res.get("new-pg", SATURATED), t.res.get("pgbench", SATURATED)
+    pgbs = t.res.get("pgbench", SATURATED)
     peers = t.res.get("peer-new", SATURATED)
 
     def latency() -> tuple[str, bool]:
@@ -142,26 +169,15 @@ def _new_key_targets(t: _Targets) -> None:
     t.add(area, "p50 overhead over direct at c=1", "≤ 1.0 ms", [new1, direct1], latency)
 
     for scenario, workers in _WORKER_ROWS["new-pg"]:
-        news = t.res.get(scenario, SATURATED)
-
-        def vs_pgbench(news: Result | None = news) -> tuple[str, bool]:
-            assert news and pgbs
-            ratio = news.rps / pgbs.rps
-            return f"{_rate(news.rps)} vs pgbench {pgbs.rps:,.0f} tx/s: {ratio:.0%}", ratio >= 0.5
-
         what = f"throughput at c={SATURATED}, vs pgbench claim + complete{workers}"
-        t.add(area, what, "≥ 50 %", [news, pgbs], vs_pgbench)
+        pair = (t.res.get(scenario, SATURATED), pgbs)
+        pgbench = lambda r: f"pgbench {r.rps:,.0f} tx/s"  # noqa: E731
+        _throughput_ratio(t, (area, what, "≥ 50 %"), pair, pgbench, _percent, 0.5)
 
     for scenario, workers in _WORKER_ROWS["new-pg"]:
-        news = t.res.get(scenario, SATURATED)
-
-        def vs_peer(news: Result | None = news) -> tuple[str, bool]:
-            assert news and peers
-            ratio = news.rps / peers.rps
-            return f"{_rate(news.rps)} vs peer {_rate(peers.rps)}: {ratio:.2f}x", ratio >= 1
-
         what = f"throughput at c={SATURATED}, vs the peer's new keys{workers}"
-        t.add(area, what, "≥ 1x", [news, peers], vs_peer)
+        pair = (t.res.get(scenario, SATURATED), peers)
+        _throughput_ratio(t, (area, what, "≥ 1x"), pair, _peer, _times(2), 1)
 
 
 def _replay_targets(t: _Targets) -> None:
@@ -170,26 +186,14 @@ def _replay_targets(t: _Targets) -> None:
     # With 2 workers, replays are compared with new keys on 2 workers too.
     pairs = zip(_WORKER_ROWS["replay-pg"], _WORKER_ROWS["new-pg"], strict=True)
     for (replays, workers), (new, _) in pairs:
-        reps, news = t.res.get(replays, SATURATED), t.res.get(new, SATURATED)
-
-        def vs_new(reps: Result | None = reps, news: Result | None = news) -> tuple[str, bool]:
-            assert reps and news
-            ratio = reps.rps / news.rps
-            return f"{_rate(reps.rps)} vs {_rate(news.rps)}: {ratio:.1f}x", ratio >= 3
-
         what = f"throughput at c={SATURATED}, vs idemproxy's own new keys{workers}"
-        t.add(area, what, "≥ 3x", [reps, news], vs_new)
+        pair = (t.res.get(replays, SATURATED), t.res.get(new, SATURATED))
+        _throughput_ratio(t, (area, what, "≥ 3x"), pair, lambda r: _rate(r.rps), _times(1), 3)
 
     for replays, workers in _WORKER_ROWS["replay-pg"]:
-        reps = t.res.get(replays, SATURATED)
-
-        def vs_peer(reps: Result | None = reps) -> tuple[str, bool]:
-            assert reps and peers
-            ratio = reps.rps / peers.rps
-            return f"{_rate(reps.rps)} vs peer {_rate(peers.rps)}: {ratio:.2f}x", ratio >= 1
-
         what = f"throughput at c={SATURATED}, vs the peer's replays{workers}"
-        t.add(area, what, "≥ 1x", [reps, peers], vs_peer)
+        pair = (t.res.get(replays, SATURATED), peers)
+        _throughput_ratio(t, (area, what, "≥ 1x"), pair, _peer, _times(2), 1)
 
     def latency() -> tuple[str, bool]:
         assert rep1
