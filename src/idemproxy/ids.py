@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 
 _TIME_BITS = (1 << 48) - 1
 _RAND_A_BITS = (1 << 12) - 1
@@ -27,4 +26,6 @@ def new_job_id() -> str:
         | 0b10 << 62  # the RFC 9562 variant
         | (rand & _RAND_B_BITS)
     )
-    return str(uuid.UUID(int=value))
+    # The canonical 8-4-4-4-12 text, without building a uuid.UUID (twice as fast).
+    digits = f"{value:032x}"
+    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"

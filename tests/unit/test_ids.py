@@ -29,3 +29,9 @@ def test_ids_are_unique_and_random_below_the_time() -> None:
     assert len(set(ids)) == len(ids)
     low_bits = {value.int & ((1 << 62) - 1) for value in ids}
     assert len(low_bits) == len(ids)
+
+
+def test_the_text_is_the_canonical_lower_case_form() -> None:
+    for _ in range(1_000):
+        text = new_job_id()
+        assert str(uuid.UUID(text)) == text  # 8-4-4-4-12 lower-case hex, as PostgreSQL prints
