@@ -129,11 +129,87 @@ async def test_waiting_for_a_connection_is_bounded_by_the_command_timeout(pg_dsn
 
 
 async def test_an_idle_live_connection_is_seen_so_its_acquire_arms_no_deadline(
-    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+    pg_dsn: str,
 ) -> None:
     """Reads asyncpg's internals: if they change, this fails rather than every call silently
     paying for a deadline again."""
-    store, _ = pg_store
-    await store.ping()
-    assert _live_connection_next(store._pool)
+    pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=2)
+    try:
+        assert _live_connection_next(pool)  # the min_size connection, idle in the queue
+        conn = await pool.acquire()
+        assert not _live_connection_next(pool)  # the next holder has no connection yet
+        await pool.release(conn)
+        assert _live_connection_next(pool)
+    finally:
+        await pool.close()
     assert not _live_connection_next(object())  # anything else: the bounded acquire
+
+
+async def _backend_pid(store: PostgresStore) -> int:
+    return int(await store._run("pid", lambda c: c.fetchval("SELECT pg_backend_pid()")))
+
+
+async def test_a_connection_is_kept_between_statements(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    store, _ = pg_store
+    first = await _backend_pid(store)
+    for _ in range(5):
+        assert await _backend_pid(store) == first  # not given back to asyncpg's pool
+
+
+async def test_a_kept_connection_goes_to_a_caller_waiting_in_the_pool(pg_dsn: str) -> None:
+    store = PostgresStore(
+        pg_dsn, min_connections=1, max_connections=1, command_timeout=2.0, listen=False
+    )
+    await store.open()
+    try:
+        held, done = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:
+            async with store._connection("hold"):
+                held.set()
+                await done.wait()
+
+        holder = asyncio.create_task(hold())
+        await held.wait()
+        waiter = asyncio.create_task(store.ping())  # waits in the pool's acquire
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        done.set()
+        await holder
+        await waiter  # handed the connection when the holder finished, not at its deadline
+        assert time.monotonic() - started < 1.0
+    finally:
+        await store.close()
+
+
+async def test_a_kept_connection_the_server_ended_is_not_reused(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]], pg_dsn: str
+) -> None:
+    store, seen = pg_store
+    ended = await _backend_pid(store)
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        assert await admin.fetchval("SELECT pg_terminate_backend($1)", ended)
+    finally:
+        await admin.close()
+    await asyncio.sleep(0.2)  # the kept connection reads the server's goodbye
+    assert await _backend_pid(store) != ended
+    assert ("pid", True) not in seen  # no statement was sent on the dead connection
+
+
+async def test_closing_gives_the_kept_connections_back_at_once(
+    pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = PostgresStore(
+        pg_dsn, min_connections=1, max_connections=2, command_timeout=3.0, listen=False
+    )
+    await store.open()
+    await asyncio.gather(store.ping(), store.ping())  # two connections, both kept
+    started = time.monotonic()
+    await store.close()
+    assert time.monotonic() - started < 1.0  # the pool's close did not wait for them
+    assert "did not close in time" not in caplog.text
+    with pytest.raises(StoreUnavailable):
+        await store.ping()

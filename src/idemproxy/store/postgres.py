@@ -50,6 +50,7 @@ class PostgresStore(Store):
         self._listen = listen
         self._sql = load_queries("postgres")
         self._pool: asyncpg.Pool | None = None
+        self._kept: KeptConnections | None = None
         self._listener: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
@@ -62,6 +63,7 @@ class PostgresStore(Store):
                 init=_init_connection,
                 reset=_keep_session,
             )
+            self._kept = KeptConnections(self._pool, self._command_timeout)
         if self._listen:
             self._listener = asyncio.create_task(
                 listen_forever(self._dsn, self.watch, timeout=self._command_timeout),
@@ -73,6 +75,9 @@ class PostgresStore(Store):
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            await kept.close()  # the pool's close waits for every connection it lent
         if self._pool is not None:
             # A stalled server (frozen, or a network black hole) never answers the graceful
             # close, and asyncpg waits for it without limit: bound it, then abort the sockets
@@ -289,23 +294,20 @@ class PostgresStore(Store):
         """One statement on a pooled connection: timed for the metrics (SPEC §13), its driver
         errors translated (SPEC §11). What `_connection` does, flattened into one frame: the hot
         path makes two or three of these per request."""
-        pool = self._pool
-        if pool is None:
+        kept = self._kept
+        if kept is None:
             raise StoreUnavailable("The store is not open.")
         started = time.perf_counter()
         failed = False
         try:
-            conn = await self._acquire(pool)
+            conn = await kept.take()
             try:
                 result = await call(conn)
             except BaseException:
-                # A statement that timed out or was cancelled leaves a cancellation for the
-                # release to wait for: bounded, as the acquire would have bounded it.
-                await pool.release(conn, timeout=self._command_timeout)
+                await kept.release(conn)
                 raise
-            # A statement that completed leaves nothing to wait for (no transaction is left
-            # open, and the reset is `_keep_session`): no deadline is armed for the release.
-            await pool.release(conn)
+            if not kept.keep(conn):
+                await kept.release(conn)
             return result
         except DRIVER_ERRORS as exc:
             failed = True
@@ -314,27 +316,100 @@ class PostgresStore(Store):
             if self.observer is not None:
                 self.observer(what, time.perf_counter() - started, failed)
 
-    def _acquire(self, pool: asyncpg.Pool) -> Awaitable[Pooled]:
-        """A pooled connection, within the command timeout when it may have to wait.
-
-        asyncpg's `acquire(timeout=…)` arms a deadline for the acquire and then one for the
-        release as well, even when an idle connection is there for the taking (measured: a
-        tenth of the instructions of a store call). So the deadline is only armed when the
-        acquire may wait: for a release, or for a new connection.
-        """
-        if _live_connection_next(pool):
-            return pool.acquire()
-        return pool.acquire(timeout=self._command_timeout)
-
     @contextlib.asynccontextmanager
     async def _connection(self, what: str) -> AsyncIterator[Pooled]:
         """A pooled connection for several statements (migrations, operators' reads)."""
-        if self._pool is None:
+        kept = self._kept
+        if kept is None:
             raise StoreUnavailable("The store is not open.")
-        pool = self._pool
         with self.observed(what):
-            async with translate_errors(what), pool.acquire(timeout=self._command_timeout) as conn:
-                yield conn
+            async with translate_errors(what):
+                conn = await kept.take()
+                try:
+                    yield conn
+                except BaseException:
+                    await kept.release(conn)
+                    raise
+                if not kept.keep(conn):
+                    await kept.release(conn)
+
+
+class KeptConnections:
+    """Pooled connections kept between statements rather than released to asyncpg's pool.
+
+    asyncpg's release shields a new task, arms a timeout and runs the reset hook, and its
+    acquire goes through its queue and holder, for every statement: about a tenth of the
+    proxy's CPU per new key (bench/findings.md). A connection whose statement completed is
+    clean (each statement commits on its own and the session carries no state: see
+    `_keep_session`), so it is kept, last in first out, for the next statement. Whatever may
+    leave a connection in doubt (an error, a timeout, a cancellation) releases it to the pool,
+    which waits out the cancellation, terminates a broken connection and reconnects.
+
+    Kept connections still count against the pool's `max_size`. While anyone waits in the
+    pool's acquire, finished statements release their connections to it instead of keeping
+    them, so a kept connection never idles while a caller waits. asyncpg's recycling of a
+    connection after `max_queries` statements and its idle timeout do not apply to kept ones;
+    a kept connection the server ended is noticed (`is_closed`) and released before reuse.
+    """
+
+    def __init__(self, pool: asyncpg.Pool, timeout: float) -> None:
+        self._pool = pool
+        self._timeout = timeout
+        self._idle: list[Pooled] = []
+        self._acquiring = 0  # callers inside the pool's acquire
+        self._closing = False
+
+    async def take(self) -> Pooled:
+        while self._idle:
+            conn = self._idle.pop()
+            if _usable(conn):
+                return conn
+            await self.release(conn)  # the pool frees its place and reconnects when needed
+        if self._closing:
+            raise StoreUnavailable("The store is closing.")
+        self._acquiring += 1
+        try:
+            return await self._acquire()
+        finally:
+            self._acquiring -= 1
+
+    def _acquire(self) -> Awaitable[Pooled]:
+        """A pooled connection, within the command timeout when it may have to wait.
+
+        asyncpg's `acquire(timeout=…)` arms a deadline for the acquire and then one for the
+        release as well, even when an idle connection is there for the taking. So the deadline
+        is only armed when the acquire may wait: for a release, or for a new connection.
+        """
+        if _live_connection_next(self._pool):
+            return self._pool.acquire()
+        return self._pool.acquire(timeout=self._timeout)
+
+    def keep(self, conn: Pooled) -> bool:
+        """Keep a connection whose statement completed; False: release it to the pool."""
+        if self._acquiring or self._closing:
+            return False
+        self._idle.append(conn)
+        return True
+
+    async def release(self, conn: Pooled) -> None:
+        """Back to the pool, bounded: a statement cut off leaves a cancellation to wait for."""
+        await self._pool.release(conn, timeout=self._timeout)
+
+    async def close(self) -> None:
+        self._closing = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            with contextlib.suppress(*DRIVER_ERRORS):
+                await self.release(conn)
+
+
+def _usable(conn: Pooled) -> bool:
+    """Whether a kept connection is still open. One the server ended is handed back to the pool
+    by asyncpg itself when it notices, and its proxy then refuses every call."""
+    try:
+        return not conn.is_closed()
+    except asyncpg.InterfaceError:
+        return False
 
 
 def _live_connection_next(pool: Any) -> bool:
