@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from idemproxy.constants import KEY_MAX_LENGTH
 from idemproxy.errors import KeyInvalid
 
-_VISIBLE_ASCII = frozenset(range(0x21, 0x7F))
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]*")  # one C loop, not a Python one per character
 
 
 def parse_key(values: Sequence[str]) -> str | None:
@@ -56,5 +57,5 @@ def _bare(raw: str) -> str:
 def _check_characters(key: str) -> None:
     if not 1 <= len(key) <= KEY_MAX_LENGTH:
         raise KeyInvalid(f"The key must be 1-{KEY_MAX_LENGTH} characters long.")
-    if any(ord(char) not in _VISIBLE_ASCII for char in key):
+    if _VISIBLE_ASCII.fullmatch(key) is None:
         raise KeyInvalid("The key may contain visible ASCII characters only.")
