@@ -11,6 +11,7 @@ from aiohttp import web
 
 from idemproxy.config import Settings
 from idemproxy.metrics import Metrics, refresh_gauges, watch_store
+from idemproxy.proxy.any_path import AnyPath
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.contract import keep_checking
 from idemproxy.proxy.drain import drain
@@ -36,7 +37,7 @@ def create_app(
         },
     )
     app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics()))
-    app.router.add_route("*", "/{tail:.*}", handle, expect_handler=expect_continue)
+    app.router.register_resource(AnyPath(handle, expect_handler=expect_continue))
     return app
 
 

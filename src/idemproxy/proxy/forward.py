@@ -7,7 +7,6 @@ HTTP/1.1 work itself is in `proxy/h1.py`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
@@ -61,8 +60,7 @@ class UpstreamClient:
         if self._pool is not None:
             self._pool.close()
 
-    @contextlib.asynccontextmanager
-    async def request(
+    def request(
         self,
         method: str,
         url: URL,  # encoded=True: its path and query go out byte for byte (SPEC §10 fidelity)
@@ -70,43 +68,12 @@ class UpstreamClient:
         body: bytes | AsyncIterable[bytes] | None,
         *,
         content_length: int | None = None,
-    ) -> AsyncIterator[UpstreamResponse]:
-        """Send the request; yields the response once its head arrived."""
+    ) -> Exchange:
+        """`async with client.request(…) as response`: sends the request and gives the response
+        once its head arrived; leaving the block gives the connection back."""
         if self._pool is None:
             raise RuntimeError("UpstreamClient.open() was not called")
-        pool = self._pool
-        origin, host = self._origin(url)
-        framing = framing_for(method, body, content_length)
-        head = request_head(method, url.raw_path_qs, host, headers, framing)
-        connection = await pool.acquire(origin, self._connect_timeout)
-        exchange = UpstreamResponse(connection, method, self._timeout)
-        connection.exchange = exchange
-        sender: asyncio.Task[None] | None = None
-        try:
-            try:
-                if body is None or isinstance(body, bytes | bytearray):
-                    self._send_whole(connection, exchange, head, bytes(body or b""))
-                else:
-                    connection.write(head)
-                    sender = asyncio.create_task(
-                        send_stream(
-                            connection,
-                            exchange,
-                            body,
-                            chunked=framing.startswith("Transfer-Encoding"),
-                            content_length=content_length,
-                            on_sent=self._on_sent,
-                        )
-                    )
-                await exchange.wait_head()
-            except (ConnectionError, OSError) as exc:
-                raise UpstreamFailure(Failure.BROKEN, f"upstream connection broke: {exc}") from exc
-            yield exchange
-        finally:
-            if sender is not None and not sender.done():
-                sender.cancel()  # answered before the whole body was sent: not reusable
-                connection.abort()
-            pool.release(origin, connection)
+        return Exchange(self, self._pool, method, url, headers, body, content_length)
 
     def _send_whole(
         self, connection: Connection, exchange: UpstreamResponse, head: bytes, body: bytes
@@ -153,3 +120,89 @@ class UpstreamClient:
     async def iter_body(response: UpstreamResponse) -> AsyncIterator[bytes]:
         while chunk := await response.read_chunk():
             yield chunk
+
+
+class Exchange:
+    """One request and its response on a pooled connection. A class rather than a generator
+    context manager: it runs for every request, and a generator's frame and its
+    `asynccontextmanager` wrapper cost more than the two methods."""
+
+    __slots__ = (
+        "_body",
+        "_client",
+        "_connection",
+        "_content_length",
+        "_headers",
+        "_method",
+        "_origin",
+        "_pool",
+        "_sender",
+        "_url",
+    )
+
+    def __init__(
+        self,
+        client: UpstreamClient,
+        pool: ConnectionPool,
+        method: str,
+        url: URL,
+        headers: Any,
+        body: bytes | AsyncIterable[bytes] | None,
+        content_length: int | None,
+    ) -> None:
+        self._client = client
+        self._pool = pool
+        self._method = method
+        self._url = url
+        self._headers = headers
+        self._body = body
+        self._content_length = content_length
+        self._connection: Connection | None = None
+        self._origin: Origin | None = None
+        self._sender: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        client, method, body = self._client, self._method, self._body
+        origin, host = client._origin(self._url)
+        framing = framing_for(method, body, self._content_length)
+        head = request_head(method, self._url.raw_path_qs, host, self._headers, framing)
+        connection = await self._pool.acquire(origin, client._connect_timeout)
+        self._connection, self._origin = connection, origin
+        exchange = UpstreamResponse(connection, method, client._timeout)
+        connection.exchange = exchange
+        try:
+            if body is None or isinstance(body, bytes | bytearray):
+                client._send_whole(connection, exchange, head, bytes(body or b""))
+            else:
+                connection.write(head)
+                self._sender = asyncio.create_task(
+                    send_stream(
+                        connection,
+                        exchange,
+                        body,
+                        chunked=framing.startswith("Transfer-Encoding"),
+                        content_length=self._content_length,
+                        on_sent=client._on_sent,
+                    )
+                )
+            await exchange.wait_head()
+        except BaseException as exc:
+            self._finish()
+            if isinstance(exc, ConnectionError | OSError):
+                raise UpstreamFailure(Failure.BROKEN, f"upstream connection broke: {exc}") from exc
+            raise
+        return exchange
+
+    async def __aexit__(self, *_exc: object) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
+        connection, origin = self._connection, self._origin
+        if connection is None or origin is None:
+            return
+        self._connection = None
+        sender = self._sender
+        if sender is not None and not sender.done():
+            sender.cancel()  # answered before the whole body was sent: not reusable
+            connection.abort()
+        self._pool.release(origin, connection)

@@ -59,7 +59,7 @@ async def passthrough(
     else:
         data = request.content.iter_any() if request.body_exists else None
         length = request.content_length
-    response = web.StreamResponse()
+    response: web.StreamResponse | None = None  # only a streamed answer needs one
     try:
         async with ctx.upstream.request(
             request.method,
@@ -72,10 +72,11 @@ async def passthrough(
             if _small(upstream.content_length) and request.method != "HEAD":
                 content, _ = await UpstreamClient.read_body(upstream, SMALL_BODY)
                 return _buffered(upstream, content)
+            response = web.StreamResponse()
             await _stream(request, response, upstream)
             return response
     except UpstreamFailure as failure:
-        if response.prepared:
+        if response is not None and response.prepared:
             log.warning("pass-through cut off mid-response: %s", failure.reason)
             raise ConnectionResetError(failure.reason) from failure
         problem = UpstreamTimeout if failure.failure is Failure.TIMEOUT else UpstreamUnavailable

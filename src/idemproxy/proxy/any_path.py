@@ -1,0 +1,59 @@
+"""The proxy's one route: every method on every path, resolved without a pattern.
+
+aiohttp matches `/{tail:.*}` with a regular expression and percent-decodes the captured tail
+for every request, and the proxy never reads it (it forwards the raw target, SPEC §10). This
+resource matches the same requests (an origin-form path, i.e. one that starts with "/") and
+captures nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler
+from aiohttp.web_urldispatcher import (
+    AbstractResource,
+    AbstractRoute,
+    ResourceRoute,
+    UrlMappingMatchInfo,
+    _ExpectHandler,
+    _InfoDict,
+    _Resolve,
+)
+from yarl import URL
+
+_NOTHING: set[str] = set()
+
+
+class AnyPath(AbstractResource):
+    def __init__(self, handler: Handler, *, expect_handler: _ExpectHandler) -> None:
+        super().__init__()
+        self._route = ResourceRoute(hdrs.METH_ANY, handler, self, expect_handler=expect_handler)
+
+    @property
+    def canonical(self) -> str:
+        return "/"  # indexed under "/", the last part aiohttp's resolver looks up for any path
+
+    def url_for(self, **kwargs: str) -> URL:
+        raise RuntimeError("the proxy's catch-all resource builds no URLs")
+
+    async def resolve(self, request: web.Request) -> _Resolve:
+        if not request.rel_url.path_safe.startswith("/"):
+            return None, _NOTHING  # as `/{tail:.*}` would not match it either
+        return UrlMappingMatchInfo({}, self._route), _NOTHING
+
+    def add_prefix(self, prefix: str) -> None:
+        raise RuntimeError("the proxy's catch-all resource is not mounted under a prefix")
+
+    def get_info(self) -> _InfoDict:
+        return {"path": "/*"}
+
+    def raw_match(self, path: str) -> bool:
+        return False  # never merged with a resource added later by path
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[AbstractRoute]:
+        yield self._route
