@@ -4,6 +4,7 @@ once on a fresh connection only when asyncpg refused a pooled session the server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -99,14 +100,17 @@ async def test_a_closed_store_is_unavailable_and_not_timed(
     assert seen == []
 
 
-async def test_waiting_for_a_connection_is_bounded_by_the_command_timeout(pg_dsn: str) -> None:
+@contextlib.asynccontextmanager
+async def _its_one_connection_held(
+    pg_dsn: str, command_timeout: float
+) -> AsyncIterator[tuple[PostgresStore, asyncio.Event, asyncio.Task[None]]]:
+    """A store of one connection, which a task holds until the event is set."""
     store = PostgresStore(
-        pg_dsn, min_connections=1, max_connections=1, command_timeout=0.3, listen=False
+        pg_dsn, min_connections=1, max_connections=1, command_timeout=command_timeout, listen=False
     )
     await store.open()
     try:
-        held = asyncio.Event()
-        done = asyncio.Event()
+        held, done = asyncio.Event(), asyncio.Event()
 
         async def hold() -> None:
             async with store._connection("hold"):
@@ -115,6 +119,13 @@ async def test_waiting_for_a_connection_is_bounded_by_the_command_timeout(pg_dsn
 
         holder = asyncio.create_task(hold())
         await held.wait()
+        yield store, done, holder
+    finally:
+        await store.close()
+
+
+async def test_waiting_for_a_connection_is_bounded_by_the_command_timeout(pg_dsn: str) -> None:
+    async with _its_one_connection_held(pg_dsn, 0.3) as (store, done, holder):
         started = time.monotonic()
         with pytest.raises(StoreUnavailable) as caught:
             await store.ping()
@@ -124,8 +135,6 @@ async def test_waiting_for_a_connection_is_bounded_by_the_command_timeout(pg_dsn
         await holder
         await store.ping()  # the connection came back and is handed out at once
         await store.ping()
-    finally:
-        await store.close()
 
 
 async def test_an_idle_live_connection_is_seen_so_its_acquire_arms_no_deadline(
@@ -159,20 +168,7 @@ async def test_a_connection_is_kept_between_statements(
 
 
 async def test_a_kept_connection_goes_to_a_caller_waiting_in_the_pool(pg_dsn: str) -> None:
-    store = PostgresStore(
-        pg_dsn, min_connections=1, max_connections=1, command_timeout=2.0, listen=False
-    )
-    await store.open()
-    try:
-        held, done = asyncio.Event(), asyncio.Event()
-
-        async def hold() -> None:
-            async with store._connection("hold"):
-                held.set()
-                await done.wait()
-
-        holder = asyncio.create_task(hold())
-        await held.wait()
+    async with _its_one_connection_held(pg_dsn, 2.0) as (store, done, holder):
         waiter = asyncio.create_task(store.ping())  # waits in the pool's acquire
         await asyncio.sleep(0.05)
         started = time.monotonic()
@@ -180,8 +176,6 @@ async def test_a_kept_connection_goes_to_a_caller_waiting_in_the_pool(pg_dsn: st
         await holder
         await waiter  # handed the connection when the holder finished, not at its deadline
         assert time.monotonic() - started < 1.0
-    finally:
-        await store.close()
 
 
 async def test_a_kept_connection_the_server_ended_is_not_reused(

@@ -73,18 +73,20 @@ class UpstreamClient:
         once its head arrived; leaving the block gives the connection back."""
         if self._pool is None:
             raise RuntimeError("UpstreamClient.open() was not called")
-        return Exchange(self, self._pool, method, url, headers, body, content_length)
-
-    def _send_whole(
-        self, connection: Connection, exchange: UpstreamResponse, head: bytes, body: bytes
-    ) -> None:
-        if len(body) <= ONE_WRITE:
-            connection.write(head + body)
-        else:
-            connection.writelines((head, body))
-        exchange.request_sent = True
-        if self._on_sent is not None:
-            connection.loop.call_soon(self._on_sent)
+        origin, host = self._origin(url)
+        framing = framing_for(method, body, content_length)
+        return Exchange(
+            self._pool,
+            origin,
+            method,
+            request_head(method, url.raw_path_qs, host, headers, framing),
+            body,
+            chunked=framing.startswith("Transfer-Encoding"),
+            content_length=content_length,
+            connect_timeout=self._connect_timeout,
+            timeout=self._timeout,
+            on_sent=self._on_sent,
+        )
 
     def _origin(self, url: URL) -> tuple[Origin, str]:
         """(host, port, TLS) and the Host header for an upstream URL; cached per upstream."""
@@ -123,66 +125,71 @@ class UpstreamClient:
 
 
 class Exchange:
-    """One request and its response on a pooled connection. A class rather than a generator
-    context manager: it runs for every request, and a generator's frame and its
-    `asynccontextmanager` wrapper cost more than the two methods."""
+    """One request and its response on a pooled connection (`UpstreamClient.request`). A class
+    rather than a generator context manager: it runs for every request, and a generator's frame
+    and its `asynccontextmanager` wrapper cost more than the two methods."""
 
     __slots__ = (
         "_body",
-        "_client",
+        "_chunked",
+        "_connect_timeout",
         "_connection",
         "_content_length",
-        "_headers",
+        "_head",
         "_method",
+        "_on_sent",
         "_origin",
         "_pool",
         "_sender",
-        "_url",
+        "_timeout",
     )
 
     def __init__(
         self,
-        client: UpstreamClient,
         pool: ConnectionPool,
+        origin: Origin,
         method: str,
-        url: URL,
-        headers: Any,
+        head: bytes,
         body: bytes | AsyncIterable[bytes] | None,
+        *,
+        chunked: bool,
         content_length: int | None,
+        connect_timeout: float,
+        timeout: float,
+        on_sent: Callable[[], None] | None,
     ) -> None:
-        self._client = client
         self._pool = pool
+        self._origin = origin
         self._method = method
-        self._url = url
-        self._headers = headers
+        self._head = head
         self._body = body
+        self._chunked = chunked
         self._content_length = content_length
+        self._connect_timeout = connect_timeout
+        self._timeout = timeout
+        self._on_sent = on_sent
         self._connection: Connection | None = None
-        self._origin: Origin | None = None
         self._sender: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> UpstreamResponse:
-        client, method, body = self._client, self._method, self._body
-        origin, host = client._origin(self._url)
-        framing = framing_for(method, body, self._content_length)
-        head = request_head(method, self._url.raw_path_qs, host, self._headers, framing)
-        connection = await self._pool.acquire(origin, client._connect_timeout)
-        self._connection, self._origin = connection, origin
-        exchange = UpstreamResponse(connection, method, client._timeout)
+        connection = await self._pool.acquire(self._origin, self._connect_timeout)
+        self._connection = connection
+        exchange = UpstreamResponse(connection, self._method, self._timeout)
         connection.exchange = exchange
+        body = self._body
         try:
             if body is None or isinstance(body, bytes | bytearray):
-                client._send_whole(connection, exchange, head, bytes(body or b""))
+                self._send_whole(connection, exchange, bytes(body or b""))
             else:
-                connection.write(head)
+                connection.write(self._head)
                 self._sender = asyncio.create_task(
                     send_stream(
                         connection,
                         exchange,
                         body,
-                        chunked=framing.startswith("Transfer-Encoding"),
+                        chunked=self._chunked,
                         content_length=self._content_length,
-                        on_sent=client._on_sent,
+                        on_sent=self._on_sent,
                     )
                 )
             await exchange.wait_head()
@@ -196,13 +203,21 @@ class Exchange:
     async def __aexit__(self, *_exc: object) -> None:
         self._finish()
 
+    def _send_whole(self, connection: Connection, exchange: UpstreamResponse, body: bytes) -> None:
+        if len(body) <= ONE_WRITE:
+            connection.write(self._head + body)
+        else:
+            connection.writelines((self._head, body))
+        exchange.request_sent = True
+        if self._on_sent is not None:
+            connection.loop.call_soon(self._on_sent)
+
     def _finish(self) -> None:
-        connection, origin = self._connection, self._origin
-        if connection is None or origin is None:
+        connection, self._connection = self._connection, None
+        if connection is None:
             return
-        self._connection = None
         sender = self._sender
         if sender is not None and not sender.done():
             sender.cancel()  # answered before the whole body was sent: not reusable
             connection.abort()
-        self._pool.release(origin, connection)
+        self._pool.release(self._origin, connection)

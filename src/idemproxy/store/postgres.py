@@ -292,8 +292,8 @@ class PostgresStore(Store):
 
     async def _call(self, what: str, call: Callable[[Pooled], Awaitable[T]]) -> T:
         """One statement on a pooled connection: timed for the metrics (SPEC §13), its driver
-        errors translated (SPEC §11). What `_connection` does, flattened into one frame: the hot
-        path makes two or three of these per request."""
+        errors translated (SPEC §11). What `_connection` and `KeptConnections.lend` do, flattened
+        into one frame: the hot path makes two or three of these per request."""
         kept = self._kept
         if kept is None:
             raise StoreUnavailable("The store is not open.")
@@ -323,15 +323,8 @@ class PostgresStore(Store):
         if kept is None:
             raise StoreUnavailable("The store is not open.")
         with self.observed(what):
-            async with translate_errors(what):
-                conn = await kept.take()
-                try:
-                    yield conn
-                except BaseException:
-                    await kept.release(conn)
-                    raise
-                if not kept.keep(conn):
-                    await kept.release(conn)
+            async with translate_errors(what), kept.lend() as conn:
+                yield conn
 
 
 class KeptConnections:
@@ -383,6 +376,19 @@ class KeptConnections:
         if _live_connection_next(self._pool):
             return self._pool.acquire()
         return self._pool.acquire(timeout=self._timeout)
+
+    @contextlib.asynccontextmanager
+    async def lend(self) -> AsyncIterator[Pooled]:
+        """A connection for a block of statements, kept after it when the block completed
+        (`PostgresStore._call` does the same inline, for its one statement)."""
+        conn = await self.take()
+        try:
+            yield conn
+        except BaseException:
+            await self.release(conn)
+            raise
+        if not self.keep(conn):
+            await self.release(conn)
 
     def keep(self, conn: Pooled) -> bool:
         """Keep a connection whose statement completed; False: release it to the pool."""
