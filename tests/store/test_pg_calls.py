@@ -13,7 +13,8 @@ import asyncpg
 import pytest
 
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.postgres import PostgresStore, _live_connection_next
+from idemproxy.store.pg_kept import _live_connection_next
+from idemproxy.store.postgres import PostgresStore
 
 pytestmark = pytest.mark.postgres
 
@@ -207,3 +208,12 @@ async def test_closing_gives_the_kept_connections_back_at_once(
     assert "did not close in time" not in caplog.text
     with pytest.raises(StoreUnavailable):
         await store.ping()
+
+
+async def test_many_more_callers_than_connections_share_them_in_turn(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    store, seen = pg_store  # two connections
+    pids = await asyncio.gather(*(_backend_pid(store) for _ in range(50)))
+    assert len(set(pids)) <= 2
+    assert seen == [("pid", False)] * 50

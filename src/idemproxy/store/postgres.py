@@ -15,6 +15,7 @@ import asyncpg
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store, settle_states
 from idemproxy.store.pg_errors import DRIVER_ERRORS, translate_errors, unavailable
+from idemproxy.store.pg_kept import KeptConnections
 from idemproxy.store.pg_listen import listen_forever
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import attempt_from_row, encode_headers, job_from_row
@@ -63,7 +64,9 @@ class PostgresStore(Store):
                 init=_init_connection,
                 reset=_keep_session,
             )
-            self._kept = KeptConnections(self._pool, self._command_timeout)
+            self._kept = KeptConnections(
+                self._pool, capacity=self._pool_size[1], timeout=self._command_timeout
+            )
         if self._listen:
             self._listener = asyncio.create_task(
                 listen_forever(self._dsn, self.watch, timeout=self._command_timeout),
@@ -325,113 +328,6 @@ class PostgresStore(Store):
         with self.observed(what):
             async with translate_errors(what), kept.lend() as conn:
                 yield conn
-
-
-class KeptConnections:
-    """Pooled connections kept between statements rather than released to asyncpg's pool.
-
-    asyncpg's release shields a new task, arms a timeout and runs the reset hook, and its
-    acquire goes through its queue and holder, for every statement: about a tenth of the
-    proxy's CPU per new key (bench/findings.md). A connection whose statement completed is
-    clean (each statement commits on its own and the session carries no state: see
-    `_keep_session`), so it is kept, last in first out, for the next statement. Whatever may
-    leave a connection in doubt (an error, a timeout, a cancellation) releases it to the pool,
-    which waits out the cancellation, terminates a broken connection and reconnects.
-
-    Kept connections still count against the pool's `max_size`. While anyone waits in the
-    pool's acquire, finished statements release their connections to it instead of keeping
-    them, so a kept connection never idles while a caller waits. asyncpg's recycling of a
-    connection after `max_queries` statements and its idle timeout do not apply to kept ones;
-    a kept connection the server ended is noticed (`is_closed`) and released before reuse.
-    """
-
-    def __init__(self, pool: asyncpg.Pool, timeout: float) -> None:
-        self._pool = pool
-        self._timeout = timeout
-        self._idle: list[Pooled] = []
-        self._acquiring = 0  # callers inside the pool's acquire
-        self._closing = False
-
-    async def take(self) -> Pooled:
-        while self._idle:
-            conn = self._idle.pop()
-            if _usable(conn):
-                return conn
-            await self.release(conn)  # the pool frees its place and reconnects when needed
-        if self._closing:
-            raise StoreUnavailable("The store is closing.")
-        self._acquiring += 1
-        try:
-            return await self._acquire()
-        finally:
-            self._acquiring -= 1
-
-    def _acquire(self) -> Awaitable[Pooled]:
-        """A pooled connection, within the command timeout when it may have to wait.
-
-        asyncpg's `acquire(timeout=…)` arms a deadline for the acquire and then one for the
-        release as well, even when an idle connection is there for the taking. So the deadline
-        is only armed when the acquire may wait: for a release, or for a new connection.
-        """
-        if _live_connection_next(self._pool):
-            return self._pool.acquire()
-        return self._pool.acquire(timeout=self._timeout)
-
-    @contextlib.asynccontextmanager
-    async def lend(self) -> AsyncIterator[Pooled]:
-        """A connection for a block of statements, kept after it when the block completed
-        (`PostgresStore._call` does the same inline, for its one statement)."""
-        conn = await self.take()
-        try:
-            yield conn
-        except BaseException:
-            await self.release(conn)
-            raise
-        if not self.keep(conn):
-            await self.release(conn)
-
-    def keep(self, conn: Pooled) -> bool:
-        """Keep a connection whose statement completed; False: release it to the pool."""
-        if self._acquiring or self._closing:
-            return False
-        self._idle.append(conn)
-        return True
-
-    async def release(self, conn: Pooled) -> None:
-        """Back to the pool, bounded: a statement cut off leaves a cancellation to wait for."""
-        await self._pool.release(conn, timeout=self._timeout)
-
-    async def close(self) -> None:
-        self._closing = True
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            with contextlib.suppress(*DRIVER_ERRORS):
-                await self.release(conn)
-
-
-def _usable(conn: Pooled) -> bool:
-    """Whether a kept connection is still open. One the server ended is handed back to the pool
-    by asyncpg itself when it notices, and its proxy then refuses every call."""
-    try:
-        return not conn.is_closed()
-    except asyncpg.InterfaceError:
-        return False
-
-
-def _live_connection_next(pool: Any) -> bool:
-    """Whether `pool.acquire()` returns at once: its queue's next holder has a live connection.
-
-    asyncpg has no cheap public way to ask (`get_idle_size()` walks every holder, and costs
-    twice what it would save), so this reads asyncpg 0.32's internals: `_queue` is a LifoQueue
-    of idle holders, its `_queue` their list, and the last one, when live, is the next handed
-    out. Should they change, the answer is False and every acquire is bounded, as before
-    (tests/store/test_pg_calls.py notices). (A holder of an older generation would
-    reconnect, but only `expire_connections()` makes one, and this store never calls it.)
-    """
-    try:
-        return bool(pool._queue._queue[-1].is_connected())
-    except (AttributeError, IndexError, TypeError):
-        return False
 
 
 def _cas(job: Job) -> tuple[str, str, int]:
