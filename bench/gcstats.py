@@ -4,7 +4,8 @@ An experiment, not part of bench/run: it measures what bench/findings.md says ab
 collector. Runs the proxy exactly as `python -m idemproxy …` would, after registering a
 `gc.callbacks` hook that adds up collections and their time per generation and writes them, as
 JSON, to GCSTATS (a file path) every second. With FREEZE=1 it calls `gc.freeze()` once
-everything is imported, the change bench/findings.md proposes for start-up.
+everything is imported, the change bench/findings.md proposes for start-up. GC_THRESHOLD=a,b,c
+sets the collector's thresholds (`gc.set_threshold`) first.
 
     GCSTATS=/tmp/gc.json FREEZE=1 .venv/bin/python bench/gcstats.py serve --upstream … --store …
 
@@ -57,6 +58,8 @@ def main() -> int:
     if os.environ.get("FREEZE") == "1":
         gc.collect()
         gc.freeze()
+    if os.environ.get("GC_THRESHOLD"):
+        gc.set_threshold(*(int(part) for part in os.environ["GC_THRESHOLD"].split(",")))
     gc.callbacks.append(_callback)
     threading.Thread(target=_dump, args=(Path(os.environ["GCSTATS"]),), daemon=True).start()
     return idemproxy.cli.main(sys.argv[1:])
