@@ -77,6 +77,9 @@ CASES: dict[str, bytes] = {
     "two-hosts": b"POST /pay HTTP/1.1\r\nHost: a\r\nHost: b\r\nIdempotency-Key: framing\r\n"
     b"Content-Length: 0\r\n\r\n",
     "no-host": b"POST /pay HTTP/1.1\r\nIdempotency-Key: framing\r\nContent-Length: 0\r\n\r\n",
+    # …and so is a Host value that is not host[:port] (aiohttp's parsers let this one through).
+    "host-list": b"POST /pay HTTP/1.1\r\nHost: a, b\r\nIdempotency-Key: framing\r\n"
+    b"Content-Length: 0\r\n\r\n",
     "bad-method-token": b"P<ST /pay HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: framing\r\n"
     b"Content-Length: 0\r\n\r\n",
     # A smuggled second request hidden in a body of disputed length is never run.

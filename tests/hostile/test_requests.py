@@ -109,6 +109,25 @@ async def test_absolute_form_goes_to_the_configured_upstream_path_only(
     assert states == ([JobState.COMPLETED] if key else [])
 
 
+@pytest.mark.parametrize("key", ["host-1", None], ids=["governed", "pass-through"])
+async def test_an_invalid_host_value_gets_400_and_a_close_and_nothing_runs(
+    listening_proxy: ListeningProxy, ledger: Ledger, sqlite_jobs: Store, key: str | None
+) -> None:
+    """RFC 9112 §3.2: `Host: a, b` (two values merged) is invalid; aiohttp's parser lets it
+    through, and a request behind it on the connection must not run either."""
+    head = b"POST /pay HTTP/1.1\r\nHost: a, b\r\n"
+    if key:
+        head += f"Idempotency-Key: {key}\r\n".encode()
+    request = head + b"Content-Length: 2\r\n\r\nok" + b"GET /behind HTTP/1.1\r\nHost: p\r\n\r\n"
+    answer = await exchange(await listening_proxy(), request)
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert b"Idempotency-Error: header-invalid\r\n" in answer
+    assert answer.count(b"HTTP/1.1 ") == 1  # closed after it
+    assert b"a, b" not in answer  # SPEC §8: no echo
+    assert ledger.count() == 0
+    assert await sqlite_jobs.list_jobs() == []
+
+
 async def test_http_1_0_with_transfer_encoding_closes_after_the_request(
     listening_proxy: ListeningProxy, ledger: Ledger
 ) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion11, hdrs, web
 
 from idemproxy.errors import BodyTooLarge, HeaderInvalid, KeyMissing, NoRoute, ProblemError
 from idemproxy.fingerprint import fingerprint, fingerprint_of_digest
@@ -12,6 +12,7 @@ from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.governed import handle_governed
 from idemproxy.proxy.headers import hop_by_hop
+from idemproxy.proxy.host import valid_host
 from idemproxy.proxy.listener import head_read
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.problems import problem_response
@@ -55,6 +56,8 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
 
 async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.StreamResponse:
     try:
+        if not valid_host(request.headers.get(hdrs.HOST)):
+            return _refuse_host(ctx, trace)
         route = ctx.routes.find(request.path, request.host)
         if route is None:
             raise NoRoute()
@@ -72,6 +75,16 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
     except ProblemError as error:
         trace.problem(error)
         return problem_response(error, profile=ctx.settings.profile)
+
+
+def _refuse_host(ctx: ProxyContext, trace: Trace) -> web.StreamResponse:
+    """RFC 9112 §3.2: 400 for an invalid Host value, and the connection closed, as for the
+    framing errors aiohttp's parser refuses (docs/reliability.md, Hostile HTTP)."""
+    error = HeaderInvalid("The Host header is not a valid host[:port] (RFC 9112 §3.2).")
+    trace.problem(error)
+    response = problem_response(error, profile=ctx.settings.profile)
+    response.force_close()
+    return response
 
 
 def _refuse_hidden_identity(ctx: ProxyContext, request: web.Request) -> None:
