@@ -42,8 +42,15 @@ class Pool:
         self.released.append(conn)
 
 
-def _kept(pool: Pool, capacity: int = 1, timeout: float = 2.0) -> KeptConnections:
-    return KeptConnections(pool, capacity=capacity, timeout=timeout)  # type: ignore[arg-type]
+def _kept(
+    pool: Pool, capacity: int = 1, timeout: float = 2.0, idle_lifetime: float = 300.0
+) -> KeptConnections:
+    return KeptConnections(
+        pool,  # type: ignore[arg-type]
+        capacity=capacity,
+        timeout=timeout,
+        idle_lifetime=idle_lifetime,
+    )
 
 
 async def _waiting(kept: KeptConnections) -> asyncio.Task[Any]:
@@ -153,3 +160,32 @@ async def test_closing_fails_the_waiters_and_gives_back_the_kept() -> None:
     await kept.release(b)
     with pytest.raises(StoreUnavailable):
         await kept.take()
+
+
+async def test_connections_kept_idle_past_their_lifetime_go_back_to_the_pool() -> None:
+    pool = Pool()
+    kept = _kept(pool, capacity=3, idle_lifetime=0.5)
+    old, recent = await kept.take(), await kept.take()
+    kept.keep(old)
+    await asyncio.sleep(0.3)
+    kept.keep(recent)
+    await asyncio.sleep(0.35)  # old idled 0.65 s, recent 0.35 s (margins for a loaded box)
+    assert pool.released == [old]
+    assert await kept.take() is recent  # still kept
+    kept.keep(recent)
+    await asyncio.sleep(0.7)
+    assert pool.released == [old, recent]
+    fresh = await kept.take()  # from the pool again, within capacity
+    assert fresh is not old and fresh is not recent and pool.acquired == 3
+    await kept.close()
+
+
+async def test_a_busy_connection_is_never_released_as_stale() -> None:
+    pool = Pool()
+    kept = _kept(pool, idle_lifetime=0.5)
+    conn = await kept.take()
+    for _ in range(12):  # in use every 0.05 s: never idle for its lifetime
+        kept.keep(conn)
+        await asyncio.sleep(0.05)
+        assert await kept.take() is conn
+    assert pool.released == []

@@ -9,9 +9,12 @@ connection is in use. Whatever may leave a connection in doubt (an error, a time
 cancellation) is released to the pool instead, which waits out the cancellation, terminates a
 broken connection and reconnects; its place goes to the next waiter.
 
-asyncpg's recycling of a connection after `max_queries` statements and its idle timeout do not
-apply to kept connections; a kept connection the server ended is noticed (`is_closed`) and
-released before reuse.
+A connection kept idle for longer than `idle_lifetime` (asyncpg's
+`max_inactive_connection_lifetime`, 300 s by default) is released to the pool, whose own idle
+timer then closes it: after a burst, the connections it needed do not stay open for ever.
+asyncpg's recycling of a connection after `max_queries` statements does not apply to kept
+connections; a kept connection the server ended is noticed (`is_closed`) and released before
+reuse.
 """
 
 from __future__ import annotations
@@ -42,11 +45,16 @@ class KeptConnections:
     no round trip through the pool (bench/findings.md, the handoff under load).
     """
 
-    def __init__(self, pool: asyncpg.Pool, *, capacity: int, timeout: float) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, capacity: int, timeout: float, idle_lifetime: float = 300.0
+    ) -> None:
         self._pool = pool
         self._capacity = capacity
         self._timeout = timeout
-        self._idle: list[Pooled] = []
+        self._idle_lifetime = idle_lifetime
+        self._idle: list[tuple[Pooled, float]] = []  # and since when, oldest first
+        self._sweep: asyncio.TimerHandle | None = None
+        self._releasing: set[asyncio.Task[None]] = set()
         self._out = 0  # taken from the pool and not given back: in use, kept or being acquired
         self._waiters: collections.deque[asyncio.Future[Pooled | None]] = collections.deque()
         self._closing = False
@@ -55,7 +63,7 @@ class KeptConnections:
         deadline: float | None = None
         while True:
             while self._idle:
-                conn = self._idle.pop()
+                conn, _ = self._idle.pop()
                 if _usable(conn):
                     return conn
                 await self.release(conn)  # the pool frees its place and reconnects when needed
@@ -142,8 +150,31 @@ class KeptConnections:
         if self._closing:
             return False
         if not self._wake_one(conn):
-            self._idle.append(conn)
+            loop = asyncio.get_running_loop()
+            self._idle.append((conn, loop.time()))
+            if self._sweep is None:
+                self._sweep = loop.call_later(self._idle_lifetime, self._release_stale)
         return True
+
+    def _release_stale(self) -> None:
+        """Release the connections kept idle for `idle_lifetime` (the oldest are first)."""
+        loop = asyncio.get_running_loop()
+        self._sweep = None
+        cutoff = loop.time() - self._idle_lifetime
+        stale = 0
+        while stale < len(self._idle) and self._idle[stale][1] <= cutoff:
+            stale += 1
+        for conn, _ in self._idle[:stale]:
+            task = loop.create_task(self._release_quietly(conn))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+        del self._idle[:stale]
+        if self._idle:
+            self._sweep = loop.call_at(self._idle[0][1] + self._idle_lifetime, self._release_stale)
+
+    async def _release_quietly(self, conn: Pooled) -> None:
+        with contextlib.suppress(*DRIVER_ERRORS):
+            await self.release(conn)
 
     async def release(self, conn: Pooled) -> None:
         """Back to the pool, bounded: a statement cut off leaves a cancellation to wait for."""
@@ -159,10 +190,14 @@ class KeptConnections:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_exception(StoreUnavailable("The store is closing."))
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         idle, self._idle = self._idle, []
-        for conn in idle:
-            with contextlib.suppress(*DRIVER_ERRORS):
-                await self.release(conn)
+        for conn, _ in idle:
+            await self._release_quietly(conn)
+        if self._releasing:
+            await asyncio.gather(*self._releasing, return_exceptions=True)
 
 
 def _expire(waiter: asyncio.Future[Any]) -> None:

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 # Several processes may start at once; one advisory lock serialises their migrations.
 _MIGRATION_LOCK = 0x1DE3_9A0C
 _CLAIM_RETRIES = 5
+# Seconds a connection may stay idle before it is closed (asyncpg's default): kept ones are
+# first released to the pool (store/pg_kept.py), whose own timer then closes them.
+_IDLE_LIFETIME = 300.0
 _ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
 
 
@@ -61,11 +64,15 @@ class PostgresStore(Store):
                 min_size=self._pool_size[0],
                 max_size=self._pool_size[1],
                 command_timeout=self._command_timeout,
+                max_inactive_connection_lifetime=_IDLE_LIFETIME,
                 init=_init_connection,
                 reset=_keep_session,
             )
             self._kept = KeptConnections(
-                self._pool, capacity=self._pool_size[1], timeout=self._command_timeout
+                self._pool,
+                capacity=self._pool_size[1],
+                timeout=self._command_timeout,
+                idle_lifetime=_IDLE_LIFETIME,
             )
         if self._listen:
             self._listener = asyncio.create_task(
