@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -12,9 +13,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from backend import Ledger, backend_app
 from idemproxy.config import load_settings
-from idemproxy.logs import JsonFormatter, configure_logging
+from idemproxy.logs import JsonFormatter, PlainFormatter, configure_logging
+from idemproxy.metrics import Metrics
 from idemproxy.owner import hash_credential
+from idemproxy.proxy import trace as trace_module
 from idemproxy.proxy.app import create_app
+from idemproxy.proxy.trace import Trace, record
 
 SECRET = "Bearer s3cr3t-token"
 BODY = b'{"card": "4111111111111111"}'
@@ -100,3 +104,79 @@ async def test_request_logging_can_be_turned_off(
     caplog.set_level(logging.INFO, logger="idemproxy.requests")
     await _exchange(sqlite_dsn, log_requests=False)
     assert _request_records(caplog) == []
+
+
+def _request_line(fields_owner: str = "ab" * 32) -> logging.LogRecord:
+    """The record `trace.record` hands to the logging system for one replayed request."""
+    caught: list[logging.LogRecord] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caught.append(record)
+
+    logger = logging.getLogger("idemproxy.requests")
+    handler, level = Catch(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        trace = Trace()
+        trace.owner = fields_owner
+        trace.replayed("0190b2c4-0000-7000-8000-000000000000")
+        record(Metrics(), trace, 201, log_requests=True)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    (line,) = caught
+    return line
+
+
+def test_the_request_record_has_every_attribute_makerecord_gives_it() -> None:
+    line = _request_line()
+    logger = logging.getLogger("idemproxy.requests")
+    made = logger.makeRecord(
+        logger.name,
+        logging.INFO,
+        trace_module.__file__,
+        line.lineno,
+        line.msg,
+        (),
+        None,
+        "record",
+        {"fields": line.fields},  # type: ignore[attr-defined]
+    )
+    assert set(vars(made)) <= set(vars(line))
+    for name in vars(made):
+        if name not in ("created", "msecs", "relativeCreated"):
+            assert getattr(line, name) == getattr(made, name), name
+    assert abs(line.created - made.created) < 5
+    assert line.getMessage().startswith("governed outcome=replayed status=201 job=0190b2c4")
+    for formatter in (PlainFormatter(), JsonFormatter()):
+        assert formatter.format(line).replace(formatter.formatTime(line), "") == formatter.format(
+            made
+        ).replace(formatter.formatTime(made), "")
+
+
+def test_a_log_record_factory_of_someone_else_sees_the_request_records() -> None:
+    """OpenTelemetry's logging instrumentation, for one, adds trace ids through a factory."""
+    default = logging.getLogRecordFactory()
+
+    def factory(*args: object, **kwargs: object) -> logging.LogRecord:
+        made = default(*args, **kwargs)  # type: ignore[arg-type]
+        made.marked = True  # type: ignore[attr-defined]
+        return made
+
+    logging.setLogRecordFactory(factory)
+    try:
+        assert getattr(_request_line(), "marked", False)
+    finally:
+        logging.setLogRecordFactory(default)
+
+
+def test_the_plain_format_is_time_level_logger_message() -> None:
+    line = _request_line()
+    text = PlainFormatter().format(line)
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO idemproxy\.requests: governed outcome=replayed"
+        r" status=201 job=0190b2c4-0000-7000-8000-000000000000 owner=abababab ms=[\d.]+",
+        text,
+    ), text

@@ -7,6 +7,8 @@ outcome; never a body, a key's credential or a header value.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -81,19 +83,45 @@ def record(metrics: Metrics, trace: Trace, status: int, *, log_requests: bool) -
     }
     # What `log.info` does, minus its walk up the stack for the caller: it is always this
     # function. The message is joined when a handler formats it, once, not here.
-    log.handle(
-        log.makeRecord(
-            log.name,
-            logging.INFO,
-            __file__,
-            _LINE,
-            _Line(fields),
-            (),
-            None,
-            "record",
-            {"fields": fields},
+    if logging.getLogRecordFactory() is logging.LogRecord:
+        log.handle(_RequestRecord(_Line(fields), fields))
+    else:  # a factory of someone else's (OpenTelemetry's, say) must see every record
+        log.handle(
+            log.makeRecord(
+                log.name,
+                logging.INFO,
+                __file__,
+                _LINE,
+                _Line(fields),
+                (),
+                None,
+                "record",
+                {"fields": fields},
+            )
         )
-    )
+
+
+class _RequestRecord(logging.LogRecord):
+    """The record `log.makeRecord` would make for `record`'s line, with what is the same for
+    every request (logger, level, file, module, function) worked out once rather than per line:
+    `LogRecord.__init__` takes the file's base name and extension apart on every call (12,700
+    of the line's 76,000 instructions, bench/compare)."""
+
+    def __init__(self, message: _Line, fields: dict[str, object]) -> None:
+        # LogRecord.__init__ is not called: every attribute it sets is set here.
+        now = time.time()
+        self.__dict__.update(_CONSTANT)
+        self.msg = message
+        self.fields = fields
+        self.created = now
+        self.msecs = int((now - int(now)) * 1000) + 0.0  # as LogRecord does (gh-89047)
+        self.relativeCreated = (now - _START) * 1000
+        if logging.logThreads:
+            self.thread, self.threadName = threading.get_ident(), threading.current_thread().name
+        if logging.logMultiprocessing:
+            self.processName = "MainProcess"
+        if logging.logProcesses:
+            self.process = os.getpid()
 
 
 class _Line:
@@ -114,3 +142,24 @@ class _Line:
 
 # The records' line number: `record`'s own (its name and file are given with it).
 _LINE = record.__code__.co_firstlineno
+_START: float = getattr(logging, "_startTime", time.time())  # relativeCreated's origin
+# What LogRecord.__init__ would set for `record`'s line that does not change between lines.
+_CONSTANT: dict[str, object] = {
+    "name": log.name,
+    "args": (),
+    "levelname": logging.getLevelName(logging.INFO),
+    "levelno": logging.INFO,
+    "pathname": __file__,
+    "filename": os.path.basename(__file__),
+    "module": os.path.splitext(os.path.basename(__file__))[0],
+    "exc_info": None,
+    "exc_text": None,
+    "stack_info": None,
+    "lineno": _LINE,
+    "funcName": "record",
+    "thread": None,
+    "threadName": None,
+    "processName": None,
+    "process": None,
+    "taskName": None,  # Python 3.12's, for formatters written for it
+}
