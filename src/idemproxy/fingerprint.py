@@ -11,6 +11,9 @@ from typing import Any
 from idemproxy.errors import ConfigError
 
 _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
+# One encoder for every body: `json.dumps` with any non-default option builds a new one per
+# call. The output is the same byte for byte (stored fingerprints stay valid).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def fingerprint(
@@ -45,12 +48,12 @@ def fingerprint_of_digest(
     """The fingerprint from the SHA-256 of the (canonical) body. A body spooled to disk
     (proxy/body.py) is hashed as raw bytes while it arrives: it is not canonicalised."""
     media_type = media_type_of(content_type)
-    digest = hashlib.sha256()
+    stream = bytearray()  # hashed in one call: the same bytes as one update per part
     for part in (method.upper().encode(), path.encode(), query.encode(), media_type.encode()):
-        digest.update(len(part).to_bytes(8, "big"))
-        digest.update(part)
-    digest.update(body_sha256)
-    return digest.hexdigest()
+        stream += len(part).to_bytes(8, "big")
+        stream += part
+    stream += body_sha256
+    return hashlib.sha256(stream).hexdigest()
 
 
 def media_type_of(content_type: str | None) -> str:
@@ -70,13 +73,22 @@ def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
     fingerprinted as raw bytes instead of failing the request.
     """
     try:
-        document = json.loads(body)
+        document = json.loads(_decoded(body))
         for pointer in exclude_pointers:
             _remove(document, parse_pointer(pointer))
-        canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        canonical = _CANONICAL.encode(document)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return body
     return canonical.encode("utf-8", "surrogatepass")
+
+
+def _decoded(body: bytes) -> str | bytes:
+    """The text `json.loads` would decode a body to, found without its encoding detection (in
+    Python, on every body) when the body opens an object or array in UTF-8; other bodies are
+    left to `json.loads` itself, UTF-16 and UTF-32 included (RFC 8259 §8.1)."""
+    if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
+        return body.decode("utf-8", "surrogatepass")  # what json.loads does for UTF-8
+    return body
 
 
 def parse_pointer(pointer: str) -> list[str]:

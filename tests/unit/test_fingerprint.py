@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -13,6 +14,7 @@ from idemproxy.errors import ConfigError
 from idemproxy.fingerprint import (
     canonical_json,
     fingerprint,
+    fingerprint_of_digest,
     is_json,
     media_type_of,
     parse_pointer,
@@ -479,3 +481,51 @@ def test_media_type_of(content_type: str | None, media_type: str) -> None:
 )
 def test_is_json(media_type: str, expected: bool) -> None:
     assert is_json(media_type) is expected
+
+
+def _reference_canonical(body: bytes) -> bytes:
+    """canonical_json as first written: json.loads of the bytes, json.dumps with the options."""
+    try:
+        document = json.loads(body)
+        text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return body
+    return text.encode("utf-8", "surrogatepass")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"b": 1, "a": [1, 2.5, "x"]}',
+        b"[3, 2, 1]",
+        b"{}",
+        b"{",
+        b'{"s": "\\ud800"}',  # a lone surrogate escape
+        '{"é": "ü"}'.encode(),
+        '{"a": 1}'.encode("utf-16-le"),
+        '{"a": 1}'.encode("utf-16-be"),
+        '{"a": 1}'.encode("utf-16"),  # with a BOM
+        '{"a": 1}'.encode("utf-32-le"),
+        '{"a": 1}'.encode("utf-8-sig"),
+        b"\xff\xfe",
+        b'{"a": "\xff"}',  # not UTF-8
+        b"  {} ",
+        b"12",
+        b"",
+    ],
+)
+def test_canonical_json_is_byte_for_byte_what_it_was(body: bytes) -> None:
+    """Stored fingerprints must stay valid across the encoder and decoding shortcuts."""
+    assert canonical_json(body) == _reference_canonical(body)
+
+
+def test_the_fingerprint_stream_is_what_it_was() -> None:
+    digest = hashlib.sha256()
+    for part in (b"POST", b"/pay", b"a=1", b"application/json"):
+        digest.update(len(part).to_bytes(8, "big"))
+        digest.update(part)
+    body = hashlib.sha256(b"x").digest()
+    digest.update(body)
+    assert fingerprint_of_digest("post", "/pay", "a=1", "application/json", body) == (
+        digest.hexdigest()
+    )
