@@ -111,9 +111,9 @@ class Service:
         """The process and its children (nginx's workers, idemproxy's with --workers)."""
         return [self.pid, *children(self.pid)]
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
         """Until GET / answers 200 (through a proxy that means the backend answered too)."""
-        deadline = time.monotonic() + READY_TIMEOUT
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
@@ -124,7 +124,7 @@ class Service:
                 if status == 200:
                     return
             time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not ready after {READY_TIMEOUT:.0f}s: see {self.log}")
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s: see {self.log}")
 
     def stop(self) -> None:
         if self.proc.poll() is not None:
@@ -146,8 +146,8 @@ class RedisService(Service):
         super().__init__(name, argv, port, log_dir)
         self.url = f"redis://127.0.0.1:{port}/0"
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis exited with {self.proc.returncode}: see {self.log}")
@@ -159,7 +159,7 @@ class RedisService(Service):
                 if sock.recv(16).startswith(b"+PONG"):
                     return
             time.sleep(0.1)
-        raise RuntimeError(f"redis not ready after {READY_TIMEOUT:.0f}s: see {self.log}")
+        raise RuntimeError(f"redis not ready after {timeout:.0f}s: see {self.log}")
 
 
 @contextlib.contextmanager
@@ -397,6 +397,25 @@ def sqlite_jobs(path: Path, prefix: str) -> int:
 # --- wrk -----------------------------------------------------------------------------------------
 
 
+def serve_argv(port: int, admin: int, upstream: str, store: str, *extra: str) -> list[str]:
+    """`idemproxy serve` on loopback ports, run by this Python (the project's virtualenv)."""
+    return [
+        sys.executable,
+        "-m",
+        "idemproxy",
+        "serve",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--upstream",
+        upstream,
+        "--store",
+        store,
+        "--admin-listen",
+        f"127.0.0.1:{admin}",  # the default 127.0.0.1:9090 may be taken
+        *extra,
+    ]
+
+
 def wrk_argv(
     wrk: str, url: str, script: str, threads: int, connections: int, seconds: float, *args: str
 ) -> list[str]:
@@ -469,21 +488,7 @@ class Bench:
         self, target: str, store: str, *extra: str, env: dict[str, str] | None = None
     ) -> Service:
         port, admin = free_port(), free_port()
-        argv = [
-            sys.executable,
-            "-m",
-            "idemproxy",
-            "serve",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--upstream",
-            self.services["backend"].url,
-            "--store",
-            store,
-            "--admin-listen",
-            f"127.0.0.1:{admin}",  # the default 127.0.0.1:9090 may be taken
-            *extra,
-        ]
+        argv = serve_argv(port, admin, self.services["backend"].url, store, *extra)
         service = Service(target, argv, port, self.run_dir, env)
         service.admin_url = f"http://127.0.0.1:{admin}"
         self.services[target] = service

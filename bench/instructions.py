@@ -26,7 +26,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +34,8 @@ import harness
 import tools
 
 DATABASE = "idemproxy_bench_instructions"
-SCENARIOS = {  # name: (wrk script, its arguments, whether it needs stored replay keys)
-    "passthrough": ("post.lua", [], False),
-    "new": ("unique_key.lua", ["instructions"], False),
-    "replay": ("replay_keys.lua", ["replay", "64"], True),
-}
+SCENARIOS = {"passthrough": "post.lua", "new": "unique_key.lua", "replay": "replay_keys.lua"}
+REPLAY_KEYS = 64
 CALLGRIND_READY_TIMEOUT = 180.0  # start-up under callgrind is about 50 times slower
 
 
@@ -138,56 +134,34 @@ def _proxy_under_callgrind(
     label: str,
 ) -> Iterator[harness.Service]:
     port, admin = harness.free_port(), harness.free_port()
+    store = harness.pg_dsn(args.pg_dsn, DATABASE)
     argv = [
         valgrind,
         "--tool=callgrind",
         "--instr-atstart=no",  # counted only while `callgrind_control -i on` says so
         f"--callgrind-out-file={work / label}.%p.out",
-        sys.executable,
-        "-m",
-        "idemproxy",
-        "serve",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--admin-listen",
-        f"127.0.0.1:{admin}",
-        "--upstream",
-        backend.url,
-        "--store",
-        harness.pg_dsn(args.pg_dsn, DATABASE),
+        *harness.serve_argv(port, admin, backend.url, store),
     ]
     proxy = harness.Service(f"proxy-{label}", argv, port, work, {"PYTHONPATH": str(source / "src")})
     try:
-        _wait_ready(proxy)
+        proxy.wait_ready(CALLGRIND_READY_TIMEOUT)
         yield proxy
     finally:
         proxy.stop()
 
 
-def _wait_ready(proxy: harness.Service) -> None:
-    deadline = time.monotonic() + CALLGRIND_READY_TIMEOUT
-    while time.monotonic() < deadline:
-        if proxy.proc.poll() is not None:
-            raise RuntimeError(f"{proxy.name} exited with {proxy.proc.returncode}: {proxy.log}")
-        with contextlib.suppress(OSError):
-            if harness.http_request(proxy.port, "GET", "/")[0] == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"{proxy.name} not ready under callgrind: see {proxy.log}")
-
-
 def _count(
     wrk: str, proxy: harness.Service, work: Path, label: str, name: str, seconds: float
 ) -> Counted:
-    script, script_args, needs_keys = SCENARIOS[name]
-    if needs_keys:
-        _store_replay_keys(proxy, script_args)
+    script = SCENARIOS[name]
+    if name == "replay":
+        _store_replay_keys(proxy)
     # Warm: imports on first use, prepared statements, the upstream connection; not counted.
-    harness.run_wrk(wrk, proxy.url, script, 1, 1, 2, *_keys(script_args, f"{label}-warm"))
+    harness.run_wrk(wrk, proxy.url, script, 1, 1, 2, *_script_args(name, f"{label}-warm"))
     before = set(work.glob(f"{label}.*.out*"))
     _control(proxy, "--zero")
     _control(proxy, "--instr=on")
-    result = harness.run_wrk(wrk, proxy.url, script, 1, 1, seconds, *_keys(script_args, label))
+    result = harness.run_wrk(wrk, proxy.url, script, 1, 1, seconds, *_script_args(name, label))
     _control(proxy, "--instr=off")
     _control(proxy, "--dump")
     dumped = sorted(set(work.glob(f"{label}.*.out*")) - before)
@@ -196,17 +170,19 @@ def _count(
     return Counted(int(result["requests"]), sum(_totals(path) for path in dumped))
 
 
-def _keys(script_args: list[str], label: str) -> list[str]:
-    """New keys get a prefix of their own per run; replay keys stay the stored ones."""
-    if script_args == SCENARIOS["new"][1]:
+def _script_args(name: str, label: str) -> list[str]:
+    """New keys get a prefix of their own per run; replays cycle through the stored keys."""
+    if name == "new":
         return [f"instructions-{label}"]
-    return script_args
+    if name == "replay":
+        return ["replay", str(REPLAY_KEYS)]
+    return []
 
 
-def _store_replay_keys(proxy: harness.Service, script_args: list[str]) -> None:
+def _store_replay_keys(proxy: harness.Service) -> None:
     """Each key once, so that wrk's requests are replays; slow under callgrind, hence its own
     generous timeout (the first governed request translates a lot of new code)."""
-    prefix, count = script_args[0], int(script_args[1])
+    prefix, count = "replay", REPLAY_KEYS
     for number in range(count):
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=120)
         try:
