@@ -227,6 +227,23 @@ async def test_pipelined_requests_are_answered_in_order_each_once(
 
 
 @pytest.mark.parametrize("parser", PARSERS)
+async def test_a_declined_upgrade_and_the_request_behind_it_are_each_answered_once(
+    proxies: Proxies, parser: str
+) -> None:
+    """aiohttp stops parsing after an `Upgrade` request and feeds what followed it once that
+    request is answered: such an answer goes aiohttp's own way, not one write (proxy/whole.py)."""
+    upgrade = request(
+        "/one", f"upgrade-1-{parser}", b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
+    )
+    after = request("/two", f"upgrade-2-{parser}", b"Connection: close\r\n")
+    answer = await exchange(proxies.processes[parser].port, upgrade + after)
+    assert answer.count(b"HTTP/1.1 201 Created") == 2, answer
+    assert answer.index(b'"path": "/one"') < answer.index(b'"path": "/two"')
+    assert proxies.ledger.count(f"upgrade-1-{parser}") == 1
+    assert proxies.ledger.count(f"upgrade-2-{parser}") == 1
+
+
+@pytest.mark.parametrize("parser", PARSERS)
 async def test_garbage_pipelined_after_a_request_closes_with_400(
     proxies: Proxies, parser: str
 ) -> None:

@@ -11,8 +11,8 @@ nothing of it reached the handler, so no job exists and nothing went upstream.
 
 The request handler tells its connection when a head was read (`head_read`): from then on only
 the body deadline (`server.body_read_timeout`) and the upstream timeout apply, until the
-response has been written. Private aiohttp surface used here: `RequestHandler.finish_response`
-and `Server._kwargs` (tests/hostile pin both).
+response has been written. Private aiohttp surface used here: `RequestHandler.finish_response`,
+`RequestHandler._upgraded` and `Server._kwargs` (tests/hostile pin them), and proxy/whole.py's.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from idemproxy.config import ServerSettings, parse_listen
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import RequestTimeout
 from idemproxy.proxy.problems import problem_response
+from idemproxy.proxy.whole import WholeResponse, mark_sent, serialise_whole
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +69,34 @@ class GuardedHandler(web.RequestHandler):
     ) -> tuple[web.StreamResponse, bool]:
         # Every response ends here, also those answered before the handler ran (417).
         try:
-            return await super().finish_response(request, resp, start_time)
+            whole = None if self._upgraded else serialise_whole(request, resp)
+            if whole is None:
+                return await super().finish_response(request, resp, start_time)
+            return await self._write_whole(request, resp, start_time, whole)
         finally:
             self._served(request, resp.status)
+
+    async def _write_whole(
+        self,
+        request: web.BaseRequest,
+        resp: web.StreamResponse,
+        start_time: float | None,
+        whole: WholeResponse,
+    ) -> tuple[web.StreamResponse, bool]:
+        """What aiohttp's `finish_response` does for a complete response, in one write
+        (proxy/whole.py). The request's multipart temporaries (`request._finish`) do not exist:
+        this proxy never parses form data."""
+        mark_sent(resp, whole.keep_alive)
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            self.log_access(request, resp, start_time)
+            return resp, True  # the client is gone: aiohttp stops serving the connection
+        transport.write(whole.data)
+        writer = request.writer
+        writer.output_size += len(whole.data)
+        await writer.drain()  # waits only while the transport has paused writing
+        self.log_access(request, resp, start_time)
+        return resp, False
 
     def _served(self, request: web.BaseRequest, status: int) -> None:
         """The response is out: the next byte starts a new head (unless it is unread body)."""

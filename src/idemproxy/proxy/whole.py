@@ -1,0 +1,95 @@
+"""Complete responses in one write, without aiohttp's machinery for streamed ones.
+
+Most of the proxy's answers are whole: replays, problems, and the pass-through and governed
+answers it read in full. aiohttp sends each of them through the path built for streaming
+(`prepare`, the header preparation, the prepare signal, a payload writer, `write_eof`), six
+coroutines deep: about 45,000 instructions a response, a fifth of aiohttp's own cost per request
+(bench/findings.md). For a plain `web.Response` whose body is bytes, this module builds the same
+bytes directly: the headers aiohttp would add, in the order it adds them, serialised by aiohttp's
+own serializer (which refuses CR or LF in a status line or header). Anything that needs more of
+that machinery (a streamed body, compression, cookies, chunking, HEAD, a status without a body,
+a declared Content-Length, a Connection header of the handler's) goes aiohttp's usual way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.http_writer import _serialize_headers
+from multidict import CIMultiDict
+
+# RFC 9110 §6.4.1, §15.3.5, §15.4.5: no content with these (aiohttp's `must_be_empty_body`).
+_WITHOUT_CONTENT = frozenset({204, 304})
+_VERSIONS = (HttpVersion11, HttpVersion10)
+
+
+@dataclass(frozen=True, slots=True)
+class WholeResponse:
+    """The response's bytes, and whether the connection stays open after it."""
+
+    data: bytes
+    keep_alive: bool
+
+
+def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> WholeResponse | None:
+    """The bytes aiohttp would send for `response`, or None where its usual path must run.
+
+    Adds, as aiohttp does (`Response._start`, `StreamResponse._prepare_headers`):
+    Content-Length, Content-Type `application/octet-stream` for a non-empty body without one
+    (RFC 9110 §8.3), Date, Server, and `Connection: keep-alive` (HTTP/1.0) or `close` (HTTP/1.1)
+    where the connection's persistence differs from the version's default (RFC 9112 §9.3).
+    """
+    if type(response) is not web.Response or response.prepared:
+        return None
+    body = response.body
+    if body is None:
+        body = b""  # aiohttp sends the head alone, with Content-Length: 0
+    if (
+        type(body) is not bytes
+        or response.chunked
+        or response.compression
+        or response._cookies  # never set by this proxy; the property would create them
+        or request.method == hdrs.METH_HEAD
+        or response.status < 200
+        or response.status in _WITHOUT_CONTENT
+    ):
+        return None
+    version = request.version
+    headers = response.headers
+    if version not in _VERSIONS or _framed(headers):
+        return None
+    keep_alive = response.keep_alive
+    if keep_alive is None:
+        keep_alive = request.keep_alive
+    headers[hdrs.CONTENT_LENGTH] = str(len(body))
+    if body:
+        headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
+    if hdrs.DATE not in headers:
+        headers[hdrs.DATE] = rfc822_formatted_time()
+    headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+    if keep_alive:
+        if version == HttpVersion10:
+            headers[hdrs.CONNECTION] = "keep-alive"
+    elif version == HttpVersion11:
+        headers[hdrs.CONNECTION] = "close"
+    status_line = f"HTTP/{version.major}.{version.minor} {response.status} {response.reason}"
+    return WholeResponse(_serialize_headers(status_line, headers) + body, keep_alive)
+
+
+def _framed(headers: CIMultiDict[str]) -> bool:
+    """The handler framed the message itself: leave it to aiohttp."""
+    return (
+        hdrs.CONTENT_LENGTH in headers
+        or hdrs.TRANSFER_ENCODING in headers
+        or hdrs.CONNECTION in headers
+    )
+
+
+def mark_sent(response: web.StreamResponse, keep_alive: bool) -> None:
+    """Leave `response` as aiohttp leaves one it sent: prepared, finished, and with the
+    persistence its connection loop reads (`resp.keep_alive`) decided."""
+    response._keep_alive = keep_alive
+    response._eof_sent = True
