@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -105,7 +104,7 @@ async def test_claim_creates_job_and_first_attempt(store: Store) -> None:
     claimed = await claim(store)
     job = await job_of(store, claimed.job.id)
     assert claimed.attempt == 1
-    assert job == replace(claimed.job, attempts=job.attempts)
+    assert job == claimed.job._replace(attempts=job.attempts)
     assert (job.owner, job.key, job.fingerprint) == ("alice", "k1", "fp1")
     assert (job.method, job.path, job.state) == ("POST", "/charges", JobState.IN_FLIGHT)
     assert (job.attempt_count, job.completed_by, job.response) == (1, None, None)

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -243,7 +242,7 @@ async def test_take_over_loses_while_the_lease_is_live(store: Store) -> None:
     claimed = await claim(store)
     assert not await store.take_over(claimed.job)
     # The database clock decides, not the caller's belief that the lease ran out.
-    assert not await store.take_over(replace(claimed.job, lease_expired=True))
+    assert not await store.take_over(claimed.job._replace(lease_expired=True))
     job = await job_of(store, claimed.job.id)
     assert (job.state, job.version) == (JobState.IN_FLIGHT, claimed.job.version)
     assert attempts(job) == [(1, AttemptState.STARTED, None, None)]
@@ -601,8 +600,8 @@ async def test_delete_removes_the_job_and_its_attempts(store: Store) -> None:
 async def test_delete_ignores_the_version_and_names_the_owner(store: Store) -> None:
     alice = await claim(store, owner="alice")
     bob = await claim(store, owner="bob")
-    assert not await store.delete(replace(alice.job, owner="bob"))  # bob's key, alice's id
-    assert await store.delete(replace(alice.job, version=alice.job.version + 7))
+    assert not await store.delete(alice.job._replace(owner="bob"))  # bob's key, alice's id
+    assert await store.delete(alice.job._replace(version=alice.job.version + 7))
     assert await store.get_by_id(alice.job.id) is None
     assert await store.get_by_id(bob.job.id) is not None
 

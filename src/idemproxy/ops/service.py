@@ -6,7 +6,6 @@ compare-and-swap; a loser changes nothing and says why.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from idemproxy.constants import RESOLUTION_OPERATOR
@@ -70,8 +69,8 @@ async def resolve_job(
         )
     log.info("job %s: resolved as %s by an operator", job.id, resolution.state.value)
     after = await store.get_by_id(job.id)
-    return after or dataclasses.replace(
-        job, state=resolution.state, version=job.version + 1, resolution=RESOLUTION_OPERATOR
+    return after or job._replace(
+        state=resolution.state, version=job.version + 1, resolution=RESOLUTION_OPERATOR
     )
 
 

@@ -27,7 +27,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import UTC, datetime
 
 from redis.asyncio import Redis
@@ -153,8 +152,7 @@ class RedisCachedStore(Store):
         started, now = time.monotonic(), time.time()
         won = await self.inner.complete(job, attempt, response, ttl=ttl)
         if won:
-            done = replace(
-                job,
+            done = job._replace(
                 state=JobState.COMPLETED,
                 version=job.version + 1,
                 completed_by=attempt,
