@@ -12,7 +12,8 @@ nothing of it reached the handler, so no job exists and nothing went upstream.
 The request handler tells its connection when a head was read (`head_read`): from then on only
 the body deadline (`server.body_read_timeout`) and the upstream timeout apply, until the
 response has been written. Private aiohttp surface used here: `RequestHandler.finish_response`,
-`RequestHandler._upgraded` and `Server._kwargs` (tests/hostile pin them), and proxy/whole.py's.
+`RequestHandler._upgraded`, `RequestHandler._request_handler` and `Server._kwargs` (tests/hostile
+pin them), and that of proxy/whole.py and proxy/any_path.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from aiohttp import HttpVersion11, StreamReader, hdrs, web
 from idemproxy.config import ServerSettings, parse_listen
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import RequestTimeout
+from idemproxy.proxy.any_path import RequestHandler, direct_handler
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.whole import WholeResponse, mark_sent, serialise_whole
 
@@ -36,8 +38,17 @@ log = logging.getLogger(__name__)
 class GuardedHandler(web.RequestHandler):
     """aiohttp's connection handler plus a header-read deadline and 4xx pages that echo nothing."""
 
-    def __init__(self, manager: web.Server, *, header_timeout: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        header_timeout: float,
+        request_handler: RequestHandler | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(manager, **kwargs)
+        if request_handler is not None:  # instead of the app's router (any_path.direct_handler)
+            self._request_handler = request_handler  # type: ignore[assignment]
         self._header_timeout = header_timeout
         self._deadline: asyncio.TimerHandle | None = None
         self._serving = False  # the head of the current request was read; its handler runs
@@ -222,9 +233,12 @@ class GuardedSite(web.BaseSite):
         # arguments and the app's handler_args), plus the deadline and the header-count bound.
         kwargs = {**server._kwargs, "max_headers": self._settings.max_headers}
         header_timeout = self._settings.header_read_timeout
+        handler = direct_handler(self._app_runner.app)
 
         def protocol() -> GuardedHandler:
-            return GuardedHandler(server, loop=loop, header_timeout=header_timeout, **kwargs)
+            return GuardedHandler(
+                server, loop=loop, header_timeout=header_timeout, request_handler=handler, **kwargs
+            )
 
         self._server = await loop.create_server(
             protocol,
