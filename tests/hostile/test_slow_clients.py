@@ -103,6 +103,26 @@ async def test_the_next_head_on_a_kept_alive_connection_has_the_same_deadline(
     assert [e.path_qs for e in ledger.executions] == ["/first"]
 
 
+async def test_the_next_heads_deadline_counts_from_its_own_first_byte(
+    listening_proxy: ListeningProxy, ledger: Ledger
+) -> None:
+    """The connection's one timer was set for the first head's deadline (0.4 s after it
+    opened); a second head that starts 0.25 s in is due 0.4 s after its own first byte, so that
+    timer must neither cut it early nor let it run on."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(b"GET /first HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    await asyncio.sleep(0.25 - (time.monotonic() - client.opened))
+    began = time.monotonic()
+    await client.trickle(b"GET /second HTTP/1.1\r\nHost: proxy\r\nX-Slow: 1\r\n\r\n", every=0.05)
+    answer = await client.result()
+    assert client.closed_after is not None
+    cut_after = client.closed_after - (began - client.opened)
+    assert 0.35 < cut_after < 1.0
+    assert answer.startswith(b"HTTP/1.1 201 Created")
+    assert b"HTTP/1.1 408 Request Timeout" in answer
+    assert [e.path_qs for e in ledger.executions] == ["/first"]
+
+
 async def test_the_head_deadline_never_cuts_a_slow_upstream_or_a_body_in_time(
     listening_proxy: ListeningProxy, ledger: Ledger
 ) -> None:

@@ -264,6 +264,31 @@ async def test_no_answer_in_time_is_a_timeout() -> None:
 
 
 @on_both_loops
+async def test_on_a_kept_alive_connection_each_wait_has_its_own_timeout() -> None:
+    """The connection's one deadline timer was set during the first exchange; the second,
+    which starts later, must get its whole timeout from its own start."""
+    answered = 0
+
+    async def slower_second(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        for delay in (0.0, 0.3):
+            await upstream_of[slower_second].read_request(reader)
+            await asyncio.sleep(delay)
+            writer.write(OK)
+            await writer.drain()
+            answered += 1
+        await reader.read()
+
+    async with serving(slower_second) as upstream, client(timeout=0.4) as c:
+        began = time.monotonic()
+        assert (await call(c, upstream.url))[0] == 201
+        await asyncio.sleep(0.2)  # the first wait's deadline (0.4 s) passes during the second
+        assert (await call(c, upstream.url))[0] == 201
+        assert time.monotonic() - began > 0.45
+    assert (upstream.connections, answered) == (1, 2)
+
+
+@on_both_loops
 async def test_a_reset_after_the_request_is_broken() -> None:
     async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await upstream_of[hang_up].read_request(reader)

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import HttpVersion11, StreamReader, hdrs, web
 
 from idemproxy.config import ServerSettings, parse_listen
-from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
+from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE, TIMER_SLACK_SECONDS
 from idemproxy.errors import RequestTimeout
 from idemproxy.proxy.any_path import RequestHandler, direct_handler
 from idemproxy.proxy.problems import problem_response
@@ -42,15 +42,19 @@ class GuardedHandler(web.RequestHandler):
         self,
         manager: web.Server,
         *,
+        loop: asyncio.AbstractEventLoop,
         header_timeout: float,
         request_handler: RequestHandler | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(manager, **kwargs)
+        super().__init__(manager, loop=loop, **kwargs)
         if request_handler is not None:  # instead of the app's router (any_path.direct_handler)
             self._request_handler = request_handler  # type: ignore[assignment]
+        self._clock = loop
         self._header_timeout = header_timeout
-        self._deadline: asyncio.TimerHandle | None = None
+        # The deadline is a time, and one timer per connection checks it (see `_arm`).
+        self._head_due: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._serving = False  # the head of the current request was read; its handler runs
         self._head_started = False  # bytes of the next head arrived since the last response
         self._unread: StreamReader | None = None  # a body aiohttp drains after the response
@@ -62,12 +66,15 @@ class GuardedHandler(web.RequestHandler):
     def data_received(self, data: bytes) -> None:
         if data and not self._serving and not self._draining():
             self._head_started = True
-            if self._deadline is None:
+            if self._head_due is None:
                 self._arm()  # the first byte of the next head on a kept-alive connection
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         super().connection_lost(exc)
 
     def head_read(self) -> None:
@@ -150,17 +157,31 @@ class GuardedHandler(web.RequestHandler):
         return False
 
     def _arm(self) -> None:
-        self._disarm()
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.call_later(self._header_timeout, self._head_timed_out)
+        """Start the deadline for the head now due. Arming and cancelling a timer for every
+        request costs more than the rest of the deadline's bookkeeping (about 2 µs with
+        uvloop): the deadline is a time instead, and the connection's one timer, when it fires,
+        acts only if that time has passed, or is set again for it. On a busy kept-alive
+        connection it fires about once per `header_read_timeout`, not once per request."""
+        due = self._clock.time() + self._header_timeout
+        self._head_due = due
+        if self._timer is None:
+            self._timer = self._clock.call_at(due, self._check_head)
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._head_due = None  # the timer, if any, finds nothing to do
+
+    def _check_head(self) -> None:
+        self._timer = None
+        due = self._head_due
+        if due is None:
+            return
+        if self._clock.time() + TIMER_SLACK_SECONDS < due:  # a later head's deadline: wait for it
+            self._timer = self._clock.call_at(due, self._check_head)
+            return
+        self._head_due = None
+        self._head_timed_out()
 
     def _head_timed_out(self) -> None:
-        self._deadline = None
         transport = self.transport
         if self._serving or transport is None or transport.is_closing():
             return
