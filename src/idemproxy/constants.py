@@ -95,6 +95,3 @@ REDIS_WATCH_SECONDS: Final = 300
 REDIS_RETRY_SECONDS: Final = 1.0
 # Slack for the proxy's clock against the database's, which decides expiry (SPEC §3.5).
 REDIS_CLOCK_MARGIN_SECONDS: Final = 1.0
-# Event loop timers fire to the millisecond (libuv's resolution): a deadline timer that fires a
-# little before its time counts as on time rather than being set again for the rest.
-TIMER_SLACK_SECONDS: Final = 0.001

@@ -27,8 +27,8 @@ from typing import Any, cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from idemproxy.constants import TIMER_SLACK_SECONDS
 from idemproxy.decision import Failure
+from idemproxy.proxy.deadline import Deadline
 
 # Flow control of a streamed response body: stop reading the upstream above HIGH buffered
 # bytes, resume below LOW (as aiohttp's StreamReader does with its 64 KiB limit x 2).
@@ -122,12 +122,12 @@ class UpstreamResponse:
             raise self._error
         waiter = self._waiter = self._loop.create_future()
         self._waiting_for = reason
-        connection = self._connection
-        connection.watch(self._loop.time() + self._timeout)
+        deadline = self._connection.deadline
+        deadline.start(self._timeout)
         try:
             await waiter
         finally:
-            connection.unwatch()
+            deadline.stop()
             self._waiter = None
 
     def expire(self) -> None:
@@ -237,8 +237,8 @@ class Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self._write_paused = False
         self._drained: asyncio.Future[None] | None = None
-        self._due: float | None = None  # when the exchange's current wait times out
-        self._timer: asyncio.TimerHandle | None = None
+        # The exchange's current wait for the upstream (proxy/deadline.py: one timer).
+        self.deadline = Deadline(loop, self._expire_exchange)
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -272,9 +272,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.deadline.close()
         if self.exchange is not None:
             self.exchange.on_connection_lost(exc)
         drained = self._drained
@@ -321,29 +319,7 @@ class Connection(asyncio.Protocol):
             self.exchange.on_message_complete()
 
     # for the exchange and the pool
-    def watch(self, due: float) -> None:
-        """The exchange waits for the upstream until `due` (loop time). Arming and cancelling
-        a timer for every wait costs more than the rest of the bookkeeping (about 2 µs with
-        uvloop, one to three waits per request): the deadline is a time instead, and the
-        connection's one timer, when it fires, expires the exchange only if that time has
-        passed, or is set again for it. A busy kept-alive connection's timer fires about once
-        per timeout, not once per wait."""
-        self._due = due
-        if self._timer is None:
-            self._timer = self.loop.call_at(due, self._check_due)
-
-    def unwatch(self) -> None:
-        self._due = None  # the timer, if any, finds nothing to do
-
-    def _check_due(self) -> None:
-        self._timer = None
-        due = self._due
-        if due is None:
-            return
-        if self.loop.time() + TIMER_SLACK_SECONDS < due:  # a later wait's deadline: wait for it
-            self._timer = self.loop.call_at(due, self._check_due)
-            return
-        self._due = None
+    def _expire_exchange(self) -> None:
         if self.exchange is not None:
             self.exchange.expire()
 

@@ -12,8 +12,9 @@ nothing of it reached the handler, so no job exists and nothing went upstream.
 The request handler tells its connection when a head was read (`head_read`): from then on only
 the body deadline (`server.body_read_timeout`) and the upstream timeout apply, until the
 response has been written. Private aiohttp surface used here: `RequestHandler.finish_response`,
-`RequestHandler._upgraded`, `RequestHandler._request_handler` and `Server._kwargs` (tests/hostile
-pin them), and that of proxy/whole.py and proxy/any_path.py.
+`RequestHandler._upgraded` and `Server._kwargs` (tests/hostile pin them), that of proxy/whole.py
+and proxy/any_path.py, and `RequestHandler._request_handler` (were it renamed, requests would
+go through the app's router again: slower, not wrong).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Any
 from aiohttp import HttpVersion11, StreamReader, hdrs, web
 
 from idemproxy.config import ServerSettings, parse_listen
-from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE, TIMER_SLACK_SECONDS
+from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import RequestTimeout
 from idemproxy.proxy.any_path import RequestHandler, direct_handler
+from idemproxy.proxy.deadline import Deadline
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.whole import WholeResponse, mark_sent, serialise_whole
 
@@ -50,11 +52,8 @@ class GuardedHandler(web.RequestHandler):
         super().__init__(manager, loop=loop, **kwargs)
         if request_handler is not None:  # instead of the app's router (any_path.direct_handler)
             self._request_handler = request_handler  # type: ignore[assignment]
-        self._clock = loop
         self._header_timeout = header_timeout
-        # The deadline is a time, and one timer per connection checks it (see `_arm`).
-        self._head_due: float | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._head_deadline = Deadline(loop, self._head_timed_out)  # one timer (deadline.py)
         self._serving = False  # the head of the current request was read; its handler runs
         self._head_started = False  # bytes of the next head arrived since the last response
         self._unread: StreamReader | None = None  # a body aiohttp drains after the response
@@ -66,15 +65,12 @@ class GuardedHandler(web.RequestHandler):
     def data_received(self, data: bytes) -> None:
         if data and not self._serving and not self._draining():
             self._head_started = True
-            if self._head_due is None:
+            if not self._head_deadline.running:
                 self._arm()  # the first byte of the next head on a kept-alive connection
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._disarm()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._head_deadline.close()
         super().connection_lost(exc)
 
     def head_read(self) -> None:
@@ -157,29 +153,10 @@ class GuardedHandler(web.RequestHandler):
         return False
 
     def _arm(self) -> None:
-        """Start the deadline for the head now due. Arming and cancelling a timer for every
-        request costs more than the rest of the deadline's bookkeeping (about 2 µs with
-        uvloop): the deadline is a time instead, and the connection's one timer, when it fires,
-        acts only if that time has passed, or is set again for it. On a busy kept-alive
-        connection it fires about once per `header_read_timeout`, not once per request."""
-        due = self._clock.time() + self._header_timeout
-        self._head_due = due
-        if self._timer is None:
-            self._timer = self._clock.call_at(due, self._check_head)
+        self._head_deadline.start(self._header_timeout)
 
     def _disarm(self) -> None:
-        self._head_due = None  # the timer, if any, finds nothing to do
-
-    def _check_head(self) -> None:
-        self._timer = None
-        due = self._head_due
-        if due is None:
-            return
-        if self._clock.time() + TIMER_SLACK_SECONDS < due:  # a later head's deadline: wait for it
-            self._timer = self._clock.call_at(due, self._check_head)
-            return
-        self._head_due = None
-        self._head_timed_out()
+        self._head_deadline.stop()
 
     def _head_timed_out(self) -> None:
         transport = self.transport

@@ -1,0 +1,61 @@
+"""proxy/deadline.py: one timer for a deadline that is started again and again."""
+
+from __future__ import annotations
+
+import asyncio
+
+from idemproxy.proxy.deadline import Deadline
+
+
+class _Expiries:
+    def __init__(self) -> None:
+        self.at: list[float] = []
+        self.began = asyncio.get_running_loop().time()
+
+    def __call__(self) -> None:
+        self.at.append(asyncio.get_running_loop().time() - self.began)
+
+
+async def test_it_expires_once_its_timeout_after_the_start() -> None:
+    expiries = _Expiries()
+    deadline = Deadline(asyncio.get_running_loop(), expiries)
+    deadline.start(0.1)
+    assert deadline.running
+    await asyncio.sleep(0.3)
+    assert len(expiries.at) == 1 and 0.09 <= expiries.at[0] < 0.25
+    assert not deadline.running
+
+
+async def test_a_later_start_moves_it_although_the_timer_was_set_for_the_first() -> None:
+    expiries = _Expiries()
+    deadline = Deadline(asyncio.get_running_loop(), expiries)
+    deadline.start(0.1)
+    await asyncio.sleep(0.06)
+    deadline.start(0.1)  # now due at about 0.16 s
+    await asyncio.sleep(0.3)
+    assert len(expiries.at) == 1 and 0.15 <= expiries.at[0] < 0.3
+
+
+async def test_stopped_or_closed_it_never_expires() -> None:
+    expiries = _Expiries()
+    loop = asyncio.get_running_loop()
+    stopped, closed = Deadline(loop, expiries), Deadline(loop, expiries)
+    stopped.start(0.05)
+    stopped.stop()
+    closed.start(0.05)
+    closed.close()
+    await asyncio.sleep(0.15)
+    assert expiries.at == []
+    assert not stopped.running and not closed.running
+
+
+async def test_started_again_after_a_stop_it_expires_from_the_new_start() -> None:
+    expiries = _Expiries()
+    deadline = Deadline(asyncio.get_running_loop(), expiries)
+    for _ in range(3):  # many short waits, each ended in time
+        deadline.start(0.1)
+        await asyncio.sleep(0.04)
+        deadline.stop()
+    deadline.start(0.1)  # the last one, from about 0.12 s
+    await asyncio.sleep(0.35)
+    assert len(expiries.at) == 1 and 0.21 <= expiries.at[0] < 0.4
