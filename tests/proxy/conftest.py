@@ -19,10 +19,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from yarl import URL
 
 from backend import Ledger, backend_app
-from idemproxy.config import load_settings
+from idemproxy.config import ServerSettings, load_settings
 from idemproxy.proxy.app import create_app
+from idemproxy.proxy.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 
@@ -50,6 +52,29 @@ class Server(TestServer):
     async def _make_runner(self, **kwargs: Any) -> web.AppRunner:
         kwargs["handler_cancellation"] = self._handler_cancellation
         return web.AppRunner(self.app, **kwargs)
+
+
+class ServeListener(Server):
+    """The proxy behind the listener `idemproxy serve` uses (`GuardedSite`: plain requests on
+    proxy/front.py, the rest on aiohttp's handler), on an ephemeral port of 127.0.0.1."""
+
+    def __init__(self, app: web.Application, settings: ServerSettings) -> None:
+        super().__init__(app)
+        self._settings = settings
+
+    async def start_server(
+        self, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any
+    ) -> None:
+        if self.runner:
+            return
+        self.runner = await self._make_runner(**kwargs)
+        await self.runner.setup()
+        site = GuardedSite(self.runner, f"{self.host}:0", self._settings)
+        await site.start()
+        assert site._server is not None
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.scheme = "http"
+        self._root = URL(f"http://{self.host}:{self.port}")
 
 
 @pytest.fixture
@@ -86,7 +111,11 @@ async def make_proxy(backend_url: str) -> AsyncIterator[ProxyFactory]:
     ) -> TestClient[Any, Any]:
         settings = load_settings(**{"upstream": backend_url, **overrides})
         app = create_app(settings, store=inject_store)
-        server = Server(app, handler_cancellation=handler_cancellation)
+        server = (
+            Server(app, handler_cancellation=True)
+            if handler_cancellation
+            else ServeListener(app, settings.server)
+        )
         client = TestClient(server, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
         await client.start_server()
         clients.append(client)

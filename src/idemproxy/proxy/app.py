@@ -34,6 +34,9 @@ def create_app(
         handler_args={
             "max_line_size": settings.server.max_line_size,
             "max_field_size": settings.server.max_field_size,
+            # RFC 9110 §8.4: a content coding is the client's and the backend's business; a
+            # gzip body decompressed here went on still labelled gzip (proxy/front.py agrees).
+            "auto_decompress": False,
         },
     )
     app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics()))
