@@ -201,10 +201,6 @@ class ServerSettings(BaseModel):
     # Header lines per request; aiohttp before 3.14 allowed 32768 (of max_field_size each).
     max_headers: int = Field(default=128, gt=0)
     shutdown_timeout: float = Field(default=30.0, ge=0)
-    # Plain requests (a CRLF head, HTTP/1.1, a short body that came with it) are served without
-    # aiohttp's connection loop; anything else is handed to it (proxy/front.py). Off: every
-    # connection is aiohttp's.
-    fast_path: bool = True
     # Proxy processes sharing `listen` (SO_REUSEPORT) under one supervisor: the proxy is
     # CPU-bound in one event loop, so this is how one host uses more than one core.
     workers: int = Field(default=1, ge=1, le=c.MAX_WORKERS)

@@ -2,8 +2,8 @@
 
 * `backend_url`: the recording upstream of tests/backend.py; its executions land in `ledger`.
 * `proxy(**overrides)`: starts the proxy app on the `store_dsn` database (so every test runs on
-  SQLite and PostgreSQL) and returns a test client; `make_proxy` is the same without a default
-  store, for tests that pick their own.
+  SQLite and PostgreSQL) behind the listener `idemproxy serve` uses, and returns a test client;
+  `make_proxy` is the same without a default store, for tests that pick their own.
 * `jobs`: a second handle on the same database, to look at job state (and to sweep).
 * `raw_upstream`: a bare TCP upstream that records exact request bytes and answers canned bytes.
 """
@@ -55,8 +55,9 @@ class Server(TestServer):
 
 
 class ServeListener(Server):
-    """The proxy behind the listener `idemproxy serve` uses (`GuardedSite`: plain requests on
-    proxy/front.py, the rest on aiohttp's handler), on an ephemeral port of 127.0.0.1."""
+    """The proxy behind the listener `idemproxy serve` uses (`GuardedSite`: aiohttp's handler
+    with the header-read deadline, one-write responses and no router, proxy/listener.py), on an
+    ephemeral port of 127.0.0.1, so that the proxy's tests also test that listener."""
 
     def __init__(self, app: web.Application, settings: ServerSettings) -> None:
         super().__init__(app)
@@ -98,8 +99,10 @@ async def make_proxy(backend_url: str) -> AsyncIterator[ProxyFactory]:
     """Start a proxy app with `load_settings(upstream=backend_url, **overrides)`; needs `store=`.
 
     The app owns its store unless `inject_store` is given. `handler_cancellation` defaults to
-    False as in `idemproxy.server.serve`. The client never decompresses (byte-identity checks)
-    and keeps no cookies (a replay must not depend on what the first response set).
+    False as in `idemproxy.server.serve`, and the proxy then listens as that command's does
+    (`ServeListener`); with True it is aiohttp's test server, which cancels on hang-up. The
+    client never decompresses (byte-identity checks) and keeps no cookies (a replay must not
+    depend on what the first response set).
     """
     clients: list[TestClient[Any, Any]] = []
 

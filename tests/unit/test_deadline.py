@@ -59,25 +59,3 @@ async def test_started_again_after_a_stop_it_expires_from_the_new_start() -> Non
     deadline.start(0.1)  # the last one, from about 0.12 s
     await asyncio.sleep(0.35)
     assert len(expiries.at) == 1 and 0.21 <= expiries.at[0] < 0.4
-
-
-async def test_a_shorter_start_fires_earlier_than_the_timer_set_for_a_longer_one() -> None:
-    """A kept-alive connection's idle timeout (long), then the header-read deadline (short)."""
-    expiries = _Expiries()
-    deadline = Deadline(asyncio.get_running_loop(), expiries)
-    deadline.start(5.0)
-    deadline.start(0.1)
-    await asyncio.sleep(0.3)
-    assert len(expiries.at) == 1 and 0.09 <= expiries.at[0] < 0.25
-    deadline.close()
-
-
-async def test_it_tells_the_time_left() -> None:
-    deadline = Deadline(asyncio.get_running_loop(), lambda: None)
-    assert deadline.left() is None
-    deadline.start(1.0)
-    await asyncio.sleep(0.2)
-    left = deadline.left()
-    assert left is not None and 0.0 < left <= 0.81  # at least the 0.2 s slept have gone
-    deadline.close()
-    assert deadline.left() is None

@@ -34,8 +34,9 @@ def create_app(
         handler_args={
             "max_line_size": settings.server.max_line_size,
             "max_field_size": settings.server.max_field_size,
-            # RFC 9110 §8.4: a content coding is the client's and the backend's business; a
-            # gzip body decompressed here went on still labelled gzip (proxy/front.py agrees).
+            # RFC 9110 §8.4: a content coding is the client's and the backend's business. With
+            # aiohttp's default a gzip body was decompressed here and went on still labelled
+            # gzip (tests/proxy/test_content_coding.py).
             "auto_decompress": False,
         },
     )

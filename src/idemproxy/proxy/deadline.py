@@ -25,7 +25,6 @@ class Deadline:
         self._on_expiry = on_expiry
         self._due: float | None = None  # loop time; None while no deadline runs
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_due = 0.0  # when the timer fires
 
     @property
     def running(self) -> bool:
@@ -36,14 +35,7 @@ class Deadline:
         due = self._loop.time() + timeout
         self._due = due
         if self._timer is None:
-            self._arm(due)
-        elif due < self._timer_due:  # a shorter timeout than the running one's: fire earlier
-            self._timer.cancel()
-            self._arm(due)
-
-    def left(self) -> float | None:
-        """Seconds until expiry, or None while no deadline runs."""
-        return None if self._due is None else max(self._due - self._loop.time(), 0.0)
+            self._timer = self._loop.call_at(due, self._check)
 
     def stop(self) -> None:
         self._due = None  # the timer, if any, finds nothing to do
@@ -61,11 +53,7 @@ class Deadline:
         if due is None:
             return
         if self._loop.time() + _SLACK_SECONDS < due:  # started again since: wait for that
-            self._arm(due)
+            self._timer = self._loop.call_at(due, self._check)
             return
         self._due = None
         self._on_expiry()
-
-    def _arm(self, due: float) -> None:
-        self._timer = self._loop.call_at(due, self._check)
-        self._timer_due = due

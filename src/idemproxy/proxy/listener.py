@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
 from aiohttp import HttpVersion11, StreamReader, hdrs, web
 
 from idemproxy.config import ServerSettings, parse_listen
+from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
+from idemproxy.errors import RequestTimeout
 from idemproxy.proxy.any_path import RequestHandler, direct_handler
 from idemproxy.proxy.deadline import Deadline
-from idemproxy.proxy.front import FrontConnection, FrontLimits
-from idemproxy.proxy.problems import REQUEST_TIMEOUT_RESPONSE
+from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.whole import WholeResponse, mark_sent, serialise_whole
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,6 @@ class GuardedHandler(web.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._head_deadline.close()
         super().connection_lost(exc)
-
-    def owe_head_within(self, seconds: float) -> None:
-        """A connection taken over mid-head (proxy/front.py) keeps the time it had left."""
-        self._head_started = True
-        self._head_deadline.start(seconds)
 
     def head_read(self) -> None:
         """The request's head arrived and its handler runs: no deadline until the response."""
@@ -168,7 +163,7 @@ class GuardedHandler(web.RequestHandler):
         if self._serving or transport is None or transport.is_closing():
             return
         if self._head_started:  # RFC 9110 §15.5.9; a connection that sent nothing just closes
-            transport.write(REQUEST_TIMEOUT_RESPONSE)
+            transport.write(_REQUEST_TIMEOUT)
         self.force_close()
 
 
@@ -177,6 +172,24 @@ def _phrase(status: int) -> str:
         return HTTPStatus(status).phrase
     except ValueError:
         return "Client Error"
+
+
+def _request_timeout_bytes() -> bytes:
+    """A complete 408 problem response (SPEC §8), written straight to the socket."""
+    error = RequestTimeout("The request head did not arrive in time.")
+    body = problem_response(error).body
+    assert isinstance(body, bytes)
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\n"
+        f"Content-Type: {PROBLEM_CONTENT_TYPE}\r\n"
+        f"{ERROR_HEADER}: {error.code}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+_REQUEST_TIMEOUT = _request_timeout_bytes()
 
 
 def head_read(request: web.BaseRequest) -> None:
@@ -218,26 +231,12 @@ class GuardedSite(web.BaseSite):
         # arguments and the app's handler_args), plus the deadline and the header-count bound.
         kwargs = {**server._kwargs, "max_headers": self._settings.max_headers}
         header_timeout = self._settings.header_read_timeout
-        app = self._app_runner.app
-        handler = direct_handler(app)
+        handler = direct_handler(self._app_runner.app)
 
-        def guarded() -> GuardedHandler:
+        def protocol() -> GuardedHandler:
             return GuardedHandler(
                 server, loop=loop, header_timeout=header_timeout, request_handler=handler, **kwargs
             )
-
-        protocol: Callable[[], asyncio.Protocol] = guarded
-        if self._settings.fast_path:
-            limits = FrontLimits(
-                head_bytes=min(self._settings.max_line_size, self._settings.max_field_size),
-                header_lines=self._settings.max_headers,
-                header_timeout=header_timeout,
-                keepalive_timeout=self._settings.keepalive_timeout,
-                body_timeout=self._settings.body_read_timeout,
-            )
-
-            def protocol() -> asyncio.Protocol:
-                return FrontConnection(server, app, handler, guarded, limits, loop)
 
         self._server = await loop.create_server(
             protocol,

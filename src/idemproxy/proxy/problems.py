@@ -7,7 +7,7 @@ import json
 from aiohttp import web
 
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX
-from idemproxy.errors import PayloadMismatch, ProblemError, RequestTimeout
+from idemproxy.errors import PayloadMismatch, ProblemError
 
 # SPEC §8 / draft-ietf-httpapi-idempotency-key-header-07 §2.7: a reused key with another
 # payload is 422 in the ietf profile.
@@ -34,22 +34,3 @@ def problem_response(error: ProblemError, *, profile: str = "default") -> web.Re
         content_type=PROBLEM_CONTENT_TYPE,
         headers=headers,
     )
-
-
-def _request_timeout_bytes() -> bytes:
-    """A complete 408 problem response (SPEC §8), written straight to the socket by the
-    listeners (proxy/listener.py, proxy/front.py)."""
-    error = RequestTimeout("The request head did not arrive in time.")
-    body = problem_response(error).body
-    assert isinstance(body, bytes)
-    head = (
-        "HTTP/1.1 408 Request Timeout\r\n"
-        f"Content-Type: {PROBLEM_CONTENT_TYPE}\r\n"
-        f"{ERROR_HEADER}: {error.code}\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    )
-    return head.encode("ascii") + body
-
-
-REQUEST_TIMEOUT_RESPONSE = _request_timeout_bytes()
