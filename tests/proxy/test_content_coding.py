@@ -51,3 +51,26 @@ async def test_a_gzip_request_body_goes_upstream_as_it_came(
     response = await client.post("/orders", data=coded, headers=headers)
     assert response.status == 201
     assert upstream.received == [(coded, "gzip")]
+
+
+async def test_a_coded_body_is_fingerprinted_as_its_coded_bytes(
+    proxy: ProxyFactory, coded_upstream: tuple[CodedUpstream, str]
+) -> None:
+    """The proxy does not decode it: the same bytes replay, the same JSON coded differently
+    is another payload (docs/reliability.md)."""
+    upstream, url = coded_upstream
+    client = await proxy(upstream=url)
+    document = b'{"amount": 1250}'
+    fast, best = gzip.compress(document, 1, mtime=0), gzip.compress(document, 9, mtime=0)
+    assert fast != best
+    headers = {
+        "Content-Encoding": "gzip",
+        "Content-Type": "application/json",
+        "Idempotency-Key": "coded-twice",
+    }
+    first = await client.post("/orders", data=fast, headers=headers)
+    again = await client.post("/orders", data=fast, headers=headers)
+    other = await client.post("/orders", data=best, headers=headers)
+    assert (first.status, again.status, other.status) == (201, 201, 409)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert upstream.received == [(fast, "gzip")]
