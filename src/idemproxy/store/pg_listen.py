@@ -14,7 +14,7 @@ import logging
 import asyncpg
 
 from idemproxy.constants import NOTIFY_CHANNEL
-from idemproxy.store.watch import JobWatch
+from idemproxy.store.watch import JobWatch, raise_if_cancelled
 
 log = logging.getLogger(__name__)
 _FEED_ERRORS = (
@@ -31,6 +31,7 @@ _HEARTBEAT_SECONDS = 5.0
 async def listen_forever(dsn: str, watch: JobWatch, *, timeout: float) -> None:
     delay = 0.1
     while True:
+        raise_if_cancelled()  # one a driver swallowed still ends the feed (store/watch.py)
         try:
             conn = await asyncpg.connect(dsn, timeout=timeout)
         except _FEED_ERRORS as exc:
@@ -55,6 +56,7 @@ async def _listen_on(conn: asyncpg.Connection, watch: JobWatch, timeout: float) 
             await conn.add_listener(NOTIFY_CHANNEL, on_notify)
         watch.notify_all()  # changes may have been missed before LISTEN took effect
         while not lost.is_set() and not conn.is_closed():
+            raise_if_cancelled()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_HEARTBEAT_SECONDS):
                     await lost.wait()

@@ -21,7 +21,7 @@ from redis.asyncio.client import PubSub
 
 from idemproxy.constants import REDIS_CHANNEL
 from idemproxy.store.redis_client import REDIS_ERRORS, RedisCache
-from idemproxy.store.watch import JobWatch
+from idemproxy.store.watch import JobWatch, raise_if_cancelled
 
 log = logging.getLogger("idemproxy.store.redis")
 _TICK = 1.0  # seconds between checks when no message arrives
@@ -34,6 +34,7 @@ async def listen_forever(client: Redis, watch: JobWatch, cache: RedisCache) -> N
     delay = 0.1
     while True:
         subscribed = await _listen_once(client, watch, cache)
+        raise_if_cancelled()
         delay = 0.1 if subscribed else min(delay * 2, _MAX_BACKOFF)
         await asyncio.sleep(delay)
 
@@ -60,6 +61,7 @@ async def _pump(pubsub: PubSub, watch: JobWatch, cache: RedisCache) -> None:
     loop = asyncio.get_running_loop()
     heard = pinged = loop.time()
     while True:
+        raise_if_cancelled()  # a cancellation redis-py swallowed (store/watch.py)
         message = await pubsub.get_message(timeout=_TICK)
         now = loop.time()
         if message is not None:
