@@ -70,10 +70,8 @@ class ServeListener(Server):
             return
         self.runner = await self._make_runner(**kwargs)
         await self.runner.setup()
-        site = GuardedSite(self.runner, f"{self.host}:0", self._settings)
-        await site.start()
-        assert site._server is not None
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        await GuardedSite(self.runner, f"{self.host}:0", self._settings).start()
+        self.port = self.runner.addresses[0][1]
         self.scheme = "http"
         self._root = URL(f"http://{self.host}:{self.port}")
 

@@ -1,5 +1,5 @@
 """A store's close stops its wake-up feed even when the client library swallowed the
-cancellation (store/watch.py, `raise_if_cancelled`).
+cancellation (store/feed_task.py).
 
 redis-py's pub/sub can lose a cancellation: the feed listened on, and `close`, which cancels
 the feed and waits for it, waited for ever; `idemproxy jobs delete --redis` hung after its work

@@ -14,7 +14,8 @@ import logging
 import asyncpg
 
 from idemproxy.constants import NOTIFY_CHANNEL
-from idemproxy.store.watch import JobWatch, raise_if_cancelled
+from idemproxy.store.feed_task import raise_if_cancelled
+from idemproxy.store.watch import JobWatch
 
 log = logging.getLogger(__name__)
 _FEED_ERRORS = (
@@ -31,7 +32,7 @@ _HEARTBEAT_SECONDS = 5.0
 async def listen_forever(dsn: str, watch: JobWatch, *, timeout: float) -> None:
     delay = 0.1
     while True:
-        raise_if_cancelled()  # one a driver swallowed still ends the feed (store/watch.py)
+        raise_if_cancelled()  # one a driver swallowed still ends the feed (store/feed_task.py)
         try:
             conn = await asyncpg.connect(dsn, timeout=timeout)
         except _FEED_ERRORS as exc:

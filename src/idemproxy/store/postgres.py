@@ -14,12 +14,12 @@ import asyncpg
 
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store, settle_states
+from idemproxy.store.feed_task import stop_feed
 from idemproxy.store.pg_errors import DRIVER_ERRORS, translate_errors, unavailable
 from idemproxy.store.pg_kept import KeptConnections
 from idemproxy.store.pg_listen import listen_forever
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import attempt_from_row, encode_headers, job_from_row
-from idemproxy.store.watch import stop_feed
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
 if TYPE_CHECKING:  # PoolConnectionProxy is generic only in asyncpg-stubs, not at runtime
@@ -35,8 +35,6 @@ _CLAIM_RETRIES = 5
 # Seconds a connection may stay idle before it is closed (asyncpg's default): kept ones are
 # first released to the pool (store/pg_kept.py), whose own timer then closes them.
 _IDLE_LIFETIME = 300.0
-# The change feed ends within a second of being cancelled (it closes its connection, bounded).
-_FEED_STOP_SECONDS = 3.0
 _ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
 
 
@@ -85,7 +83,7 @@ class PostgresStore(Store):
 
     async def close(self) -> None:
         if self._listener is not None:
-            await stop_feed(self._listener, timeout=_FEED_STOP_SECONDS)
+            await stop_feed(self._listener)
         kept, self._kept = self._kept, None
         if kept is not None:
             await kept.close()  # the pool's close waits for every connection it lent

@@ -32,16 +32,14 @@ from redis.asyncio import Redis
 
 from idemproxy.constants import REDIS_CLOCK_MARGIN_SECONDS
 from idemproxy.store.base import Store
+from idemproxy.store.feed_task import stop_feed
 from idemproxy.store.redis_client import RedisCache, connect
 from idemproxy.store.redis_codec import decode, encode, entry_name, tombstone_name, watch_name
 from idemproxy.store.redis_feed import listen_forever
-from idemproxy.store.watch import stop_feed
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
 log = logging.getLogger("idemproxy.store.redis")
 _MIN_ENTRY_SECONDS = 0.5  # not worth caching for less
-# The feed ends within one tick (1 s) and its bounded unsubscribe (1 s) of being cancelled.
-_FEED_STOP_SECONDS = 3.0
 Observer = Callable[[str, float, bool], None]
 
 
@@ -102,7 +100,7 @@ class RedisCachedStore(Store):
 
     async def close(self) -> None:
         if self._feed is not None:
-            await stop_feed(self._feed, timeout=_FEED_STOP_SECONDS)
+            await stop_feed(self._feed)
         await self.cache.close()
         await self.inner.close()
 

@@ -20,8 +20,9 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from idemproxy.constants import REDIS_CHANNEL
+from idemproxy.store.feed_task import raise_if_cancelled
 from idemproxy.store.redis_client import REDIS_ERRORS, RedisCache
-from idemproxy.store.watch import JobWatch, raise_if_cancelled
+from idemproxy.store.watch import JobWatch
 
 log = logging.getLogger("idemproxy.store.redis")
 _TICK = 1.0  # seconds between checks when no message arrives
@@ -61,7 +62,7 @@ async def _pump(pubsub: PubSub, watch: JobWatch, cache: RedisCache) -> None:
     loop = asyncio.get_running_loop()
     heard = pinged = loop.time()
     while True:
-        raise_if_cancelled()  # a cancellation redis-py swallowed (store/watch.py)
+        raise_if_cancelled()  # a cancellation redis-py swallowed (store/feed_task.py)
         message = await pubsub.get_message(timeout=_TICK)
         now = loop.time()
         if message is not None:

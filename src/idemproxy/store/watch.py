@@ -8,11 +8,8 @@ connection while they wait.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-
-log = logging.getLogger(__name__)
 
 
 class JobWatch:
@@ -69,27 +66,3 @@ class JobWatch:
         for subs in self._subscriptions.values():
             for subscription in subs:
                 subscription.wake()
-
-
-def raise_if_cancelled() -> None:
-    """Re-raise a cancellation that a client library caught and did not re-raise.
-
-    redis-py's pub/sub can lose one: the feed task went on listening, and a store's `close`,
-    which cancels its feed and waits for it, waited for ever (`idemproxy jobs delete --redis`
-    hung after its work was done). `Task.cancelling()` still counts such a cancellation, so a
-    feed loop that calls this on every round stops within a round.
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-async def stop_feed(feed: asyncio.Task[None], *, timeout: float) -> None:
-    """Cancel a feed and wait for it to end, for at most `timeout` seconds: one that does not
-    stop must not hold up its store's close (and a process's exit) for ever."""
-    feed.cancel()
-    done, _ = await asyncio.wait({feed}, timeout=timeout)
-    if not done:
-        log.warning("%s did not stop within %.1fs; left behind", feed.get_name(), timeout)
-    elif not feed.cancelled() and (error := feed.exception()) is not None:
-        log.warning("%s had ended with %r", feed.get_name(), error)
