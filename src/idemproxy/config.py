@@ -253,6 +253,21 @@ class RedisSettings(BaseModel):
     max_body: int = Field(default=1024 * 1024, ge=0)
 
 
+class ReplayCacheSettings(BaseModel):
+    """The in-process replay cache of completed jobs, in each proxy process, in front of a
+    PostgreSQL store (`replay_cache`, SPEC §11; store/replay_memory.py). SQLite has none: its
+    changes made by other processes (`idemproxy jobs delete`) are not announced."""
+
+    model_config = _STRICT
+    # Bytes of completed responses (plus about 1.2 KB per entry) kept per process; 0 turns the
+    # cache off. The least recently replayed go first.
+    max_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
+    # Largest response body kept; larger ones are replayed from the store.
+    max_body: int = Field(default=256 * 1024, ge=0)
+    # Longest an entry is kept (never past its job's expiry).
+    ttl: float = Field(default=60.0, gt=0)
+
+
 class SweeperSettings(BaseModel):
     model_config = _STRICT
     interval: float = Field(default=60.0, gt=0)
@@ -276,6 +291,7 @@ class Settings(BaseSettings):
     # in front of the store; optional (pip install 'idemproxy[redis]'), never the source of truth.
     redis: str | None = None
     redis_options: RedisSettings = Field(default_factory=RedisSettings)
+    replay_cache: ReplayCacheSettings = Field(default_factory=ReplayCacheSettings)
     profile: Literal["default", "ietf"] = "default"
     key_header: str = c.DEFAULT_KEY_HEADER
     # NoDecode: IDEMPROXY_METHODS=POST,PUT is a comma list, not JSON (also for the lists below).

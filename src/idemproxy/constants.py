@@ -93,5 +93,6 @@ REDIS_WATCH_PREFIX: Final = "idemproxy:watch:"
 REDIS_WATCH_SECONDS: Final = 300
 # After a Redis error, lookups skip the cache this long before it is tried again.
 REDIS_RETRY_SECONDS: Final = 1.0
-# Slack for the proxy's clock against the database's, which decides expiry (SPEC §3.5).
-REDIS_CLOCK_MARGIN_SECONDS: Final = 1.0
+# Slack for the proxy's clock against the database's, which decides expiry (SPEC §3.5): a cached
+# replay (Redis or in-process) is given up this long before its job expires by the proxy's clock.
+CLOCK_MARGIN_SECONDS: Final = 1.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from aiohttp import web
@@ -30,11 +30,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 
 from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store
+from idemproxy.store.delegating import DelegatingStore
+from idemproxy.store.replay_memory import MemoryReplayCache
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=MetricWrapperBase)
@@ -148,9 +152,33 @@ class Metrics:
 
 
 def watch_store(metrics: Metrics, store: Store) -> None:
-    """Store call latency and errors, and the waiters gauge, straight from the store."""
+    """Store call latency and errors, and the waiters gauge, straight from the store; the
+    in-process replay cache's counts when it is there."""
     store.observer = metrics.observe_store
     metrics.waiters.set_function(lambda: store.watch.waiting)
+    cache = store.layer(MemoryReplayCache) if isinstance(store, DelegatingStore) else None
+    if isinstance(cache, MemoryReplayCache):
+        metrics.registry.register(_ReplayCacheCollector(cache))
+
+
+class _ReplayCacheCollector(Collector):
+    """Read at scrape time: a hit costs the hot path one integer increment, no metric call."""
+
+    def __init__(self, cache: MemoryReplayCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterable[Metric]:
+        cache = self._cache
+        name = f"{METRIC_PREFIX}_replay_cache"
+        yield CounterMetricFamily(
+            f"{name}_hits", "Duplicates answered from the in-process replay cache.", cache.hits
+        )
+        yield GaugeMetricFamily(
+            f"{name}_entries", "Completed jobs in the in-process replay cache.", cache.entries
+        )
+        yield GaugeMetricFamily(
+            f"{name}_bytes", "Bytes counted against replay_cache.max_bytes.", cache.size
+        )
 
 
 async def refresh_gauges(metrics: Metrics, store: Store, interval: float) -> None:

@@ -28,7 +28,7 @@ from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import drain
 from idemproxy.proxy.listener import GuardedSite
 from idemproxy.store.base import Store
-from idemproxy.store.factory import create_store, wrap_with_cache
+from idemproxy.store.factory import serving_store
 from idemproxy.workers.role import WorkerRole
 
 log = logging.getLogger("idemproxy")
@@ -46,12 +46,7 @@ def serve(settings: Settings, worker: WorkerRole | None = None) -> None:
 
 
 async def run_server(settings: Settings, worker: WorkerRole | None = None) -> None:
-    store = create_store(
-        settings.store,
-        max_connections=settings.pool.store_connections,
-        command_timeout=settings.pool.store_timeout,
-    )
-    store = wrap_with_cache(store, settings)  # SPEC §11: Redis, when configured
+    store = serving_store(settings)  # SPEC §11: with Redis and the in-process replay cache
     await store.open()
     try:
         if settings.migrate:

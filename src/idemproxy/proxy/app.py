@@ -20,7 +20,7 @@ from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.handler import expect_continue, handle
 from idemproxy.proxy.sweeper import sweep_forever
 from idemproxy.store.base import Store
-from idemproxy.store.factory import create_store, wrap_with_cache
+from idemproxy.store.factory import serving_store
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +70,7 @@ def _lifecycle(
 
 
 async def _own_store(settings: Settings, stack: contextlib.AsyncExitStack) -> Store:
-    store = wrap_with_cache(
-        create_store(
-            settings.store,
-            max_connections=settings.pool.store_connections,
-            command_timeout=settings.pool.store_timeout,
-        ),
-        settings,
-    )
+    store = serving_store(settings)
     await store.open()
     stack.push_async_callback(store.close)
     if settings.migrate:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 def create_store(dsn: str, *, max_connections: int = 20, command_timeout: float = 5.0) -> Store:
     """`sqlite:///relative.db`, `sqlite:////absolute.db`, `sqlite://:memory:` or `postgresql://…`."""
-    if dsn.startswith(("postgresql://", "postgres://")):
+    if _is_postgres(dsn):
         from idemproxy.store.postgres import PostgresStore
 
         return PostgresStore(dsn, max_connections=max_connections, command_timeout=command_timeout)
@@ -22,6 +22,30 @@ def create_store(dsn: str, *, max_connections: int = 20, command_timeout: float 
 
         return SqliteStore(sqlite_path(dsn), busy_timeout=command_timeout)
     raise ConfigError(f"store: unsupported DSN scheme in {dsn.split(':', 1)[0]!r}")
+
+
+def serving_store(settings: Settings) -> Store:
+    """The store a proxy process serves from: the configured store, behind Redis when `redis`
+    is set, behind the in-process replay cache when the store is PostgreSQL (SPEC §11)."""
+    store = create_store(
+        settings.store,
+        max_connections=settings.pool.store_connections,
+        command_timeout=settings.pool.store_timeout,
+    )
+    store = wrap_with_cache(store, settings)
+    options = settings.replay_cache
+    # Only PostgreSQL announces every deletion to every process (its change feed).
+    if not _is_postgres(settings.store) or options.max_bytes == 0:
+        return store
+    from idemproxy.store.replay_memory import MemoryReplayCache
+
+    return MemoryReplayCache(
+        store, max_bytes=options.max_bytes, max_body=options.max_body, ttl=options.ttl
+    )
+
+
+def _is_postgres(dsn: str) -> bool:
+    return dsn.startswith(("postgresql://", "postgres://"))
 
 
 def wrap_with_cache(store: Store, settings: Settings) -> Store:

@@ -55,6 +55,7 @@ async def _listen_on(conn: asyncpg.Connection, watch: JobWatch, timeout: float) 
     try:
         async with asyncio.timeout(timeout):  # bounded, like the heartbeat below
             await conn.add_listener(NOTIFY_CHANNEL, on_notify)
+        watch.live = True
         watch.notify_all()  # changes may have been missed before LISTEN took effect
         while not lost.is_set() and not conn.is_closed():
             raise_if_cancelled()
@@ -67,5 +68,7 @@ async def _listen_on(conn: asyncpg.Connection, watch: JobWatch, timeout: float) 
     except _FEED_ERRORS as exc:
         log.warning("change feed lost: %s", exc)
     finally:
+        # From here until LISTEN is back, changes may pass unseen (the caller wakes everyone).
+        watch.live = False
         with contextlib.suppress(Exception):
             await asyncio.wait_for(conn.close(), timeout=1.0)

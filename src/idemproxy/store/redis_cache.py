@@ -25,25 +25,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 
 from redis.asyncio import Redis
 
-from idemproxy.constants import REDIS_CLOCK_MARGIN_SECONDS
+from idemproxy.constants import CLOCK_MARGIN_SECONDS
 from idemproxy.store.base import Store
+from idemproxy.store.delegating import DelegatingStore, seconds_left
 from idemproxy.store.feed_task import stop_feed
 from idemproxy.store.redis_client import RedisCache, connect
 from idemproxy.store.redis_codec import decode, encode, entry_name, tombstone_name, watch_name
 from idemproxy.store.redis_feed import listen_forever
-from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState, StoredResponse
+from idemproxy.types import ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
 log = logging.getLogger("idemproxy.store.redis")
 _MIN_ENTRY_SECONDS = 0.5  # not worth caching for less
-Observer = Callable[[str, float, bool], None]
 
 
-class RedisCachedStore(Store):
+class RedisCachedStore(DelegatingStore):
     def __init__(
         self,
         inner: Store,
@@ -54,11 +53,7 @@ class RedisCachedStore(Store):
         ttl: float = 300.0,
         max_body: int = 1 << 20,
     ) -> None:
-        self.inner = inner
-        observer = inner.observer
-        super().__init__()
-        self.observer = observer  # the inner store's, see the property
-        self.watch = inner.watch  # one set of waiters, woken by the store's feed and by Redis
+        super().__init__(inner)
         self.cache = RedisCache(client, timeout=timeout, write_timeout=write_timeout)
         self._ttl = ttl
         self._max_body = max_body
@@ -80,15 +75,6 @@ class RedisCachedStore(Store):
             inner, client, timeout=timeout, write_timeout=write_timeout, ttl=ttl, max_body=max_body
         )
 
-    @property
-    def observer(self) -> Observer | None:
-        """The metrics hook is the inner store's: it times the statements that store runs."""
-        return self.inner.observer
-
-    @observer.setter
-    def observer(self, observer: Observer | None) -> None:
-        self.inner.observer = observer
-
     async def open(self) -> None:
         await self.inner.open()
         where = self.cache.client.connection_pool.connection_kwargs  # never the password
@@ -103,9 +89,6 @@ class RedisCachedStore(Store):
             await stop_feed(self._feed)
         await self.cache.close()
         await self.inner.close()
-
-    async def migrate(self) -> list[str]:
-        return await self.inner.migrate()
 
     # --- the hot path -------------------------------------------------------------------------
 
@@ -125,7 +108,7 @@ class RedisCachedStore(Store):
         started = time.perf_counter()
         payload = await self.cache.get(entry_name(owner, key))
         job = None if payload is None else decode(payload, owner, key)
-        if job is not None and _seconds_left(job) <= 0:
+        if job is not None and seconds_left(job) <= 0:
             job = None  # SPEC §11: an expired job is gone, whatever a late write left behind
         if self.observer is not None:  # store_seconds{operation="redis_hit"|"redis_miss"}
             outcome = "redis_miss" if job is None else "redis_hit"
@@ -176,40 +159,6 @@ class RedisCachedStore(Store):
             self._announce(job)
         return won
 
-    async def finish_attempt(
-        self,
-        job: Job,
-        attempt: int,
-        state: JobState,
-        *,
-        status: int | None = None,
-        error: str | None = None,
-    ) -> None:
-        await self.inner.finish_attempt(job, attempt, state, status=status, error=error)
-
-    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
-        return await self.inner.start_next_attempt(job, upstream, lease=lease)
-
-    async def fail_over(
-        self,
-        job: Job,
-        attempt: int,
-        upstream: str,
-        *,
-        status: int | None,
-        error: str | None,
-        lease: float,
-    ) -> Claimed | None:
-        return await self.inner.fail_over(
-            job, attempt, upstream, status=status, error=error, lease=lease
-        )
-
-    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
-        return await self.inner.add_attempt(job, upstream, lease=lease)
-
-    async def renew_lease(self, job: Job, *, lease: float) -> bool:
-        return await self.inner.renew_lease(job, lease=lease)
-
     async def take_over(self, job: Job) -> bool:
         won = await self.inner.take_over(job)
         if won:
@@ -223,9 +172,6 @@ class RedisCachedStore(Store):
         return forgotten
 
     # --- operators and housekeeping -----------------------------------------------------------
-
-    async def get_by_id(self, job_id: str) -> Job | None:
-        return await self.inner.get_by_id(job_id)
 
     async def resolve(
         self,
@@ -249,37 +195,19 @@ class RedisCachedStore(Store):
         # for it still on its way is refused by the tombstone until the job would have expired.
         name = entry_name(job.owner, job.key)
         expires = job.expires_at.timestamp() if job.expires_at else time.time() + self._ttl
-        until = max(expires, time.time()) + REDIS_CLOCK_MARGIN_SECONDS
+        until = max(expires, time.time()) + CLOCK_MARGIN_SECONDS
         await self.cache.drop(name, tombstone_name(name, job.id), until)
         deleted = await self.inner.delete(job)
         if deleted:
             self._announce(job)
         return deleted
 
-    async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
-        return await self.inner.stale_unknown(older_than, limit)
-
-    async def sweep_expired(self, batch_size: int) -> int:
-        # Entries never outlive their jobs (their TTL ends first): nothing to invalidate.
-        return await self.inner.sweep_expired(batch_size)
-
-    async def list_jobs(
-        self, *, state: JobState | None = None, owner: str | None = None, limit: int = 100
-    ) -> list[Job]:
-        return await self.inner.list_jobs(state=state, owner=owner, limit=limit)
-
-    async def count_unknown(self) -> int:
-        return await self.inner.count_unknown()
-
-    async def ping(self) -> None:
-        await self.inner.ping()  # readiness is the store's: the proxy is correct without Redis
-
     # --- the cache ------------------------------------------------------------------------------
 
     def _remember(self, job: Job, *, lifetime: float | None = None, publish: bool = False) -> None:
         """Cache a completed job (best effort, in the background) for at most `ttl` seconds and
         never past its expiry; with `publish`, announce its change to every replica too."""
-        ttl = min(self._ttl, _seconds_left(job) if lifetime is None else lifetime)
+        ttl = min(self._ttl, seconds_left(job) if lifetime is None else lifetime)
         name = entry_name(job.owner, job.key)
         if self._cacheable(job) and ttl >= _MIN_ENTRY_SECONDS:
             keys = (name, tombstone_name(name, job.id), watch_name(name))
@@ -303,11 +231,3 @@ class RedisCachedStore(Store):
     def _drop_soon(self, job: Job) -> None:
         name = entry_name(job.owner, job.key)
         self.cache.drop_soon(name, tombstone_name(name, job.id))
-
-
-def _seconds_left(job: Job) -> float:
-    """The job's remaining lifetime by this proxy's clock, less a margin for clock skew against
-    the database's (whose clock decides expiry, SPEC §3.5)."""
-    if job.expires_at is None:
-        return 0.0
-    return job.expires_at.timestamp() - time.time() - REDIS_CLOCK_MARGIN_SECONDS

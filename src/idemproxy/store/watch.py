@@ -3,12 +3,16 @@
 A store calls `notify(job_id)` whenever it learns that a job changed: from its own writes
 (SQLite) or from `LISTEN/NOTIFY` (PostgreSQL, any replica). Waiters never hold a database
 connection while they wait.
+
+The same announcements keep the in-process replay cache honest (store/replay_memory.py): it
+registers with `on_change` and serves only while `live`, that is while a change feed from the
+source of truth is connected and listening, so that no deletion can pass unseen.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 
@@ -33,6 +37,15 @@ class JobWatch:
     def __init__(self) -> None:
         self._subscriptions: dict[str, set[JobWatch.Subscription]] = {}
         self._waiting = 0
+        # Called with the job id of every announced change, or None for "anything may have
+        # changed" (`notify_all`).
+        self._listeners: list[Callable[[str | None], None]] = []
+        # True while a change feed delivers every change committed by any process (set by the
+        # PostgreSQL feed); a store without one (SQLite: other processes' writes) stays False.
+        self.live = False
+
+    def on_change(self, listener: Callable[[str | None], None]) -> None:
+        self._listeners.append(listener)
 
     @property
     def waiting(self) -> int:
@@ -60,9 +73,13 @@ class JobWatch:
     def notify(self, job_id: str) -> None:
         for subscription in self._subscriptions.get(job_id, ()):
             subscription.wake()
+        for listener in self._listeners:
+            listener(job_id)
 
     def notify_all(self) -> None:
         """Wake everyone to re-read, e.g. after the change feed reconnected."""
         for subs in self._subscriptions.values():
             for subscription in subs:
                 subscription.wake()
+        for listener in self._listeners:
+            listener(None)

@@ -1,0 +1,168 @@
+"""A store in front of another: the base of the replay caches (store/redis_cache.py,
+store/replay_memory.py).
+
+`DelegatingStore(inner)` hands every call to `inner`, the source of truth; a cache overrides only
+the calls it adds something to. It shares the inner store's `watch` (one set of waiters, woken
+by every feed) and its metrics hook (which times the statements the inner store runs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from idemproxy.constants import CLOCK_MARGIN_SECONDS
+from idemproxy.store.base import Store
+from idemproxy.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
+
+Observer = Callable[[str, float, bool], None]
+
+
+class DelegatingStore(Store):
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        observer = inner.observer
+        super().__init__()  # sets `observer` to None, through the property below
+        self.observer = observer
+        self.watch = inner.watch
+
+    @property
+    def observer(self) -> Observer | None:
+        return self.inner.observer
+
+    @observer.setter
+    def observer(self, observer: Observer | None) -> None:
+        self.inner.observer = observer
+
+    def layer(self, kind: type[Store]) -> Store | None:
+        """The first store of type `kind` in this chain, this one included."""
+        store: Store = self
+        while not isinstance(store, kind):
+            if not isinstance(store, DelegatingStore):
+                return None
+            store = store.inner
+        return store
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def migrate(self) -> list[str]:
+        return await self.inner.migrate()
+
+    # --- the hot path -------------------------------------------------------------------------
+
+    async def claim(
+        self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
+    ) -> ClaimResult:
+        return await self.inner.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
+
+    async def get(self, owner: str, key: str) -> Job | None:
+        return await self.inner.get(owner, key)
+
+    async def watch_job(self, owner: str, key: str) -> Job | None:
+        return await self.inner.watch_job(owner, key)
+
+    async def complete(
+        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    ) -> bool:
+        return await self.inner.complete(job, attempt, response, ttl=ttl)
+
+    async def settle(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> bool:
+        return await self.inner.settle(job, attempt, state, status=status, error=error)
+
+    async def finish_attempt(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        await self.inner.finish_attempt(job, attempt, state, status=status, error=error)
+
+    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+        return await self.inner.start_next_attempt(job, upstream, lease=lease)
+
+    async def fail_over(
+        self,
+        job: Job,
+        attempt: int,
+        upstream: str,
+        *,
+        status: int | None,
+        error: str | None,
+        lease: float,
+    ) -> Claimed | None:
+        return await self.inner.fail_over(
+            job, attempt, upstream, status=status, error=error, lease=lease
+        )
+
+    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
+        return await self.inner.add_attempt(job, upstream, lease=lease)
+
+    async def renew_lease(self, job: Job, *, lease: float) -> bool:
+        return await self.inner.renew_lease(job, lease=lease)
+
+    async def take_over(self, job: Job) -> bool:
+        return await self.inner.take_over(job)
+
+    async def forget(self, job: Job) -> bool:
+        return await self.inner.forget(job)
+
+    # --- operators and housekeeping -----------------------------------------------------------
+
+    async def get_by_id(self, job_id: str) -> Job | None:
+        return await self.inner.get_by_id(job_id)
+
+    async def resolve(
+        self,
+        job: Job,
+        state: JobState,
+        *,
+        response: StoredResponse | None = None,
+        ttl: float = 0.0,
+        resolution: str = "operator",
+    ) -> bool:
+        return await self.inner.resolve(
+            job, state, response=response, ttl=ttl, resolution=resolution
+        )
+
+    async def delete(self, job: Job) -> bool:
+        return await self.inner.delete(job)
+
+    async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
+        return await self.inner.stale_unknown(older_than, limit)
+
+    async def sweep_expired(self, batch_size: int) -> int:
+        return await self.inner.sweep_expired(batch_size)
+
+    async def list_jobs(
+        self, *, state: JobState | None = None, owner: str | None = None, limit: int = 100
+    ) -> list[Job]:
+        return await self.inner.list_jobs(state=state, owner=owner, limit=limit)
+
+    async def count_unknown(self) -> int:
+        return await self.inner.count_unknown()
+
+    async def ping(self) -> None:
+        await self.inner.ping()  # readiness is the source of truth's, not a cache's
+
+
+def seconds_left(job: Job) -> float:
+    """The job's remaining lifetime by this proxy's clock, less a margin for clock skew against
+    the database's (whose clock decides expiry, SPEC §3.5): how long a cache may keep it."""
+    if job.expires_at is None:
+        return 0.0
+    return job.expires_at.timestamp() - time.time() - CLOCK_MARGIN_SECONDS

@@ -1,0 +1,61 @@
+"""The store contract runs on a third store besides SQLite and PostgreSQL: PostgreSQL behind
+the in-process replay cache, as `idemproxy serve` runs it (store/replay_memory.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from idemproxy.store.base import Store
+from idemproxy.store.factory import create_store
+from idemproxy.store.replay_memory import MemoryReplayCache
+
+_CACHED = "postgres+memory"
+_DSN_FIXTURES = {"sqlite": "sqlite_dsn", "postgres": "pg_dsn", _CACHED: "pg_dsn"}
+# A cache that keeps anything a test makes: its bounds have tests of their own.
+_UNBOUNDED = {"max_bytes": 1 << 30, "max_body": 1 << 30, "ttl": 3600.0}
+
+
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param(_CACHED, marks=pytest.mark.postgres),
+    ]
+)
+def store_dsn(request: pytest.FixtureRequest) -> str:
+    dsn: str = request.getfixturevalue(_DSN_FIXTURES[request.param])
+    return dsn
+
+
+@pytest.fixture
+async def store(store_dsn: str, request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    """An open, migrated store on a fresh database; with the cache, once its feed is live."""
+    store = create_store(store_dsn)
+    if request.node.callspec.params.get("store_dsn") == _CACHED:
+        store = MemoryReplayCache(store, **_UNBOUNDED)
+    await store.open()
+    try:
+        await store.migrate()
+        if isinstance(store, MemoryReplayCache):
+            await wait_until_live(store)
+        yield store
+    finally:
+        await store.close()
+
+
+async def wait_until_live(store: Store) -> None:
+    await eventually(lambda: store.watch.live, "the change feed is live", seconds=10.0)
+
+
+async def eventually(condition: Callable[[], bool], what: str, *, seconds: float = 5.0) -> None:
+    """Poll until `condition()` holds (bounded)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if condition():
+            return
+        assert time.monotonic() < deadline, f"not within {seconds}s: {what}"
+        await asyncio.sleep(0.01)
