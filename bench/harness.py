@@ -63,6 +63,8 @@ STOP_TIMEOUT = 15.0
 TICKS = os.sysconf("SC_CLK_TCK")
 HOT_KEYS = 8  # the hot-key storm: keys in use at once …
 HOT_ROUNDS = 32  # … each replaced after this many requests for it per wrk thread
+# The in-process replay cache off (`replay_cache.max_bytes: 0`): replays are read from the store.
+NO_REPLAY_CACHE = {"IDEMPROXY_REPLAY_CACHE__MAX_BYTES": "0"}
 PROFILED = ("passthrough", "new-pg", "replay-pg")  # py-spy runs, at saturation
 SWEEP_RATE = 1000  # --sweeper: jobs expiring per second
 
@@ -512,6 +514,8 @@ class Bench:
             names = ("passthrough", "new-pg", "replay-pg", "hot-pg", "profiles")
             if any(self.wanted(n) for n in names):
                 self.run_proxy_pg()
+            if self.wanted("replay-pg-store"):
+                self.run_proxy_pg_store()
             if any(self.wanted(n) for n in WORKER_SCENARIOS):
                 self.run_proxy_pg_workers()
             if self.wanted("new-sqlite"):
@@ -571,6 +575,13 @@ class Bench:
                 for name in PROFILED:
                     self.profile(SCENARIOS[name], proxy)
 
+    def run_proxy_pg_store(self) -> None:
+        """Replays read from PostgreSQL: the same store, the in-process replay cache off."""
+        proxy = self.start_proxy("proxy-pg-store", self.pg_store(), env=NO_REPLAY_CACHE)
+        with running(proxy):
+            self.prewarm_replays(proxy, "replay-store")
+            self.measure(SCENARIOS["replay-pg-store"])
+
     def run_proxy_pg_workers(self) -> None:
         """The same store and scenarios with `--workers 2`: two processes on one port."""
         proxy = self.start_proxy("proxy-pg-w2", self.pg_store(), "--workers", str(WORKERS))
@@ -588,7 +599,11 @@ class Bench:
         redis = self.start_redis("redis")
         with (
             running(redis),
-            running(self.start_proxy("proxy-pg-redis", self.pg_store(), "--redis", redis.url)),
+            running(
+                self.start_proxy(
+                    "proxy-pg-redis", self.pg_store(), "--redis", redis.url, env=NO_REPLAY_CACHE
+                )
+            ),
         ):
             if self.wanted("new-pg-redis"):
                 self.measure(SCENARIOS["new-pg-redis"])
@@ -1006,7 +1021,8 @@ class Bench:
         self.database = BIG_DB
         try:
             io: dict[str, Any] = {}
-            with running(self.start_proxy("proxy-pg", self.pg_store())) as proxy:
+            proxy = self.start_proxy("proxy-pg", self.pg_store(), env=NO_REPLAY_CACHE)
+            with running(proxy):
                 self.variant = "big-store-empty"
                 io["new-pg@empty"] = self.measure_io(SCENARIOS["new-pg"])
                 self.prewarm_replays(proxy, "big-empty")

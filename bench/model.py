@@ -14,8 +14,8 @@ class Scenario:
     name: str
     title: str
     # What wrk talks to: "backend", "nginx", "proxy-pg", "proxy-pg-w2" (2 workers),
-    # "proxy-pg-redis", "proxy-sqlite", "peer" (the in-process middleware) or "pgbench" (no
-    # HTTP: the database alone).
+    # "proxy-pg-store" and "proxy-pg-redis" (no in-process replay cache), "proxy-sqlite", "peer"
+    # (the in-process middleware) or "pgbench" (no HTTP: the database alone).
     target: str
     script: str  # a Lua file in bench/ ("" for pgbench)
     store: str | None = None  # the store whose jobs a keyed run should have written
@@ -41,7 +41,19 @@ SCENARIOS = {
         Scenario(
             "new-sqlite", "proxy new keys, SQLite", "proxy-sqlite", "unique_key.lua", "sqlite"
         ),
-        Scenario("replay-pg", "proxy replays, PostgreSQL", "proxy-pg", "replay_keys.lua"),
+        Scenario(
+            "replay-pg",
+            "proxy replays, PostgreSQL (in-process cache)",
+            "proxy-pg",
+            "replay_keys.lua",
+        ),
+        # The same replays read from the store: `replay_cache.max_bytes: 0`.
+        Scenario(
+            "replay-pg-store",
+            "proxy replays, PostgreSQL, no in-process cache",
+            "proxy-pg-store",
+            "replay_keys.lua",
+        ),
         Scenario("hot-pg", "proxy hot-key storm, PostgreSQL", "proxy-pg", "hot_keys.lua", "pg"),
         # `serve --workers 2`: the same scenarios with two proxy processes on one port.
         Scenario(
@@ -62,14 +74,14 @@ SCENARIOS = {
         ),
         Scenario(
             "new-pg-redis",
-            "proxy new keys, PostgreSQL + Redis",
+            "proxy new keys, PostgreSQL + Redis, no in-process cache",
             "proxy-pg-redis",
             "unique_key.lua",
             "pg",
         ),
         Scenario(
             "replay-pg-redis",
-            "proxy replays, PostgreSQL + Redis",
+            "proxy replays, PostgreSQL + Redis, no in-process cache",
             "proxy-pg-redis",
             "replay_keys.lua",
         ),
@@ -79,7 +91,8 @@ SCENARIOS = {
         Scenario("pgbench", "pgbench claim + complete (no HTTP)", "pgbench", ""),
     )
 }
-# Measured again on a store of millions of jobs (--big-store), and under the sweeper (--sweeper).
+# Measured again on a store of millions of jobs (--big-store; replays from the store, without the
+# in-process cache, since the store's growth is the question), and under the sweeper (--sweeper).
 BIG_STORE_SCENARIOS = ("new-pg", "replay-pg")
 WORKERS = 2  # the proxy-pg-w2 scenarios: `idemproxy serve --workers 2`
 WORKER_SCENARIOS = ("passthrough-w2", "new-pg-w2", "replay-pg-w2")

@@ -71,6 +71,7 @@ from idemproxy.errors import (
 )
 from idemproxy.store.base import Store
 from idemproxy.store.postgres import PostgresStore
+from idemproxy.store.replay_memory import MemoryReplayCache
 from idemproxy.store.sqlite import SqliteStore
 from idemproxy.types import (
     Attempt,
@@ -926,14 +927,40 @@ class PostgresMachine(StoreMachine):
     dsn: ClassVar[str]
 
     async def open_store(self) -> Store:
+        await self.empty_database()
+        store = PostgresStore(self.dsn, min_connections=1, max_connections=2, listen=False)
+        await store.open()
+        return store
+
+    async def empty_database(self) -> None:
         conn = await asyncpg.connect(self.dsn)
         try:  # one database per test, emptied for every example
             await conn.execute("TRUNCATE idemproxy.jobs CASCADE")
         finally:
             await conn.close()
-        store = PostgresStore(self.dsn, min_connections=1, max_connections=2, listen=False)
+
+
+class CachedPostgresMachine(PostgresMachine):
+    """PostgreSQL behind the in-process replay cache, as `idemproxy serve` runs it: every
+    duplicate of a completed job after the first is answered from memory, and deletions,
+    expiry and sweeps must still be seen exactly as without it."""
+
+    hits: ClassVar[list[int]]  # per example: claims the cache answered
+
+    async def open_store(self) -> Store:
+        await self.empty_database()
+        inner = PostgresStore(self.dsn, min_connections=1, max_connections=2)
+        store = MemoryReplayCache(inner, max_bytes=1 << 20, max_body=1 << 16, ttl=60.0)
         await store.open()
+        async with asyncio.timeout(10):  # the cache serves only once the change feed is live
+            while not store.watch.live:  # noqa: ASYNC110 - a flag set by the feed task
+                await asyncio.sleep(0.01)
         return store
+
+    def teardown(self) -> None:
+        if isinstance(self.store, MemoryReplayCache):
+            self.hits.append(self.store.hits)
+        super().teardown()
 
 
 def model_settings(examples: int, steps: int) -> settings:
@@ -963,3 +990,14 @@ def test_postgres_store_follows_the_model(pg_dsn: str) -> None:
         dsn = pg_dsn
 
     run_state_machine_as_test(Machine, settings=model_settings(50, 100))
+
+
+@patient
+@pytest.mark.postgres
+def test_postgres_store_behind_the_replay_cache_follows_the_model(pg_dsn: str) -> None:
+    class Machine(CachedPostgresMachine):
+        dsn = pg_dsn
+        hits: ClassVar[list[int]] = []
+
+    run_state_machine_as_test(Machine, settings=model_settings(30, 100))
+    assert sum(Machine.hits) > 0, "the examples never replayed from the cache"

@@ -307,3 +307,17 @@ def test_which_stores_have_the_cache(
     assert isinstance(store, MemoryReplayCache) is expected
     if isinstance(store, MemoryReplayCache):
         assert isinstance(store.inner, PostgresStore)
+
+
+async def test_a_kept_completion_counts_the_attempts_added_while_it_ran(
+    cached: MemoryReplayCache,
+) -> None:
+    """Hedging adds attempts without a new version; the job the runner holds does not count
+    them, the cached job must (found by the model test)."""
+    claimed = await claim(cached)
+    assert await cached.add_attempt(claimed.job, "fallback", lease=LEASE) == 2
+    assert await cached.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    replay = await again(cached)
+    stored = await cached.inner.get("alice", "k1")
+    assert isinstance(replay, Existing) and cached.hits == 1
+    assert stored is not None and replay.job.attempt_count == stored.attempt_count == 2

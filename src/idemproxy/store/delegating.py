@@ -4,12 +4,17 @@ store/replay_memory.py).
 `DelegatingStore(inner)` hands every call to `inner`, the source of truth; a cache overrides only
 the calls it adds something to. It shares the inner store's `watch` (one set of waiters, woken
 by every feed) and its metrics hook (which times the statements the inner store runs).
+
+`ReplayCache` adds what both caches need to keep the job a winning completion wrote without
+reading it back: the attempts this process added to jobs in flight (hedging), which the job
+snapshot the runner holds does not count.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
 from idemproxy.store.base import Store
@@ -158,6 +163,50 @@ class DelegatingStore(Store):
 
     async def ping(self) -> None:
         await self.inner.ping()  # readiness is the source of truth's, not a cache's
+
+
+class ReplayCache(DelegatingStore):
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        # Job id -> the highest attempt number `add_attempt` started under it (SPEC §3.4), until
+        # the job's completion or settlement by this process.
+        self._hedged: dict[str, int] = {}
+
+    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
+        number = await self.inner.add_attempt(job, upstream, lease=lease)
+        if number is not None:
+            self._hedged[job.id] = max(number, self._hedged.get(job.id, 0))
+        return number
+
+    async def settle(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> bool:
+        self._hedged.pop(job.id, None)
+        return await self.inner.settle(job, attempt, state, status=status, error=error)
+
+    def completed_job(
+        self, job: Job, attempt: int, response: StoredResponse, *, expires_at: float
+    ) -> Job:
+        """The job as the completion by `attempt` that just won wrote it (queries.sql
+        `complete`); `expires_at` a time.time() no later than the store's."""
+        return job._replace(
+            state=JobState.COMPLETED,
+            version=job.version + 1,
+            attempt_count=max(job.attempt_count, self._hedged.pop(job.id, 0)),
+            completed_by=attempt,
+            response=response,
+            expires_at=datetime.fromtimestamp(expires_at, tz=UTC),
+            lease_expired=False,
+        )
+
+    def completion_lost(self, job: Job) -> None:
+        self._hedged.pop(job.id, None)
 
 
 def seconds_left(job: Job) -> float:

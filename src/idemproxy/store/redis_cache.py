@@ -25,13 +25,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import UTC, datetime
 
 from redis.asyncio import Redis
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
 from idemproxy.store.base import Store
-from idemproxy.store.delegating import DelegatingStore, seconds_left
+from idemproxy.store.delegating import ReplayCache, seconds_left
 from idemproxy.store.feed_task import stop_feed
 from idemproxy.store.redis_client import RedisCache, connect
 from idemproxy.store.redis_codec import decode, encode, entry_name, tombstone_name, watch_name
@@ -42,7 +41,7 @@ log = logging.getLogger("idemproxy.store.redis")
 _MIN_ENTRY_SECONDS = 0.5  # not worth caching for less
 
 
-class RedisCachedStore(DelegatingStore):
+class RedisCachedStore(ReplayCache):
     def __init__(
         self,
         inner: Store,
@@ -132,18 +131,13 @@ class RedisCachedStore(DelegatingStore):
     ) -> bool:
         started, now = time.monotonic(), time.time()
         won = await self.inner.complete(job, attempt, response, ttl=ttl)
-        if won:
-            done = job._replace(
-                state=JobState.COMPLETED,
-                version=job.version + 1,
-                completed_by=attempt,
-                response=response,
-                expires_at=datetime.fromtimestamp(now + ttl, tz=UTC),
-                lease_expired=False,
-            )
-            # Measured from before the store call: the entry never outlives the job.
-            self._remember(done, lifetime=ttl - (time.monotonic() - started), publish=True)
-        return won
+        if not won:
+            self.completion_lost(job)
+            return False
+        done = self.completed_job(job, attempt, response, expires_at=now + ttl)
+        # Measured from before the store call: the entry never outlives the job.
+        self._remember(done, lifetime=ttl - (time.monotonic() - started), publish=True)
+        return True
 
     async def settle(
         self,
@@ -154,7 +148,7 @@ class RedisCachedStore(DelegatingStore):
         status: int | None = None,
         error: str | None = None,
     ) -> bool:
-        won = await self.inner.settle(job, attempt, state, status=status, error=error)
+        won = await super().settle(job, attempt, state, status=status, error=error)
         if won:
             self._announce(job)
         return won

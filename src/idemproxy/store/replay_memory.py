@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from datetime import UTC, datetime
 from typing import NamedTuple
 
 from idemproxy.store.base import Store
-from idemproxy.store.delegating import DelegatingStore, seconds_left
+from idemproxy.store.delegating import ReplayCache, seconds_left
 from idemproxy.types import ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
 # Bytes counted for an entry besides its body and headers: the job tuple, its strings, the
@@ -52,7 +51,7 @@ class _Entry(NamedTuple):
     size: int
 
 
-class MemoryReplayCache(DelegatingStore):
+class MemoryReplayCache(ReplayCache):
     def __init__(self, inner: Store, *, max_bytes: int, max_body: int, ttl: float) -> None:
         super().__init__(inner)
         self._max_bytes = max_bytes
@@ -108,18 +107,13 @@ class MemoryReplayCache(DelegatingStore):
     ) -> bool:
         started, now, mark = time.monotonic(), time.time(), self._sequence
         won = await self.inner.complete(job, attempt, response, ttl=ttl)
-        if won:
-            done = job._replace(
-                state=JobState.COMPLETED,
-                version=job.version + 1,
-                completed_by=attempt,
-                response=response,
-                expires_at=datetime.fromtimestamp(now + ttl, tz=UTC),
-                lease_expired=False,
-            )
-            # Measured from before the store call: the entry never outlives the job.
-            self._remember(done, ttl - (time.monotonic() - started), mark)
-        return won
+        if not won:
+            self.completion_lost(job)
+            return False
+        done = self.completed_job(job, attempt, response, expires_at=now + ttl)
+        # Measured from before the store call: the entry never outlives the job.
+        self._remember(done, ttl - (time.monotonic() - started), mark)
+        return True
 
     async def forget(self, job: Job) -> bool:
         self._drop_job(job.id)
