@@ -195,14 +195,28 @@ class ReplayCache(DelegatingStore):
     ) -> Job:
         """The job as the completion by `attempt` that just won wrote it (queries.sql
         `complete`); `expires_at` a time.time() no later than the store's."""
-        return job._replace(
-            state=JobState.COMPLETED,
-            version=job.version + 1,
-            attempt_count=max(job.attempt_count, self._hedged.pop(job.id, 0)),
-            completed_by=attempt,
-            response=response,
-            expires_at=datetime.fromtimestamp(expires_at, tz=UTC),
-            lease_expired=False,
+        hedged = self._hedged.pop(job.id, 0) if self._hedged else 0
+        # Positional, not `job._replace(...)`: a third of the time, on every new key.
+        (job_id, owner, key, fingerprint, _, version, count, method, path) = job[:9]
+        return Job(
+            job_id,
+            owner,
+            key,
+            fingerprint,
+            JobState.COMPLETED,
+            version + 1,
+            max(count, hedged),
+            method,
+            path,
+            attempt,
+            response,
+            job.created_at,
+            job.updated_at,
+            datetime.fromtimestamp(expires_at, tz=UTC),
+            False,
+            False,
+            job.resolution,
+            job.attempts,
         )
 
     def completion_lost(self, job: Job) -> None:

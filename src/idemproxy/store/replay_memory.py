@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from itertools import chain
 from typing import NamedTuple
 
 from idemproxy.store.base import Store
@@ -193,5 +194,6 @@ def _size(job: Job) -> int:
     response = job.response
     stored = 0
     if response is not None:
-        stored = len(response.body or b"") + sum(len(n) + len(v) for n, v in response.headers)
+        headers = sum(map(len, chain.from_iterable(response.headers)))
+        stored = len(response.body or b"") + headers
     return ENTRY_OVERHEAD_BYTES + stored + len(job.key)
