@@ -36,8 +36,9 @@ from idemproxy.store.base import Store
 from idemproxy.store.delegating import ReplayCache, seconds_left
 from idemproxy.types import ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
-# Bytes counted for an entry besides its body and headers: the job tuple, its strings, the
-# response object and the two dictionary slots (measured with tracemalloc: about 1.1 KB).
+# Bytes counted for an entry besides its body and headers' text: the entry, job, Existing and
+# datetime objects and dictionary slots (about 560 bytes with tracemalloc), and the job's strings
+# and the response's objects, which the cache keeps alive (about 600 more).
 ENTRY_OVERHEAD_BYTES = 1200
 # Not worth keeping for less (seconds).
 _MIN_LIFETIME = 0.5
@@ -47,7 +48,7 @@ _TRACKED_CHANGES = 1024
 
 
 class _Entry(NamedTuple):
-    job: Job
+    found: Existing  # what a claim returns, built once (a frozen dataclass costs to build)
     deadline: float  # time.monotonic()
     size: int
 
@@ -88,7 +89,7 @@ class MemoryReplayCache(ReplayCache):
             if self.watch.live and entry.deadline > time.monotonic():
                 self._entries.move_to_end(scope)
                 self.hits += 1
-                return Existing(entry.job)
+                return entry.found
             self._drop(scope)
         mark = self._sequence
         result = await self.inner.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
@@ -142,7 +143,7 @@ class MemoryReplayCache(ReplayCache):
             return
         scope = (job.owner, job.key)
         self._drop(scope)
-        self._entries[scope] = _Entry(job, time.monotonic() + lifetime, size)
+        self._entries[scope] = _Entry(Existing(job), time.monotonic() + lifetime, size)
         self._scope_of[job.id] = scope
         self._bytes += size
         while self._bytes > self._max_bytes:
@@ -187,7 +188,7 @@ class MemoryReplayCache(ReplayCache):
         entry = self._entries.pop(scope, None)
         if entry is not None:
             self._bytes -= entry.size
-            self._scope_of.pop(entry.job.id, None)
+            self._scope_of.pop(entry.found.job.id, None)
 
 
 def _size(job: Job) -> int:
