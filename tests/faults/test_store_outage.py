@@ -78,7 +78,8 @@ async def test_store_down_fails_closed_then_recovers(
 
         await asyncio.to_thread(pg.stop, "fast")
         down = [await send(session, proxy.url, f"down-{n}") for n in range(5)]
-        # Not even a replay: without the store nothing can be known (fail closed).
+        # Not even a replay: without the store nothing can be known (fail closed), and the
+        # in-process replay cache emptied when its change feed saw the server go.
         down.append(await send(session, proxy.url, "before"))
         for answer in down:
             assert_fails_closed(answer)

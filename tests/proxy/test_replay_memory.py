@@ -21,7 +21,7 @@ from idemproxy.store.factory import serving_store
 from idemproxy.store.replay_memory import MemoryReplayCache
 
 from .conftest import ServeListener
-from .support import JOB, KEY, REPLAYED
+from .support import JOB, KEY, REPLAYED, eventually
 
 pytestmark = pytest.mark.postgres
 
@@ -67,17 +67,9 @@ async def proxy(pg_dsn: str, backend_url: str) -> AsyncIterator[Proxy]:
         TestClient(ServeListener(app, settings.server)) as client,
         TestClient(TestServer(admin_app)) as admin,
     ):
-        await _until(lambda: store.watch.live)
+        await eventually(lambda: store.watch.live, timeout=10.0)
         yield Proxy(client, admin, store)
     await store.close()
-
-
-async def _until(condition: Any, seconds: float = 10.0) -> None:
-    async with asyncio.timeout(seconds):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.01)
 
 
 async def test_duplicates_are_replayed_from_memory_with_what_the_store_would_give(
@@ -138,7 +130,7 @@ async def test_a_job_deleted_by_the_jobs_cli_in_another_process_is_not_replayed(
     )
     assert await asyncio.wait_for(cli.wait(), timeout=60) == 0
     # The deletion's announcement reaches this process within moments of the CLI's commit.
-    await _until(lambda: proxy.store.entries == 0, seconds=5.0)
+    await eventually(lambda: proxy.store.entries == 0, timeout=5.0)
     status, again, _ = await proxy.post("k1", user="alice")
     assert status == 201 and REPLAYED not in again
     assert ledger.count("k1") == 2

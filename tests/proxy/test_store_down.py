@@ -8,10 +8,12 @@ import asyncpg
 import pytest
 
 from backend import Ledger
+from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.factory import create_store
+from idemproxy.store.replay_memory import MemoryReplayCache
 
 from .conftest import ProxyFactory
-from .support import KEY, assert_problem
+from .support import KEY, assert_problem, eventually
 
 
 async def test_closed_store_answers_503_and_forwards_nothing(
@@ -34,10 +36,13 @@ async def test_closed_store_answers_503_and_forwards_nothing(
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("replay_cache", [0, 1 << 20], ids=["no-replay-cache", "replay-cache"])
 async def test_postgres_going_away_fails_closed_and_pass_through_still_works(
-    make_proxy: ProxyFactory, pg_dsn: str, pg_server_dsn: str, ledger: Ledger
+    make_proxy: ProxyFactory, pg_dsn: str, pg_server_dsn: str, ledger: Ledger, replay_cache: int
 ) -> None:
-    client = await make_proxy(store=pg_dsn, pool={"store_timeout": 1.0})
+    client = await make_proxy(
+        store=pg_dsn, pool={"store_timeout": 1.0}, replay_cache={"max_bytes": replay_cache}
+    )
     async with client.post("/payments", data=b"pay", headers={KEY: "before"}) as response:
         assert response.status == 201
 
@@ -50,6 +55,13 @@ async def test_postgres_going_away_fails_closed_and_pass_through_still_works(
         )
     finally:
         await admin.close()
+    if replay_cache:
+        # "before" is in the proxy's in-process replay cache, which answers it from memory
+        # until its change feed notices the loss (at once here: the connection was closed;
+        # docs/operations.md). From then on it is empty and off.
+        store = client.server.app[CONTEXT].store
+        assert isinstance(store, MemoryReplayCache)
+        await eventually(lambda: not store.watch.live and store.entries == 0)
 
     for key in ("before", "after"):  # neither a replay nor a new job can be decided safely
         async with client.post("/payments", data=b"pay", headers={KEY: key}) as response:
