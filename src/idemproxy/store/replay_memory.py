@@ -27,6 +27,7 @@ more than the margin apart.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from itertools import chain
@@ -36,6 +37,7 @@ from idemproxy.store.base import Store
 from idemproxy.store.delegating import ReplayCache, seconds_left
 from idemproxy.types import ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
+log = logging.getLogger(__name__)
 # Bytes counted for an entry besides its body and headers' text: the entry, job, Existing and
 # datetime objects and dictionary slots (about 560 bytes with tracemalloc), and the job's strings
 # and the response's objects, which the cache keeps alive (about 600 more).
@@ -68,6 +70,15 @@ class MemoryReplayCache(ReplayCache):
         self._floor = 0
         self.hits = 0
         self.watch.on_change(self._on_change)
+
+    async def open(self) -> None:
+        await self.inner.open()
+        log.info(
+            "in-process replay cache: up to %d bytes, bodies up to %d bytes, %g s per entry",
+            self._max_bytes,
+            self._max_body,
+            self._ttl,
+        )
 
     @property
     def entries(self) -> int:
