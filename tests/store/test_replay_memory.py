@@ -12,6 +12,7 @@ import asyncpg
 import pytest
 
 from idemproxy.config import load_settings
+from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
 from idemproxy.store.postgres import PostgresStore
@@ -321,3 +322,20 @@ async def test_a_kept_completion_counts_the_attempts_added_while_it_ran(
     stored = await cached.inner.get("alice", "k1")
     assert isinstance(replay, Existing) and cached.hits == 1
     assert stored is not None and replay.job.attempt_count == stored.attempt_count == 2
+
+
+async def test_a_completion_that_fails_leaves_nothing_behind(
+    cached: MemoryReplayCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hedging count of a job whose completion raised is dropped with it (no leak)."""
+    claimed = await claim(cached)
+    assert await cached.add_attempt(claimed.job, "fallback", lease=LEASE) == 2
+
+    async def store_down(*_args: Any, **_kwargs: Any) -> bool:
+        raise StoreUnavailable("down")
+
+    monkeypatch.setattr(cached.inner, "complete", store_down)
+    with pytest.raises(StoreUnavailable):
+        await cached.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    assert cached.entries == 0
+    assert not cached._hedged  # the leak this test is about

@@ -119,9 +119,13 @@ class MemoryReplayCache(ReplayCache):
         self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
     ) -> bool:
         started, now, mark = time.monotonic(), time.time(), self._sequence
-        won = await self.inner.complete(job, attempt, response, ttl=ttl)
+        won = False
+        try:
+            won = await self.inner.complete(job, attempt, response, ttl=ttl)
+        finally:
+            if not won:  # lost, or failed: nothing of this job is kept
+                self.completion_lost(job)
         if not won:
-            self.completion_lost(job)
             return False
         done = self.completed_job(job, attempt, response, expires_at=now + ttl)
         # Measured from before the store call: the entry never outlives the job.
