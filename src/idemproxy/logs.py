@@ -1,13 +1,29 @@
-"""Log set-up: plain text or one JSON object per line (SPEC §13)."""
+"""Log set-up: plain text or one JSON object per line (SPEC §13), written off the event loop.
+
+A line is formatted where it is logged and written to stderr by a thread of its own
+(`BackgroundWriter`). Written in place, a reader of stderr that stops reading (a log collector
+that stalls, a full pipe) would block the event loop in `write`: every request of the process
+would stop, held duplicates with them, and the leases of attempts in flight would run out, so
+other replicas would take those jobs over as `unknown` (SPEC §3.5). Now only the writer waits;
+up to `LOG_BACKLOG_LINES` lines queue behind it, and further ones are dropped and counted
+(`idemproxy_log_lines_dropped_total`).
+"""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import sys
+import threading
 import time
+from typing import TextIO
 
 _HANDLER_NAME = "idemproxy"
+# Lines that may wait for a slow stderr (about 2 MB of request lines) before lines are dropped.
+LOG_BACKLOG_LINES = 10_000
+# How long the exit waits for the writer to empty its backlog into a stderr that may be stalled.
+_EXIT_FLUSH_SECONDS = 2.0
 _QUIET_LIBRARIES = ("aiosqlite", "asyncpg", "redis")
 _PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -64,15 +80,86 @@ class JsonFormatter(_SecondCache):
         return json.dumps(entry)
 
 
+class BackgroundWriter(logging.Handler):
+    """Formats on the caller's thread; a daemon thread writes the lines, several per write."""
+
+    def __init__(self, stream: TextIO, *, backlog: int = LOG_BACKLOG_LINES) -> None:
+        super().__init__()
+        self._stream = stream
+        self._backlog = backlog
+        # deque.append and popleft are atomic: the event loop never waits for the writer.
+        self._lines: collections.deque[str] = collections.deque()
+        self._wake = threading.Event()
+        # Set by the writer just before it waits: only then does a line need to wake it (an
+        # Event.set takes a lock, on every request).
+        self._asleep = False
+        self._idle = threading.Event()
+        self._closing = False
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._write_forever, name="idemproxy-log")
+        self._thread.daemon = True  # a stderr stalled for good must not keep the process alive
+        self._thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # logging's own policy: report, never raise
+            self.handleError(record)
+            return
+        if len(self._lines) >= self._backlog:
+            self.dropped += 1
+            return
+        self._lines.append(line)
+        if self._asleep:  # read after the append: see _write_forever
+            self._wake.set()
+
+    def flush(self) -> None:
+        """Wait (bounded) until every queued line was handed to the stream."""
+        if self._thread.is_alive() and self._lines:
+            self._idle.clear()
+            self._wake.set()
+            self._idle.wait(_EXIT_FLUSH_SECONDS)
+
+    def close(self) -> None:
+        self._closing = True
+        self.flush()
+        self._wake.set()
+        self._thread.join(_EXIT_FLUSH_SECONDS)
+        super().close()
+
+    def _write_forever(self) -> None:
+        while True:
+            # Asleep first, then look: a line appended before `_asleep` was set is seen here,
+            # and one appended after it sets `_wake` (emit reads `_asleep` after appending).
+            self._asleep = True
+            if not self._lines:
+                self._idle.set()
+                if self._closing:
+                    return
+                self._wake.wait()
+            self._asleep = False
+            self._wake.clear()
+            while self._lines:
+                batch = [self._lines.popleft() for _ in range(min(len(self._lines), 256))]
+                try:
+                    self._stream.write("\n".join(batch) + "\n")
+                    self._stream.flush()
+                except (OSError, ValueError):  # stderr closed: nothing more can be written
+                    self.dropped += len(batch)
+
+
 def configure_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = BackgroundWriter(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(PlainFormatter())
     handler.set_name(_HANDLER_NAME)
     root = logging.getLogger()
-    root.handlers[:] = [h for h in root.handlers if h.get_name() != _HANDLER_NAME] + [handler]
+    for previous in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
+        root.removeHandler(previous)
+        previous.close()
+    root.addHandler(handler)
     root.setLevel(level.upper())
     # Neither format shows the thread or the process, and each record would otherwise look
     # them up (a getpid system call among them): the logging HOWTO's "Optimization" advice,
@@ -83,3 +170,11 @@ def configure_logging(level: str, fmt: str) -> None:
     for name in _QUIET_LIBRARIES:
         # Their debug output carries SQL parameters, i.e. request and response bodies.
         logging.getLogger(name).setLevel(max(logging.INFO, root.level))
+
+
+def dropped_log_lines() -> int:
+    """Lines the background writer had to drop so far (0 before `configure_logging`)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, BackgroundWriter):
+            return handler.dropped
+    return 0

@@ -36,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
+from idemproxy.logs import dropped_log_lines
 from idemproxy.store.base import Store
 from idemproxy.store.delegating import DelegatingStore
 from idemproxy.store.replay_memory import MemoryReplayCache
@@ -133,6 +134,7 @@ class Metrics:
             "Jobs in state unknown, waiting for an operator.",
             registry=self.registry,
         )
+        self.registry.register(_LogDropsCollector())
         # The hot path's children, bound once. Request and attempt outcomes: every series
         # exists from the start; the others appear when first observed.
         self.request_outcome = Children[Counter](self.requests.labels, REQUEST_OUTCOMES)
@@ -159,6 +161,15 @@ def watch_store(metrics: Metrics, store: Store) -> None:
     cache = store.layer(MemoryReplayCache) if isinstance(store, DelegatingStore) else None
     if isinstance(cache, MemoryReplayCache):
         metrics.registry.register(_ReplayCacheCollector(cache))
+
+
+class _LogDropsCollector(Collector):
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(
+            f"{METRIC_PREFIX}_log_lines_dropped",
+            "Log lines dropped because stderr did not take them fast enough (logs.py).",
+            dropped_log_lines(),
+        )
 
 
 class _ReplayCacheCollector(Collector):
