@@ -4,7 +4,7 @@ A line is formatted where it is logged and written to stderr by a thread of its 
 (`BackgroundWriter`). Written in place, a reader of stderr that stops reading (a log collector
 that stalls, a full pipe) would block the event loop in `write`: every request of the process
 would stop, held duplicates with them, and the leases of attempts in flight would run out, so
-other replicas would take those jobs over as `unknown` (SPEC §3.5). Now only the writer waits;
+other replicas would take those jobs over as `unknown` (SPEC §3.5). Here only the writer waits;
 up to `LOG_BACKLOG_LINES` lines queue behind it, and further ones are dropped and counted
 (`idemproxy_log_lines_dropped_total`).
 """

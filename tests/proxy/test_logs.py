@@ -31,6 +31,9 @@ def logging_restored() -> Iterator[None]:
     saved = (root.level, list(root.handlers), logging.getLogger("aiosqlite").level)
     yield
     root.setLevel(saved[0])
+    for handler in root.handlers:
+        if handler not in saved[1]:
+            handler.close()  # its writer thread ends
     root.handlers[:] = saved[1]
     logging.getLogger("aiosqlite").setLevel(saved[2])
 
