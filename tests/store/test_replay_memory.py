@@ -4,6 +4,7 @@ and everything that must make it stop serving a job."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -215,7 +216,9 @@ async def test_losing_the_feed_empties_the_cache_and_serves_nothing_until_it_is_
     try:  # the LISTEN connection's backend is killed, as a failover or an idle killer would
         killed = await conn.fetchval(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-            " WHERE datname = current_database() AND query LIKE 'LISTEN%'"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            # The feed's session: its last statement is LISTEN or the heartbeat's clock read.
+            " AND (query LIKE 'LISTEN%' OR query LIKE '%clock_timestamp()%')"
         )
     finally:
         await conn.close()
@@ -339,3 +342,24 @@ async def test_a_completion_that_fails_leaves_nothing_behind(
         await cached.complete(claimed.job, 1, RESPONSE, ttl=TTL)
     assert cached.entries == 0
     assert not cached._hedged  # the leak this test is about
+
+
+async def test_the_feed_measures_this_hosts_clock_against_the_databases(
+    cached: MemoryReplayCache,
+) -> None:
+    assert abs(cached.watch.clock_offset) < 0.5  # one machine here: the same clock
+
+
+async def test_a_job_read_from_the_store_is_kept_until_its_expiry_by_the_databases_clock(
+    cached: MemoryReplayCache, other_process: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy whose clock is 30 s slow would, by its own clock, keep a job 30 s past its
+    expiry, when the key already names a new intent (SPEC §11)."""
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() - 30.0)
+    await eventually(lambda: cached.watch.clock_offset > 29.0, "the offset measured", seconds=10)
+    claimed = await claim(other_process, "soon", ttl=20.0)
+    assert await other_process.complete(claimed.job, 1, RESPONSE, ttl=20.0)
+    assert isinstance(await again(cached, "soon"), Existing)
+    [entry] = cached._entries.values()  # the entry this test is about
+    assert 17.0 < entry.deadline - time.monotonic() <= 19.0  # 20 s, less the margin

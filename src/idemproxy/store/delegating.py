@@ -223,9 +223,11 @@ class ReplayCache(DelegatingStore):
         self._hedged.pop(job.id, None)
 
 
-def seconds_left(job: Job) -> float:
-    """The job's remaining lifetime by this proxy's clock, less a margin for clock skew against
-    the database's (whose clock decides expiry, SPEC §3.5): how long a cache may keep it."""
+def seconds_left(job: Job, clock_offset: float = 0.0) -> float:
+    """The job's remaining lifetime by the database's clock (which decides expiry, SPEC §3.5):
+    this process's clock plus `clock_offset` (JobWatch.clock_offset), less a margin for the
+    offset's error and drift between measurements. How long a cache may keep it."""
     if job.expires_at is None:
         return 0.0
-    return job.expires_at.timestamp() - time.time() - CLOCK_MARGIN_SECONDS
+    now = time.time() + clock_offset
+    return job.expires_at.timestamp() - now - CLOCK_MARGIN_SECONDS

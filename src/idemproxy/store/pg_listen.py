@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import asyncpg
 
-from idemproxy.constants import NOTIFY_CHANNEL
+from idemproxy.constants import CLOCK_MARGIN_SECONDS, NOTIFY_CHANNEL
 from idemproxy.store.feed_task import raise_if_cancelled
 from idemproxy.store.watch import JobWatch
 
@@ -25,6 +26,7 @@ _FEED_ERRORS = (
     asyncpg.InternalClientError,
     TimeoutError,
 )
+_SERVER_CLOCK = "SELECT extract(epoch FROM clock_timestamp())"
 # A silent server is noticed within this many seconds.
 _HEARTBEAT_SECONDS = 5.0
 
@@ -55,6 +57,7 @@ async def _listen_on(conn: asyncpg.Connection, watch: JobWatch, timeout: float) 
     try:
         async with asyncio.timeout(timeout):  # bounded, like the heartbeat below
             await conn.add_listener(NOTIFY_CHANNEL, on_notify)
+        await _clock_offset(conn, watch, timeout)
         watch.live = True
         watch.notify_all()  # changes may have been missed before LISTEN took effect
         while not lost.is_set() and not conn.is_closed():
@@ -64,7 +67,7 @@ async def _listen_on(conn: asyncpg.Connection, watch: JobWatch, timeout: float) 
                     await lost.wait()
             if not lost.is_set():
                 # Bounded: a frozen or unreachable server must count as lost, not hang the feed.
-                await conn.execute("SELECT 1", timeout=timeout)
+                await _clock_offset(conn, watch, timeout)
     except _FEED_ERRORS as exc:
         log.warning("change feed lost: %s", exc)
     finally:
@@ -72,3 +75,13 @@ async def _listen_on(conn: asyncpg.Connection, watch: JobWatch, timeout: float) 
         watch.live = False
         with contextlib.suppress(Exception):
             await asyncio.wait_for(conn.close(), timeout=1.0)
+
+
+async def _clock_offset(conn: asyncpg.Connection, watch: JobWatch, timeout: float) -> None:
+    """Measure the server's clock minus ours, to within half a round trip; a round trip too
+    slow for the caches' margin (constants.CLOCK_MARGIN_SECONDS) leaves the last measurement."""
+    before = time.monotonic(), time.time()
+    server = await conn.fetchval(_SERVER_CLOCK, timeout=timeout)
+    after = time.monotonic(), time.time()
+    if after[0] - before[0] <= CLOCK_MARGIN_SECONDS:
+        watch.clock_offset = float(server) - (before[1] + after[1]) / 2

@@ -107,7 +107,7 @@ class RedisCachedStore(ReplayCache):
         started = time.perf_counter()
         payload = await self.cache.get(entry_name(owner, key))
         job = None if payload is None else decode(payload, owner, key)
-        if job is not None and seconds_left(job) <= 0:
+        if job is not None and seconds_left(job, self.watch.clock_offset) <= 0:
             job = None  # SPEC §11: an expired job is gone, whatever a late write left behind
         if self.observer is not None:  # store_seconds{operation="redis_hit"|"redis_miss"}
             outcome = "redis_miss" if job is None else "redis_hit"
@@ -205,7 +205,9 @@ class RedisCachedStore(ReplayCache):
     def _remember(self, job: Job, *, lifetime: float | None = None, publish: bool = False) -> None:
         """Cache a completed job (best effort, in the background) for at most `ttl` seconds and
         never past its expiry; with `publish`, announce its change to every replica too."""
-        ttl = min(self._ttl, seconds_left(job) if lifetime is None else lifetime)
+        if lifetime is None:
+            lifetime = seconds_left(job, self.watch.clock_offset)
+        ttl = min(self._ttl, lifetime)
         name = entry_name(job.owner, job.key)
         if self._cacheable(job) and ttl >= _MIN_ENTRY_SECONDS:
             keys = (name, tombstone_name(name, job.id), watch_name(name))

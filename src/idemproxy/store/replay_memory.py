@@ -105,14 +105,14 @@ class MemoryReplayCache(ReplayCache):
         mark = self._sequence
         result = await self.inner.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
         if isinstance(result, Existing):
-            self._remember(result.job, seconds_left(result.job), mark)
+            self._remember(result.job, seconds_left(result.job, self.watch.clock_offset), mark)
         return result
 
     async def get(self, owner: str, key: str) -> Job | None:
         mark = self._sequence
         job = await self.inner.get(owner, key)
         if job is not None:
-            self._remember(job, seconds_left(job), mark)
+            self._remember(job, seconds_left(job, self.watch.clock_offset), mark)
         return job
 
     async def complete(

@@ -43,6 +43,10 @@ class JobWatch:
         # True while a change feed delivers every change committed by any process (set by the
         # PostgreSQL feed); a store without one (SQLite: other processes' writes) stays False.
         self.live = False
+        # The database's clock minus this process's (seconds), measured by the PostgreSQL feed
+        # at every heartbeat: the caches reckon a job's remaining life by the database's clock,
+        # which decides expiry (SPEC §3.5), whatever this host's clock says.
+        self.clock_offset = 0.0
 
     def on_change(self, listener: Callable[[str | None], None]) -> None:
         self._listeners.append(listener)
