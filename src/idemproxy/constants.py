@@ -93,6 +93,7 @@ REDIS_WATCH_PREFIX: Final = "idemproxy:watch:"
 REDIS_WATCH_SECONDS: Final = 300
 # After a Redis error, lookups skip the cache this long before it is tried again.
 REDIS_RETRY_SECONDS: Final = 1.0
-# Slack for the proxy's clock against the database's, which decides expiry (SPEC §3.5): a cached
-# replay (Redis or in-process) is given up this long before its job expires by the proxy's clock.
+# A cached replay (Redis or in-process) is given up this long before its job expires by the
+# database's clock (which decides expiry, SPEC §3.5), as this host measures it against its own
+# (store/pg_listen.py): slack for that measurement's error and for drift between measurements.
 CLOCK_MARGIN_SECONDS: Final = 1.0
