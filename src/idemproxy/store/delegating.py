@@ -21,6 +21,8 @@ from idemproxy.store.base import Store
 from idemproxy.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 
 Observer = Callable[[str, float, bool], None]
+# A cache entry that would live less than this (seconds) is not worth writing.
+MIN_ENTRY_SECONDS = 0.5
 
 
 class DelegatingStore(Store):
@@ -190,7 +192,25 @@ class ReplayCache(DelegatingStore):
         self._hedged.pop(job.id, None)
         return await self.inner.settle(job, attempt, state, status=status, error=error)
 
-    def completed_job(
+    async def complete_in_store(
+        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    ) -> tuple[Job, float] | None:
+        """The inner store's completion; when it won, the job as it wrote it and the seconds it
+        may be kept (measured from before the store call, whose `now() + ttl` comes later: an
+        entry never outlives its job). A completion lost or failed keeps nothing of the job."""
+        started, now = time.monotonic(), time.time()
+        won = False
+        try:
+            won = await self.inner.complete(job, attempt, response, ttl=ttl)
+        finally:
+            if not won:
+                self._hedged.pop(job.id, None)
+        if not won:
+            return None
+        done = self._completed_job(job, attempt, response, expires_at=now + ttl)
+        return done, ttl - (time.monotonic() - started)
+
+    def _completed_job(
         self, job: Job, attempt: int, response: StoredResponse, *, expires_at: float
     ) -> Job:
         """The job as the completion by `attempt` that just won wrote it (queries.sql
@@ -218,9 +238,6 @@ class ReplayCache(DelegatingStore):
             job.resolution,
             job.attempts,
         )
-
-    def completion_lost(self, job: Job) -> None:
-        self._hedged.pop(job.id, None)
 
 
 def seconds_left(job: Job, clock_offset: float = 0.0) -> float:

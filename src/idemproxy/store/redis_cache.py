@@ -30,7 +30,7 @@ from redis.asyncio import Redis
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
 from idemproxy.store.base import Store
-from idemproxy.store.delegating import ReplayCache, seconds_left
+from idemproxy.store.delegating import MIN_ENTRY_SECONDS, ReplayCache, seconds_left
 from idemproxy.store.feed_task import stop_feed
 from idemproxy.store.redis_client import RedisCache, connect
 from idemproxy.store.redis_codec import decode, encode, entry_name, tombstone_name, watch_name
@@ -38,7 +38,6 @@ from idemproxy.store.redis_feed import listen_forever
 from idemproxy.types import ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
 log = logging.getLogger("idemproxy.store.redis")
-_MIN_ENTRY_SECONDS = 0.5  # not worth caching for less
 
 
 class RedisCachedStore(ReplayCache):
@@ -129,18 +128,11 @@ class RedisCachedStore(ReplayCache):
     async def complete(
         self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
     ) -> bool:
-        started, now = time.monotonic(), time.time()
-        won = False
-        try:
-            won = await self.inner.complete(job, attempt, response, ttl=ttl)
-        finally:
-            if not won:  # lost, or failed: nothing of this job is kept
-                self.completion_lost(job)
-        if not won:
+        completed = await self.complete_in_store(job, attempt, response, ttl=ttl)
+        if completed is None:
             return False
-        done = self.completed_job(job, attempt, response, expires_at=now + ttl)
-        # Measured from before the store call: the entry never outlives the job.
-        self._remember(done, lifetime=ttl - (time.monotonic() - started), publish=True)
+        done, lifetime = completed
+        self._remember(done, lifetime=lifetime, publish=True)
         return True
 
     async def settle(
@@ -209,7 +201,7 @@ class RedisCachedStore(ReplayCache):
             lifetime = seconds_left(job, self.watch.clock_offset)
         ttl = min(self._ttl, lifetime)
         name = entry_name(job.owner, job.key)
-        if self._cacheable(job) and ttl >= _MIN_ENTRY_SECONDS:
+        if self._cacheable(job) and ttl >= MIN_ENTRY_SECONDS:
             keys = (name, tombstone_name(name, job.id), watch_name(name))
             self.cache.put(*keys, encode(job), ttl, job.id if publish else "")
         elif publish:

@@ -8,8 +8,8 @@ outlives the job:
 
 * **Expiry.** An entry lives at most `ttl` seconds and never past its job's expiry: from the
   proxy's own completion, measured from before the store call (the database's `now() + ttl`
-  comes later); for a job read from the store, by the proxy's clock less `CLOCK_MARGIN_SECONDS`,
-  as the Redis cache does.
+  comes later); for a job read from the store, by the database's clock as the change feed
+  measures it against this host's (`JobWatch.clock_offset`), less `CLOCK_MARGIN_SECONDS`.
 * **Deletion.** Every deletion is announced on the store's change feed (`pg_notify` in the same
   statement, queries.sql `delete_job`), which drops the entry by job id in every replica and
   worker. The cache serves and fills only while that feed is live (`JobWatch.live`); when the
@@ -21,8 +21,8 @@ outlives the job:
   fingerprint of a cached job as of a stored one (409 on another payload).
 
 Bounded by bytes (bodies plus an allowance per entry), least recently used out first. What it
-cannot see: a row deleted by hand in SQL, without `pg_notify` (docs/operations.md), and clocks
-more than the margin apart.
+cannot see: a row deleted by hand in SQL, without `pg_notify` (docs/operations.md), and a
+`LISTEN` that is accepted but never delivers (a transaction-pooling PgBouncer).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from itertools import chain
 from typing import NamedTuple
 
 from idemproxy.store.base import Store
-from idemproxy.store.delegating import ReplayCache, seconds_left
+from idemproxy.store.delegating import MIN_ENTRY_SECONDS, ReplayCache, seconds_left
 from idemproxy.types import ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 # datetime objects and dictionary slots (about 560 bytes with tracemalloc), and the job's strings
 # and the response's objects, which the cache keeps alive (about 600 more).
 ENTRY_OVERHEAD_BYTES = 1200
-# Not worth keeping for less (seconds).
-_MIN_LIFETIME = 0.5
 # Job ids whose latest announcement is remembered (for reads under way); older ones only move
 # the floor below which every read under way is refused.
 _TRACKED_CHANGES = 1024
@@ -118,18 +116,11 @@ class MemoryReplayCache(ReplayCache):
     async def complete(
         self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
     ) -> bool:
-        started, now, mark = time.monotonic(), time.time(), self._sequence
-        won = False
-        try:
-            won = await self.inner.complete(job, attempt, response, ttl=ttl)
-        finally:
-            if not won:  # lost, or failed: nothing of this job is kept
-                self.completion_lost(job)
-        if not won:
+        mark = self._sequence
+        completed = await self.complete_in_store(job, attempt, response, ttl=ttl)
+        if completed is None:
             return False
-        done = self.completed_job(job, attempt, response, expires_at=now + ttl)
-        # Measured from before the store call: the entry never outlives the job.
-        self._remember(done, ttl - (time.monotonic() - started), mark)
+        self._remember(*completed, mark)
         return True
 
     async def forget(self, job: Job) -> bool:
@@ -154,7 +145,7 @@ class MemoryReplayCache(ReplayCache):
             return
         lifetime = min(self._ttl, lifetime)
         size = _size(job)
-        if lifetime < _MIN_LIFETIME or size > self._max_bytes:
+        if lifetime < MIN_ENTRY_SECONDS or size > self._max_bytes:
             return
         scope = (job.owner, job.key)
         self._drop(scope)
