@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from idemproxy.config import load_settings
 from idemproxy.constants import REDIS_GONE_PREFIX
 from idemproxy.proxy.app import create_app
 from idemproxy.store.redis_codec import encode, entry_name, tombstone_name, watch_name
-from idemproxy.types import JobState
+from idemproxy.types import Claimed, Existing, Intent, JobState, StoredResponse
 
 pytestmark = pytest.mark.postgres
 
@@ -189,3 +190,27 @@ async def test_the_jobs_cli_deletes_through_the_cache_when_given_redis(
     status, headers, _ = await _post(client, "k1")
     assert status == 201 and REPLAYED not in headers
     assert ledger.count("k1") == 2
+
+
+async def test_a_cached_completion_counts_the_hedges_of_the_version_that_won(
+    make_store: CachedStoreFactory, redis_client: Redis
+) -> None:
+    """A late attempt of an older version ending (its CAS lost) must not make the cache forget
+    the attempts hedged under the version in flight now: the entry is the job as stored."""
+    store = await make_store()
+    intent = Intent("alice", "k1", "fp1", "POST", "/pay")
+    claimed = await store.claim(intent, str(uuid.uuid4()), "primary", ttl=3600.0, lease=60.0)
+    assert isinstance(claimed, Claimed)
+    following = await store.fail_over(claimed.job, 1, "f1", status=503, error=None, lease=60.0)
+    assert following is not None
+    assert await store.add_attempt(following.job, "hedge", lease=60.0) == 3
+    assert not await store.settle(claimed.job, 1, JobState.UNKNOWN, error="late timeout")
+    response = StoredResponse(201, (("Content-Type", "application/json"),), b"{}")
+    assert await store.complete(following.job, 2, response, ttl=3600.0)
+    await wait_for(lambda: _has_entries(redis_client))
+    store.inner.calls.clear()
+
+    duplicate = await store.claim(intent, str(uuid.uuid4()), "primary", ttl=3600.0, lease=60.0)
+    assert isinstance(duplicate, Existing) and not store.inner.calls  # answered from Redis
+    stored = await store.inner.get("alice", "k1")
+    assert stored is not None and duplicate.job.attempt_count == stored.attempt_count == 3

@@ -410,6 +410,23 @@ async def test_of_concurrent_fail_overs_exactly_one_wins(store: Store) -> None:
     assert job.attempt_count == 2 and len(job.attempts) == 2
 
 
+async def test_a_duplicate_counts_the_hedges_of_the_version_that_won(store: Store) -> None:
+    """A late attempt of an older version ending (its CAS lost) must not make a replay cache
+    forget the attempts hedged under the version in flight now (found by the model test)."""
+    claimed = await claim(store)
+    following = await store.fail_over(claimed.job, 1, "f1", status=503, error=None, lease=LEASE)
+    assert following is not None and following.attempt == 2
+    assert await store.add_attempt(following.job, "hedge", lease=LEASE) == 3
+    assert not await store.settle(claimed.job, 1, JobState.UNKNOWN, error="late timeout")
+    assert not await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    assert await store.complete(following.job, 2, RESPONSE, ttl=TTL)
+
+    duplicate = await store.claim(intent(), str(uuid.uuid4()), "primary", ttl=TTL, lease=LEASE)
+    assert isinstance(duplicate, Existing)
+    assert duplicate.job.attempt_count == 3
+    assert (await job_of(store, claimed.job.id)).attempt_count == 3
+
+
 async def test_finish_attempt_records_one_failure_and_leaves_the_job_alone(store: Store) -> None:
     claimed = await claim(store)
     assert await store.add_attempt(claimed.job, "hedge", lease=LEASE) == 2

@@ -23,6 +23,10 @@ from idemproxy.types import Claimed, ClaimResult, Intent, Job, JobState, StoredR
 Observer = Callable[[str, float, bool], None]
 # A cache entry that would live less than this (seconds) is not worth writing.
 MIN_ENTRY_SECONDS = 0.5
+# Hedged versions tracked at most: a version whose attempts never end here (the process's tasks
+# cancelled) must not grow the map for ever. Forgetting one costs only a cached job's attempt
+# count, which no replay shows; the stored job keeps the true one.
+MAX_HEDGED_VERSIONS = 10_000
 
 
 class DelegatingStore(Store):
@@ -170,14 +174,20 @@ class DelegatingStore(Store):
 class ReplayCache(DelegatingStore):
     def __init__(self, inner: Store) -> None:
         super().__init__(inner)
-        # Job id -> the highest attempt number `add_attempt` started under it (SPEC §3.4), until
-        # the job's completion or settlement by this process.
-        self._hedged: dict[str, int] = {}
+        # (job id, version) -> the highest attempt number `add_attempt` started under that
+        # version (SPEC §3.4: hedges keep the version), until an attempt of that version
+        # completes or settles, won or lost: either way no later completion of that version can
+        # win. Keyed by version because a late attempt of an older version ending (its CAS
+        # lost) must not forget the hedges of the version in flight now.
+        self._hedged: dict[tuple[str, int], int] = {}
 
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
         number = await self.inner.add_attempt(job, upstream, lease=lease)
         if number is not None:
-            self._hedged[job.id] = max(number, self._hedged.get(job.id, 0))
+            hedged = (job.id, job.version)
+            self._hedged[hedged] = max(number, self._hedged.get(hedged, 0))
+            if len(self._hedged) > MAX_HEDGED_VERSIONS:
+                del self._hedged[next(iter(self._hedged))]  # the oldest
         return number
 
     async def settle(
@@ -189,7 +199,7 @@ class ReplayCache(DelegatingStore):
         status: int | None = None,
         error: str | None = None,
     ) -> bool:
-        self._hedged.pop(job.id, None)
+        self._hedged.pop((job.id, job.version), None)
         return await self.inner.settle(job, attempt, state, status=status, error=error)
 
     async def complete_in_store(
@@ -204,7 +214,7 @@ class ReplayCache(DelegatingStore):
             won = await self.inner.complete(job, attempt, response, ttl=ttl)
         finally:
             if not won:
-                self._hedged.pop(job.id, None)
+                self._hedged.pop((job.id, job.version), None)
         if not won:
             return None
         done = self._completed_job(job, attempt, response, expires_at=now + ttl)
@@ -215,7 +225,7 @@ class ReplayCache(DelegatingStore):
     ) -> Job:
         """The job as the completion by `attempt` that just won wrote it (queries.sql
         `complete`); `expires_at` a time.time() no later than the store's."""
-        hedged = self._hedged.pop(job.id, 0) if self._hedged else 0
+        hedged = self._hedged.pop((job.id, job.version), 0) if self._hedged else 0
         # Positional, not `job._replace(...)`: a third of the time, on every new key.
         (job_id, owner, key, fingerprint, _, version, count, method, path) = job[:9]
         return Job(
