@@ -132,3 +132,23 @@ def classify_failure(failure: Failure) -> tuple[Outcome, type[ProblemError]]:
     if failure is Failure.TIMEOUT:
         return Outcome.UNKNOWN, UpstreamTimeout
     return Outcome.UNKNOWN, UpstreamUnavailable
+
+
+class Unsent(enum.Enum):
+    """What a job read afterwards says about a claim this process gave up on (proxy/unsent.py)."""
+
+    RELEASE = "release"  # the claim committed after all, and nothing else happened to it since
+    NOT_YET = "not_yet"  # no job under the key: the claim may still commit, or never will
+    MOVED_ON = "moved_on"  # another job holds the key, or this one moved on: leave it alone
+
+
+def unsent_claim(job: Job | None, job_id: str) -> Unsent:
+    """SPEC §3.1: `in_flight` → `released` when nothing executed. A claim that timed out at the
+    proxy was never forwarded, but the store may commit it later, leaving a job nobody runs.
+    Only that job, untouched (its first version, in flight, with its one attempt), may be
+    released by the process that claimed it; once taken over it is `unknown`, and only a
+    resolution may end that (§3.3)."""
+    if job is None:
+        return Unsent.NOT_YET
+    untouched = job.state is JobState.IN_FLIGHT and job.version == 1 and job.attempt_count == 1
+    return Unsent.RELEASE if job.id == job_id and untouched else Unsent.MOVED_ON

@@ -58,6 +58,8 @@ REQUEST_OUTCOMES = (
     "unavailable",
 )
 ATTEMPT_OUTCOMES = ("succeeded", "failed", "unknown", "discarded")
+# What became of a claim that failed at the proxy (proxy/unsent.py).
+UNSENT_OUTCOMES = ("released", "not_committed", "moved_on", "dropped")
 # Sub-millisecond store calls up to upstream timeouts.
 _LATENCY_BUCKETS = (
     0.0005,
@@ -107,6 +109,12 @@ class Metrics:
         self.late_results = self._counter(
             "late_results_discarded", "Attempt results that lost the completion CAS.", []
         )
+        self.unsent_claims = self._counter(
+            "unsent_claims",
+            "Claims that failed at the proxy (503, nothing forwarded), by what became of them "
+            "(proxy/unsent.py).",
+            ["outcome"],
+        )
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]
         )
@@ -139,6 +147,7 @@ class Metrics:
         # exists from the start; the others appear when first observed.
         self.request_outcome = Children[Counter](self.requests.labels, REQUEST_OUTCOMES)
         self.attempt_outcome = Children[Counter](self.attempts.labels, ATTEMPT_OUTCOMES)
+        self.unsent_outcome = Children[Counter](self.unsent_claims.labels, UNSENT_OUTCOMES)
         self.upstream_outcome = Children[Histogram](self.upstream_seconds.labels)
         self._store_seconds = Children[Histogram](self.store_seconds.labels)
         self._store_errors = Children[Counter](self.store_errors.labels)

@@ -20,9 +20,11 @@ from idemproxy.decision import (
     Replay,
     StartNextAttempt,
     StatusPolicy,
+    Unsent,
     classify_failure,
     classify_response,
     decide,
+    unsent_claim,
 )
 from idemproxy.errors import (
     OutcomeUnknown,
@@ -288,3 +290,39 @@ def test_only_a_connect_failure_releases() -> None:
     """SPEC §3.2: once a request byte may have been written, the outcome is unknown."""
     released = [failure for failure in Failure if classify_failure(failure)[0] is Outcome.RELEASE]
     assert released == [Failure.CONNECT]
+
+
+# --- a claim the proxy gave up on (proxy/unsent.py) -------------------------------------------
+
+
+def test_an_unsent_claim_not_committed_yet_is_looked_for_again() -> None:
+    assert unsent_claim(None, "job-1") is Unsent.NOT_YET
+
+
+def test_an_unsent_claim_committed_untouched_is_released() -> None:
+    assert unsent_claim(make_job(JobState.IN_FLIGHT, version=1), "job-1") is Unsent.RELEASE
+
+
+@pytest.mark.parametrize(
+    "job",
+    [
+        make_job(JobState.IN_FLIGHT, version=1),  # another claim's job holds the key
+    ],
+)
+def test_another_claims_job_is_never_released(job: Job) -> None:
+    assert unsent_claim(job, "job-2") is Unsent.MOVED_ON
+
+
+@pytest.mark.parametrize(
+    "job",
+    [
+        make_job(JobState.UNKNOWN, version=2),  # taken over: only a resolution ends it (§3.3)
+        make_job(JobState.IN_FLIGHT, version=2),  # in flight again under a newer version
+        make_job(JobState.IN_FLIGHT, version=1)._replace(attempt_count=2),  # an attempt added
+        make_job(JobState.RELEASED, version=2),
+        make_job(JobState.COMPLETED, version=2),
+    ],
+    ids=["unknown", "newer-version", "more-attempts", "released", "completed"],
+)
+def test_an_unsent_claims_job_that_moved_on_is_left_alone(job: Job) -> None:
+    assert unsent_claim(job, "job-1") is Unsent.MOVED_ON

@@ -15,6 +15,7 @@ from idemproxy.owner import OwnerPolicy
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.routing import RouteTable
+from idemproxy.proxy.unsent import UnsentClaims
 from idemproxy.store.base import Store
 
 
@@ -30,6 +31,8 @@ class ProxyContext:
     governed_methods: frozenset[str]
     failpoints: Failpoints
     metrics: Metrics
+    # Claims that failed (503, nothing forwarded) but may still commit: released when they do.
+    unsent: UnsentClaims
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -47,6 +50,7 @@ class ProxyContext:
         metrics: Metrics | None = None,
     ) -> ProxyContext:
         failpoints = failpoints or Failpoints(None)
+        metrics = metrics or Metrics()
         return cls(
             settings=settings,
             store=store,
@@ -60,7 +64,8 @@ class ProxyContext:
             owner=settings.owner.policy(),
             governed_methods=frozenset(settings.methods),
             failpoints=failpoints,
-            metrics=metrics or Metrics(),
+            metrics=metrics,
+            unsent=UnsentClaims(store, metrics.unsent_outcome, lease=settings.lease),
         )
 
 

@@ -42,10 +42,11 @@ async def handle_governed(
     body: RequestBody,
     trace: Trace,
 ) -> web.StreamResponse:
+    passes_through = ctx.settings.on_store_error == "passthrough"  # SPEC §11: explicit opt-out
     try:
-        result = await _claim(ctx, route, intent)
+        result = await _claim(ctx, route, intent, forwarded_if_failed=passes_through)
     except StoreUnavailable:
-        if ctx.settings.on_store_error == "passthrough":  # SPEC §11: explicit opt-out
+        if passes_through:
             return await passthrough(ctx, request, route, body)
         raise
     loop = asyncio.get_running_loop()
@@ -93,10 +94,20 @@ async def run_shielded(
     return await asyncio.shield(task)
 
 
-async def _claim(ctx: ProxyContext, route: Route, intent: Intent) -> ClaimResult:
-    return await ctx.store.claim(
-        intent, new_job_id(), route.upstream, ttl=route.ttl, lease=ctx.settings.lease
-    )
+async def _claim(
+    ctx: ProxyContext, route: Route, intent: Intent, *, forwarded_if_failed: bool = False
+) -> ClaimResult:
+    job_id = new_job_id()
+    try:
+        return await ctx.store.claim(
+            intent, job_id, route.upstream, ttl=route.ttl, lease=ctx.settings.lease
+        )
+    except StoreUnavailable:
+        # The store may still commit it (a stalled server): a job nobody runs. Unless the
+        # request goes upstream anyway, nothing was forwarded under it, so it may be released.
+        if not forwarded_if_failed:
+            ctx.unsent.note(intent.owner, intent.key, job_id)
+        raise
 
 
 async def _reread(ctx: ProxyContext, route: Route, intent: Intent) -> ClaimResult:
