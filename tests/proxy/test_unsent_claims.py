@@ -225,3 +225,25 @@ async def test_a_bounded_number_are_watched(store: Store, monkeypatch: pytest.Mo
         "idemproxy_unsent_claims_total", {"outcome": "dropped"}
     )
     await unsent.close()
+
+
+async def test_an_unexpected_error_is_logged_and_the_claim_looked_for_again(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    metrics = Metrics()
+    claimed = await _claimed(store, "bug")
+    real_get = store.get
+    failures = [RuntimeError("a bug")]
+
+    async def get(owner: str, key: str) -> Job | None:
+        if failures:
+            raise failures.pop()
+        return await real_get(owner, key)
+
+    store.get = get  # type: ignore[method-assign]
+    unsent = UnsentClaims(store, metrics.unsent_outcome, lease=30.0)
+    unsent.note("alice", "bug", claimed.job.id)
+    await _settled(unsent)
+    job = await real_get("alice", "bug")
+    assert job is not None and job.state is JobState.RELEASED
+    assert f"looking up the unsent claim of job {claimed.job.id} failed" in caplog.text

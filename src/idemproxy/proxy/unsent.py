@@ -89,6 +89,9 @@ class UnsentClaims:
                     done = await self._look(claim)
                 except StoreUnavailable:
                     break  # still away: every other look would fail the same way
+                except Exception:  # a bug: loud, and the claim is looked for again later
+                    log.exception("looking up the unsent claim of job %s failed", claim.job_id)
+                    break
                 progressed = progressed or done
                 if done or time.monotonic() >= claim.until:
                     del self._pending[claim.job_id]
