@@ -46,6 +46,9 @@ class Chaos:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     events: list[dict[str, Any]] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
+    # Held by whatever stops or freezes the database server, and by what must reach it: a
+    # restart of a frozen server, or a query to one, would wait for ever.
+    database: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def now(self) -> float:
         return round(time.monotonic() - self.started, 3)
@@ -159,11 +162,12 @@ async def kill_sessions(
         names = {slot.application_name for slot in targets}
         share = chaos.rng.choice(["all", "half"])
         try:
-            rows = await pg.backends(DATABASE)
-            pids = [row["pid"] for row in rows if row["application_name"] in names]
-            if share == "half":
-                pids = chaos.rng.sample(pids, len(pids) // 2)
-            killed = await pg.terminate_backends(pids=pids) if pids else []
+            async with chaos.database:
+                rows = await pg.backends(DATABASE)
+                pids = [row["pid"] for row in rows if row["application_name"] in names]
+                if share == "half":
+                    pids = chaos.rng.sample(pids, len(pids) // 2)
+                killed = await pg.terminate_backends(pids=pids) if pids else []
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             chaos.event("pg-terminate-skipped", error=type(exc).__name__)
             continue
@@ -177,9 +181,27 @@ async def restart_postgres(
     while not await chaos.pause(*every):
         count += 1
         mode = "immediate" if count % 3 == 0 else "fast"
-        began = time.monotonic()
-        await asyncio.to_thread(pg.restart, mode)
+        async with chaos.database:
+            began = time.monotonic()
+            await asyncio.to_thread(pg.restart, mode)
         chaos.event("pg-restart", mode=mode, seconds=round(time.monotonic() - began, 3))
+
+
+async def freeze_postgres(
+    chaos: Chaos, pg: ThrowawayPostgres, *, every: tuple[float, float], seconds: tuple[float, float]
+) -> None:
+    """SIGSTOP the whole server for a while (a stall longer than the store timeout): claims
+    waiting then get 503 and may commit once it runs again (proxy/unsent.py releases those)."""
+    while not await chaos.pause(*every):
+        frozen = round(chaos.rng.uniform(*seconds), 2)
+        async with chaos.database:
+            chaos.event("pg-freeze", seconds=frozen)
+            pg.pause()
+            try:
+                await asyncio.sleep(frozen)
+            finally:
+                pg.resume()
+        chaos.event("pg-thawed")
 
 
 async def upstream_outages(

@@ -4,13 +4,14 @@
 
 Two `idemproxy serve` processes share one throwaway PostgreSQL (tests/pgserver.py) in front of a
 recording backend behind a fault relay (upstream.py); `clients` workers (workload.py) send mixed
-traffic to both while chaos.py kills the proxies' database sessions, restarts PostgreSQL,
-SIGKILLs and restarts one proxy (the other one survives the whole run), and makes the upstream
-refuse, reset, drip and fail. Then, after a quiet period longer than the lease, the store is read
-and every job still `in_flight` past its lease is retried once (it must be taken over as
-`unknown`, never forwarded again). The checker (check.py) writes `report.json` and `report.md`
-in the results directory (default `bench/results/soak-<UTC time>/`), next to the raw material:
-history.jsonl, ledger.jsonl, events.jsonl, samples.jsonl, store-*.json, the proxies' logs.
+traffic to both while chaos.py kills the proxies' database sessions, restarts and freezes
+(SIGSTOP) PostgreSQL, SIGKILLs and restarts one proxy (the other one survives the whole run),
+and makes the upstream refuse, reset, drip and fail. Then, after a quiet period longer than the
+lease, the store is read and every job still `in_flight` past its lease is retried once (it must
+be taken over as `unknown`, never forwarded again). The checker (check.py) writes `report.json`
+and `report.md` in the results directory (default `bench/results/soak-<UTC time>/`), next to the
+raw material: history.jsonl, ledger.jsonl, events.jsonl, samples.jsonl, store-*.json, the
+proxies' logs.
 
 Loopback only; the shared PostgreSQL and Redis are never touched. Exit status 0 when every
 invariant held, 1 when one did not, 2 when the run itself could not be carried out.
@@ -147,6 +148,13 @@ async def soak(
         chaos.kill_proxies(mayhem, slots[0], every=_within(duration, 30.0, 60.0)),
         chaos.kill_sessions(mayhem, pg, slots, every=(8.0, 20.0)),
         chaos.restart_postgres(mayhem, pg, every=_within(duration, 100.0, 160.0)),
+        # Longer than the store timeout: the claims waiting get 503 and commit afterwards.
+        chaos.freeze_postgres(
+            mayhem,
+            pg,
+            every=_within(duration, 40.0, 80.0),
+            seconds=(STORE_TIMEOUT + 0.5, 2 * STORE_TIMEOUT),
+        ),
         chaos.upstream_outages(mayhem, relay, every=(15.0, 30.0)),
     ]
     tasks = [asyncio.create_task(fault) for fault in faults]
