@@ -60,6 +60,8 @@ REQUEST_OUTCOMES = (
 ATTEMPT_OUTCOMES = ("succeeded", "failed", "unknown", "discarded")
 # What became of a claim that failed at the proxy (proxy/unsent.py).
 UNSENT_OUTCOMES = ("released", "not_committed", "moved_on", "dropped")
+# What became of an attempt's outcome that the store could not take (proxy/unwritten.py).
+UNWRITTEN_OUTCOMES = ("written", "moved_on", "dropped")
 # Sub-millisecond store calls up to upstream timeouts.
 _LATENCY_BUCKETS = (
     0.0005,
@@ -115,6 +117,12 @@ class Metrics:
             "(proxy/unsent.py).",
             ["outcome"],
         )
+        self.unwritten_outcomes = self._counter(
+            "unwritten_outcomes",
+            "Attempt outcomes the store could not take (503 after forwarding), by what became "
+            "of them (proxy/unwritten.py).",
+            ["outcome"],
+        )
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]
         )
@@ -148,6 +156,9 @@ class Metrics:
         self.request_outcome = Children[Counter](self.requests.labels, REQUEST_OUTCOMES)
         self.attempt_outcome = Children[Counter](self.attempts.labels, ATTEMPT_OUTCOMES)
         self.unsent_outcome = Children[Counter](self.unsent_claims.labels, UNSENT_OUTCOMES)
+        self.unwritten_outcome = Children[Counter](
+            self.unwritten_outcomes.labels, UNWRITTEN_OUTCOMES
+        )
         self.upstream_outcome = Children[Histogram](self.upstream_seconds.labels)
         self._store_seconds = Children[Histogram](self.store_seconds.labels)
         self._store_errors = Children[Counter](self.store_errors.labels)

@@ -11,9 +11,8 @@ What SPEC §2.2, §3.2 and §3.5 require, and these tests show:
   went upstream; a retry executes it once;
 * killed between claim and completion (idle pooled sessions): the completion takes a new
   connection, the client gets the upstream's answer;
-* killed during the completion: the upstream executed once, the client gets 503, the job stays
-  `in_flight` until its lease runs out, then a retry takes it over as `unknown` and gets
-  `409 outcome-unknown` — never a second execution;
+* killed during the completion: the upstream executed once, the client gets 503, and the proxy
+  writes the outcome once the store answers: a retry gets the replay, never a second execution;
 * fast and immediate restarts and a crash (SIGKILL) under traffic, a table lock and a frozen
   server (SIGSTOP) longer than `pool.store_timeout`: bounded answers, never a hang, never an
   execution without a committed claim, never two executions of one key, no leaked connections.
@@ -196,12 +195,14 @@ async def test_killed_between_claim_and_completion(
 async def test_killed_during_the_completion(
     proxy_app: StartApp, fault_db: FaultDatabase, recording_backend: tuple[str, Ledger]
 ) -> None:
-    """SPEC §3.2, §3.5: the upstream ran, its outcome could not be stored. The job stays in
-    flight until its lease runs out and is then taken over as `unknown`: a retry gets
-    409 outcome-unknown, never a second execution."""
+    """SPEC §3.2, §3.5: the upstream ran, its outcome could not be stored, and the client got
+    503. The proxy keeps the outcome and writes it by the attempt's compare-and-swap once the
+    store answers (proxy/unwritten.py), well within the lease: retries get the replay of the one
+    execution, never a second one (before, the job became `unknown` after its lease)."""
     ledger = recording_backend[1]
     client = await proxy_app()
     url = f"http://{client.server.host}:{client.server.port}"
+    unwritten = client.server.app[CONTEXT].unwritten
     path = PATH + "?delay=0.2"
     async with aiohttp.ClientSession() as session:
         request = asyncio.create_task(send(session, url, "complete", path=path))
@@ -210,18 +211,14 @@ async def test_killed_during_the_completion(
             pid = await blocked_backend(fault_db, COMPLETE_SQL)
             await fault_db.server.terminate_backends(pids=[pid])
             answer = await request
-        left = await job_of(fault_db, "complete")
-        retry = await send(session, url, "complete", path=path)  # held until the lease ran out
-        again = await send(session, url, "complete", path=path)
+        await until_true(lambda: len(unwritten) == 0)
+        retry = await send(session, url, "complete", path=path)
 
-    assert ledger.count("complete") == 1
     assert (answer.status, answer.error) == (503, "store-unavailable"), answer
-    assert left == ("in_flight", [("started", None)])
-    assert (retry.status, retry.error) == (409, "outcome-unknown"), retry
-    assert retry.seconds < TAKEOVER_LIMIT, retry
-    assert (again.status, again.error) == (409, "outcome-unknown"), again
-    assert await job_of(fault_db, "complete") == ("unknown", [("unknown", "lease expired")])
+    assert await job_of(fault_db, "complete") == ("completed", [("succeeded", None)])
+    assert (retry.status, retry.replayed) == (201, True), retry
     assert ledger.count("complete") == 1
+    assert retry.execution == 1
     await no_leak(fault_db)
 
 

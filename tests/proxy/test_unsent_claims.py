@@ -246,4 +246,4 @@ async def test_an_unexpected_error_is_logged_and_the_claim_looked_for_again(
     await _settled(unsent)
     job = await real_get("alice", "bug")
     assert job is not None and job.state is JobState.RELEASED
-    assert f"looking up the unsent claim of job {claimed.job.id} failed" in caplog.text
+    assert f"the follow-up of job {claimed.job.id} failed" in caplog.text

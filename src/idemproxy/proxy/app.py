@@ -59,7 +59,9 @@ def _lifecycle(
             await upstream.open()
             stack.push_async_callback(upstream.close)
             ctx = ProxyContext.build(settings, store, upstream, failpoints, metrics)
-            stack.push_async_callback(ctx.unsent.close)  # after the drain, before the store
+            # After the drain, before the store.
+            stack.push_async_callback(ctx.unsent.close)
+            stack.push_async_callback(ctx.unwritten.close)
             app[CONTEXT] = ctx
             watch_store(metrics, store)
             await _start_housekeeping(ctx, stack)

@@ -32,8 +32,9 @@ from idemproxy.proxy.sink import ClientSink
 from idemproxy.types import Job, JobState, StoredResponse
 
 log = logging.getLogger(__name__)
-# After forwarding, "the request was not forwarded" (StoreUnavailable's default) would be a lie:
-# the job stays in flight, and becomes unknown when its lease runs out (SPEC §3.5).
+# After forwarding, "the request was not forwarded" (StoreUnavailable's default) would be a lie.
+# The outcome is written once the store answers (proxy/unwritten.py); if the job's lease runs
+# out first, it becomes unknown (SPEC §3.5).
 _FORWARDED_NOT_STORED = (
     "The request was forwarded, but its outcome could not be stored; retry later with the same "
     "Idempotency-Key to learn it."
@@ -242,6 +243,7 @@ async def completed(
     try:
         won = await ctx.store.complete(attempt.job, attempt.number, stored, ttl=ttl)
     except StoreUnavailable as exc:
+        ctx.unwritten.completion(attempt.job, attempt.number, stored, ttl)
         raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
     ctx.metrics.attempt_outcome["succeeded" if won else "discarded"].inc()
     if not won:
@@ -269,6 +271,7 @@ async def settle(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> None:
             attempt.job, attempt.number, state, status=failed.status, error=failed.error
         )
     except StoreUnavailable as exc:
+        ctx.unwritten.settlement(attempt.job, attempt.number, state, failed.status, failed.error)
         raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
     if not won:
         log.info("job %s attempt %d: settle lost the CAS", attempt.job.id, attempt.number)

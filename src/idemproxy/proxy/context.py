@@ -16,6 +16,7 @@ from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.routing import RouteTable
 from idemproxy.proxy.unsent import UnsentClaims
+from idemproxy.proxy.unwritten import UnwrittenOutcomes
 from idemproxy.store.base import Store
 
 
@@ -33,6 +34,8 @@ class ProxyContext:
     metrics: Metrics
     # Claims that failed (503, nothing forwarded) but may still commit: released when they do.
     unsent: UnsentClaims
+    # Attempt outcomes the store could not take (503 after forwarding): written when it answers.
+    unwritten: UnwrittenOutcomes
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -66,6 +69,7 @@ class ProxyContext:
             failpoints=failpoints,
             metrics=metrics,
             unsent=UnsentClaims(store, metrics.unsent_outcome, lease=settings.lease),
+            unwritten=UnwrittenOutcomes(store, metrics.unwritten_outcome),
         )
 
 

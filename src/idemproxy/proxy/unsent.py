@@ -18,8 +18,6 @@ operator (docs/operations.md, "A claim that commits after its 503").
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -28,7 +26,7 @@ from typing import NamedTuple
 from prometheus_client import Counter
 
 from idemproxy.decision import Unsent, unsent_claim
-from idemproxy.errors import StoreUnavailable
+from idemproxy.proxy.followups import FollowUps
 from idemproxy.store.base import Store
 from idemproxy.types import JobState
 
@@ -37,8 +35,6 @@ log = logging.getLogger(__name__)
 NEVER_FORWARDED = "claim committed after its timeout; never forwarded"
 # At most this many claims are watched; one more is counted as dropped (left to the operator).
 MAX_UNSENT = 10_000
-# Seconds between looks, doubling while the store stays away or the claim has not appeared.
-_FIRST_LOOK, _LAST_LOOK = 0.05, 1.0
 
 
 class _Claim(NamedTuple):
@@ -51,69 +47,32 @@ class _Claim(NamedTuple):
     until: float
 
 
-class UnsentClaims:
+class UnsentClaims(FollowUps[_Claim]):
     def __init__(self, store: Store, counted: Mapping[str, Counter], *, lease: float) -> None:
-        """`counted`: a counter by outcome (Metrics.unsent_outcome, metrics.UNSENT_OUTCOMES)."""
-        self._store = store
-        self._counted = counted
+        """`counted`: Metrics.unsent_outcome (metrics.UNSENT_OUTCOMES)."""
+        super().__init__(store, counted, max_items=MAX_UNSENT)
         self._lease = lease
-        self._pending: dict[str, _Claim] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def __len__(self) -> int:
-        return len(self._pending)
 
     def note(self, owner: str, key: str, job_id: str) -> None:
         """A claim under `job_id` failed: nothing was forwarded under it."""
-        if len(self._pending) >= MAX_UNSENT:
-            self._counted["dropped"].inc()
-            return
-        until = time.monotonic() + self._lease
-        self._pending[job_id] = _Claim(owner, key, job_id, until)
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._look_until_settled())
+        self._max_items = MAX_UNSENT  # read here, so that a test may lower it
+        self._add(job_id, _Claim(owner, key, job_id, time.monotonic() + self._lease))
 
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _look_until_settled(self) -> None:
-        pause = _FIRST_LOOK
-        while self._pending:
-            await asyncio.sleep(pause)
-            progressed = False
-            for claim in list(self._pending.values()):
-                try:
-                    done = await self._look(claim)
-                except StoreUnavailable:
-                    break  # still away: every other look would fail the same way
-                except Exception:  # a bug: loud, and the claim is looked for again later
-                    log.exception("looking up the unsent claim of job %s failed", claim.job_id)
-                    break
-                progressed = progressed or done
-                if done or time.monotonic() >= claim.until:
-                    del self._pending[claim.job_id]
-                    if not done:
-                        self._counted["not_committed"].inc()
-            pause = _FIRST_LOOK if progressed else min(pause * 2, _LAST_LOOK)
-
-    async def _look(self, claim: _Claim) -> bool:
-        """Whether this claim is settled for good (released, or never ours to release)."""
-        job = await self._store.get(claim.owner, claim.key)
+    async def _settle(self, store: Store, claim: _Claim) -> str | None:
+        job = await store.get(claim.owner, claim.key)
         verdict = unsent_claim(job, claim.job_id)
         if verdict is Unsent.NOT_YET:
-            return False
-        if verdict is Unsent.RELEASE and job is not None:
-            released = await self._store.settle(job, 1, JobState.RELEASED, error=NEVER_FORWARDED)
-            if released:
-                self._counted["released"].inc()
-                log.warning(
-                    "job %s released: its claim committed after the proxy had answered 503, "
-                    "and nothing was forwarded",
-                    job.id,
-                )
-                return True
-        self._counted["moved_on"].inc()
-        return True
+            return "not_committed" if time.monotonic() >= claim.until else None
+        released = (
+            verdict is Unsent.RELEASE
+            and job is not None
+            and await store.settle(job, 1, JobState.RELEASED, error=NEVER_FORWARDED)
+        )
+        if not released:
+            return "moved_on"
+        log.warning(
+            "job %s released: its claim committed after the proxy had answered 503, and nothing "
+            "was forwarded",
+            claim.job_id,
+        )
+        return "released"
