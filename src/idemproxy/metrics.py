@@ -151,8 +151,9 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_LogDropsCollector())
-        # The hot path's children, bound once. Request and attempt outcomes: every series
-        # exists from the start; the others appear when first observed.
+        # The hot path's children, bound once. Request, attempt, unsent-claim and
+        # unwritten-outcome outcomes: every series exists from the start; the others appear
+        # when first observed.
         self.request_outcome = Children[Counter](self.requests.labels, REQUEST_OUTCOMES)
         self.attempt_outcome = Children[Counter](self.attempts.labels, ATTEMPT_OUTCOMES)
         self.unsent_outcome = Children[Counter](self.unsent_claims.labels, UNSENT_OUTCOMES)

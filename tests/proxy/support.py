@@ -67,6 +67,15 @@ async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def job_with_attempts(store: Store, key: str, owner: str = "anonymous") -> Job:
+    """The job under (owner, key), read by id so that its attempts come with it."""
+    job = await store.get(owner, key)
+    assert job is not None
+    full = await store.get_by_id(job.id)
+    assert full is not None
+    return full
+
+
 async def settle_quietly(seconds: float = 0.05) -> None:
     """Give anything that should NOT happen a moment to happen."""
     await asyncio.sleep(seconds)

@@ -21,7 +21,6 @@ from aiohttp.test_utils import TestClient
 from backend import Ledger
 from idemproxy.errors import StoreUnavailable
 from idemproxy.metrics import Metrics
-from idemproxy.proxy import unsent as unsent_module
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.unsent import NEVER_FORWARDED, UnsentClaims
 from idemproxy.store.base import Store
@@ -29,7 +28,7 @@ from idemproxy.store.factory import create_store
 from idemproxy.types import AttemptState, Claimed, Intent, Job, JobState
 
 from .conftest import ProxyFactory
-from .support import KEY, assert_problem, eventually, settle_quietly
+from .support import KEY, assert_problem, eventually, job_with_attempts, settle_quietly
 
 Claim = Callable[..., Awaitable[Any]]
 
@@ -65,14 +64,6 @@ async def _post(client: TestClient[Any, Any], key: str) -> tuple[int, str | None
         return response.status, response.headers.get("Idempotent-Replayed")
 
 
-async def _job(store: Store, key: str) -> Job:
-    job = await store.get("anonymous", key)
-    assert job is not None
-    full = await store.get_by_id(job.id)
-    assert full is not None
-    return full
-
-
 async def test_a_claim_that_committed_after_its_503_is_released_and_its_retry_runs_once(
     proxy: ProxyFactory, ledger: Ledger
 ) -> None:
@@ -83,7 +74,7 @@ async def test_a_claim_that_committed_after_its_503_is_released_and_its_retry_ru
     unsent = client.server.app[CONTEXT].unsent
     await eventually(lambda: len(unsent) == 0)
 
-    job = await _job(store, "late")
+    job = await job_with_attempts(store, "late")
     assert job.state is JobState.RELEASED and job.attempt_count == 1
     assert [(a.state, a.error) for a in job.attempts] == [(AttemptState.FAILED, NEVER_FORWARDED)]
     assert _unsent(client, "released") == 1
@@ -135,7 +126,7 @@ async def test_nothing_is_released_when_the_request_went_upstream_anyway(
     _restore_claims(store)
     await settle_quietly(0.3)
     assert len(client.server.app[CONTEXT].unsent) == 0
-    assert (await _job(store, "forwarded")).state is JobState.IN_FLIGHT
+    assert (await job_with_attempts(store, "forwarded")).state is JobState.IN_FLIGHT
     assert ledger.count("forwarded") == 1
 
 
@@ -214,10 +205,9 @@ async def test_the_store_still_away_is_asked_again_with_a_backoff(store: Store) 
     assert all(gap >= 0.9 * pause for gap, pause in zip(gaps, (0.1, 0.2, 0.4, 0.8), strict=True))
 
 
-async def test_a_bounded_number_are_watched(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(unsent_module, "MAX_UNSENT", 2)
+async def test_a_bounded_number_are_watched(store: Store) -> None:
     metrics = Metrics()
-    unsent = UnsentClaims(store, metrics.unsent_outcome, lease=30.0)
+    unsent = UnsentClaims(store, metrics.unsent_outcome, lease=30.0, max_items=2)
     for key in ("a", "b", "c"):
         unsent.note("alice", key, str(uuid.uuid4()))
     assert len(unsent) == 2

@@ -21,10 +21,10 @@ from idemproxy.errors import StoreUnavailable
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
-from idemproxy.types import AttemptState, Job, JobState
+from idemproxy.types import AttemptState, JobState
 
 from .conftest import ProxyFactory
-from .support import KEY, assert_problem, eventually
+from .support import KEY, assert_problem, eventually, job_with_attempts
 
 
 class FailingWrites:
@@ -63,14 +63,6 @@ async def _post(
         return response.status, response.headers.get("Idempotent-Replayed"), body
 
 
-async def _job(store: Store, key: str) -> Job:
-    job = await store.get("anonymous", key)
-    assert job is not None
-    full = await store.get_by_id(job.id)
-    assert full is not None
-    return full
-
-
 async def _state(store: Store, key: str) -> JobState | None:
     job = await store.get("anonymous", key)
     return None if job is None else job.state
@@ -88,7 +80,7 @@ async def test_a_completion_the_store_missed_is_written_and_retries_get_it(
     store = failing.store
     await eventually(lambda: len(client.server.app[CONTEXT].unwritten) == 0)
 
-    job = await _job(store, "k")
+    job = await job_with_attempts(store, "k")
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 1)
     assert [a.state for a in job.attempts] == [AttemptState.SUCCEEDED]
     assert _counted(client, "written") == 1
@@ -125,13 +117,13 @@ async def test_a_settlement_the_store_missed_is_written(
         await assert_problem(response, "store-unavailable", 503)
     failing.heal()
     await eventually(lambda: len(client.server.app[CONTEXT].unwritten) == 0)
-    job = await _job(failing.store, "k")
+    job = await job_with_attempts(failing.store, "k")
     assert job.state is JobState.RELEASED
     assert [a.state for a in job.attempts] == [AttemptState.FAILED]
     status, replayed, _ = await _post(client, "k", "/payments?status=503")
     assert (status, replayed) == (503, None)  # the retry ran: the upstream's own 503 again
     assert ledger.count("k") == 2
-    job = await _job(failing.store, "k")
+    job = await job_with_attempts(failing.store, "k")
     assert job.state is JobState.RELEASED
     assert [a.state for a in job.attempts] == [AttemptState.FAILED, AttemptState.FAILED]
 

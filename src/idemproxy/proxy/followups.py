@@ -11,6 +11,7 @@ one more is counted as dropped and left to the lease and the operator, as before
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -29,7 +30,7 @@ _FIRST_PAUSE, _LAST_PAUSE = 0.05, 1.0
 Item = TypeVar("Item")
 
 
-class FollowUps(Generic[Item]):
+class FollowUps(abc.ABC, Generic[Item]):
     def __init__(
         self,
         store: Store,
@@ -51,12 +52,12 @@ class FollowUps(Generic[Item]):
         return len(self._pending)
 
     def _add(self, job_id: str, item: Item) -> None:
+        self._drop(job_id)  # a newer item for the same job replaces the older one
         size = self._size(item)
         over_bytes = self._max_bytes and self._bytes + size > self._max_bytes
         if len(self._pending) >= self._max_items or over_bytes:
             self._counted["dropped"].inc()
             return
-        self._drop(job_id)
         self._pending[job_id] = item
         self._bytes += size
         if self._task is None or self._task.done():
@@ -70,10 +71,10 @@ class FollowUps(Generic[Item]):
 
     # --- what each kind defines ---------------------------------------------------------------
 
+    @abc.abstractmethod
     async def _settle(self, store: Store, item: Item) -> str | None:
         """One try: the outcome to count when the item is done, None to try again later.
         StoreUnavailable: the store is still away."""
-        raise NotImplementedError
 
     def _size(self, item: Item) -> int:
         return 0

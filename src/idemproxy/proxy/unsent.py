@@ -48,14 +48,20 @@ class _Claim(NamedTuple):
 
 
 class UnsentClaims(FollowUps[_Claim]):
-    def __init__(self, store: Store, counted: Mapping[str, Counter], *, lease: float) -> None:
+    def __init__(
+        self,
+        store: Store,
+        counted: Mapping[str, Counter],
+        *,
+        lease: float,
+        max_items: int = MAX_UNSENT,
+    ) -> None:
         """`counted`: Metrics.unsent_outcome (metrics.UNSENT_OUTCOMES)."""
-        super().__init__(store, counted, max_items=MAX_UNSENT)
+        super().__init__(store, counted, max_items=max_items)
         self._lease = lease
 
     def note(self, owner: str, key: str, job_id: str) -> None:
         """A claim under `job_id` failed: nothing was forwarded under it."""
-        self._max_items = MAX_UNSENT  # read here, so that a test may lower it
         self._add(job_id, _Claim(owner, key, job_id, time.monotonic() + self._lease))
 
     async def _settle(self, store: Store, claim: _Claim) -> str | None:
