@@ -77,9 +77,13 @@ def parse_checkpoint(data: bytes, path: Path) -> Checkpoint:
 
 
 def _record(raw: bytes) -> ResultRecord:
+    return ResultRecord.from_object(_json(raw))
+
+
+def _json(raw: bytes) -> object:
     try:
-        return ResultRecord.from_object(json.loads(raw))
-    except RecursionError as exc:  # UnicodeDecodeError is a ValueError
+        return json.loads(raw)
+    except RecursionError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ValueError("nested too deep") from exc
 
 
@@ -87,14 +91,20 @@ def _last_line(checkpoint: Checkpoint, tail: bytes, path: Path) -> None:
     """A last line without its newline: a whole result, a torn one, or a file that is not ours."""
     number = checkpoint.lines + 1
     try:
-        record = _record(tail)
+        value = _json(tail)
     except ValueError:
+        # Not whole JSON: a torn result if it begins as every result line does (a strict
+        # prefix of one), else someone else's bytes.
         if tail.startswith(LINE_START) or LINE_START.startswith(tail):
             checkpoint.torn = TornLine(number, len(tail))
             return
+        value = None
+    try:
+        record = ResultRecord.from_object(value)
+    except ValueError:
         raise CheckpointCorrupt(
-            f"{path}: its last line {number} has no newline and is not the start of a result; "
-            "left as it is (is this the results file of a batch run?)"
+            f"{path}: its last line {number} has no newline and is not a result nor the start "
+            "of one; left as it is (is this the results file of a batch run?)"
         ) from None
     checkpoint.records[record.id] = record
     checkpoint.lines, checkpoint.unterminated = number, number
