@@ -22,6 +22,7 @@ JSON = b"Content-Type: application/json"
 HOSTILE = {
     "/surrogate": RawAnswer(201, (JSON,), b'{"text":"caf\\ud83d"}'),
     "/deep": RawAnswer(200, (JSON,), b"[" * 100_000 + b"]" * 100_000),
+    "/deep-500": RawAnswer(200, (JSON,), b"[" * 500 + b"]" * 500),  # the encoder writes it
     "/nan": RawAnswer(200, (JSON,), b'{"score": NaN, "big": 1e999}'),
     "/infinity": RawAnswer(200, (JSON,), b"[Infinity, -Infinity]"),
     "/huge-int": RawAnswer(200, (JSON,), b"1" * 5000),
@@ -69,13 +70,16 @@ async def test_every_answer_gets_a_line_that_strict_parsers_read(tmp_path: Path)
     for name in ("surrogate", "nan", "infinity", "huge-int", "deep"):
         assert results[name]["outcome"] == "done" and results[name]["body_encoding"] == "text"
     assert results["surrogate"]["body"] == '{"text":"caf\\ud83d"}'
+    assert (
+        results["deep-500"]["outcome"] == "done" and results["deep-500"]["body_encoding"] == "json"
+    )
     assert results["bytes"]["body_encoding"] == "base64"
     assert results["binary"]["body_encoding"] == "base64"
     assert results["header-bytes"]["content_type"] == "text/\ufffd\ufffdplain"
     assert results["error-bytes"]["outcome"] == "failed"
     assert results["retry-after"]["retryable"] and results["retry-after"]["attempts"] == 2
     assert results["empty-json"]["body_encoding"] == "none"
-    assert summary.done == 9 and summary.failed == 2
+    assert summary.done == 10 and summary.failed == 2
     assert all(upstream.calls[path] == 1 for path in HOSTILE if path != "/retry-after")
 
 

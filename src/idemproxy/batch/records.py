@@ -25,7 +25,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -66,20 +66,22 @@ class ResultRecord:
         Raises ValueError (or RecursionError) for a record that strict JSON cannot carry; the
         runner then writes a `failed` record for the item instead (runner.py).
         """
-        fields = {"v": RECORD_VERSION, **asdict(self), "outcome": self.outcome.value}
-        return strict_json(fields) + b"\n"
+        # Not dataclasses.asdict: it deep-copies the body in Python recursion, which a body
+        # nested a few hundred deep (that the C encoder writes fine) exhausts.
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        return strict_json({"v": RECORD_VERSION, **values, "outcome": self.outcome.value}) + b"\n"
 
     @classmethod
     def from_object(cls, obj: object) -> ResultRecord:
         if not isinstance(obj, dict):
             raise ValueError("not a JSON object")
         try:
-            fields = {name: obj[name] for name in _REQUIRED}
+            required = {name: obj[name] for name in _REQUIRED}
             outcome = Outcome(obj["outcome"])
         except (KeyError, ValueError) as exc:
             raise ValueError(f"not a result line ({exc})") from exc
         optional = {name: obj.get(name, default) for name, default in _OPTIONAL.items()}
-        return cls(**{**fields, **optional, "outcome": outcome, "id": str(obj["id"])})
+        return cls(**{**required, **optional, "outcome": outcome, "id": str(obj["id"])})
 
 
 _REQUIRED = ("id", "outcome", "key", "request_hash")
