@@ -160,3 +160,8 @@ def test_a_tab_in_a_header_value_is_fine(tmp_path: Path) -> None:
 def test_python_items_are_held_to_the_same_rules(body: object, reason: str) -> None:
     with pytest.raises(InvalidInput, match=f"line 1: .*{reason}"):
         items_from_objects([{"id": "a", "method": "POST", "path": "/x", "body": body}])
+
+
+def test_a_python_header_name_that_is_not_a_string_is_refused() -> None:
+    with pytest.raises(InvalidInput, match=r"line 1: .*must be a header name"):
+        items_from_objects([{"id": "a", "method": "POST", "path": "/x", "headers": {1: "x"}}])

@@ -316,7 +316,16 @@ async def test_a_results_file_that_cannot_be_written_stops_the_run(
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"target": "ftp://x"}, {"concurrency": 0}, {"key_prefix": "a,b"}, {"timeout": 0}],
+    [
+        {"target": "ftp://x"},
+        {"concurrency": 0},
+        {"key_prefix": "a,b"},
+        {"timeout": 0},
+        {"key_header": "Idempotency Key"},
+        {"headers": {"Authorization": "Bearer \x01"}},
+        {"headers": {"Authorization": "Bearer x\r\nX-Evil: 1"}},
+        {"headers": {"Bad Name": "x"}},
+    ],
 )
 async def test_bad_options_are_refused(tmp_path: Path, overrides: dict[str, Any]) -> None:
     from idemproxy.batch import BatchError

@@ -216,16 +216,24 @@ def _headers(value: object, key_header: str) -> tuple[tuple[str, str], ...]:
         raise ValueError('"headers" must be an object of strings')
     headers: list[tuple[str, str]] = []
     for name, text in value.items():
-        if not isinstance(text, str) or not _TOKEN.fullmatch(name):
-            raise ValueError(f'"headers": {name!r} must be a header name with a string value')
-        if "\r" in text or "\n" in text:
-            raise ValueError(f'"headers": {name!r} has a line break in its value')
-        if _CONTROL.search(text) or _SURROGATE.search(text):
-            raise ValueError(f'"headers": {name!r} has a control character in its value')
+        problem = header_problem(name, text)
+        if problem:
+            raise ValueError(f'"headers": {name!r} {problem}')
         if name.lower() == key_header.lower():
             raise ValueError(f'"headers": {name} is derived by the runner (SPEC §14), not given')
         headers.append((name, text))
     return tuple(headers)
+
+
+def header_problem(name: object, value: object) -> str | None:
+    """Why a header could not be sent as it is (RFC 9110 §5.1, §5.5), or None."""
+    if not isinstance(name, str) or not isinstance(value, str) or not _TOKEN.fullmatch(name):
+        return "must be a header name with a string value"
+    if "\r" in value or "\n" in value:
+        return "has a line break in its value"
+    if _CONTROL.search(value) or _SURROGATE.search(value):
+        return "has a control character in its value"
+    return None
 
 
 def _is_json(content_type: str) -> bool:

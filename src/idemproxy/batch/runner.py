@@ -34,7 +34,7 @@ from idemproxy.batch.constants import (
     USER_AGENT,
 )
 from idemproxy.batch.errors import BatchError
-from idemproxy.batch.input import InputFile, Item, items_from_objects, read_input
+from idemproxy.batch.input import InputFile, Item, header_problem, items_from_objects, read_input
 from idemproxy.batch.keys import Identity, check_prefix
 from idemproxy.batch.plan import Plan, PlanRules, make_plan
 from idemproxy.batch.progress import NullReporter, Reporter
@@ -75,6 +75,11 @@ class BatchOptions:
             check_prefix(self.key_prefix)
         except ValueError as exc:
             raise BatchError(str(exc)) from exc
+        # Refused here, before anything is sent, rather than failing every item as it goes out.
+        for name, value in {self.key_header: "", **self.headers}.items():
+            problem = header_problem(name, value)
+            if problem:
+                raise BatchError(f"header {name!r} {problem}")
 
     def rules(self) -> PlanRules:
         return PlanRules(
