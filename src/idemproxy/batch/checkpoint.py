@@ -181,7 +181,7 @@ def _repair(fd: int, size: int) -> None:
 
 
 def _terminate(fd: int) -> None:
-    os.write(fd, b"\n")  # O_APPEND: after the whole record the file ends with
+    os.write(fd, b"\n")  # O_APPEND: right after the whole record the file ends with
     os.fsync(fd)
 
 

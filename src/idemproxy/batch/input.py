@@ -32,7 +32,7 @@ _FIELDS = frozenset({"id", "method", "path", "headers", "body", "meta"})
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _ID_MAX_LENGTH = 1024
 # RFC 9110 §5.5: a field value is visible characters, spaces and tabs; no other control character
-# (aiohttp refuses them at send time, and the proxy would too).
+# (aiohttp refuses exactly these when it sends).
 _CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
