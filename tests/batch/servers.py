@@ -52,10 +52,12 @@ def tail(log: Path) -> str:
     return log.read_text()[-4000:]
 
 
-async def start_proxy(upstream: str, folder: Path) -> tuple[asyncio.subprocess.Process, str]:
+async def start_proxy(
+    upstream: str, folder: Path, env: dict[str, str] | None = None
+) -> tuple[asyncio.subprocess.Process, str]:
     port = free_port()
     log = folder / "proxy.log"
-    env = {**os.environ, "IDEMPROXY_ADMIN__LISTEN": "127.0.0.1:0"}
+    env = {**os.environ, "IDEMPROXY_ADMIN__LISTEN": "127.0.0.1:0", **(env or {})}
     with log.open("wb") as sink:
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "idemproxy", "serve",

@@ -77,13 +77,48 @@ def test_a_torn_last_line_is_cut_off_when_opened_for_writing(tmp_path: Path) -> 
     assert read_checkpoint(path).torn is None and len(read_checkpoint(path).records) == 2
 
 
-def test_a_complete_line_without_its_newline_is_still_a_torn_line(tmp_path: Path) -> None:
-    # The write may stop just before the newline: the item is sent again under the same key.
+def test_a_whole_last_result_without_its_newline_is_kept_and_completed(tmp_path: Path) -> None:
+    # A result is fsynced with its newline in one write; one that lacks only the newline is
+    # still the whole record: it is kept, and given its newline before anything is appended.
     path = tmp_path / "out.jsonl"
-    path.write_bytes(record("a").to_line() + record("b").to_line()[:-1])
+    whole = record("a").to_line() + record("b").to_line()
+    path.write_bytes(whole[:-1])
+    assert read_checkpoint(path).unterminated == 2
     writer, checkpoint = CheckpointWriter.open(path)
     writer.close()
-    assert list(checkpoint.records) == ["a"] and checkpoint.torn is not None
+    assert list(checkpoint.records) == ["a", "b"] and checkpoint.torn is None
+    assert checkpoint.unterminated == 2 and path.read_bytes() == whole
+    _write(path, record("c"))
+    assert list(read_checkpoint(path).records) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("cut", [1, 5, 11, 12, 60])
+def test_any_strict_prefix_of_a_result_is_a_torn_line(tmp_path: Path, cut: int) -> None:
+    path = tmp_path / "out.jsonl"
+    first = record("a").to_line()
+    path.write_bytes(first + record("b").to_line()[:cut])
+    writer, checkpoint = CheckpointWriter.open(path)
+    writer.close()
+    assert checkpoint.torn == TornLine(2, cut) and path.read_bytes() == first
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"report": {"total": 3}}',  # --output pointing at an unrelated JSON file
+        b'{"report": {"total": 3}',
+        b"id,amount\n1,2\n",  # not JSON at all, with newlines
+        b"plain words",
+        record("a").to_line() + b'{"unrelated": true}',
+        record("a").to_line() + b'{"v":1,"id":"x"}',  # whole JSON that is not a result
+    ],
+)
+def test_a_file_that_is_not_a_results_file_is_left_alone(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "report.json"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointCorrupt, match="is not"):
+        CheckpointWriter.open(path)
+    assert path.read_bytes() == data
 
 
 @pytest.mark.parametrize("garbage", [b"{oops\n", b'{"id": "x"}\n', b"[1]\n"])
@@ -147,3 +182,25 @@ def test_a_failed_write_is_reported_as_such(
             writer.append(record("a"))
     finally:
         writer.close()
+
+
+@pytest.mark.parametrize("body", [float("nan"), float("inf"), "caf\ud83d", {"x": float("-inf")}])
+def test_a_record_strict_json_cannot_carry_is_refused_not_written(body: object) -> None:
+    with pytest.raises(ValueError):
+        record("a", body=body).to_line()
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b'{"text":"caf\\ud83d"}', ('{"text":"caf\\ud83d"}', "text")),
+        (b"[NaN]", ("[NaN]", "text")),
+        (b"1e999", ("1e999", "text")),
+        (b"[" * 100_000 + b"]" * 100_000, (("[" * 100_000 + "]" * 100_000), "text")),
+        (b'"\xed\xa0\xbd"', ("Iu2gvSI=", "base64")),  # a surrogate encoded as UTF-8 bytes
+    ],
+)
+def test_json_bodies_that_cannot_be_written_back_are_kept_as_they_came(
+    data: bytes, expected: tuple[object, str]
+) -> None:
+    assert encode_body(data, "application/json") == expected

@@ -101,3 +101,33 @@ def test_status_of_a_corrupt_file_says_where(
     out.write_text("garbage\n" + record("a").to_line().decode())
     assert main(["batch", "status", str(out)]) == 2
     assert "line 1 is not a result" in capsys.readouterr().err
+
+
+def test_status_counts_and_explains_omitted_answers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.jsonl"
+    writer, _ = CheckpointWriter.open(out)
+    writer.append(record("a"))
+    writer.append(record("b", Outcome.OMITTED, body=None, body_encoding="none", replayed=True))
+    writer.close()
+    assert main(["batch", "status", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "done     1 (0 replayed)" in text
+    assert "omitted  1 (executed once, but the proxy kept no body" in text
+    assert "max_stored_body" in text
+    assert main(["batch", "status", str(out), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["done"], status["omitted"], status["unknown"]) == (1, 1, 0)
+
+
+def test_a_file_that_is_not_a_results_file_refuses_to_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "report.json"
+    report.write_bytes(b'{"total": 3, "rows": []}')
+    source = write_jsonl(tmp_path / "in.jsonl", ITEMS)
+    assert main(["batch", "run", str(source), "--target", "http://127.0.0.1:9",
+                 "--output", str(report)]) == 2  # fmt: skip
+    assert "is not a result nor the start of one" in capsys.readouterr().err
+    assert report.read_bytes() == b'{"total": 3, "rows": []}'

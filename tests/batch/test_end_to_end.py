@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,17 @@ import pytest
 from idemproxy.batch import BatchOptions, run_batch
 
 from .paid import Charges
+from .rawserver import RawAnswer, RawUpstream, raw_upstream
 from .relay import resetting_relay
-from .servers import charge_items, line_count, read_results, write_jsonl
+from .servers import (
+    charge_items,
+    line_count,
+    read_results,
+    start_proxy,
+    stop_process,
+    write_jsonl,
+)
+from .test_hostile import strict_results
 
 pytestmark = pytest.mark.slow
 
@@ -183,3 +193,90 @@ async def test_a_changed_payload_is_reported_not_silently_replayed(
     latest = [r for r in read_results(out) if r["id"] == "item-0003"][-1]
     assert latest["body"]["echo"] == {"amount": 400} and not latest["replayed"]
     assert (await _status(out, source, tmp_path))["changed"] == 0
+
+
+STORED_LIMIT = 1024  # the proxy's max_stored_body in the tests below
+JSON = b"Content-Type: application/json"
+
+
+@pytest.fixture
+async def raw_proxy(tmp_path: Path) -> AsyncIterator[tuple[RawUpstream, str]]:
+    """The real proxy in front of the raw upstream, keeping bodies up to STORED_LIMIT bytes."""
+    async with raw_upstream(RawUpstream()) as (upstream, upstream_url):
+        env = {"IDEMPROXY_MAX_STORED_BODY": str(STORED_LIMIT)}
+        process, url = await start_proxy(upstream_url, tmp_path, env)
+        try:
+            yield upstream, url
+        finally:
+            await stop_process(process)
+
+
+async def test_a_body_python_cannot_write_back_does_not_stop_the_batch(
+    raw_proxy: tuple[RawUpstream, str], tmp_path: Path
+) -> None:
+    upstream, url = raw_proxy
+    upstream.answers.update(
+        {f"/ok{n}": RawAnswer(201, (JSON,), b'{"n": %d}' % n) for n in range(6)}
+        | {
+            "/cut-emoji": RawAnswer(201, (JSON,), b'{"text":"caf\\ud83d"}'),
+            "/deep": RawAnswer(200, (JSON,), b"[" * 100_000 + b"]" * 100_000),
+        }
+    )
+    paths = ["/ok0", "/cut-emoji", "/ok1", "/ok2", "/deep", "/ok3", "/ok4", "/ok5"]
+    source = write_jsonl(
+        tmp_path / "in.jsonl", [{"id": p[1:], "method": "POST", "path": p} for p in paths]
+    )
+    out, log = tmp_path / "out.jsonl", tmp_path / "batch.log"
+    for _ in range(2):  # and a rerun finds everything answered
+        run = await _cli(*_run_args(source, out, url, "--concurrency", "2"), log=log)
+        assert await run.wait() == 0, log.read_text()
+    results = {r["id"]: r for r in strict_results(out)}
+    assert len(results) == len(paths) and all(r["outcome"] == "done" for r in results.values())
+    assert results["cut-emoji"]["body"] == '{"text":"caf\\ud83d"}'
+    assert results["cut-emoji"]["body_encoding"] == "text"
+    assert set(upstream.executions.values()) == {1} and len(upstream.executions) == len(paths)
+    assert "Traceback" not in log.read_text()
+
+
+async def test_an_answer_the_proxy_did_not_store_is_omitted_not_done(
+    raw_proxy: tuple[RawUpstream, str], tmp_path: Path
+) -> None:
+    upstream, url = raw_proxy
+    big = b'{"pad": "%s"}' % (b"x" * 4 * STORED_LIMIT)
+    upstream.answers["/small"] = RawAnswer(201, (JSON,), b'{"ok": true}', delay=1.0)
+    upstream.answers["/big"] = RawAnswer(201, (JSON,), big, delay=1.0)
+    items = [{"id": p[1:], "method": "POST", "path": p} for p in ("/small", "/big")]
+    out = tmp_path / "out.jsonl"
+    # Each first try times out; the proxy finishes the call and the retry is its replay.
+    summary = await run_batch(items, out, _options(url, timeout=0.5))
+    results = {r["id"]: r for r in read_results(out)}
+    assert results["small"]["outcome"] == "done" and results["small"]["body"] == {"ok": True}
+    assert results["big"]["outcome"] == "omitted" and results["big"]["body"] is None
+    assert results["big"]["status"] == 201 and results["big"]["replayed"]
+    assert (summary.done, summary.omitted, summary.complete) == (1, 1, False)
+    source = write_jsonl(tmp_path / "in.jsonl", items)
+    status = await _status(out, source, tmp_path)
+    assert (status["done"], status["omitted"], status["pending"]) == (1, 1, 0)
+
+    log = tmp_path / "batch.log"
+    rerun = await _cli(*_run_args(source, out, url), log=log)
+    assert await rerun.wait() == 1, log.read_text()  # not complete: the body is gone
+    assert "omitted 1 (executed once" in log.read_text()
+    assert len(read_results(out)) == 2  # nothing was sent again
+    assert upstream.executions == {"/small": 1, "/big": 1}
+
+
+async def test_a_409_the_proxy_stored_is_final(
+    raw_proxy: tuple[RawUpstream, str], tmp_path: Path
+) -> None:
+    upstream, url = raw_proxy
+    upstream.answers["/taken"] = RawAnswer(409, (JSON,), b'{"error": "name taken"}')
+    items = [{"id": "taken", "method": "POST", "path": "/taken"}]
+    out = tmp_path / "out.jsonl"
+    summary = await run_batch(items, out, _options(url))
+    [result] = read_results(out)
+    assert result["outcome"] == "failed" and not result["retryable"]
+    assert result["attempts"] == 2 and result["replayed"]  # the retry got the stored answer
+    assert summary.retryable == 0
+    again = await run_batch(items, out, _options(url))
+    assert again.sent == 0 and upstream.executions == {"/taken": 1}

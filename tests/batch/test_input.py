@@ -111,3 +111,57 @@ def test_a_string_body_with_a_text_content_type_is_sent_as_text() -> None:
 
 def test_no_body_sends_nothing() -> None:
     assert Item("a", "DELETE", "/x").payload() == (None, None)
+
+
+A = '{"id": "a", "method": "POST", "path": "/x", '  # an item line, to be completed
+DEEP = A + '"body": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (A + '"body": {"t": "caf\\ud83d"}}', '"body" has a lone surrogate'),
+        (A + '"meta": ["\\udc00"]}', '"meta" has a lone surrogate'),
+        ('{"id": "caf\\ud83d", "method": "POST", "path": "/x"}', '"id" has a lone surrogate'),
+        (A + '"headers": {"X-A": "b\\u0000c"}}', "control character"),
+        (A + '"headers": {"X-A": "b\\u001bc"}}', "control character"),
+        (A + '"headers": {"X-A": "b\\u007f"}}', "control character"),
+        (A + '"headers": {"X-A": "\\ud800"}}', "control character"),
+        (A + '"body": 1e999}', "strict JSON"),
+        (DEEP, "nested too deep"),
+    ],
+)  # fmt: skip
+def test_what_could_not_be_sent_or_written_is_refused_with_its_line(
+    tmp_path: Path, line: str, reason: str
+) -> None:
+    path = _write(tmp_path, '{"id": "ok", "method": "POST", "path": "/x"}', line)
+    with pytest.raises(InvalidInput) as caught:
+        read_input(path)
+    [problem] = caught.value.problems
+    assert problem.startswith("line 2: ") and reason in problem
+
+
+def test_a_tab_in_a_header_value_is_fine(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path, '{"id": "a", "method": "POST", "path": "/x", "headers": {"X": "a\\tb é"}}'
+    )
+    assert read_input(path).items[0].headers == (("X", "a\tb é"),)
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (float("nan"), "strict JSON"),
+        ({"a": {1, 2}}, "strict JSON"),
+        ({"t": "caf\ud83d"}, "lone surrogate"),
+        ({(1, 2): "tuple key"}, "strict JSON"),
+    ],
+)
+def test_python_items_are_held_to_the_same_rules(body: object, reason: str) -> None:
+    with pytest.raises(InvalidInput, match=f"line 1: .*{reason}"):
+        items_from_objects([{"id": "a", "method": "POST", "path": "/x", "body": body}])
+
+
+def test_a_python_header_name_that_is_not_a_string_is_refused() -> None:
+    with pytest.raises(InvalidInput, match=r"line 1: .*must be a header name"):
+        items_from_objects([{"id": "a", "method": "POST", "path": "/x", "headers": {1: "x"}}])

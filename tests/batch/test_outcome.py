@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import random
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
 import pytest
+from rich.console import Console
 
 from idemproxy.batch.outcome import (
     Verdict,
@@ -15,6 +17,10 @@ from idemproxy.batch.outcome import (
     next_delay,
     retry_after_seconds,
 )
+from idemproxy.batch.progress import PlainReporter, RichReporter, describe_problem
+from idemproxy.batch.records import Outcome
+
+from .factory import record
 
 
 @pytest.mark.parametrize(
@@ -65,3 +71,37 @@ def test_retry_after_is_the_least_wait() -> None:
     assert next_delay(1, 7.0, 0.5, 30.0) == 7.0
     assert 4.0 <= next_delay(5, 1.0, 0.5, 30.0) <= 8.0
     assert next_delay(1, None, 0.5, 30.0) <= 0.5
+
+
+@pytest.mark.parametrize(
+    ("status", "omitted", "verdict"),
+    [
+        (409, False, Verdict.FAILED),  # the upstream's own 409, stored: asking again replays it
+        (503, False, Verdict.FAILED),
+        (429, False, Verdict.FAILED),
+        (201, False, Verdict.DONE),
+        (201, True, Verdict.OMITTED),  # SPEC §7: replayed without the body it did not store
+        (422, True, Verdict.OMITTED),
+    ],
+)
+def test_a_replay_is_a_final_answer(status: int, omitted: bool, verdict: Verdict) -> None:
+    assert classify(status, None, replayed=True, omitted=omitted) is verdict
+
+
+@pytest.mark.parametrize("value", ["²", "١٢", "Mon, 99 Foo 2025 99:99:99 GMT", "\udcff"])
+def test_a_retry_after_nobody_can_read_is_ignored(value: str) -> None:
+    assert retry_after_seconds(value) is None
+
+
+def test_progress_reports_omitted_items() -> None:
+    omitted = record("a", Outcome.OMITTED, status=201, replayed=True)
+    assert "without the body the proxy did not store" in (describe_problem(omitted) or "")
+    rich = RichReporter(Console(file=io.StringIO()))
+    rich.start(1, 0)
+    rich.advance(omitted)
+    rich.finish()
+    plain = io.StringIO()
+    reporter = PlainReporter(plain)
+    reporter.start(1, 0)
+    reporter.advance(omitted)
+    assert "item 'a': omitted (HTTP 201" in plain.getvalue()

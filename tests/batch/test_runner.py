@@ -19,6 +19,7 @@ from idemproxy.batch import (
     CheckpointLocked,
     CheckpointUnwritable,
     InvalidInput,
+    KeyHeaderChanged,
     KeyPrefixChanged,
     Outcome,
     ResultRecord,
@@ -315,7 +316,16 @@ async def test_a_results_file_that_cannot_be_written_stops_the_run(
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"target": "ftp://x"}, {"concurrency": 0}, {"key_prefix": "a,b"}, {"timeout": 0}],
+    [
+        {"target": "ftp://x"},
+        {"concurrency": 0},
+        {"key_prefix": "a,b"},
+        {"timeout": 0},
+        {"key_header": "Idempotency Key"},
+        {"headers": {"Authorization": "Bearer \x01"}},
+        {"headers": {"Authorization": "Bearer x\r\nX-Evil: 1"}},
+        {"headers": {"Bad Name": "x"}},
+    ],
 )
 async def test_bad_options_are_refused(tmp_path: Path, overrides: dict[str, Any]) -> None:
     from idemproxy.batch import BatchError
@@ -326,4 +336,79 @@ async def test_bad_options_are_refused(tmp_path: Path, overrides: dict[str, Any]
 
 
 def test_outcomes_are_the_documented_words() -> None:
-    assert [o.value for o in Outcome] == ["done", "failed", "unknown"]
+    assert [o.value for o in Outcome] == ["done", "failed", "unknown", "omitted"]
+
+
+async def test_a_replay_without_its_body_is_omitted_never_done(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    # The first answer was lost (the connection dropped, the run was killed); the retry under
+    # the same key is the proxy's replay of a response it did not store (SPEC §7).
+    out = tmp_path / "out.jsonl"
+    items = _items(2, "/x?omit=1")
+    items[1]["path"] = "/x?omit=1&slow=1&delay=2"  # the first try times out
+    summary = await run_batch(items, out, _options(api_url, timeout=0.5))
+    results = {r["id"]: r for r in read_results(out)}
+    assert results["i0"]["outcome"] == "done" and results["i0"]["body"]["call"] == 1
+    omitted = results["i1"]
+    assert omitted["outcome"] == "omitted" and omitted["body"] is None
+    assert omitted["replayed"] and omitted["status"] == 201 and not omitted["retryable"]
+    assert "did not store the answer" in omitted["error"]
+    assert (summary.done, summary.omitted) == (1, 1) and not summary.complete
+    assert "omitted 1" in summary.describe() and "max_stored_body" in summary.describe()
+    # A rerun cannot get the body back: the item is not sent again, and still not complete.
+    recorder = Recorder()
+    again = await run_batch(items, out, _options(api_url), reporter=recorder)
+    assert (again.sent, again.earlier_omitted, again.complete) == (0, 1, False)
+    assert any("1 item(s) are 'omitted'" in note for note in recorder.notes)
+    assert sum(calls.by_key.values()) == 3
+    asked = await run_batch(items, out, _options(api_url, retry_omitted=True))
+    assert asked.omitted == 1 and sum(calls.by_key.values()) == 4  # the same key, replayed
+
+
+async def test_a_replayed_409_is_a_final_answer(api_url: str, calls: Calls, tmp_path: Path) -> None:
+    # A plain 409 from the upstream is stored by the proxy and replayed as it is: asking again
+    # can never change it, so it is not retried for ever (run after run) as `retryable`.
+    out = tmp_path / "out.jsonl"
+    items = _items(1, "/x?fail=99&status=409&replayed=1")
+    summary = await run_batch(items, out, _options(api_url))
+    [result] = read_results(out)
+    assert result["outcome"] == "failed" and result["status"] == 409
+    assert result["attempts"] == 2 and not result["retryable"] and result["replayed"]
+    assert summary.failed == 1 and summary.retryable == 0
+    again = await run_batch(items, out, _options(api_url))
+    assert again.sent == 0 and sum(calls.by_key.values()) == 2
+
+
+async def test_a_stop_ends_a_retry_backoff_at_once(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    stop = Stop()
+    items = _items(2, "/x?fail=9&status=503&after=300")  # Retry-After: 5 minutes
+
+    async def press_once() -> None:
+        await calls.reached(2)
+        await asyncio.sleep(0.05)  # both are in their backoff
+        stop.request()
+
+    presser = asyncio.create_task(press_once())
+    summary = await asyncio.wait_for(run_batch(items, out, _options(api_url), stop=stop), 3)
+    await presser
+    results = read_results(out)
+    assert summary.stopped and len(results) == 2
+    assert all(r["outcome"] == "failed" and r["retryable"] and r["status"] == 503 for r in results)
+    assert sum(calls.by_key.values()) == 2
+
+
+async def test_another_key_header_on_resume_is_refused(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.jsonl"
+    await run_batch(_items(2), out, _options(api_url, key_header="Idempotency-Key"))
+    assert {r["key_header"] for r in read_results(out)} == {"Idempotency-Key"}
+    with pytest.raises(KeyHeaderChanged, match="--key-header 'Idempotency-Key', not 'X-Key'"):
+        await run_batch(_items(3), out, _options(api_url, key_header="X-Key"))
+    assert sum(calls.by_key.values()) == 2  # nothing was sent
+    resumed = await run_batch(_items(3), out, _options(api_url, key_header="idempotency-key"))
+    assert resumed.done == 1 and resumed.complete  # header names are case-insensitive

@@ -27,6 +27,7 @@ from idemproxy.batch.errors import (
     CheckpointLocked,
     CheckpointUnwritable,
     InvalidInput,
+    KeyHeaderChanged,
     KeyPrefixChanged,
 )
 from idemproxy.batch.input import Item
@@ -47,6 +48,7 @@ __all__ = [
     "CheckpointUnwritable",
     "InvalidInput",
     "Item",
+    "KeyHeaderChanged",
     "KeyPrefixChanged",
     "NullReporter",
     "Outcome",

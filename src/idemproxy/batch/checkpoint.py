@@ -3,9 +3,12 @@
 Each result is written as one complete line with a single `write` on an `O_APPEND` descriptor
 and fsynced before the runner moves on, so a crash at any moment loses at most the items in
 flight, and lines never interleave. Only the last line can be torn (the process died inside
-that write); it is recognised by its missing newline and cut off on the next run — its item is
-then sent again under the same key, and the proxy replays it instead of executing it again.
-Any other line that is not a result is corruption we did not cause, and stops the run.
+that write): it lacks its newline, and it is cut off on the next run only if it is a strict
+prefix of a result line (it starts as every result line does, and is not whole JSON) — its item
+is then sent again under the same key, and the proxy replays it instead of executing it again.
+A whole result that only lacks its newline is kept and given the newline. Any other last line
+without a newline, and any other line that is not a result, is a file we did not write (an
+`--output` pointing at the wrong file): the run stops and the file is left as it is.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from idemproxy.batch.errors import (
     CheckpointLocked,
     CheckpointUnwritable,
 )
-from idemproxy.batch.records import ResultRecord
+from idemproxy.batch.records import LINE_START, ResultRecord
 
 try:
     import fcntl
@@ -42,6 +45,7 @@ class Checkpoint:
     records: dict[str, ResultRecord] = field(default_factory=dict)
     lines: int = 0
     torn: TornLine | None = None
+    unterminated: int | None = None  # line number of a whole last result without its newline
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
@@ -63,13 +67,47 @@ def parse_checkpoint(data: bytes, path: Path) -> Checkpoint:
         if not raw.strip():
             continue
         try:
-            record = ResultRecord.from_object(json.loads(raw))
-        except (ValueError, UnicodeDecodeError) as exc:
+            record = _record(raw)
+        except ValueError as exc:
             raise CheckpointCorrupt(f"{path}: line {number} is not a result ({exc})") from exc
         checkpoint.records[record.id] = record
     if tail:
-        checkpoint.torn = TornLine(checkpoint.lines + 1, len(tail))
+        _last_line(checkpoint, tail, path)
     return checkpoint
+
+
+def _record(raw: bytes) -> ResultRecord:
+    return ResultRecord.from_object(_json(raw))
+
+
+def _json(raw: bytes) -> object:
+    try:
+        return json.loads(raw)
+    except RecursionError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError("nested too deep") from exc
+
+
+def _last_line(checkpoint: Checkpoint, tail: bytes, path: Path) -> None:
+    """A last line without its newline: a whole result, a torn one, or a file that is not ours."""
+    number = checkpoint.lines + 1
+    try:
+        value = _json(tail)
+    except ValueError:
+        # Not whole JSON: a torn result if it begins as every result line does (a strict
+        # prefix of one), else someone else's bytes.
+        if tail.startswith(LINE_START) or LINE_START.startswith(tail):
+            checkpoint.torn = TornLine(number, len(tail))
+            return
+        value = None
+    try:
+        record = ResultRecord.from_object(value)
+    except ValueError:
+        raise CheckpointCorrupt(
+            f"{path}: its last line {number} has no newline and is not a result nor the start "
+            "of one; left as it is (is this the results file of a batch run?)"
+        ) from None
+    checkpoint.records[record.id] = record
+    checkpoint.lines, checkpoint.unterminated = number, number
 
 
 class CheckpointWriter:
@@ -97,6 +135,8 @@ class CheckpointWriter:
             checkpoint = parse_checkpoint(path.read_bytes(), path)
             if checkpoint.torn is not None:
                 _repair(fd, path.stat().st_size - checkpoint.torn.size)
+            elif checkpoint.unterminated is not None:
+                _terminate(fd)
         except BaseException:
             os.close(fd)
             raise
@@ -137,6 +177,11 @@ def _lock(fd: int, path: Path) -> None:
 
 def _repair(fd: int, size: int) -> None:
     os.ftruncate(fd, size)
+    os.fsync(fd)
+
+
+def _terminate(fd: int) -> None:
+    os.write(fd, b"\n")  # O_APPEND: right after the whole record the file ends with
     os.fsync(fd)
 
 

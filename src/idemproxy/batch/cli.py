@@ -1,9 +1,9 @@
 """`idemproxy batch run|status`: flags → BatchOptions → `run_batch` (SPEC §13, §14).
 
 Exit status of `run`: 0 when every item has a `done` result, 1 when some do not (failed,
-unknown, changed), 2 when the run could not start or go on (bad flags, invalid input, a results
-file that is corrupt, locked, unwritable or written under another key prefix), 130 when it was
-stopped with Ctrl-C.
+unknown, omitted, changed), 2 when the run could not start or go on (bad flags, invalid input, a
+results file that is corrupt, locked, unwritable or written under another key prefix or key
+header), 130 when it was stopped with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ _SWITCHES = {
     "--retry-failed": "send failed items again (same key)",
     "--retry-unknown": "ask again for items whose outcome was unknown (after resolving them)",
     "--rerun-changed": "send items edited since their result was written, as new intents",
+    "--retry-omitted": "ask again for items the proxy answered without their body (same key)",
 }
 
 
@@ -140,6 +141,7 @@ def _options(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str
         retry_failed=args.retry_failed,
         retry_unknown=args.retry_unknown,
         rerun_changed=args.rerun_changed,
+        retry_omitted=args.retry_omitted,
     )
 
 

@@ -17,8 +17,8 @@ from multidict import CIMultiDict
 from idemproxy.batch.input import Item
 from idemproxy.batch.keys import Identity
 from idemproxy.batch.outcome import Verdict, classify, next_delay, retry_after_seconds
-from idemproxy.batch.records import Outcome, ResultRecord, encode_body, utc_now
-from idemproxy.constants import ERROR_HEADER, REPLAYED_HEADER
+from idemproxy.batch.records import Outcome, ResultRecord, encode_body, utc_now, valid_text
+from idemproxy.constants import ERROR_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -42,6 +42,7 @@ class Request:
     url: str
     headers: Mapping[str, str]
     data: bytes | None
+    key_header: str
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Answer:
     status: int
     error_code: str | None
     replayed: bool
+    omitted: bool  # SPEC §7: a replay without the body the proxy did not store
     retry_after: float | None
     content_type: str | None
     body: bytes
@@ -72,7 +74,7 @@ def build_request(
     merged[key_header] = identity.key
     if content_type is not None:
         merged["Content-Type"] = content_type
-    return Request(item, identity, target.rstrip("/") + item.path, merged, data)
+    return Request(item, identity, target.rstrip("/") + item.path, merged, data, key_header)
 
 
 async def send(
@@ -80,10 +82,15 @@ async def send(
     request: Request,
     policy: RetryPolicy,
     *,
+    stop: asyncio.Event | None = None,
     sleep: Sleep = asyncio.sleep,
     rng: random.Random | None = None,
 ) -> ResultRecord:
-    """Send until a final answer or until the retries run out; never raises for the network."""
+    """Send until a final answer or until the retries run out; never raises for the network.
+
+    `stop` set (the first Ctrl-C) ends a backoff at once: the item is recorded `failed` and
+    retryable, so the next run asks again under the same key (SPEC §14: a clean stop).
+    """
     tries = _Tries(utc_now())
     while True:
         tries.count += 1
@@ -93,9 +100,27 @@ async def send(
         if tries.count > policy.retries:
             return _record(request, tries, Verdict.FAILED, retryable=True)
         retry_after = tries.answer.retry_after if tries.answer else None
-        await sleep(
-            next_delay(tries.count, retry_after, policy.backoff_base, policy.backoff_max, rng)
-        )
+        delay = next_delay(tries.count, retry_after, policy.backoff_base, policy.backoff_max, rng)
+        if await _stopped_during(sleep(delay), stop):
+            return _record(request, tries, Verdict.FAILED, retryable=True)
+
+
+async def _stopped_during(backoff: Awaitable[None], stop: asyncio.Event | None) -> bool:
+    """Wait out the backoff unless `stop` is set first; whether it was."""
+    if stop is None:
+        await backoff
+        return False
+    if stop.is_set():
+        return True
+    waiting = asyncio.ensure_future(backoff)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (waiting, stopping):
+            task.cancel()
+        await asyncio.gather(waiting, stopping, return_exceptions=True)
+    return stop.is_set()
 
 
 async def _try_once(
@@ -107,7 +132,9 @@ async def _try_once(
         tries.answer, tries.error = None, _describe(exc)
         return Verdict.RETRY
     tries.answer, tries.error = answer, None
-    return classify(answer.status, answer.error_code)
+    return classify(
+        answer.status, answer.error_code, replayed=answer.replayed, omitted=answer.omitted
+    )
 
 
 async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: float) -> Answer:
@@ -120,12 +147,16 @@ async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: f
         timeout=aiohttp.ClientTimeout(total=timeout),
     ) as response:
         body = await response.read()
+        headers = response.headers
+        # aiohttp keeps undecodable header bytes as lone surrogates: made valid text here, so
+        # that whatever the upstream sent, the record can be written (records.py).
         return Answer(
             status=response.status,
-            error_code=response.headers.get(ERROR_HEADER),
-            replayed=response.headers.get(REPLAYED_HEADER, "").lower() == "true",
-            retry_after=retry_after_seconds(response.headers.get("Retry-After")),
-            content_type=response.headers.get("Content-Type"),
+            error_code=valid_text(headers.get(ERROR_HEADER)),
+            replayed=headers.get(REPLAYED_HEADER, "").strip().lower() == "true",
+            omitted=headers.get(REPLAY_OMITTED_HEADER, "").strip().lower() == "omitted",
+            retry_after=retry_after_seconds(headers.get("Retry-After")),
+            content_type=valid_text(headers.get("Content-Type")),
             body=body,
         )
 
@@ -134,7 +165,19 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return "timeout: no complete answer in time"
     detail = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {detail}"
+    return f"{type(exc).__name__}: {valid_text(detail)}"
+
+
+_OUTCOMES = {
+    Verdict.DONE: Outcome.DONE,
+    Verdict.UNKNOWN: Outcome.UNKNOWN,
+    Verdict.OMITTED: Outcome.OMITTED,
+}
+# SPEC §7: written in the record's `error`, so that the results file alone says what happened.
+OMITTED_ERROR = (
+    "executed once, but the proxy did not store the answer (larger than its max_stored_body) "
+    "and replays it without its body; a rerun cannot get it back"
+)
 
 
 def _record(
@@ -142,9 +185,8 @@ def _record(
 ) -> ResultRecord:
     answer = tries.answer
     body, encoding = encode_body(answer.body, answer.content_type) if answer else (None, "none")
-    outcome = {Verdict.DONE: Outcome.DONE, Verdict.UNKNOWN: Outcome.UNKNOWN}.get(
-        verdict, Outcome.FAILED
-    )
+    outcome = _OUTCOMES.get(verdict, Outcome.FAILED)
+    error = OMITTED_ERROR if outcome is Outcome.OMITTED else tries.error
     return ResultRecord(
         id=request.item.id,
         outcome=outcome,
@@ -154,7 +196,7 @@ def _record(
         body=body,
         body_encoding=encoding,
         content_type=answer.content_type if answer else None,
-        error=tries.error,
+        error=error,
         error_code=answer.error_code if answer else None,
         retryable=retryable,
         key=request.identity.key,
@@ -162,4 +204,33 @@ def _record(
         meta=request.item.meta,
         started_at=tries.started_at,
         finished_at=utc_now(),
+        key_header=request.key_header,
+    )
+
+
+def failed_record(request: Request, started_at: str, exc: Exception) -> ResultRecord:
+    """The record of an item whose answer could not be turned into a result line.
+
+    A bug of ours or an answer nothing here foresaw: this item is `failed` (not retryable; a
+    rerun with --retry-failed asks again under the same key, and the proxy replays), and the
+    batch goes on instead of dying at the same item on every resume.
+    """
+    return ResultRecord(
+        id=request.item.id,
+        outcome=Outcome.FAILED,
+        status=None,
+        replayed=False,
+        attempts=0,
+        body=None,
+        body_encoding="none",
+        content_type=None,
+        error=f"the answer could not be recorded: {_describe(exc)}",
+        error_code=None,
+        retryable=False,
+        key=request.identity.key,
+        request_hash=request.identity.request_hash,
+        meta=request.item.meta,
+        started_at=started_at,
+        finished_at=utc_now(),
+        key_header=request.key_header,
     )

@@ -6,7 +6,8 @@
         ├── CheckpointCorrupt       a results line that is not ours, other than a torn last line
         ├── CheckpointLocked        another run is writing the same results file
         ├── CheckpointUnwritable    a result could not be written (disk full, I/O error)
-        └── KeyPrefixChanged        the results were written under other idempotency keys
+        ├── KeyPrefixChanged        the results were written under other idempotency keys
+        └── KeyHeaderChanged        the results were written with another key header
 
 Docstrings are the default message.
 """
@@ -51,3 +52,7 @@ class CheckpointUnwritable(BatchError):
 
 class KeyPrefixChanged(BatchError):
     """The results file was written with another --key-prefix."""
+
+
+class KeyHeaderChanged(BatchError):
+    """The results file was written with another --key-header."""

@@ -7,6 +7,11 @@
 `Content-Type` header is sent as that text. `meta` is not sent: it is copied to the item's result
 line so that results carry whatever the caller needs to use them (a chapter, a row number).
 Blank lines are ignored.
+
+Everything that could fail later is refused here, with its line number, before anything is
+sent: a `body` or `meta` that strict JSON cannot carry (a lone surrogate such as `"\\ud83d"`,
+`NaN`, nesting too deep, and from Python anything that is not JSON at all), an `id` with a lone
+surrogate, a header value with a control character (RFC 9110 §5.5).
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from idemproxy.batch.errors import InvalidInput
+from idemproxy.batch.records import strict_json
 from idemproxy.constants import DEFAULT_KEY_HEADER
 
 _FIELDS = frozenset({"id", "method", "path", "headers", "body", "meta"})
 # RFC 9110 §5.6.2: token characters, for methods and header names.
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _ID_MAX_LENGTH = 1024
+# RFC 9110 §5.5: a field value is visible characters, spaces and tabs; no other control character
+# (aiohttp refuses exactly these when it sends).
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,8 @@ def _parse_line(raw: bytes, number: int, key_header: str) -> Item:
         raise ValueError("not UTF-8") from exc
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    except RecursionError as exc:
+        raise ValueError("nested too deep to be read") from exc
     return item_from_object(obj, number, key_header)
 
 
@@ -151,10 +163,23 @@ def item_from_object(obj: object, line: int, key_header: str = DEFAULT_KEY_HEADE
         method=_method(obj.get("method")),
         path=_path(obj.get("path")),
         headers=_headers(obj.get("headers"), key_header),
-        body=obj.get("body"),
-        meta=obj.get("meta"),
+        body=_json_value("body", obj.get("body")),
+        meta=_json_value("meta", obj.get("meta")),
         line=line,
     )
+
+
+def _json_value(name: str, value: object) -> object:
+    """`value` if it can be sent (body) or written to the results (meta) as strict JSON."""
+    try:
+        strict_json(value)
+    except RecursionError as exc:
+        raise ValueError(f'"{name}" is nested too deep to be written as JSON') from exc
+    except UnicodeEncodeError as exc:
+        raise ValueError(f'"{name}" has a lone surrogate (half of a UTF-16 pair)') from exc
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f'"{name}" cannot be written as strict JSON ({exc})') from exc
+    return value
 
 
 def _item_id(value: object) -> str:
@@ -165,6 +190,8 @@ def _item_id(value: object) -> str:
     text = str(value)
     if not text or len(text) > _ID_MAX_LENGTH:
         raise ValueError(f'"id" must be 1-{_ID_MAX_LENGTH} characters')
+    if _SURROGATE.search(text):
+        raise ValueError('"id" has a lone surrogate; it could not be written to the results')
     return text
 
 
@@ -189,14 +216,24 @@ def _headers(value: object, key_header: str) -> tuple[tuple[str, str], ...]:
         raise ValueError('"headers" must be an object of strings')
     headers: list[tuple[str, str]] = []
     for name, text in value.items():
-        if not isinstance(text, str) or not _TOKEN.fullmatch(name):
-            raise ValueError(f'"headers": {name!r} must be a header name with a string value')
-        if "\r" in text or "\n" in text:
-            raise ValueError(f'"headers": {name!r} has a line break in its value')
+        problem = header_problem(name, text)
+        if problem:
+            raise ValueError(f'"headers": {name!r} {problem}')
         if name.lower() == key_header.lower():
             raise ValueError(f'"headers": {name} is derived by the runner (SPEC §14), not given')
         headers.append((name, text))
     return tuple(headers)
+
+
+def header_problem(name: object, value: object) -> str | None:
+    """Why a header could not be sent as it is (RFC 9110 §5.1, §5.5), or None."""
+    if not isinstance(name, str) or not isinstance(value, str) or not _TOKEN.fullmatch(name):
+        return "must be a header name with a string value"
+    if "\r" in value or "\n" in value:
+        return "has a line break in its value"
+    if _CONTROL.search(value) or _SURROGATE.search(value):
+        return "has a control character in its value"
+    return None
 
 
 def _is_json(content_type: str) -> bool:

@@ -22,11 +22,18 @@ class Verdict(Enum):
     DONE = "done"
     FAILED = "failed"
     UNKNOWN = "unknown"
+    OMITTED = "omitted"
     RETRY = "retry"
 
 
-def classify(status: int, error_code: str | None) -> Verdict:
-    """What an answer means for the item; `error_code` is the `Idempotency-Error` header."""
+def classify(
+    status: int, error_code: str | None, *, replayed: bool = False, omitted: bool = False
+) -> Verdict:
+    """What an answer means for the item.
+
+    `error_code` is the `Idempotency-Error` header, `replayed` the `Idempotent-Replayed` one,
+    `omitted` says `Idempotency-Replay: omitted`.
+    """
     if error_code == OutcomeUnknown.code:
         # SPEC §3.2: it may have executed; only an operator can say (§3.3). Never retried.
         return Verdict.UNKNOWN
@@ -34,9 +41,19 @@ def classify(status: int, error_code: str | None) -> Verdict:
         return Verdict.RETRY  # SPEC §2: still running under this key; ask again later
     if error_code == PayloadMismatch.code:
         return Verdict.FAILED  # SPEC §8: the key was used for another intent; retrying is futile
+    if replayed or omitted:
+        # SPEC §7: the stored answer of the one execution. Asking again replays the same bytes,
+        # so even a 409 or a 503 the upstream gave is final; without its body it is `omitted`.
+        return _final(status, omitted=omitted)
     if status == 409 or status in TRANSIENT_STATUSES:
         # A plain 409 is how APIs that honour Idempotency-Key say "this key is in use".
         return Verdict.RETRY
+    return _final(status)
+
+
+def _final(status: int, *, omitted: bool = False) -> Verdict:
+    if omitted:
+        return Verdict.OMITTED
     return Verdict.DONE if status < 400 else Verdict.FAILED
 
 
@@ -45,11 +62,11 @@ def retry_after_seconds(value: str | None, now: datetime | None = None) -> float
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # str.isdigit alone takes "²", which float refuses
         return min(float(value), RETRY_AFTER_CAP_SECONDS)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)

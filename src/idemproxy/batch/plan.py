@@ -10,14 +10,20 @@ failed, retries ran out (retryable)     → send again, same key
 failed for good                         → skip, unless `retry_failed`
 unknown                                 → skip, unless `retry_unknown` (after an operator
                                           resolved the job, SPEC §3.3)
+omitted                                 → skip, unless `retry_omitted`: it executed once and
+                                          the proxy replays it without a body (SPEC §7), so
+                                          sending it again brings nothing back and, after an
+                                          operator deleted the job, would pay again
+any result under another key header     → refuse: the in-flight items would go out without
+                                          the key the proxy knows them by, and execute again
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from idemproxy.batch.errors import KeyPrefixChanged
+from idemproxy.batch.errors import KeyHeaderChanged, KeyPrefixChanged
 from idemproxy.batch.input import Item
 from idemproxy.batch.keys import Identity, identify, prefix_of
 from idemproxy.batch.records import Outcome, ResultRecord
@@ -29,6 +35,8 @@ class PlanRules:
     retry_failed: bool = False
     retry_unknown: bool = False
     rerun_changed: bool = False
+    retry_omitted: bool = False
+    key_header: str | None = None  # None: not checked
 
 
 @dataclass
@@ -37,15 +45,17 @@ class Plan:
     skipped_done: int = 0
     kept_failed: int = 0  # failed for good earlier, not retried this run
     kept_unknown: int = 0
+    kept_omitted: int = 0  # executed, answered without the body the proxy did not store
     changed: list[Item] = field(default_factory=list)  # edited since their result was written
 
     @property
     def skipped(self) -> int:
         """Items not sent because the results file already answers them."""
-        return self.skipped_done + self.kept_failed + self.kept_unknown
+        return self.skipped_done + self.kept_failed + self.kept_unknown + self.kept_omitted
 
 
 def make_plan(items: Sequence[Item], records: Mapping[str, ResultRecord], rules: PlanRules) -> Plan:
+    _check_key_header(records.values(), rules.key_header)
     plan = Plan()
     mismatched: list[str] = []
     for item in items:
@@ -64,6 +74,19 @@ def make_plan(items: Sequence[Item], records: Mapping[str, ResultRecord], rules:
     return plan
 
 
+def _check_key_header(records: Iterable[ResultRecord], key_header: str | None) -> None:
+    """Every result, not only those of this input: the item in flight has none (SPEC §14)."""
+    if key_header is None:
+        return
+    for record in records:
+        if record.key_header is not None and record.key_header.lower() != key_header.lower():
+            raise KeyHeaderChanged(
+                f"the results were written with --key-header {record.key_header!r}, not "
+                f"{key_header!r}; resume with the same header, or an item in flight could "
+                "execute twice (write to another results file for a fresh run)"
+            )
+
+
 def _prefix_changed(record: ResultRecord, identity: Identity) -> bool:
     return record.request_hash == identity.request_hash and record.key != identity.key
 
@@ -80,12 +103,20 @@ def _place(
             plan.changed.append(item)
     elif record.outcome is Outcome.DONE:
         plan.skipped_done += 1
-    elif record.outcome is Outcome.FAILED:
-        if record.retryable or rules.retry_failed:
-            plan.send.append((item, identity))
-        else:
-            plan.kept_failed += 1
-    elif rules.retry_unknown:
+    elif _again(record, rules):
         plan.send.append((item, identity))
+    elif record.outcome is Outcome.FAILED:
+        plan.kept_failed += 1
+    elif record.outcome is Outcome.OMITTED:
+        plan.kept_omitted += 1
     else:
         plan.kept_unknown += 1
+
+
+def _again(record: ResultRecord, rules: PlanRules) -> bool:
+    """Whether an item with a result other than `done` is sent again (under the same key)."""
+    if record.outcome is Outcome.FAILED:
+        return record.retryable or rules.retry_failed
+    if record.outcome is Outcome.OMITTED:
+        return rules.retry_omitted
+    return rules.retry_unknown

@@ -51,6 +51,8 @@ def describe_problem(record: ResultRecord) -> str | None:
         return None
     answer = f"HTTP {record.status}" if record.status is not None else (record.error or "")
     code = f" {record.error_code}" if record.error_code else ""
+    if record.outcome is Outcome.OMITTED:
+        code = ", replayed without the body the proxy did not store"
     again = ", retried on rerun" if record.retryable else ""
     return (
         f"item {record.id!r}: {record.outcome.value} ({answer}{code}, "
@@ -131,10 +133,11 @@ class RichReporter:
         problem = describe_problem(record)
         if problem:
             self.note(problem)
-        done, failed, unknown = (self._counts[o] for o in Outcome)
+        counts = self._counts
         self._progress.counts = (
-            f"this run: done {done} (replayed {self._replayed}) · failed {failed} · "
-            f"unknown {unknown}"
+            f"this run: done {counts[Outcome.DONE]} (replayed {self._replayed}) · "
+            f"failed {counts[Outcome.FAILED]} · unknown {counts[Outcome.UNKNOWN]}"
+            + (f" · omitted {counts[Outcome.OMITTED]}" if counts[Outcome.OMITTED] else "")
         )
         self._progress.update(self._task, advance=1)
 

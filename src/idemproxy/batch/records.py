@@ -11,13 +11,21 @@ whether the request executed: `409 outcome-unknown`, SPEC §3.2). `status` is th
 the last answer, null when no answer came. `body_encoding` says how `body` holds the answer:
 `json` (parsed), `text`, `base64`, or `none`. Request headers are never written: they may carry
 credentials.
+
+Every line must be readable by any JSON parser, whatever the upstream answered: a body is kept as
+`json` only if it can be written back as strict JSON (UTF-8 without lone surrogates, no `NaN` or
+`Infinity`, not nested deeper than the encoder goes), else as `text` or `base64`; strings taken
+from response headers (aiohttp keeps undecodable bytes as lone surrogates) are made valid text.
+`omitted` is a final answer whose body the proxy did not store (`Idempotency-Replay: omitted`,
+SPEC §7): the request executed once, but its body is gone and a rerun cannot bring it back.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -29,6 +37,7 @@ class Outcome(StrEnum):
     DONE = "done"
     FAILED = "failed"
     UNKNOWN = "unknown"
+    OMITTED = "omitted"
 
 
 @dataclass(frozen=True)
@@ -49,23 +58,30 @@ class ResultRecord:
     meta: Any
     started_at: str
     finished_at: str
+    key_header: str | None = None  # the header the key went in; None in files of older runs
 
     def to_line(self) -> bytes:
-        """One JSON line, ending in a newline: the unit that is appended and fsynced."""
-        fields = {"v": RECORD_VERSION, **asdict(self), "outcome": self.outcome.value}
-        return json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        """One JSON line, ending in a newline: the unit that is appended and fsynced.
+
+        Raises ValueError (or RecursionError) for a record that strict JSON cannot carry; the
+        runner then writes a `failed` record for the item instead (runner.py).
+        """
+        # Not dataclasses.asdict: it deep-copies the body in Python recursion, which a body
+        # nested a few hundred deep (that the C encoder writes fine) exhausts.
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        return strict_json({"v": RECORD_VERSION, **values, "outcome": self.outcome.value}) + b"\n"
 
     @classmethod
     def from_object(cls, obj: object) -> ResultRecord:
         if not isinstance(obj, dict):
             raise ValueError("not a JSON object")
         try:
-            fields = {name: obj[name] for name in _REQUIRED}
+            required = {name: obj[name] for name in _REQUIRED}
             outcome = Outcome(obj["outcome"])
         except (KeyError, ValueError) as exc:
             raise ValueError(f"not a result line ({exc})") from exc
         optional = {name: obj.get(name, default) for name, default in _OPTIONAL.items()}
-        return cls(**{**fields, **optional, "outcome": outcome, "id": str(obj["id"])})
+        return cls(**{**required, **optional, "outcome": outcome, "id": str(obj["id"])})
 
 
 _REQUIRED = ("id", "outcome", "key", "request_hash")
@@ -82,7 +98,31 @@ _OPTIONAL: dict[str, Any] = {
     "meta": None,
     "started_at": "",
     "finished_at": "",
+    "key_header": None,
 }
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+# Every line starts with these bytes (to_line writes "v" first, then the fields in order): a
+# tail without a newline is a torn result only if it begins with them (checkpoint.py).
+LINE_START: bytes = b'{"v":%d,"id":' % RECORD_VERSION
+
+
+def strict_json(value: Any) -> bytes:
+    """UTF-8 JSON that every parser reads: no NaN/Infinity, no lone surrogates (RFC 8259 §6, §8.1).
+
+    Raises ValueError (UnicodeEncodeError is one) or TypeError for a value that is not such
+    JSON, RecursionError for one nested too deep.
+    """
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode()
+
+
+def valid_text(value: str | None) -> str | None:
+    """A string from the wire made writable: lone surrogates become U+FFFD."""
+    if value is None:
+        return None
+    return _SURROGATE.sub("\ufffd", value)
 
 
 def encode_body(data: bytes, content_type: str | None) -> tuple[Any, str]:
@@ -91,14 +131,29 @@ def encode_body(data: bytes, content_type: str | None) -> tuple[Any, str]:
         return None, "none"
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media == "application/json" or media.endswith("+json"):
-        try:
-            return json.loads(data), "json"
-        except ValueError:
-            pass  # a JSON content type with a broken body: keep the bytes as they came
+        parsed = _writable_json(data)
+        if parsed is not None:
+            return parsed[0], "json"
+        # A broken body, or one strict JSON cannot carry back (a lone surrogate from a cut
+        # emoji, NaN, 1e999, nesting deeper than the encoder goes): keep the bytes as they came.
     try:
         return data.decode(), "text"
     except UnicodeDecodeError:
         return base64.b64encode(data).decode(), "base64"
+
+
+def _writable_json(data: bytes) -> tuple[Any] | None:
+    """The parsed body, in a 1-tuple, if it parses and can be written back as strict JSON."""
+    try:
+        value = json.loads(data, parse_constant=_no_constant)
+        strict_json(value)
+    except (ValueError, RecursionError):
+        return None
+    return (value,)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def utc_now() -> str:

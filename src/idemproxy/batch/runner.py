@@ -23,7 +23,7 @@ from yarl import URL
 
 from idemproxy import __version__
 from idemproxy.batch.checkpoint import Checkpoint, CheckpointWriter
-from idemproxy.batch.client import RetryPolicy, build_request, send
+from idemproxy.batch.client import Request, RetryPolicy, build_request, failed_record, send
 from idemproxy.batch.constants import (
     DEFAULT_BACKOFF_BASE,
     DEFAULT_BACKOFF_MAX,
@@ -34,11 +34,11 @@ from idemproxy.batch.constants import (
     USER_AGENT,
 )
 from idemproxy.batch.errors import BatchError
-from idemproxy.batch.input import InputFile, Item, items_from_objects, read_input
+from idemproxy.batch.input import InputFile, Item, header_problem, items_from_objects, read_input
 from idemproxy.batch.keys import Identity, check_prefix
 from idemproxy.batch.plan import Plan, PlanRules, make_plan
 from idemproxy.batch.progress import NullReporter, Reporter
-from idemproxy.batch.records import ResultRecord
+from idemproxy.batch.records import ResultRecord, utc_now
 from idemproxy.batch.stop import Stop
 from idemproxy.batch.summary import BatchSummary
 from idemproxy.constants import DEFAULT_KEY_HEADER
@@ -63,6 +63,7 @@ class BatchOptions:
     retry_failed: bool = False
     retry_unknown: bool = False
     rerun_changed: bool = False
+    retry_omitted: bool = False
 
     def check(self) -> None:
         url = URL(self.target)
@@ -74,9 +75,21 @@ class BatchOptions:
             check_prefix(self.key_prefix)
         except ValueError as exc:
             raise BatchError(str(exc)) from exc
+        # Refused here, before anything is sent, rather than failing every item as it goes out.
+        for name, value in {self.key_header: "", **self.headers}.items():
+            problem = header_problem(name, value)
+            if problem:
+                raise BatchError(f"header {name!r} {problem}")
 
     def rules(self) -> PlanRules:
-        return PlanRules(self.key_prefix, self.retry_failed, self.retry_unknown, self.rerun_changed)
+        return PlanRules(
+            self.key_prefix,
+            self.retry_failed,
+            self.retry_unknown,
+            self.rerun_changed,
+            self.retry_omitted,
+            self.key_header,
+        )
 
     def policy(self) -> RetryPolicy:
         return RetryPolicy(self.retries, self.timeout, self.backoff_base, self.backoff_max)
@@ -112,7 +125,7 @@ async def run_batch(
             reporter.finish()
     finally:
         writer.close()
-    summary.stopped = summary.interrupted > 0
+    summary.stopped = (stop is not None and stop.requested.is_set()) or summary.interrupted > 0
     summary.elapsed = time.monotonic() - started
     return summary
 
@@ -133,7 +146,9 @@ def _initial_summary(source: InputFile, checkpoint: Checkpoint, plan: Plan) -> B
         changed=len(plan.changed),
         earlier_failed=plan.kept_failed,
         earlier_unknown=plan.kept_unknown,
+        earlier_omitted=plan.kept_omitted,
         torn=checkpoint.torn,
+        unterminated=checkpoint.unterminated,
     )
 
 
@@ -144,6 +159,16 @@ def _announce(reporter: Reporter, summary: BatchSummary, plan: Plan) -> None:
         reporter.note(
             f"repaired the results file: cut off its torn line {summary.torn.line} "
             f"({summary.torn.size} bytes); that item is sent again under the same key"
+        )
+    if summary.unterminated is not None:
+        reporter.note(
+            f"repaired the results file: its last line {summary.unterminated} was a whole result "
+            "without its newline; the newline was added"
+        )
+    if plan.kept_omitted:
+        reporter.note(
+            f"{plan.kept_omitted} item(s) are 'omitted': executed once, answered without the body "
+            "the proxy did not store; not sent again (--retry-omitted asks the proxy again)"
         )
     for item in plan.changed:
         reporter.note(
@@ -169,7 +194,7 @@ async def _send_all(
             request = build_request(
                 item, identity, options.target, options.headers, options.key_header
             )
-            record = await _unless_abandoned(send(session, request, policy), stop)
+            record = await _unless_abandoned(_result(session, request, policy, stop), stop)
             if record is None:
                 return
             writer.append(record)  # durable before it is counted (SPEC §14)
@@ -184,6 +209,19 @@ async def _send_all(
         # A worker could not write its result: the others were cancelled (their items are
         # resumed under the same keys); report the cause, not the task group.
         raise failed.exceptions[0] from None
+
+
+async def _result(
+    session: aiohttp.ClientSession, request: Request, policy: RetryPolicy, stop: Stop
+) -> ResultRecord:
+    """The item's record, one that can be written whatever happened: never raises but cancels."""
+    started_at = utc_now()
+    try:
+        record = await send(session, request, policy, stop=stop.requested)
+        record.to_line()  # proves the line can be written before the worker relies on it
+    except Exception as exc:  # one item's failure must never end the whole batch
+        return failed_record(request, started_at, exc)
+    return record
 
 
 def _session(options: BatchOptions) -> aiohttp.ClientSession:

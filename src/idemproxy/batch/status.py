@@ -19,11 +19,13 @@ class BatchStatus:
     results: str
     lines: int = 0
     torn: TornLine | None = None
+    unterminated: int | None = None  # a whole last result without its newline: completed
     done: int = 0
     replayed: int = 0
     failed: int = 0
     retryable: int = 0  # of `failed`: a rerun tries them again
     unknown: int = 0
+    omitted: int = 0  # executed once; the proxy replays them without the body it did not store
     # Known only with the input file:
     items: int | None = None
     invalid: int | None = None
@@ -41,12 +43,21 @@ class BatchStatus:
                 f"  torn last line {self.torn.line} ({self.torn.size} bytes): "
                 "repaired by the next run"
             )
+        if self.unterminated is not None:
+            lines.append(
+                f"  last line {self.unterminated} lacks its newline: added by the next run"
+            )
         if self.items is not None:
             lines.append(f"  input items {self.items}" + _invalid(self.invalid))
         lines.append(f"  done     {self.done} ({self.replayed} replayed)")
         retried = f" ({self.retryable} retried on rerun)" if self.retryable else ""
         lines.append(f"  failed   {self.failed}{retried}")
         lines.append(f"  unknown  {self.unknown}")
+        if self.omitted:
+            lines.append(
+                f"  omitted  {self.omitted} (executed once, but the proxy kept no body to "
+                "replay; not sent again: raise its max_stored_body above the largest answer)"
+            )
         for name in ("changed", "pending", "extra"):
             value = getattr(self, name)
             if value is not None:
@@ -62,7 +73,7 @@ def batch_status(
     results: Path, input_path: Path | None = None, *, key_header: str = DEFAULT_KEY_HEADER
 ) -> BatchStatus:
     checkpoint = read_checkpoint(results)
-    status = BatchStatus(str(results), checkpoint.lines, checkpoint.torn)
+    status = BatchStatus(str(results), checkpoint.lines, checkpoint.torn, checkpoint.unterminated)
     records = checkpoint.records
     if input_path is None:
         _tally(status, records.values())
@@ -100,5 +111,7 @@ def _tally(status: BatchStatus, records: Iterable[ResultRecord]) -> None:
         elif record.outcome is Outcome.FAILED:
             status.failed += 1
             status.retryable += int(record.retryable)
+        elif record.outcome is Outcome.OMITTED:
+            status.omitted += 1
         else:
             status.unknown += 1

@@ -19,10 +19,15 @@ class BatchSummary:
     failed: int = 0
     retryable: int = 0  # of `failed`: retries ran out; a rerun tries again under the same key
     unknown: int = 0
+    # Executed once, but replayed without the body the proxy did not store (SPEC §7): the
+    # answer is lost, and a rerun cannot bring it back.
+    omitted: int = 0
     changed: int = 0  # edited since their result was written; left out
     earlier_failed: int = 0  # skipped items whose recorded result is a failure
     earlier_unknown: int = 0
+    earlier_omitted: int = 0
     torn: TornLine | None = None
+    unterminated: int | None = None  # line number of a whole last result given its newline
     stopped: bool = False
     elapsed: float = 0.0
 
@@ -33,13 +38,15 @@ class BatchSummary:
         elif record.outcome is Outcome.FAILED:
             self.failed += 1
             self.retryable += record.retryable
+        elif record.outcome is Outcome.OMITTED:
+            self.omitted += 1
         else:
             self.unknown += 1
 
     @property
     def interrupted(self) -> int:
         """Items this run did not answer because it was stopped."""
-        return self.sent - self.done - self.failed - self.unknown
+        return self.sent - self.done - self.failed - self.unknown - self.omitted
 
     @property
     def outstanding(self) -> int:
@@ -47,10 +54,12 @@ class BatchSummary:
         return (
             self.failed
             + self.unknown
+            + self.omitted
             + self.changed
             + self.interrupted
             + self.earlier_failed
             + self.earlier_unknown
+            + self.earlier_omitted
         )
 
     @property
@@ -64,6 +73,12 @@ class BatchSummary:
             f"unknown {self.unknown}",
             f"skipped {self.skipped}",
         ]
+        lost = self.omitted + self.earlier_omitted
+        if lost:
+            parts.append(
+                f"omitted {lost} (executed once, but the proxy kept no body to replay: "
+                "raise its max_stored_body above the largest answer)"
+            )
         if self.changed:
             parts.append(f"changed {self.changed}")
         if self.interrupted:
