@@ -12,6 +12,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -207,16 +208,38 @@ async def _finish_streamed(
             await client.write(chunk)
     except UpstreamFailure as failure:
         if not racing:
-            await settle(ctx, attempt, Failed(Outcome.UNKNOWN, upstream.status, failure.reason))
+            cut = Failed(Outcome.UNKNOWN, upstream.status, failure.reason)
+            await _after_head(attempt, settle(ctx, attempt, cut))
         client.abort()
         return response
     if outcome is Outcome.COMPLETE:
         if not racing:
-            await completed(ctx, attempt, omitted, route.ttl)
+            await _after_head(attempt, completed(ctx, attempt, omitted, route.ttl))
     else:
-        await settle(ctx, attempt, Failed(outcome, upstream.status, None))
+        failed = Failed(outcome, upstream.status, None)
+        await _after_head(attempt, settle(ctx, attempt, failed))
     await client.finish()
     return response
+
+
+async def _after_head(attempt: Attempt, storing: Awaitable[object]) -> None:
+    """Store an outcome whose response is on its way to the client already.
+
+    FIX (issue 17): a StoreUnavailable here went on to the handler, which wrote a 503 after
+    the full 200 on the same connection: the next request on it (behind a pooling load
+    balancer, maybe another client's) read the 503 as its answer. The outcome is kept by
+    `completed`/`settle` and written once the store answers (proxy/unwritten.py); the
+    response already sent stays the only one.
+    """
+    try:
+        await storing
+    except StoreUnavailable:
+        log.warning(
+            "job %s attempt %d: outcome not stored after its response started; "
+            "kept to write when the store answers",
+            attempt.job.id,
+            attempt.number,
+        )
 
 
 def _handed_back(outcome: Outcome, mode: Mode) -> bool:

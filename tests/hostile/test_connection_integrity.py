@@ -1,0 +1,147 @@
+"""Connection integrity: on one keep-alive connection, response i answers request i (SPEC §2).
+
+Every request carries a unique `X-Marker` that the upstream (tests/marker_upstream.py) echoes
+in a header and at the start of its body; the client reads the connection's raw bytes and
+parses each response strictly by its own framing (tests/rawhttp.py). A second status line in
+the middle of a body, or an answer written after the previous one ended, shows up as a body
+that is not the upstream's, a response whose marker belongs to another request, or bytes
+nobody asked for. Behind a load balancer that pools connections, the next request on a
+connection may be another tenant's: these are the tests that keep it from reading this one's
+answer.
+
+Each fault the suite injects elsewhere is applied here to one request among several on the same
+connection: hedging with a streamed winner, fail-over, the store failing after the head went
+out, the upstream cutting its body, the upstream resetting. A fault that leaves no honest way
+to go on (a body cut off mid-way) must end the connection, with no byte after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from hostile.conftest import ListeningProxy
+from idemproxy.store.base import Store
+from idemproxy.store.factory import sqlite_path
+from idemproxy.types import JobState
+from marker_upstream import MarkerUpstream, Play, answer, body_for
+from proxy.support import REPLAYED, only_job, wait_for_state
+from rawhttp import RawConnection, RawResponse
+
+StartUpstream = Callable[[str, dict[str, Play]], Awaitable[MarkerUpstream]]
+# SPEC §7: a body over max_stored_body streams through; these bodies are all over it.
+MAX_STORED = 100
+LARGE = 20_000
+
+
+@pytest.fixture
+async def upstreams() -> AsyncIterator[StartUpstream]:
+    started: list[MarkerUpstream] = []
+
+    async def start(name: str, plays: dict[str, Play]) -> MarkerUpstream:
+        upstream = await MarkerUpstream(name, plays).start()
+        started.append(upstream)
+        return upstream
+
+    try:
+        yield start
+    finally:
+        for upstream in started:
+            await upstream.close()
+
+
+async def connect(listening_proxy: ListeningProxy, **overrides: object) -> RawConnection:
+    host, port = await listening_proxy(**overrides)
+    return await RawConnection.open(host, port)
+
+
+def assert_answers(response: RawResponse, marker: str, upstream: str, size: int = 40) -> None:
+    """The upstream's own answer to the request carrying `marker`, whole and unaltered."""
+    assert response.marker == marker, (response.status, response.headers, response.body[:200])
+    assert response.headers["X-Upstream"] == upstream
+    assert response.whole
+    assert response.body == body_for(marker, upstream, size), response.body[:200]
+
+
+async def arrived(upstream: MarkerUpstream, marker: str) -> None:
+    for _ in range(200):
+        if upstream.count(marker):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{marker} never reached {upstream.name}")
+
+
+@contextmanager
+def store_locked(dsn: str) -> Iterator[None]:
+    """Another connection holds SQLite's write lock: every write of the proxy's times out."""
+    other = sqlite3.connect(sqlite_path(dsn), isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        yield
+        other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
+async def test_a_hedged_streamed_winner_is_the_only_answer_on_its_connection(
+    listening_proxy: ListeningProxy, upstreams: StartUpstream
+) -> None:
+    """Issue 17, 1(a): the primary's body is over max_stored_body and streams slowly; the
+    fallback, hedged after 0.2 s, answers at 0.8 s and loses the completion CAS. The client
+    gets the primary's 20 KB and nothing else, and the next request its own answer."""
+    primary = await upstreams(
+        "primary", {"/pay": answer(size=LARGE, delay=0.3, chunk=2000, pace=0.1)}
+    )
+    fallback = await upstreams("fallback", {"/pay": answer(delay=0.6)})
+    conn = await connect(
+        listening_proxy,
+        upstream=primary.url,
+        fallbacks=[fallback.url],
+        hedge_after=0.2,
+        max_stored_body=MAX_STORED,
+    )
+    conn.send("POST", "/pay", marker="m1", key="hedged-large", body=b"pay")
+    assert_answers(await conn.response(), "m1", "primary", LARGE)
+    assert fallback.count("m1") == 1, "the hedge did not start: the test proves nothing"
+    conn.send("POST", "/next", marker="m2", key="after-hedge", body=b"pay")
+    assert_answers(await conn.response(), "m2", "primary")
+    assert await conn.quiet() == b""
+    conn.close()
+
+
+async def test_a_store_failing_after_the_head_never_adds_a_second_answer(
+    listening_proxy: ListeningProxy,
+    upstreams: StartUpstream,
+    sqlite_dsn: str,
+    sqlite_jobs: Store,
+) -> None:
+    """Issue 17, 1(b): the head of a streamed 200 is out when the store stops taking writes.
+    The 200 is finished, no 503 follows it, the next request gets its own answer, and the
+    outcome is written once the store answers again (proxy/unwritten.py)."""
+    primary = await upstreams("primary", {"/pay": answer(size=LARGE, chunk=2000, pace=0.08)})
+    conn = await connect(
+        listening_proxy,
+        upstream=primary.url,
+        max_stored_body=MAX_STORED,
+        pool={"store_timeout": 0.5},
+    )
+    conn.send("POST", "/pay", marker="m1", key="locked-store", body=b"pay")
+    await arrived(primary, "m1")  # claimed and forwarded: the next write is the completion
+    with store_locked(sqlite_dsn):
+        assert_answers(await conn.response(), "m1", "primary", LARGE)
+        # Not governed: no store call, so it is answered while the store is still locked.
+        conn.send("GET", "/read", marker="m2")
+        assert_answers(await conn.response(method="GET"), "m2", "primary")
+        assert await conn.quiet(0.8) == b""
+    job = await only_job(sqlite_jobs)
+    await wait_for_state(sqlite_jobs, job.id, JobState.COMPLETED, timeout=5.0)
+    conn.send("POST", "/pay", marker="m3", key="locked-store", body=b"pay")
+    replay = await conn.response()
+    assert (replay.status, replay.marker, replay.headers[REPLAYED]) == (200, "m1", "true")
+    assert primary.count("m1") == 1 and primary.count("m3") == 0
+    assert await conn.quiet() == b""
+    conn.close()
