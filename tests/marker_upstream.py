@@ -6,7 +6,7 @@ upstream does is chosen by the request path, from the `plays` it was given (defa
 
   answer(status, size, delay, chunk, pace, chunked)  wait `delay`, send the head, then the body
       of `size` bytes in pieces of `chunk` every `pace` seconds (Content-Length, or chunked)
-  cut(after)    a 200 that declares 20,000 bytes, then closes after `after` of them
+  cut(after, declared)  a 200 that declares `declared` bytes, then closes after `after`
   reset()       read the request, then reset the connection (no byte of an answer)
 
 Each upstream keeps its connections alive between requests, as backends do, and records the
@@ -66,9 +66,9 @@ def answer(
     return play
 
 
-def cut(after: int) -> Play:
+def cut(after: int, declared: int = 20_000) -> Play:
     async def play(writer: asyncio.StreamWriter, marker: str, name: str) -> bool:
-        writer.write(_head(200, marker, name, "Content-Length: 20000\r\n"))
+        writer.write(_head(200, marker, name, f"Content-Length: {declared}\r\n"))
         writer.write(body_for(marker, name, after))
         await writer.drain()
         await asyncio.sleep(0.05)

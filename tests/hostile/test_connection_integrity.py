@@ -21,14 +21,16 @@ import asyncio
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import pytest
 
 from hostile.conftest import ListeningProxy
+from idemproxy.proxy import attempt as attempt_module
 from idemproxy.store.base import Store
 from idemproxy.store.factory import sqlite_path
 from idemproxy.types import JobState
-from marker_upstream import MarkerUpstream, Play, answer, body_for
+from marker_upstream import MarkerUpstream, Play, answer, body_for, cut, reset
 from proxy.support import REPLAYED, only_job, wait_for_state
 from rawhttp import RawConnection, RawResponse
 
@@ -144,4 +146,141 @@ async def test_a_store_failing_after_the_head_never_adds_a_second_answer(
     assert (replay.status, replay.marker, replay.headers[REPLAYED]) == (200, "m1", "true")
     assert primary.count("m1") == 1 and primary.count("m3") == 0
     assert await conn.quiet() == b""
+    conn.close()
+
+
+async def test_the_backstop_closes_the_connection_instead_of_writing_a_second_response(
+    listening_proxy: ListeningProxy,
+    upstreams: StartUpstream,
+    sqlite_dsn: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 17, 1: with the fix of 1(b) undone (a store error after the head goes on to the
+    handler, which returns a 503), the handler's check still never writes that 503: the 200
+    that started is the connection's last response."""
+
+    async def unguarded(_attempt: object, storing: Awaitable[object]) -> None:
+        await storing
+
+    monkeypatch.setattr(attempt_module, "_after_head", unguarded)
+    primary = await upstreams("primary", {"/pay": answer(size=LARGE, chunk=2000, pace=0.08)})
+    conn = await connect(
+        listening_proxy,
+        upstream=primary.url,
+        max_stored_body=MAX_STORED,
+        pool={"store_timeout": 0.5},
+    )
+    conn.send("POST", "/pay", marker="m1", key="backstop", body=b"pay")
+    await arrived(primary, "m1")
+    with store_locked(sqlite_dsn):
+        assert_answers(await conn.response(), "m1", "primary", LARGE)
+        conn.send("GET", "/read", marker="m2")  # queued behind the first: never answered
+        assert await conn.closed()
+    assert "connection closed instead" in caplog.text
+    assert primary.count("m2") == 0
+    conn.close()
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One faulted request among others on a connection, and what its client must see."""
+
+    primary: Play
+    fallback: Play | None = None
+    settings: dict[str, object] = field(default_factory=dict)
+    governed: bool = True
+    answered_by: str | None = None  # the upstream whose whole answer arrives
+    size: int = 40
+    problem: int | None = None  # or the proxy's own problem with this status
+    # Otherwise: the body is cut off, and the connection ends after it.
+
+
+HEDGED = {"hedge_after": 0.1}
+FAULTS = {
+    "hedged, the fallback wins": Fault(answer(delay=0.5), answer(), HEDGED, answered_by="fallback"),
+    "hedged, a streamed primary wins": Fault(
+        answer(size=LARGE, delay=0.15, chunk=4000, pace=0.1),
+        answer(delay=0.25),
+        {**HEDGED, "max_stored_body": MAX_STORED},
+        answered_by="primary",
+        size=LARGE,
+    ),
+    "hedged, chunked": Fault(
+        answer(size=LARGE, delay=0.5, chunked=True, chunk=5000),
+        answer(size=LARGE, chunked=True, chunk=5000),
+        {**HEDGED, "max_stored_body": MAX_STORED},
+        answered_by="fallback",
+        size=LARGE,
+    ),
+    "fail-over after a release": Fault(answer(503), answer(), answered_by="fallback"),
+    "upstream cut before max_stored_body": Fault(cut(50), problem=502),
+    "upstream cut mid-stream": Fault(cut(5000), settings={"max_stored_body": MAX_STORED}),
+    "upstream reset": Fault(reset(), problem=502),
+    "pass-through, upstream cut mid-stream": Fault(cut(5000, declared=200_000), governed=False),
+    "pass-through, upstream reset": Fault(reset(), governed=False, problem=502),
+}
+
+
+async def fault_connection(
+    listening_proxy: ListeningProxy, upstreams: StartUpstream, fault: Fault
+) -> tuple[RawConnection, MarkerUpstream]:
+    primary = await upstreams("primary", {"/fault": fault.primary})
+    overrides: dict[str, object] = {"upstream": primary.url, **fault.settings}
+    if fault.fallback is not None:
+        fallback = await upstreams("fallback", {"/fault": fault.fallback})
+        overrides["fallbacks"] = [fallback.url]
+    return await connect(listening_proxy, **overrides), primary
+
+
+def send(conn: RawConnection, path: str, marker: str, *, governed: bool) -> str:
+    if governed:
+        conn.send("POST", path, marker=marker, key=f"key-{marker}", body=b"pay")
+        return "POST"
+    conn.send("GET", path, marker=marker)
+    return "GET"
+
+
+def assert_faulted(response: RawResponse, fault: Fault, marker: str) -> None:
+    if fault.answered_by is not None:
+        assert_answers(response, marker, fault.answered_by, fault.size)
+    elif fault.problem is not None:
+        assert response.status == fault.problem, (response.status, response.body[:200])
+        assert "Idempotency-Error" in response.headers and response.whole
+        assert response.marker is None
+    else:  # what arrived of the upstream's answer, and no more
+        assert (response.status, response.marker, response.whole) == (200, marker, False)
+        assert body_for(marker, "primary", LARGE).startswith(response.body)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["in-turn", "pipelined"])
+@pytest.mark.parametrize("name", list(FAULTS))
+async def test_each_response_answers_its_own_request_under_a_fault(
+    listening_proxy: ListeningProxy, upstreams: StartUpstream, name: str, pipelined: bool
+) -> None:
+    """Three requests on one connection, the middle one faulted: the first and the last get
+    their own upstream answer, the middle one what its fault allows, and nothing else arrives.
+    Pipelined, all three are sent before the first answer is read (RFC 9112 §9.3.2)."""
+    fault = FAULTS[name]
+    conn, primary = await fault_connection(listening_proxy, upstreams, fault)
+    tag = f"{list(FAULTS).index(name)}{'p' if pipelined else 't'}"
+    markers = [f"m{tag}-{i}" for i in range(3)]
+    paths = ["/before", "/fault", "/after"]
+    governed = fault.governed
+    pairs = zip(paths, markers, strict=True)
+    methods = [send(conn, p, m, governed=governed) for p, m in pairs] if pipelined else []
+    for index, marker in enumerate(markers):
+        if not pipelined:
+            methods.append(send(conn, paths[index], marker, governed=governed))
+        response = await conn.response(method=methods[index])
+        if index != 1:
+            assert_answers(response, marker, "primary")
+            continue
+        assert_faulted(response, fault, marker)
+        if fault.answered_by is None and fault.problem is None:
+            assert await conn.closed()  # a cut body: the connection ends right after it
+            assert primary.count(markers[2]) == 0
+            break
+    else:
+        assert await conn.quiet() == b""
     conn.close()
