@@ -291,3 +291,56 @@ async def test_each_response_answers_its_own_request_under_a_fault(
         assert await conn.quiet() == b""
     conn.close()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def completed(jobs: Store) -> None:
+    for _ in range(300):
+        listed = await jobs.list_jobs()
+        if listed and listed[0].state is JobState.COMPLETED:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the job never completed")
+
+
+RACES = {
+    # The fallback answers while the primary streams: its completion CAS cannot reach the store.
+    "the losing racer's completion": (
+        answer(size=LARGE, delay=0.3, chunk=2000, pace=0.15),
+        answer(delay=0.5),
+    ),
+    # The primary streams from the start: the hedge due at 0.2 s cannot be added.
+    "the next hedge": (answer(size=LARGE, chunk=2000, pace=0.15), answer()),
+}
+
+
+@pytest.mark.parametrize("failing", list(RACES))
+async def test_a_store_failing_during_a_race_never_interrupts_the_streaming_winner(
+    listening_proxy: ListeningProxy,
+    upstreams: StartUpstream,
+    sqlite_dsn: str,
+    sqlite_jobs: Store,
+    failing: str,
+) -> None:
+    """The primary won the race and streams its answer; then a store call of the race fails.
+    That error belongs to no response: before, it went on to the handler, and a 503 was
+    written into the middle of the primary's body."""
+    primary_play, fallback_play = RACES[failing]
+    primary = await upstreams("primary", {"/pay": primary_play})
+    fallback = await upstreams("fallback", {"/pay": fallback_play})
+    conn = await connect(
+        listening_proxy,
+        upstream=primary.url,
+        fallbacks=[fallback.url],
+        hedge_after=0.2,
+        max_stored_body=MAX_STORED,
+        pool={"store_timeout": 0.5},
+    )
+    conn.send("POST", "/pay", marker="m1", key="race", body=b"pay")
+    await completed(sqlite_jobs)  # the primary won the CAS and is streaming
+    with store_locked(sqlite_dsn):
+        assert_answers(await conn.response(), "m1", "primary", LARGE)
+        conn.send("GET", "/read", marker="m2")
+        assert_answers(await conn.response(method="GET"), "m2", "primary")
+        assert await conn.quiet() == b""
+    assert primary.count("m1") == 1
+    conn.close()

@@ -186,7 +186,19 @@ def _race(
     task = asyncio.create_task(_racer(ctx, request, route, body, attempt))
     ctx.attempts.add(task)  # a loser keeps running after the client has its answer
     task.add_done_callback(ctx.attempts.discard)
+    task.add_done_callback(_note_failure)
     racing[task] = attempt
+
+
+def _note_failure(task: asyncio.Task[Step]) -> None:
+    """A loser may fail after the race returned, and nobody reads its result then: asyncio
+    would log each such store error as a traceback at ERROR ("never retrieved")."""
+    if task.cancelled() or (error := task.exception()) is None:
+        return
+    if isinstance(error, StoreUnavailable):  # the outcome is in ctx.unwritten already
+        log.info("hedged attempt could not reach the store: %s", error)
+    else:
+        log.error("hedged attempt failed", exc_info=error)
 
 
 async def _racer(
