@@ -6,7 +6,8 @@ upstream does is chosen by the request path, from the `plays` it was given (defa
 
   answer(status, size, delay, chunk, pace, chunked)  wait `delay`, send the head, then the body
       of `size` bytes in pieces of `chunk` every `pace` seconds (Content-Length, or chunked)
-  cut(after, declared)  a 200 that declares `declared` bytes, then closes after `after`
+  cut(after, declared, wait)  a 200 that declares `declared` bytes, sends `after` of them,
+      and closes `wait` seconds later
   reset()       read the request, then reset the connection (no byte of an answer)
 
 Each upstream keeps its connections alive between requests, as backends do, and records the
@@ -66,12 +67,12 @@ def answer(
     return play
 
 
-def cut(after: int, declared: int = 20_000) -> Play:
+def cut(after: int, declared: int = 20_000, *, wait: float = 0.05) -> Play:
     async def play(writer: asyncio.StreamWriter, marker: str, name: str) -> bool:
         writer.write(_head(200, marker, name, f"Content-Length: {declared}\r\n"))
         writer.write(body_for(marker, name, after))
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(wait)
         return False
 
     return play

@@ -344,3 +344,48 @@ async def test_a_store_failing_during_a_race_never_interrupts_the_streaming_winn
         assert await conn.quiet() == b""
     assert primary.count("m1") == 1
     conn.close()
+
+
+AFTER_THE_HEAD = {
+    # SPEC §3.2: a body cut off may have executed: unknown, and the client's connection ends.
+    "the upstream cuts the body": (cut(5000, wait=0.8), JobState.UNKNOWN),
+    # A 502 is unknown too, and its body is over max_stored_body: it streams, then settles.
+    "an unknown status streams": (answer(502, size=LARGE, chunk=2000, pace=0.08), JobState.UNKNOWN),
+}
+
+
+@pytest.mark.parametrize("case", list(AFTER_THE_HEAD))
+async def test_a_settlement_the_store_cannot_take_after_the_head_adds_no_answer(
+    listening_proxy: ListeningProxy,
+    upstreams: StartUpstream,
+    sqlite_dsn: str,
+    sqlite_jobs: Store,
+    case: str,
+) -> None:
+    """As for the completion (1(b)), for the settlements written after a streamed head: the
+    client gets what the upstream sent (cut off: then the connection closes), never a 503 after
+    it, and the job is settled once the store answers."""
+    play, settled = AFTER_THE_HEAD[case]
+    primary = await upstreams("primary", {"/pay": play})
+    conn = await connect(
+        listening_proxy,
+        upstream=primary.url,
+        max_stored_body=MAX_STORED,
+        pool={"store_timeout": 0.5},
+    )
+    conn.send("POST", "/pay", marker="m1", key="settled", body=b"pay")
+    await arrived(primary, "m1")
+    with store_locked(sqlite_dsn):
+        response = await conn.response(timeout=3.0)
+        assert response.marker == "m1"
+        if response.whole:
+            assert_answers(response, "m1", "primary", LARGE)
+            conn.send("GET", "/read", marker="m2")
+            assert_answers(await conn.response(method="GET"), "m2", "primary")
+            assert await conn.quiet(0.8) == b""
+        else:
+            assert body_for("m1", "primary", LARGE).startswith(response.body)
+            assert await conn.closed()
+    job = await only_job(sqlite_jobs)
+    await wait_for_state(sqlite_jobs, job.id, settled, timeout=5.0)
+    conn.close()
