@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from hostile.conftest import ListeningProxy
+from idemproxy.metrics import Metrics
 from idemproxy.proxy import attempt as attempt_module
 from idemproxy.store.base import Store
 from idemproxy.store.factory import sqlite_path
@@ -166,8 +167,10 @@ async def test_the_backstop_closes_the_connection_instead_of_writing_a_second_re
 
     monkeypatch.setattr(attempt_module, "_after_head", unguarded)
     primary = await upstreams("primary", {"/pay": answer(size=LARGE, chunk=2000, pace=0.08)})
+    metrics = Metrics()
     conn = await connect(
         listening_proxy,
+        metrics=metrics,
         upstream=primary.url,
         max_stored_body=MAX_STORED,
         pool={"store_timeout": 0.5},
@@ -179,6 +182,7 @@ async def test_the_backstop_closes_the_connection_instead_of_writing_a_second_re
         conn.send("GET", "/read", marker="m2")  # queued behind the first: never answered
         assert await conn.closed()
     assert "connection closed instead" in caplog.text
+    assert metrics.registry.get_sample_value("idemproxy_second_responses_refused_total") == 1
     assert primary.count("m2") == 0
     conn.close()
 
@@ -388,4 +392,24 @@ async def test_a_settlement_the_store_cannot_take_after_the_head_adds_no_answer(
             assert await conn.closed()
     job = await only_job(sqlite_jobs)
     await wait_for_state(sqlite_jobs, job.id, settled, timeout=5.0)
+    conn.close()
+
+
+async def test_a_pipelined_duplicate_of_a_streamed_job_gets_its_replay_after_it(
+    listening_proxy: ListeningProxy, upstreams: StartUpstream
+) -> None:
+    """The duplicate is queued behind the original on the same connection: it is answered
+    after the original's last byte, with the replay (body omitted, SPEC §7), never inside it."""
+    primary = await upstreams("primary", {"/pay": answer(size=LARGE, chunk=2000, pace=0.03)})
+    conn = await connect(listening_proxy, upstream=primary.url, max_stored_body=MAX_STORED)
+    conn.send("POST", "/pay", marker="m1", key="dup", body=b"pay")
+    conn.send("POST", "/pay", marker="m2", key="dup", body=b"pay")
+    conn.send("POST", "/next", marker="m3", key="other", body=b"pay")
+    assert_answers(await conn.response(), "m1", "primary", LARGE)
+    replay = await conn.response()
+    assert (replay.status, replay.marker, replay.body) == (200, "m1", b"")
+    assert (replay.headers[REPLAYED], replay.headers["Idempotency-Replay"]) == ("true", "omitted")
+    assert_answers(await conn.response(), "m3", "primary")
+    assert await conn.quiet() == b""
+    assert primary.received == ["m1", "m3"]
     conn.close()
