@@ -95,10 +95,11 @@ async def test_a_hedged_streamed_winner_is_the_only_answer_on_its_connection(
     listening_proxy: ListeningProxy, upstreams: StartUpstream
 ) -> None:
     """Issue 17, 1(a): the primary's body is over max_stored_body and streams slowly; the
-    fallback, hedged after 0.2 s, answers at 0.8 s and loses the completion CAS. The client
-    gets the primary's 20 KB and nothing else, and the next request its own answer."""
+    fallback, hedged after 0.2 s, answers at 0.8 s while the primary streams, and loses the
+    completion CAS. The client gets the primary's 20 KB and nothing else, and the next request
+    its own answer."""
     primary = await upstreams(
-        "primary", {"/pay": answer(size=LARGE, delay=0.3, chunk=2000, pace=0.1)}
+        "primary", {"/pay": answer(size=LARGE, delay=0.4, chunk=2000, pace=0.1)}
     )
     fallback = await upstreams("fallback", {"/pay": answer(delay=0.6)})
     conn = await connect(
@@ -205,8 +206,8 @@ HEDGED = {"hedge_after": 0.1}
 FAULTS = {
     "hedged, the fallback wins": Fault(answer(delay=0.5), answer(), HEDGED, answered_by="fallback"),
     "hedged, a streamed primary wins": Fault(
-        answer(size=LARGE, delay=0.15, chunk=4000, pace=0.1),
-        answer(delay=0.25),
+        answer(size=LARGE, delay=0.2, chunk=4000, pace=0.1),
+        answer(delay=0.3),
         {**HEDGED, "max_stored_body": MAX_STORED},
         answered_by="primary",
         size=LARGE,
@@ -309,7 +310,7 @@ async def completed(jobs: Store) -> None:
 RACES = {
     # The fallback answers while the primary streams: its completion CAS cannot reach the store.
     "the losing racer's completion": (
-        answer(size=LARGE, delay=0.3, chunk=2000, pace=0.15),
+        answer(size=LARGE, delay=0.4, chunk=2000, pace=0.15),
         answer(delay=0.5),
     ),
     # The primary streams from the start: the hedge due at 0.2 s cannot be added.
