@@ -223,13 +223,13 @@ async def _finish_streamed(
 
 
 async def _after_head(attempt: Attempt, storing: Awaitable[object]) -> None:
-    """Store an outcome whose response is on its way to the client already.
+    """Store an outcome whose response is on its way to the client already (SPEC §7: one
+    response per request).
 
-    FIX (issue 17): a StoreUnavailable here went on to the handler, which wrote a 503 after
-    the full 200 on the same connection: the next request on it (behind a pooling load
-    balancer, maybe another client's) read the 503 as its answer. The outcome is kept by
-    `completed`/`settle` and written once the store answers (proxy/unwritten.py); the
-    response already sent stays the only one.
+    A StoreUnavailable must not reach the handler: its 503 would follow the response on the
+    same connection, and the next request on it (behind a pooling load balancer, maybe another
+    client's) would read it as its answer. `completed` and `settle` kept the outcome, and
+    proxy/unwritten.py writes it once the store answers.
     """
     try:
         await storing

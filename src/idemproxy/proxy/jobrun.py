@@ -103,9 +103,9 @@ class _Race:
             if isinstance(step, Failed):
                 self.failures.append((attempt, step))  # counted and recorded by the racer
             elif step is None:
-                # FIX (issue 17): the CAS winner may be a racer of this very request, still
-                # streaming its body to this client. Answering a replay then wrote a second
-                # response into the middle of that body: the race now waits for the winner.
+                # The CAS winner may be a racer of this very request, still streaming its
+                # body to this client: a replay now would be a second response in the middle
+                # of that body (SPEC §7, one response per request). Wait for the winner.
                 self.lost = True
             else:
                 winner = step

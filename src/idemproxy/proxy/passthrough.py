@@ -78,7 +78,7 @@ async def passthrough(
             return response
     except UpstreamFailure as failure:
         if response is not None and response.prepared:
-            # Raised on, it reached aiohttp's error page as a traceback logged at ERROR per cut.
+            # Not raised: aiohttp would log a traceback at ERROR for every upstream that cuts off.
             log.warning("pass-through cut off mid-response: %s", failure.reason)
             abort(request, response)
             return response
