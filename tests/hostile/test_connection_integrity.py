@@ -1,4 +1,4 @@
-"""Connection integrity: on one keep-alive connection, response i answers request i (SPEC §2).
+"""Connection integrity: on one keep-alive connection, response i answers request i (SPEC §7).
 
 Every request carries a unique `X-Marker` that the upstream (tests/marker_upstream.py) echoes
 in a header and at the start of its body; the client reads the connection's raw bytes and

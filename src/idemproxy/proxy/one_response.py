@@ -1,4 +1,4 @@
-"""One response per request on a connection, whatever the code above it returns (SPEC §2).
+"""One response per request on a connection, whatever the code above it returns (SPEC §7).
 
 HTTP/1.1 has no framing around a response but its own (RFC 9112 §6.3): bytes written after a
 response are read by the client as the answer to its next request on the connection, which,
