@@ -123,6 +123,12 @@ class Metrics:
             "of them (proxy/unwritten.py).",
             ["outcome"],
         )
+        self.second_responses = self._counter(
+            "second_responses_refused",
+            "Responses returned after another had started on the same request, not written: "
+            "the connection was closed instead (proxy/one_response.py). Always a bug.",
+            [],
+        )
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]
         )

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from faultproxy import FaultProxy
 from idemproxy.config import load_settings
+from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.listener import GuardedSite
 from idemproxy.store.base import Store
@@ -104,7 +105,7 @@ async def sqlite_jobs(sqlite_dsn: str) -> AsyncIterator[Store]:
 
 class ListeningProxy(Protocol):
     async def __call__(
-        self, *, inject_store: Store | None = None, **overrides: Any
+        self, *, inject_store: Store | None = None, metrics: Metrics | None = None, **overrides: Any
     ) -> tuple[str, int]: ...
 
 
@@ -113,10 +114,12 @@ async def listening_proxy(backend_url: str, sqlite_dsn: str) -> AsyncIterator[Li
     """The proxy as `idemproxy serve` runs it (server.py): AppRunner + GuardedSite."""
     runners: list[web.AppRunner] = []
 
-    async def start(*, inject_store: Store | None = None, **overrides: Any) -> tuple[str, int]:
+    async def start(
+        *, inject_store: Store | None = None, metrics: Metrics | None = None, **overrides: Any
+    ) -> tuple[str, int]:
         settings = load_settings(**{"upstream": backend_url, "store": sqlite_dsn, **overrides})
         runner = web.AppRunner(
-            create_app(settings, store=inject_store),
+            create_app(settings, store=inject_store, metrics=metrics),
             access_log=None,
             handler_cancellation=False,
             keepalive_timeout=settings.server.keepalive_timeout,

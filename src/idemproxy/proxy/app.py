@@ -18,6 +18,7 @@ from idemproxy.proxy.drain import drain
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.handler import expect_continue, handle
+from idemproxy.proxy.one_response import note_started
 from idemproxy.proxy.sweeper import sweep_forever
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
@@ -41,6 +42,7 @@ def create_app(
         },
     )
     app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics()))
+    app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
     app.router.register_resource(AnyPath(handle, expect_handler=expect_continue))
     return app
 

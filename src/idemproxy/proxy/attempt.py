@@ -12,6 +12,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -207,16 +208,38 @@ async def _finish_streamed(
             await client.write(chunk)
     except UpstreamFailure as failure:
         if not racing:
-            await settle(ctx, attempt, Failed(Outcome.UNKNOWN, upstream.status, failure.reason))
+            cut = Failed(Outcome.UNKNOWN, upstream.status, failure.reason)
+            await _after_head(attempt, settle(ctx, attempt, cut))
         client.abort()
         return response
     if outcome is Outcome.COMPLETE:
         if not racing:
-            await completed(ctx, attempt, omitted, route.ttl)
+            await _after_head(attempt, completed(ctx, attempt, omitted, route.ttl))
     else:
-        await settle(ctx, attempt, Failed(outcome, upstream.status, None))
+        failed = Failed(outcome, upstream.status, None)
+        await _after_head(attempt, settle(ctx, attempt, failed))
     await client.finish()
     return response
+
+
+async def _after_head(attempt: Attempt, storing: Awaitable[object]) -> None:
+    """Store an outcome whose response is on its way to the client already (SPEC §7: one
+    response per request).
+
+    A StoreUnavailable must not reach the handler: its 503 would follow the response on the
+    same connection, and the next request on it (behind a pooling load balancer, maybe another
+    client's) would read it as its answer. `completed` and `settle` kept the outcome, and
+    proxy/unwritten.py writes it once the store answers.
+    """
+    try:
+        await storing
+    except StoreUnavailable:
+        log.warning(
+            "job %s attempt %d: outcome not stored after its response started; "
+            "kept to write when the store answers",
+            attempt.job.id,
+            attempt.number,
+        )
 
 
 def _handed_back(outcome: Outcome, mode: Mode) -> bool:

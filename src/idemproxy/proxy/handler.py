@@ -14,6 +14,7 @@ from idemproxy.proxy.governed import handle_governed
 from idemproxy.proxy.headers import hop_by_hop
 from idemproxy.proxy.host import valid_host
 from idemproxy.proxy.listener import head_read
+from idemproxy.proxy.one_response import only_response
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.trace import Trace, record
@@ -29,6 +30,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         response = await _route(ctx, request, trace)
     finally:
         ctx.requests_in_flight -= 1
+    response = only_response(ctx.metrics, request, response)
     record(ctx.metrics, trace, response.status, log_requests=ctx.settings.log_requests)
     return response
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from idemproxy.decision import Outcome
+from idemproxy.errors import StoreUnavailable
 from idemproxy.proxy.attempt import (
     SETTLED_STATE,
     Attempt,
@@ -27,7 +29,7 @@ from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
-from idemproxy.types import Claimed
+from idemproxy.types import Claimed, Job
 
 log = logging.getLogger(__name__)
 Racing = dict["asyncio.Task[Step]", Attempt]
@@ -79,6 +81,44 @@ async def _run_in_order(
     raise AssertionError("the last upstream runs in FINAL mode and never hands back")
 
 
+@dataclass
+class _Race:
+    """The racers of one hedged request, and what the finished ones left."""
+
+    racing: Racing = field(default_factory=dict)
+    failures: list[tuple[Attempt, Failed]] = field(default_factory=list)
+    errors: list[StoreUnavailable] = field(default_factory=list)  # outcomes in ctx.unwritten
+    lost: bool = False  # an attempt lost the completion CAS: another one completed the job
+
+    def collect(self, done: set[asyncio.Task[Step]]) -> web.StreamResponse | None:
+        """The winner's response, if it is among `done`."""
+        winner = None
+        for task in done:
+            attempt = self.racing.pop(task)
+            try:
+                step = task.result()
+            except StoreUnavailable as error:
+                self.errors.append(error)
+                continue
+            if isinstance(step, Failed):
+                self.failures.append((attempt, step))  # counted and recorded by the racer
+            elif step is None:
+                # The CAS winner may be a racer of this very request, still streaming its
+                # body to this client: a replay now would be a second response in the middle
+                # of that body (SPEC §7, one response per request). Wait for the winner.
+                self.lost = True
+            else:
+                winner = step
+        return winner
+
+    def may_fail_over(self) -> bool:
+        """FIX (SPEC §3.4 "an unknown outcome never fails over"): bringing in the next upstream
+        because every racer failed is a fail-over, so not once any of them may have executed.
+        Before, a primary answering 504 within hedge_after started an attempt on the fallback."""
+        unknown = any(f.outcome is Outcome.UNKNOWN for _, f in self.failures)
+        return not self.racing and not unknown and not self.errors
+
+
 async def _run_hedged(
     ctx: ProxyContext,
     request: web.Request,
@@ -88,40 +128,51 @@ async def _run_hedged(
     upstreams: tuple[str, ...],
 ) -> web.StreamResponse | None:
     assert route.hedge_after is not None
-    job = claimed.job
-    racing: Racing = {}
-    failures: list[tuple[Attempt, Failed]] = []
-    _race(
-        ctx, request, route, body, racing, Attempt(job, claimed.attempt, upstreams[0], Mode.HEDGED)
-    )
+    job, race = claimed.job, _Race()
+    first = Attempt(job, claimed.attempt, upstreams[0], Mode.HEDGED)
+    _race(ctx, request, route, body, race.racing, first)
     waiting_for = 1
-    while racing:
-        more = waiting_for < len(upstreams)
+    while race.racing:
+        more = waiting_for < len(upstreams) and not race.lost
         done, _ = await asyncio.wait(
-            racing,
+            race.racing,
             timeout=route.hedge_after if more else None,
             return_when=asyncio.FIRST_COMPLETED,
         )
-        for task in done:
-            attempt = racing.pop(task)
-            step = task.result()
-            if not isinstance(step, Failed):
-                return step  # the winner's response, or None: another attempt won
-            failures.append((attempt, step))  # counted and recorded by the racer (_racer)
-        # FIX (SPEC §3.4 "an unknown outcome never fails over"): bringing in the next upstream
-        # because every racer failed is a fail-over, so not once any of them may have executed.
-        # Before, a primary answering 504 within hedge_after started an attempt on the fallback.
-        may_have_executed = any(f.outcome is Outcome.UNKNOWN for _, f in failures)
-        if more and (not done or (not racing and not may_have_executed)):
+        winner = race.collect(done)
+        if winner is not None:
+            return winner
+        if more and (not done or race.may_fail_over()):
             # No answer within hedge_after, or every racer failed: bring in the next upstream.
-            number = await ctx.store.add_attempt(
-                job, upstreams[waiting_for], lease=ctx.settings.lease
-            )
-            if number is not None:
-                hedge = Attempt(job, number, upstreams[waiting_for], Mode.HEDGED)
-                _race(ctx, request, route, body, racing, hedge)
+            try:
+                await _hedge(ctx, request, route, body, race.racing, job, upstreams[waiting_for])
+            except StoreUnavailable as error:
+                if not race.racing:
+                    raise
+                # A racer may be streaming its answer to this client: no 503 in its middle.
+                race.errors.append(error)
+                waiting_for = len(upstreams)
             waiting_for += 1
-    return await _all_failed(ctx, failures)
+    if race.lost:
+        return None  # the winner was another request's attempt (a takeover): re-read the job
+    if race.errors:
+        raise race.errors[0]
+    return await _all_failed(ctx, race.failures)
+
+
+async def _hedge(
+    ctx: ProxyContext,
+    request: web.Request,
+    route: Route,
+    body: RequestBody,
+    racing: Racing,
+    job: Job,
+    upstream: str,
+) -> None:
+    """One more racer on `upstream`, unless the job stopped taking attempts (it completed)."""
+    number = await ctx.store.add_attempt(job, upstream, lease=ctx.settings.lease)
+    if number is not None:
+        _race(ctx, request, route, body, racing, Attempt(job, number, upstream, Mode.HEDGED))
 
 
 def _race(
@@ -135,7 +186,19 @@ def _race(
     task = asyncio.create_task(_racer(ctx, request, route, body, attempt))
     ctx.attempts.add(task)  # a loser keeps running after the client has its answer
     task.add_done_callback(ctx.attempts.discard)
+    task.add_done_callback(_note_failure)
     racing[task] = attempt
+
+
+def _note_failure(task: asyncio.Task[Step]) -> None:
+    """A loser may fail after the race returned, and nobody reads its result then: asyncio
+    would log each such store error as a traceback at ERROR ("never retrieved")."""
+    if task.cancelled() or (error := task.exception()) is None:
+        return
+    if isinstance(error, StoreUnavailable):  # the outcome is in ctx.unwritten already
+        log.info("hedged attempt could not reach the store: %s", error)
+    else:
+        log.error("hedged attempt failed", exc_info=error)
 
 
 async def _racer(

@@ -17,6 +17,7 @@ from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamRes
 from idemproxy.proxy.headers import request_headers_for_upstream, response_headers_for_client
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
+from idemproxy.proxy.sink import abort
 
 log = logging.getLogger(__name__)
 # Bodies up to this size with a declared length are read whole rather than streamed.
@@ -77,8 +78,10 @@ async def passthrough(
             return response
     except UpstreamFailure as failure:
         if response is not None and response.prepared:
+            # Not raised: aiohttp would log a traceback at ERROR for every upstream that cuts off.
             log.warning("pass-through cut off mid-response: %s", failure.reason)
-            raise ConnectionResetError(failure.reason) from failure
+            abort(request, response)
+            return response
         problem = UpstreamTimeout if failure.failure is Failure.TIMEOUT else UpstreamUnavailable
         return problem_response(problem(), profile=ctx.settings.profile)
 

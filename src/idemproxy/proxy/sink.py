@@ -33,7 +33,12 @@ class ClientSink:
                 self.gone = True
 
     def abort(self) -> None:
-        # The status line is out already: closing the connection is the only honest signal.
-        self._response.force_close()
-        if self._request.transport is not None:
-            self._request.transport.close()
+        abort(self._request, self._response)
+
+
+def abort(request: web.Request, response: web.StreamResponse) -> None:
+    """End a response cut off mid-body. The status line is out already: closing the connection
+    is the only honest signal (RFC 9112 §8), and no other response may follow on it."""
+    response.force_close()
+    if request.transport is not None:
+        request.transport.close()

@@ -1,0 +1,50 @@
+"""One response per request on a connection, whatever the code above it returns (SPEC §7).
+
+HTTP/1.1 has no framing around a response but its own (RFC 9112 §6.3): bytes written after a
+response are read by the client as the answer to its next request on the connection, which,
+behind a load balancer that pools connections, may be another client's. A handler that streams
+its answer prepares it itself; if a bug then made it return a different response (a problem, a
+replay), aiohttp would write that one too. Here, instead, the connection is closed after the
+response that started: a truncated answer the client can tell from a whole one, never a second.
+
+Every response aiohttp prepares passes through `note_started` (the app's `on_response_prepare`
+signal), so the check does not depend on where in the proxy the response was started.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from idemproxy.metrics import Metrics
+
+log = logging.getLogger(__name__)
+_STARTED = web.RequestKey("idemproxy_started_response", web.StreamResponse)
+
+
+async def note_started(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: the response whose head is (about to be) written."""
+    request[_STARTED] = response
+
+
+def only_response(
+    metrics: Metrics, request: web.Request, response: web.StreamResponse
+) -> web.StreamResponse:
+    """`response`, unless another one was started for this request: then that one, with the
+    connection closed, so that `response` is never written."""
+    started: web.StreamResponse | None = request.get(_STARTED)
+    if started is None or started is response:
+        return response
+    metrics.second_responses.inc()
+    log.error(
+        "%s %s: a %d was returned after a %d had started; connection closed instead",
+        request.method,
+        request.path,
+        response.status,
+        started.status,
+    )
+    started.force_close()
+    if request.transport is not None:
+        request.transport.close()
+    return started
