@@ -614,19 +614,45 @@ async def test_delete_removes_the_job_and_its_attempts(store: Store) -> None:
     assert attempts(await job_of(store, fresh.job.id)) == [(1, AttemptState.STARTED, None, None)]
 
 
-async def test_delete_ignores_the_version_and_names_the_owner(store: Store) -> None:
-    alice = await claim(store, owner="alice")
+async def test_delete_is_a_cas_on_the_version_and_names_the_owner(store: Store) -> None:
+    alice = await unknown_job(store)
     bob = await claim(store, owner="bob")
-    assert not await store.delete(alice.job._replace(owner="bob"))  # bob's key, alice's id
-    assert await store.delete(alice.job._replace(version=alice.job.version + 7))
-    assert await store.get_by_id(alice.job.id) is None
+    assert not await store.delete(alice._replace(owner="bob"))  # bob's key, alice's id
+    assert not await store.delete(alice._replace(version=alice.version - 1))  # changed since
+    assert not await store.delete(alice._replace(version=alice.version + 7), force=True)
+    assert await store.get_by_id(alice.id) is not None
+    assert await store.delete(alice)
+    assert await store.get_by_id(alice.id) is None
     assert await store.get_by_id(bob.job.id) is not None
+
+
+async def test_delete_refuses_a_job_in_flight_with_a_live_lease_unless_forced(
+    store: Store,
+) -> None:
+    running = await claim(store)
+    assert not await store.delete(running.job)
+    assert await store.get_by_id(running.job.id) is not None
+    assert await store.delete(running.job, force=True)
+    assert await store.get_by_id(running.job.id) is None
+    # Its lease ran out by the database clock (its proxy died): no force needed.
+    dead = await expired_lease(store, "k2")
+    assert await store.delete(dead)
+
+
+async def test_delete_of_a_released_job_a_retry_restarted_loses(store: Store) -> None:
+    claimed = await claim(store)
+    assert await store.settle(claimed.job, 1, JobState.RELEASED, status=503)
+    read = await current(store, claimed.job)  # what an operator saw: released
+    assert await store.start_next_attempt(read, "primary", lease=LEASE) is not None
+    assert not await store.delete(read)
+    assert not await store.delete(read, force=True)
+    assert (await current(store, read)).state is JobState.IN_FLIGHT
 
 
 async def test_delete_wakes_waiters(store: Store) -> None:
     claimed = await claim(store)
     async with held(store, claimed.job) as sub:
-        assert await store.delete(claimed.job)
+        assert await store.delete(claimed.job, force=True)
         assert await sub.wait(WAKE_TIMEOUT)
 
 

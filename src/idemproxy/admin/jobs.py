@@ -3,7 +3,7 @@
     GET    /jobs?state=&owner=&limit=     newest first, each with its attempts
     GET    /jobs/{id}[?include=response]  one job; the stored body only when asked for
     POST   /jobs/{id}/resolve             {"as": "released"} or {"as": "completed", "status": …}
-    DELETE /jobs/{id}[?force=true]        204
+    DELETE /jobs/{id}[?force=true][&version=N]  204 (a CAS on the version read, or N)
 
 Every route sits behind the admin bearer token (`admin.app`); errors are RFC 9457 problems.
 """
@@ -91,8 +91,13 @@ async def _resolve(request: web.Request) -> web.Response:
 
 
 async def _delete(request: web.Request) -> web.Response:
-    force = request.query.get("force", "") in ("1", "true")
-    await service.delete_job(request.app[JOBS_STORE], request.match_info["id"], force=force)
+    query = request.query
+    await service.delete_job(
+        request.app[JOBS_STORE],
+        request.match_info["id"],
+        force=_flag(query.get("force"), "force"),
+        version=_version(query.get("version")),
+    )
     return web.Response(status=204)
 
 
@@ -104,6 +109,22 @@ def _state(value: str | None) -> JobState | None:
     except ValueError:
         states = ", ".join(s.value for s in JobState)
         raise InvalidRequest(f"state must be one of {states}") from None
+
+
+def _flag(value: str | None, name: str) -> bool:
+    if value is None or value in ("", "0", "false"):
+        return False
+    if value in ("1", "true"):
+        return True
+    raise InvalidRequest(f"{name} must be true or false")
+
+
+def _version(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()) or len(value) > 9:
+        raise InvalidRequest("version must be a positive integer")
+    return int(value)
 
 
 def _limit(value: str | None) -> int:

@@ -106,6 +106,9 @@ def _add_delete(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="even a job in flight whose lease is live"
     )
+    parser.add_argument(
+        "--expect-version", type=int, metavar="N", help="refuse if the job is not at version N"
+    )
     parser.set_defaults(run=_runner(_delete))
 
 
@@ -131,7 +134,9 @@ async def _resolve(args: argparse.Namespace, store: Store, settings: Settings) -
 
 
 async def _delete(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
-    job = await service.delete_job(store, args.job_id, force=args.force)
+    job = await service.delete_job(
+        store, args.job_id, force=args.force, version=args.expect_version
+    )
     print(f"job {job.id}: deleted (it was {job.state.value})")
 
 

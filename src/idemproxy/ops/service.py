@@ -10,6 +10,7 @@ import logging
 
 from idemproxy.constants import RESOLUTION_OPERATOR
 from idemproxy.errors import (
+    DeletionLost,
     JobInFlight,
     JobNotFound,
     JobNotUnknown,
@@ -45,11 +46,7 @@ async def resolve_job(
 ) -> Job:
     """SPEC §3.3: CAS an `unknown` job to `completed` or `released`; one of many callers wins."""
     job = await find_job(store, job_id)
-    if resolution.version is not None and resolution.version != job.version:
-        raise VersionMismatch(
-            f"job {job.id} is at version {job.version}, not {resolution.version}; "
-            "nothing was changed"
-        )
+    _check_version(job, resolution.version)
     if job.state is not JobState.UNKNOWN:
         raise JobNotUnknown(
             f"job {job.id} is {job.state.value}; only an unknown job can be resolved; "
@@ -74,19 +71,49 @@ async def resolve_job(
     )
 
 
-async def delete_job(store: Store, job_id: str, *, force: bool = False) -> Job:
-    """Delete a job and its attempts; its key can then be claimed afresh."""
+async def delete_job(
+    store: Store, job_id: str, *, force: bool = False, version: int | None = None
+) -> Job:
+    """Delete a job and its attempts; its key can then be claimed afresh.
+
+    A compare-and-swap on the version read (or `version`, when the operator names the one they
+    saw): a job that changed in between, e.g. a released job a retry restarted, is not deleted.
+    """
     job = await find_job(store, job_id)
-    if job.state is JobState.IN_FLIGHT and not job.lease_expired and not force:
-        # An attempt is running: without the job, a retry would claim the key and run again.
-        raise JobInFlight(
-            f"job {job.id} is in flight with a live lease; deleting it could let a retry run "
-            "a second time (force to delete anyway)"
-        )
-    if not await store.delete(job):
+    _check_version(job, version)
+    if _running(job) and not force:
+        raise _in_flight(job)
+    if await store.delete(job, force=force):
+        log.info("job %s: deleted by an operator (it was %s)", job.id, job.state.value)
+        return job
+    after = await store.get_by_id(job.id)
+    if after is None:
         raise JobNotFound(f"job {job_id} not found")
-    log.info("job %s: deleted by an operator (it was %s)", job.id, job.state.value)
-    return job
+    if after.version == job.version and _running(after) and not force:
+        raise _in_flight(after)  # its lease was renewed (by the database clock) meanwhile
+    raise DeletionLost(
+        f"job {job.id} changed while it was being deleted (now {after.state.value}, version "
+        f"{after.version}); nothing was deleted"
+    )
+
+
+def _check_version(job: Job, version: int | None) -> None:
+    if version is not None and version != job.version:
+        raise VersionMismatch(
+            f"job {job.id} is at version {job.version}, not {version}; nothing was changed"
+        )
+
+
+def _running(job: Job) -> bool:
+    return job.state is JobState.IN_FLIGHT and not job.lease_expired
+
+
+def _in_flight(job: Job) -> JobInFlight:
+    # An attempt is running: without the job, a retry would claim the key and run again.
+    return JobInFlight(
+        f"job {job.id} is in flight with a live lease; deleting it could let a retry run "
+        "a second time (force to delete anyway)"
+    )
 
 
 def resolution_ttl(job: Job, default: float) -> float:

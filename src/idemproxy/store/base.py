@@ -142,7 +142,9 @@ class Store(abc.ABC):
         """CAS an `unknown` job to `completed` (with `response`) or `released` (SPEC §3.3)."""
 
     @abc.abstractmethod
-    async def delete(self, job: Job) -> bool: ...
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
+        """CAS-delete the job at `job.version` with its attempts (SPEC §3.3); a job in flight
+        whose lease is live by the database clock only with `force`. False: nothing deleted."""
 
     @abc.abstractmethod
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:

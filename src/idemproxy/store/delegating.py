@@ -150,8 +150,8 @@ class DelegatingStore(Store):
             job, state, response=response, ttl=ttl, resolution=resolution
         )
 
-    async def delete(self, job: Job) -> bool:
-        return await self.inner.delete(job)
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
+        return await self.inner.delete(job, force=force)
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
         return await self.inner.stale_unknown(older_than, limit)

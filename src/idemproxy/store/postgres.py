@@ -253,8 +253,8 @@ class PostgresStore(Store):
         )
         return row is not None
 
-    async def delete(self, job: Job) -> bool:
-        return await self._fetchrow("delete_job", job.owner, job.id) is not None
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
+        return await self._fetchrow("delete_job", *_cas(job), force) is not None
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
         rows = await self._run(

@@ -241,9 +241,9 @@ class SqliteStore(Store):
             won = await self._changed(db, query, params)
         return self._notify_if(won, job)
 
-    async def delete(self, job: Job) -> bool:
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
         async with self._transaction() as db:
-            won = await self._changed(db, "delete_job", {"owner": job.owner, "id": job.id})
+            won = await self._changed(db, "delete_job", _cas(job) | {"force": force})
         return self._notify_if(won, job)
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:

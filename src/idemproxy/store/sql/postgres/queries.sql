@@ -214,8 +214,15 @@ ORDER BY updated_at
 LIMIT $2;
 
 -- name: delete_job
+-- An operator's delete (SPEC §3.3) is a compare-and-swap on the version they read ($3), and a
+-- job in flight whose lease is live by the database clock is only deleted when forced ($4): its
+-- attempt is running, and once the job is gone a retry would claim the key and run again. A
+-- job read `released` that a retry restarted meanwhile has a new version, so it is not deleted.
 WITH job AS (
-    DELETE FROM idemproxy.jobs WHERE owner = $1 AND id = $2 RETURNING owner, id
+    DELETE FROM idemproxy.jobs
+    WHERE owner = $1 AND id = $2 AND version = $3
+      AND ($4 OR state <> 'in_flight' OR lease_expires_at <= now())
+    RETURNING owner, id
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 

@@ -142,7 +142,12 @@ ORDER BY updated_at
 LIMIT :limit;
 
 -- name: delete_job
-DELETE FROM jobs WHERE owner = :owner AND id = :id;
+-- A compare-and-swap on the version the operator read; a job in flight with a live lease (by
+-- the database clock) only when forced (see the PostgreSQL query).
+DELETE FROM jobs
+WHERE owner = :owner AND id = :id AND version = :version
+  AND (:force OR state <> 'in_flight'
+       OR lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0);
 
 -- name: forget
 DELETE FROM jobs
