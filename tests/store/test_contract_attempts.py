@@ -711,3 +711,36 @@ async def test_count_unknown(store: Store) -> None:
     assert await store.resolve(first, JobState.RELEASED)
     assert await store.delete(second)
     assert await store.count_unknown() == 1
+
+
+# --- expired_leases: the background takeover (SPEC §3.5) ---------------------------------------
+
+
+async def test_expired_leases_lists_jobs_in_flight_whose_lease_ran_out_long_enough_ago(
+    store: Store,
+) -> None:
+    first = await expired_lease(store, "dead-1")
+    second = await expired_lease(store, "dead-2")
+    await claim(store, "alive")  # a live lease
+    done = await claim(store, "done", lease=0.05)
+    assert await store.complete(done.job, 1, RESPONSE, ttl=TTL)
+    await unknown_job(store, "unknown")
+
+    found = await store.expired_leases(0.0, 10)
+    assert [job.id for job in found] == [first.id, second.id]  # the oldest lease first
+    assert all(job.state is JobState.IN_FLIGHT and job.lease_expired for job in found)
+    assert [job.id for job in await store.expired_leases(0.0, 1)] == [first.id]
+    # Not yet one `older_than` past the lease's end, by the database clock.
+    assert await store.expired_leases(60.0, 10) == []
+
+    # What the background pass does with each: the request's own takeover CAS.
+    assert await store.take_over(found[0])
+    assert not await store.take_over(found[0])
+    taken = await job_of(store, first.id)
+    assert taken.state is JobState.UNKNOWN
+    assert attempts(taken) == [(1, AttemptState.UNKNOWN, None, "lease expired")]
+    assert [job.id for job in await store.expired_leases(0.0, 10)] == [second.id]
+    # A lease renewed meanwhile (a live proxy that was only late) is not taken over.
+    assert await store.renew_lease(found[1], lease=LEASE)
+    assert not await store.take_over(found[1])
+    assert await store.expired_leases(0.0, 10) == []

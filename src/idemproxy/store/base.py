@@ -151,6 +151,11 @@ class Store(abc.ABC):
         """Unknown jobs unchanged for `older_than` seconds (unknown_ttl, SPEC §3.3)."""
 
     @abc.abstractmethod
+    async def expired_leases(self, older_than: float, limit: int) -> list[Job]:
+        """Jobs in flight whose lease ran out at least `older_than` seconds ago by the
+        database clock, oldest first (SPEC §3.5: taken over in the background)."""
+
+    @abc.abstractmethod
     async def sweep_expired(self, batch_size: int) -> int:
         """Delete up to `batch_size` expired terminal jobs; returns how many."""
 

@@ -156,6 +156,9 @@ class DelegatingStore(Store):
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
         return await self.inner.stale_unknown(older_than, limit)
 
+    async def expired_leases(self, older_than: float, limit: int) -> list[Job]:
+        return await self.inner.expired_leases(older_than, limit)
+
     async def sweep_expired(self, batch_size: int) -> int:
         return await self.inner.sweep_expired(batch_size)
 

@@ -262,6 +262,13 @@ class PostgresStore(Store):
         )
         return [job_from_row(row) for row in rows]
 
+    async def expired_leases(self, older_than: float, limit: int) -> list[Job]:
+        rows = await self._run(
+            "expired_leases",
+            lambda c: c.fetch(self._sql["expired_leases"], float(older_than), limit),
+        )
+        return [job_from_row(row) for row in rows]
+
     async def sweep_expired(self, batch_size: int) -> int:
         status = await self._execute("sweep_expired", batch_size)
         return int(status.rsplit(" ", 1)[-1])

@@ -253,6 +253,13 @@ class SqliteStore(Store):
             )
         return [job_from_row(row) for row in rows]
 
+    async def expired_leases(self, older_than: float, limit: int) -> list[Job]:
+        async with self._reading("expired_leases") as db:
+            rows = await db.execute_fetchall(
+                self._sql["expired_leases"], {"grace": float(older_than), "limit": limit}
+            )
+        return [job_from_row(row) for row in rows]
+
     async def sweep_expired(self, batch_size: int) -> int:
         async with self._transaction() as db:
             cursor = await db.execute(self._sql["sweep_expired"], {"limit": batch_size})

@@ -182,6 +182,16 @@ WITH job AS (
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 
+-- name: expired_leases
+-- SPEC §3.5: jobs in flight whose lease ran out at least $1 seconds ago by the database clock
+-- (their proxy died, or cannot reach the store), oldest first, for the background takeover
+-- (proxy/orphans.py). Each is then taken over by the `take_over` CAS, as a request would.
+SELECT *, expires_at <= now() AS expired, true AS lease_expired
+FROM idemproxy.jobs
+WHERE state = 'in_flight' AND lease_expires_at <= now() - make_interval(secs => $1)
+ORDER BY lease_expires_at
+LIMIT $2;
+
 -- name: resolve_completed
 -- SPEC §3.3: an operator settles an `unknown` job with the response it really had.
 WITH job AS (

@@ -118,6 +118,17 @@ SET state = 'unknown', error = 'lease expired', lease_expires_at = NULL,
     finished_at = (julianday('now') - 2440587.5) * 86400.0
 WHERE owner = :owner AND job_id = :id AND state = 'started';
 
+-- name: expired_leases
+-- SPEC §3.5: jobs in flight whose lease ran out at least :grace seconds ago, for the
+-- background takeover (proxy/orphans.py).
+SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       1 AS lease_expired
+FROM jobs
+WHERE state = 'in_flight'
+  AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0 - :grace
+ORDER BY lease_expires_at
+LIMIT :limit;
+
 -- name: resolve_completed
 -- SPEC §3.3: an operator settles an `unknown` job with the response it really had.
 UPDATE jobs
