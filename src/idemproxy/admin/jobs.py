@@ -33,6 +33,10 @@ _JSON_OVERHEAD = 64 * 1024
 JOBS_STORE = web.AppKey("idemproxy.admin.jobs.store", Store)
 JOBS_SETTINGS = web.AppKey("idemproxy.admin.jobs.settings", Settings)
 
+_LIST_PARAMETERS = frozenset({"state", "owner", "limit"})
+_SHOW_PARAMETERS = frozenset({"include"})
+_DELETE_PARAMETERS = frozenset({"force", "version"})
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -61,7 +65,7 @@ def _problems(handler: Handler) -> Handler:
 
 
 async def _list(request: web.Request) -> web.Response:
-    query = request.query
+    query = _query(request, _LIST_PARAMETERS)
     jobs = await service.list_jobs(
         request.app[JOBS_STORE],
         state=_state(query.get("state")),
@@ -72,8 +76,10 @@ async def _list(request: web.Request) -> web.Response:
 
 
 async def _show(request: web.Request) -> web.Response:
+    include = _query(request, _SHOW_PARAMETERS).get("include", "")
+    if include not in ("", "response"):
+        raise InvalidRequest('include must be "response"')
     job = await service.find_job(request.app[JOBS_STORE], request.match_info["id"])
-    include = request.query.get("include", "")
     return _json(job_to_json(job, include_response=include == "response"))
 
 
@@ -91,7 +97,7 @@ async def _resolve(request: web.Request) -> web.Response:
 
 
 async def _delete(request: web.Request) -> web.Response:
-    query = request.query
+    query = _query(request, _DELETE_PARAMETERS)
     await service.delete_job(
         request.app[JOBS_STORE],
         request.match_info["id"],
@@ -109,6 +115,20 @@ def _state(value: str | None) -> JobState | None:
     except ValueError:
         states = ", ".join(s.value for s in JobState)
         raise InvalidRequest(f"state must be one of {states}") from None
+
+
+def _query(request: web.Request, allowed: frozenset[str]) -> dict[str, str]:
+    """The query parameters, each given at most once, none unknown: a misspelt filter
+    (`?states=unknown`) would otherwise list every job as if it matched."""
+    query = request.query
+    unknown = sorted(set(query) - allowed)
+    if unknown:
+        raise InvalidRequest(
+            f"unknown query parameter {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}"
+        )
+    if len(query) != len(set(query)):
+        raise InvalidRequest("each query parameter may be given once")
+    return dict(query)
 
 
 def _flag(value: str | None, name: str) -> bool:

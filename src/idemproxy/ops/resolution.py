@@ -17,6 +17,7 @@ from typing import Any
 from multidict import CIMultiDict
 
 from idemproxy.config import Settings
+from idemproxy.constants import MAX_RESOLVED_HEADER_BYTES
 from idemproxy.errors import InvalidRequest
 from idemproxy.proxy.headers import headers_to_store
 from idemproxy.types import HeaderPairs, JobState, StoredResponse
@@ -32,14 +33,28 @@ _JSON_FIELDS = frozenset({"as", "status", "headers", "body", "body_base64", "ver
 
 @dataclass(frozen=True, slots=True)
 class ResponseRules:
-    """What a stored response may contain, from the settings the proxy stores with."""
+    """What a stored response may contain, from the settings the proxy stores with.
+
+    Header limits are the proxy's own for a head it receives (`server.max_headers` fields of at
+    most `server.max_field_size` bytes each, as `Name: value`), and at most
+    `MAX_RESOLVED_HEADER_BYTES` in all: a resolution is replayed to every client of the job, so
+    headers no client could take in would break each of them.
+    """
 
     unreplayed_headers: Collection[str]
     max_body: int
+    max_headers: int = 128
+    max_field_size: int = 8190
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ResponseRules:
-        return cls(settings.unreplayed_headers, settings.max_stored_body)
+        server = settings.server
+        return cls(
+            settings.unreplayed_headers,
+            settings.max_stored_body,
+            server.max_headers,
+            server.max_field_size,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +83,7 @@ def completed(
     _check_status(status, body)
     if len(body) > rules.max_body:
         raise InvalidRequest(f"body: {len(body)} bytes is over max_stored_body ({rules.max_body})")
-    pairs = _check_headers(headers, rules.unreplayed_headers)
+    pairs = _check_headers(headers, rules)
     return Resolution(JobState.COMPLETED, StoredResponse(status, pairs, body), version)
 
 
@@ -108,20 +123,41 @@ def _check_status(status: int, body: bytes) -> None:
         raise InvalidRequest(f"status {status} never carries a body")
 
 
-def _check_headers(headers: Sequence[tuple[str, str]], unreplayed: Collection[str]) -> HeaderPairs:
+def _check_headers(headers: Sequence[tuple[str, str]], rules: ResponseRules) -> HeaderPairs:
+    if len(headers) > rules.max_headers:
+        raise InvalidRequest(
+            f"{len(headers)} headers is over server.max_headers ({rules.max_headers})"
+        )
+    total = 0
     for name, value in headers:
-        if not _TOKEN.fullmatch(name):
-            raise InvalidRequest("header names must be RFC 9110 tokens")
-        if _NOT_FIELD_VALUE.search(value):
-            raise InvalidRequest(f"header {name}: only visible ASCII, spaces and tabs")
+        _check_field(name, value, rules.max_field_size)
+        total += len(name) + len(value) + 4  # `: ` and CRLF, as sent
+    if total > MAX_RESOLVED_HEADER_BYTES:
+        raise InvalidRequest(f"headers: {total} bytes in all is over {MAX_RESOLVED_HEADER_BYTES}")
     pairs = tuple((name, value) for name, value in headers)
-    kept = headers_to_store(CIMultiDict(pairs), unreplayed)
+    kept = headers_to_store(CIMultiDict(pairs), rules.unreplayed_headers)
     if len(kept) != len(pairs):
         # SPEC §7: a replay recomputes framing and Date, never sends hop-by-hop headers, and
         # does not replay `unreplayed_headers`; storing them would only break or leak a replay.
         dropped = sorted({n for n, _ in pairs} - {n for n, _ in kept})
         raise InvalidRequest(f"header(s) never replayed, leave them out: {', '.join(dropped)}")
     return pairs
+
+
+def _check_field(name: str, value: str, max_field_size: int) -> None:
+    if not _TOKEN.fullmatch(name):
+        raise InvalidRequest("header names must be RFC 9110 tokens")
+    if _NOT_FIELD_VALUE.search(value):
+        raise InvalidRequest(f"header {name}: only visible ASCII, spaces and tabs")
+    if value != value.strip(" \t"):
+        # RFC 9110 §5.5: a field value has no leading or trailing whitespace; a parser strips
+        # it, so the proxy never stores a value with any from an upstream either.
+        raise InvalidRequest(f"header {name}: no leading or trailing spaces or tabs")
+    if len(name) + 2 + len(value) > max_field_size:
+        raise InvalidRequest(
+            f"header {name}: {len(name) + 2 + len(value)} bytes as 'Name: value' is over "
+            f"server.max_field_size ({max_field_size})"
+        )
 
 
 def _json_headers(value: Any) -> list[tuple[str, str]]:

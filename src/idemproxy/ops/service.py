@@ -7,10 +7,12 @@ compare-and-swap; a loser changes nothing and says why.
 from __future__ import annotations
 
 import logging
+import re
 
-from idemproxy.constants import RESOLUTION_OPERATOR
+from idemproxy.constants import OWNER_FILTER_MAX_LENGTH, RESOLUTION_OPERATOR
 from idemproxy.errors import (
     DeletionLost,
+    InvalidRequest,
     JobInFlight,
     JobNotFound,
     JobNotUnknown,
@@ -22,6 +24,7 @@ from idemproxy.store.base import Store
 from idemproxy.types import Job, JobState
 
 log = logging.getLogger(__name__)
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 
 async def find_job(store: Store, job_id: str) -> Job:
@@ -36,9 +39,21 @@ async def list_jobs(
     store: Store, *, state: JobState | None, owner: str | None, limit: int
 ) -> list[Job]:
     """Newest first, each with its attempts (SPEC §13: a listed job has them too)."""
+    if owner is not None:
+        check_owner_filter(owner)
     listed = await store.list_jobs(state=state, owner=owner, limit=limit)
     full = [await store.get_by_id(job.id) for job in listed]
     return [job for job in full if job is not None]  # deleted meanwhile: gone from the list
+
+
+def check_owner_filter(owner: str) -> None:
+    """An owner filter is checked before it reaches the store: a NUL is refused by PostgreSQL
+    (it would be a 503 and a store error, which operators alert on) and names no owner anyway."""
+    if not (0 < len(owner) <= OWNER_FILTER_MAX_LENGTH and _VISIBLE_ASCII.fullmatch(owner)):
+        raise InvalidRequest(
+            f"owner must be 1-{OWNER_FILTER_MAX_LENGTH} visible ASCII characters "
+            "(the owner hash, as shown by show)"
+        )
 
 
 async def resolve_job(
