@@ -25,6 +25,7 @@
     │       ├── VersionMismatch     409 version-mismatch
     │       ├── ResolutionLost      409 resolution-lost
     │       ├── DeletionLost        409 deletion-lost
+    │       ├── NoLateResponse      409 no-late-response
     │       └── JobInFlight         409 job-in-flight
     └── ConfigError                 bad settings, raised at start-up
 
@@ -195,6 +196,12 @@ class DeletionLost(OperatorError):
     nothing was deleted."""
 
     code, status, title = "deletion-lost", 409, "Deletion lost"
+
+
+class NoLateResponse(OperatorError):
+    """That attempt kept no late response to resolve the job with; nothing was changed."""
+
+    code, status, title = "no-late-response", 409, "No late response"
 
 
 class JobInFlight(OperatorError):

@@ -744,3 +744,57 @@ async def test_expired_leases_lists_jobs_in_flight_whose_lease_ran_out_long_enou
     assert await store.renew_lease(found[1], lease=LEASE)
     assert not await store.take_over(found[1])
     assert await store.expired_leases(0.0, 10) == []
+
+
+# --- late responses kept for the operator (SPEC §3.3) ------------------------------------------
+
+
+async def test_a_late_response_after_a_takeover_is_kept_on_its_attempt(store: Store) -> None:
+    job = await expired_lease(store)
+    assert await store.take_over(job)
+    assert not await store.complete(job, 1, LATE, ttl=TTL)
+    taken = await job_of(store, job.id)
+    assert taken.state is JobState.UNKNOWN
+    assert attempts(taken) == [(1, AttemptState.DISCARDED, 200, "lease expired")]
+    assert taken.attempts[0].late_bytes == len(LATE.body or b"")
+    assert await store.late_response(taken, 1) == LATE
+    assert await store.late_response(taken, 2) is None
+    # Resolved with it: the job replays what the upstream really answered.
+    kept = await store.late_response(taken, 1)
+    assert await store.resolve(taken, JobState.COMPLETED, response=kept, ttl=TTL)
+    assert (await current(store, taken)).response == LATE
+
+
+async def test_a_hedging_losers_response_is_not_kept(store: Store) -> None:
+    claimed = await claim(store)
+    second = await store.add_attempt(claimed.job, "fallback", lease=LEASE)
+    assert second == 2
+    assert await store.complete(claimed.job, 2, RESPONSE, ttl=TTL)
+    assert not await store.complete(claimed.job, 1, LATE, ttl=TTL)  # the job is completed
+    done = await job_of(store, claimed.job.id)
+    assert [a.late_bytes for a in done.attempts] == [None, None]
+    assert await store.late_response(done, 1) is None
+
+
+async def test_kept_late_responses_are_bounded_per_job(store_dsn: str) -> None:
+    small = create_store(store_dsn, late_bytes=10)
+    await small.open()
+    try:
+        await small.migrate()
+        job = await expired_lease(small)
+        number = await small.add_attempt(job, "fallback", lease=0.05)
+        assert number == 2
+        await asyncio.sleep(0.2)
+        assert await small.take_over(await current(small, job))
+        big = StoredResponse(200, (), b"x" * 11)
+        six = StoredResponse(200, (), b"y" * 6)
+        assert not await small.complete(job, 1, big, ttl=TTL)  # over the bound: not kept
+        assert not await small.complete(job, 2, six, ttl=TTL)
+        after = await job_of(small, job.id)
+        assert [a.late_bytes for a in after.attempts] == [None, 6]
+        omitted = await expired_lease(small, "k2")
+        assert await small.take_over(omitted)
+        assert not await small.complete(omitted, 1, StoredResponse(200, (), None), ttl=TTL)
+        assert (await job_of(small, omitted.id)).attempts[0].late_bytes is None
+    finally:
+        await small.close()

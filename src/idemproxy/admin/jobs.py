@@ -3,6 +3,7 @@
     GET    /jobs?state=&owner=&limit=     newest first, each with its attempts
     GET    /jobs/{id}[?include=response]  one job; the stored body only when asked for
     POST   /jobs/{id}/resolve             {"as": "released"} or {"as": "completed", "status": …}
+                                          or {"as": "completed", "from_attempt": N}
     DELETE /jobs/{id}[?force=true][&version=N]  204 (a CAS on the version read, or N)
 
 Every route sits behind the admin bearer token (`admin.app`); errors are RFC 9457 problems.
@@ -79,8 +80,12 @@ async def _show(request: web.Request) -> web.Response:
     include = _query(request, _SHOW_PARAMETERS).get("include", "")
     if include not in ("", "response"):
         raise InvalidRequest('include must be "response"')
-    job = await service.find_job(request.app[JOBS_STORE], request.match_info["id"])
-    return _json(job_to_json(job, include_response=include == "response"))
+    store = request.app[JOBS_STORE]
+    job = await service.find_job(store, request.match_info["id"])
+    if include != "response":
+        return _json(job_to_json(job))
+    late = await service.late_responses(store, job)
+    return _json(job_to_json(job, include_response=True, late=late))
 
 
 async def _resolve(request: web.Request) -> web.Response:

@@ -28,7 +28,9 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _NOT_FIELD_VALUE = re.compile(r"[^\t\x20-\x7e]")
 # RFC 9110 §15.3.5, §15.4.5: these statuses never carry content.
 _NO_CONTENT = frozenset({204, 304})
-_JSON_FIELDS = frozenset({"as", "status", "headers", "body", "body_base64", "version"})
+_JSON_FIELDS = frozenset(
+    {"as", "status", "headers", "body", "body_base64", "version", "from_attempt"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,9 @@ class Resolution:
     state: JobState
     response: StoredResponse | None = None
     version: int | None = None
+    # `completed` with the response attempt N really had, kept when it came too late (SPEC
+    # §3.3); the store supplies `response`.
+    from_attempt: int | None = None
 
 
 def released(version: int | None = None) -> Resolution:
@@ -85,6 +90,14 @@ def completed(
         raise InvalidRequest(f"body: {len(body)} bytes is over max_stored_body ({rules.max_body})")
     pairs = _check_headers(headers, rules)
     return Resolution(JobState.COMPLETED, StoredResponse(status, pairs, body), version)
+
+
+def from_attempt(number: int, version: int | None = None) -> Resolution:
+    """`completed` with attempt `number`'s kept late response (its headers and body are the
+    upstream's own, stored as a replay would store them)."""
+    if number < 1:
+        raise InvalidRequest("the attempt number must be 1 or more")
+    return Resolution(JobState.COMPLETED, None, version, number)
 
 
 def parse_header_line(line: str) -> tuple[str, str]:
@@ -108,6 +121,11 @@ def resolution_from_json(data: Any, rules: ResponseRules) -> Resolution:
             raise InvalidRequest('"as": "released" takes no status, headers or body')
         return released(version)
     if target == JobState.COMPLETED.value:
+        number = _optional_int(data, "from_attempt")
+        if number is not None:
+            if not set(data) <= {"as", "version", "from_attempt"}:
+                raise InvalidRequest('"from_attempt" takes no status, headers or body')
+            return from_attempt(number, version)
         status = _optional_int(data, "status")
         if status is None:
             raise InvalidRequest('"as": "completed" needs a "status"')

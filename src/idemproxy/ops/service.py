@@ -16,12 +16,13 @@ from idemproxy.errors import (
     JobInFlight,
     JobNotFound,
     JobNotUnknown,
+    NoLateResponse,
     ResolutionLost,
     VersionMismatch,
 )
 from idemproxy.ops.resolution import Resolution
 from idemproxy.store.base import Store
-from idemproxy.types import Job, JobState
+from idemproxy.types import Job, JobState, StoredResponse
 
 log = logging.getLogger(__name__)
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
@@ -67,10 +68,13 @@ async def resolve_job(
             f"job {job.id} is {job.state.value}; only an unknown job can be resolved; "
             "nothing was changed"
         )
+    response = resolution.response
+    if resolution.from_attempt is not None:
+        response = await _late_response(store, job, resolution.from_attempt)
     won = await store.resolve(
         job,
         resolution.state,
-        response=resolution.response,
+        response=response,
         ttl=resolution_ttl(job, default_ttl),
         resolution=RESOLUTION_OPERATOR,
     )
@@ -129,6 +133,30 @@ def _in_flight(job: Job) -> JobInFlight:
         f"job {job.id} is in flight with a live lease; deleting it could let a retry run "
         "a second time (force to delete anyway)"
     )
+
+
+async def _late_response(store: Store, job: Job, number: int) -> StoredResponse:
+    if not any(a.number == number for a in job.attempts):
+        raise InvalidRequest(f"job {job.id} has no attempt {number}")
+    kept = await store.late_response(job, number)
+    if kept is None:
+        raise NoLateResponse(
+            f"attempt {number} of job {job.id} kept no response (only a response that came "
+            "after the job was taken over is kept, within max_stored_body per job); nothing "
+            "was changed"
+        )
+    return kept
+
+
+async def late_responses(store: Store, job: Job) -> dict[int, StoredResponse]:
+    """The late responses kept on the job's attempts, by attempt number (for `show`)."""
+    kept = {}
+    for attempt in job.attempts:
+        if attempt.late_bytes is not None:
+            response = await store.late_response(job, attempt.number)
+            if response is not None:
+                kept[attempt.number] = response
+    return kept
 
 
 def resolution_ttl(job: Job, default: float) -> float:

@@ -130,6 +130,11 @@ class Store(abc.ABC):
         """The job with all its attempts."""
 
     @abc.abstractmethod
+    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+        """The response attempt `attempt` really had, kept when its completion lost the CAS
+        to a takeover (SPEC §3.3); None if none was kept."""
+
+    @abc.abstractmethod
     async def resolve(
         self,
         job: Job,

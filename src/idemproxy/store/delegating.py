@@ -137,6 +137,9 @@ class DelegatingStore(Store):
     async def get_by_id(self, job_id: str) -> Job | None:
         return await self.inner.get_by_id(job_id)
 
+    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+        return await self.inner.late_response(job, attempt)
+
     async def resolve(
         self,
         job: Job,
