@@ -75,6 +75,11 @@ async def test_a_dead_proxys_job_becomes_unknown_without_any_retry(
         assert [(a.state, a.error) for a in taken.attempts] == [
             (AttemptState.UNKNOWN, "lease expired")
         ]
+        # Set right after the pass that took it over, not at the gauge's next refresh (15 s).
+        for _ in range(100):
+            if metrics.unknown_jobs._value.get() == 1:
+                break
+            await asyncio.sleep(0.01)
         assert metrics.unknown_jobs._value.get() == 1
         assert metrics.orphans_taken_over._value.get() == 1
 
