@@ -272,6 +272,9 @@ class SweeperSettings(BaseModel):
     model_config = _STRICT
     interval: float = Field(default=60.0, gt=0)
     batch_size: int = Field(default=500, gt=0)
+    # SPEC §3.5: how often each proxy looks for jobs whose lease ran out at least one `lease`
+    # ago (their proxy died) and takes them over as `unknown` (proxy/orphans.py).
+    takeover_interval: float = Field(default=5.0, gt=0)
 
 
 class Settings(BaseSettings):

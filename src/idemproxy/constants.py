@@ -53,6 +53,12 @@ DEFAULT_MAX_WAITERS: Final = 10_000
 MAX_WORKERS: Final = 64
 DEFAULT_RETRY_AFTER_SECONDS: Final = 1
 KEY_MAX_LENGTH: Final = 255
+# Bytes of header fields (`Name: value` CRLF) an operator's resolution may store (SPEC §3.3),
+# on top of the per-field and count limits of `server`: every client of the job gets them.
+MAX_RESOLVED_HEADER_BYTES: Final = 64 * 1024
+# The admin API's and `jobs list`'s owner filter: an owner scope is a SHA-256 hex digest or a
+# fixed word (SPEC §5); anything longer or outside visible ASCII names no owner.
+OWNER_FILTER_MAX_LENGTH: Final = 255
 
 # Who settled an `unknown` job, as recorded in its `resolution` (SPEC §3.3).
 RESOLUTION_OPERATOR: Final = "operator"

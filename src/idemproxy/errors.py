@@ -9,6 +9,7 @@
     │   ├── PayloadMismatch         409 payload-mismatch (422 in the ietf profile)
     │   ├── RequestInFlight         409 request-in-flight + Retry-After
     │   ├── OutcomeUnknown          409 outcome-unknown
+    │   │   └── JobLost             409 outcome-unknown: the job went away under its attempt
     │   ├── NoRoute                 404 no-route
     │   ├── RequestTimeout          408 request-timeout
     │   ├── BodyTooLarge            413 body-too-large
@@ -23,6 +24,8 @@
     │       ├── JobNotUnknown       409 job-not-unknown
     │       ├── VersionMismatch     409 version-mismatch
     │       ├── ResolutionLost      409 resolution-lost
+    │       ├── DeletionLost        409 deletion-lost
+    │       ├── NoLateResponse      409 no-late-response
     │       └── JobInFlight         409 job-in-flight
     └── ConfigError                 bad settings, raised at start-up
 
@@ -96,6 +99,12 @@ class OutcomeUnknown(ProblemError):
     """The outcome of the earlier request with this key is unknown; an operator must resolve it."""
 
     code, status, title = "outcome-unknown", 409, "Outcome unknown"
+
+
+class JobLost(OutcomeUnknown):
+    """This request's job was deleted or settled by an operator while its attempt ran: the
+    upstream may have executed it, and its outcome was not stored. A retry with this key may run
+    it again."""
 
 
 class NoRoute(ProblemError):
@@ -180,6 +189,19 @@ class ResolutionLost(OperatorError):
     """Another change to the job won the compare-and-swap first; nothing was changed."""
 
     code, status, title = "resolution-lost", 409, "Resolution lost"
+
+
+class DeletionLost(OperatorError):
+    """The job changed since it was read (another change won the compare-and-swap first);
+    nothing was deleted."""
+
+    code, status, title = "deletion-lost", 409, "Deletion lost"
+
+
+class NoLateResponse(OperatorError):
+    """That attempt kept no late response to resolve the job with; nothing was changed."""
+
+    code, status, title = "no-late-response", 409, "No late response"
 
 
 class JobInFlight(OperatorError):

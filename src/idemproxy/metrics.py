@@ -129,6 +129,12 @@ class Metrics:
             "the connection was closed instead (proxy/one_response.py). Always a bug.",
             [],
         )
+        self.orphans_taken_over = self._counter(
+            "orphans_taken_over",
+            "Jobs in flight whose lease ran out (their proxy died) that this process took over "
+            "as unknown in the background (proxy/orphans.py).",
+            [],
+        )
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]
         )

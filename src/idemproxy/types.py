@@ -62,6 +62,9 @@ class Attempt:
     error: str | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    # Bytes of the late response kept on this attempt (SPEC §3.3: its completion lost the CAS
+    # to a takeover); None when none was kept. `Store.late_response` reads it.
+    late_bytes: int | None = None
 
 
 class Job(NamedTuple):

@@ -7,6 +7,7 @@ job become `unknown` by real means (a 504 through the proxy) and a retry then su
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -30,12 +31,16 @@ TOKEN = "admin-token-2718"
 class Upstream:
     url: str = ""
     script: list[int] = field(default_factory=list)
+    # Seconds each execution takes before answering, in order; none once it runs out.
+    delays: list[float] = field(default_factory=list)
     executions: int = 0
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.read()
         self.executions += 1
         status = self.script.pop(0) if self.script else 201
+        if self.delays:
+            await asyncio.sleep(self.delays.pop(0))
         echo = {"execution": self.executions, "body": body.decode("utf-8", "replace")}
         return web.json_response(echo, status=status, headers={"Location": "/things/1"})
 

@@ -34,7 +34,7 @@ from idemproxy.types import AttemptState, Job, JobState
 from .client import Answer, send
 
 if TYPE_CHECKING:
-    from .conftest import Backend, ProxyProcess, StartProxy
+    from .conftest import Backend, ProxyProcess, RunCli, StartProxy
 
 pytestmark = pytest.mark.slow
 
@@ -158,6 +158,50 @@ async def test_a_retry_before_the_lease_runs_out_is_held_or_told_in_flight(
     assert backend.ledger.count(KEY) == 0
 
 
+# With no retry at all: the running proxies take the dead one's job over in the background.
+TAKEOVER_ENV = {"IDEMPROXY_SWEEPER__TAKEOVER_INTERVAL": "0.2"}
+# docs/operations.md: unknown within 2 x lease + sweeper.takeover_interval of the death.
+TAKEOVER_BOUND = 2 * LEASE + 0.2
+
+
+@pytest.mark.parametrize(
+    "store_of", [pytest.param("postgres", marks=pytest.mark.postgres), "sqlite"], indirect=True
+)
+async def test_a_killed_proxys_job_becomes_unknown_with_no_retry(
+    store_of: str, backend: Backend, start_proxy: StartProxy, run_cli: RunCli
+) -> None:
+    """The job of a proxy SIGKILLed mid-attempt is `unknown` within the documented bound,
+    listed, counted and resolvable, though no client ever retries its key. On PostgreSQL
+    another replica that was up all along takes it over; on SQLite (one process) the proxy
+    started again on the same file does."""
+    dsn = store_of
+    args = ("--upstream", backend.url, "--store", dsn, "--lease", str(LEASE))
+    victim = await start_proxy(*args, env={FAILPOINT_ENV: "after_send"}, name="victim")
+    survivor = None
+    if dsn.startswith("postgresql"):
+        survivor = await start_proxy(*args, env=TAKEOVER_ENV, name="survivor")
+    async with aiohttp.ClientSession() as session:
+        await crash(session, victim, PATHS["after_send"])
+        died = time.monotonic()
+        await until_executed(backend, 1)
+        crashed = await job_in(dsn)
+        assert crashed.state is JobState.IN_FLIGHT, crashed
+        if survivor is None:
+            survivor = await start_proxy(*args, env=TAKEOVER_ENV, name="restarted")
+        final = await until_unknown(dsn, died + TAKEOVER_BOUND + 3.0)
+        assert_taken_over(final, crashed)
+        metrics = await (await session.get(f"{survivor.admin_url}/metrics")).text()
+    assert "idemproxy_unknown_jobs 1.0" in metrics, metrics
+    assert "idemproxy_orphans_taken_over_total 1.0" in metrics, metrics
+
+    listed = run_cli("jobs", "list", "--store", dsn, "--state", "unknown", "--json")
+    assert listed.returncode == 0, listed
+    assert [job["id"] for job in json.loads(listed.stdout)] == [crashed.id]
+    resolved = run_cli("jobs", "resolve", crashed.id, "--store", dsn, "--as", "released")
+    assert resolved.returncode == 0, resolved
+    assert backend.ledger.count(KEY) == 1
+
+
 # --- helpers ----------------------------------------------------------------------------------
 
 
@@ -221,6 +265,16 @@ async def opened(dsn: str) -> AsyncIterator[Store]:
         yield store
     finally:
         await store.close()
+
+
+async def until_unknown(dsn: str, deadline: float) -> Job:
+    """Poll the store (bounded by `deadline`, time.monotonic()) until the crash job is unknown."""
+    while True:
+        job = await job_in(dsn)
+        if job.state is JobState.UNKNOWN:
+            return job
+        assert time.monotonic() < deadline, f"still {job.state.value}: {job}"
+        await asyncio.sleep(0.05)
 
 
 def describe(answer: Answer, proxy: ProxyProcess) -> str:

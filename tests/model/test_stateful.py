@@ -325,11 +325,14 @@ class ModelStore:
         del self.jobs[(found.owner, found.key)]
         return True
 
-    def delete(self, job: Job) -> bool:
-        found = self.current(job)
-        if found is not None:
-            del self.jobs[(found.owner, found.key)]
-        return found is not None
+    def delete(self, job: Job, *, force: bool = False) -> bool:
+        found = self.at(job, *JobState)  # a CAS on the version read
+        if found is None:
+            return False
+        if found.state is JobState.IN_FLIGHT and not found.lease_now and not force:
+            return False  # its attempt is running: only a forced delete
+        del self.jobs[(found.owner, found.key)]
+        return True
 
     @staticmethod
     def expired(job: ModelJob) -> bool:
@@ -800,7 +803,7 @@ class IdempotencyMachine(RuleBasedStateMachine):
         which=WHICH,
         back=BACK,
         aimed=st.booleans(),
-        how=st.sampled_from(("forget", "sweep one", "sweep all", "delete")),
+        how=st.sampled_from(("forget", "sweep one", "sweep all", "delete", "force delete")),
     )
     def remove(self, which: int, back: int, aimed: bool, how: str) -> None:
         """A job goes away (SPEC §11): a request forgets an expired terminal job by CAS so that
@@ -810,9 +813,16 @@ class IdempotencyMachine(RuleBasedStateMachine):
             self.sweep(1 if how == "sweep one" else 100)
             return
         job = self.reading(
-            which, back, aimed, lambda job: how == "delete" or self.model.expired(job)
+            which, back, aimed, lambda job: how.endswith("delete") or self.model.expired(job)
         )
-        if job is not None and self.call(how, job):
+        if job is None:
+            return
+        removed = (
+            self.call("delete", job, force=how == "force delete")
+            if how.endswith("delete")
+            else self.call(how, job)
+        )
+        if removed:
             self.removed(job.id)
 
     def sweep(self, batch: int) -> None:

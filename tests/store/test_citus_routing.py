@@ -54,12 +54,20 @@ CROSS_OWNER = {
     "postgres": {
         "get_job_by_id",
         "stale_unknown",
+        "expired_leases",
         "sweep_expired",
         "list_jobs",
         "count_unknown",
         "ping",
     },
-    "sqlite": {"get_job_by_id", "stale_unknown", "sweep_expired", "list_jobs", "count_unknown"},
+    "sqlite": {
+        "get_job_by_id",
+        "stale_unknown",
+        "expired_leases",
+        "sweep_expired",
+        "list_jobs",
+        "count_unknown",
+    },
 }
 HOT_PATH = {"postgres": POSTGRES_HOT_PATH, "sqlite": SQLITE_HOT_PATH}
 

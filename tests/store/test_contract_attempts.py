@@ -614,19 +614,45 @@ async def test_delete_removes_the_job_and_its_attempts(store: Store) -> None:
     assert attempts(await job_of(store, fresh.job.id)) == [(1, AttemptState.STARTED, None, None)]
 
 
-async def test_delete_ignores_the_version_and_names_the_owner(store: Store) -> None:
-    alice = await claim(store, owner="alice")
+async def test_delete_is_a_cas_on_the_version_and_names_the_owner(store: Store) -> None:
+    alice = await unknown_job(store)
     bob = await claim(store, owner="bob")
-    assert not await store.delete(alice.job._replace(owner="bob"))  # bob's key, alice's id
-    assert await store.delete(alice.job._replace(version=alice.job.version + 7))
-    assert await store.get_by_id(alice.job.id) is None
+    assert not await store.delete(alice._replace(owner="bob"))  # bob's key, alice's id
+    assert not await store.delete(alice._replace(version=alice.version - 1))  # changed since
+    assert not await store.delete(alice._replace(version=alice.version + 7), force=True)
+    assert await store.get_by_id(alice.id) is not None
+    assert await store.delete(alice)
+    assert await store.get_by_id(alice.id) is None
     assert await store.get_by_id(bob.job.id) is not None
+
+
+async def test_delete_refuses_a_job_in_flight_with_a_live_lease_unless_forced(
+    store: Store,
+) -> None:
+    running = await claim(store)
+    assert not await store.delete(running.job)
+    assert await store.get_by_id(running.job.id) is not None
+    assert await store.delete(running.job, force=True)
+    assert await store.get_by_id(running.job.id) is None
+    # Its lease ran out by the database clock (its proxy died): no force needed.
+    dead = await expired_lease(store, "k2")
+    assert await store.delete(dead)
+
+
+async def test_delete_of_a_released_job_a_retry_restarted_loses(store: Store) -> None:
+    claimed = await claim(store)
+    assert await store.settle(claimed.job, 1, JobState.RELEASED, status=503)
+    read = await current(store, claimed.job)  # what an operator saw: released
+    assert await store.start_next_attempt(read, "primary", lease=LEASE) is not None
+    assert not await store.delete(read)
+    assert not await store.delete(read, force=True)
+    assert (await current(store, read)).state is JobState.IN_FLIGHT
 
 
 async def test_delete_wakes_waiters(store: Store) -> None:
     claimed = await claim(store)
     async with held(store, claimed.job) as sub:
-        assert await store.delete(claimed.job)
+        assert await store.delete(claimed.job, force=True)
         assert await sub.wait(WAKE_TIMEOUT)
 
 
@@ -685,3 +711,90 @@ async def test_count_unknown(store: Store) -> None:
     assert await store.resolve(first, JobState.RELEASED)
     assert await store.delete(second)
     assert await store.count_unknown() == 1
+
+
+# --- expired_leases: the background takeover (SPEC §3.5) ---------------------------------------
+
+
+async def test_expired_leases_lists_jobs_in_flight_whose_lease_ran_out_long_enough_ago(
+    store: Store,
+) -> None:
+    first = await expired_lease(store, "dead-1")
+    second = await expired_lease(store, "dead-2")
+    await claim(store, "alive")  # a live lease
+    done = await claim(store, "done", lease=0.05)
+    assert await store.complete(done.job, 1, RESPONSE, ttl=TTL)
+    await unknown_job(store, "unknown")
+
+    found = await store.expired_leases(0.0, 10)
+    assert [job.id for job in found] == [first.id, second.id]  # the oldest lease first
+    assert all(job.state is JobState.IN_FLIGHT and job.lease_expired for job in found)
+    assert [job.id for job in await store.expired_leases(0.0, 1)] == [first.id]
+    # Not yet one `older_than` past the lease's end, by the database clock.
+    assert await store.expired_leases(60.0, 10) == []
+
+    # What the background pass does with each: the request's own takeover CAS.
+    assert await store.take_over(found[0])
+    assert not await store.take_over(found[0])
+    taken = await job_of(store, first.id)
+    assert taken.state is JobState.UNKNOWN
+    assert attempts(taken) == [(1, AttemptState.UNKNOWN, None, "lease expired")]
+    assert [job.id for job in await store.expired_leases(0.0, 10)] == [second.id]
+    # A lease renewed meanwhile (a live proxy that was only late) is not taken over.
+    assert await store.renew_lease(found[1], lease=LEASE)
+    assert not await store.take_over(found[1])
+    assert await store.expired_leases(0.0, 10) == []
+
+
+# --- late responses kept for the operator (SPEC §3.3) ------------------------------------------
+
+
+async def test_a_late_response_after_a_takeover_is_kept_on_its_attempt(store: Store) -> None:
+    job = await expired_lease(store)
+    assert await store.take_over(job)
+    assert not await store.complete(job, 1, LATE, ttl=TTL)
+    taken = await job_of(store, job.id)
+    assert taken.state is JobState.UNKNOWN
+    assert attempts(taken) == [(1, AttemptState.DISCARDED, 200, "lease expired")]
+    assert taken.attempts[0].late_bytes == len(LATE.body or b"")
+    assert await store.late_response(taken, 1) == LATE
+    assert await store.late_response(taken, 2) is None
+    # Resolved with it: the job replays what the upstream really answered.
+    kept = await store.late_response(taken, 1)
+    assert await store.resolve(taken, JobState.COMPLETED, response=kept, ttl=TTL)
+    assert (await current(store, taken)).response == LATE
+
+
+async def test_a_hedging_losers_response_is_not_kept(store: Store) -> None:
+    claimed = await claim(store)
+    second = await store.add_attempt(claimed.job, "fallback", lease=LEASE)
+    assert second == 2
+    assert await store.complete(claimed.job, 2, RESPONSE, ttl=TTL)
+    assert not await store.complete(claimed.job, 1, LATE, ttl=TTL)  # the job is completed
+    done = await job_of(store, claimed.job.id)
+    assert [a.late_bytes for a in done.attempts] == [None, None]
+    assert await store.late_response(done, 1) is None
+
+
+async def test_kept_late_responses_are_bounded_per_job(store_dsn: str) -> None:
+    small = create_store(store_dsn, late_bytes=10)
+    await small.open()
+    try:
+        await small.migrate()
+        job = await expired_lease(small)
+        number = await small.add_attempt(job, "fallback", lease=0.05)
+        assert number == 2
+        await asyncio.sleep(0.2)
+        assert await small.take_over(await current(small, job))
+        big = StoredResponse(200, (), b"x" * 11)
+        six = StoredResponse(200, (), b"y" * 6)
+        assert not await small.complete(job, 1, big, ttl=TTL)  # over the bound: not kept
+        assert not await small.complete(job, 2, six, ttl=TTL)
+        after = await job_of(small, job.id)
+        assert [a.late_bytes for a in after.attempts] == [None, 6]
+        omitted = await expired_lease(small, "k2")
+        assert await small.take_over(omitted)
+        assert not await small.complete(omitted, 1, StoredResponse(200, (), None), ttl=TTL)
+        assert (await job_of(small, omitted.id)).attempts[0].late_bytes is None
+    finally:
+        await small.close()

@@ -3,7 +3,8 @@
     GET    /jobs?state=&owner=&limit=     newest first, each with its attempts
     GET    /jobs/{id}[?include=response]  one job; the stored body only when asked for
     POST   /jobs/{id}/resolve             {"as": "released"} or {"as": "completed", "status": …}
-    DELETE /jobs/{id}[?force=true]        204
+                                          or {"as": "completed", "from_attempt": N}
+    DELETE /jobs/{id}[?force=true][&version=N]  204 (a CAS on the version read, or N)
 
 Every route sits behind the admin bearer token (`admin.app`); errors are RFC 9457 problems.
 """
@@ -33,6 +34,10 @@ _JSON_OVERHEAD = 64 * 1024
 JOBS_STORE = web.AppKey("idemproxy.admin.jobs.store", Store)
 JOBS_SETTINGS = web.AppKey("idemproxy.admin.jobs.settings", Settings)
 
+_LIST_PARAMETERS = frozenset({"state", "owner", "limit"})
+_SHOW_PARAMETERS = frozenset({"include"})
+_DELETE_PARAMETERS = frozenset({"force", "version"})
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -61,7 +66,7 @@ def _problems(handler: Handler) -> Handler:
 
 
 async def _list(request: web.Request) -> web.Response:
-    query = request.query
+    query = _query(request, _LIST_PARAMETERS)
     jobs = await service.list_jobs(
         request.app[JOBS_STORE],
         state=_state(query.get("state")),
@@ -72,9 +77,15 @@ async def _list(request: web.Request) -> web.Response:
 
 
 async def _show(request: web.Request) -> web.Response:
-    job = await service.find_job(request.app[JOBS_STORE], request.match_info["id"])
-    include = request.query.get("include", "")
-    return _json(job_to_json(job, include_response=include == "response"))
+    include = _query(request, _SHOW_PARAMETERS).get("include", "")
+    if include not in ("", "response"):
+        raise InvalidRequest('include must be "response"')
+    store = request.app[JOBS_STORE]
+    job = await service.find_job(store, request.match_info["id"])
+    if include != "response":
+        return _json(job_to_json(job))
+    late = await service.late_responses(store, job)
+    return _json(job_to_json(job, include_response=True, late=late))
 
 
 async def _resolve(request: web.Request) -> web.Response:
@@ -91,8 +102,13 @@ async def _resolve(request: web.Request) -> web.Response:
 
 
 async def _delete(request: web.Request) -> web.Response:
-    force = request.query.get("force", "") in ("1", "true")
-    await service.delete_job(request.app[JOBS_STORE], request.match_info["id"], force=force)
+    query = _query(request, _DELETE_PARAMETERS)
+    await service.delete_job(
+        request.app[JOBS_STORE],
+        request.match_info["id"],
+        force=_flag(query.get("force"), "force"),
+        version=_version(query.get("version")),
+    )
     return web.Response(status=204)
 
 
@@ -104,6 +120,36 @@ def _state(value: str | None) -> JobState | None:
     except ValueError:
         states = ", ".join(s.value for s in JobState)
         raise InvalidRequest(f"state must be one of {states}") from None
+
+
+def _query(request: web.Request, allowed: frozenset[str]) -> dict[str, str]:
+    """The query parameters, each given at most once, none unknown: a misspelt filter
+    (`?states=unknown`) would otherwise list every job as if it matched."""
+    query = request.query
+    unknown = sorted(set(query) - allowed)
+    if unknown:
+        raise InvalidRequest(
+            f"unknown query parameter {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}"
+        )
+    if len(query) != len(set(query)):
+        raise InvalidRequest("each query parameter may be given once")
+    return dict(query)
+
+
+def _flag(value: str | None, name: str) -> bool:
+    if value is None or value in ("", "0", "false"):
+        return False
+    if value in ("1", "true"):
+        return True
+    raise InvalidRequest(f"{name} must be true or false")
+
+
+def _version(value: str | None) -> int | None:
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()) or len(value) > 9:
+        raise InvalidRequest("version must be a positive integer")
+    return int(value)
 
 
 def _limit(value: str | None) -> int:

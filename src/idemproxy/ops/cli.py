@@ -22,6 +22,7 @@ from idemproxy.ops.resolution import (
     Resolution,
     ResponseRules,
     completed,
+    from_attempt,
     parse_header_line,
     released,
 )
@@ -95,6 +96,13 @@ def _add_resolve(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--body-file", metavar="FILE", help="the response body; - for stdin")
     parser.add_argument(
+        "--from-attempt",
+        type=int,
+        metavar="N",
+        help="with --as completed: the response attempt N really had, kept when it came too late"
+        " (see show); no --status, --header or --body-file then",
+    )
+    parser.add_argument(
         "--expect-version", type=int, metavar="N", help="refuse if the job is not at version N"
     )
     parser.add_argument("--json", action="store_true", help="print the resolved job")
@@ -105,6 +113,9 @@ def _add_delete(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job_id", metavar="JOB_ID")
     parser.add_argument(
         "--force", action="store_true", help="even a job in flight whose lease is live"
+    )
+    parser.add_argument(
+        "--expect-version", type=int, metavar="N", help="refuse if the job is not at version N"
     )
     parser.set_defaults(run=_runner(_delete))
 
@@ -118,7 +129,8 @@ async def _list(args: argparse.Namespace, store: Store, _settings: Settings) -> 
 
 async def _show(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
     job = await service.find_job(store, args.job_id)
-    view = job_to_json(job, include_response=args.include_response)
+    late = await service.late_responses(store, job) if args.include_response else None
+    view = job_to_json(job, include_response=args.include_response, late=late)
     _print(view if args.json else job_details(view), as_json=args.json)
 
 
@@ -131,7 +143,9 @@ async def _resolve(args: argparse.Namespace, store: Store, settings: Settings) -
 
 
 async def _delete(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
-    job = await service.delete_job(store, args.job_id, force=args.force)
+    job = await service.delete_job(
+        store, args.job_id, force=args.force, version=args.expect_version
+    )
     print(f"job {job.id}: deleted (it was {job.state.value})")
 
 
@@ -140,8 +154,12 @@ def _resolution(args: argparse.Namespace, rules: ResponseRules) -> Resolution:
         if args.status is not None or args.header or args.body_file is not None:
             raise InvalidRequest("--as released takes no --status, --header or --body-file")
         return released(args.expect_version)
+    if args.from_attempt is not None:
+        if args.status is not None or args.header or args.body_file is not None:
+            raise InvalidRequest("--from-attempt takes no --status, --header or --body-file")
+        return from_attempt(args.from_attempt, args.expect_version)
     if args.status is None:
-        raise InvalidRequest("--as completed needs --status N")
+        raise InvalidRequest("--as completed needs --status N (or --from-attempt N)")
     headers = [parse_header_line(line) for line in args.header]
     return completed(args.status, headers, _body(args.body_file), rules, args.expect_version)
 

@@ -17,6 +17,7 @@ from typing import Any
 from multidict import CIMultiDict
 
 from idemproxy.config import Settings
+from idemproxy.constants import MAX_RESOLVED_HEADER_BYTES
 from idemproxy.errors import InvalidRequest
 from idemproxy.proxy.headers import headers_to_store
 from idemproxy.types import HeaderPairs, JobState, StoredResponse
@@ -27,19 +28,35 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _NOT_FIELD_VALUE = re.compile(r"[^\t\x20-\x7e]")
 # RFC 9110 §15.3.5, §15.4.5: these statuses never carry content.
 _NO_CONTENT = frozenset({204, 304})
-_JSON_FIELDS = frozenset({"as", "status", "headers", "body", "body_base64", "version"})
+_JSON_FIELDS = frozenset(
+    {"as", "status", "headers", "body", "body_base64", "version", "from_attempt"}
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ResponseRules:
-    """What a stored response may contain, from the settings the proxy stores with."""
+    """What a stored response may contain, from the settings the proxy stores with.
+
+    Header limits are the proxy's own for a head it receives (`server.max_headers` fields of at
+    most `server.max_field_size` bytes each, as `Name: value`), and at most
+    `MAX_RESOLVED_HEADER_BYTES` in all: a resolution is replayed to every client of the job, so
+    headers no client could take in would break each of them.
+    """
 
     unreplayed_headers: Collection[str]
     max_body: int
+    max_headers: int = 128
+    max_field_size: int = 8190
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ResponseRules:
-        return cls(settings.unreplayed_headers, settings.max_stored_body)
+        server = settings.server
+        return cls(
+            settings.unreplayed_headers,
+            settings.max_stored_body,
+            server.max_headers,
+            server.max_field_size,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +69,9 @@ class Resolution:
     state: JobState
     response: StoredResponse | None = None
     version: int | None = None
+    # `completed` with the response attempt N really had, kept when it came too late (SPEC
+    # §3.3); the store supplies `response`.
+    from_attempt: int | None = None
 
 
 def released(version: int | None = None) -> Resolution:
@@ -68,8 +88,16 @@ def completed(
     _check_status(status, body)
     if len(body) > rules.max_body:
         raise InvalidRequest(f"body: {len(body)} bytes is over max_stored_body ({rules.max_body})")
-    pairs = _check_headers(headers, rules.unreplayed_headers)
+    pairs = _check_headers(headers, rules)
     return Resolution(JobState.COMPLETED, StoredResponse(status, pairs, body), version)
+
+
+def from_attempt(number: int, version: int | None = None) -> Resolution:
+    """`completed` with attempt `number`'s kept late response (its headers and body are the
+    upstream's own, stored as a replay would store them)."""
+    if number < 1:
+        raise InvalidRequest("the attempt number must be 1 or more")
+    return Resolution(JobState.COMPLETED, None, version, number)
 
 
 def parse_header_line(line: str) -> tuple[str, str]:
@@ -93,6 +121,11 @@ def resolution_from_json(data: Any, rules: ResponseRules) -> Resolution:
             raise InvalidRequest('"as": "released" takes no status, headers or body')
         return released(version)
     if target == JobState.COMPLETED.value:
+        number = _optional_int(data, "from_attempt")
+        if number is not None:
+            if not set(data) <= {"as", "version", "from_attempt"}:
+                raise InvalidRequest('"from_attempt" takes no status, headers or body')
+            return from_attempt(number, version)
         status = _optional_int(data, "status")
         if status is None:
             raise InvalidRequest('"as": "completed" needs a "status"')
@@ -108,20 +141,41 @@ def _check_status(status: int, body: bytes) -> None:
         raise InvalidRequest(f"status {status} never carries a body")
 
 
-def _check_headers(headers: Sequence[tuple[str, str]], unreplayed: Collection[str]) -> HeaderPairs:
+def _check_headers(headers: Sequence[tuple[str, str]], rules: ResponseRules) -> HeaderPairs:
+    if len(headers) > rules.max_headers:
+        raise InvalidRequest(
+            f"{len(headers)} headers is over server.max_headers ({rules.max_headers})"
+        )
+    total = 0
     for name, value in headers:
-        if not _TOKEN.fullmatch(name):
-            raise InvalidRequest("header names must be RFC 9110 tokens")
-        if _NOT_FIELD_VALUE.search(value):
-            raise InvalidRequest(f"header {name}: only visible ASCII, spaces and tabs")
+        _check_field(name, value, rules.max_field_size)
+        total += len(name) + len(value) + 4  # `: ` and CRLF, as sent
+    if total > MAX_RESOLVED_HEADER_BYTES:
+        raise InvalidRequest(f"headers: {total} bytes in all is over {MAX_RESOLVED_HEADER_BYTES}")
     pairs = tuple((name, value) for name, value in headers)
-    kept = headers_to_store(CIMultiDict(pairs), unreplayed)
+    kept = headers_to_store(CIMultiDict(pairs), rules.unreplayed_headers)
     if len(kept) != len(pairs):
         # SPEC §7: a replay recomputes framing and Date, never sends hop-by-hop headers, and
         # does not replay `unreplayed_headers`; storing them would only break or leak a replay.
         dropped = sorted({n for n, _ in pairs} - {n for n, _ in kept})
         raise InvalidRequest(f"header(s) never replayed, leave them out: {', '.join(dropped)}")
     return pairs
+
+
+def _check_field(name: str, value: str, max_field_size: int) -> None:
+    if not _TOKEN.fullmatch(name):
+        raise InvalidRequest("header names must be RFC 9110 tokens")
+    if _NOT_FIELD_VALUE.search(value):
+        raise InvalidRequest(f"header {name}: only visible ASCII, spaces and tabs")
+    if value != value.strip(" \t"):
+        # RFC 9110 §5.5: a field value has no leading or trailing whitespace; a parser strips
+        # it, so the proxy never stores a value with any from an upstream either.
+        raise InvalidRequest(f"header {name}: no leading or trailing spaces or tabs")
+    if len(name) + 2 + len(value) > max_field_size:
+        raise InvalidRequest(
+            f"header {name}: {len(name) + 2 + len(value)} bytes as 'Name: value' is over "
+            f"server.max_field_size ({max_field_size})"
+        )
 
 
 def _json_headers(value: Any) -> list[tuple[str, str]]:

@@ -7,20 +7,25 @@ compare-and-swap; a loser changes nothing and says why.
 from __future__ import annotations
 
 import logging
+import re
 
-from idemproxy.constants import RESOLUTION_OPERATOR
+from idemproxy.constants import OWNER_FILTER_MAX_LENGTH, RESOLUTION_OPERATOR
 from idemproxy.errors import (
+    DeletionLost,
+    InvalidRequest,
     JobInFlight,
     JobNotFound,
     JobNotUnknown,
+    NoLateResponse,
     ResolutionLost,
     VersionMismatch,
 )
 from idemproxy.ops.resolution import Resolution
 from idemproxy.store.base import Store
-from idemproxy.types import Job, JobState
+from idemproxy.types import Job, JobState, StoredResponse
 
 log = logging.getLogger(__name__)
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 
 async def find_job(store: Store, job_id: str) -> Job:
@@ -35,9 +40,21 @@ async def list_jobs(
     store: Store, *, state: JobState | None, owner: str | None, limit: int
 ) -> list[Job]:
     """Newest first, each with its attempts (SPEC §13: a listed job has them too)."""
+    if owner is not None:
+        check_owner_filter(owner)
     listed = await store.list_jobs(state=state, owner=owner, limit=limit)
     full = [await store.get_by_id(job.id) for job in listed]
     return [job for job in full if job is not None]  # deleted meanwhile: gone from the list
+
+
+def check_owner_filter(owner: str) -> None:
+    """An owner filter is checked before it reaches the store: a NUL is refused by PostgreSQL
+    (it would be a 503 and a store error, which operators alert on) and names no owner anyway."""
+    if not (0 < len(owner) <= OWNER_FILTER_MAX_LENGTH and _VISIBLE_ASCII.fullmatch(owner)):
+        raise InvalidRequest(
+            f"owner must be 1-{OWNER_FILTER_MAX_LENGTH} visible ASCII characters "
+            "(the owner hash, as shown by show)"
+        )
 
 
 async def resolve_job(
@@ -45,20 +62,19 @@ async def resolve_job(
 ) -> Job:
     """SPEC §3.3: CAS an `unknown` job to `completed` or `released`; one of many callers wins."""
     job = await find_job(store, job_id)
-    if resolution.version is not None and resolution.version != job.version:
-        raise VersionMismatch(
-            f"job {job.id} is at version {job.version}, not {resolution.version}; "
-            "nothing was changed"
-        )
+    _check_version(job, resolution.version)
     if job.state is not JobState.UNKNOWN:
         raise JobNotUnknown(
             f"job {job.id} is {job.state.value}; only an unknown job can be resolved; "
             "nothing was changed"
         )
+    response = resolution.response
+    if resolution.from_attempt is not None:
+        response = await _late_response(store, job, resolution.from_attempt)
     won = await store.resolve(
         job,
         resolution.state,
-        response=resolution.response,
+        response=response,
         ttl=resolution_ttl(job, default_ttl),
         resolution=RESOLUTION_OPERATOR,
     )
@@ -74,19 +90,73 @@ async def resolve_job(
     )
 
 
-async def delete_job(store: Store, job_id: str, *, force: bool = False) -> Job:
-    """Delete a job and its attempts; its key can then be claimed afresh."""
+async def delete_job(
+    store: Store, job_id: str, *, force: bool = False, version: int | None = None
+) -> Job:
+    """Delete a job and its attempts; its key can then be claimed afresh.
+
+    A compare-and-swap on the version read (or `version`, when the operator names the one they
+    saw): a job that changed in between, e.g. a released job a retry restarted, is not deleted.
+    """
     job = await find_job(store, job_id)
-    if job.state is JobState.IN_FLIGHT and not job.lease_expired and not force:
-        # An attempt is running: without the job, a retry would claim the key and run again.
-        raise JobInFlight(
-            f"job {job.id} is in flight with a live lease; deleting it could let a retry run "
-            "a second time (force to delete anyway)"
-        )
-    if not await store.delete(job):
+    _check_version(job, version)
+    if _running(job) and not force:
+        raise _in_flight(job)
+    if await store.delete(job, force=force):
+        log.info("job %s: deleted by an operator (it was %s)", job.id, job.state.value)
+        return job
+    after = await store.get_by_id(job.id)
+    if after is None:
         raise JobNotFound(f"job {job_id} not found")
-    log.info("job %s: deleted by an operator (it was %s)", job.id, job.state.value)
-    return job
+    if after.version == job.version and _running(after) and not force:
+        raise _in_flight(after)  # its lease was renewed (by the database clock) meanwhile
+    raise DeletionLost(
+        f"job {job.id} changed while it was being deleted (now {after.state.value}, version "
+        f"{after.version}); nothing was deleted"
+    )
+
+
+def _check_version(job: Job, version: int | None) -> None:
+    if version is not None and version != job.version:
+        raise VersionMismatch(
+            f"job {job.id} is at version {job.version}, not {version}; nothing was changed"
+        )
+
+
+def _running(job: Job) -> bool:
+    return job.state is JobState.IN_FLIGHT and not job.lease_expired
+
+
+def _in_flight(job: Job) -> JobInFlight:
+    # An attempt is running: without the job, a retry would claim the key and run again.
+    return JobInFlight(
+        f"job {job.id} is in flight with a live lease; deleting it could let a retry run "
+        "a second time (force to delete anyway)"
+    )
+
+
+async def _late_response(store: Store, job: Job, number: int) -> StoredResponse:
+    if not any(a.number == number for a in job.attempts):
+        raise InvalidRequest(f"job {job.id} has no attempt {number}")
+    kept = await store.late_response(job, number)
+    if kept is None:
+        raise NoLateResponse(
+            f"attempt {number} of job {job.id} kept no response (only a response that came "
+            "after the job was taken over is kept, within max_stored_body per job); nothing "
+            "was changed"
+        )
+    return kept
+
+
+async def late_responses(store: Store, job: Job) -> dict[int, StoredResponse]:
+    """The late responses kept on the job's attempts, by attempt number (for `show`)."""
+    kept = {}
+    for attempt in job.attempts:
+        if attempt.late_bytes is not None:
+            response = await store.late_response(job, attempt.number)
+            if response is not None:
+                kept[attempt.number] = response
+    return kept
 
 
 def resolution_ttl(job: Job, default: float) -> float:

@@ -57,7 +57,26 @@ def job_details(job: JsonObject) -> str:
         for a in job["attempts"]
     ]  # fmt: skip
     lines += ["", "attempts", _indent(_table(_ATTEMPT_COLUMNS, attempts)) if attempts else "  none"]
+    lines += _late_lines(job["attempts"])
     return "\n".join(lines)
+
+
+def _late_lines(attempts: Sequence[JsonObject]) -> list[str]:
+    """SPEC §3.3: responses that came after the job was taken over, kept for the operator."""
+    lines = []
+    for attempt in attempts:
+        size = attempt.get("late_response_bytes")
+        if size is None:
+            continue
+        lines += ["", f"attempt {attempt['number']} answered too late; its response was kept"]
+        late = attempt.get("late_response")
+        if late is None:
+            lines.append(f"  {size} bytes of body (--include-response shows it)")
+        else:
+            lines.append(f"  status {late['status']}")
+            lines += _response_details(late)
+        lines.append(f"  resolve with it: --as completed --from-attempt {attempt['number']}")
+    return lines
 
 
 def _response_line(job: JsonObject) -> str:

@@ -7,6 +7,7 @@ A stored response body may hold a tenant's data, so it is left out unless asked 
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,8 +17,13 @@ from idemproxy.types import Attempt, Job, StoredResponse
 JsonObject = dict[str, Any]
 
 
-def job_to_json(job: Job, *, include_response: bool = False) -> JsonObject:
-    """SPEC §13: at least id, owner, key, state, version, created_at, expires_at, attempts."""
+def job_to_json(
+    job: Job, *, include_response: bool = False, late: Mapping[int, StoredResponse] | None = None
+) -> JsonObject:
+    """SPEC §13: at least id, owner, key, state, version, created_at, expires_at, attempts.
+
+    `late`: the late responses kept on attempts (by number), shown with `include_response`.
+    """
     view: JsonObject = {
         "id": job.id,
         "owner": job.owner,
@@ -39,6 +45,9 @@ def job_to_json(job: Job, *, include_response: bool = False) -> JsonObject:
     }
     if include_response:
         view["response"] = response_to_json(job.response)
+        for attempt in view["attempts"]:
+            kept = (late or {}).get(attempt["number"])
+            attempt["late_response"] = response_to_json(kept)
     return view
 
 
@@ -51,6 +60,8 @@ def attempt_to_json(attempt: Attempt) -> JsonObject:
         "error": attempt.error,
         "started_at": timestamp(attempt.started_at),
         "finished_at": timestamp(attempt.finished_at),
+        # SPEC §3.3: the size of a late response kept on it (`jobs resolve --from-attempt`).
+        "late_response_bytes": attempt.late_bytes,
     }
 
 

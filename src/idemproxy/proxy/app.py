@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -19,6 +19,7 @@ from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.handler import expect_continue, handle
 from idemproxy.proxy.one_response import note_started
+from idemproxy.proxy.orphans import take_over_forever
 from idemproxy.proxy.sweeper import sweep_forever
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
@@ -99,8 +100,26 @@ async def _start_housekeeping(ctx: ProxyContext, stack: contextlib.AsyncExitStac
                 unknown_ttl=settings.unknown_ttl,
             )
         ),
+        asyncio.create_task(
+            take_over_forever(
+                store,
+                interval=settings.sweeper.takeover_interval,
+                lease=settings.lease,
+                batch_size=settings.sweeper.batch_size,
+                on_taken=_counted(ctx.metrics, store),
+            )
+        ),
     ]
     stack.push_async_callback(_cancel, tasks)
+
+
+def _counted(metrics: Metrics, store: Store) -> Callable[[int], Awaitable[None]]:
+    async def taken(count: int) -> None:
+        metrics.orphans_taken_over.inc(count)
+        # At once, not at the gauge's next refresh: operators alert on it (SPEC §13).
+        metrics.unknown_jobs.set(await store.count_unknown())
+
+    return taken
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -6,6 +6,7 @@ Each turn does one I/O step (claim, wait, CAS, re-read) and feeds the result bac
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from aiohttp import web
 
@@ -19,7 +20,7 @@ from idemproxy.decision import (
     TakeOver,
     decide,
 )
-from idemproxy.errors import RequestInFlight, StoreUnavailable, TooManyWaiters
+from idemproxy.errors import JobLost, RequestInFlight, StoreUnavailable, TooManyWaiters
 from idemproxy.ids import new_job_id
 from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
@@ -30,6 +31,7 @@ from idemproxy.proxy.routing import Route
 from idemproxy.proxy.trace import Trace
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState
 
+log = logging.getLogger(__name__)
 # Every turn makes progress (a state changed or time passed); this only guards against a bug.
 _MAX_TURNS = 32
 
@@ -51,6 +53,10 @@ async def handle_governed(
         raise
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.settings.effective_max_wait
+    # The job this request ran an attempt of, once that attempt lost its CAS: from then on the
+    # request only answers from that job, and never claims or starts an attempt again (one
+    # request, at most one execution).
+    ran: str | None = None
     for _ in range(_MAX_TURNS):
         if isinstance(result, Claimed):
             trace.ran(result.job.id, result.attempt)
@@ -58,9 +64,11 @@ async def handle_governed(
             response = await run_shielded(ctx, request, route, result, body)
             if response is not None:
                 return response
-            result = await _reread(ctx, route, intent)  # lost the CAS: answer with the winner
+            ran = result.job.id
+            result = await _reread(ctx, route, intent, ran)  # lost the CAS: the winner's answer
             continue
         job = result.job
+        _check_own(job, ran)
         decision = decide(job, intent.fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
         if isinstance(decision, Replay):
             trace.replayed(job.id)
@@ -69,19 +77,41 @@ async def handle_governed(
             raise decision.problem()
         if isinstance(decision, Hold):
             trace.held = True
-            result = await _hold(ctx, route, intent, job, deadline)
-        elif isinstance(decision, StartNextAttempt):
-            claimed = await ctx.store.start_next_attempt(
-                job, route.upstream, lease=ctx.settings.lease
-            )
-            result = claimed or await _reread(ctx, route, intent)
-        elif isinstance(decision, TakeOver):
-            await ctx.store.take_over(job)  # winners and losers alike re-read the job
-            result = await _reread(ctx, route, intent)
-        elif isinstance(decision, Forget):
-            await ctx.store.forget(job)
-            result = await _claim(ctx, route, intent)
+        result = await _act(ctx, route, intent, job, decision, deadline, ran)
     raise RequestInFlight()
+
+
+async def _act(
+    ctx: ProxyContext,
+    route: Route,
+    intent: Intent,
+    job: Job,
+    decision: Hold | StartNextAttempt | TakeOver | Forget,
+    deadline: float,
+    ran: str | None,
+) -> ClaimResult:
+    """One I/O step for a decision that does not answer the client yet."""
+    if isinstance(decision, Hold):
+        return await _hold(ctx, route, intent, job, deadline, ran)
+    if isinstance(decision, TakeOver):
+        await ctx.store.take_over(job)  # winners and losers alike re-read the job
+        return await _reread(ctx, route, intent, ran)
+    if ran is not None:
+        # Released (an operator resolved the job taken over from under this attempt) or
+        # expired: running it again would be this request's second execution.
+        raise _lost(job.id, f"it is {job.state.value} again")
+    if isinstance(decision, StartNextAttempt):
+        claimed = await ctx.store.start_next_attempt(job, route.upstream, lease=ctx.settings.lease)
+        return claimed or await _reread(ctx, route, intent, ran)
+    await ctx.store.forget(job)
+    return await _claim(ctx, route, intent)
+
+
+def _check_own(job: Job, ran: str | None) -> None:
+    """After its attempt lost the CAS, a request answers only from its own job: another one
+    under the key means an operator deleted this one (and a retry claimed the key afresh)."""
+    if ran is not None and job.id != ran:
+        raise _lost(ran, f"job {job.id} holds its key now")
 
 
 async def run_shielded(
@@ -110,13 +140,35 @@ async def _claim(
         raise
 
 
-async def _reread(ctx: ProxyContext, route: Route, intent: Intent) -> ClaimResult:
+async def _reread(
+    ctx: ProxyContext, route: Route, intent: Intent, ran: str | None = None
+) -> ClaimResult:
     job = await ctx.store.get(intent.owner, intent.key)
-    return Existing(job) if job is not None else await _claim(ctx, route, intent)
+    return Existing(job) if job is not None else await _claim_unless_ran(ctx, route, intent, ran)
+
+
+async def _claim_unless_ran(
+    ctx: ProxyContext, route: Route, intent: Intent, ran: str | None
+) -> ClaimResult:
+    """No job under the key: claim it afresh, unless this request already ran an attempt of
+    the job that was there (an operator deleted it under that attempt, whose outcome could not
+    be stored): a claim now would execute the request a second time."""
+    if ran is not None:
+        raise _lost(ran, "it was deleted")
+    return await _claim(ctx, route, intent)
+
+
+def _lost(job_id: str, why: str) -> JobLost:
+    log.warning(
+        "job %s: its attempt's outcome could not be stored (%s); answered 409, not run again",
+        job_id,
+        why,
+    )
+    return JobLost()
 
 
 async def _hold(
-    ctx: ProxyContext, route: Route, intent: Intent, job: Job, deadline: float
+    ctx: ProxyContext, route: Route, intent: Intent, job: Job, deadline: float, ran: str | None
 ) -> ClaimResult:
     """Wait, without a pooled connection, until the job leaves in_flight or the deadline passes."""
     watch = ctx.store.watch
@@ -135,7 +187,9 @@ async def _hold(
                 break
             await subscription.wait(min(remaining, WAITER_RECHECK_SECONDS))
             current = await ctx.store.get(intent.owner, intent.key)
-    return Existing(current) if current is not None else await _claim(ctx, route, intent)
+    if current is not None:
+        return Existing(current)
+    return await _claim_unless_ran(ctx, route, intent, ran)
 
 
 def _still_running(current: Job | None, job: Job) -> bool:

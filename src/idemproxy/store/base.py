@@ -130,6 +130,11 @@ class Store(abc.ABC):
         """The job with all its attempts."""
 
     @abc.abstractmethod
+    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+        """The response attempt `attempt` really had, kept when its completion lost the CAS
+        to a takeover (SPEC §3.3); None if none was kept."""
+
+    @abc.abstractmethod
     async def resolve(
         self,
         job: Job,
@@ -142,11 +147,18 @@ class Store(abc.ABC):
         """CAS an `unknown` job to `completed` (with `response`) or `released` (SPEC §3.3)."""
 
     @abc.abstractmethod
-    async def delete(self, job: Job) -> bool: ...
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
+        """CAS-delete the job at `job.version` with its attempts (SPEC §3.3); a job in flight
+        whose lease is live by the database clock only with `force`. False: nothing deleted."""
 
     @abc.abstractmethod
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
         """Unknown jobs unchanged for `older_than` seconds (unknown_ttl, SPEC §3.3)."""
+
+    @abc.abstractmethod
+    async def expired_leases(self, older_than: float, limit: int) -> list[Job]:
+        """Jobs in flight whose lease ran out at least `older_than` seconds ago by the
+        database clock, oldest first (SPEC §3.5: taken over in the background)."""
 
     @abc.abstractmethod
     async def sweep_expired(self, batch_size: int) -> int:

@@ -137,6 +137,9 @@ class DelegatingStore(Store):
     async def get_by_id(self, job_id: str) -> Job | None:
         return await self.inner.get_by_id(job_id)
 
+    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+        return await self.inner.late_response(job, attempt)
+
     async def resolve(
         self,
         job: Job,
@@ -150,11 +153,14 @@ class DelegatingStore(Store):
             job, state, response=response, ttl=ttl, resolution=resolution
         )
 
-    async def delete(self, job: Job) -> bool:
-        return await self.inner.delete(job)
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
+        return await self.inner.delete(job, force=force)
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
         return await self.inner.stale_unknown(older_than, limit)
+
+    async def expired_leases(self, older_than: float, limit: int) -> list[Job]:
+        return await self.inner.expired_leases(older_than, limit)
 
     async def sweep_expired(self, batch_size: int) -> int:
         return await self.inner.sweep_expired(batch_size)

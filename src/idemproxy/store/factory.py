@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from idemproxy.constants import DEFAULT_MAX_STORED_BODY
 from idemproxy.errors import ConfigError
 from idemproxy.store.base import Store
 
@@ -11,16 +12,30 @@ if TYPE_CHECKING:
     from idemproxy.config import Settings
 
 
-def create_store(dsn: str, *, max_connections: int = 20, command_timeout: float = 5.0) -> Store:
-    """`sqlite:///relative.db`, `sqlite:////absolute.db`, `sqlite://:memory:` or `postgresql://…`."""
+def create_store(
+    dsn: str,
+    *,
+    max_connections: int = 20,
+    command_timeout: float = 5.0,
+    late_bytes: int = DEFAULT_MAX_STORED_BODY,
+) -> Store:
+    """`sqlite:///relative.db`, `sqlite:////absolute.db`, `sqlite://:memory:` or `postgresql://…`.
+
+    `late_bytes`: bytes of late responses kept per job in all (`max_stored_body`, SPEC §3.3).
+    """
     if _is_postgres(dsn):
         from idemproxy.store.postgres import PostgresStore
 
-        return PostgresStore(dsn, max_connections=max_connections, command_timeout=command_timeout)
+        return PostgresStore(
+            dsn,
+            max_connections=max_connections,
+            command_timeout=command_timeout,
+            late_bytes=late_bytes,
+        )
     if dsn.startswith("sqlite://"):
         from idemproxy.store.sqlite import SqliteStore
 
-        return SqliteStore(sqlite_path(dsn), busy_timeout=command_timeout)
+        return SqliteStore(sqlite_path(dsn), busy_timeout=command_timeout, late_bytes=late_bytes)
     raise ConfigError(f"store: unsupported DSN scheme in {dsn.split(':', 1)[0]!r}")
 
 
@@ -31,6 +46,7 @@ def serving_store(settings: Settings) -> Store:
         settings.store,
         max_connections=settings.pool.store_connections,
         command_timeout=settings.pool.store_timeout,
+        late_bytes=settings.max_stored_body,
     )
     store = wrap_with_cache(store, settings)
     options = settings.replay_cache

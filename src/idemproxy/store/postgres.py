@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 
+from idemproxy.constants import DEFAULT_MAX_STORED_BODY
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store, settle_states
 from idemproxy.store.feed_task import stop_feed
@@ -19,7 +20,12 @@ from idemproxy.store.pg_errors import DRIVER_ERRORS, translate_errors, unavailab
 from idemproxy.store.pg_kept import KeptConnections
 from idemproxy.store.pg_listen import listen_forever
 from idemproxy.store.queries import load_migrations, load_queries
-from idemproxy.store.rows import attempt_from_row, encode_headers, job_from_row
+from idemproxy.store.rows import (
+    attempt_from_row,
+    encode_headers,
+    job_from_row,
+    late_response_from_row,
+)
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
 if TYPE_CHECKING:  # PoolConnectionProxy is generic only in asyncpg-stubs, not at runtime
@@ -47,8 +53,10 @@ class PostgresStore(Store):
         max_connections: int = 20,
         command_timeout: float = 5.0,
         listen: bool = True,
+        late_bytes: int = DEFAULT_MAX_STORED_BODY,
     ) -> None:
         super().__init__()
+        self._late_bytes = late_bytes  # kept late bodies per job in all (SPEC §3.3)
         self._dsn = dsn
         self._pool_size = (min_connections, max_connections)
         self._command_timeout = command_timeout
@@ -151,6 +159,7 @@ class PostgresStore(Store):
             response.body,
             response.omitted,
             float(ttl),
+            self._late_bytes,
         )
         return row is not None
 
@@ -229,6 +238,10 @@ class PostgresStore(Store):
             attempts = await conn.fetch(self._sql["get_attempts"], row["owner"], job_uuid)
         return job_from_row(row, tuple(attempt_from_row(a) for a in attempts))
 
+    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+        row = await self._fetchrow("get_late_response", job.owner, uuid.UUID(job.id), attempt)
+        return None if row is None else late_response_from_row(row)
+
     async def resolve(
         self,
         job: Job,
@@ -253,12 +266,19 @@ class PostgresStore(Store):
         )
         return row is not None
 
-    async def delete(self, job: Job) -> bool:
-        return await self._fetchrow("delete_job", job.owner, job.id) is not None
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
+        return await self._fetchrow("delete_job", *_cas(job), force) is not None
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
         rows = await self._run(
             "stale_unknown", lambda c: c.fetch(self._sql["stale_unknown"], older_than, limit)
+        )
+        return [job_from_row(row) for row in rows]
+
+    async def expired_leases(self, older_than: float, limit: int) -> list[Job]:
+        rows = await self._run(
+            "expired_leases",
+            lambda c: c.fetch(self._sql["expired_leases"], float(older_than), limit),
         )
         return [job_from_row(row) for row in rows]
 

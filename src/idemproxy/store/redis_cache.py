@@ -180,14 +180,14 @@ class RedisCachedStore(ReplayCache):
             self._announce(job)
         return won
 
-    async def delete(self, job: Job) -> bool:
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
         # Invalidate first: from here on no replica replays it from Redis, and a cache write
         # for it still on its way is refused by the tombstone until the job would have expired.
         name = entry_name(job.owner, job.key)
         expires = job.expires_at.timestamp() if job.expires_at else time.time() + self._ttl
         until = max(expires, time.time()) + CLOCK_MARGIN_SECONDS
         await self.cache.drop(name, tombstone_name(name, job.id), until)
-        deleted = await self.inner.delete(job)
+        deleted = await self.inner.delete(job, force=force)
         if deleted:
             self._announce(job)
         return deleted

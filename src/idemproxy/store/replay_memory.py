@@ -127,12 +127,12 @@ class MemoryReplayCache(ReplayCache):
         self._drop_job(job.id)
         return await self.inner.forget(job)
 
-    async def delete(self, job: Job) -> bool:
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
         # Announced locally before and after: a read under way keeps nothing, and the feed's
         # own announcement reaches the other replicas.
         self._on_change(job.id)
         try:
-            return await self.inner.delete(job)
+            return await self.inner.delete(job, force=force)
         finally:
             self._on_change(job.id)
 

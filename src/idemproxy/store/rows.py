@@ -53,6 +53,14 @@ def attempt_from_row(row: Row) -> Attempt:
         error=row["error"],
         started_at=as_datetime(row["started_at"]),
         finished_at=as_datetime(row["finished_at"]),
+        late_bytes=row["late_bytes"],
+    )
+
+
+def late_response_from_row(row: Row) -> StoredResponse:
+    """A late response kept on its attempt (queries.sql `get_late_response`)."""
+    return StoredResponse(
+        row["status"], decode_headers(row["late_headers"]), bytes(row["late_body"])
     )
 
 

@@ -11,10 +11,16 @@ from typing import Any
 
 import aiosqlite
 
+from idemproxy.constants import DEFAULT_MAX_STORED_BODY
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store, settle_states
 from idemproxy.store.queries import load_migrations, load_queries
-from idemproxy.store.rows import attempt_from_row, encode_headers, job_from_row
+from idemproxy.store.rows import (
+    attempt_from_row,
+    encode_headers,
+    job_from_row,
+    late_response_from_row,
+)
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState, StoredResponse
 
 Params = dict[str, Any]
@@ -24,8 +30,11 @@ _ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
 class SqliteStore(Store):
     """One connection; transactions are serialised by an asyncio lock and `BEGIN IMMEDIATE`."""
 
-    def __init__(self, path: str, *, busy_timeout: float = 5.0) -> None:
+    def __init__(
+        self, path: str, *, busy_timeout: float = 5.0, late_bytes: int = DEFAULT_MAX_STORED_BODY
+    ) -> None:
         super().__init__()
+        self._late_bytes = late_bytes  # kept late bodies per job in all (SPEC §3.3)
         self._path = path
         self._busy_timeout = busy_timeout
         self._sql = load_queries("sqlite")
@@ -125,10 +134,26 @@ class SqliteStore(Store):
                     },
                 )
             else:
-                await db.execute(
-                    self._sql["discard_attempt"], attempt_row | {"status": response.status}
-                )
+                await self._discard(db, attempt_row, response)
         return self._notify_if(won, job)
+
+    async def _discard(
+        self, db: aiosqlite.Connection, attempt_row: Params, response: StoredResponse
+    ) -> None:
+        """A late result: the attempt is `discarded`; its response is kept on it when the job
+        was taken over, within the bound (queries.sql `discard_attempt`)."""
+        keep = False
+        if response.body is not None:
+            bound = {"body_bytes": len(response.body), "kept_limit": self._late_bytes}
+            row = await self._one(db, "may_keep_late", attempt_row | bound)
+            keep = bool(row["keep"])
+        params = attempt_row | {
+            "status": response.status,
+            "keep": keep,
+            "headers": encode_headers(response.headers),
+            "body": response.body,
+        }
+        await db.execute(self._sql["discard_attempt"], params)
 
     async def settle(
         self,
@@ -215,6 +240,12 @@ class SqliteStore(Store):
             )
         return job_from_row(row, tuple(attempt_from_row(a) for a in attempts))
 
+    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+        params = {"owner": job.owner, "job_id": job.id, "number": attempt}
+        async with self._reading("late_response") as db:
+            row = await self._one(db, "get_late_response", params)
+        return None if row is None else late_response_from_row(row)
+
     async def resolve(
         self,
         job: Job,
@@ -241,15 +272,22 @@ class SqliteStore(Store):
             won = await self._changed(db, query, params)
         return self._notify_if(won, job)
 
-    async def delete(self, job: Job) -> bool:
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
         async with self._transaction() as db:
-            won = await self._changed(db, "delete_job", {"owner": job.owner, "id": job.id})
+            won = await self._changed(db, "delete_job", _cas(job) | {"force": force})
         return self._notify_if(won, job)
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
         async with self._reading() as db:
             rows = await db.execute_fetchall(
                 self._sql["stale_unknown"], {"age": float(older_than), "limit": limit}
+            )
+        return [job_from_row(row) for row in rows]
+
+    async def expired_leases(self, older_than: float, limit: int) -> list[Job]:
+        async with self._reading("expired_leases") as db:
+            rows = await db.execute_fetchall(
+                self._sql["expired_leases"], {"grace": float(older_than), "limit": limit}
             )
         return [job_from_row(row) for row in rows]
 

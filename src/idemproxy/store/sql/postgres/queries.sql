@@ -54,14 +54,24 @@ FROM idemproxy.jobs
 WHERE id = $1;
 
 -- name: get_attempts
-SELECT number, upstream, state, status, error, started_at, finished_at
+SELECT number, upstream, state, status, error, started_at, finished_at,
+       octet_length(late_body) AS late_bytes
 FROM idemproxy.attempts
 WHERE owner = $1 AND job_id = $2
 ORDER BY number;
 
+-- name: get_late_response
+-- SPEC §3.3: the response a late attempt really had, kept when its completion lost the CAS.
+SELECT status, late_headers, late_body
+FROM idemproxy.attempts
+WHERE owner = $1 AND job_id = $2 AND number = $3 AND late_body IS NOT NULL;
+
 -- name: complete
 -- The seed's compare-and-swap: exactly one attempt's result wins. A losing attempt is marked
--- `discarded`; its response is never written.
+-- `discarded`; its response is never replayed. When it lost because the job had been taken
+-- over as `unknown` (SPEC §3.5), the response is kept on the attempt for the operator who
+-- resolves the job (SPEC §3.3), within $10 bytes of kept bodies per job in all; a hedging
+-- loser's (the job completed) is not needed by anyone and is not kept.
 WITH won AS (
     UPDATE idemproxy.jobs
     SET state = 'completed', version = version + 1, completed_by = $4,
@@ -71,10 +81,18 @@ WITH won AS (
     WHERE owner = $1 AND id = $2 AND version = $3 AND completed_by IS NULL
       AND state = 'in_flight'
     RETURNING owner, id, watched
+), keep AS (
+    SELECT true AS late
+    WHERE NOT EXISTS (SELECT 1 FROM won) AND $7::bytea IS NOT NULL
+      AND EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND id = $2 AND state = 'unknown')
+      AND (SELECT coalesce(sum(octet_length(late_body)), 0) FROM idemproxy.attempts
+           WHERE owner = $1 AND job_id = $2) + octet_length($7::bytea) <= $10
 ), attempt AS (
     UPDATE idemproxy.attempts
     SET state = CASE WHEN EXISTS (SELECT 1 FROM won) THEN 'succeeded' ELSE 'discarded' END,
-        status = $5, finished_at = now(), lease_expires_at = NULL
+        status = $5, finished_at = now(), lease_expires_at = NULL,
+        late_headers = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $6::jsonb END,
+        late_body = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $7::bytea END
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state IN ('started', 'unknown')
 )
 SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
@@ -182,6 +200,16 @@ WITH job AS (
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 
+-- name: expired_leases
+-- SPEC §3.5: jobs in flight whose lease ran out at least $1 seconds ago by the database clock
+-- (their proxy died, or cannot reach the store), oldest first, for the background takeover
+-- (proxy/orphans.py). Each is then taken over by the `take_over` CAS, as a request would.
+SELECT *, expires_at <= now() AS expired, true AS lease_expired
+FROM idemproxy.jobs
+WHERE state = 'in_flight' AND lease_expires_at <= now() - make_interval(secs => $1)
+ORDER BY lease_expires_at
+LIMIT $2;
+
 -- name: resolve_completed
 -- SPEC §3.3: an operator settles an `unknown` job with the response it really had.
 WITH job AS (
@@ -214,8 +242,15 @@ ORDER BY updated_at
 LIMIT $2;
 
 -- name: delete_job
+-- An operator's delete (SPEC §3.3) is a compare-and-swap on the version they read ($3), and a
+-- job in flight whose lease is live by the database clock is only deleted when forced ($4): its
+-- attempt is running, and once the job is gone a retry would claim the key and run again. A
+-- job read `released` that a retry restarted meanwhile has a new version, so it is not deleted.
 WITH job AS (
-    DELETE FROM idemproxy.jobs WHERE owner = $1 AND id = $2 RETURNING owner, id
+    DELETE FROM idemproxy.jobs
+    WHERE owner = $1 AND id = $2 AND version = $3
+      AND ($4 OR state <> 'in_flight' OR lease_expires_at <= now())
+    RETURNING owner, id
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 

@@ -34,10 +34,16 @@ FROM jobs
 WHERE id = :id;
 
 -- name: get_attempts
-SELECT number, upstream, state, status, error, started_at, finished_at
+SELECT number, upstream, state, status, error, started_at, finished_at,
+       length(late_body) AS late_bytes
 FROM attempts
 WHERE owner = :owner AND job_id = :job_id
 ORDER BY number;
+
+-- name: get_late_response
+SELECT status, late_headers, late_body
+FROM attempts
+WHERE owner = :owner AND job_id = :job_id AND number = :number AND late_body IS NOT NULL;
 
 -- name: complete_job
 -- The seed's compare-and-swap: exactly one attempt's result wins.
@@ -57,12 +63,23 @@ SET state = :state, status = :status, error = :error,
 WHERE owner = :owner AND job_id = :job_id AND number = :attempt AND state = 'started';
 
 -- name: discard_attempt
--- A late result (the job completed or was taken over meanwhile): recorded, never stored.
+-- A late result (the job completed or was taken over meanwhile): recorded, never replayed.
+-- Taken over (the job is `unknown`): its response is kept for the operator, within
+-- :kept_limit bytes of kept bodies per job in all (see the PostgreSQL query `complete`).
 UPDATE attempts
 SET state = 'discarded', status = :status,
-    finished_at = (julianday('now') - 2440587.5) * 86400.0, lease_expires_at = NULL
+    finished_at = (julianday('now') - 2440587.5) * 86400.0, lease_expires_at = NULL,
+    late_headers = CASE WHEN :keep THEN :headers END,
+    late_body = CASE WHEN :keep THEN :body END
 WHERE owner = :owner AND job_id = :job_id AND number = :attempt
   AND state IN ('started', 'unknown');
+
+-- name: may_keep_late
+-- Whether a late response of :body_bytes may be kept on an attempt of this job (SQLite has
+-- no data-modifying CTEs; this runs in the completion's own transaction).
+SELECT EXISTS (SELECT 1 FROM jobs WHERE owner = :owner AND id = :job_id AND state = 'unknown')
+       AND (SELECT coalesce(sum(length(late_body)), 0) FROM attempts
+            WHERE owner = :owner AND job_id = :job_id) + :body_bytes <= :kept_limit AS keep;
 
 -- name: settle_job
 UPDATE jobs
@@ -118,6 +135,17 @@ SET state = 'unknown', error = 'lease expired', lease_expires_at = NULL,
     finished_at = (julianday('now') - 2440587.5) * 86400.0
 WHERE owner = :owner AND job_id = :id AND state = 'started';
 
+-- name: expired_leases
+-- SPEC §3.5: jobs in flight whose lease ran out at least :grace seconds ago, for the
+-- background takeover (proxy/orphans.py).
+SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       1 AS lease_expired
+FROM jobs
+WHERE state = 'in_flight'
+  AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0 - :grace
+ORDER BY lease_expires_at
+LIMIT :limit;
+
 -- name: resolve_completed
 -- SPEC §3.3: an operator settles an `unknown` job with the response it really had.
 UPDATE jobs
@@ -142,7 +170,12 @@ ORDER BY updated_at
 LIMIT :limit;
 
 -- name: delete_job
-DELETE FROM jobs WHERE owner = :owner AND id = :id;
+-- A compare-and-swap on the version the operator read; a job in flight with a live lease (by
+-- the database clock) only when forced (see the PostgreSQL query).
+DELETE FROM jobs
+WHERE owner = :owner AND id = :id AND version = :version
+  AND (:force OR state <> 'in_flight'
+       OR lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0);
 
 -- name: forget
 DELETE FROM jobs
