@@ -68,7 +68,7 @@ class KeyInvalid(ProblemError):
 
 
 class HeaderInvalid(ProblemError):
-    """The Connection header may not name the headers that identify the request's owner or key."""
+    """A header that identifies or routes the request is repeated, malformed or in Connection."""
 
     code, status, title = "header-invalid", 400, "Header invalid"
 
