@@ -316,6 +316,27 @@ class Settings(BaseSettings):
     )
     outcomes: OutcomeSettings = Field(default_factory=OutcomeSettings)
     on_store_error: Literal["fail_closed", "passthrough"] = "fail_closed"
+    # --- trusted_proxies (SPEC §10, proxy/trusted.py) -------------------------------------
+    # Peers (CIDRs, or single addresses) whose X-Forwarded-*/Forwarded headers are kept, as
+    # nginx's set_real_ip_from. Empty (the default): every peer is a client, and the proxy
+    # sets X-Forwarded-For/Proto/Host from what it saw.
+    trusted_proxies: Annotated[list[ipaddress.IPv4Network | ipaddress.IPv6Network], NoDecode] = (
+        Field(default_factory=list)
+    )
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _networks(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if not isinstance(value, list):
+            return value
+        try:
+            return [ipaddress.ip_network(str(entry).strip()) for entry in value]
+        except ValueError as exc:  # "10.1.2.3/8" (host bits set) is a typo, not 10.0.0.0/8
+            raise ValueError(f"trusted_proxies: {exc} (give CIDRs like 10.0.0.0/8)") from exc
+
+    # --- end trusted_proxies ---------------------------------------------------------------
     server: ServerSettings = Field(default_factory=ServerSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sweeper: SweeperSettings = Field(default_factory=SweeperSettings)

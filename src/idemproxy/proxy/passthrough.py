@@ -17,6 +17,7 @@ from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamRes
 from idemproxy.proxy.headers import request_headers_for_upstream, response_headers_for_client
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
+from idemproxy.proxy.trusted import is_trusted
 
 log = logging.getLogger(__name__)
 # Bodies up to this size with a declared length are read whole rather than streamed.
@@ -34,9 +35,14 @@ def upstream_url(upstream: str, request: web.Request) -> URL:
     return URL(upstream + target, encoded=True)
 
 
-def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
+def forwarded_headers(ctx: ProxyContext, request: web.Request) -> CIMultiDict[str]:
+    peer = request.remote
     return request_headers_for_upstream(
-        request.headers, client_ip=request.remote, scheme=request.scheme, host=request.host
+        request.headers,
+        client_ip=peer,
+        scheme=request.scheme,
+        host=request.host,
+        trusted=is_trusted(peer, ctx.settings.trusted_proxies),
     )
 
 
@@ -64,7 +70,7 @@ async def passthrough(
         async with ctx.upstream.request(
             request.method,
             upstream_url(route.upstream, request),
-            forwarded_headers(request),
+            forwarded_headers(ctx, request),
             data,
             content_length=length,
         ) as upstream:
