@@ -16,6 +16,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from idemproxy.constants import (
     ATTEMPT_HEADER,
+    ERROR_HEADER,
     HOP_BY_HOP_HEADERS,
     JOB_HEADER,
     REPLAY_OMITTED_HEADER,
@@ -23,9 +24,12 @@ from idemproxy.constants import (
 )
 from idemproxy.types import HeaderPairs
 
-# The proxy alone speaks these; a client or an upstream that sends them is not believed.
+# The proxy alone speaks these; a client or an upstream that sends them is not believed. An
+# upstream's `Idempotency-Error` would make clients (and the batch runner) take a backend answer,
+# a 200 even, for the proxy's refusal (SPEC §8): it is neither passed on nor stored.
 PROXY_OWNED = frozenset(
-    h.lower() for h in (REPLAYED_HEADER, REPLAY_OMITTED_HEADER, JOB_HEADER, ATTEMPT_HEADER)
+    h.lower()
+    for h in (REPLAYED_HEADER, REPLAY_OMITTED_HEADER, JOB_HEADER, ATTEMPT_HEADER, ERROR_HEADER)
 )
 # Recomputed by whoever sends the message next; `Expect` was already answered by this proxy.
 _FRAMING = frozenset({"content-length", "host", "expect"})
