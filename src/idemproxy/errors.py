@@ -5,6 +5,7 @@
     │   ├── KeyMissing              400 key-missing
     │   ├── KeyInvalid              400 key-invalid
     │   ├── HeaderInvalid           400 header-invalid
+    │   ├── PathInvalid             400 path-invalid
     │   ├── OwnerMissing            401 owner-missing
     │   ├── PayloadMismatch         409 payload-mismatch (422 in the ietf profile)
     │   ├── RequestInFlight         409 request-in-flight + Retry-After
@@ -71,6 +72,12 @@ class HeaderInvalid(ProblemError):
     """A header that identifies or routes the request is repeated, malformed or in Connection."""
 
     code, status, title = "header-invalid", 400, "Header invalid"
+
+
+class PathInvalid(ProblemError):
+    """The request path may not contain dot segments or empty segments, encoded or not."""
+
+    code, status, title = "path-invalid", 400, "Path invalid"
 
 
 class OwnerMissing(ProblemError):

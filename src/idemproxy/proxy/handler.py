@@ -16,6 +16,7 @@ from idemproxy.proxy.host import valid_host
 from idemproxy.proxy.listener import head_read
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.problems import problem_response
+from idemproxy.proxy.routing import routable_path
 from idemproxy.proxy.trace import Trace, record
 from idemproxy.types import Intent
 
@@ -58,7 +59,7 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
     try:
         if not valid_host(request.headers.get(hdrs.HOST)):
             return _refuse_host(ctx, trace)
-        route = ctx.routes.find(request.path, request.host)
+        route = ctx.routes.find(routable_path(request.path), request.host)
         if route is None:
             raise NoRoute()
         if request.method not in ctx.governed_methods:

@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from idemproxy.config import ContractSettings, RouteSettings, Settings
+from idemproxy.errors import PathInvalid
 from idemproxy.proxy.contract import Contract, ContractGate
+
+# A `.` or `..` segment, or an empty one, in the percent-decoded path; `\\` counts as a separator
+# because some servers (IIS, and frameworks on Windows) take it for one.
+_AMBIGUOUS = re.compile(r"[/\\](?:\.{1,2}(?=[/\\]|$)|(?=[/\\]))")
+
+
+def routable_path(path: str) -> str:
+    """The decoded path (aiohttp's `request.path`) to route on; `PathInvalid` when it is ambiguous.
+
+    RFC 3986 §5.2.4: a backend removes dot segments (`/x/../payments` is `/payments`), many merge
+    repeated slashes, and many decode `%2e` and `%2f` before they do. Matched as sent, such a
+    target escaped a `/payments` route with `require_key: true` into the `/` route. No API client
+    needs one, so rather than guess how each backend resolves it, the proxy refuses it (400).
+    """
+    if _AMBIGUOUS.search(path):
+        raise PathInvalid()
+    return path
 
 
 @dataclass(frozen=True, slots=True)
