@@ -12,6 +12,7 @@
     │   ├── OutcomeUnknown          409 outcome-unknown
     │   ├── NoRoute                 404 no-route
     │   ├── RequestTimeout          408 request-timeout
+    │   ├── ClientDisconnected      499 client-disconnected (logged and counted, never sent)
     │   ├── BodyTooLarge            413 body-too-large
     │   ├── UpstreamUnavailable     502 upstream-unavailable
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
@@ -115,6 +116,13 @@ class RequestTimeout(ProblemError):
     """The request body did not arrive in time."""
 
     code, status, title = "request-timeout", 408, "Request timeout"
+
+
+class ClientDisconnected(ProblemError):
+    """The client closed the connection before its request body was complete."""
+
+    # nginx's 499: nobody receives this answer, but the request line and the metrics need one.
+    code, status, title = "client-disconnected", 499, "Client closed request"
 
 
 class BodyTooLarge(ProblemError):

@@ -14,6 +14,7 @@ from idemproxy.errors import UpstreamTimeout, UpstreamUnavailable
 from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamResponse
+from idemproxy.proxy.hangups import client_gone
 from idemproxy.proxy.headers import request_headers_for_upstream, response_headers_for_client
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
@@ -79,7 +80,7 @@ async def passthrough(
                 content, _ = await UpstreamClient.read_body(upstream, SMALL_BODY)
                 return _buffered(upstream, content)
             response = web.StreamResponse()
-            await _stream(request, response, upstream)
+            await _stream(ctx, request, response, upstream)
             return response
     except UpstreamFailure as failure:
         if response is not None and response.prepared:
@@ -103,13 +104,21 @@ def _buffered(upstream: UpstreamResponse, content: bytes) -> web.Response:
 
 
 async def _stream(
-    request: web.Request, response: web.StreamResponse, upstream: UpstreamResponse
+    ctx: ProxyContext,
+    request: web.Request,
+    response: web.StreamResponse,
+    upstream: UpstreamResponse,
 ) -> None:
     response.set_status(upstream.status, upstream.reason)
     response.headers.extend(response_headers_for_client(upstream.headers))
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
-    await response.prepare(request)
-    async for chunk in UpstreamClient.iter_body(upstream):
-        await response.write(chunk)
-    await response.write_eof()
+    try:
+        await response.prepare(request)
+        async for chunk in UpstreamClient.iter_body(upstream):
+            await response.write(chunk)
+        await response.write_eof()
+    except ConnectionError:
+        # Only the client's side raises it here (the upstream's failures are UpstreamFailure);
+        # leaving the exchange unread closes the upstream connection rather than pooling it.
+        client_gone(ctx.metrics, request, "response")

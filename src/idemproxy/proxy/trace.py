@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from idemproxy.errors import (
     BodyTooLarge,
+    ClientDisconnected,
     HeaderInvalid,
     KeyInvalid,
     KeyMissing,
@@ -45,6 +46,7 @@ _PROBLEM_OUTCOMES: dict[type[ProblemError], str] = {
     OwnerMissing: "rejected",
     BodyTooLarge: "rejected",
     RequestTimeout: "rejected",
+    ClientDisconnected: "rejected",
     NoRoute: "rejected",
 }
 
