@@ -10,12 +10,14 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
     SecretStr,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -478,4 +480,36 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     class FileSettings(Settings):
         model_config = SettingsConfigDict(yaml_file=config_file)
 
-    return FileSettings(**{k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if config_file is None:
+        return FileSettings(**given)
+    try:
+        return FileSettings(**given)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {yaml_problem(config_file, exc)}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config: cannot read {config_file}: {_reason(exc)}") from exc
+    except ValueError as exc:  # pydantic's ValidationError is one too: let it name the field
+        if isinstance(exc, ValidationError):
+            raise
+        # A document that is not a mapping (a list, a scalar) fails as the sources merge.
+        raise ConfigError(f"config: {config_file} must be a YAML mapping of settings") from exc
+
+
+def yaml_problem(path: Path, error: yaml.YAMLError) -> str:
+    """`FILE, line L, column C: what` for a YAML syntax error (1-based, as editors count)."""
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
+        return f"{path}: {error}"
+    mark = error.problem_mark
+    what = error.problem or "invalid YAML"
+    if error.context:
+        start = error.context_mark
+        where = "" if start is None else f" at line {start.line + 1}, column {start.column + 1}"
+        what = f"{what} ({error.context}{where})"
+    return f"{path}, line {mark.line + 1}, column {mark.column + 1}: {what}"
+
+
+def _reason(error: OSError | UnicodeDecodeError) -> str:
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {error.start})"
+    return error.strerror or str(error)

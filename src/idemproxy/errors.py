@@ -26,7 +26,8 @@
     │       ├── VersionMismatch     409 version-mismatch
     │       ├── ResolutionLost      409 resolution-lost
     │       └── JobInFlight         409 job-in-flight
-    └── ConfigError                 bad settings, raised at start-up
+    ├── ConfigError                 bad settings, raised at start-up
+    └── ListenFailed                a configured address cannot be listened on (in use, …)
 
 Docstrings are the default `detail` of each problem.
 """
@@ -46,6 +47,10 @@ class IdemproxyError(Exception):
 
 class ConfigError(IdemproxyError):
     """Invalid configuration."""
+
+
+class ListenFailed(IdemproxyError):
+    """A configured address cannot be listened on."""
 
 
 class ProblemError(IdemproxyError):
