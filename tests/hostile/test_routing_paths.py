@@ -80,3 +80,29 @@ async def test_dots_inside_a_segment_and_a_trailing_slash_are_fine(
 ) -> None:
     answer = await exchange(payments_proxy, post(target))
     assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:200])
+
+
+@pytest.mark.parametrize(
+    "host", ["api.example.com", "API.Example.COM", "api.example.com.", "api.example.com.:8080"]
+)
+async def test_a_host_route_is_found_by_any_spelling_of_its_name(
+    listening_proxy: ListeningProxy,
+    backend_url: str,
+    counting_store: CountingStore,
+    ledger: Ledger,
+    host: str,
+) -> None:
+    """`API.example.com.` names the same host in DNS: it must not miss the host's route (and its
+    `require_key`) for the route without a host."""
+    routes = [
+        {"prefix": "/payments", "host": "api.example.com", "upstream": backend_url,
+         "require_key": True},
+    ]  # fmt: skip
+    address = await listening_proxy(inject_store=counting_store, routes=routes)
+    request = (
+        f"POST /payments/charge HTTP/1.1\r\nHost: {host}\r\n"
+        "Content-Length: 3\r\nConnection: close\r\n\r\npay"
+    )
+    answer = await exchange(address, request.encode())
+    assert b"Idempotency-Error: key-missing\r\n" in answer, answer[:200]
+    assert ledger.count() == 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
+from urllib.parse import unquote
 
 from idemproxy.config import ContractSettings, RouteSettings, Settings
 from idemproxy.errors import PathInvalid
@@ -27,6 +29,18 @@ def routable_path(path: str) -> str:
     return path
 
 
+@functools.lru_cache(maxsize=256)
+def host_name(host: str) -> str:
+    """The name a Host value (`host[:port]`, proxy/host.py) routes by: no port, lower-case, no
+    trailing dot, percent-decoded. `API.example.com.:443` is the same name in DNS, and with the
+    first character only it missed a host route and fell through to one without a host."""
+    if host.startswith("["):  # an IP literal: the port follows the bracket (RFC 3986 §3.2.2)
+        name = host[: host.find("]") + 1]
+    else:
+        name = host.rpartition(":")[0] if ":" in host else host
+    return unquote(name).lower().removesuffix(".")
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     prefix: str
@@ -47,7 +61,8 @@ class Route:
         return (self.upstream, *fallbacks)
 
     def matches(self, path: str, host: str | None) -> bool:
-        if self.host is not None and (host or "").split(":")[0].lower() != self.host.lower():
+        """`host` is a `host_name` already (RouteTable.find): normalised once per request."""
+        if self.host is not None and host != host_name(self.host):
             return False
         if self.prefix in ("/", path):
             return True
@@ -71,8 +86,9 @@ class RouteTable:
         return tuple(self._routes)
 
     def find(self, path: str, host: str | None) -> Route | None:
+        name = None if host is None else host_name(host)
         for route in self._routes:
-            if route.matches(path, host):
+            if route.matches(path, name):
                 return route
         return None
 
