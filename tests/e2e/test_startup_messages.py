@@ -136,3 +136,32 @@ def test_a_config_file_that_is_not_a_mapping_or_not_text_is_one_line(
         done = run_cli("serve", "--config", str(path), timeout=20)
         assert done.returncode == 2, done
         assert done.stderr.strip().splitlines() == [f"idemproxy: invalid configuration: {message}"]
+
+
+BAD_DSNS = {
+    "port not a number": (
+        "postgresql://app:{secret}@127.0.0.1:notaport/idem?password={secret}",
+        "store: the PostgreSQL DSN cannot be parsed (check its hosts, ports and parameters)",
+    ),
+    "unknown sslmode": (
+        "postgresql://app:{secret}@127.0.0.1:9/idem?password={secret}&sslmode=sometimes",
+        "store: `sslmode` parameter must be one of: disable, allow, prefer, require, "
+        "verify-ca, verify-full",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DSNS)
+def test_a_dsn_the_driver_cannot_use_is_one_line_without_its_secret(
+    run_cli: RunCli, case: str
+) -> None:
+    template, message = BAD_DSNS[case]
+    dsn = template.format(secret=SECRETS[0])
+    serve = ["serve", "--upstream", "http://127.0.0.1:9", "--listen", f"127.0.0.1:{free_port()}"]
+    for command in (["migrate"], serve):
+        done = run_cli(*command, "--store", dsn, timeout=20)
+        assert done.returncode == 2, (command, done)
+        assert SECRETS[0] not in done.stdout + done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert lines[-1] == f"idemproxy: invalid configuration: {message}", done.stderr
+        assert "Traceback" not in done.stderr
