@@ -9,6 +9,7 @@ import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -401,6 +402,8 @@ class Settings(BaseSettings):
             return None  # IDEMPROXY_REDIS="" (e.g. an empty secret) means off, as `redis:` does
         if isinstance(url, str) and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must be redis://…, rediss://… or unix://…")
+        if isinstance(url, str):
+            _check_authority(url)
         return url
 
     @field_validator("fingerprint_exclude")
@@ -455,7 +458,20 @@ class Settings(BaseSettings):
 def check_upstream_url(url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ValueError("must be an http:// or https:// URL")
+    _check_authority(url)  # or every request would fail with a 500 and a traceback
     return url.rstrip("/")
+
+
+def _check_authority(url: str) -> None:
+    """A host, and a port that is a number: never echoing the URL (it may hold a password)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError("the port (or an IPv6 address in brackets) is malformed") from exc
+    if not parts.hostname and not url.startswith("unix://"):
+        raise ValueError("names no host")
+    del port
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

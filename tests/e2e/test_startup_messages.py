@@ -165,3 +165,30 @@ def test_a_dsn_the_driver_cannot_use_is_one_line_without_its_secret(
         lines = done.stderr.strip().splitlines()
         assert lines[-1] == f"idemproxy: invalid configuration: {message}", done.stderr
         assert "Traceback" not in done.stderr
+
+
+BAD_URLS = {
+    # Accepted before: every request then failed with a 500 and a traceback (upstream), or the
+    # start with a traceback (redis).
+    "upstream port": (
+        ["--upstream", "http://app:{secret}@127.0.0.1:notaport"],
+        "upstream: Value error, the port (or an IPv6 address in brackets) is malformed",
+    ),
+    "upstream host": (["--upstream", "http://:8000"], "upstream: Value error, names no host"),
+    "redis port": (
+        ["--upstream", "http://127.0.0.1:9", "--redis", "redis://:{secret}@127.0.0.1:nope/0"],
+        "redis: Value error, the port (or an IPv6 address in brackets) is malformed",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_URLS)
+def test_a_malformed_upstream_or_redis_url_is_refused_at_start_up_without_its_secret(
+    tmp_path: Path, run_cli: RunCli, case: str
+) -> None:
+    flags, message = BAD_URLS[case]
+    args = [flag.format(secret=SECRETS[0]) for flag in flags]
+    done = run_cli("serve", *args, "--store", f"sqlite:///{tmp_path}/x.db", timeout=20)
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines() == [f"idemproxy: invalid configuration: {message}"]
+    assert SECRETS[0] not in done.stdout + done.stderr
