@@ -48,7 +48,18 @@ _FORWARDING = frozenset(
         "x-forwarded-server",
         "x-forwarded-ssl",
         "x-forwarded-scheme",
+        "x-forwarded-uri",
+        "x-forwarded-path",
+        # The client's address as other proxies and CDNs name it.
         "x-real-ip",
+        "true-client-ip",
+        "x-client-ip",
+        "x-cluster-client-ip",
+        "cf-connecting-ip",
+        # The path some frameworks (IIS, Symfony) route by instead of the request line's: from
+        # a client, a way past this proxy's routing (and a route's require_key).
+        "x-original-url",
+        "x-rewrite-url",
     }
 )
 # What each filter drops when `Connection` names nothing beyond the fixed list.
