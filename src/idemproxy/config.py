@@ -9,13 +9,16 @@ import ipaddress
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
+import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
     SecretStr,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -319,6 +322,27 @@ class Settings(BaseSettings):
     )
     outcomes: OutcomeSettings = Field(default_factory=OutcomeSettings)
     on_store_error: Literal["fail_closed", "passthrough"] = "fail_closed"
+    # --- trusted_proxies (SPEC §10, proxy/trusted.py) -------------------------------------
+    # Peers (CIDRs, or single addresses) whose X-Forwarded-*/Forwarded headers are kept, as
+    # nginx's set_real_ip_from. Empty (the default): every peer is a client, and the proxy
+    # sets X-Forwarded-For/Proto/Host from what it saw.
+    trusted_proxies: Annotated[list[ipaddress.IPv4Network | ipaddress.IPv6Network], NoDecode] = (
+        Field(default_factory=list)
+    )
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _networks(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if not isinstance(value, list):
+            return value
+        try:
+            return [ipaddress.ip_network(str(entry).strip()) for entry in value]
+        except ValueError as exc:  # "10.1.2.3/8" (host bits set) is a typo, not 10.0.0.0/8
+            raise ValueError(f"trusted_proxies: {exc} (give CIDRs like 10.0.0.0/8)") from exc
+
+    # --- end trusted_proxies ---------------------------------------------------------------
     server: ServerSettings = Field(default_factory=ServerSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sweeper: SweeperSettings = Field(default_factory=SweeperSettings)
@@ -381,6 +405,8 @@ class Settings(BaseSettings):
             return None  # IDEMPROXY_REDIS="" (e.g. an empty secret) means off, as `redis:` does
         if isinstance(url, str) and not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must be redis://…, rediss://… or unix://…")
+        if isinstance(url, str):
+            _check_authority(url)
         return url
 
     @field_validator("fingerprint_exclude")
@@ -435,7 +461,20 @@ class Settings(BaseSettings):
 def check_upstream_url(url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ValueError("must be an http:// or https:// URL")
+    _check_authority(url)  # or every request would fail with a 500 and a traceback
     return url.rstrip("/")
+
+
+def _check_authority(url: str) -> None:
+    """A host, and a port that is a number: never echoing the URL (it may hold a password)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError("the port (or an IPv6 address in brackets) is malformed") from exc
+    if not parts.hostname and not url.startswith("unix://"):
+        raise ValueError("names no host")
+    del port
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -460,4 +499,36 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     class FileSettings(Settings):
         model_config = SettingsConfigDict(yaml_file=config_file)
 
-    return FileSettings(**{k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if config_file is None:
+        return FileSettings(**given)
+    try:
+        return FileSettings(**given)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: {yaml_problem(config_file, exc)}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config: cannot read {config_file}: {_reason(exc)}") from exc
+    except ValueError as exc:  # pydantic's ValidationError is one too: let it name the field
+        if isinstance(exc, ValidationError):
+            raise
+        # A document that is not a mapping (a list, a scalar) fails as the sources merge.
+        raise ConfigError(f"config: {config_file} must be a YAML mapping of settings") from exc
+
+
+def yaml_problem(path: Path, error: yaml.YAMLError) -> str:
+    """`FILE, line L, column C: what` for a YAML syntax error (1-based, as editors count)."""
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
+        return f"{path}: {error}"
+    mark = error.problem_mark
+    what = error.problem or "invalid YAML"
+    if error.context:
+        start = error.context_mark
+        where = "" if start is None else f" at line {start.line + 1}, column {start.column + 1}"
+        what = f"{what} ({error.context}{where})"
+    return f"{path}, line {mark.line + 1}, column {mark.column + 1}: {what}"
+
+
+def _reason(error: OSError | UnicodeDecodeError) -> str:
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 text (byte {error.start})"
+    return error.strerror or str(error)

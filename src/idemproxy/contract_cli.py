@@ -12,6 +12,7 @@ from idemproxy.config import load_settings
 from idemproxy.proxy.contract import check_upstream
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.routing import Route, RouteTable
+from idemproxy.redact import redact_url
 
 
 def add_contract_commands(commands: Any) -> None:
@@ -58,7 +59,7 @@ async def _check_routes(client: UpstreamClient, routes: list[Route]) -> int:
             for upstream in (route.upstream, *route.fallbacks):
                 problems = await check_upstream(client, upstream, route.gate.contract)
                 failed += bool(problems)
-                print(f"  {'FAIL' if problems else 'ok  '} {upstream}")
+                print(f"  {'FAIL' if problems else 'ok  '} {redact_url(upstream)}")
                 for problem in problems:
                     print(f"       {problem}")
     finally:

@@ -5,6 +5,7 @@
     │   ├── KeyMissing              400 key-missing
     │   ├── KeyInvalid              400 key-invalid
     │   ├── HeaderInvalid           400 header-invalid
+    │   ├── PathInvalid             400 path-invalid
     │   ├── OwnerMissing            401 owner-missing
     │   ├── PayloadMismatch         409 payload-mismatch (422 in the ietf profile)
     │   ├── RequestInFlight         409 request-in-flight + Retry-After
@@ -12,6 +13,7 @@
     │   │   └── JobLost             409 outcome-unknown: the job went away under its attempt
     │   ├── NoRoute                 404 no-route
     │   ├── RequestTimeout          408 request-timeout
+    │   ├── ClientDisconnected      499 client-disconnected (logged and counted, never sent)
     │   ├── BodyTooLarge            413 body-too-large
     │   ├── UpstreamUnavailable     502 upstream-unavailable
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
@@ -27,7 +29,8 @@
     │       ├── DeletionLost        409 deletion-lost
     │       ├── NoLateResponse      409 no-late-response
     │       └── JobInFlight         409 job-in-flight
-    └── ConfigError                 bad settings, raised at start-up
+    ├── ConfigError                 bad settings, raised at start-up
+    └── ListenFailed                a configured address cannot be listened on (in use, …)
 
 Docstrings are the default `detail` of each problem.
 """
@@ -47,6 +50,10 @@ class IdemproxyError(Exception):
 
 class ConfigError(IdemproxyError):
     """Invalid configuration."""
+
+
+class ListenFailed(IdemproxyError):
+    """A configured address cannot be listened on."""
 
 
 class ProblemError(IdemproxyError):
@@ -71,9 +78,15 @@ class KeyInvalid(ProblemError):
 
 
 class HeaderInvalid(ProblemError):
-    """The Connection header may not name the headers that identify the request's owner or key."""
+    """A header that identifies or routes the request is repeated, malformed or in Connection."""
 
     code, status, title = "header-invalid", 400, "Header invalid"
+
+
+class PathInvalid(ProblemError):
+    """The request path may not contain dot segments or empty segments, encoded or not."""
+
+    code, status, title = "path-invalid", 400, "Path invalid"
 
 
 class OwnerMissing(ProblemError):
@@ -117,6 +130,13 @@ class RequestTimeout(ProblemError):
     """The request body did not arrive in time."""
 
     code, status, title = "request-timeout", 408, "Request timeout"
+
+
+class ClientDisconnected(ProblemError):
+    """The client closed the connection before its request body was complete."""
+
+    # nginx's 499: nobody receives this answer, but the request line and the metrics need one.
+    code, status, title = "client-disconnected", 499, "Client closed request"
 
 
 class BodyTooLarge(ProblemError):

@@ -62,6 +62,8 @@ ATTEMPT_OUTCOMES = ("succeeded", "failed", "unknown", "discarded")
 UNSENT_OUTCOMES = ("released", "not_committed", "moved_on", "dropped")
 # What became of an attempt's outcome that the store could not take (proxy/unwritten.py).
 UNWRITTEN_OUTCOMES = ("written", "moved_on", "dropped")
+# Where a client hung up (proxy/hangups.py).
+DISCONNECT_STAGES = ("request_body", "response")
 # Sub-millisecond store calls up to upstream timeouts.
 _LATENCY_BUCKETS = (
     0.0005,
@@ -135,6 +137,12 @@ class Metrics:
             "as unknown in the background (proxy/orphans.py).",
             [],
         )
+        self.client_disconnects = self._counter(
+            "client_disconnects",
+            "Clients that hung up mid-request, by stage: request_body (before it was complete; "
+            "never claimed) or response (during a pass-through response).",
+            ["stage"],
+        )
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]
         )
@@ -175,6 +183,9 @@ class Metrics:
         self.upstream_outcome = Children[Histogram](self.upstream_seconds.labels)
         self._store_seconds = Children[Histogram](self.store_seconds.labels)
         self._store_errors = Children[Counter](self.store_errors.labels)
+        self.client_disconnect = Children[Counter](
+            self.client_disconnects.labels, DISCONNECT_STAGES
+        )
 
     def _counter(self, name: str, help_text: str, labels: list[str]) -> Counter:
         return Counter(f"{METRIC_PREFIX}_{name}", help_text, labels, registry=self.registry)

@@ -9,8 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from multidict import MultiMapping
+
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
-from idemproxy.errors import ConfigError, OwnerMissing
+from idemproxy.errors import ConfigError, HeaderInvalid, OwnerMissing
 
 # RFC 9110 §5.1: field-name = token.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -62,12 +64,13 @@ def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str]) -> str:
     """The owner scope for a request; raises `OwnerMissing` when one is required and absent.
 
     With a verifier (`jwt`), a credential that is present but does not verify is 401 even when
-    the owner is optional: it must never fall into the shared anonymous scope.
+    the owner is optional: it must never fall into the shared anonymous scope. The credential
+    header sent more than once is `HeaderInvalid`, as the key is (SPEC §5).
     """
     header = policy.header
     if header is None:
         return GLOBAL_OWNER
-    credential = headers.get(header)
+    credential = single_value(headers, header)
     if not credential:
         if policy.required:
             raise OwnerMissing()
@@ -75,6 +78,20 @@ def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str]) -> str:
     if policy.verifier is not None:
         return policy.verifier.owner(credential)
     return hash_credential(credential)
+
+
+def single_value(headers: Mapping[str, str], name: str) -> str | None:
+    """The one value of `name`, None when absent; `HeaderInvalid` when it is repeated.
+
+    A gateway that appends (`X-User: victim`, then `X-User: attacker`) leaves two values: taking
+    the first would scope the request as someone the sender may not be, so none is believed.
+    """
+    if isinstance(headers, MultiMapping):
+        values = headers.getall(name, [])
+        if len(values) > 1:
+            raise HeaderInvalid(f"Send the {name} header exactly once.")
+        return values[0] if values else None
+    return headers.get(name)
 
 
 def hash_credential(credential: str) -> str:

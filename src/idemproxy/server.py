@@ -15,23 +15,28 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from aiohttp import web
 
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
 from idemproxy.config import Settings, parse_listen
+from idemproxy.errors import ListenFailed
 from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import drain
 from idemproxy.proxy.listener import GuardedSite
+from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
 from idemproxy.workers.role import WorkerRole
 
 log = logging.getLogger("idemproxy")
+T = TypeVar("T")
 _HANDLER_GRACE_SECONDS = 1.0
 # A worker whose supervisor vanished (SIGKILL, OOM) drains instead of serving on unsupervised.
 _PARENT_CHECK_SECONDS = 1.0
@@ -89,14 +94,17 @@ async def _serve_until_signalled(
     try:
         # SPEC §9: the proxy listener cuts off slow request heads (proxy/listener.py).
         site = GuardedSite(proxy, settings.listen, settings.server, reuse_port=worker is not None)
-        await site.start()
-        admin_at = await _start_admin(admin, settings.admin.listen, worker)
+        await _listening("listen", settings.listen, site.start())
+        admin_listen = settings.admin.listen
+        admin_at = await _listening(
+            "admin.listen", admin_listen, _start_admin(admin, admin_listen, worker)
+        )
         log.info(
             "idemproxy %slistening on %s (admin %s), store %s",
             f"{worker.label()} " if worker is not None else "",
             settings.listen,
             admin_at,
-            redacted(settings.store),
+            redact_url(settings.store),
         )
         await _wait_for_signal(supervised=worker is not None)
         readiness.draining = True
@@ -113,6 +121,17 @@ async def _drain(proxy: web.AppRunner, timeout: float) -> None:
     for site in list(proxy.sites):
         await site.stop()
     await drain(proxy.app[CONTEXT], deadline)
+
+
+async def _listening(setting: str, address: str, start: Awaitable[T]) -> T:
+    """`start`, with an address in use (or not this host's) as one line naming it (cli.main)."""
+    try:
+        return await start
+    except OSError as exc:
+        # asyncio's own message repeats the address; the errno's text is the news.
+        code = exc.errno if not isinstance(exc, socket.gaierror) else None
+        reason = os.strerror(code) if code else (exc.strerror or str(exc))
+        raise ListenFailed(f"{setting}: cannot listen on {address}: {reason}") from exc
 
 
 async def _start_admin(runner: web.AppRunner, listen: str, worker: WorkerRole | None) -> str:
@@ -153,12 +172,3 @@ def _loop_factory() -> type[asyncio.AbstractEventLoop] | None:
     except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
         return None
     return uvloop.Loop
-
-
-def redacted(dsn: str) -> str:
-    """A DSN without its password, for logs."""
-    scheme, sep, rest = dsn.partition("://")
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not at or ":" not in userinfo:
-        return dsn
-    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:***@{hostpart}"

@@ -49,7 +49,7 @@ def test_repeated_headers_keep_their_order() -> None:
 def test_forwarded_headers_are_added_and_appended() -> None:
     incoming = _headers(("X-Forwarded-For", "203.0.113.7"), ("Host", "api.example.com"))
     out = request_headers_for_upstream(
-        incoming, client_ip="10.0.0.1", scheme="https", host="api.example.com"
+        incoming, client_ip="10.0.0.1", scheme="https", host="api.example.com", trusted=True
     )
     assert out["X-Forwarded-For"] == "203.0.113.7, 10.0.0.1"
     assert out["X-Forwarded-Proto"] == "https"
@@ -156,9 +156,29 @@ def test_names_are_matched_whatever_their_case() -> None:
 
 def test_an_empty_forwarded_for_without_a_client_address_is_passed_on() -> None:
     incoming = _headers(("X-Forwarded-For", ""), ("X-Forwarded-Proto", "https"))
-    out = request_headers_for_upstream(incoming, client_ip=None, scheme="http", host="h")
+    out = request_headers_for_upstream(
+        incoming, client_ip=None, scheme="http", host="h", trusted=True
+    )
     assert list(out.items()) == [
         ("X-Forwarded-For", ""),
         ("X-Forwarded-Proto", "https"),
+        ("X-Forwarded-Host", "h"),
+    ]
+
+
+def test_an_untrusted_peers_forwarding_headers_are_replaced() -> None:
+    incoming = _headers(
+        ("X-Forwarded-For", "203.0.113.7"),
+        ("x-forwarded-host", "evil.example"),
+        ("X-Forwarded-Proto", "https"),
+        ("Forwarded", "for=198.51.100.1"),
+        ("X-Real-IP", "198.51.100.1"),
+        ("Accept", "x"),
+    )
+    out = request_headers_for_upstream(incoming, client_ip="10.0.0.1", scheme="http", host="h")
+    assert list(out.items()) == [
+        ("Accept", "x"),
+        ("X-Forwarded-For", "10.0.0.1"),
+        ("X-Forwarded-Proto", "http"),
         ("X-Forwarded-Host", "h"),
     ]

@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta, timezone
 from idemproxy.ops.resolution import ResponseRules, completed, parse_header_line
 from idemproxy.ops.service import resolution_ttl
 from idemproxy.ops.table import job_details, jobs_table
-from idemproxy.ops.view import job_to_json, redact_url
+from idemproxy.ops.view import job_to_json
+from idemproxy.redact import redact_url
 from idemproxy.types import Attempt, AttemptState, Job, JobState, StoredResponse
 
 T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)

@@ -70,14 +70,25 @@ def _bearer_auth(token: str) -> Middleware:
     async def bearer_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in _OPEN_PATHS:
             return await handler(request)
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):  # constant time: no token oracle
+        if not hmac.compare_digest(_credential(request), expected):  # no token oracle
             response = problem_response(Unauthorized())
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
         return await handler(request)
 
     return bearer_auth
+
+
+def _credential(request: web.Request) -> bytes:
+    """The one Authorization value as the bytes that came in; b"" when absent or repeated.
+
+    aiohttp decodes header bytes with surrogateescape: a non-ASCII byte must be encoded back the
+    same way (a plain `.encode()` raised, a 500 with a traceback), and compared as bytes.
+    """
+    values = request.headers.getall("Authorization", [])
+    if len(values) != 1:  # two tokens, one right: which one the server checked is no answer
+        return b""
+    return values[0].encode("utf-8", "surrogateescape")
 
 
 async def _healthz(_request: web.Request) -> web.Response:

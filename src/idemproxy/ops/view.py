@@ -10,8 +10,8 @@ import base64
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import urlsplit
 
+from idemproxy.redact import redact_url
 from idemproxy.types import Attempt, Job, StoredResponse
 
 JsonObject = dict[str, Any]
@@ -85,12 +85,3 @@ def response_to_json(response: StoredResponse | None) -> JsonObject | None:
 def timestamp(value: datetime | None) -> str | None:
     """ISO 8601 in UTC; both stores give aware datetimes from the database clock."""
     return None if value is None else value.astimezone(UTC).isoformat()
-
-
-def redact_url(url: str) -> str:
-    """An upstream URL without a password, should one have been configured in it."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return parts._replace(netloc=f"{parts.username}:***@{host}").geturl()

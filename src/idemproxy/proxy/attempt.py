@@ -76,7 +76,7 @@ async def run_attempt(
     ctx: ProxyContext, request: web.Request, route: Route, attempt: Attempt, body: RequestBody
 ) -> Step:
     job = attempt.job
-    headers = forwarded_headers(request)
+    headers = forwarded_headers(ctx, request)
     headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
     headers[ATTEMPT_HEADER] = str(attempt.number)
     url = upstream_url(attempt.upstream, request)

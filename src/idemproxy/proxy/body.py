@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 
 from aiohttp import web
 
-from idemproxy.errors import BodyTooLarge, RequestTimeout
+from idemproxy.errors import BodyTooLarge, ClientDisconnected, RequestTimeout
 
 _CHUNK = 64 * 1024
 
@@ -82,6 +82,10 @@ async def read_body(
             return await _receive(request, limit, spool_threshold)
     except TimeoutError as exc:
         raise RequestTimeout() from exc
+    except ConnectionResetError as exc:
+        # A client hanging up mid-body is routine (and cheap to do on purpose): one line, not
+        # aiohttp's traceback at ERROR (proxy/handler.py logs and counts it).
+        raise ClientDisconnected() from exc
 
 
 def _buffered(data: bytes, limit: int, spool_threshold: int) -> RequestBody:

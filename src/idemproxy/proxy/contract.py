@@ -21,6 +21,7 @@ from yarl import URL
 from idemproxy.config import ContractSettings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure
+from idemproxy.redact import redact_url
 
 log = logging.getLogger(__name__)
 _MAX_REPORTED = 5
@@ -81,7 +82,7 @@ class ContractGate:
         self.eligible = tuple(url for url in self.fallbacks if not self.reports[url])
         for url, problems in self.reports.items():
             if problems:
-                log.warning("fallback %s is not eligible: %s", url, "; ".join(problems))
+                log.warning("fallback %s is not eligible: %s", redact_url(url), "; ".join(problems))
 
 
 async def check_upstream(client: UpstreamClient, base: str, contract: Contract) -> list[str]:

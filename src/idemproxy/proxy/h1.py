@@ -181,8 +181,8 @@ class UpstreamResponse:
         if self.method == "HEAD" or status in (204, 304):
             self._done()  # RFC 9110 §6.4.1: no body, whatever the headers say
             return
-        if length is None and "chunked" not in headers.get("Transfer-Encoding", "").lower():
-            self._until_close = True  # RFC 9112 §6.3 (7): read until the connection closes
+        if length is None and not _chunked(headers):
+            self._until_close = True  # RFC 9112 §6.3 (4, 7): read until the connection closes
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -564,3 +564,16 @@ async def send_stream(
     except Exception as exc:  # the client's own body broke off (it hung up mid-upload)
         exchange.fail(UpstreamFailure(Failure.BROKEN, f"request body broke off: {exc!r}"))
         connection.abort()
+
+
+def _chunked(headers: CIMultiDict[str]) -> bool:
+    """RFC 9112 §6.3 (4): chunked framing only when `chunked` is the final coding, across every
+    Transfer-Encoding line. As llhttp frames the body; the first line alone (`chunked`, then
+    `identity`) disagreed with it and failed a close-delimited body as a cut-off one."""
+    codings = [
+        coding.strip().lower()
+        for value in headers.getall("Transfer-Encoding", ())
+        for coding in value.split(",")
+        if coding.strip()
+    ]
+    return bool(codings) and codings[-1] == "chunked"

@@ -4,19 +4,28 @@ from __future__ import annotations
 
 from aiohttp import HttpVersion11, hdrs, web
 
-from idemproxy.errors import BodyTooLarge, HeaderInvalid, KeyMissing, NoRoute, ProblemError
+from idemproxy.errors import (
+    BodyTooLarge,
+    ClientDisconnected,
+    HeaderInvalid,
+    KeyMissing,
+    NoRoute,
+    ProblemError,
+)
 from idemproxy.fingerprint import fingerprint, fingerprint_of_digest
 from idemproxy.key import parse_key
 from idemproxy.owner import derive_owner
 from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.governed import handle_governed
+from idemproxy.proxy.hangups import client_gone
 from idemproxy.proxy.headers import hop_by_hop
 from idemproxy.proxy.host import valid_host
 from idemproxy.proxy.listener import head_read
 from idemproxy.proxy.one_response import only_response
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.problems import problem_response
+from idemproxy.proxy.routing import routable_path
 from idemproxy.proxy.trace import Trace, record
 from idemproxy.types import Intent
 
@@ -60,7 +69,7 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
     try:
         if not valid_host(request.headers.get(hdrs.HOST)):
             return _refuse_host(ctx, trace)
-        route = ctx.routes.find(request.path, request.host)
+        route = ctx.routes.find(routable_path(request.path), request.host)
         if route is None:
             raise NoRoute()
         if request.method not in ctx.governed_methods:
@@ -75,6 +84,8 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         trace.owner = intent.owner
         return await handle_governed(ctx, request, route, intent, body, trace)
     except ProblemError as error:
+        if isinstance(error, ClientDisconnected):
+            client_gone(ctx.metrics, request, "request_body")
         trace.problem(error)
         return problem_response(error, profile=ctx.settings.profile)
 

@@ -16,6 +16,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from idemproxy.constants import (
     ATTEMPT_HEADER,
+    ERROR_HEADER,
     HOP_BY_HOP_HEADERS,
     JOB_HEADER,
     REPLAY_OMITTED_HEADER,
@@ -23,16 +24,47 @@ from idemproxy.constants import (
 )
 from idemproxy.types import HeaderPairs
 
-# The proxy alone speaks these; a client or an upstream that sends them is not believed.
+# The proxy alone speaks these; a client or an upstream that sends them is not believed. An
+# upstream's `Idempotency-Error` would make clients (and the batch runner) take a backend answer,
+# a 200 even, for the proxy's refusal (SPEC §8): it is neither passed on nor stored.
 PROXY_OWNED = frozenset(
-    h.lower() for h in (REPLAYED_HEADER, REPLAY_OMITTED_HEADER, JOB_HEADER, ATTEMPT_HEADER)
+    h.lower()
+    for h in (REPLAYED_HEADER, REPLAY_OMITTED_HEADER, JOB_HEADER, ATTEMPT_HEADER, ERROR_HEADER)
 )
 # Recomputed by whoever sends the message next; `Expect` was already answered by this proxy.
 _FRAMING = frozenset({"content-length", "host", "expect"})
 # SPEC §7: a replay gets a fresh Date and a recomputed Content-Length.
 _NOT_STORED = frozenset({"content-length", "date"})
+# SPEC §10: what a client may claim about the hops before this proxy; believed only from a
+# trusted proxy (proxy/trusted.py), dropped from anyone else.
+_FORWARDING = frozenset(
+    {
+        "forwarded",  # RFC 7239
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-forwarded-port",
+        "x-forwarded-prefix",
+        "x-forwarded-server",
+        "x-forwarded-ssl",
+        "x-forwarded-scheme",
+        "x-forwarded-uri",
+        "x-forwarded-path",
+        # The client's address as other proxies and CDNs name it.
+        "x-real-ip",
+        "true-client-ip",
+        "x-client-ip",
+        "x-cluster-client-ip",
+        "cf-connecting-ip",
+        # The path some frameworks (IIS, Symfony) route by instead of the request line's: from
+        # a client, a way past this proxy's routing (and a route's require_key).
+        "x-original-url",
+        "x-rewrite-url",
+    }
+)
 # What each filter drops when `Connection` names nothing beyond the fixed list.
 _REQUEST_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _FRAMING
+_UNTRUSTED_DROPPED = _REQUEST_DROPPED | _FORWARDING
 _RESPONSE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | frozenset({"content-length"})
 _STORE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _NOT_STORED
 _NONE: frozenset[str] = frozenset()
@@ -77,25 +109,37 @@ def request_headers_for_upstream(
     client_ip: str | None,
     scheme: str,
     host: str | None,
+    trusted: bool = False,
 ) -> CIMultiDict[str]:
     """The client's headers minus hop-by-hop and proxy-owned ones, plus X-Forwarded-* (SPEC §10).
 
     Repeated headers keep their order. Host and Content-Length are set by the upstream client.
+    From a `trusted` peer (another proxy) its forwarding headers are kept and X-Forwarded-For is
+    appended to; from any other peer they are replaced by what this proxy saw.
     """
-    out = _without(headers, _with_named(_REQUEST_DROPPED, headers))
-    earlier = headers.getall("X-Forwarded-For", None)
+    dropped = _REQUEST_DROPPED if trusted else _UNTRUSTED_DROPPED
+    out = _without(headers, _with_named(dropped, headers))
+    earlier = headers.getall("X-Forwarded-For", None) if trusted else None
     if earlier is None:
         forwarded_for = client_ip
     else:
         forwarded_for = ", ".join([*earlier, client_ip] if client_ip else earlier)
     if forwarded_for:
-        if earlier is not None:
-            out.popall("X-Forwarded-For", None)
+        out.popall("X-Forwarded-For", None)
         out["X-Forwarded-For"] = forwarded_for
-    out.setdefault("X-Forwarded-Proto", scheme)
+    _set_once(out, "X-Forwarded-Proto", scheme)
     if host:
-        out.setdefault("X-Forwarded-Host", host)
+        _set_once(out, "X-Forwarded-Host", host)
     return out
+
+
+def _set_once(out: CIMultiDict[str], name: str, value: str) -> None:
+    # A trusted proxy's one value stands; a repeated one (two hops that appended) cannot say
+    # which is the client's, so this proxy's view replaces both.
+    values = out.getall(name, None)
+    if values is None or len(values) > 1:
+        out.popall(name, None)
+        out[name] = value
 
 
 def response_headers_for_client(headers: Headers) -> CIMultiDict[str]:

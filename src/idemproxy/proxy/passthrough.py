@@ -14,10 +14,12 @@ from idemproxy.errors import UpstreamTimeout, UpstreamUnavailable
 from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamResponse
+from idemproxy.proxy.hangups import client_gone
 from idemproxy.proxy.headers import request_headers_for_upstream, response_headers_for_client
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.sink import abort
+from idemproxy.proxy.trusted import is_trusted
 
 log = logging.getLogger(__name__)
 # Bodies up to this size with a declared length are read whole rather than streamed.
@@ -35,9 +37,14 @@ def upstream_url(upstream: str, request: web.Request) -> URL:
     return URL(upstream + target, encoded=True)
 
 
-def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
+def forwarded_headers(ctx: ProxyContext, request: web.Request) -> CIMultiDict[str]:
+    peer = request.remote
     return request_headers_for_upstream(
-        request.headers, client_ip=request.remote, scheme=request.scheme, host=request.host
+        request.headers,
+        client_ip=peer,
+        scheme=request.scheme,
+        host=request.host,
+        trusted=is_trusted(peer, ctx.settings.trusted_proxies),
     )
 
 
@@ -65,7 +72,7 @@ async def passthrough(
         async with ctx.upstream.request(
             request.method,
             upstream_url(route.upstream, request),
-            forwarded_headers(request),
+            forwarded_headers(ctx, request),
             data,
             content_length=length,
         ) as upstream:
@@ -74,7 +81,7 @@ async def passthrough(
                 content, _ = await UpstreamClient.read_body(upstream, SMALL_BODY)
                 return _buffered(upstream, content)
             response = web.StreamResponse()
-            await _stream(request, response, upstream)
+            await _stream(ctx, request, response, upstream)
             return response
     except UpstreamFailure as failure:
         if response is not None and response.prepared:
@@ -100,13 +107,21 @@ def _buffered(upstream: UpstreamResponse, content: bytes) -> web.Response:
 
 
 async def _stream(
-    request: web.Request, response: web.StreamResponse, upstream: UpstreamResponse
+    ctx: ProxyContext,
+    request: web.Request,
+    response: web.StreamResponse,
+    upstream: UpstreamResponse,
 ) -> None:
     response.set_status(upstream.status, upstream.reason)
     response.headers.extend(response_headers_for_client(upstream.headers))
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
-    await response.prepare(request)
-    async for chunk in UpstreamClient.iter_body(upstream):
-        await response.write(chunk)
-    await response.write_eof()
+    try:
+        await response.prepare(request)
+        async for chunk in UpstreamClient.iter_body(upstream):
+            await response.write(chunk)
+        await response.write_eof()
+    except ConnectionError:
+        # Only the client's side raises it here (the upstream's failures are UpstreamFailure);
+        # leaving the exchange unread closes the upstream connection rather than pooling it.
+        client_gone(ctx.metrics, request, "response")

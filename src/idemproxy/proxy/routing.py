@@ -2,10 +2,43 @@
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass, field
+from urllib.parse import unquote
 
 from idemproxy.config import ContractSettings, RouteSettings, Settings
+from idemproxy.errors import PathInvalid
 from idemproxy.proxy.contract import Contract, ContractGate
+
+# A `.` or `..` segment, or an empty one, in the percent-decoded path; `\\` counts as a separator
+# because some servers (IIS, and frameworks on Windows) take it for one.
+_AMBIGUOUS = re.compile(r"[/\\](?:\.{1,2}(?=[/\\]|$)|(?=[/\\]))")
+
+
+def routable_path(path: str) -> str:
+    """The decoded path (aiohttp's `request.path`) to route on; `PathInvalid` when it is ambiguous.
+
+    RFC 3986 §5.2.4: a backend removes dot segments (`/x/../payments` is `/payments`), many merge
+    repeated slashes, and many decode `%2e` and `%2f` before they do. Matched as sent, such a
+    target escaped a `/payments` route with `require_key: true` into the `/` route. No API client
+    needs one, so rather than guess how each backend resolves it, the proxy refuses it (400).
+    """
+    if _AMBIGUOUS.search(path):
+        raise PathInvalid()
+    return path
+
+
+@functools.lru_cache(maxsize=256)
+def host_name(host: str) -> str:
+    """The name a Host value (`host[:port]`, proxy/host.py) routes by: no port, lower-case, no
+    trailing dot, percent-decoded. `API.example.com.:443` is the same name in DNS, and with the
+    first character only it missed a host route and fell through to one without a host."""
+    if host.startswith("["):  # an IP literal: the port follows the bracket (RFC 3986 §3.2.2)
+        name = host[: host.find("]") + 1]
+    else:
+        name = host.rpartition(":")[0] if ":" in host else host
+    return unquote(name).lower().removesuffix(".")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +61,8 @@ class Route:
         return (self.upstream, *fallbacks)
 
     def matches(self, path: str, host: str | None) -> bool:
-        if self.host is not None and (host or "").split(":")[0].lower() != self.host.lower():
+        """`host` is a `host_name` already (RouteTable.find): normalised once per request."""
+        if self.host is not None and host != host_name(self.host):
             return False
         if self.prefix in ("/", path):
             return True
@@ -52,8 +86,9 @@ class RouteTable:
         return tuple(self._routes)
 
     def find(self, path: str, host: str | None) -> Route | None:
+        name = None if host is None else host_name(host)
         for route in self._routes:
-            if route.matches(path, host):
+            if route.matches(path, name):
                 return route
         return None
 

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 
 from idemproxy.errors import (
     BodyTooLarge,
+    ClientDisconnected,
     HeaderInvalid,
     KeyInvalid,
     KeyMissing,
     NoRoute,
     OutcomeUnknown,
     OwnerMissing,
+    PathInvalid,
     PayloadMismatch,
     ProblemError,
     RequestInFlight,
@@ -39,10 +41,12 @@ _PROBLEM_OUTCOMES: dict[type[ProblemError], str] = {
     TooManyWaiters: "unavailable",
     KeyInvalid: "rejected",
     HeaderInvalid: "rejected",
+    PathInvalid: "rejected",
     KeyMissing: "rejected",
     OwnerMissing: "rejected",
     BodyTooLarge: "rejected",
     RequestTimeout: "rejected",
+    ClientDisconnected: "rejected",
     NoRoute: "rejected",
 }
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 
-from idemproxy.errors import StoreUnavailable
+from idemproxy.errors import ConfigError, StoreUnavailable
 
 log = logging.getLogger("idemproxy.store")
 
@@ -35,3 +35,20 @@ async def translate_errors(what: str) -> AsyncIterator[None]:
         yield
     except DRIVER_ERRORS as exc:
         raise unavailable(what, exc) from exc
+
+
+@contextlib.asynccontextmanager
+async def translate_connect_errors() -> AsyncIterator[None]:
+    """As `translate_errors("connect")`, but a DSN asyncpg cannot use is a configuration error
+    (one line at start-up, cli.main), not an outage to retry nor a traceback. Neither message
+    carries the DSN: it may hold a password."""
+    try:
+        yield
+    except asyncpg.ClientConfigurationError as exc:  # e.g. an unknown sslmode
+        raise ConfigError(f"store: {exc}") from exc
+    except ValueError as exc:  # the DSN itself did not parse (a port that is not a number, …)
+        raise ConfigError(
+            "store: the PostgreSQL DSN cannot be parsed (check its hosts, ports and parameters)"
+        ) from exc
+    except DRIVER_ERRORS as exc:
+        raise unavailable("connect", exc) from exc

@@ -16,7 +16,12 @@ from idemproxy.constants import DEFAULT_MAX_STORED_BODY
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store, settle_states
 from idemproxy.store.feed_task import stop_feed
-from idemproxy.store.pg_errors import DRIVER_ERRORS, translate_errors, unavailable
+from idemproxy.store.pg_errors import (
+    DRIVER_ERRORS,
+    translate_connect_errors,
+    translate_errors,
+    unavailable,
+)
 from idemproxy.store.pg_kept import KeptConnections
 from idemproxy.store.pg_listen import listen_forever
 from idemproxy.store.queries import load_migrations, load_queries
@@ -67,7 +72,7 @@ class PostgresStore(Store):
         self._listener: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        async with translate_errors("connect"):
+        async with translate_connect_errors():
             self._pool = await asyncpg.create_pool(
                 self._dsn,
                 min_size=self._pool_size[0],

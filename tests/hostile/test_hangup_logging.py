@@ -1,0 +1,97 @@
+"""A client hanging up mid-body is routine: one INFO line and a counter, never a traceback.
+
+Before, aiohttp logged "Error handling request" at ERROR with a 25-line traceback for each one:
+log flooding for the price of a half-sent request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from backend import Ledger
+from idemproxy.proxy.context import CONTEXT
+from proxy.conftest import ProxyFactory
+
+HEADS = {
+    "declared-length": b"Content-Length: 1000\r\n\r\n0123456789",
+    "chunked": b"Transfer-Encoding: chunked\r\n\r\n5\r\nabcde\r\n",
+    "spooled": b"Content-Length: 5000000\r\n\r\n" + b"x" * 200_000,
+}
+
+
+@pytest.mark.parametrize("case", HEADS)
+async def test_a_hang_up_mid_body_is_one_info_line_and_counted(
+    make_proxy: ProxyFactory,
+    sqlite_dsn: str,
+    ledger: Ledger,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+) -> None:
+    client = await make_proxy(store=sqlite_dsn, server={"spool_threshold": 65536})
+    metrics = client.server.app[CONTEXT].metrics
+    caplog.set_level(logging.DEBUG)
+    for attempt in range(3):
+        _, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(
+            f"POST /pay HTTP/1.1\r\nHost: p\r\nIdempotency-Key: k{attempt}\r\n".encode()
+            + HEADS[case]
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.close()
+        await writer.wait_closed()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3
+    while metrics.client_disconnect["request_body"]._value.get() < 3:
+        assert loop.time() < deadline, "the hang-ups were not counted"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+    lines = [r for r in caplog.records if "hung up" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.INFO] * 3
+    assert metrics.request_outcome["rejected"]._value.get() == 3
+    assert ledger.count() == 0
+
+
+async def _slow_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse()
+    await response.prepare(request)
+    with contextlib.suppress(ConnectionError):
+        for _ in range(100):
+            await response.write(b"x" * 65536)
+            await asyncio.sleep(0.01)
+    return response
+
+
+async def test_a_hang_up_during_a_pass_through_response_is_one_info_line_and_counted(
+    make_proxy: ProxyFactory, sqlite_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", _slow_stream)
+    upstream = TestServer(app)
+    await upstream.start_server()
+    try:
+        client = await make_proxy(store=sqlite_dsn, upstream=str(upstream.make_url("")))
+        metrics = client.server.app[CONTEXT].metrics
+        caplog.set_level(logging.DEBUG)
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: p\r\n\r\n")
+        await writer.drain()
+        assert (await reader.read(1000)).startswith(b"HTTP/1.1 200 ")
+        writer.transport.abort()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 3
+        while metrics.client_disconnect["response"]._value.get() < 1:
+            assert loop.time() < deadline, "the hang-up was not counted"
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
+    finally:
+        await upstream.close()
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+    assert [r.levelno for r in caplog.records if "hung up" in r.getMessage()] == [logging.INFO]

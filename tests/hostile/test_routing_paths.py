@@ -1,0 +1,108 @@
+"""SPEC §10: a target whose path a backend would resolve differently is refused, not routed.
+
+`/x/../payments/charge` and `//payments/charge` (and their percent-encoded spellings) did not
+start with `/payments/`, so they went to the `/` route and passed through untracked, while a
+backend that removes dot segments (RFC 3986 §5.2.4) or merges slashes ran `/payments/charge`:
+a `require_key: true` route escaped. Raw sockets: aiohttp's client would normalise the path.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from backend import Ledger
+
+from .conftest import CountingStore, ListeningProxy
+from .test_identity import exchange
+
+ESCAPES = [
+    "/x/../payments/charge",
+    "//payments/charge",
+    "/payments//charge",
+    "/./payments/charge",
+    "/x/%2e%2e/payments/charge",
+    "/x/%2E%2e/payments/charge",
+    "/x/..%2fpayments/charge",
+    "/x%2f..%2fpayments/charge",
+    "/%2fpayments/charge",
+    "/x/.%2e/payments/charge",
+    "/x\\..\\payments/charge",
+    "/x/%5c..%5cpayments/charge",
+    "http://proxy/x/../payments/charge",  # absolute-form (RFC 9112 §3.2.2)
+]
+
+
+def post(target: str, key: bool = False) -> bytes:
+    return (
+        f"POST {target} HTTP/1.1\r\nHost: proxy\r\n".encode()
+        + (b"Idempotency-Key: k-path\r\n" if key else b"")
+        + b"Content-Length: 3\r\nConnection: close\r\n\r\npay"
+    )
+
+
+@pytest.fixture
+async def payments_proxy(
+    listening_proxy: ListeningProxy, backend_url: str, counting_store: CountingStore
+) -> tuple[str, int]:
+    routes = [{"prefix": "/payments", "upstream": backend_url, "require_key": True}]
+    return await listening_proxy(inject_store=counting_store, routes=routes)
+
+
+@pytest.mark.parametrize("target", ESCAPES)
+async def test_an_ambiguous_path_is_400_and_reaches_no_backend(
+    payments_proxy: tuple[str, int], counting_store: CountingStore, ledger: Ledger, target: str
+) -> None:
+    for key in (False, True):
+        answer = await exchange(payments_proxy, post(target, key))
+        assert answer.startswith(b"HTTP/1.1 400 "), (target, answer[:200])
+        assert b"Idempotency-Error: path-invalid\r\n" in answer
+    assert counting_store.calls == []
+    assert ledger.count() == 0
+
+
+async def test_the_route_itself_still_requires_its_key(
+    payments_proxy: tuple[str, int], ledger: Ledger
+) -> None:
+    refused = await exchange(payments_proxy, post("/payments/charge"))
+    assert b"Idempotency-Error: key-missing\r\n" in refused
+    # Percent-encoded `/` is a separator too: this is the /payments route, not the `/` one.
+    encoded = await exchange(payments_proxy, post("/payments%2Fcharge"))
+    assert b"Idempotency-Error: key-missing\r\n" in encoded
+    assert ledger.count() == 0
+    governed = await exchange(payments_proxy, post("/payments/charge", key=True))
+    assert governed.startswith(b"HTTP/1.1 201 "), governed[:200]
+    assert ledger.count("k-path") == 1
+
+
+@pytest.mark.parametrize("target", ["/", "/things/", "/.well-known/x", "/a..b/...", "/v1/a.b"])
+async def test_dots_inside_a_segment_and_a_trailing_slash_are_fine(
+    payments_proxy: tuple[str, int], target: str
+) -> None:
+    answer = await exchange(payments_proxy, post(target))
+    assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:200])
+
+
+@pytest.mark.parametrize(
+    "host", ["api.example.com", "API.Example.COM", "api.example.com.", "api.example.com.:8080"]
+)
+async def test_a_host_route_is_found_by_any_spelling_of_its_name(
+    listening_proxy: ListeningProxy,
+    backend_url: str,
+    counting_store: CountingStore,
+    ledger: Ledger,
+    host: str,
+) -> None:
+    """`API.example.com.` names the same host in DNS: it must not miss the host's route (and its
+    `require_key`) for the route without a host."""
+    routes = [
+        {"prefix": "/payments", "host": "api.example.com", "upstream": backend_url,
+         "require_key": True},
+    ]  # fmt: skip
+    address = await listening_proxy(inject_store=counting_store, routes=routes)
+    request = (
+        f"POST /payments/charge HTTP/1.1\r\nHost: {host}\r\n"
+        "Content-Length: 3\r\nConnection: close\r\n\r\npay"
+    )
+    answer = await exchange(address, request.encode())
+    assert b"Idempotency-Error: key-missing\r\n" in answer, answer[:200]
+    assert ledger.count() == 0

@@ -1,0 +1,31 @@
+"""Credentials never leave the process in a printed DSN or URL (idemproxy/redact.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from idemproxy.redact import redact_url
+
+CASES = [
+    ("postgresql://app:s3cret@db:5432/idem", "postgresql://app:***@db:5432/idem"),
+    ("postgresql://app@db/idem?password=s3cret", "postgresql://app@db/idem?password=***"),
+    (
+        "postgresql://app@db/idem?sslmode=require&PassWord=a%40b&sslpassword=k&sslkey=/k.pem",
+        "postgresql://app@db/idem?sslmode=require&PassWord=***&sslpassword=***&sslkey=/k.pem",
+    ),
+    ("postgresql:///idem?host=/run/pg&password=s", "postgresql:///idem?host=/run/pg&password=***"),
+    ("postgresql://u:p@h1:5432,h2:5432/idem", "postgresql://u:***@h1:5432,h2:5432/idem"),
+    ("postgresql://u:p:q@[::1]:5/db", "postgresql://u:***@[::1]:5/db"),
+    ("redis://:s3cret@cache:6379/0", "redis://:***@cache:6379/0"),
+    ("rediss://default:s3cret@cache:6380/0", "rediss://default:***@cache:6380/0"),
+    ("http://svc:8000/v1?token=abc&x=1", "http://svc:8000/v1?token=***&x=1"),
+    ("http://user:pw@host:3000/x", "http://user:***@host:3000/x"),
+    ("sqlite:///var/lib/idemproxy/idem.db", "sqlite:///var/lib/idemproxy/idem.db"),
+    ("http://host:3000", "http://host:3000"),
+    ("postgresql://u:p@[::1/db", "postgresql://***"),  # unparseable: nothing but the scheme
+]
+
+
+@pytest.mark.parametrize(("url", "shown"), CASES)
+def test_every_credential_is_masked_and_the_rest_kept(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
