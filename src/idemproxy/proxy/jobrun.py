@@ -13,7 +13,7 @@ import logging
 
 from aiohttp import web
 
-from idemproxy.decision import Outcome
+from idemproxy.decision import Outcome, race_outcome
 from idemproxy.proxy.attempt import (
     SETTLED_STATE,
     Attempt,
@@ -96,7 +96,7 @@ async def _run_hedged(
     )
     waiting_for = 1
     while racing:
-        more = waiting_for < len(upstreams)
+        more = waiting_for < len(upstreams) and _none_executed(failures)
         done, _ = await asyncio.wait(
             racing,
             timeout=route.hedge_after if more else None,
@@ -108,11 +108,7 @@ async def _run_hedged(
             if not isinstance(step, Failed):
                 return step  # the winner's response, or None: another attempt won
             failures.append((attempt, step))  # counted and recorded by the racer (_racer)
-        # FIX (SPEC §3.4 "an unknown outcome never fails over"): bringing in the next upstream
-        # because every racer failed is a fail-over, so not once any of them may have executed.
-        # Before, a primary answering 504 within hedge_after started an attempt on the fallback.
-        may_have_executed = any(f.outcome is Outcome.UNKNOWN for _, f in failures)
-        if more and (not done or (not racing and not may_have_executed)):
+        if more and _none_executed(failures) and (not done or not racing):
             # No answer within hedge_after, or every racer failed: bring in the next upstream.
             number = await ctx.store.add_attempt(
                 job, upstreams[waiting_for], lease=ctx.settings.lease
@@ -122,6 +118,12 @@ async def _run_hedged(
                 _race(ctx, request, route, body, racing, hedge)
             waiting_for += 1
     return await _all_failed(ctx, failures)
+
+
+def _none_executed(failures: list[tuple[Attempt, Failed]]) -> bool:
+    """SPEC §3.4: once any racer may have executed, no further upstream is brought in, neither
+    as a fail-over (every racer failed) nor by the hedge timer."""
+    return race_outcome(failed.outcome for _, failed in failures) is Outcome.RELEASE
 
 
 def _race(
