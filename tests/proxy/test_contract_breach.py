@@ -5,13 +5,18 @@ client gets `502 contract-violation`, every retry `409 outcome-unknown`, and the
 own records (each `NamedUpstream` counts what it executed) show one execution per key however
 often the client retries: on a primary alone, on a primary with fallbacks and under hedging.
 A second attempt starts only after an outcome that proves nothing executed, so the hedge timer
-brings in no further upstream once a racer may have executed either.
+brings in no further upstream once a racer may have executed either, and a request cut off
+after it was written (a reset, a pooled connection closed under it) never fails over.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from idemproxy.store.base import Store
 from idemproxy.types import AttemptState, JobState
@@ -170,3 +175,71 @@ async def test_the_hedge_timer_brings_in_no_upstream_after_a_racer_may_have_exec
     job = await attempts_settle(jobs, (await only_job(jobs)).id)
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 1)
     assert states(job) == [(1, primary.url, S.SUCCEEDED), (2, first.url, S.UNKNOWN)]
+
+
+# --- transport failures once a request byte may have reached the primary --------------------
+
+
+class CuttingUpstream:
+    """A raw primary: answers the first request on a connection with a keep-alive 200, then, as
+    `cut` says, reads the next request in full and resets the connection ("reset") or closes it
+    without a word ("close", an idle timeout firing at the wrong moment)."""
+
+    def __init__(self, cut: str) -> None:
+        self.cut = cut
+        self.keys: list[bytes] = []
+        self.url = ""
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while head := await self._request(reader):
+                self.keys += [line for line in head.split(b"\r\n") if line.startswith(KEY_LINE)]
+                if len(self.keys) > 1:
+                    if self.cut == "reset":
+                        writer.transport.abort()
+                    break
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        finally:
+            writer.close()
+
+    @staticmethod
+    async def _request(reader: asyncio.StreamReader) -> bytes:
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            head = await reader.readuntil(b"\r\n\r\n")
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    await reader.readexactly(int(line.split(b":")[1]))
+            return head
+        return b""
+
+
+KEY_LINE = b"Idempotency-Key: "
+
+
+@pytest.mark.parametrize("cut", ["reset", "close"])
+async def test_a_request_cut_off_on_a_pooled_connection_never_fails_over(
+    proxy: ProxyFactory, start_upstream: StartUpstream, jobs: Store, cut: str
+) -> None:
+    primary = CuttingUpstream(cut)
+    server = await asyncio.start_server(primary.handle, "127.0.0.1", 0)
+    primary.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    fallback = await start_upstream("fallback")
+    client = await proxy(
+        routes=[{"prefix": "/v1", "upstream": primary.url, "fallbacks": [fallback.url]}]
+    )
+    try:
+        async with send(client, "warm") as response:
+            assert response.status == 200  # the connection is pooled now
+        for _ in range(TRIES):
+            async with send(client, "cut") as response:
+                code = response.headers.get("Idempotency-Error")
+                assert code in ("upstream-unavailable", "outcome-unknown")
+        # The request reached the primary in full: unknown, never the fallback, never again.
+        assert primary.keys == [KEY_LINE + b"warm", KEY_LINE + b"cut"]
+        assert fallback.count("cut") == 0
+        job = await jobs.get("anonymous", "cut")
+        assert job is not None and job.state is JobState.UNKNOWN
+    finally:
+        server.close()
+        await server.wait_closed()
