@@ -9,10 +9,11 @@ The proxy handler is a short loop around two functions:
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from idemproxy.errors import (
+    ContractViolation,
     OutcomeUnknown,
     PayloadMismatch,
     ProblemError,
@@ -132,6 +133,26 @@ def classify_failure(failure: Failure) -> tuple[Outcome, type[ProblemError]]:
     if failure is Failure.TIMEOUT:
         return Outcome.UNKNOWN, UpstreamTimeout
     return Outcome.UNKNOWN, UpstreamUnavailable
+
+
+def classify_breach() -> tuple[Outcome, type[ProblemError]]:
+    """A 2xx that breaks the route's response contract, or is too large to check against it
+    (SPEC §3.4): a 2xx proves the upstream acted, so the job is unknown, never released or
+    failed over (running it again would execute it twice) and never completed with a response
+    the contract refuses."""
+    return Outcome.UNKNOWN, ContractViolation
+
+
+def moves_on(outcome: Outcome) -> bool:
+    """Whether another attempt may start after this one (SPEC §3.4): only after an outcome that
+    proves nothing executed, a release."""
+    return outcome is Outcome.RELEASE
+
+
+def race_outcome(outcomes: Iterable[Outcome]) -> Outcome:
+    """The job's outcome when every attempt of a race failed (SPEC §3.4): unknown if any of
+    them may have executed, else released."""
+    return Outcome.RELEASE if all(moves_on(o) for o in outcomes) else Outcome.UNKNOWN
 
 
 class Unsent(enum.Enum):

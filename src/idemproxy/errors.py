@@ -16,6 +16,7 @@
     │   ├── ClientDisconnected      499 client-disconnected (logged and counted, never sent)
     │   ├── BodyTooLarge            413 body-too-large
     │   ├── UpstreamUnavailable     502 upstream-unavailable
+    │   ├── ContractViolation       502 contract-violation
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
     │   ├── TooManyWaiters          503 too-many-waiters + Retry-After
     │   ├── UpstreamTimeout         504 upstream-timeout
@@ -149,6 +150,14 @@ class UpstreamUnavailable(ProblemError):
     """The upstream could not be reached or sent an invalid response."""
 
     code, status, title = "upstream-unavailable", 502, "Upstream unavailable"
+
+
+class ContractViolation(ProblemError):
+    """The upstream answered, but its response breaks this route's response contract. The
+    request may have executed: it is not run again with this Idempotency-Key, and its outcome
+    is unknown until an operator resolves it."""
+
+    code, status, title = "contract-violation", 502, "Upstream response breaks the contract"
 
 
 class StoreUnavailable(ProblemError):

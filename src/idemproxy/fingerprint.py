@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from json.encoder import encode_basestring
 from typing import Any
 
 from idemproxy.errors import ConfigError
@@ -49,7 +50,10 @@ def fingerprint_of_digest(
     (proxy/body.py) is hashed as raw bytes while it arrives: it is not canonicalised."""
     media_type = media_type_of(content_type)
     stream = bytearray()  # hashed in one call: the same bytes as one update per part
-    for part in (method.upper().encode(), path.encode(), query.encode(), media_type.encode()):
+    for text in (method.upper(), path, query, media_type):
+        # Header values and targets hold any byte as a surrogate escape (aiohttp decodes them
+        # so): hashed as the bytes that arrived, never an encoding error.
+        part = text.encode("utf-8", "surrogateescape")
         stream += len(part).to_bytes(8, "big")
         stream += part
     stream += body_sha256
@@ -70,25 +74,109 @@ def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
     """Canonical JSON bytes, or the body unchanged when it is not valid JSON.
 
     A document nested too deeply for the parser (RecursionError) counts as not valid JSON: it is
-    fingerprinted as raw bytes instead of failing the request.
+    fingerprinted as raw bytes instead of failing the request. So does one with a member name
+    twice in an object (RFC 8259 §4: which value counts is the parser's choice, so no canonical
+    form can stand for it) and one with NaN or Infinity, which are not JSON.
     """
     try:
-        document = json.loads(_decoded(body))
+        text = _decoded(body)
+        document = _decoder(text).decode(text)
         for pointer in exclude_pointers:
             _remove(document, parse_pointer(pointer))
-        canonical = _CANONICAL.encode(document)
+        canonical = _encode(document)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return body
     return canonical.encode("utf-8", "surrogatepass")
 
 
-def _decoded(body: bytes) -> str | bytes:
+def _parse_float(token: str) -> float | _Number:
+    value = float(token)
+    # The encoder writes a float as its repr: the same text only if the token was that repr.
+    return value if repr(value) == token else _Number(token)
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")  # RFC 8259 §6
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        raise ValueError("a member name occurs twice")
+    return members
+
+
+def _parse_int(token: str) -> int | _Number:
+    return _Number(token) if token == "-0" else int(token)  # int("-0") is 0
+
+
+# One decoder for every body, as for the encoder: `json.loads` with any hook builds one per call.
+_DECODER = json.JSONDecoder(
+    parse_float=_parse_float, parse_constant=_refuse_constant, object_pairs_hook=_unique_object
+)
+# The integer -0 is the one integer token an int changes. A hook on every integer would cost a
+# call per token: only a body where the text may hold one (or a string that looks so) pays it.
+_WITH_NEGATIVE_ZERO = json.JSONDecoder(
+    parse_float=_parse_float,
+    parse_int=_parse_int,
+    parse_constant=_refuse_constant,
+    object_pairs_hook=_unique_object,
+)
+_NEGATIVE_ZERO = re.compile(r"-0(?![0-9.eE])")
+
+
+def _decoder(text: str) -> json.JSONDecoder:
+    if "-0" in text and _NEGATIVE_ZERO.search(text):
+        return _WITH_NEGATIVE_ZERO
+    return _DECODER
+
+
+class _Number:
+    """A number token that a float would change (`0.30000000000000000001` is 0.3, `1e400` and
+    `9e999` are both infinite, `1E2` and `100.0` the same): kept as its text, so that different
+    payloads never fingerprint the same."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _encode(document: Any) -> str:
+    try:
+        return _CANONICAL.encode(document)
+    except TypeError:  # a _Number, which the C encoder cannot write as it is
+        return "".join(_canonical_parts(document))
+
+
+def _canonical_parts(node: Any) -> Iterator[str]:
+    """What `_CANONICAL` writes, with every `_Number` written as its token."""
+    if isinstance(node, dict):
+        yield "{"
+        for index, name in enumerate(sorted(node)):
+            yield ("," if index else "") + encode_basestring(name) + ":"
+            yield from _canonical_parts(node[name])
+        yield "}"
+    elif isinstance(node, list):
+        yield "["
+        for index, item in enumerate(node):
+            if index:
+                yield ","
+            yield from _canonical_parts(item)
+        yield "]"
+    elif isinstance(node, _Number):
+        yield node.text
+    else:
+        yield _CANONICAL.encode(node)
+
+
+def _decoded(body: bytes) -> str:
     """The text `json.loads` would decode a body to, found without its encoding detection (in
     Python, on every body) when the body opens an object or array in UTF-8; other bodies are
-    left to `json.loads` itself, UTF-16 and UTF-32 included (RFC 8259 §8.1)."""
+    detected as `json.loads` does, UTF-16 and UTF-32 included (RFC 8259 §8.1)."""
     if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
         return body.decode("utf-8", "surrogatepass")  # what json.loads does for UTF-8
-    return body
+    return body.decode(json.detect_encoding(body), "surrogatepass")
 
 
 def parse_pointer(pointer: str) -> list[str]:

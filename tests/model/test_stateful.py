@@ -13,7 +13,14 @@ are checked on what the store shows:
 * `completed` is final; `unknown` leaves only by a resolution (which is recorded);
 * a job id lives under one (owner, key) only, and a claim never returns another owner's job;
 * `decide()` on every job read gives what SPEC §2.3 says for each fingerprint and profile, and a
-  replay is always the job's first winning response.
+  replay is always the job's first winning response;
+* one execution per intent: the upstreams' ledger records every attempt that executed, or may
+  have (it answered with anything but a release status — a 2xx that breaks the contract too —,
+  timed out or broke after sending, or was taken over). A new attempt of a job (a fail-over, a
+  retry of a released job, a hedge) starts only while no earlier attempt of it is in the ledger,
+  unless an operator resolved the job since; the proxy's own rules decide (`moves_on`,
+  `race_outcome`, `classify_breach`), so a rule that released or failed over after an execution
+  shows here.
 
 `IDEMPROXY_MODEL_SCALE` multiplies the number of examples (e.g. 20 for a soak run) and
 `IDEMPROXY_MODEL_STEPS` sets the number of steps per example.
@@ -58,11 +65,15 @@ from idemproxy.decision import (
     StartNextAttempt,
     StatusPolicy,
     TakeOver,
+    classify_breach,
     classify_failure,
     classify_response,
     decide,
+    moves_on,
+    race_outcome,
 )
 from idemproxy.errors import (
+    ContractViolation,
     OutcomeUnknown,
     PayloadMismatch,
     RequestInFlight,
@@ -104,6 +115,8 @@ TIMES = st.sampled_from((0.0, LONG))
 STATUSES = StatusPolicy(DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES)
 # Statuses an upstream answers with: stored and replayed, or released, or unknown (SPEC §3.2).
 ANSWERS = (200, 201, 204, 404, 409, 500, *DEFAULT_RELEASE_STATUSES, *DEFAULT_UNKNOWN_STATUSES)
+# 2xx answers whose body breaks the route's contract (SPEC §3.4): the upstream acted.
+BREACHES = (200, 201, 202)
 HEADERS = (
     (("Content-Type", "application/json"), ("X-Dup", "a"), ("x-dup", "b")),
     (),
@@ -134,6 +147,7 @@ ALLOWED = {
     JobState.COMPLETED: {JobState.COMPLETED},
 }
 ATTEMPT_STATE = {JobState.RELEASED: AttemptState.FAILED, JobState.UNKNOWN: AttemptState.UNKNOWN}
+SETTLED = {Outcome.RELEASE: JobState.RELEASED, Outcome.UNKNOWN: JobState.UNKNOWN}
 
 
 # --- the reference semantics ------------------------------------------------------------------
@@ -439,6 +453,13 @@ class IdempotencyMachine(RuleBasedStateMachine):
         self.unknown_ids: set[str] = set()  # unknown jobs at the last look at the operators' lists
         # Every version of the jobs under each (owner, key) seen so far, oldest first.
         self.history: dict[tuple[str, str], list[Job]] = {}
+        # The upstreams' ledger: job id -> attempts that executed or may have (see the module
+        # docstring); job id -> the attempt count when an operator last resolved it (the
+        # attempts up to it are the operator's call, not the proxy's).
+        self.executed: dict[str, set[int]] = {}
+        self.resolved_at: dict[str, int] = {}
+        # (job id, version) -> outcomes of the racers of that version that failed so far.
+        self.raced: dict[tuple[str, int], list[Outcome]] = {}
 
     # -- calling the model and the store -------------------------------------------------------
 
@@ -568,8 +589,7 @@ class IdempotencyMachine(RuleBasedStateMachine):
                     break
                 result = claimed
             elif isinstance(decision, TakeOver):
-                self.call("take_over", job)
-                self.touched.add(job.id)
+                self.taken_over(job, self.call("take_over", job))
                 current = self.read(intent.owner, intent.key)
                 if current is None:
                     break
@@ -605,6 +625,7 @@ class IdempotencyMachine(RuleBasedStateMachine):
         With `late`, preferably an attempt whose job moved on since it started (another attempt
         won or failed over, a take-over, a resolution): a late result."""
         attempt = self.ends(which, late)
+        self.ran(attempt, status not in DEFAULT_RELEASE_STATUSES)
         outcome = classify_response(status, STATUSES)
         assert (outcome is Outcome.RELEASE) is (status in DEFAULT_RELEASE_STATUSES)
         assert (outcome is Outcome.UNKNOWN) is (status in DEFAULT_UNKNOWN_STATUSES)
@@ -625,6 +646,7 @@ class IdempotencyMachine(RuleBasedStateMachine):
         (SPEC §2.4, §3.2), and a failure leaves the job to the attempt that runs it now."""
         overtaken = [i for i, attempt in enumerate(self.live) if self.overtaken(attempt.job)]
         attempt = self.live.pop(overtaken[which % len(overtaken)])
+        self.ran(attempt, status not in DEFAULT_RELEASE_STATUSES)
         outcome = classify_response(status, STATUSES)
         if outcome is not Outcome.COMPLETE:
             self.attempt_failed(attempt, outcome, status, None, LONG, how)
@@ -641,10 +663,31 @@ class IdempotencyMachine(RuleBasedStateMachine):
     ) -> None:
         """Connect failure, timeout or broken response (SPEC §3.2)."""
         attempt = self.ends(which, late)
+        self.ran(attempt, failure is not Failure.CONNECT)  # SPEC §3.2: once a byte was sent
         outcome, problem = classify_failure(failure)
         assert outcome is (Outcome.RELEASE if failure is Failure.CONNECT else Outcome.UNKNOWN)
         assert problem is (UpstreamTimeout if failure is Failure.TIMEOUT else UpstreamUnavailable)
         self.attempt_failed(attempt, outcome, None, failure.value, lease, how)
+
+    @precondition(lambda self: self.live)
+    @rule(
+        which=WHICH,
+        late=st.booleans(),
+        status=st.sampled_from(BREACHES),
+        lease=TIMES,
+        how=HOW,
+    )
+    def upstream_breaks_contract(
+        self, which: int, late: bool, status: int, lease: float, how: str
+    ) -> None:
+        """A 2xx whose body breaks the route's contract, or is too large to check (SPEC §3.4):
+        the upstream executed the request, and the proxy must neither store the answer nor run
+        the request again."""
+        attempt = self.ends(which, late)
+        self.ran(attempt, True)
+        outcome, problem = classify_breach()
+        assert problem is ContractViolation
+        self.attempt_failed(attempt, outcome, status, "contract: /ok: required", lease, how)
 
     def attempt_failed(
         self,
@@ -655,22 +698,30 @@ class IdempotencyMachine(RuleBasedStateMachine):
         lease: float,
         how: str,
     ) -> None:
+        """Record a failed attempt as the proxy does (proxy/attempt.py, proxy/jobrun.py): while
+        other attempts of the same job race, only its own end; a fail-over only after an outcome
+        that `moves_on`; the job's settlement, when it is the last, by `race_outcome`."""
         job, number = attempt.job, attempt.number
         self.touched.add(job.id)
-        state = JobState.RELEASED if outcome is Outcome.RELEASE else JobState.UNKNOWN
-        if how == "fail_over" and outcome is Outcome.RELEASE:  # SPEC §3.4: unknown never does
+        race = (job.id, job.version)
+        racing = any((r.job.id, r.job.version) == race for r in self.live)
+        if racing or how == "hedged":  # one racer of several: the job is left to the others
+            self.raced.setdefault(race, []).append(outcome)
+            self.call("finish_attempt", job, number, SETTLED[outcome], status=status, error=error)
+            return
+        # SPEC §3.4: unknown never fails over; in a race the fail-over is a hedge (`hedge`).
+        if how == "fail_over" and moves_on(outcome) and race not in self.raced:
             following = self.call(
                 "fail_over", job, number, UPSTREAMS[1], status=status, error=error, lease=lease
             )
             if following is not None:
                 self.started(following, UPSTREAMS[1])
             return
-        if how.startswith("hedged"):  # one racer of several: the job is left to the others
-            self.call("finish_attempt", job, number, state, status=status, error=error)
-            if how == "hedged":
-                return
+        if how == "hedged_then_settle":  # the last racer: its own end, then the job's
+            self.call("finish_attempt", job, number, SETTLED[outcome], status=status, error=error)
         # The last racer failed too (SPEC §3.4), or the only attempt: settle the job.
-        self.call("settle", job, number, state, status=status, error=error)
+        settled = race_outcome([*self.raced.pop(race, []), outcome])
+        self.call("settle", job, number, SETTLED[settled], status=status, error=error)
 
     @precondition(lambda self: 0 < len(self.live) < MAX_LIVE)
     @rule(which=WHICH, late=st.booleans(), lease=TIMES)
@@ -678,9 +729,14 @@ class IdempotencyMachine(RuleBasedStateMachine):
         """SPEC §3.4: one more attempt under the same job and version (none once the job moved
         on: the hedge timer of a stale attempt fires too late)."""
         attempt = self.live[self.choose(which, late)]
+        if race_outcome(self.raced.get((attempt.job.id, attempt.job.version), [])) is not (
+            Outcome.RELEASE
+        ):
+            return  # proxy/jobrun.py: no upstream is brought in once a racer may have executed
         number = self.call("add_attempt", attempt.job, UPSTREAMS[1], lease=lease)
         self.touched.add(attempt.job.id)
         if number is not None:
+            self.check_ledger(attempt.job.id, number)
             self.live.append(Running(attempt.job, number, UPSTREAMS[1]))
 
     @precondition(lambda self: self.live)
@@ -692,8 +748,21 @@ class IdempotencyMachine(RuleBasedStateMachine):
 
     def started(self, claimed: Claimed, upstream: str) -> None:
         self.observe(claimed.job, decisions=False)  # a fresh write's flags may lag (PostgreSQL)
+        self.check_ledger(claimed.job.id, claimed.attempt)
         self.touched.add(claimed.job.id)
         self.live.append(Running(claimed.job, claimed.attempt, upstream))
+
+    def ran(self, attempt: Running, executed: bool) -> None:
+        """The upstream's ledger: `attempt` executed the request, or may have."""
+        if executed:
+            self.executed.setdefault(attempt.job.id, set()).add(attempt.number)
+
+    def check_ledger(self, job_id: str, number: int) -> None:
+        """One execution per intent: attempt `number` starts only while no earlier attempt of
+        the job executed, or may have, since an operator last resolved it."""
+        since = self.resolved_at.get(job_id, 0)
+        executed = sorted(n for n in self.executed.get(job_id, ()) if since < n < number)
+        assert not executed, f"job {job_id}: attempt {number} started after {executed} executed"
 
     def choose(self, which: int, late: bool) -> int:
         """Index of a live attempt; with `late`, one whose job has moved on, if there is one."""
@@ -758,8 +827,16 @@ class IdempotencyMachine(RuleBasedStateMachine):
             which, back, aimed, lambda job: job.state is JobState.IN_FLIGHT and job.lease_now
         )
         if job is not None:
-            self.call("take_over", job)
-            self.touched.add(job.id)
+            self.taken_over(job, self.call("take_over", job))
+
+    def taken_over(self, job: Job, won: bool) -> None:
+        """SPEC §3.5: the dead proxy may have sent every attempt it had started."""
+        self.touched.add(job.id)
+        current = self.model.current(job)
+        if won and current is not None:
+            for number, (_, state) in current.attempts.items():
+                if state is AttemptState.UNKNOWN:
+                    self.executed.setdefault(job.id, set()).add(number)
 
     @precondition(lambda self: self.model.jobs)
     @rule(
@@ -795,8 +872,11 @@ class IdempotencyMachine(RuleBasedStateMachine):
                 resolution=resolution,
             ):
                 self.won(job, response)
-        else:
-            self.call("resolve", job, JobState.RELEASED, resolution=resolution)
+        elif self.call("resolve", job, JobState.RELEASED, resolution=resolution):
+            # SPEC §3.3: the operator says what ran; a retry may execute again.
+            current = self.model.current(job)
+            assert current is not None
+            self.resolved_at[job.id] = current.attempt_count
 
     @precondition(lambda self: self.model.jobs)
     @rule(

@@ -592,48 +592,42 @@ async def test_a_fallback_that_starts_complying_becomes_eligible_on_the_next_che
     await eventually(lambda: eligible(client) == ())
 
 
-async def test_a_response_violating_the_contract_is_a_failed_attempt_never_stored(
+async def test_a_response_violating_the_contract_is_never_stored_and_never_run_again(
     proxy: ProxyFactory, start_upstream: StartUpstream, jobs: Store, tmp_path: Path
 ) -> None:
     primary = await start_upstream("primary", document=WRONG_SHAPE)
     client = await proxy(routes=contract_route(tmp_path, primary.url, []))
 
-    for execution in (1, 2):
-        async with send(client, "bad-shape") as response:
-            await assert_problem(response, "upstream-unavailable", 502)
-            assert b"forty-two" not in await response.read()
-        job = await only_job(jobs)
-        assert job.state is JobState.RELEASED
-        assert job.response is None
-        assert len(job.attempts) == execution
-        failed = job.attempts[-1]
-        assert (failed.state, failed.status) == (S.FAILED, 200)
-        assert failed.error is not None and failed.error.startswith("contract: ")
-        assert "choices" in failed.error
-    # Released: the retry executed again instead of replaying the bad body.
-    assert primary.count("bad-shape") == 2
-
-    primary.document = None  # answers in shape now: stored and replayed
-    good = await post(client, "bad-shape")
-    assert (good.status, good.replayed) == (200, False)
-    again = await post(client, "bad-shape")
-    assert (again.body, again.replayed) == (good.body, True)
-    assert primary.count("bad-shape") == 3
+    async with send(client, "bad-shape") as response:
+        await assert_problem(response, "contract-violation", 502)
+        assert b"forty-two" not in await response.read()
+    job = await only_job(jobs)
+    assert (job.state, job.response) == (JobState.UNKNOWN, None)
+    failed = job.attempts[-1]
+    assert (failed.state, failed.status) == (S.UNKNOWN, 200)
+    assert failed.error is not None and failed.error.startswith("contract: ")
+    assert "choices" in failed.error
+    # SPEC §3.4: the 200 proves the upstream acted; a retry never executes it again.
+    primary.document = None
+    async with send(client, "bad-shape") as response:
+        await assert_problem(response, "outcome-unknown", 409)
+    assert primary.count("bad-shape") == 1
 
 
-async def test_a_primary_violating_the_contract_fails_over_to_an_eligible_fallback(
+async def test_a_primary_violating_the_contract_never_fails_over(
     proxy: ProxyFactory, start_upstream: StartUpstream, jobs: Store, tmp_path: Path
 ) -> None:
     primary = await start_upstream("primary", document=WRONG_SHAPE)
     fallback = await start_upstream("fallback")
     client = await proxy(routes=contract_route(tmp_path, primary.url, [fallback.url]))
 
-    answer = await post(client, "shape-over")
-    assert (answer.status, answer.json["upstream"]) == (200, "fallback")
+    async with send(client, "shape-over") as response:
+        await assert_problem(response, "contract-violation", 502)
     job = await only_job(jobs)
-    assert states(job) == [(1, primary.url, S.FAILED), (2, fallback.url, S.SUCCEEDED)]
+    assert states(job) == [(1, primary.url, S.UNKNOWN)]
     assert job.attempts[0].error is not None
     assert job.attempts[0].error.startswith("contract: ")
+    assert fallback.count("shape-over") == 0  # SPEC §3.4: a breach never fails over
 
 
 async def test_a_2xx_body_that_is_not_json_violates_the_contract(
@@ -643,9 +637,9 @@ async def test_a_2xx_body_that_is_not_json_violates_the_contract(
     client = await proxy(routes=contract_route(tmp_path, primary.url, []))
     primary.raw = b"<html>rate limited</html>"
     async with send(client, "not-json") as response:
-        await assert_problem(response, "upstream-unavailable", 502)
+        await assert_problem(response, "contract-violation", 502)
     job = await only_job(jobs)
-    assert job.state is JobState.RELEASED
+    assert job.state is JobState.UNKNOWN
     assert job.attempts[0].error == "contract: body is not JSON"
 
 
@@ -678,7 +672,7 @@ async def test_a_racer_violating_the_contract_loses_to_a_compliant_one(
     assert (answer.status, answer.json["upstream"]) == (200, "primary")
     job = await only_job(jobs)
     assert (job.completed_by, job.response and job.response.body) == (1, answer.body)
-    assert states(job) == [(1, primary.url, S.SUCCEEDED), (2, fallback.url, S.FAILED)]
+    assert states(job) == [(1, primary.url, S.SUCCEEDED), (2, fallback.url, S.UNKNOWN)]
     assert (job.attempts[1].error or "").startswith("contract: ")
 
 

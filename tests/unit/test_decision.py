@@ -21,12 +21,16 @@ from idemproxy.decision import (
     StartNextAttempt,
     StatusPolicy,
     Unsent,
+    classify_breach,
     classify_failure,
     classify_response,
     decide,
+    moves_on,
+    race_outcome,
     unsent_claim,
 )
 from idemproxy.errors import (
+    ContractViolation,
     OutcomeUnknown,
     PayloadMismatch,
     RequestInFlight,
@@ -290,6 +294,22 @@ def test_only_a_connect_failure_releases() -> None:
     """SPEC §3.2: once a request byte may have been written, the outcome is unknown."""
     released = [failure for failure in Failure if classify_failure(failure)[0] is Outcome.RELEASE]
     assert released == [Failure.CONNECT]
+
+
+def test_a_contract_breach_is_unknown_never_a_release() -> None:
+    """SPEC §3.4: a 2xx proves the upstream acted, whatever its body."""
+    assert classify_breach() == (Outcome.UNKNOWN, ContractViolation)
+    assert not moves_on(classify_breach()[0])
+
+
+def test_only_a_release_moves_on_to_another_attempt() -> None:
+    assert [outcome for outcome in Outcome if moves_on(outcome)] == [Outcome.RELEASE]
+
+
+@given(st.lists(st.sampled_from([Outcome.RELEASE, Outcome.UNKNOWN])))
+def test_a_race_is_released_only_when_no_racer_may_have_executed(outcomes: list[Outcome]) -> None:
+    expected = Outcome.UNKNOWN if Outcome.UNKNOWN in outcomes else Outcome.RELEASE
+    assert race_outcome(outcomes) is expected
 
 
 # --- a claim the proxy gave up on (proxy/unsent.py) -------------------------------------------

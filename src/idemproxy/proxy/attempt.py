@@ -19,7 +19,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER
-from idemproxy.decision import Outcome, classify_failure, classify_response
+from idemproxy.decision import (
+    Outcome,
+    classify_breach,
+    classify_failure,
+    classify_response,
+    moves_on,
+)
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
@@ -126,11 +132,26 @@ async def _on_response(
     if outcome is Outcome.COMPLETE and route.gate is not None:
         broken = route.gate.contract.violations(upstream.status, content if whole else None)
         if broken:
-            error = "contract: " + "; ".join(broken)
-            return await _fail(ctx, attempt, Failed(Outcome.RELEASE, upstream.status, error))
+            return await _fail(ctx, attempt, _breach(attempt, upstream.status, broken))
     if whole:
         return await _finish_buffered(ctx, route, attempt, upstream, outcome, content)
     return await _finish_streamed(ctx, request, route, attempt, upstream, outcome, content)
+
+
+def _breach(attempt: Attempt, status: int, broken: list[str]) -> Failed:
+    """SPEC §3.4: the upstream acted, so the breach is unknown, never a release; its response
+    is neither stored nor passed on."""
+    outcome, problem = classify_breach()
+    error = "contract: " + "; ".join(broken)
+    log.warning(
+        "job %s attempt %d on %s broke the contract (%d): %s",
+        attempt.job.id,
+        attempt.number,
+        attempt.upstream,
+        status,
+        error,
+    )
+    return Failed(outcome, status, error, problem)
 
 
 async def _reply(
@@ -248,7 +269,7 @@ def _handed_back(outcome: Outcome, mode: Mode) -> bool:
     never fails over."""
     if outcome is Outcome.COMPLETE:
         return False
-    return mode is Mode.HEDGED or (mode is Mode.FAIL_OVER and outcome is Outcome.RELEASE)
+    return mode is Mode.HEDGED or (mode is Mode.FAIL_OVER and moves_on(outcome))
 
 
 async def _fail(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> Step:

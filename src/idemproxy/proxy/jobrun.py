@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from idemproxy.decision import Outcome
+from idemproxy.decision import Outcome, race_outcome
 from idemproxy.errors import StoreUnavailable
 from idemproxy.proxy.attempt import (
     SETTLED_STATE,
@@ -112,11 +112,9 @@ class _Race:
         return winner
 
     def may_fail_over(self) -> bool:
-        """FIX (SPEC §3.4 "an unknown outcome never fails over"): bringing in the next upstream
-        because every racer failed is a fail-over, so not once any of them may have executed.
-        Before, a primary answering 504 within hedge_after started an attempt on the fallback."""
-        unknown = any(f.outcome is Outcome.UNKNOWN for _, f in self.failures)
-        return not self.racing and not unknown and not self.errors
+        """Every racer ended without an answer and the store took each outcome: the next
+        upstream may come in (whether any of them may have executed is `_none_executed`)."""
+        return not self.racing and not self.errors
 
 
 async def _run_hedged(
@@ -133,7 +131,7 @@ async def _run_hedged(
     _race(ctx, request, route, body, race.racing, first)
     waiting_for = 1
     while race.racing:
-        more = waiting_for < len(upstreams) and not race.lost
+        more = waiting_for < len(upstreams) and not race.lost and _none_executed(race.failures)
         done, _ = await asyncio.wait(
             race.racing,
             timeout=route.hedge_after if more else None,
@@ -173,6 +171,12 @@ async def _hedge(
     number = await ctx.store.add_attempt(job, upstream, lease=ctx.settings.lease)
     if number is not None:
         _race(ctx, request, route, body, racing, Attempt(job, number, upstream, Mode.HEDGED))
+
+
+def _none_executed(failures: list[tuple[Attempt, Failed]]) -> bool:
+    """SPEC §3.4: once any racer may have executed, no further upstream is brought in, neither
+    as a fail-over (every racer failed) nor by the hedge timer."""
+    return race_outcome(failed.outcome for _, failed in failures) is Outcome.RELEASE
 
 
 def _race(

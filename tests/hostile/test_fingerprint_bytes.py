@@ -1,0 +1,75 @@
+"""SPEC §6 over raw sockets: the fingerprint of what a client may legally send.
+
+A `Content-Type` with a byte that is not UTF-8 (obs-text, RFC 9110 §5.5) used to end in a 500
+and a traceback per request; JSON bodies that differ only in a number token's text or in a
+repeated member name used to fingerprint the same, so the second was replayed the first's
+answer instead of being refused.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from backend import Ledger
+from idemproxy.store.base import Store
+
+from .conftest import ListeningProxy
+from .test_requests import exchange
+
+
+def request(key: str, body: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (
+        b"POST /pay HTTP/1.1\r\nHost: p\r\nConnection: close\r\n"
+        b"Idempotency-Key: " + key.encode() + b"\r\n"
+        b"Content-Type: " + content_type + b"\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+def status_of(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+async def test_a_content_type_byte_that_is_not_utf8_is_fingerprinted_not_a_500(
+    listening_proxy: ListeningProxy,
+    ledger: Ledger,
+    sqlite_jobs: Store,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    address = await listening_proxy()
+    with caplog.at_level(logging.WARNING):
+        first = await exchange(address, request("odd-type", b"{}", b"application/j\xffson"))
+        again = await exchange(address, request("odd-type", b"{}", b"application/j\xffson"))
+        other = await exchange(address, request("odd-type", b"{}", b"application/j\xfeson"))
+    assert status_of(first) == 201, first[:200]
+    assert status_of(again) == 201 and b"Idempotent-Replayed: true\r\n" in again
+    assert status_of(other) == 409 and b"Idempotency-Error: payload-mismatch\r\n" in other
+    assert ledger.count("odd-type") == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        pytest.param(b'{"amount":0.3}', b'{"amount":0.30000000000000000001}', id="digits"),
+        pytest.param(b'{"amount":1e400}', b'{"amount":9e999}', id="overflow"),
+        pytest.param(b'{"to":"mallory"}', b'{"to":"alice","to":"mallory"}', id="duplicate"),
+    ],
+)
+async def test_a_changed_number_token_or_a_repeated_name_is_a_payload_mismatch(
+    listening_proxy: ListeningProxy,
+    ledger: Ledger,
+    sqlite_jobs: Store,
+    first: bytes,
+    second: bytes,
+) -> None:
+    address = await listening_proxy()
+    assert status_of(await exchange(address, request("tokens", first))) == 201
+    changed = await exchange(address, request("tokens", second))
+    assert status_of(changed) == 409 and b"Idempotency-Error: payload-mismatch\r\n" in changed
+    # The same bytes again are the same intent: replayed, never executed twice.
+    same = await exchange(address, request("tokens", first))
+    assert status_of(same) == 201 and b"Idempotent-Replayed: true\r\n" in same
+    assert ledger.count("tokens") == 1
