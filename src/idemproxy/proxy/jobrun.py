@@ -140,7 +140,7 @@ async def _run_hedged(
         winner = race.collect(done)
         if winner is not None:
             return winner
-        if more and (not done or race.may_fail_over()):
+        if more and _none_executed(race.failures) and (not done or race.may_fail_over()):
             # No answer within hedge_after, or every racer failed: bring in the next upstream.
             try:
                 await _hedge(ctx, request, route, body, race.racing, job, upstreams[waiting_for])
