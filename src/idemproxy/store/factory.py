@@ -11,12 +11,26 @@ if TYPE_CHECKING:
     from idemproxy.config import Settings
 
 
-def create_store(dsn: str, *, max_connections: int = 20, command_timeout: float = 5.0) -> Store:
-    """`sqlite:///relative.db`, `sqlite:////absolute.db`, `sqlite://:memory:` or `postgresql://…`."""
+def create_store(
+    dsn: str,
+    *,
+    max_connections: int = 20,
+    command_timeout: float = 5.0,
+    lease_connections: int = 0,
+) -> Store:
+    """`sqlite:///relative.db`, `sqlite:////absolute.db`, `sqlite://:memory:` or `postgresql://…`.
+
+    `lease_connections`: PostgreSQL connections reserved for lease renewals (a proxy's, SPEC
+    §3.5); the operator tools run no attempts and need none."""
     if _is_postgres(dsn):
         from idemproxy.store.postgres import PostgresStore
 
-        return PostgresStore(dsn, max_connections=max_connections, command_timeout=command_timeout)
+        return PostgresStore(
+            dsn,
+            max_connections=max_connections,
+            command_timeout=command_timeout,
+            lease_connections=lease_connections,
+        )
     if dsn.startswith("sqlite://"):
         from idemproxy.store.sqlite import SqliteStore
 
@@ -31,6 +45,7 @@ def serving_store(settings: Settings) -> Store:
         settings.store,
         max_connections=settings.pool.store_connections,
         command_timeout=settings.pool.store_timeout,
+        lease_connections=settings.pool.lease_connections,
     )
     store = wrap_with_cache(store, settings)
     options = settings.replay_cache
