@@ -19,7 +19,7 @@ from idemproxy.decision import (
     TakeOver,
     decide,
 )
-from idemproxy.errors import RequestInFlight, StoreUnavailable, TooManyWaiters
+from idemproxy.errors import RequestInFlight, ShuttingDown, StoreUnavailable, TooManyWaiters
 from idemproxy.ids import new_job_id
 from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
@@ -30,6 +30,10 @@ from idemproxy.proxy.routing import Route
 from idemproxy.proxy.trace import Trace
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState
 
+_HELD_AT_SHUTDOWN = (
+    "The proxy is shutting down; the request with this key is still in flight. Retry with the "
+    "same Idempotency-Key to get its result."
+)
 # Every turn makes progress (a state changed or time passed); this only guards against a bug.
 _MAX_TURNS = 32
 
@@ -71,10 +75,7 @@ async def handle_governed(
             trace.held = True
             result = await _hold(ctx, route, intent, job, deadline)
         elif isinstance(decision, StartNextAttempt):
-            claimed = await ctx.store.start_next_attempt(
-                job, route.upstream, lease=ctx.settings.lease
-            )
-            result = claimed or await _reread(ctx, route, intent)
+            result = await _start_next_attempt(ctx, route, intent, job)
         elif isinstance(decision, TakeOver):
             await ctx.store.take_over(job)  # winners and losers alike re-read the job
             result = await _reread(ctx, route, intent)
@@ -94,9 +95,17 @@ async def run_shielded(
     return await asyncio.shield(task)
 
 
+def _refuse_if_draining(ctx: ProxyContext) -> None:
+    """SPEC §8: once a shutdown began, nothing new is claimed: an attempt started now could be
+    cut off as `unknown` at the drain's deadline."""
+    if ctx.draining:
+        raise ShuttingDown()
+
+
 async def _claim(
     ctx: ProxyContext, route: Route, intent: Intent, *, forwarded_if_failed: bool = False
 ) -> ClaimResult:
+    _refuse_if_draining(ctx)
     job_id = new_job_id()
     try:
         return await ctx.store.claim(
@@ -108,6 +117,14 @@ async def _claim(
         if not forwarded_if_failed:
             ctx.unsent.note(intent.owner, intent.key, job_id)
         raise
+
+
+async def _start_next_attempt(
+    ctx: ProxyContext, route: Route, intent: Intent, job: Job
+) -> ClaimResult:
+    _refuse_if_draining(ctx)
+    claimed = await ctx.store.start_next_attempt(job, route.upstream, lease=ctx.settings.lease)
+    return claimed or await _reread(ctx, route, intent)
 
 
 async def _reread(ctx: ProxyContext, route: Route, intent: Intent) -> ClaimResult:
@@ -130,6 +147,8 @@ async def _hold(
         # Re-read after subscribing, so that a change just before it cannot be missed.
         current = await ctx.store.watch_job(intent.owner, intent.key)
         while _still_running(current, job):
+            if ctx.draining:  # SPEC §8: an answer now, not a disconnect at the drain's end
+                raise ShuttingDown(_HELD_AT_SHUTDOWN)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break

@@ -24,6 +24,7 @@ from idemproxy.errors import (
     ProblemError,
     RequestInFlight,
     RequestTimeout,
+    ShuttingDown,
     StoreUnavailable,
     TooManyWaiters,
 )
@@ -37,6 +38,7 @@ _PROBLEM_OUTCOMES: dict[type[ProblemError], str] = {
     OutcomeUnknown: "unknown",
     StoreUnavailable: "unavailable",
     TooManyWaiters: "unavailable",
+    ShuttingDown: "unavailable",
     KeyInvalid: "rejected",
     HeaderInvalid: "rejected",
     KeyMissing: "rejected",
