@@ -25,7 +25,8 @@
     │       ├── VersionMismatch     409 version-mismatch
     │       ├── ResolutionLost      409 resolution-lost
     │       └── JobInFlight         409 job-in-flight
-    └── ConfigError                 bad settings, raised at start-up
+    ├── ConfigError                 bad settings, raised at start-up
+    └── ListenUnavailable           a listen address is taken or cannot be bound (start-up)
 
 Docstrings are the default `detail` of each problem.
 """
@@ -45,6 +46,10 @@ class IdemproxyError(Exception):
 
 class ConfigError(IdemproxyError):
     """Invalid configuration."""
+
+
+class ListenUnavailable(IdemproxyError):
+    """A listen address is in use or cannot be bound."""
 
 
 class ProblemError(IdemproxyError):

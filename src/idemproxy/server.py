@@ -23,6 +23,7 @@ from aiohttp import web
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
 from idemproxy.config import Settings, parse_listen
+from idemproxy.errors import ListenUnavailable
 from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
@@ -128,7 +129,10 @@ async def _start_admin(runner: web.AppRunner, listen: str, worker: WorkerRole | 
         host, port = sock.getsockname()[:2]
         return f"{host}:{port}, answered for by worker 0"
     host, port = parse_listen(listen)
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except OSError as exc:
+        raise ListenUnavailable(f"admin.listen: cannot listen on {listen}: {exc}") from exc
     return listen
 
 

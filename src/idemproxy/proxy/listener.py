@@ -29,7 +29,7 @@ from aiohttp import HttpVersion11, StreamReader, hdrs, web
 
 from idemproxy.config import ServerSettings, parse_listen
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
-from idemproxy.errors import RequestTimeout
+from idemproxy.errors import ListenUnavailable, RequestTimeout
 from idemproxy.proxy.any_path import RequestHandler, direct_handler
 from idemproxy.proxy.deadline import Deadline
 from idemproxy.proxy.problems import problem_response
@@ -265,11 +265,16 @@ class GuardedSite(web.BaseSite):
                 server, loop=loop, header_timeout=header_timeout, request_handler=handler, **kwargs
             )
 
-        self._server = await loop.create_server(
-            protocol,
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_address=True,
-            reuse_port=self._reuse_port or None,
-        )
+        try:
+            self._server = await loop.create_server(
+                protocol,
+                self._host,
+                self._port,
+                backlog=self._backlog,
+                reuse_address=True,
+                reuse_port=self._reuse_port or None,
+            )
+        except OSError as exc:  # a start-up error for the operator, not a traceback
+            raise ListenUnavailable(
+                f"listen: cannot listen on {self._host}:{self._port}: {exc}"
+            ) from exc
