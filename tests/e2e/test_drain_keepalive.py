@@ -184,7 +184,10 @@ async def test_idle_kept_alive_connections_are_closed_and_nothing_new_is_claimed
         assert late is None or _refused_while_draining(late) is None, late
         assert await idle.closed_by_proxy(timeout=1.0), "the idle connection was kept open"
         assert proxy.running, "the process was meant to still be draining"
-        await slow
+        # Cut off at the drain's deadline: told so, not disconnected (SPEC §3.2).
+        cut_off = await slow
+        assert cut_off is not None, "disconnected without an answer"
+        assert (cut_off.status, cut_off.error) == (504, "upstream-timeout")
     assert await proxy.wait_exit(DRAIN + 5.0) == 0, proxy.describe()
     assert (await _jobs(dsn, "late"))["late"] is None, "claimed during the drain"
     assert backend.ledger.count("late") == 0

@@ -19,7 +19,13 @@ from idemproxy.decision import (
     TakeOver,
     decide,
 )
-from idemproxy.errors import RequestInFlight, ShuttingDown, StoreUnavailable, TooManyWaiters
+from idemproxy.errors import (
+    RequestInFlight,
+    ShuttingDown,
+    StoreUnavailable,
+    TooManyWaiters,
+    UpstreamTimeout,
+)
 from idemproxy.ids import new_job_id
 from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
@@ -30,6 +36,10 @@ from idemproxy.proxy.routing import Route
 from idemproxy.proxy.trace import Trace
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState
 
+_CUT_OFF = (
+    "The proxy shut down before the upstream answered; the request may have executed. Retries "
+    "with this Idempotency-Key get 409 outcome-unknown until an operator resolves the job."
+)
 _HELD_AT_SHUTDOWN = (
     "The proxy is shutting down; the request with this key is still in flight. Retry with the "
     "same Idempotency-Key to get its result."
@@ -92,7 +102,26 @@ async def run_shielded(
     task = asyncio.create_task(run_job(ctx, request, route, claimed, body))
     ctx.attempts.add(task)
     task.add_done_callback(ctx.attempts.discard)
-    return await asyncio.shield(task)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not _cut_off_by_shutdown(task, request):
+            raise
+    # SPEC §3.2: the drain's deadline cancelled the attempt and its job is unknown. The first
+    # client gets a 504 as for any attempt whose outcome is unknown, not a bare disconnect
+    # (unless the response had already started); retries get 409 outcome-unknown.
+    raise UpstreamTimeout(_CUT_OFF)
+
+
+def _cut_off_by_shutdown(
+    task: asyncio.Task[web.StreamResponse | None], request: web.Request
+) -> bool:
+    this = asyncio.current_task()
+    return (
+        task.cancelled()
+        and (this is None or not this.cancelling())
+        and request.writer.output_size == 0
+    )
 
 
 def _refuse_if_draining(ctx: ProxyContext) -> None:
