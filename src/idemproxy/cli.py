@@ -193,6 +193,9 @@ def _serve(args: argparse.Namespace) -> int:
         from idemproxy.workers.supervisor import supervise
 
         return supervise(settings, args.argv)
+    from idemproxy.workers.listen import probe
+
+    probe(*parse_listen(settings.listen))  # a taken port fails before the store is touched
     serve(settings)
     return 0
 

@@ -19,6 +19,7 @@ from pydantic import (
     PrivateAttr,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -217,6 +218,9 @@ class PoolSettings(BaseModel):
     # Shorter than common upstream idle timeouts (Node.js: 5 s) so that a pooled connection is
     # rarely closed under a request: a POST cut off that way would leave its job unknown.
     upstream_keepalive: float = Field(default=4.0, gt=0)
+    # PostgreSQL connections of each proxy process reserved for lease renewals (SPEC §3.5), on
+    # top of store_connections: a renewal never waits behind request traffic for a connection.
+    lease_connections: int = Field(default=2, ge=1, le=c.MAX_LEASE_CONNECTIONS)
 
 
 class AdminSettings(BaseModel):
@@ -434,6 +438,21 @@ class Settings(BaseSettings):
                 "held duplicates only within one process"
             )
         return self
+
+    @field_validator("pool")
+    @classmethod
+    def _renewal_fits_in_the_lease(cls, pool: PoolSettings, info: ValidationInfo) -> PoolSettings:
+        # SPEC §3.5: the first renewal is due after lease / 3, and one try may take up to
+        # pool.store_timeout to fail; it must end before the lease does, with room to retry.
+        lease = info.data.get("lease")  # absent when invalid itself (reported on its own)
+        if lease is not None and pool.store_timeout >= lease * c.LEASE_RENEWAL_SHARE:
+            raise ValueError(
+                f"lease ({lease:g}s) and pool.store_timeout ({pool.store_timeout:g}s): a lease"
+                " renewal, due after lease / 3, could take until after the lease ends; set"
+                f" lease above {pool.store_timeout / c.LEASE_RENEWAL_SHARE:g}s"
+                " (1.5 times pool.store_timeout) or lower pool.store_timeout"
+            )
+        return pool
 
     @property
     def effective_max_wait(self) -> float:

@@ -52,6 +52,11 @@ DEFAULT_MAX_WAITERS: Final = 10_000
 # server.workers: each worker holds its own store pool, so a typo must not open thousands.
 MAX_WORKERS: Final = 64
 DEFAULT_RETRY_AFTER_SECONDS: Final = 1
+# SPEC §3.5, pool.lease_connections: renewals are short statements; more is a typo.
+MAX_LEASE_CONNECTIONS: Final = 16
+# A lease renewal is due after a third of the lease; a try (up to pool.store_timeout) must
+# end within the two thirds left.
+LEASE_RENEWAL_SHARE: Final = 2 / 3
 KEY_MAX_LENGTH: Final = 255
 # Bytes of header fields (`Name: value` CRLF) an operator's resolution may store (SPEC §3.3),
 # on top of the per-field and count limits of `server`: every client of the job gets them.

@@ -19,6 +19,7 @@
     │   ├── ContractViolation       502 contract-violation
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
     │   ├── TooManyWaiters          503 too-many-waiters + Retry-After
+    │   ├── ShuttingDown            503 shutting-down + Retry-After (and Connection: close)
     │   ├── UpstreamTimeout         504 upstream-timeout
     │   └── OperatorError           the admin jobs API and `idemproxy jobs` (SPEC §3.3, §13)
     │       ├── InvalidRequest      400 invalid-request
@@ -171,6 +172,14 @@ class TooManyWaiters(ProblemError):
     """Too many requests are waiting for this key or in total; retry later."""
 
     code, status, title = "too-many-waiters", 503, "Too many waiters"
+    retry_after = 1
+
+
+class ShuttingDown(ProblemError):
+    """The proxy is shutting down and took no new request; nothing was forwarded. Retry with
+    the same Idempotency-Key."""
+
+    code, status, title = "shutting-down", 503, "Shutting down"
     retry_after = 1
 
 

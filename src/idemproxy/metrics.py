@@ -9,7 +9,7 @@ Every request gets exactly one outcome:
   unknown             the key's outcome is unknown (409 outcome-unknown)
   passthrough         not governed: no key, or a method that is not governed
   rejected            refused before any storage call (bad key, no owner, body too large, …)
-  unavailable         the store (or the waiter limit) could not take it (503)
+  unavailable         the store (or the waiter limit, or a shutdown) could not take it (503)
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Running the proxy as a process: event loop, listeners, signals and graceful shutdown.
 
-SIGTERM/SIGINT: /readyz turns 503, the proxy listener stops accepting connections, requests in
-flight get `server.shutdown_timeout` to finish and store their outcome; attempts still running
-after that are cancelled and their jobs become `unknown`, never `released` (SPEC §3.2).
+SIGTERM/SIGINT: /readyz turns 503, the proxy listener stops accepting connections, idle
+kept-alive connections are closed and new governed requests on busy ones get `503
+shutting-down` (SPEC §8, proxy/drain.py), requests in flight get `server.shutdown_timeout` to
+finish and store their outcome; attempts still running after that are cancelled and their jobs
+become `unknown`, never `released` (SPEC §3.2).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
-from idemproxy.proxy.drain import drain
+from idemproxy.proxy.drain import close_connections, drain, start_draining
 from idemproxy.proxy.listener import GuardedSite
 from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
@@ -115,12 +117,15 @@ async def _serve_until_signalled(
 
 
 async def _drain(proxy: web.AppRunner, timeout: float) -> None:
-    """No new connections; then one deadline for every request and attempt in flight."""
+    """No new connections or claims; then one deadline for every request and attempt in flight."""
     deadline = asyncio.get_running_loop().time() + timeout
     log.info("shutting down: draining requests in flight for up to %.1fs", timeout)
+    ctx = proxy.app[CONTEXT]
+    start_draining(ctx)
     for site in list(proxy.sites):
         await site.stop()
-    await drain(proxy.app[CONTEXT], deadline)
+    close_connections(proxy.server)
+    await drain(ctx, deadline)
 
 
 async def _listening(setting: str, address: str, start: Awaitable[T]) -> T:

@@ -35,6 +35,9 @@ INVALID = [
     (["--admin-listen", "0.0.0.0:9999"], {}, None, "admin"),
     ([], {"IDEMPROXY_LEASE": "soon"}, None, "lease"),
     ([], {"IDEMPROXY_SERVER__SHUTDOWN_TIMEOUT": "-1"}, None, "server.shutdown_timeout"),
+    # SPEC §3.5: a renewal (due after lease / 3) that may take pool.store_timeout must fit.
+    (["--lease", "7"], {}, None, "pool"),
+    ([], {}, {"pool": {"lease_connections": 0}}, "pool.lease_connections"),
     ([], {}, {"bogus_key": 1}, "bogus_key"),
     ([], {}, {"owner": {"strateggy": "none"}}, "owner.strateggy"),
     ([], {}, {"routes": [{"prefix": "api", "upstream": "http://x"}]}, "routes.0.prefix"),

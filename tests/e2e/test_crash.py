@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 LEASE = 1.0
+# A renewal must fit in the lease (config.py refuses store_timeout >= 2/3 of it).
+STORE_ENV = {"IDEMPROXY_POOL__STORE_TIMEOUT": "0.5"}
 OWNER = hash_credential("Bearer e2e-user")  # the Authorization header `client.send` sets
 KEY = "crash-1"
 SIGKILL_STATUS = -9  # subprocess: killed by signal 9
@@ -83,7 +85,9 @@ async def test_crash_then_retry_never_executes_twice(
     dsn = store_of
     path = PATHS.get(point, "/charges")
     args = ("--upstream", backend.url, "--store", dsn, "--lease", str(LEASE))
-    victim = await start_proxy(*args, env={FAILPOINT_ENV: point}, name=f"victim-{point}")
+    victim = await start_proxy(
+        *args, env={**STORE_ENV, FAILPOINT_ENV: point}, name=f"victim-{point}"
+    )
 
     async with aiohttp.ClientSession() as session:
         await crash(session, victim, path)
@@ -94,7 +98,7 @@ async def test_crash_then_retry_never_executes_twice(
         assert [(a.number, a.state) for a in crashed.attempts] == [(1, attempt_state)]
 
         # The same address, a new process without the failpoint, the same store.
-        restarted = await start_proxy(*args, port=victim.port, name="restarted")
+        restarted = await start_proxy(*args, env=STORE_ENV, port=victim.port, name="restarted")
         retry = await send(session, restarted.url + path, key=KEY)
         again = await send(session, restarted.url + path, key=KEY)
 
@@ -125,9 +129,9 @@ async def test_a_retry_before_the_lease_runs_out_is_held_or_told_in_flight(
     """Replicas that are up while the victim dies: the lease has not run out when they retry."""
     args = ("--upstream", backend.url, "--store", pg_dsn, "--lease", str(LEASE))
     victim, patient, impatient = await asyncio.gather(
-        start_proxy(*args, env={FAILPOINT_ENV: "after_claim"}, name="victim"),
-        start_proxy(*args, name="patient"),
-        start_proxy(*args, "--max-wait", "0.2", name="impatient"),
+        start_proxy(*args, env={**STORE_ENV, FAILPOINT_ENV: "after_claim"}, name="victim"),
+        start_proxy(*args, env=STORE_ENV, name="patient"),
+        start_proxy(*args, "--max-wait", "0.2", env=STORE_ENV, name="impatient"),
     )
     async with aiohttp.ClientSession() as session:
         await crash(session, victim, "/charges")

@@ -26,10 +26,10 @@ from idemproxy.constants import WAITER_RECHECK_SECONDS
 from idemproxy.workers.role import WORKER_ROLE_FLAG, WorkerRole
 
 from .client import send
-from .conftest import START_DEADLINE
+from .conftest import START_DEADLINE, free_port
 
 if TYPE_CHECKING:
-    from .conftest import Backend, ProxyProcess, StartProxy
+    from .conftest import Backend, ProxyProcess, RunCli, StartProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -287,5 +287,42 @@ async def _until_in_flight(dsn: str, count: int, deadline: float = 5.0) -> None:
         while await conn.fetchval(query) < count:
             assert time.monotonic() < until_at, "the requests never reached the proxy"
             await asyncio.sleep(0.02)
+    finally:
+        await conn.close()
+
+
+async def test_a_second_group_on_a_taken_port_fails_as_a_single_process_does(
+    pg_dsn: str,
+    empty_pg_dsn: str,
+    backend: Backend,
+    start_proxy: StartProxy,
+    run_cli: RunCli,
+) -> None:
+    """SO_REUSEPORT let a second `--workers` group (here with another store) join the port:
+    each group executed the same key once. Now it is refused before it migrates or starts a
+    worker, as a single process is refused, and the first group serves on."""
+    first = await start_workers(start_proxy, backend, pg_dsn)
+    taken = ["--listen", f"127.0.0.1:{first.port}", "--admin-listen", f"127.0.0.1:{free_port()}"]
+    common = ["--upstream", backend.url, "--store", empty_pg_dsn]
+    for extra in (["--workers", WORKERS], []):
+        done = run_cli("serve", *taken, *common, *extra, timeout=20)
+        assert done.returncode == 1, done
+        assert "idemproxy: listen: " in done.stderr, done.stderr
+        assert f"127.0.0.1:{first.port}" in done.stderr
+        assert "already in use" in done.stderr.lower()
+        assert "Traceback" not in done.stderr, done.stderr
+    assert not await _has_schema(empty_pg_dsn), "the refused group migrated its store"
+    async with one_connection_each() as session:
+        answer = await send(session, first.url + "/charges", key="after-refusal")
+    assert answer.status == 201
+    assert alive(first.pid) and sorted(workers_of(first.pid)) == [0, 1]
+
+
+async def _has_schema(dsn: str) -> bool:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return bool(
+            await conn.fetchval("SELECT count(*) FROM pg_namespace WHERE nspname = 'idemproxy'")
+        )
     finally:
         await conn.close()

@@ -38,6 +38,9 @@ TEMPLATE = "idemproxy_fault_template"
 APPLICATION_NAME = "idemproxy-under-test"
 STORE_TIMEOUT = 0.5  # seconds: pool.store_timeout, so that a stalled store fails fast
 POOL_MAX = 4  # pool.store_connections: few, so that a leak shows
+LEASE_CONNECTIONS = 2  # pool.lease_connections: reserved for lease renewals (SPEC §3.5)
+# Every connection a proxy may hold: the pool, the renewals' pool and the change feed.
+CONNECTIONS_MAX = POOL_MAX + LEASE_CONNECTIONS + 1
 LEASE = 1.0
 _databases = itertools.count(1)
 
@@ -143,7 +146,11 @@ def fault_settings(store: str, upstream: str, /, **overrides: Any) -> dict[str, 
         "upstream": upstream,
         "store": store,
         "lease": LEASE,
-        "pool": PoolSettings(store_connections=POOL_MAX, store_timeout=STORE_TIMEOUT),
+        "pool": PoolSettings(
+            store_connections=POOL_MAX,
+            store_timeout=STORE_TIMEOUT,
+            lease_connections=LEASE_CONNECTIONS,
+        ),
         "log_requests": False,
         **overrides,
     }
@@ -178,6 +185,7 @@ async def governed_proxy(
         env = {f"IDEMPROXY_{name.upper()}": str(value) for name, value in settings.items()}
         env["IDEMPROXY_POOL__STORE_CONNECTIONS"] = str(pool.store_connections)
         env["IDEMPROXY_POOL__STORE_TIMEOUT"] = str(pool.store_timeout)
+        env["IDEMPROXY_POOL__LEASE_CONNECTIONS"] = str(pool.lease_connections)
         process = await start_proxy(env=env, name="faulted")
         return RunningProxy(process.url, process)
 

@@ -38,8 +38,8 @@ from idemproxy.store import pg_listen
 from .blackhole import Relay
 from .conftest import (
     APPLICATION_NAME,
+    CONNECTIONS_MAX,
     LEASE,
-    POOL_MAX,
     STORE_TIMEOUT,
     FaultDatabase,
     GovernedProxy,
@@ -135,8 +135,8 @@ async def until_true(condition: Callable[[], bool], *, deadline: float = 5.0) ->
 
 
 async def no_leak(db: FaultDatabase) -> None:
-    connections = await settled_connections(db.proxy_connections, POOL_MAX + 1)
-    assert connections <= POOL_MAX + 1, await db.server.backends(db.name)
+    connections = await settled_connections(db.proxy_connections, CONNECTIONS_MAX)
+    assert connections <= CONNECTIONS_MAX, await db.server.backends(db.name)
 
 
 # -- one session killed at each step of a request ----------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 from backend import Ledger
 from idemproxy.constants import JOB_HEADER
 
-from .conftest import LEASE, POOL_MAX, STORE_TIMEOUT, FaultDatabase, GovernedProxy
+from .conftest import CONNECTIONS_MAX, LEASE, STORE_TIMEOUT, FaultDatabase, GovernedProxy
 from .traffic import (
     PATH,
     Answer,
@@ -113,8 +113,8 @@ async def test_store_down_fails_closed_then_recovers(
     assert (replay.status, replay.replayed, replay.execution) == (201, True, before.execution)
     assert (again.status, again.replayed, again.execution) == (201, True, retried.execution)
     assert ledger.count("down-0") == 1 and ledger.count("down-1") == 0
-    connections = await settled_connections(fault_db.proxy_connections, POOL_MAX + 1)
-    assert connections <= POOL_MAX + 1, await fault_db.server.backends(fault_db.name)
+    connections = await settled_connections(fault_db.proxy_connections, CONNECTIONS_MAX)
+    assert connections <= CONNECTIONS_MAX, await fault_db.server.backends(fault_db.name)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -151,8 +151,8 @@ async def test_store_outage_mid_traffic(
     await assert_one_job_per_intent(answers + retries, ledger, fault_db.admin_dsn)
     assert not after_the_lease(retries), (summary(retries), after_the_lease(retries)[:10])
     assert (fresh.status, fresh.replayed) == (201, False), fresh
-    connections = await settled_connections(fault_db.proxy_connections, POOL_MAX + 1)
-    assert connections <= POOL_MAX + 1, await fault_db.server.backends(fault_db.name)
+    connections = await settled_connections(fault_db.proxy_connections, CONNECTIONS_MAX)
+    assert connections <= CONNECTIONS_MAX, await fault_db.server.backends(fault_db.name)
 
 
 @pytest.mark.parametrize("kind", KINDS)

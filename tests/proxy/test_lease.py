@@ -6,6 +6,7 @@ import asyncio
 import uuid
 from pathlib import Path
 
+from idemproxy.errors import StoreUnavailable
 from idemproxy.proxy.lease import KeptLease
 from idemproxy.store.sqlite import SqliteStore
 from idemproxy.types import Claimed, Intent
@@ -47,5 +48,43 @@ async def test_a_long_attempt_keeps_its_lease_and_a_short_one_never_renews(
         count = len(renewals)
         await asyncio.sleep(0.5)
         assert len(renewals) == count  # stopped with the block
+    finally:
+        await store.close()
+
+
+async def test_a_failed_renewal_is_retried_within_what_is_left_of_the_lease(
+    tmp_path: Path,
+) -> None:
+    """SPEC §3.5: the first renewal (due at 0.2 s of a 0.6 s lease) fails after 0.2 s, as one
+    does that waits out pool.store_timeout behind a row lock; the next try follows at once, not
+    a third of the lease later (0.6 s, as the lease ends). That one hangs, and is bounded by the
+    time the lease has left: a third try follows it."""
+    store = SqliteStore(str(tmp_path / "jobs.db"))
+    await store.open()
+    await store.migrate()
+    loop = asyncio.get_running_loop()
+    tries: list[float] = []
+    renew = store.renew_lease
+    failures = [0.2, 10.0]  # seconds the first two tries take before failing (or hanging)
+
+    async def slow_then_fine(*args: object, **kwargs: object) -> bool:
+        tries.append(loop.time())
+        if failures:
+            await asyncio.sleep(failures.pop(0))
+            raise StoreUnavailable()
+        return await renew(*args, **kwargs)  # type: ignore[arg-type]
+
+    store.renew_lease = slow_then_fine  # type: ignore[method-assign]
+    try:
+        job = (await claimed_job(store, lease=0.6)).job
+        started = loop.time()
+        async with KeptLease(store, job, lease=0.6):
+            await asyncio.sleep(0.9)
+            current = await store.get("o", "k")
+            assert current is not None and not current.lease_expired
+        first, second, third = (moment - started for moment in tries[:3])
+        assert 0.15 < first < 0.3
+        assert second - first < 0.2 + 0.15  # retried at once after the slow failure
+        assert third < 0.6 + 0.15  # the hanging try ended with the lease, and one more followed
     finally:
         await store.close()

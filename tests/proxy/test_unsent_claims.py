@@ -102,7 +102,7 @@ async def test_a_duplicate_held_behind_it_runs_once_it_is_released(
 async def test_a_claim_that_never_committed_is_looked_for_until_its_lease_would_end(
     proxy: ProxyFactory, ledger: Ledger
 ) -> None:
-    client = await proxy(lease=0.5)
+    client = await proxy(lease=0.5, pool={"store_timeout": 0.3})
     store = _fail_claims(client, commit=False)
     assert await _post(client, "lost") == (503, None)
     _restore_claims(store)

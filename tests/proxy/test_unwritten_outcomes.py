@@ -131,7 +131,7 @@ async def test_a_settlement_the_store_missed_is_written(
 async def test_a_job_taken_over_first_stays_unknown(proxy: ProxyFactory, ledger: Ledger) -> None:
     """The store came back only after the lease: the next request took the job over, and the
     late write loses its compare-and-swap (SPEC §3.3: only a resolution ends unknown)."""
-    client = await proxy(lease=0.3, max_wait=5.0)
+    client = await proxy(lease=0.3, pool={"store_timeout": 0.15}, max_wait=5.0)
     failing = FailingWrites(client, "complete")
     assert (await _post(client, "k"))[0] == 503
     status, _, body = await _post(client, "k")  # held, then takes the job over

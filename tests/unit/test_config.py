@@ -150,3 +150,23 @@ def test_lists_from_the_environment_are_comma_separated(monkeypatch: pytest.Monk
     assert settings.methods == ["POST", "PUT"]
     assert settings.fallbacks == ["http://b:1", "http://c:1"]
     assert settings.fingerprint_exclude == ["/nonce", "/ts"]
+
+
+@pytest.mark.parametrize(
+    ("lease", "store_timeout", "refused"),
+    [(10.0, 5.0, False), (7.5, 5.0, True), (3.0, 5.0, True), (1.0, 0.5, False), (1.0, 0.7, True)],
+)
+def test_a_lease_renewal_must_fit_in_the_lease(
+    lease: float, store_timeout: float, refused: bool
+) -> None:
+    """SPEC §3.5: a renewal due after lease / 3 that may take pool.store_timeout to fail must
+    end before the lease does."""
+    settings = {"upstream": "http://u:1", "lease": lease, "pool": {"store_timeout": store_timeout}}
+    if not refused:
+        assert load_settings(**settings).lease == lease
+        return
+    with pytest.raises(ValidationError) as caught:
+        load_settings(**settings)
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("pool",)
+    assert "lease" in error["msg"] and "pool.store_timeout" in error["msg"]

@@ -41,6 +41,8 @@ class ProxyContext:
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
     # Requests being handled right now, for the graceful drain (proxy/drain.py).
     requests_in_flight: int = 0
+    # A graceful shutdown began: no new claims, held duplicates answer (proxy/drain.py).
+    draining: bool = False
     drained: bool = False
 
     @classmethod

@@ -1,8 +1,13 @@
-"""Graceful shutdown of the proxy: one deadline for everything in flight (SPEC §3.2).
+"""Graceful shutdown of the proxy: one deadline for everything in flight (SPEC §3.2, §8).
 
-Requests in flight, and the attempts they run, get until the deadline to finish and store
-their outcome. Attempts still running then are cancelled: each marks its job `unknown` on the
-way out (the upstream may have executed it), never `released`.
+From its start (`start_draining`) the proxy takes nothing new: a governed request that still
+reaches it on a kept-alive connection is refused with `503 shutting-down` before any claim, a
+held duplicate is answered the same way unless its job's result arrives first, idle kept-alive
+connections are closed, and busy ones close after their response (`Connection: close`,
+proxy/listener.py); a request whose body is still arriving is read, then refused. Requests in
+flight, and the attempts they run, get until the deadline to finish and store their outcome.
+Attempts still running then are cancelled: each marks its job `unknown` on the way out (the
+upstream may have executed it), never `released`.
 """
 
 from __future__ import annotations
@@ -10,12 +15,27 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from aiohttp import web
+
 from idemproxy.proxy.context import ProxyContext
+from idemproxy.proxy.listener import close_idle_connections
 
 log = logging.getLogger(__name__)
 _POLL_SECONDS = 0.02
 # Cancelled attempts get this long to write `unknown` before the store closes.
 _SETTLE_SECONDS = 5.0
+
+
+def start_draining(ctx: ProxyContext) -> None:
+    """No new claims from now on; held duplicates are let go."""
+    ctx.draining = True
+    ctx.store.watch.wake_all()  # each re-reads its job once: the result, or 503 shutting-down
+
+
+def close_connections(server: web.Server | None) -> None:
+    """Idle kept-alive connections close now, busy ones after the response being handled."""
+    if server is not None:
+        close_idle_connections(server)
 
 
 async def drain(ctx: ProxyContext, deadline: float) -> None:

@@ -20,7 +20,14 @@ from idemproxy.decision import (
     TakeOver,
     decide,
 )
-from idemproxy.errors import JobLost, RequestInFlight, StoreUnavailable, TooManyWaiters
+from idemproxy.errors import (
+    JobLost,
+    RequestInFlight,
+    ShuttingDown,
+    StoreUnavailable,
+    TooManyWaiters,
+    UpstreamTimeout,
+)
 from idemproxy.ids import new_job_id
 from idemproxy.proxy.body import RequestBody
 from idemproxy.proxy.context import ProxyContext
@@ -32,6 +39,14 @@ from idemproxy.proxy.trace import Trace
 from idemproxy.types import Claimed, ClaimResult, Existing, Intent, Job, JobState
 
 log = logging.getLogger(__name__)
+_CUT_OFF = (
+    "The proxy shut down before the upstream answered; the request may have executed. Retries "
+    "with this Idempotency-Key get 409 outcome-unknown until an operator resolves the job."
+)
+_HELD_AT_SHUTDOWN = (
+    "The proxy is shutting down; the request with this key is still in flight. Retry with the "
+    "same Idempotency-Key to get its result."
+)
 # Every turn makes progress (a state changed or time passed); this only guards against a bug.
 _MAX_TURNS = 32
 
@@ -101,6 +116,7 @@ async def _act(
         # expired: running it again would be this request's second execution.
         raise _lost(job.id, f"it is {job.state.value} again")
     if isinstance(decision, StartNextAttempt):
+        _refuse_if_draining(ctx)
         claimed = await ctx.store.start_next_attempt(job, route.upstream, lease=ctx.settings.lease)
         return claimed or await _reread(ctx, route, intent, ran)
     await ctx.store.forget(job)
@@ -121,12 +137,39 @@ async def run_shielded(
     task = asyncio.create_task(run_job(ctx, request, route, claimed, body))
     ctx.attempts.add(task)
     task.add_done_callback(ctx.attempts.discard)
-    return await asyncio.shield(task)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not _cut_off_by_shutdown(task, request):
+            raise
+    # SPEC §3.2: the drain's deadline cancelled the attempt and its job is unknown. The first
+    # client gets a 504 as for any attempt whose outcome is unknown, not a bare disconnect
+    # (unless the response had already started); retries get 409 outcome-unknown.
+    raise UpstreamTimeout(_CUT_OFF)
+
+
+def _cut_off_by_shutdown(
+    task: asyncio.Task[web.StreamResponse | None], request: web.Request
+) -> bool:
+    this = asyncio.current_task()
+    return (
+        task.cancelled()
+        and (this is None or not this.cancelling())
+        and request.writer.output_size == 0
+    )
+
+
+def _refuse_if_draining(ctx: ProxyContext) -> None:
+    """SPEC §8: once a shutdown began, nothing new is claimed: an attempt started now could be
+    cut off as `unknown` at the drain's deadline."""
+    if ctx.draining:
+        raise ShuttingDown()
 
 
 async def _claim(
     ctx: ProxyContext, route: Route, intent: Intent, *, forwarded_if_failed: bool = False
 ) -> ClaimResult:
+    _refuse_if_draining(ctx)
     job_id = new_job_id()
     try:
         return await ctx.store.claim(
@@ -182,6 +225,8 @@ async def _hold(
         # Re-read after subscribing, so that a change just before it cannot be missed.
         current = await ctx.store.watch_job(intent.owner, intent.key)
         while _still_running(current, job):
+            if ctx.draining:  # SPEC §8: an answer now, not a disconnect at the drain's end
+                raise ShuttingDown(_HELD_AT_SHUTDOWN)
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break

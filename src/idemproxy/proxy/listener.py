@@ -12,7 +12,8 @@ nothing of it reached the handler, so no job exists and nothing went upstream.
 The request handler tells its connection when a head was read (`head_read`): from then on only
 the body deadline (`server.body_read_timeout`) and the upstream timeout apply, until the
 response has been written. Private aiohttp surface used here: `RequestHandler.finish_response`,
-`RequestHandler._upgraded` and `Server._kwargs` (tests/hostile pin them), that of proxy/whole.py
+`RequestHandler._upgraded`, `RequestHandler._messages` (a shutdown's idleness test) and
+`Server._kwargs` (tests/hostile pin them), that of proxy/whole.py
 and proxy/any_path.py, and `RequestHandler._request_handler` (were it renamed, requests would
 go through the app's router again: slower, not wrong).
 """
@@ -57,6 +58,7 @@ class GuardedHandler(web.RequestHandler):
         self._serving = False  # the head of the current request was read; its handler runs
         self._head_started = False  # bytes of the next head arrived since the last response
         self._unread: StreamReader | None = None  # a body aiohttp drains after the response
+        self._closing = False  # a shutdown began: the next response closes the connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -73,6 +75,17 @@ class GuardedHandler(web.RequestHandler):
         self._head_deadline.close()
         super().connection_lost(exc)
 
+    def close_when_idle(self) -> None:
+        """A shutdown began (proxy/drain.py): close now if idle, else after the next response.
+
+        Not aiohttp's `close()` on a busy connection: from then on it drops every byte that
+        arrives, the rest of a request body too, and the request would hang on it."""
+        self._closing = True
+        queued = getattr(self, "_messages", ())  # parsed requests not yet handled (pipelined)
+        idle = not (self._serving or self._head_started or queued or self._draining())
+        if idle:
+            self.close()
+
     def head_read(self) -> None:
         """The request's head arrived and its handler runs: no deadline until the response."""
         self._serving = True
@@ -82,6 +95,10 @@ class GuardedHandler(web.RequestHandler):
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
         # Every response ends here, also those answered before the handler ran (417).
+        if self._closing:
+            # A shutdown closes this connection after the response (proxy/drain.py): say so,
+            # so that the client sends its next request elsewhere (RFC 9112 §9.6).
+            resp.force_close()
         try:
             whole = None if self._upgraded else serialise_whole(request, resp)
             if whole is None:
@@ -192,6 +209,16 @@ def _request_timeout_bytes() -> bytes:
 _REQUEST_TIMEOUT = _request_timeout_bytes()
 
 
+def close_idle_connections(server: web.Server) -> None:
+    """SPEC §8, a shutdown: idle kept-alive connections close now, busy ones after their
+    response, which says `Connection: close`."""
+    for connection in server.connections:
+        if isinstance(connection, GuardedHandler):
+            connection.close_when_idle()
+        else:  # not this listener's (tests): aiohttp's own graceful close
+            connection.close()
+
+
 def head_read(request: web.BaseRequest) -> None:
     """Stop the header-read deadline of the request's connection (a no-op on other listeners)."""
     protocol = request.protocol
@@ -238,6 +265,7 @@ class GuardedSite(web.BaseSite):
                 server, loop=loop, header_timeout=header_timeout, request_handler=handler, **kwargs
             )
 
+        # An address in use is one line for the operator (server._listening), not a traceback.
         self._server = await loop.create_server(
             protocol,
             self._host,

@@ -26,6 +26,7 @@ from idemproxy.errors import (
     ProblemError,
     RequestInFlight,
     RequestTimeout,
+    ShuttingDown,
     StoreUnavailable,
     TooManyWaiters,
 )
@@ -39,6 +40,7 @@ _PROBLEM_OUTCOMES: dict[type[ProblemError], str] = {
     OutcomeUnknown: "unknown",
     StoreUnavailable: "unavailable",
     TooManyWaiters: "unavailable",
+    ShuttingDown: "unavailable",
     KeyInvalid: "rejected",
     HeaderInvalid: "rejected",
     PathInvalid: "rejected",

@@ -18,10 +18,13 @@ def create_store(
     max_connections: int = 20,
     command_timeout: float = 5.0,
     late_bytes: int = DEFAULT_MAX_STORED_BODY,
+    lease_connections: int = 0,
 ) -> Store:
     """`sqlite:///relative.db`, `sqlite:////absolute.db`, `sqlite://:memory:` or `postgresql://…`.
 
     `late_bytes`: bytes of late responses kept per job in all (`max_stored_body`, SPEC §3.3).
+    `lease_connections`: PostgreSQL connections reserved for lease renewals (a proxy's, SPEC
+    §3.5); the operator tools run no attempts and need none.
     """
     if _is_postgres(dsn):
         from idemproxy.store.postgres import PostgresStore
@@ -31,6 +34,7 @@ def create_store(
             max_connections=max_connections,
             command_timeout=command_timeout,
             late_bytes=late_bytes,
+            lease_connections=lease_connections,
         )
     if dsn.startswith("sqlite://"):
         from idemproxy.store.sqlite import SqliteStore
@@ -47,6 +51,7 @@ def serving_store(settings: Settings) -> Store:
         max_connections=settings.pool.store_connections,
         command_timeout=settings.pool.store_timeout,
         late_bytes=settings.max_stored_body,
+        lease_connections=settings.pool.lease_connections,
     )
     store = wrap_with_cache(store, settings)
     options = settings.replay_cache

@@ -24,6 +24,7 @@ from idemproxy.store.pg_errors import (
 )
 from idemproxy.store.pg_kept import KeptConnections
 from idemproxy.store.pg_listen import listen_forever
+from idemproxy.store.pg_renewals import RenewalConnections
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
     attempt_from_row,
@@ -59,17 +60,28 @@ class PostgresStore(Store):
         command_timeout: float = 5.0,
         listen: bool = True,
         late_bytes: int = DEFAULT_MAX_STORED_BODY,
+        lease_connections: int = 0,
     ) -> None:
+        """`lease_connections`: a pool of that many reserved for lease renewals
+        (store/pg_renewals.py); 0, for processes that run no attempts, renews on the main pool."""
         super().__init__()
         self._late_bytes = late_bytes  # kept late bodies per job in all (SPEC §3.3)
         self._dsn = dsn
-        self._pool_size = (min_connections, max_connections)
+        # asyncpg refuses a min_size above max_size: `pool.store_connections: 1` is one connection.
+        self._pool_size = (min(min_connections, max_connections), max_connections)
         self._command_timeout = command_timeout
         self._listen = listen
         self._sql = load_queries("postgres")
         self._pool: asyncpg.Pool | None = None
         self._kept: KeptConnections | None = None
         self._listener: asyncio.Task[None] | None = None
+        self._renewals = (
+            RenewalConnections(
+                dsn, size=lease_connections, timeout=command_timeout, init=_init_connection
+            )
+            if lease_connections > 0
+            else None
+        )
 
     async def open(self) -> None:
         async with translate_connect_errors():
@@ -88,6 +100,8 @@ class PostgresStore(Store):
                 timeout=self._command_timeout,
                 idle_lifetime=_IDLE_LIFETIME,
             )
+            if self._renewals is not None:
+                await self._renewals.open()
         if self._listen:
             self._listener = asyncio.create_task(
                 listen_forever(self._dsn, self.watch, timeout=self._command_timeout),
@@ -97,6 +111,8 @@ class PostgresStore(Store):
     async def close(self) -> None:
         if self._listener is not None:
             await stop_feed(self._listener)
+        if self._renewals is not None:
+            await self._renewals.close()
         kept, self._kept = self._kept, None
         if kept is not None:
             await kept.close()  # the pool's close waits for every connection it lent
@@ -220,10 +236,14 @@ class PostgresStore(Store):
         return None if row is None else int(row["number"])
 
     async def renew_lease(self, job: Job, *, lease: float) -> bool:
-        rows = await self._run(
-            "renew_lease", lambda c: c.fetch(self._sql["renew_lease"], *_cas(job), float(lease))
-        )
-        return bool(rows)
+        sql, args = self._sql["renew_lease"], (*_cas(job), float(lease))
+        renewals = self._renewals
+        if renewals is None:
+            return bool(await self._run("renew_lease", lambda c: c.fetch(sql, *args)))
+        # SPEC §3.5: never queued behind request traffic for a pooled connection.
+        with self.observed("renew_lease"):
+            async with translate_errors("renew_lease"):
+                return bool(await renewals.fetch(sql, *args))
 
     async def take_over(self, job: Job) -> bool:
         return await self._fetchrow("take_over", *_cas(job)) is not None

@@ -82,8 +82,12 @@ class JobWatch:
 
     def notify_all(self) -> None:
         """Wake everyone to re-read, e.g. after the change feed reconnected."""
+        self.wake_all()
+        for listener in self._listeners:
+            listener(None)
+
+    def wake_all(self) -> None:
+        """Wake every held duplicate (a shutdown: proxy/drain.py); nothing changed."""
         for subs in self._subscriptions.values():
             for subscription in subs:
                 subscription.wake()
-        for listener in self._listeners:
-            listener(None)

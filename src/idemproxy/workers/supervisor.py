@@ -11,6 +11,9 @@ Worker 0 serves the configured admin address and answers /readyz and /metrics fo
 inherited, so worker 0 knows every address before anything starts and no port can be lost to
 a race.
 
+A port something else listens on, a single process or another group (SO_REUSEPORT would let
+its workers join), is refused before anything starts (workers/listen.py).
+
 Signals: SIGTERM or SIGINT is forwarded to every worker, which drains as a single process does
 (`server.shutdown_timeout`); the supervisor exits 0 when all of them exit cleanly. A worker that
 exits on its own is a failure: the others are stopped the same way and the supervisor exits 1,
@@ -35,6 +38,7 @@ from types import FrameType
 from idemproxy.config import Settings
 from idemproxy.logs import configure_logging
 from idemproxy.store.factory import create_store
+from idemproxy.workers.listen import claim_listen
 from idemproxy.workers.role import WORKER_ROLE_FLAG, WorkerRole
 
 log = logging.getLogger("idemproxy.supervisor")
@@ -64,9 +68,15 @@ class _Worker:
 def supervise(settings: Settings, serve_argv: Sequence[str]) -> int:
     """Run `settings.server.workers` workers of `idemproxy <serve_argv>`; the exit status."""
     configure_logging(settings.log_level, settings.log_format)
-    if settings.migrate:
-        asyncio.run(_migrate(settings.store))
-    return _Supervisor(settings, serve_argv).run()
+    # A taken port fails here, as it does for a single process (workers/listen.py).
+    lock = claim_listen(settings.listen)
+    try:
+        if settings.migrate:
+            asyncio.run(_migrate(settings.store))
+        return _Supervisor(settings, serve_argv, lock).run()
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 async def _migrate(dsn: str) -> None:
@@ -81,7 +91,10 @@ async def _migrate(dsn: str) -> None:
 
 
 class _Supervisor:
-    def __init__(self, settings: Settings, serve_argv: Sequence[str]) -> None:
+    def __init__(
+        self, settings: Settings, serve_argv: Sequence[str], lock: socket.socket | None
+    ) -> None:
+        self._lock = lock  # the listen address's, until the workers stop (workers/listen.py)
         self._count = settings.server.workers
         self._shutdown_timeout = settings.server.shutdown_timeout
         self._argv = list(serve_argv)
@@ -177,6 +190,9 @@ class _Supervisor:
         if not self._stopping:
             self._stopping = True
             self._kill_at = time.monotonic() + self._shutdown_timeout + _KILL_MARGIN_SECONDS
+            if self._lock is not None:
+                # The workers stop listening at once: a group replacing this one may start.
+                self._lock.close()
         for worker in self._workers:
             worker.send(signum)
 
