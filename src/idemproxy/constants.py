@@ -49,6 +49,10 @@ DEFAULT_MAX_REQUEST_BODY: Final = 10 * 1024 * 1024
 DEFAULT_MAX_STORED_BODY: Final = 8 * 1024 * 1024
 DEFAULT_MAX_WAITERS_PER_KEY: Final = 64
 DEFAULT_MAX_WAITERS: Final = 10_000
+# limits.response_buffer and limits.max_connections, per process (docs/operations.md, Memory).
+DEFAULT_RESPONSE_BUFFER: Final = 256 * 1024 * 1024
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+DEFAULT_BACKLOG: Final = 1024
 # server.workers: each worker holds its own store pool, so a typo must not open thousands.
 MAX_WORKERS: Final = 64
 DEFAULT_RETRY_AFTER_SECONDS: Final = 1

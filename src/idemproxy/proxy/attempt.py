@@ -21,6 +21,7 @@ from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER
 from idemproxy.decision import Outcome, classify_failure, classify_response
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.proxy.body import RequestBody
+from idemproxy.proxy.capture import Captured, answer, capture
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamResponse
 from idemproxy.proxy.headers import headers_to_store, response_headers_for_client
@@ -57,7 +58,7 @@ class Failed:
     error: str | None
     problem: type[ProblemError] = UpstreamUnavailable
     # In a race, the upstream's own answer, for the client if no other attempt does better.
-    reply: web.Response | None = None
+    reply: web.StreamResponse | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,31 +122,45 @@ async def _on_response(
             )
         # The next upstream answers instead: this one's body is not needed.
         return Failed(outcome, upstream.status, None)
-    content, whole = await UpstreamClient.read_body(upstream, ctx.settings.max_stored_body)
-    if outcome is Outcome.COMPLETE and route.gate is not None:
-        broken = route.gate.contract.violations(upstream.status, content if whole else None)
-        if broken:
-            error = "contract: " + "; ".join(broken)
-            return await _fail(ctx, attempt, Failed(Outcome.RELEASE, upstream.status, error))
-    if whole:
-        return await _finish_buffered(ctx, route, attempt, upstream, outcome, content)
-    return await _finish_streamed(ctx, request, route, attempt, upstream, outcome, content)
+    captured = await _capture(ctx, upstream)
+    try:
+        if outcome is Outcome.COMPLETE and route.gate is not None:
+            content = await captured.content() if captured.whole else None
+            broken = route.gate.contract.violations(upstream.status, content)
+            if broken:
+                captured.close()
+                error = "contract: " + "; ".join(broken)
+                return await _fail(ctx, attempt, Failed(Outcome.RELEASE, upstream.status, error))
+        if captured.whole:
+            return await _finish_buffered(ctx, route, attempt, upstream, outcome, captured)
+        return await _finish_streamed(ctx, request, route, attempt, upstream, outcome, captured)
+    except BaseException:
+        captured.close()
+        raise
+
+
+async def _capture(ctx: ProxyContext, upstream: UpstreamResponse) -> Captured:
+    """The body up to max_stored_body, within the response budget (proxy/capture.py). A body
+    declared larger is not waited for: it streams through at once (SPEC §7)."""
+    limit = ctx.settings.max_stored_body
+    declared = upstream.content_length
+    if declared is not None and declared > limit and upstream.method != "HEAD":
+        return Captured(ctx.budget)
+    return await capture(upstream, limit, ctx.budget)
 
 
 async def _reply(
     ctx: ProxyContext, upstream: UpstreamResponse, attempt: Attempt
-) -> web.Response | None:
+) -> web.StreamResponse | None:
     try:
-        content, whole = await UpstreamClient.read_body(upstream, ctx.settings.max_stored_body)
+        captured = await capture(upstream, ctx.settings.max_stored_body, ctx.budget)
     except UpstreamFailure:
         return None
-    if not whole:
+    if not captured.whole:
+        captured.close()
         return None
-    return web.Response(
-        status=upstream.status,
-        reason=upstream.reason,
-        body=content,
-        headers=_client_headers(upstream, attempt.job),
+    return answer(
+        captured, upstream.status, upstream.reason, _client_headers(upstream, attempt.job)
     )
 
 
@@ -155,24 +170,22 @@ async def _finish_buffered(
     attempt: Attempt,
     upstream: UpstreamResponse,
     outcome: Outcome,
-    content: bytes,
+    captured: Captured,
 ) -> Step:
     # The outcome is stored before the client sees a byte: a client that retries after a lost
     # response always finds it.
     if outcome is Outcome.COMPLETE:
         headers = headers_to_store(upstream.headers, ctx.settings.unreplayed_headers)
-        stored = StoredResponse(upstream.status, headers, content)
+        stored = StoredResponse(upstream.status, headers, await captured.content())
         ctx.failpoints.hit("before_store")
         if not await completed(ctx, attempt, stored, route.ttl):
+            captured.close()
             return None
         ctx.failpoints.hit("after_store")
     else:
         await settle(ctx, attempt, Failed(outcome, upstream.status, None))
-    return web.Response(
-        status=upstream.status,
-        reason=upstream.reason,
-        body=content,
-        headers=_client_headers(upstream, attempt.job),
+    return answer(
+        captured, upstream.status, upstream.reason, _client_headers(upstream, attempt.job)
     )
 
 
@@ -183,7 +196,7 @@ async def _finish_streamed(
     attempt: Attempt,
     upstream: UpstreamResponse,
     outcome: Outcome,
-    head: bytes,
+    head: Captured,
 ) -> Step:
     """SPEC §7: a body over max_stored_body streams through in full and is not kept.
 
@@ -201,7 +214,9 @@ async def _finish_streamed(
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
     client = ClientSink(request, response)
-    await client.write(head)
+    async for piece in head.pieces():
+        await client.write(piece)
+    head.close()
     try:
         async for chunk in UpstreamClient.iter_body(upstream):
             await client.write(chunk)

@@ -12,6 +12,7 @@ from idemproxy.config import Settings
 from idemproxy.decision import Policy, StatusPolicy
 from idemproxy.metrics import Metrics
 from idemproxy.owner import OwnerPolicy
+from idemproxy.proxy.budget import ResponseBudget
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.routing import RouteTable
@@ -36,6 +37,8 @@ class ProxyContext:
     unsent: UnsentClaims
     # Attempt outcomes the store could not take (503 after forwarding): written when it answers.
     unwritten: UnwrittenOutcomes
+    # Response bytes held in memory, for this process (proxy/budget.py).
+    budget: ResponseBudget
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -70,7 +73,14 @@ class ProxyContext:
             metrics=metrics,
             unsent=UnsentClaims(store, metrics.unsent_outcome, lease=settings.lease),
             unwritten=UnwrittenOutcomes(store, metrics.unwritten_outcome),
+            budget=_budget(settings, metrics),
         )
+
+
+def _budget(settings: Settings, metrics: Metrics) -> ResponseBudget:
+    budget = ResponseBudget(settings.limits.response_buffer)
+    metrics.response_buffer.set_function(lambda: budget.used)
+    return budget
 
 
 CONTEXT = web.AppKey("idemproxy.context", ProxyContext)

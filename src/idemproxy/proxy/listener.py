@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -30,7 +31,9 @@ from idemproxy.config import ServerSettings, parse_listen
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import RequestTimeout
 from idemproxy.proxy.any_path import RequestHandler, direct_handler
+from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.deadline import Deadline
+from idemproxy.proxy.gate import ConnectionGate, listening_sockets
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.whole import WholeResponse, mark_sent, serialise_whole
 
@@ -47,9 +50,11 @@ class GuardedHandler(web.RequestHandler):
         loop: asyncio.AbstractEventLoop,
         header_timeout: float,
         request_handler: RequestHandler | None = None,
+        on_closed: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, loop=loop, **kwargs)
+        self._on_closed = on_closed  # the connection gate's count (proxy/gate.py)
         if request_handler is not None:  # instead of the app's router (any_path.direct_handler)
             self._request_handler = request_handler  # type: ignore[assignment]
         self._header_timeout = header_timeout
@@ -71,6 +76,8 @@ class GuardedHandler(web.RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._head_deadline.close()
+        if self._on_closed is not None:
+            self._on_closed()
         super().connection_lost(exc)
 
     def head_read(self) -> None:
@@ -231,18 +238,24 @@ class GuardedSite(web.BaseSite):
         # arguments and the app's handler_args), plus the deadline and the header-count bound.
         kwargs = {**server._kwargs, "max_headers": self._settings.max_headers}
         header_timeout = self._settings.header_read_timeout
-        handler = direct_handler(self._app_runner.app)
+        app = self._app_runner.app
+        handler = direct_handler(app)
+        ctx = app[CONTEXT]
+        limits = ctx.settings.limits
 
-        def protocol() -> GuardedHandler:
+        def protocol(closed: Callable[[], None]) -> GuardedHandler:
             return GuardedHandler(
-                server, loop=loop, header_timeout=header_timeout, request_handler=handler, **kwargs
+                server,
+                loop=loop,
+                header_timeout=header_timeout,
+                request_handler=handler,
+                on_closed=closed,
+                **kwargs,
             )
 
-        self._server = await loop.create_server(
-            protocol,
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_address=True,
-            reuse_port=self._reuse_port or None,
+        sockets = listening_sockets(
+            self._host, self._port, backlog=limits.backlog, reuse_port=self._reuse_port
         )
+        gate = ConnectionGate(list(sockets), protocol, limits.max_connections)
+        ctx.metrics.client_connections.set_function(lambda: gate.open)
+        self._server = gate
