@@ -214,6 +214,7 @@ async def _finish_streamed(
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
     client = ClientSink(request, response)
+    await client.write(b"")  # the head goes out now, not with the first byte of the body
     async for piece in head.pieces():
         await client.write(piece)
     head.close()
