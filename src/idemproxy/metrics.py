@@ -150,6 +150,11 @@ class Metrics:
             "Response bytes held in memory right now, against limits.response_buffer.",
             registry=self.registry,
         )
+        self.replay_bodies = Gauge(
+            f"{METRIC_PREFIX}_replay_body_bytes",
+            "Bytes of large stored bodies being replayed right now (one copy per job).",
+            registry=self.registry,
+        )
         self.client_connections = Gauge(
             f"{METRIC_PREFIX}_client_connections",
             "Client connections open right now, against limits.max_connections.",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,8 +26,8 @@ EXECUTIONS = web.AppKey("executions", list)
 ARRIVED = web.AppKey("arrived", asyncio.Event)
 
 
-def body_for(number: int) -> bytes:
-    return bytes((i * 7 + number) % 256 for i in range(256)) * (SIZE // 256)
+def body_for(number: int, size: int = SIZE) -> bytes:
+    return bytes((i * 7 + number) % 256 for i in range(256)) * (size // 256)
 
 
 async def _answer_all_at_once(request: web.Request) -> web.StreamResponse:
@@ -38,14 +39,15 @@ async def _answer_all_at_once(request: web.Request) -> web.StreamResponse:
     if len(executions) >= CONCURRENT:
         request.app[ARRIVED].set()
     await request.app[ARRIVED].wait()
+    size = int(request.query.get("size", SIZE))
     response = web.StreamResponse(headers={"X-Number": str(number)})
     if "chunked" in request.query:
         response.enable_chunked_encoding()
     else:
-        response.content_length = SIZE
+        response.content_length = size
     await response.prepare(request)
-    body = body_for(number)
-    for start in range(0, SIZE, 64 * KiB):
+    body = body_for(number, size)
+    for start in range(0, size, 64 * KiB):
         await response.write(body[start : start + 64 * KiB])
     await response.write_eof()
     return response
@@ -154,3 +156,42 @@ async def test_connections_over_the_limit_wait_until_one_closes(proxy: ProxyFact
     assert registry.get_sample_value("idemproxy_client_connections") == 2
     for _, open_writer in (held[1], (reader, writer)):
         open_writer.close()
+
+
+async def _slow_reader(client: TestClient[Any, Any]) -> tuple[Any, Any]:
+    """A connection whose client reads nothing until told: its answer waits in the proxy."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (client.host, client.port))
+    return await asyncio.open_connection(sock=sock)
+
+
+async def test_concurrent_replays_of_one_large_job_share_one_copy_of_its_body(
+    proxy: ProxyFactory, upstream: TestServer
+) -> None:
+    # Larger than the kernel's socket buffers take (4 MiB at most): the replays are still being
+    # written while their clients read nothing.
+    size = 8 * 1024 * KiB
+    client = await proxy(upstream=str(upstream.make_url("")).rstrip("/"), max_stored_body=size)
+    upstream.app[ARRIVED].set()  # answer at once
+    assert (await _post(client, 3, f"?size={size}"))[:2] == (200, body_for(3, size))
+    registry = client.server.app[CONTEXT].metrics.registry
+    request = (
+        f"POST /big/3?size={size} HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: k3\r\n"
+        "Content-Type: application/octet-stream\r\nContent-Length: 2\r\n\r\n{}"
+    ).encode()
+    connections = [await _slow_reader(client) for _ in range(8)]
+    for _, writer in connections:
+        writer.write(request)
+    await asyncio.sleep(0.3)
+    # Every replay is being written, and they hold the body once between them.
+    assert registry.get_sample_value("idemproxy_replay_body_bytes") == size
+    for reader, writer in connections:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+        assert b"\r\nIdempotent-Replayed: true\r\n" in head
+        assert await asyncio.wait_for(reader.readexactly(size), timeout=5) == body_for(3, size)
+        writer.close()
+    await asyncio.sleep(0.05)
+    assert registry.get_sample_value("idemproxy_replay_body_bytes") == 0
+    assert upstream.app[EXECUTIONS] == [3]

@@ -21,11 +21,9 @@ from multidict import CIMultiDict
 
 from idemproxy.proxy.budget import Held, ResponseBudget
 from idemproxy.proxy.h1 import UpstreamResponse
+from idemproxy.proxy.whole import ONE_WRITE_BODY, NotifiedResponse
 
 _PIECE = 256 * 1024  # read back from a temporary file in pieces of this size
-# A body up to this size goes out in one write when its handler returns (proxy/whole.py): it is
-# given back then. Larger ones are given back once the client has taken them.
-ONE_WRITE_BODY = 64 * 1024
 
 
 class Captured:
@@ -148,33 +146,13 @@ def answer(
         captured.release()  # its store write, if any, is done: the client is answered from disk
         return SpooledResponse(captured, status=status, reason=reason, headers=headers)
     if len(content) <= ONE_WRITE_BODY:
+        # One write when its handler returns (proxy/whole.py): given back then.
         captured.release()
         return web.Response(status=status, reason=reason, body=content, headers=headers)
-    return HeldResponse(captured, status=status, reason=reason, body=content, headers=headers)
-
-
-class HeldResponse(web.Response):
-    """A body in memory that counts against the budget until it has been written (or the
-    response is dropped unsent)."""
-
-    def __init__(
-        self,
-        captured: Captured,
-        *,
-        status: int,
-        reason: str,
-        body: bytes,
-        headers: CIMultiDict[str],
-    ) -> None:
-        super().__init__(status=status, reason=reason, body=body, headers=headers)
-        self._captured = captured
-        weakref.finalize(self, captured.release)
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        try:
-            await super().write_eof(data)
-        finally:
-            self._captured.close()
+    # Given back once written (proxy/whole.py), not when the handler returns.
+    return NotifiedResponse(
+        status=status, reason=reason, body=content, headers=headers, done=captured.close
+    )
 
 
 class SpooledResponse(web.StreamResponse):

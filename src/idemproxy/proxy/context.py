@@ -15,6 +15,7 @@ from idemproxy.owner import OwnerPolicy
 from idemproxy.proxy.budget import ResponseBudget
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
+from idemproxy.proxy.replay import SharedBodies
 from idemproxy.proxy.routing import RouteTable
 from idemproxy.proxy.unsent import UnsentClaims
 from idemproxy.proxy.unwritten import UnwrittenOutcomes
@@ -39,6 +40,8 @@ class ProxyContext:
     unwritten: UnwrittenOutcomes
     # Response bytes held in memory, for this process (proxy/budget.py).
     budget: ResponseBudget
+    # Large stored bodies being replayed, one copy per job (proxy/replay.py).
+    replays: SharedBodies
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -74,6 +77,7 @@ class ProxyContext:
             unsent=UnsentClaims(store, metrics.unsent_outcome, lease=settings.lease),
             unwritten=UnwrittenOutcomes(store, metrics.unwritten_outcome),
             budget=_budget(settings, metrics),
+            replays=_replays(metrics),
         )
 
 
@@ -81,6 +85,12 @@ def _budget(settings: Settings, metrics: Metrics) -> ResponseBudget:
     budget = ResponseBudget(settings.limits.response_buffer)
     metrics.response_buffer.set_function(lambda: budget.used)
     return budget
+
+
+def _replays(metrics: Metrics) -> SharedBodies:
+    shared = SharedBodies()
+    metrics.replay_bodies.set_function(lambda: shared.size)
+    return shared
 
 
 CONTEXT = web.AppKey("idemproxy.context", ProxyContext)

@@ -35,7 +35,7 @@ from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.deadline import Deadline
 from idemproxy.proxy.gate import ConnectionGate, listening_sockets
 from idemproxy.proxy.problems import problem_response
-from idemproxy.proxy.whole import WholeResponse, mark_sent, serialise_whole
+from idemproxy.proxy.whole import NotifiedResponse, WholeResponse, mark_sent, serialise_whole
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,19 @@ class GuardedHandler(web.RequestHandler):
         """What aiohttp's `finish_response` does for a complete response, in one write
         (proxy/whole.py). The request's multipart temporaries (`request._finish`) do not exist:
         this proxy never parses form data."""
+        try:
+            return await self._write_whole_to(request, resp, start_time, whole)
+        finally:
+            if isinstance(resp, NotifiedResponse):
+                resp.written()
+
+    async def _write_whole_to(
+        self,
+        request: web.BaseRequest,
+        resp: web.StreamResponse,
+        start_time: float | None,
+        whole: WholeResponse,
+    ) -> tuple[web.StreamResponse, bool]:
         mark_sent(resp, whole.keep_alive)
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -114,8 +127,19 @@ class GuardedHandler(web.RequestHandler):
             return resp, True  # the client is gone: aiohttp stops serving the connection
         transport.write(whole.data)
         writer = request.writer
-        writer.output_size += len(whole.data)
-        await writer.drain()  # waits only while the transport has paused writing
+        writer.output_size += len(whole.data) + len(whole.body)
+        try:
+            for piece in whole.pieces():
+                # The transport keeps at most about its high-water mark beyond what the client
+                # took, rather than a copy of the whole body.
+                await writer.drain()
+                if transport.is_closing():
+                    raise ConnectionResetError("the client is gone")
+                transport.write(piece)
+            await writer.drain()  # waits only while the transport has paused writing
+        except ConnectionError:
+            self.log_access(request, resp, start_time)
+            return resp, True
         self.log_access(request, resp, start_time)
         return resp, False
 
