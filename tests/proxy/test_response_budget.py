@@ -167,13 +167,17 @@ async def _slow_reader(client: TestClient[Any, Any]) -> tuple[Any, Any]:
     return await asyncio.open_connection(sock=sock)
 
 
+@pytest.mark.parametrize("budget", [None, 0], ids=["in-memory", "on-disk"])
 async def test_concurrent_replays_of_one_large_job_share_one_copy_of_its_body(
-    proxy: ProxyFactory, upstream: TestServer
+    proxy: ProxyFactory, upstream: TestServer, budget: int | None
 ) -> None:
     # Larger than the kernel's socket buffers take (4 MiB at most): the replays are still being
     # written while their clients read nothing.
     size = 8 * 1024 * KiB
-    client = await proxy(upstream=str(upstream.make_url("")).rstrip("/"), max_stored_body=size)
+    limits = {} if budget is None else {"response_buffer": budget}
+    client = await proxy(
+        upstream=str(upstream.make_url("")).rstrip("/"), max_stored_body=size, limits=limits
+    )
     upstream.app[ARRIVED].set()  # answer at once
     assert (await _post(client, 3, f"?size={size}"))[:2] == (200, body_for(3, size))
     registry = client.server.app[CONTEXT].metrics.registry
@@ -185,8 +189,11 @@ async def test_concurrent_replays_of_one_large_job_share_one_copy_of_its_body(
     for _, writer in connections:
         writer.write(request)
     await asyncio.sleep(0.3)
-    # Every replay is being written, and they hold the body once between them.
-    assert registry.get_sample_value("idemproxy_replay_body_bytes") == size
+    # Every replay is being written, and they hold the body once between them, counted in the
+    # budget; without room in it, each is answered from a temporary file instead.
+    held = size if budget is None else 0
+    assert registry.get_sample_value("idemproxy_replay_body_bytes") == held
+    assert registry.get_sample_value("idemproxy_response_buffer_bytes") == held
     for reader, writer in connections:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
         assert b"\r\nIdempotent-Replayed: true\r\n" in head
@@ -194,4 +201,5 @@ async def test_concurrent_replays_of_one_large_job_share_one_copy_of_its_body(
         writer.close()
     await asyncio.sleep(0.05)
     assert registry.get_sample_value("idemproxy_replay_body_bytes") == 0
+    assert registry.get_sample_value("idemproxy_response_buffer_bytes") == 0
     assert upstream.app[EXECUTIONS] == [3]

@@ -155,11 +155,25 @@ def answer(
     )
 
 
+def on_disk(budget: ResponseBudget, body: bytes) -> Captured:
+    """`body` in a temporary file, for an answer that the budget has no room for."""
+    captured = Captured(budget)
+    captured.size, captured.whole = len(body), True
+    captured._chunks = [body]
+    captured._spill()
+    return captured
+
+
 class SpooledResponse(web.StreamResponse):
     """A stored body answered from its temporary file, a piece at a time."""
 
     def __init__(
-        self, captured: Captured, *, status: int, reason: str, headers: CIMultiDict[str]
+        self,
+        captured: Captured,
+        *,
+        status: int,
+        headers: CIMultiDict[str],
+        reason: str | None = None,
     ) -> None:
         super().__init__(status=status, reason=reason, headers=headers)
         self.content_length = captured.size

@@ -60,6 +60,7 @@ class ProxyContext:
     ) -> ProxyContext:
         failpoints = failpoints or Failpoints(None)
         metrics = metrics or Metrics()
+        budget = _budget(settings, metrics)
         return cls(
             settings=settings,
             store=store,
@@ -76,8 +77,8 @@ class ProxyContext:
             metrics=metrics,
             unsent=UnsentClaims(store, metrics.unsent_outcome, lease=settings.lease),
             unwritten=UnwrittenOutcomes(store, metrics.unwritten_outcome),
-            budget=_budget(settings, metrics),
-            replays=_replays(metrics),
+            budget=budget,
+            replays=_replays(budget, metrics),
         )
 
 
@@ -87,8 +88,8 @@ def _budget(settings: Settings, metrics: Metrics) -> ResponseBudget:
     return budget
 
 
-def _replays(metrics: Metrics) -> SharedBodies:
-    shared = SharedBodies()
+def _replays(budget: ResponseBudget, metrics: Metrics) -> SharedBodies:
+    shared = SharedBodies(budget)
     metrics.replay_bodies.set_function(lambda: shared.size)
     return shared
 
