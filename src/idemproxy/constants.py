@@ -36,6 +36,10 @@ DEFAULT_UNREPLAYED_HEADERS: Final = ("set-cookie", "www-authenticate", "proxy-au
 DEFAULT_RELEASE_STATUSES: Final = (408, 425, 429, 503)
 DEFAULT_UNKNOWN_STATUSES: Final = (502, 504)
 
+# Media types of responses that are streams of events (SPEC §2 step 4): sent to the first client
+# as they arrive and stored once they end, rather than read whole before the client sees a byte.
+STREAMING_MEDIA_TYPES: Final = frozenset({"text/event-stream", "application/x-ndjson"})
+
 # Defaults (SPEC §9, §11, §12).
 DEFAULT_LISTEN: Final = "127.0.0.1:8080"
 DEFAULT_ADMIN_LISTEN: Final = "127.0.0.1:9090"

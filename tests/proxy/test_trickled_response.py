@@ -10,13 +10,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
+from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from idemproxy.types import JobState
 
 from .conftest import ProxyFactory
-from .support import only_job, wait_for_state
+from .support import KEY, REPLAYED, only_job, wait_for_state
 
 PIECE_SECONDS = 0.7  # the body's three bytes take 2.1 s
 
@@ -101,3 +103,66 @@ async def test_governed_answer_declared_over_max_stored_body_does_not_wait_for_i
     # Completed once the body is through, which the client may see first.
     job = await wait_for_state(jobs, (await only_job(jobs)).id, JobState.COMPLETED)
     assert job.response is not None and job.response.omitted
+
+
+EVENTS = [b"data: one\n\n", b"data: two\n\n", b"data: three\n\n"]
+EVENT_SECONDS = 0.6
+SSE_EXECUTIONS = web.AppKey("sse_executions", list)
+
+
+async def _events(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    request.app[SSE_EXECUTIONS].append(request.headers.get("Idempotency-Key"))
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for event in EVENTS:
+        await response.write(event)
+        await asyncio.sleep(EVENT_SECONDS)
+    await response.write_eof()
+    return response
+
+
+@pytest.fixture
+async def event_stream() -> AsyncIterator[TestServer]:
+    app = web.Application()
+    app[SSE_EXECUTIONS] = []
+    app.router.add_post("/{tail:.*}", _events)
+    async with TestServer(app) as server:
+        yield server
+
+
+async def test_governed_event_stream_reaches_its_client_as_it_arrives_and_is_stored(
+    proxy: ProxyFactory, event_stream: TestServer, jobs: Store
+) -> None:
+    # SPEC §2 step 4: a stream is sent while it is captured, and stored once it has ended.
+    client = await proxy(upstream=str(event_stream.make_url("")).rstrip("/"))
+    started = time.monotonic()
+    async with client.post("/chat", data=b"{}", headers={KEY: "s1"}) as response:
+        assert response.status == 200
+        first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), timeout=5)
+        first_at = time.monotonic() - started
+        rest = await response.read()
+    assert first == EVENTS[0]
+    assert first_at < EVENT_SECONDS, f"the first event took {first_at:.2f}s"
+    assert first + rest == b"".join(EVENTS)
+    job = await wait_for_state(jobs, (await only_job(jobs)).id, JobState.COMPLETED)
+    assert job.response is not None and job.response.body == b"".join(EVENTS)
+    async with client.post("/chat", data=b"{}", headers={KEY: "s1"}) as replay:
+        assert replay.headers[REPLAYED] == "true"
+        assert await replay.read() == b"".join(EVENTS)
+    assert event_stream.app[SSE_EXECUTIONS] == ["s1"]
+
+
+async def test_governed_event_stream_over_max_stored_body_streams_whole_and_is_kept_omitted(
+    proxy: ProxyFactory, event_stream: TestServer, jobs: Store
+) -> None:
+    client = await proxy(upstream=str(event_stream.make_url("")).rstrip("/"), max_stored_body=20)
+    async with client.post("/chat", data=b"{}", headers={KEY: "s2"}) as response:
+        assert await response.read() == b"".join(EVENTS)
+    job = await wait_for_state(jobs, (await only_job(jobs)).id, JobState.COMPLETED)
+    assert job.response is not None and job.response.omitted
+    async with client.post("/chat", data=b"{}", headers={KEY: "s2"}) as replay:
+        assert replay.headers["Idempotency-Replay"] == "omitted"
+        assert await replay.read() == b""
+    assert client.server.app[CONTEXT].budget.used == 0
+    assert event_stream.app[SSE_EXECUTIONS] == ["s2"]

@@ -12,16 +12,18 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
 
-from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER
+from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, STREAMING_MEDIA_TYPES
 from idemproxy.decision import Outcome, classify_failure, classify_response
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.proxy.body import RequestBody
-from idemproxy.proxy.capture import Captured, answer, capture
+from idemproxy.proxy.capture import Captured, answer, capture, tee
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamResponse
 from idemproxy.proxy.headers import headers_to_store, response_headers_for_client
@@ -122,6 +124,8 @@ async def _on_response(
             )
         # The next upstream answers instead: this one's body is not needed.
         return Failed(outcome, upstream.status, None)
+    if _is_stream(upstream) and attempt.mode is not Mode.HEDGED and route.gate is None:
+        return await _finish_stream(ctx, request, route, attempt, upstream, outcome)
     captured = await _capture(ctx, upstream)
     try:
         if outcome is Outcome.COMPLETE and route.gate is not None:
@@ -233,6 +237,59 @@ async def _finish_streamed(
         await settle(ctx, attempt, Failed(outcome, upstream.status, None))
     await client.finish()
     return response
+
+
+def _is_stream(upstream: UpstreamResponse) -> bool:
+    media_type = upstream.headers.get("Content-Type", "").partition(";")[0]
+    return media_type.strip().lower() in STREAMING_MEDIA_TYPES
+
+
+async def _finish_stream(
+    ctx: ProxyContext,
+    request: web.Request,
+    route: Route,
+    attempt: Attempt,
+    upstream: UpstreamResponse,
+    outcome: Outcome,
+) -> Step:
+    """SPEC §2 step 4: a stream of events (server-sent events, NDJSON) reaches its client as it
+    arrives and is stored once it has ended (without its body when over max_stored_body). A
+    duplicate meanwhile is held, and gets the replay. Not in a race, whose winner must be
+    decided before a byte goes out, and not behind a contract gate, which needs the whole body.
+    """
+    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    response.headers.extend(_client_headers(upstream, attempt.job))
+    client = ClientSink(request, response)
+    await client.write(b"")  # the head goes out now
+    try:
+        kept = await tee(upstream, client, ctx.settings.max_stored_body, ctx.budget)
+    except UpstreamFailure as failure:
+        cut = Failed(Outcome.UNKNOWN, upstream.status, failure.reason)
+        await _after_head(settle(ctx, attempt, cut))
+        client.abort()
+        return response
+    try:
+        if outcome is Outcome.COMPLETE:
+            headers = headers_to_store(upstream.headers, ctx.settings.unreplayed_headers)
+            body = await kept.content() if kept.whole else None
+            stored = StoredResponse(upstream.status, headers, body)
+            await _after_head(completed(ctx, attempt, stored, route.ttl))
+        else:
+            await _after_head(settle(ctx, attempt, Failed(outcome, upstream.status, None)))
+    finally:
+        kept.close()
+    await client.finish()
+    return response
+
+
+async def _after_head(write: Coroutine[Any, Any, object]) -> None:
+    """An outcome write once the client's response has started: a store that cannot take it
+    leaves it to proxy/unwritten.py (`completed` and `settle` handed it over), and the client's
+    stream is finished rather than followed by a second response."""
+    try:
+        await write
+    except StoreUnavailable:
+        log.warning("the outcome of a streamed response could not be stored yet")
 
 
 def _handed_back(outcome: Outcome, mode: Mode) -> bool:

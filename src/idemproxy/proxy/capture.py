@@ -21,6 +21,7 @@ from multidict import CIMultiDict
 
 from idemproxy.proxy.budget import Held, ResponseBudget
 from idemproxy.proxy.h1 import UpstreamResponse
+from idemproxy.proxy.sink import ClientSink
 from idemproxy.proxy.whole import ONE_WRITE_BODY, NotifiedResponse
 
 _PIECE = 256 * 1024  # read back from a temporary file in pieces of this size
@@ -135,6 +136,29 @@ async def capture(upstream: UpstreamResponse, limit: int, budget: ResponseBudget
         captured.close()
         raise
     return captured
+
+
+async def tee(
+    upstream: UpstreamResponse, client: ClientSink, limit: int, budget: ResponseBudget
+) -> Captured:
+    """The body to `client` as it arrives, and kept up to `limit` bytes (`whole` when it all
+    was): a stream (SPEC §2 step 4) is stored once it has ended, not before its client sees it."""
+    kept, over = Captured(budget), False
+    try:
+        while chunk := await upstream.read_chunk():
+            await client.write(chunk)
+            if over:
+                continue
+            if kept.size + len(chunk) > limit:
+                kept.close()  # too large to keep (SPEC §7): nothing of it stays held
+                kept, over = Captured(budget), True
+                continue
+            kept.add(chunk)
+    except BaseException:
+        kept.close()
+        raise
+    kept.whole = not over
+    return kept
 
 
 def answer(
