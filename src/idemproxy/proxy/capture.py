@@ -29,7 +29,8 @@ _PIECE = 256 * 1024  # read back from a temporary file in pieces of this size
 
 class Captured:
     """Up to `limit` bytes of an upstream body, in memory or on disk; `whole` when that was
-    all of it."""
+    all of it. Whoever holds it gives its bytes back (`release`, `close`, or the response
+    `answer` makes of it) on every path: no finalizer per response on the hot path."""
 
     def __init__(self, budget: ResponseBudget) -> None:
         self._budget = budget
@@ -38,7 +39,6 @@ class Captured:
         self._spool: BinaryIO | None = None
         self.size = 0
         self.whole = False
-        weakref.finalize(self, self.held.release)  # whatever path drops it
 
     @property
     def spooled(self) -> bool:

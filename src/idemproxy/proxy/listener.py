@@ -107,41 +107,46 @@ class GuardedHandler(web.RequestHandler):
         """What aiohttp's `finish_response` does for a complete response, in one write
         (proxy/whole.py). The request's multipart temporaries (`request._finish`) do not exist:
         this proxy never parses form data."""
-        try:
-            return await self._write_whole_to(request, resp, start_time, whole)
-        finally:
-            if isinstance(resp, NotifiedResponse):
-                resp.written()
+        mark_sent(resp, whole.keep_alive)
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            _written(resp)
+            self.log_access(request, resp, start_time)
+            return resp, True  # the client is gone: aiohttp stops serving the connection
+        transport.write(whole.data)
+        writer = request.writer
+        writer.output_size += len(whole.data)
+        if whole.body:
+            return await self._write_large(request, resp, start_time, whole)
+        await writer.drain()  # waits only while the transport has paused writing
+        self.log_access(request, resp, start_time)
+        return resp, False
 
-    async def _write_whole_to(
+    async def _write_large(
         self,
         request: web.BaseRequest,
         resp: web.StreamResponse,
         start_time: float | None,
         whole: WholeResponse,
     ) -> tuple[web.StreamResponse, bool]:
-        mark_sent(resp, whole.keep_alive)
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            self.log_access(request, resp, start_time)
-            return resp, True  # the client is gone: aiohttp stops serving the connection
-        transport.write(whole.data)
-        writer = request.writer
-        writer.output_size += len(whole.data) + len(whole.body)
+        """A large body after its head, in pieces: the transport keeps at most about its
+        high-water mark beyond what the client took, rather than a copy of the whole body."""
+        transport, writer = self.transport, request.writer
+        writer.output_size += len(whole.body)
+        gone = False
         try:
             for piece in whole.pieces():
-                # The transport keeps at most about its high-water mark beyond what the client
-                # took, rather than a copy of the whole body.
                 await writer.drain()
-                if transport.is_closing():
+                if transport is None or transport.is_closing():
                     raise ConnectionResetError("the client is gone")
                 transport.write(piece)
-            await writer.drain()  # waits only while the transport has paused writing
+            await writer.drain()
         except ConnectionError:
-            self.log_access(request, resp, start_time)
-            return resp, True
+            gone = True
+        finally:
+            _written(resp)
         self.log_access(request, resp, start_time)
-        return resp, False
+        return resp, gone
 
     def _served(self, request: web.BaseRequest, status: int) -> None:
         """The response is out: the next byte starts a new head (unless it is unread body)."""
@@ -196,6 +201,11 @@ class GuardedHandler(web.RequestHandler):
         if self._head_started:  # RFC 9110 §15.5.9; a connection that sent nothing just closes
             transport.write(_REQUEST_TIMEOUT)
         self.force_close()
+
+
+def _written(resp: web.StreamResponse) -> None:
+    if type(resp) is NotifiedResponse:
+        resp.written()
 
 
 def _phrase(status: int) -> str:
