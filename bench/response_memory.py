@@ -222,7 +222,9 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--size", type=int, default=8 * MIB)
     parser.add_argument("--budget", type=int, default=None, help="limits.response_buffer")
-    parser.add_argument("--baseline", default=None, help="git revision (merge base with main)")
+    parser.add_argument(
+        "--baseline", default=None, help="git revision (merge base with main), or none"
+    )
     parser.add_argument("--backend", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.backend is not None:
@@ -241,9 +243,11 @@ def main() -> int:
     try:
         backend.wait_ready()
         baseline = args.baseline or _default_baseline()
-        with _worktree(baseline, work / "baseline") as source:
-            env = {"PYTHONPATH": str(source / "src")}
-            runs.append(_measure(f"baseline {baseline[:7]}", args, backend, work, env, digests))
+        if baseline != "none":
+            with _worktree(baseline, work / "baseline") as source:
+                env = {"PYTHONPATH": str(source / "src")}
+                label = f"baseline {baseline[:7]}"
+                runs.append(_measure(label, args, backend, work, env, digests))
         runs.append(_measure("budget off", args, backend, work, off, digests))
         label = f"budget {args.budget // MIB} MiB" if args.budget else "budget on (256 MiB)"
         runs.append(_measure(label, args, backend, work, on, digests))
