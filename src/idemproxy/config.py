@@ -275,6 +275,23 @@ class ReplayCacheSettings(BaseModel):
     ttl: float = Field(default=60.0, gt=0)
 
 
+class LimitsSettings(BaseModel):
+    """Per-process bounds on what many concurrent clients may make the proxy hold (SPEC §9)."""
+
+    model_config = _STRICT
+    # Bytes of response bodies held in memory at once (governed answers read for storing, their
+    # store writes, and the answers to their first clients); a body that does not fit waits in
+    # an unnamed temporary file instead (proxy/budget.py). Never a reason to refuse a request.
+    response_buffer: int = Field(default=c.DEFAULT_RESPONSE_BUFFER, ge=0)
+    # Client connections open at once; beyond it new ones wait in the kernel's listen backlog
+    # (proxy/gate.py). Each takes a file descriptor: keep it under the process's RLIMIT_NOFILE
+    # less pool.upstream_connections and pool.store_connections.
+    max_connections: int = Field(default=c.DEFAULT_MAX_CONNECTIONS, gt=0)
+    # Connections the kernel keeps waiting, accepted by it but not yet by the proxy (listen(2);
+    # Linux caps it at net.core.somaxconn).
+    backlog: int = Field(default=c.DEFAULT_BACKLOG, gt=0)
+
+
 class SweeperSettings(BaseModel):
     model_config = _STRICT
     interval: float = Field(default=60.0, gt=0)
@@ -350,6 +367,7 @@ class Settings(BaseSettings):
     server: ServerSettings = Field(default_factory=ServerSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sweeper: SweeperSettings = Field(default_factory=SweeperSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["plain", "json"] = "plain"

@@ -36,6 +36,10 @@ DEFAULT_UNREPLAYED_HEADERS: Final = ("set-cookie", "www-authenticate", "proxy-au
 DEFAULT_RELEASE_STATUSES: Final = (408, 425, 429, 503)
 DEFAULT_UNKNOWN_STATUSES: Final = (502, 504)
 
+# Media types of responses that are streams of events (SPEC §2 step 4): sent to the first client
+# as they arrive and stored once they end, rather than read whole before the client sees a byte.
+STREAMING_MEDIA_TYPES: Final = frozenset({"text/event-stream", "application/x-ndjson"})
+
 # Defaults (SPEC §9, §11, §12).
 DEFAULT_LISTEN: Final = "127.0.0.1:8080"
 DEFAULT_ADMIN_LISTEN: Final = "127.0.0.1:9090"
@@ -49,6 +53,10 @@ DEFAULT_MAX_REQUEST_BODY: Final = 10 * 1024 * 1024
 DEFAULT_MAX_STORED_BODY: Final = 8 * 1024 * 1024
 DEFAULT_MAX_WAITERS_PER_KEY: Final = 64
 DEFAULT_MAX_WAITERS: Final = 10_000
+# limits.response_buffer and limits.max_connections, per process (docs/operations.md, Memory).
+DEFAULT_RESPONSE_BUFFER: Final = 256 * 1024 * 1024
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+DEFAULT_BACKLOG: Final = 1024
 # server.workers: each worker holds its own store pool, so a typo must not open thousands.
 MAX_WORKERS: Final = 64
 DEFAULT_RETRY_AFTER_SECONDS: Final = 1

@@ -165,6 +165,21 @@ class Metrics:
             "Duplicates held right now, waiting for a job in flight.",
             registry=self.registry,
         )
+        self.response_buffer = Gauge(
+            f"{METRIC_PREFIX}_response_buffer_bytes",
+            "Response bytes held in memory right now, against limits.response_buffer.",
+            registry=self.registry,
+        )
+        self.replay_bodies = Gauge(
+            f"{METRIC_PREFIX}_replay_body_bytes",
+            "Bytes of large stored bodies being replayed right now (one copy per job).",
+            registry=self.registry,
+        )
+        self.client_connections = Gauge(
+            f"{METRIC_PREFIX}_client_connections",
+            "Client connections open right now, against limits.max_connections.",
+            registry=self.registry,
+        )
         self.unknown_jobs = Gauge(
             f"{METRIC_PREFIX}_unknown_jobs",
             "Jobs in state unknown, waiting for an operator.",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDict
 
-from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER
+from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, STREAMING_MEDIA_TYPES
 from idemproxy.decision import (
     Outcome,
     classify_breach,
@@ -28,6 +28,7 @@ from idemproxy.decision import (
 )
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.proxy.body import RequestBody
+from idemproxy.proxy.capture import Captured, answer, capture, tee
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamResponse
 from idemproxy.proxy.headers import headers_to_store, response_headers_for_client
@@ -64,7 +65,7 @@ class Failed:
     error: str | None
     problem: type[ProblemError] = UpstreamUnavailable
     # In a race, the upstream's own answer, for the client if no other attempt does better.
-    reply: web.Response | None = None
+    reply: web.StreamResponse | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +129,32 @@ async def _on_response(
             )
         # The next upstream answers instead: this one's body is not needed.
         return Failed(outcome, upstream.status, None)
-    content, whole = await UpstreamClient.read_body(upstream, ctx.settings.max_stored_body)
-    if outcome is Outcome.COMPLETE and route.gate is not None:
-        broken = route.gate.contract.violations(upstream.status, content if whole else None)
-        if broken:
-            return await _fail(ctx, attempt, _breach(attempt, upstream.status, broken))
-    if whole:
-        return await _finish_buffered(ctx, route, attempt, upstream, outcome, content)
-    return await _finish_streamed(ctx, request, route, attempt, upstream, outcome, content)
+    if _is_stream(upstream) and attempt.mode is not Mode.HEDGED and route.gate is None:
+        return await _finish_stream(ctx, request, route, attempt, upstream, outcome)
+    captured = await _capture(ctx, upstream)
+    try:
+        if outcome is Outcome.COMPLETE and route.gate is not None:
+            content = await captured.content() if captured.whole else None
+            broken = route.gate.contract.violations(upstream.status, content)
+            if broken:
+                captured.close()
+                return await _fail(ctx, attempt, _breach(attempt, upstream.status, broken))
+        if captured.whole:
+            return await _finish_buffered(ctx, route, attempt, upstream, outcome, captured)
+        return await _finish_streamed(ctx, request, route, attempt, upstream, outcome, captured)
+    except BaseException:
+        captured.close()
+        raise
+
+
+async def _capture(ctx: ProxyContext, upstream: UpstreamResponse) -> Captured:
+    """The body up to max_stored_body, within the response budget (proxy/capture.py). A body
+    declared larger is not waited for: it streams through at once (SPEC §7)."""
+    limit = ctx.settings.max_stored_body
+    declared = upstream.content_length
+    if declared is not None and declared > limit and upstream.method != "HEAD":
+        return Captured(ctx.budget)
+    return await capture(upstream, limit, ctx.budget)
 
 
 def _breach(attempt: Attempt, status: int, broken: list[str]) -> Failed:
@@ -156,18 +175,16 @@ def _breach(attempt: Attempt, status: int, broken: list[str]) -> Failed:
 
 async def _reply(
     ctx: ProxyContext, upstream: UpstreamResponse, attempt: Attempt
-) -> web.Response | None:
+) -> web.StreamResponse | None:
     try:
-        content, whole = await UpstreamClient.read_body(upstream, ctx.settings.max_stored_body)
+        captured = await capture(upstream, ctx.settings.max_stored_body, ctx.budget)
     except UpstreamFailure:
         return None
-    if not whole:
+    if not captured.whole:
+        captured.close()
         return None
-    return web.Response(
-        status=upstream.status,
-        reason=upstream.reason,
-        body=content,
-        headers=_client_headers(upstream, attempt.job),
+    return answer(
+        captured, upstream.status, upstream.reason, _client_headers(upstream, attempt.job)
     )
 
 
@@ -177,24 +194,22 @@ async def _finish_buffered(
     attempt: Attempt,
     upstream: UpstreamResponse,
     outcome: Outcome,
-    content: bytes,
+    captured: Captured,
 ) -> Step:
     # The outcome is stored before the client sees a byte: a client that retries after a lost
     # response always finds it.
     if outcome is Outcome.COMPLETE:
         headers = headers_to_store(upstream.headers, ctx.settings.unreplayed_headers)
-        stored = StoredResponse(upstream.status, headers, content)
+        stored = StoredResponse(upstream.status, headers, await captured.content())
         ctx.failpoints.hit("before_store")
         if not await completed(ctx, attempt, stored, route.ttl):
+            captured.close()
             return None
         ctx.failpoints.hit("after_store")
     else:
         await settle(ctx, attempt, Failed(outcome, upstream.status, None))
-    return web.Response(
-        status=upstream.status,
-        reason=upstream.reason,
-        body=content,
-        headers=_client_headers(upstream, attempt.job),
+    return answer(
+        captured, upstream.status, upstream.reason, _client_headers(upstream, attempt.job)
     )
 
 
@@ -205,7 +220,7 @@ async def _finish_streamed(
     attempt: Attempt,
     upstream: UpstreamResponse,
     outcome: Outcome,
-    head: bytes,
+    head: Captured,
 ) -> Step:
     """SPEC §7: a body over max_stored_body streams through in full and is not kept.
 
@@ -223,7 +238,10 @@ async def _finish_streamed(
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
     client = ClientSink(request, response)
-    await client.write(head)
+    await client.write(b"")  # the head goes out now, not with the first byte of the body
+    async for piece in head.pieces():
+        await client.write(piece)
+    head.close()
     try:
         async for chunk in UpstreamClient.iter_body(upstream):
             await client.write(chunk)
@@ -239,6 +257,49 @@ async def _finish_streamed(
     else:
         failed = Failed(outcome, upstream.status, None)
         await _after_head(attempt, settle(ctx, attempt, failed))
+    await client.finish()
+    return response
+
+
+def _is_stream(upstream: UpstreamResponse) -> bool:
+    media_type = upstream.headers.get("Content-Type", "").partition(";")[0]
+    return media_type.strip().lower() in STREAMING_MEDIA_TYPES
+
+
+async def _finish_stream(
+    ctx: ProxyContext,
+    request: web.Request,
+    route: Route,
+    attempt: Attempt,
+    upstream: UpstreamResponse,
+    outcome: Outcome,
+) -> Step:
+    """SPEC §2 step 4: a stream of events (server-sent events, NDJSON) reaches its client as it
+    arrives and is stored once it has ended (without its body when over max_stored_body). A
+    duplicate meanwhile is held, and gets the replay. Not in a race, whose winner must be
+    decided before a byte goes out, and not behind a contract gate, which needs the whole body.
+    """
+    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    response.headers.extend(_client_headers(upstream, attempt.job))
+    client = ClientSink(request, response)
+    await client.write(b"")  # the head goes out now
+    try:
+        kept = await tee(upstream, client, ctx.settings.max_stored_body, ctx.budget)
+    except UpstreamFailure as failure:
+        cut = Failed(Outcome.UNKNOWN, upstream.status, failure.reason)
+        await _after_head(attempt, settle(ctx, attempt, cut))
+        client.abort()
+        return response
+    try:
+        if outcome is Outcome.COMPLETE:
+            headers = headers_to_store(upstream.headers, ctx.settings.unreplayed_headers)
+            body = await kept.content() if kept.whole else None
+            stored = StoredResponse(upstream.status, headers, body)
+            await _after_head(attempt, completed(ctx, attempt, stored, route.ttl))
+        else:
+            await _after_head(attempt, settle(ctx, attempt, Failed(outcome, upstream.status, None)))
+    finally:
+        kept.close()
     await client.finish()
     return response
 

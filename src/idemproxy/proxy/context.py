@@ -12,8 +12,10 @@ from idemproxy.config import Settings
 from idemproxy.decision import Policy, StatusPolicy
 from idemproxy.metrics import Metrics
 from idemproxy.owner import OwnerPolicy
+from idemproxy.proxy.budget import ResponseBudget
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
+from idemproxy.proxy.replay import SharedBodies
 from idemproxy.proxy.routing import RouteTable
 from idemproxy.proxy.unsent import UnsentClaims
 from idemproxy.proxy.unwritten import UnwrittenOutcomes
@@ -36,6 +38,10 @@ class ProxyContext:
     unsent: UnsentClaims
     # Attempt outcomes the store could not take (503 after forwarding): written when it answers.
     unwritten: UnwrittenOutcomes
+    # Response bytes held in memory, for this process (proxy/budget.py).
+    budget: ResponseBudget
+    # Large stored bodies being replayed, one copy per job (proxy/replay.py).
+    replays: SharedBodies
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -56,6 +62,7 @@ class ProxyContext:
     ) -> ProxyContext:
         failpoints = failpoints or Failpoints(None)
         metrics = metrics or Metrics()
+        budget = _budget(settings, metrics)
         return cls(
             settings=settings,
             store=store,
@@ -72,7 +79,21 @@ class ProxyContext:
             metrics=metrics,
             unsent=UnsentClaims(store, metrics.unsent_outcome, lease=settings.lease),
             unwritten=UnwrittenOutcomes(store, metrics.unwritten_outcome),
+            budget=budget,
+            replays=_replays(budget, metrics),
         )
+
+
+def _budget(settings: Settings, metrics: Metrics) -> ResponseBudget:
+    budget = ResponseBudget(settings.limits.response_buffer)
+    metrics.response_buffer.set_function(lambda: budget.used)
+    return budget
+
+
+def _replays(budget: ResponseBudget, metrics: Metrics) -> SharedBodies:
+    shared = SharedBodies(budget)
+    metrics.replay_bodies.set_function(lambda: shared.size)
+    return shared
 
 
 CONTEXT = web.AppKey("idemproxy.context", ProxyContext)

@@ -87,7 +87,7 @@ async def handle_governed(
         decision = decide(job, intent.fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
         if isinstance(decision, Replay):
             trace.replayed(job.id)
-            return replay_response(job.id, decision.response)
+            return replay_response(job.id, decision.response, ctx.replays)
         if isinstance(decision, Reject):
             raise decision.problem()
         if isinstance(decision, Hold):

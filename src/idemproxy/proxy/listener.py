@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -31,9 +32,11 @@ from idemproxy.config import ServerSettings, parse_listen
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import RequestTimeout
 from idemproxy.proxy.any_path import RequestHandler, direct_handler
+from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.deadline import Deadline
+from idemproxy.proxy.gate import ConnectionGate, listening_sockets
 from idemproxy.proxy.problems import problem_response
-from idemproxy.proxy.whole import WholeResponse, mark_sent, serialise_whole
+from idemproxy.proxy.whole import NotifiedResponse, WholeResponse, mark_sent, serialise_whole
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +51,11 @@ class GuardedHandler(web.RequestHandler):
         loop: asyncio.AbstractEventLoop,
         header_timeout: float,
         request_handler: RequestHandler | None = None,
+        on_closed: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, loop=loop, **kwargs)
+        self._on_closed = on_closed  # the connection gate's count (proxy/gate.py)
         if request_handler is not None:  # instead of the app's router (any_path.direct_handler)
             self._request_handler = request_handler  # type: ignore[assignment]
         self._header_timeout = header_timeout
@@ -73,6 +78,8 @@ class GuardedHandler(web.RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._head_deadline.close()
+        if self._on_closed is not None:
+            self._on_closed()
         super().connection_lost(exc)
 
     def close_when_idle(self) -> None:
@@ -120,14 +127,43 @@ class GuardedHandler(web.RequestHandler):
         mark_sent(resp, whole.keep_alive)
         transport = self.transport
         if transport is None or transport.is_closing():
+            _written(resp)
             self.log_access(request, resp, start_time)
             return resp, True  # the client is gone: aiohttp stops serving the connection
         transport.write(whole.data)
         writer = request.writer
         writer.output_size += len(whole.data)
+        if whole.body:
+            return await self._write_large(request, resp, start_time, whole)
         await writer.drain()  # waits only while the transport has paused writing
         self.log_access(request, resp, start_time)
         return resp, False
+
+    async def _write_large(
+        self,
+        request: web.BaseRequest,
+        resp: web.StreamResponse,
+        start_time: float | None,
+        whole: WholeResponse,
+    ) -> tuple[web.StreamResponse, bool]:
+        """A large body after its head, in pieces: the transport keeps at most about its
+        high-water mark beyond what the client took, rather than a copy of the whole body."""
+        transport, writer = self.transport, request.writer
+        writer.output_size += len(whole.body)
+        gone = False
+        try:
+            for piece in whole.pieces():
+                await writer.drain()
+                if transport is None or transport.is_closing():
+                    raise ConnectionResetError("the client is gone")
+                transport.write(piece)
+            await writer.drain()
+        except ConnectionError:
+            gone = True
+        finally:
+            _written(resp)
+        self.log_access(request, resp, start_time)
+        return resp, gone
 
     def _served(self, request: web.BaseRequest, status: int) -> None:
         """The response is out: the next byte starts a new head (unless it is unread body)."""
@@ -182,6 +218,11 @@ class GuardedHandler(web.RequestHandler):
         if self._head_started:  # RFC 9110 §15.5.9; a connection that sent nothing just closes
             transport.write(_REQUEST_TIMEOUT)
         self.force_close()
+
+
+def _written(resp: web.StreamResponse) -> None:
+    if type(resp) is NotifiedResponse:
+        resp.written()
 
 
 def _phrase(status: int) -> str:
@@ -258,19 +299,24 @@ class GuardedSite(web.BaseSite):
         # arguments and the app's handler_args), plus the deadline and the header-count bound.
         kwargs = {**server._kwargs, "max_headers": self._settings.max_headers}
         header_timeout = self._settings.header_read_timeout
-        handler = direct_handler(self._app_runner.app)
+        app = self._app_runner.app
+        handler = direct_handler(app)
+        ctx = app[CONTEXT]
+        limits = ctx.settings.limits
 
-        def protocol() -> GuardedHandler:
+        def protocol(closed: Callable[[], None]) -> GuardedHandler:
             return GuardedHandler(
-                server, loop=loop, header_timeout=header_timeout, request_handler=handler, **kwargs
+                server,
+                loop=loop,
+                header_timeout=header_timeout,
+                request_handler=handler,
+                on_closed=closed,
+                **kwargs,
             )
 
-        # An address in use is one line for the operator (server._listening), not a traceback.
-        self._server = await loop.create_server(
-            protocol,
-            self._host,
-            self._port,
-            backlog=self._backlog,
-            reuse_address=True,
-            reuse_port=self._reuse_port or None,
+        sockets = listening_sockets(
+            self._host, self._port, backlog=limits.backlog, reuse_port=self._reuse_port
         )
+        gate = ConnectionGate(list(sockets), protocol, limits.max_connections)
+        ctx.metrics.client_connections.set_function(lambda: gate.open)
+        self._server = gate

@@ -22,7 +22,8 @@ from idemproxy.proxy.sink import abort
 from idemproxy.proxy.trusted import is_trusted
 
 log = logging.getLogger(__name__)
-# Bodies up to this size with a declared length are read whole rather than streamed.
+# Request bodies up to this size with a declared length are read whole rather than streamed;
+# responses up to it that arrived whole with their head go out in one write.
 SMALL_BODY = 64 * 1024
 
 
@@ -76,8 +77,11 @@ async def passthrough(
             data,
             content_length=length,
         ) as upstream:
-            # A HEAD response declares the length of a body it does not carry: stream it.
-            if _small(upstream.content_length) and request.method != "HEAD":
+            # Only a body that arrived whole with its head goes out in one write; one still on
+            # its way streams, so the client gets the head and what came at once, as it would
+            # from the upstream directly. A HEAD response declares the length of a body it does
+            # not carry: stream it.
+            if upstream.complete and _small(upstream.content_length) and request.method != "HEAD":
                 content, _ = await UpstreamClient.read_body(upstream, SMALL_BODY)
                 return _buffered(upstream, content)
             response = web.StreamResponse()

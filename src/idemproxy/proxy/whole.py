@@ -13,7 +13,10 @@ a declared Content-Length, a Connection header of the handler's) goes aiohttp's 
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
 from aiohttp.helpers import rfc822_formatted_time
@@ -21,6 +24,10 @@ from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.http_writer import _serialize_headers
 from multidict import CIMultiDict
 
+# A larger body is not copied behind its head: it goes out after it, in pieces (memoryviews of
+# the one bytes object, so a replay of a large stored body costs no copy of it).
+ONE_WRITE_BODY = 64 * 1024
+_PIECE = 256 * 1024
 # RFC 9110 §6.4.1, §15.3.5, §15.4.5: no content with these (aiohttp's `must_be_empty_body`).
 _WITHOUT_CONTENT = frozenset({204, 304})
 _VERSIONS = (HttpVersion11, HttpVersion10)
@@ -28,10 +35,16 @@ _VERSIONS = (HttpVersion11, HttpVersion10)
 
 @dataclass(frozen=True, slots=True)
 class WholeResponse:
-    """The response's bytes, and whether the connection stays open after it."""
+    """The response's bytes (the head and a small body, then a large body on its own), and
+    whether the connection stays open after it."""
 
     data: bytes
     keep_alive: bool
+    body: bytes = b""
+
+    def pieces(self) -> list[memoryview]:
+        view = memoryview(self.body)
+        return [view[start : start + _PIECE] for start in range(0, len(view), _PIECE)]
 
 
 def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> WholeResponse | None:
@@ -42,7 +55,9 @@ def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> W
     (RFC 9110 §8.3), Date, Server, and `Connection: keep-alive` (HTTP/1.0) or `close` (HTTP/1.1)
     where the connection's persistence differs from the version's default (RFC 9112 §9.3).
     """
-    if type(response) is not web.Response or response.prepared:
+    if (type(response) is not web.Response and type(response) is not NotifiedResponse) or (
+        response.prepared
+    ):
         return None
     body = response.body
     if body is None:
@@ -76,7 +91,10 @@ def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> W
     elif version == HttpVersion11:
         headers[hdrs.CONNECTION] = "close"
     status_line = f"HTTP/{version.major}.{version.minor} {response.status} {response.reason}"
-    return WholeResponse(_serialize_headers(status_line, headers) + body, keep_alive)
+    head = _serialize_headers(status_line, headers)
+    if len(body) > ONE_WRITE_BODY:
+        return WholeResponse(head, keep_alive, body)
+    return WholeResponse(head + body, keep_alive)
 
 
 def _framed(headers: CIMultiDict[str]) -> bool:
@@ -93,3 +111,31 @@ def mark_sent(response: web.StreamResponse, keep_alive: bool) -> None:
     persistence its connection loop reads (`resp.keep_alive`) decided."""
     response._keep_alive = keep_alive
     response._eof_sent = True
+
+
+class NotifiedResponse(web.Response):
+    """A complete response whose `done` runs once when it has been written, by either path, or
+    when it is dropped unsent: what it holds (a budget's bytes, a shared body) is given back."""
+
+    def __init__(self, *, done: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.written = _once(done)
+        weakref.finalize(self, self.written)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        try:
+            await super().write_eof(data)
+        finally:
+            self.written()
+
+
+def _once(done: Callable[[], None]) -> Callable[[], None]:
+    ran = False
+
+    def once() -> None:
+        nonlocal ran
+        if not ran:
+            ran = True
+            done()
+
+    return once

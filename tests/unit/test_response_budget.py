@@ -1,0 +1,69 @@
+"""proxy/budget.py: the response budget's accounting, order and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+from idemproxy.proxy.budget import Held, ResponseBudget
+
+
+async def test_try_take_never_waits_and_never_exceeds_the_limit() -> None:
+    budget = ResponseBudget(10)
+    assert budget.try_take(6)
+    assert not budget.try_take(5)
+    assert budget.try_take(4)
+    assert budget.used == 10
+    budget.give_back(10)
+    assert budget.used == 0
+
+
+async def test_take_waits_for_room_first_come_first_served() -> None:
+    budget = ResponseBudget(10)
+    assert budget.try_take(8)
+    order: list[str] = []
+
+    async def take(name: str, size: int) -> None:
+        await budget.take(size)
+        order.append(name)
+
+    first = asyncio.create_task(take("first", 5))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(take("second", 1))
+    await asyncio.sleep(0)
+    # The second would fit now, but waits behind the first; nor may try_take jump the queue.
+    assert order == [] and not budget.try_take(1)
+    budget.give_back(8)
+    await asyncio.gather(first, second)
+    assert order == ["first", "second"] and budget.used == 6
+
+
+async def test_a_body_larger_than_the_budget_goes_alone() -> None:
+    budget = ResponseBudget(4)
+    assert budget.try_take(1)
+    waiting = asyncio.create_task(budget.take(9))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    budget.give_back(1)
+    await waiting
+    assert budget.used == 9
+
+
+async def test_a_waiter_cancelled_before_its_turn_takes_nothing_and_lets_the_next_in() -> None:
+    budget = ResponseBudget(10)
+    assert budget.try_take(10)
+    big = asyncio.create_task(budget.take(10))
+    small = asyncio.create_task(budget.take(2))
+    await asyncio.sleep(0)
+    big.cancel()
+    budget.give_back(3)
+    await small
+    assert big.cancelled() and budget.used == 9
+
+
+async def test_held_gives_back_exactly_once() -> None:
+    budget = ResponseBudget(10)
+    held = Held(budget)
+    assert held.add(4) and held.add(3) and not held.add(4)
+    held.release()
+    held.release()
+    assert budget.used == 0 and held.size == 0
