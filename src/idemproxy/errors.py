@@ -14,6 +14,7 @@
     │   ├── BodyTooLarge            413 body-too-large
     │   ├── UpstreamUnavailable     502 upstream-unavailable
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
+    │   │   └── StoreRefused        the same answer; the store refused this write's data
     │   ├── TooManyWaiters          503 too-many-waiters + Retry-After
     │   ├── UpstreamTimeout         504 upstream-timeout
     │   └── OperatorError           the admin jobs API and `idemproxy jobs` (SPEC §3.3, §13)
@@ -127,6 +128,16 @@ class StoreUnavailable(ProblemError):
 
     code, status, title = "store-unavailable", 503, "Store unavailable"
     retry_after = 1
+
+
+class StoreRefused(StoreUnavailable):
+    """The idempotency store is unavailable; the request was not forwarded."""
+
+    # The client's answer is a StoreUnavailable's (SPEC §11: no driver text). The difference
+    # is for the proxy's follow-ups (proxy/followups.py): the store is there and refused this
+    # statement for its data (PostgreSQL SQLSTATE classes 22, 23 and 54, SQLite's DataError
+    # and IntegrityError). Trying it again gets the same refusal, and says nothing about the
+    # store's health.
 
 
 class TooManyWaiters(ProblemError):

@@ -59,9 +59,10 @@ REQUEST_OUTCOMES = (
 )
 ATTEMPT_OUTCOMES = ("succeeded", "failed", "unknown", "discarded")
 # What became of a claim that failed at the proxy (proxy/unsent.py).
-UNSENT_OUTCOMES = ("released", "not_committed", "moved_on", "dropped")
+# "refused": the store refused the write for its data (StoreRefused), final (proxy/followups.py).
+UNSENT_OUTCOMES = ("released", "not_committed", "moved_on", "dropped", "refused")
 # What became of an attempt's outcome that the store could not take (proxy/unwritten.py).
-UNWRITTEN_OUTCOMES = ("written", "moved_on", "dropped")
+UNWRITTEN_OUTCOMES = ("written", "moved_on", "dropped", "refused")
 # Sub-millisecond store calls up to upstream timeouts.
 _LATENCY_BUCKETS = (
     0.0005,
@@ -122,6 +123,12 @@ class Metrics:
             "Attempt outcomes the store could not take (503 after forwarding), by what became "
             "of them (proxy/unwritten.py).",
             ["outcome"],
+        )
+        self.upstream_headers_dropped = self._counter(
+            "upstream_headers_dropped",
+            "Upstream response header fields left out for a control character in their value "
+            "(SPEC §10).",
+            [],
         )
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
 
+from idemproxy.store.header_json import pairs_to_json
 from idemproxy.types import Attempt, Job, StoredResponse
 
 JsonObject = dict[str, Any]
@@ -60,7 +61,9 @@ def response_to_json(response: StoredResponse | None) -> JsonObject | None:
         return None
     view: JsonObject = {
         "status": response.status,
-        "headers": [[name, value] for name, value in response.headers],
+        # A pair with bytes that are not UTF-8 (obs-text) comes as [name, value, "latin-1"]:
+        # JSON can not carry them otherwise (store/header_json.py).
+        "headers": pairs_to_json(response.headers),
         "omitted": response.omitted,
     }
     if response.body is not None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiosqlite
 
-from idemproxy.errors import StoreUnavailable
+from idemproxy.errors import StoreRefused, StoreUnavailable
 from idemproxy.store.base import Store, settle_states
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import attempt_from_row, encode_headers, job_from_row
@@ -379,6 +379,8 @@ async def _translate() -> AsyncIterator[None]:
     """The one place where sqlite3's errors become `StoreUnavailable` (STYLE §4)."""
     try:
         yield
+    except (sqlite3.DataError, sqlite3.IntegrityError) as exc:
+        raise StoreRefused() from exc  # this statement's data, not the store's health
     except (sqlite3.Error, ValueError) as exc:
         raise StoreUnavailable() from exc
 
