@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+from hypothesis import HealthCheck, Phase, event, example, given, settings
+from hypothesis import strategies as st
 
 from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
 from idemproxy.metrics import Metrics
@@ -101,6 +103,7 @@ async def exchange(client: TestClient[Any, Any], request: bytes) -> Answer:
         writer.close()
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
+    assert data, "the proxy closed the connection without an answer"
     head, _, rest = data.partition(b"\r\n\r\n")
     status_line, *lines = head.split(b"\r\n")
     fields: Fields = []
@@ -337,3 +340,120 @@ async def test_a_nul_in_a_field_is_refused_and_the_job_settled_unknown(
     job = await client.server.app[CONTEXT].store.get("anonymous", key)
     assert job is not None and job.state is JobState.UNKNOWN
     assert (await exchange(client, post(b"pay"))).status == 502
+
+
+# --- the invariant: byte fidelity (property) ------------------------------------------------
+
+# Every byte a field value may hold on the wire of a response head is drawn: all but CR and LF,
+# which end the field (the parser refuses a lone CR).
+_OWS = b" \t"
+_CONTROLS = frozenset([*range(0x20), 0x7F]) - {0x09}
+# Bodies over this stream to the first client and are not kept: both answer paths are drawn.
+_MAX_STORED = 100
+
+
+@dataclass(frozen=True)
+class Sent:
+    """An upstream's response: its end-to-end fields, body, and how the body is framed."""
+
+    fields: Fields
+    body: bytes
+    chunked: bool
+
+    @property
+    def refused(self) -> bool:
+        """NUL anywhere in a value: RFC 9110 §5.5, the whole response is refused."""
+        return any(0 in value for _, value in self.fields)
+
+    def expected(self) -> Fields:
+        """What the client must get: each value without its surrounding whitespace (RFC 9110
+        §5.5: not part of the value), a field with a control character left out (SPEC §10)."""
+        stripped = [(name, value.strip(_OWS)) for name, value in self.fields]
+        return [(n, v) for n, v in stripped if not _CONTROLS.intersection(v)]
+
+
+_ACCEPTED = st.sampled_from([0x09, 0x20, *range(0x21, 0x7F), *range(0x80, 0x100)])
+# NUL refuses the whole response, any other one leaves its field out.
+_CONTROL = st.sampled_from(sorted(_CONTROLS))
+
+
+@st.composite
+def _with_control(draw: st.DrawFn) -> bytes:
+    value = draw(st.lists(_ACCEPTED, max_size=16))
+    value.insert(draw(st.integers(0, len(value))), draw(_CONTROL))
+    return bytes(value)
+
+
+@st.composite
+def responses(draw: st.DrawFn) -> Sent:
+    """Mostly values of obs-text, HTAB and visible ASCII, now and then a control character;
+    bodies below and above max_stored_body."""
+    accepted = st.lists(_ACCEPTED, max_size=24).map(bytes)
+    values = st.one_of(accepted, accepted, accepted, accepted, _with_control())
+    drawn = draw(st.lists(values, max_size=6))
+    fields = [(b"Content-Type", b"application/octet-stream")]
+    fields += [(b"X-P%d" % i, value) for i, value in enumerate(drawn)]
+    large = st.binary(min_size=_MAX_STORED + 1, max_size=4000)
+    body = st.one_of(st.binary(max_size=_MAX_STORED), large)
+    return Sent(fields, draw(body), draw(st.booleans()))
+
+
+def _describe(sent: Sent) -> None:
+    """What the examples covered (--hypothesis-show-statistics)."""
+    values = b"".join(value for _, value in sent.fields)
+    event("refused (NUL)" if sent.refused else "delivered")
+    event(f"a field left out: {len(sent.expected()) < len(sent.fields)}")
+    event(f"obs-text: {any(b >= 0x80 for b in values)}")
+    event(f"streamed first answer: {len(sent.body) > _MAX_STORED}")
+    event(f"chunked: {sent.chunked}")
+
+
+def _assert_delivered(answer: Answer, sent: Sent, *, stored_body: bool = True) -> None:
+    assert answer.status == 200, answer
+    assert answer.upstream_fields() == sent.expected()
+    assert answer.body == (sent.body if stored_body else b"")
+
+
+@pytest.fixture
+async def fidelity_client(
+    store_options: dict[str, Any], make_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> TestClient[Any, Any]:
+    options = {**store_options, "max_stored_body": _MAX_STORED}
+    return await make_proxy(upstream=raw_upstream.url, **options)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    # One proxy and upstream for all examples; no shrinking (each try is four exchanges, and
+    # the first falsifying example is reported as drawn).
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+@given(sent=responses())
+@example(sent=Sent([*OBS_TEXT[:2], (b"X-Ctl", b"a\x01b")], b"\xe9", chunked=False))
+@example(sent=Sent([*OBS_TEXT[:2], (b"X-Nul", b"a\x00b")], b"ok", chunked=True))
+async def test_every_accepted_byte_reaches_the_client_on_every_path(
+    fidelity_client: TestClient[Any, Any], raw_upstream: RawUpstream, sent: Sent
+) -> None:
+    """Pass-through, first answer and two replays (from the store, then any cache): exactly
+    the upstream's bytes, or, for a response the proxy refuses, a 502 and a settled job."""
+    client = fidelity_client
+    _describe(sent)
+    raw_upstream.response = upstream_answer(sent.fields, sent.body, chunked=sent.chunked)
+    passed = await exchange(client, post(b"pay"))
+    key = new_key()
+    first = await exchange(client, post(b"pay", key))
+    replays = [await exchange(client, post(b"pay", key)) for _ in range(2)]
+    if sent.refused:
+        assert passed.status == first.status == 502, (passed, first)
+        assert first.get(b"Idempotency-Error") == b"upstream-unavailable"
+        for replay in replays:  # SPEC §3.2: settled unknown, never run again
+            assert replay.status == 409 and replay.get(b"Idempotency-Error") == b"outcome-unknown"
+        return
+    _assert_delivered(passed, sent)
+    _assert_delivered(first, sent)
+    kept = len(sent.body) <= _MAX_STORED
+    for replay in replays:
+        assert replay.get(REPLAYED_HEADER.encode()) == b"true", replay
+        _assert_delivered(replay, sent, stored_body=kept)
