@@ -110,6 +110,15 @@ async def _try_once(
     return classify(answer.status, answer.error_code)
 
 
+def _text(value: str | None) -> str | None:
+    """A header value as text a result line can hold (SPEC §14: strict JSON, UTF-8). aiohttp
+    decodes a byte that is not UTF-8 (obs-text, RFC 9110 §5.5) as a lone surrogate, which no
+    UTF-8 file takes; it is recorded as U+FFFD."""
+    if value is None or value.isascii():
+        return value
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: float) -> Answer:
     async with session.request(
         request.item.method,
@@ -122,10 +131,10 @@ async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: f
         body = await response.read()
         return Answer(
             status=response.status,
-            error_code=response.headers.get(ERROR_HEADER),
+            error_code=_text(response.headers.get(ERROR_HEADER)),
             replayed=response.headers.get(REPLAYED_HEADER, "").lower() == "true",
             retry_after=retry_after_seconds(response.headers.get("Retry-After")),
-            content_type=response.headers.get("Content-Type"),
+            content_type=_text(response.headers.get("Content-Type")),
             body=body,
         )
 
