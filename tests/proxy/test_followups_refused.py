@@ -24,8 +24,6 @@ from idemproxy.types import Claimed, Intent, JobState, StoredResponse
 
 from .support import eventually
 
-pytestmark = pytest.mark.postgres
-
 # PostgreSQL's jsonb has no NUL in a string: `\u0000` is refused (SQLSTATE 22P05). The proxy
 # never stores one (an upstream's NUL refuses its response); here it stands for any write
 # whose data the store will not take, whatever the wait.
@@ -34,7 +32,7 @@ FINE = StoredResponse(201, (("Content-Type", "text/plain"),), b"written back")
 
 
 @pytest.fixture
-async def store(pg_dsn: str) -> AsyncIterator[Store]:
+async def pg_store(pg_dsn: str) -> AsyncIterator[Store]:
     store = create_store(pg_dsn)
     await store.open()
     await store.migrate()
@@ -58,15 +56,19 @@ def _counted(metrics: Metrics, outcome: str) -> float:
     return value or 0.0
 
 
-async def test_the_store_refusing_one_write_is_a_store_refused(store: Store) -> None:
+@pytest.mark.postgres
+async def test_the_store_refusing_one_write_is_a_store_refused(pg_store: Store) -> None:
+    store = pg_store
     claimed = await _claimed(store, "refused")
     with pytest.raises(StoreRefused):
         await store.complete(claimed.job, claimed.attempt, REFUSED, ttl=60.0)
 
 
+@pytest.mark.postgres
 async def test_a_refused_outcome_is_given_up_and_another_jobs_outcome_still_written(
-    store: Store, caplog: pytest.LogCaptureFixture
+    pg_store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
+    store = pg_store
     metrics = Metrics()
     refused = await _claimed(store, "refused")
     fine = await _claimed(store, "fine")
@@ -85,3 +87,11 @@ async def test_a_refused_outcome_is_given_up_and_another_jobs_outcome_still_writ
     assert left is not None and left.state is JobState.IN_FLIGHT  # to its lease, then unknown
     assert (_counted(metrics, "refused"), _counted(metrics, "written")) == (1, 1)
     assert f"the follow-up of job {refused.job.id} was refused by the store" in caplog.text
+
+
+async def test_a_text_no_store_can_hold_is_refused_on_both_stores(store: Store) -> None:
+    """A lone surrogate (a byte that is not UTF-8, decoded with surrogateescape) in a text
+    column: asyncpg and sqlite3 cannot encode it. Refused, never a store outage."""
+    claimed = await _claimed(store, "text")
+    with pytest.raises(StoreRefused):
+        await store.settle(claimed.job, claimed.attempt, JobState.RELEASED, error="\udce9")

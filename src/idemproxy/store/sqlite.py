@@ -379,8 +379,9 @@ async def _translate() -> AsyncIterator[None]:
     """The one place where sqlite3's errors become `StoreUnavailable` (STYLE §4)."""
     try:
         yield
-    except (sqlite3.DataError, sqlite3.IntegrityError) as exc:
-        raise StoreRefused() from exc  # this statement's data, not the store's health
+    except (sqlite3.DataError, sqlite3.IntegrityError, UnicodeError) as exc:
+        # This statement's data (a text that is not UTF-8 among them), not the store's health.
+        raise StoreRefused() from exc
     except (sqlite3.Error, ValueError) as exc:
         raise StoreUnavailable() from exc
 
