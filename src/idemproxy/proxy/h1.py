@@ -47,6 +47,9 @@ ONE_WRITE = 16 * 1024  # up to this size head and body are joined into one write
 # character makes it invalid. NUL, CR and LF make the whole message invalid ("MUST reject").
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _FATAL_CONTROL = re.compile(rb"[\x00\r\n]")
+# The fields that frame the body: one with any control character is refused, never left out
+# (llhttp would frame the body by what is left, a peer of the upstream by something else).
+_FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding"})
 
 
 class UpstreamFailure(Exception):
@@ -164,8 +167,8 @@ class UpstreamResponse:
         # and in lenient mode lets control characters through, which would reach the client.
         value = value.rstrip(b" \t")
         if _CONTROL.search(value) is not None:
-            if _FATAL_CONTROL.search(value) is not None:
-                raise ValueError("NUL, CR or LF in an upstream header")  # refused (SPEC §10)
+            if _FATAL_CONTROL.search(value) or name.lower() in _FRAMING_FIELDS:
+                raise ValueError("a control character in an upstream header")  # SPEC §10
             # SPEC §10: invalid, but harmless to the framing; refusing the response would turn
             # an executed request into an unknown outcome. The field is dropped and counted.
             self.dropped_headers.append(name.decode("latin-1"))
