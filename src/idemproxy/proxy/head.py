@@ -9,9 +9,10 @@ the client as `X-Name: caf`), its Python version raises. RFC 9110 §5.5 allows o
 the proxy's listener is serialised here, with the codec the bytes were decoded with. A head that
 is all ASCII (nearly all of them) still goes through aiohttp's serializer: the same bytes.
 
-Private aiohttp surface used here: `http_writer._serialize_headers` and the two fields that
-`StreamWriter.write_headers` sets (`_headers_buf`, `_headers_written`); the byte-fidelity tests
-(tests/proxy/test_header_bytes.py) would fail were they renamed.
+Private aiohttp surface used here: `http_writer._serialize_headers`, `StreamWriter._write` and
+the two fields that `StreamWriter.write_headers` sets since 3.12 (`_headers_buf`,
+`_headers_written`); the byte-fidelity tests (tests/proxy/test_header_bytes.py) would fail were
+they renamed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import re
 from aiohttp.http_writer import StreamWriter, _serialize_headers
 from multidict import CIMultiDict
 
+# Since aiohttp 3.12 the writer holds the head back to send it with the first body bytes.
+_HELD_BACK = hasattr(StreamWriter, "send_headers")
 # RFC 9110 §5.5, RFC 9112 §4: what aiohttp's serializer refuses in a status line or field (a
 # response split into two by a CR or LF of a value).
 _FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -50,5 +53,9 @@ class HeadWriter(StreamWriter):
         # or until `send_headers`.
         if self._on_headers_sent is not None:
             await self._on_headers_sent(headers)
+        head = serialise_head(status_line, headers)
+        if not _HELD_BACK:
+            self._write(head)  # aiohttp before 3.12 wrote it at once
+            return
         self._headers_written = False
-        self._headers_buf = serialise_head(status_line, headers)
+        self._headers_buf = head
