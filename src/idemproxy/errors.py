@@ -18,6 +18,7 @@
     │   ├── UpstreamUnavailable     502 upstream-unavailable
     │   ├── ContractViolation       502 contract-violation
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
+    │   │   └── StoreRefused        the same answer; the store refused this write's data
     │   ├── TooManyWaiters          503 too-many-waiters + Retry-After
     │   ├── ShuttingDown            503 shutting-down + Retry-After (and Connection: close)
     │   ├── UpstreamTimeout         504 upstream-timeout
@@ -166,6 +167,17 @@ class StoreUnavailable(ProblemError):
 
     code, status, title = "store-unavailable", 503, "Store unavailable"
     retry_after = 1
+
+
+class StoreRefused(StoreUnavailable):
+    """The idempotency store is unavailable; the request was not forwarded."""
+
+    # The client's answer is a StoreUnavailable's (SPEC §11: no driver text). The difference
+    # is for the proxy's follow-ups (proxy/followups.py): the store is there and refused this
+    # statement for its data (PostgreSQL SQLSTATE classes 22, 23 and 54, asyncpg's own
+    # DataError for a value it cannot encode; SQLite's DataError and IntegrityError, a text
+    # that is not UTF-8). Trying it again gets the same refusal, and says nothing about the
+    # store's health.
 
 
 class TooManyWaiters(ProblemError):

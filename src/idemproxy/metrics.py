@@ -59,9 +59,10 @@ REQUEST_OUTCOMES = (
 )
 ATTEMPT_OUTCOMES = ("succeeded", "failed", "unknown", "discarded")
 # What became of a claim that failed at the proxy (proxy/unsent.py).
-UNSENT_OUTCOMES = ("released", "not_committed", "moved_on", "dropped")
+# "refused": the store refused the write for its data (StoreRefused), final (proxy/followups.py).
+UNSENT_OUTCOMES = ("released", "not_committed", "moved_on", "dropped", "refused")
 # What became of an attempt's outcome that the store could not take (proxy/unwritten.py).
-UNWRITTEN_OUTCOMES = ("written", "moved_on", "dropped")
+UNWRITTEN_OUTCOMES = ("written", "moved_on", "dropped", "refused")
 # Where a client hung up (proxy/hangups.py).
 DISCONNECT_STAGES = ("request_body", "response")
 # Sub-millisecond store calls up to upstream timeouts.
@@ -142,6 +143,12 @@ class Metrics:
             "Clients that hung up mid-request, by stage: request_body (before it was complete; "
             "never claimed) or response (during a pass-through response).",
             ["stage"],
+        )
+        self.upstream_headers_dropped = self._counter(
+            "upstream_headers_dropped",
+            "Upstream response header fields left out for a control character in their value "
+            "(SPEC §10).",
+            [],
         )
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]

@@ -13,7 +13,13 @@ from idemproxy.types import Job, JobState, StoredResponse
 
 OWNER = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 BODY = b"\x00\xff\n\r\n not utf-8 \x80\xc3\x28\n"
-HEADERS = (("Content-Type", "application/octet-stream"), ("X-Dup", "a"), ("x-dup", "b"))
+HEADERS = (
+    ("Content-Type", "application/octet-stream"),
+    ("X-Dup", "a"),
+    ("x-dup", "b"),
+    # obs-text as proxy/h1.py decodes it (SPEC §7): stored and replayed byte for byte.
+    ("X-Name", b"caf\xe9 \xff".decode("utf-8", "surrogateescape")),
+)
 
 
 def _job(body: bytes | None = BODY) -> Job:

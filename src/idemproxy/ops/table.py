@@ -90,7 +90,7 @@ def _response_line(job: JsonObject) -> str:
 def _response_details(response: JsonObject | None) -> list[str]:
     if response is None:
         return []
-    lines = [f"  {name}: {_cell(value)}" for name, value in response["headers"]]
+    lines = [f"  {pair[0]}: {_cell(pair[1])}" for pair in response["headers"]]
     if response["omitted"]:
         lines.append("  (body not stored: it was over max_stored_body)")
     elif "body" in response:

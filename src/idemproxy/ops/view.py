@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from idemproxy.redact import redact_url
+from idemproxy.store.header_json import pairs_to_json
 from idemproxy.types import Attempt, Job, StoredResponse
 
 JsonObject = dict[str, Any]
@@ -71,7 +72,9 @@ def response_to_json(response: StoredResponse | None) -> JsonObject | None:
         return None
     view: JsonObject = {
         "status": response.status,
-        "headers": [[name, value] for name, value in response.headers],
+        # A pair with bytes that are not UTF-8 (obs-text) comes as [name, value, "latin-1"]:
+        # JSON can not carry them otherwise (store/header_json.py).
+        "headers": pairs_to_json(response.headers),
         "omitted": response.omitted,
     }
     if response.body is not None:

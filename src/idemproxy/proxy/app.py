@@ -58,7 +58,7 @@ def _lifecycle(
         async with contextlib.AsyncExitStack() as stack:
             store = injected or await _own_store(settings, stack)
             failpoints = Failpoints.from_env()
-            upstream = _upstream_client(settings, failpoints)
+            upstream = _upstream_client(settings, failpoints, metrics)
             await upstream.open()
             stack.push_async_callback(upstream.close)
             ctx = ProxyContext.build(settings, store, upstream, failpoints, metrics)
@@ -132,11 +132,14 @@ async def _drain_now(ctx: ProxyContext) -> None:
     await drain(ctx, asyncio.get_running_loop().time() + ctx.settings.server.shutdown_timeout)
 
 
-def _upstream_client(settings: Settings, failpoints: Failpoints) -> UpstreamClient:
+def _upstream_client(
+    settings: Settings, failpoints: Failpoints, metrics: Metrics
+) -> UpstreamClient:
     return UpstreamClient(
         timeout=settings.upstream_timeout,
         connect_timeout=settings.connect_timeout,
         connections=settings.pool.upstream_connections,
         keepalive=settings.pool.upstream_keepalive,
         on_sent=failpoints.on_sent(),
+        on_headers_dropped=metrics.upstream_headers_dropped.inc,
     )

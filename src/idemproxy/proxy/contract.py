@@ -135,8 +135,15 @@ def load_samples(path: Any) -> list[Sample]:
 
 
 def _describe(error: Any) -> str:
+    # The path holds the upstream's own member names, and the text goes into the attempt's
+    # `error` column: a NUL (PostgreSQL text refuses it) or a lone surrogate (`"\udce9"` in the
+    # JSON; no UTF-8 holds it) is written escaped, as jsonschema's message writes values (repr).
     where = "/" + "/".join(str(part) for part in error.absolute_path)
-    return f"{where}: {error.message}"
+    return f"{_escaped(where)}: {error.message}"
+
+
+def _escaped(text: str) -> str:
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
 
 
 async def keep_checking(gates: list[ContractGate], client: UpstreamClient) -> None:

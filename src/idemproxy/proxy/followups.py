@@ -7,6 +7,12 @@ pause that doubles up to 1 s while the store stays away or the item is not settl
 write it makes is a compare-and-swap on the job's version, so a late one changes nothing once
 the job moved on. At most `max_items` items (and `max_bytes` of responses) are held per process;
 one more is counted as dropped and left to the lease and the operator, as before.
+
+While the store is away (`StoreUnavailable`) a round stops at the first item: every other try
+would fail the same way. An item the store refuses for its data (`StoreRefused`, a value that
+PostgreSQL's jsonb would not take) is final: logged, counted as "refused" and dropped. One whose
+try raises (a bug) is logged and tried again in the next round. Either way the round goes on
+with the next item.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Generic, TypeVar
 
 from prometheus_client import Counter
 
-from idemproxy.errors import StoreUnavailable
+from idemproxy.errors import StoreRefused, StoreUnavailable
 from idemproxy.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -93,14 +99,27 @@ class FollowUps(abc.ABC, Generic[Item]):
             settled = False
             for job_id, item in list(self._pending.items()):
                 try:
-                    outcome = await self._settle(self._store, item)
+                    outcome = await self._try(job_id, item)
                 except StoreUnavailable:
                     break  # still away: every other try would fail the same way
-                except Exception:  # a bug: loud, and the item is tried again later
-                    log.exception("the follow-up of job %s failed", job_id)
-                    break
                 if outcome is not None:
                     self._drop(job_id)
                     self._counted[outcome].inc()
                     settled = True
             pause = _FIRST_PAUSE if settled else min(pause * 2, _LAST_PAUSE)
+
+    async def _try(self, job_id: str, item: Item) -> str | None:
+        """`_settle`, with the errors that are final for this item made its outcome: the
+        others are still tried (one item the store refuses held up every one behind it)."""
+        try:
+            return await self._settle(self._store, item)
+        except StoreRefused:
+            # The store answered and refused this write (its data): never written, whatever
+            # the wait. Its job is left to the lease and the operator (SPEC §3.5).
+            log.error("the follow-up of job %s was refused by the store; given up", job_id)
+            return "refused"
+        except StoreUnavailable:
+            raise
+        except Exception:  # a bug: loud, and this item is tried again later (the others now)
+            log.exception("the follow-up of job %s failed", job_id)
+            return None

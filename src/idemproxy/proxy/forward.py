@@ -7,6 +7,7 @@ HTTP/1.1 work itself is in `proxy/h1.py`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
@@ -27,6 +28,7 @@ from idemproxy.proxy.h1 import (
 )
 
 __all__ = ["UpstreamClient", "UpstreamFailure", "UpstreamResponse"]
+log = logging.getLogger(__name__)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -39,13 +41,16 @@ class UpstreamClient:
         connections: int,
         keepalive: float,
         on_sent: Callable[[], None] | None = None,
+        on_headers_dropped: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_headers_dropped(n)`: n fields of a response head were left out (SPEC §10)."""
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._connections = connections
         self._keepalive = keepalive
         # Test-only (proxy/failpoints.py): called once the request's bytes are on the wire.
         self._on_sent = on_sent
+        self._on_dropped = on_headers_dropped
         self._pool: ConnectionPool | None = None
         self._origins: dict[tuple[str | None, str | None, int | None], tuple[Origin, str]] = {}
 
@@ -86,6 +91,7 @@ class UpstreamClient:
             connect_timeout=self._connect_timeout,
             timeout=self._timeout,
             on_sent=self._on_sent,
+            on_dropped=self._on_dropped,
         )
 
     def _origin(self, url: URL) -> tuple[Origin, str]:
@@ -137,6 +143,7 @@ class Exchange:
         "_content_length",
         "_head",
         "_method",
+        "_on_dropped",
         "_on_sent",
         "_origin",
         "_pool",
@@ -157,6 +164,7 @@ class Exchange:
         connect_timeout: float,
         timeout: float,
         on_sent: Callable[[], None] | None,
+        on_dropped: Callable[[int], None] | None = None,
     ) -> None:
         self._pool = pool
         self._origin = origin
@@ -168,6 +176,7 @@ class Exchange:
         self._connect_timeout = connect_timeout
         self._timeout = timeout
         self._on_sent = on_sent
+        self._on_dropped = on_dropped
         self._connection: Connection | None = None
         self._sender: asyncio.Task[None] | None = None
 
@@ -198,7 +207,21 @@ class Exchange:
             if isinstance(exc, ConnectionError | OSError):
                 raise UpstreamFailure(Failure.BROKEN, f"upstream connection broke: {exc}") from exc
             raise
+        if exchange.dropped_headers:
+            self._report_dropped(exchange.dropped_headers)
         return exchange
+
+    def _report_dropped(self, names: list[str]) -> None:
+        host, port, _ = self._origin
+        # Names only: a value may be anything, and is what made the field invalid.
+        log.warning(
+            "upstream %s:%d sent a control character in header(s) %s: left out (SPEC §10)",
+            host,
+            port,
+            ", ".join(names),
+        )
+        if self._on_dropped is not None:
+            self._on_dropped(len(names))
 
     async def __aexit__(self, *_exc: object) -> None:
         self._finish()

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import re
 import select
 import time
 from collections.abc import AsyncIterable, Callable, Iterable
@@ -42,6 +43,13 @@ _FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
 # one read's worth of body behind the head.
 MAX_HEAD_BYTES = 128 * 8 * 1024 + 256 * 1024
 ONE_WRITE = 16 * 1024  # up to this size head and body are joined into one write
+# RFC 9110 §5.5: a field value is VCHAR, SP, HTAB and obs-text (0x80-0xFF); any other control
+# character makes it invalid. NUL, CR and LF make the whole message invalid ("MUST reject").
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_FATAL_CONTROL = re.compile(rb"[\x00\r\n]")
+# The fields that frame the body: one with any control character is refused, never left out
+# (llhttp would frame the body by what is left, a peer of the upstream by something else).
+_FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding"})
 
 
 class UpstreamFailure(Exception):
@@ -72,6 +80,8 @@ class UpstreamResponse:
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
         self.content_length: int | None = None
         self._raw_headers: list[tuple[str, str]] = []
+        # Names of fields left out for a control character in their value (`on_header`).
+        self.dropped_headers: list[str] = []
         self._reason_bytes = b""
         self._stage = _Stage.HEAD
         self._interim = False
@@ -156,9 +166,16 @@ class UpstreamResponse:
         # As aiohttp's parser does: llhttp keeps the whitespace after a value (RFC 9110 §5.5),
         # and in lenient mode lets control characters through, which would reach the client.
         value = value.rstrip(b" \t")
-        if b"\x00" in value or b"\r" in value or b"\n" in value:
-            raise ValueError("a control character in an upstream header")
-        # Decoded as aiohttp decodes them: any byte survives the round trip (SPEC §7).
+        if _CONTROL.search(value) is not None:
+            if _FATAL_CONTROL.search(value) or name.lower() in _FRAMING_FIELDS:
+                raise ValueError("a control character in an upstream header")  # SPEC §10
+            # SPEC §10: invalid, but harmless to the framing; refusing the response would turn
+            # an executed request into an unknown outcome. The field is dropped and counted.
+            self.dropped_headers.append(name.decode("latin-1"))
+            return
+        # Decoded as aiohttp decodes request headers: UTF-8, any other byte as a surrogate
+        # escape. The proxy writes such a value back with the same codec (proxy/head.py) and
+        # stores it losslessly (store/header_json.py): obs-text passes byte for byte (SPEC §7).
         self._raw_headers.append(
             (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
         )
@@ -169,10 +186,14 @@ class UpstreamResponse:
             # the answer; the final response follows on the same connection.
             self._interim = True
             self._raw_headers = []
+            self.dropped_headers = []
             self._reason_bytes = b""
             return
         self.status = status
-        self.reason = self._reason_bytes.decode("latin-1")
+        reason = self._reason_bytes
+        # RFC 9112 §4: the reason phrase is informational; one with a control character is not
+        # forwarded (the client gets an empty one), any other byte goes out as it came.
+        self.reason = "" if _CONTROL.search(reason) else reason.decode("utf-8", "surrogateescape")
         headers = CIMultiDict(self._raw_headers)
         self.headers = CIMultiDictProxy(headers)
         length = headers.get("Content-Length")

@@ -13,9 +13,11 @@ The request handler tells its connection when a head was read (`head_read`): fro
 the body deadline (`server.body_read_timeout`) and the upstream timeout apply, until the
 response has been written. Private aiohttp surface used here: `RequestHandler.finish_response`,
 `RequestHandler._upgraded`, `RequestHandler._messages` (a shutdown's idleness test) and
-`Server._kwargs` (tests/hostile pin them), that of proxy/whole.py
-and proxy/any_path.py, and `RequestHandler._request_handler` (were it renamed, requests would
-go through the app's router again: slower, not wrong).
+`Server._kwargs` (tests/hostile pin them), that of proxy/whole.py, proxy/head.py and
+proxy/any_path.py, `RequestHandler._request_handler` (were it renamed, requests would go through
+the app's router again: slower, not wrong), and `RequestHandler._request_factory`, through which
+each request gets the writer of proxy/head.py (tests/proxy/test_header_bytes.py pins it: without
+it obs-text is lost again).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import HttpVersion11, StreamReader, hdrs, web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_parser import RawRequestMessage
 
 from idemproxy.config import ServerSettings, parse_listen
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
@@ -35,6 +39,7 @@ from idemproxy.proxy.any_path import RequestHandler, direct_handler
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.deadline import Deadline
 from idemproxy.proxy.gate import ConnectionGate, listening_sockets
+from idemproxy.proxy.head import HeadWriter
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.whole import NotifiedResponse, WholeResponse, mark_sent, serialise_whole
 
@@ -58,12 +63,28 @@ class GuardedHandler(web.RequestHandler):
         self._on_closed = on_closed  # the connection gate's count (proxy/gate.py)
         if request_handler is not None:  # instead of the app's router (any_path.direct_handler)
             self._request_handler = request_handler  # type: ignore[assignment]
+        self._make_request = self._request_factory
+        self._request_factory = self._with_head_writer
         self._header_timeout = header_timeout
         self._head_deadline = Deadline(loop, self._head_timed_out)  # one timer (deadline.py)
         self._serving = False  # the head of the current request was read; its handler runs
         self._head_started = False  # bytes of the next head arrived since the last response
         self._unread: StreamReader | None = None  # a body aiohttp drains after the response
         self._closing = False  # a shutdown began: the next response closes the connection
+
+    def _with_head_writer(
+        self,
+        message: RawRequestMessage,
+        payload: StreamReader,
+        protocol: web.RequestHandler,
+        _writer: AbstractStreamWriter,
+        task: asyncio.Task[None],
+    ) -> web.BaseRequest:
+        """The request aiohttp makes (the app's request factory), with a writer that sends
+        header values byte for byte (proxy/head.py) in place of aiohttp's, not used yet."""
+        assert self._make_request is not None
+        writer = HeadWriter(protocol, self._loop)
+        return self._make_request(message, payload, protocol, writer, task)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)

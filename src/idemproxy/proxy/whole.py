@@ -5,10 +5,11 @@ answers it read in full. aiohttp sends each of them through the path built for s
 (`prepare`, the header preparation, the prepare signal, a payload writer, `write_eof`), six
 coroutines deep: about 45,000 instructions a response, a fifth of aiohttp's own cost per request
 (bench/findings.md). For a plain `web.Response` whose body is bytes, this module builds the same
-bytes directly: the headers aiohttp would add, in the order it adds them, serialised by aiohttp's
-own serializer (which refuses CR or LF in a status line or header). Anything that needs more of
-that machinery (a streamed body, compression, cookies, chunking, HEAD, a status without a body,
-a declared Content-Length, a Connection header of the handler's) goes aiohttp's usual way.
+bytes directly: the headers aiohttp would add, in the order it adds them, serialised as every
+head of the listener is (proxy/head.py: header values byte for byte; CR or LF in a status line
+or header refused). Anything that needs more of that machinery (a streamed body, compression,
+cookies, chunking, HEAD, a status without a body, a declared Content-Length, a Connection header
+of the handler's) goes aiohttp's usual way.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Any
 from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
 from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
-from aiohttp.http_writer import _serialize_headers
 from multidict import CIMultiDict
+
+from idemproxy.proxy.head import serialise_head
 
 # A larger body is not copied behind its head: it goes out after it, in pieces (memoryviews of
 # the one bytes object, so a replay of a large stored body costs no copy of it).
@@ -91,7 +93,7 @@ def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> W
     elif version == HttpVersion11:
         headers[hdrs.CONNECTION] = "close"
     status_line = f"HTTP/{version.major}.{version.minor} {response.status} {response.reason}"
-    head = _serialize_headers(status_line, headers)
+    head = serialise_head(status_line, headers)
     if len(body) > ONE_WRITE_BODY:
         return WholeResponse(head, keep_alive, body)
     return WholeResponse(head + body, keep_alive)

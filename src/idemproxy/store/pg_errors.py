@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 
-from idemproxy.errors import ConfigError, StoreUnavailable
+from idemproxy.errors import ConfigError, StoreRefused, StoreUnavailable
 
 log = logging.getLogger("idemproxy.store")
 
@@ -22,11 +22,20 @@ DRIVER_ERRORS = (
 )
 
 
+# SQLSTATE classes 22 (data exception), 23 (integrity constraint) and 54 (program limit, e.g. a
+# value too large): the statement's own data was refused. The same statement fails the same way.
+REFUSED_ERRORS = (
+    asyncpg.DataError,
+    asyncpg.IntegrityConstraintViolationError,
+    asyncpg.ProgramLimitExceededError,
+)
+
+
 def unavailable(what: str, exc: BaseException) -> StoreUnavailable:
     """What one of DRIVER_ERRORS becomes; raise it `from exc`."""
     # SPEC §11: fail closed. The detail never carries SQL or driver text to the client.
     log.warning("store error during %s: %s: %s", what, type(exc).__name__, exc)
-    return StoreUnavailable()
+    return StoreRefused() if isinstance(exc, REFUSED_ERRORS) else StoreUnavailable()
 
 
 @contextlib.asynccontextmanager

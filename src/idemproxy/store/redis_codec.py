@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX, REDIS_WATCH_PREFIX
+from idemproxy.store.header_json import pairs_from_json, pairs_to_json
 from idemproxy.types import Job, JobState, StoredResponse
 
 _FORMAT = b"1"  # an entry of any other format is a miss, never an error
@@ -50,7 +51,7 @@ def encode(job: Job) -> bytes:
         "p": job.path,
         "exp": job.expires_at.timestamp(),
         "s": response.status,
-        "h": response.headers,
+        "h": pairs_to_json(response.headers),  # no lone surrogate (store/header_json.py)
         "omit": response.omitted,
     }
     head = json.dumps(meta, separators=(",", ":")).encode()  # ASCII: never holds a newline
@@ -72,7 +73,7 @@ def decode(payload: bytes, owner: str, key: str) -> Job | None:
 
 
 def _job(meta: dict[str, Any], owner: str, key: str, body: bytes) -> Job:
-    headers = tuple((str(name), str(value)) for name, value in meta["h"])
+    headers = pairs_from_json(meta["h"])
     response = StoredResponse(int(meta["s"]), headers, None if meta["omit"] else body)
     return Job(
         id=str(meta["id"]),

@@ -7,6 +7,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from idemproxy.store.header_json import pairs_from_json, pairs_to_json
 from idemproxy.types import Attempt, AttemptState, HeaderPairs, Job, JobState, StoredResponse
 
 # `JobState(value)` goes through EnumMeta.__call__ (about a microsecond); a dict does not.
@@ -77,7 +78,8 @@ def _response(row: Row) -> StoredResponse | None:
 
 
 def encode_headers(headers: HeaderPairs) -> str:
-    return json.dumps([list(pair) for pair in headers], separators=(",", ":"))
+    # ASCII JSON (escaped), with no lone surrogate: jsonb takes it (store/header_json.py).
+    return json.dumps(pairs_to_json(headers), separators=(",", ":"))
 
 
 def decode_headers(value: str | list[list[str]] | None) -> HeaderPairs:
@@ -96,7 +98,7 @@ def _parsed_headers(value: str) -> HeaderPairs:
 
 
 def _pairs(pairs: list[list[str]]) -> HeaderPairs:
-    return tuple([(str(name), str(val)) for name, val in pairs])
+    return pairs_from_json(pairs)
 
 
 def as_datetime(value: datetime | float | None) -> datetime | None:

@@ -12,7 +12,7 @@ from typing import Any
 import aiosqlite
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
-from idemproxy.errors import StoreUnavailable
+from idemproxy.errors import StoreRefused, StoreUnavailable
 from idemproxy.store.base import Store, settle_states
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
@@ -417,6 +417,9 @@ async def _translate() -> AsyncIterator[None]:
     """The one place where sqlite3's errors become `StoreUnavailable` (STYLE §4)."""
     try:
         yield
+    except (sqlite3.DataError, sqlite3.IntegrityError, UnicodeError) as exc:
+        # This statement's data (a text that is not UTF-8 among them), not the store's health.
+        raise StoreRefused() from exc
     except (sqlite3.Error, ValueError) as exc:
         raise StoreUnavailable() from exc
 

@@ -1,0 +1,93 @@
+"""Stored header pairs (store/header_json.py) and heads for the client (proxy/head.py): every
+byte an upstream's header value may hold survives storing and sending (SPEC §7)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aiohttp.http_writer import _serialize_headers
+from multidict import CIMultiDict
+
+from idemproxy.ops.table import _response_details
+from idemproxy.ops.view import response_to_json
+from idemproxy.proxy.head import serialise_head
+from idemproxy.store.header_json import pairs_from_json, pairs_to_json
+from idemproxy.store.rows import decode_headers, encode_headers
+from idemproxy.types import StoredResponse
+
+# What proxy/h1.py makes of each byte an upstream's header value may hold (all but NUL, CR, LF
+# and the other control characters, which never get that far).
+EVERY_BYTE = bytes([0x09, *range(0x20, 0x7F), *range(0x80, 0x100)])
+AS_PARSED = EVERY_BYTE.decode("utf-8", "surrogateescape")
+PAIRS = (
+    ("Content-Type", "text/plain"),
+    ("X-Name", b"caf\xe9".decode("utf-8", "surrogateescape")),
+    ("X-Utf8", "naïve ☃ 😀"),
+    ("X-Every", AS_PARSED),
+)
+
+
+def test_each_pair_survives_the_json_round_trip() -> None:
+    encoded = json.dumps(pairs_to_json(PAIRS))
+    assert encoded.isascii()
+    assert "\\udc" not in encoded.lower()  # no lone surrogate: PostgreSQL's jsonb takes it
+    assert pairs_from_json(json.loads(encoded)) == PAIRS
+    assert decode_headers(encode_headers(PAIRS)) == PAIRS
+
+
+def test_only_pairs_that_are_not_utf8_are_marked() -> None:
+    assert pairs_to_json(PAIRS)[:3] == [
+        ["Content-Type", "text/plain"],
+        ["X-Name", "caf\xe9", "latin-1"],  # the bytes read as ISO-8859-1
+        ["X-Utf8", "naïve ☃ 😀"],
+    ]
+
+
+def test_pairs_stored_before_read_as_before() -> None:
+    assert decode_headers('[["X-A","1"],["X-B","é"]]') == (("X-A", "1"), ("X-B", "é"))
+
+
+@pytest.mark.parametrize("pair", [["a", "b", "utf-16"], ["a"], ["a", "b", "latin-1", "x"]])
+def test_an_unknown_pair_form_is_an_error(pair: list[str]) -> None:
+    with pytest.raises(ValueError):
+        pairs_from_json([pair])
+
+
+def test_an_ascii_head_is_what_aiohttp_makes() -> None:
+    headers = CIMultiDict([("Content-Type", "text/plain"), ("X-A", "1\t2"), ("X-A", "3")])
+    assert serialise_head("HTTP/1.1 200 OK", headers) == _serialize_headers(
+        "HTTP/1.1 200 OK", headers
+    )
+
+
+def test_a_head_sends_every_value_byte_as_parsed() -> None:
+    headers = CIMultiDict(PAIRS)
+    reason = b"Tr\xe8s bien".decode("utf-8", "surrogateescape")
+    head = serialise_head(f"HTTP/1.1 200 {reason}", headers)
+    assert head == (
+        b"HTTP/1.1 200 Tr\xe8s bien\r\nContent-Type: text/plain\r\nX-Name: caf\xe9\r\n"
+        + "X-Utf8: naïve ☃ 😀\r\n".encode()
+        + b"X-Every: "
+        + EVERY_BYTE
+        + b"\r\n\r\n"
+    )
+
+
+@pytest.mark.parametrize("bad", ["a\r\nX-Injected: 1", "a\nb", "a\x00b", "a\x01b", "a\x7fb"])
+def test_a_head_refuses_a_control_character_as_aiohttp_does(bad: str) -> None:
+    headers = CIMultiDict([("X-Name", "caf\udce9"), ("X-Bad", bad)])
+    with pytest.raises(ValueError, match="Forbidden control character"):
+        serialise_head("HTTP/1.1 200 OK", headers)
+    with pytest.raises(ValueError, match="Forbidden control character"):
+        serialise_head(f"HTTP/1.1 200 {bad}", CIMultiDict([("X-Name", "caf\udce9")]))
+
+
+def test_the_jobs_views_show_such_a_header_as_json_can_carry_it() -> None:
+    response = StoredResponse(200, PAIRS[:2], b"ok")
+    view = response_to_json(response)
+    assert view is not None
+    text = json.dumps(view)
+    assert "\\udc" not in text.lower()
+    assert view["headers"][1] == ["X-Name", "caf\xe9", "latin-1"]
+    assert "  X-Name: caf\xe9" in _response_details(view)
