@@ -54,6 +54,8 @@ async def proxy_with_metrics(
     sweeper: dict[str, float] = TAKEOVER,
     **overrides: Any,
 ) -> Client:
+    # A renewal must fit in the lease: config.py refuses store_timeout >= 2/3 of it.
+    overrides.setdefault("pool", {"store_timeout": 0.15})
     settings = make_settings(lease=LEASE, sweeper=sweeper, **overrides)
     client = TestClient(TestServer(create_app(settings, store=store, metrics=metrics)))
     await client.start_server()

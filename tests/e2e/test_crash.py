@@ -163,7 +163,7 @@ async def test_a_retry_before_the_lease_runs_out_is_held_or_told_in_flight(
 
 
 # With no retry at all: the running proxies take the dead one's job over in the background.
-TAKEOVER_ENV = {"IDEMPROXY_SWEEPER__TAKEOVER_INTERVAL": "0.2"}
+TAKEOVER_ENV = {**STORE_ENV, "IDEMPROXY_SWEEPER__TAKEOVER_INTERVAL": "0.2"}
 # docs/operations.md: unknown within 2 x lease + sweeper.takeover_interval of the death.
 TAKEOVER_BOUND = 2 * LEASE + 0.2
 
@@ -180,7 +180,7 @@ async def test_a_killed_proxys_job_becomes_unknown_with_no_retry(
     started again on the same file does."""
     dsn = store_of
     args = ("--upstream", backend.url, "--store", dsn, "--lease", str(LEASE))
-    victim = await start_proxy(*args, env={FAILPOINT_ENV: "after_send"}, name="victim")
+    victim = await start_proxy(*args, env={**STORE_ENV, FAILPOINT_ENV: "after_send"}, name="victim")
     survivor = None
     if dsn.startswith("postgresql"):
         survivor = await start_proxy(*args, env=TAKEOVER_ENV, name="survivor")

@@ -52,7 +52,9 @@ def probe(host: str, port: int) -> None:
             try:
                 sock.bind(address)
             except OSError as exc:
-                raise ListenFailed(f"listen: cannot listen on {host}:{port}: {exc}") from exc
+                raise ListenFailed(
+                    f"listen: cannot listen on {host}:{port}: {exc.strerror or exc}"
+                ) from exc
 
 
 def _lock(host: str, port: int) -> socket.socket | None:
