@@ -1,7 +1,7 @@
 """One budget per process for the response bytes it holds in memory (`limits.response_buffer`).
 
 Each governed response of up to `max_stored_body` is read whole before it is stored (SPEC §2
-step 4, §7); two hundred 8 MiB answers at once held 1.6 GB before this bound. Bytes are taken
+step 4, §7); without a bound, two hundred 8 MiB answers at once hold 1.6 GB. Bytes are taken
 from the budget as they are read (`try_take`, which never waits: a body that does not fit goes
 to a temporary file instead, proxy/capture.py) and given back once they are written to the
 client. A body on disk is read back into memory for its store write with `take`, which waits,
