@@ -24,6 +24,8 @@ def fingerprint(
     content_type: str | None,
     body: bytes,
     exclude_pointers: Sequence[str] = (),
+    *,
+    content_encoding: str | None = None,
 ) -> str:
     """A hex digest that is equal for requests with the same intent.
 
@@ -32,7 +34,9 @@ def fingerprint(
     so that no two different requests can produce the same hashed byte stream.
     """
     digest = body_digest(content_type, body, exclude_pointers)
-    return fingerprint_of_digest(method, path, query, content_type, digest)
+    return fingerprint_of_digest(
+        method, path, query, content_type, digest, content_encoding=content_encoding
+    )
 
 
 def body_digest(
@@ -44,13 +48,27 @@ def body_digest(
 
 
 def fingerprint_of_digest(
-    method: str, path: str, query: str, content_type: str | None, body_sha256: bytes
+    method: str,
+    path: str,
+    query: str,
+    content_type: str | None,
+    body_sha256: bytes,
+    *,
+    content_encoding: str | None = None,
 ) -> str:
     """The fingerprint from the SHA-256 of the (canonical) body. A body spooled to disk
-    (proxy/body.py) is hashed as raw bytes while it arrives: it is not canonicalised."""
+    (proxy/body.py) is hashed as raw bytes while it arrives: it is not canonicalised.
+
+    The body's content codings (`Content-Encoding`, RFC 9110 §8.4) change what the same bytes
+    are to the backend (`gzip` is decoded, no coding is taken as it is): hashed as one more
+    field, only when there is one, so that a request without it fingerprints as it always did.
+    """
     media_type = fingerprinted_media_type(content_type)
+    fields = [method.upper(), path, query, media_type]
+    if codings := _codings(content_encoding):
+        fields.append(codings)
     stream = bytearray()  # hashed in one call: the same bytes as one update per part
-    for text in (method.upper(), path, query, media_type):
+    for text in fields:
         # Header values and targets hold any byte as a surrogate escape (aiohttp decodes them
         # so): hashed as the bytes that arrived, never an encoding error.
         part = text.encode("utf-8", "surrogateescape")
@@ -58,6 +76,14 @@ def fingerprint_of_digest(
         stream += part
     stream += body_sha256
     return hashlib.sha256(stream).hexdigest()
+
+
+def _codings(content_encoding: str | None) -> str:
+    """`Content-Encoding` as a list of lower-cased codings (RFC 9110 §8.4.1: case-insensitive),
+    in order (they were applied in that order), empty list elements dropped (§5.6.1)."""
+    if not content_encoding:
+        return ""
+    return ",".join(c.strip(" \t").lower() for c in content_encoding.split(",") if c.strip(" \t"))
 
 
 def media_type_of(content_type: str | None) -> str:

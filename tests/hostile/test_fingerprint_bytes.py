@@ -8,6 +8,7 @@ answer instead of being refused.
 
 from __future__ import annotations
 
+import gzip
 import logging
 
 import pytest
@@ -124,3 +125,20 @@ async def test_a_repeated_content_type_is_refused_by_the_parser(
     assert status_of(answer) == 400, answer[:200]
     assert ledger.count() == 0
     assert counting_store.calls == []
+
+
+async def test_the_same_bytes_with_another_content_coding_are_a_payload_mismatch(
+    listening_proxy: ListeningProxy, ledger: Ledger, sqlite_jobs: Store
+) -> None:
+    """RFC 9110 §8.4: with `Content-Encoding: gzip` the backend decodes the bytes; without it
+    they are the payload (an upload of a .gz file). Two intents: the second is not replayed."""
+    address = await listening_proxy()
+    gzipped = gzip.compress(b"amount=1000000")
+    plain = request("coded", gzipped, b"application/octet-stream")
+    coded = plain.replace(b"\r\nContent-Length:", b"\r\nContent-Encoding: gzip\r\nContent-Length:")
+    assert status_of(await exchange(address, plain)) == 201
+    other = await exchange(address, coded)
+    assert status_of(other) == 409 and b"Idempotency-Error: payload-mismatch\r\n" in other
+    again = await exchange(address, plain)
+    assert status_of(again) == 201 and b"Idempotent-Replayed: true\r\n" in again
+    assert ledger.count("coded") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from typing import Any
@@ -33,8 +34,9 @@ def fp(
     content_type: str | None = JSON,
     body: bytes = BODY,
     exclude: tuple[str, ...] = (),
+    encoding: str | None = None,
 ) -> str:
-    return fingerprint(method, path, query, content_type, body, exclude)
+    return fingerprint(method, path, query, content_type, body, exclude, content_encoding=encoding)
 
 
 def test_fingerprint_is_a_sha256_hex_digest_and_deterministic() -> None:
@@ -706,3 +708,50 @@ def test_a_kept_number_token_leaves_the_rest_of_the_canonical_form_as_it_was(
     plain = canonical_json(json.dumps([document]).encode())
     kept = canonical_json(json.dumps([document]).encode()[:-1] + b",1E2]")
     assert kept == plain[:-1] + b",1E2]"
+
+
+# --- Content-Encoding (RFC 9110 §8.4) -------------------------------------------------------------
+
+
+def test_a_content_coding_is_part_of_the_intent() -> None:
+    """`gzip` bytes are decoded by the backend; without the header they are the payload."""
+    gzipped = gzip.compress(b"amount=1000000")
+    assert fp(content_type="application/octet-stream", body=gzipped) != fp(
+        content_type="application/octet-stream", body=gzipped, encoding="gzip"
+    )
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [("gzip", "deflate"), ("gzip,br", "br,gzip"), ("gzip", "gzip,gzip"), ("gzip", "x-gzip")],
+)
+def test_different_content_codings_never_merge(one: str, other: str) -> None:
+    assert fp(encoding=one) != fp(encoding=other)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("gzip", "GZIP"),
+        ("gzip, br", "gzip,br"),
+        ("gzip,,br", " gzip , br "),
+        (None, ""),
+        (None, ","),
+    ],
+)
+def test_equal_content_codings_give_one_fingerprint(one: str | None, other: str) -> None:
+    assert fp(encoding=one) == fp(encoding=other)
+
+
+def test_no_content_coding_fingerprints_as_before() -> None:
+    stored = STORED[0][1]  # computed before codings were hashed
+    assert (
+        fingerprint(
+            "POST", "/v1/payments", "a=1", "application/json", STORED_BODY, content_encoding=""
+        )
+        == stored
+    )
+    digest = hashlib.sha256(b"x").digest()
+    assert fingerprint_of_digest("POST", "/p", "", None, digest) == fingerprint_of_digest(
+        "POST", "/p", "", None, digest, content_encoding=None
+    )
