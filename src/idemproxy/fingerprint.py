@@ -24,6 +24,8 @@ def fingerprint(
     content_type: str | None,
     body: bytes,
     exclude_pointers: Sequence[str] = (),
+    *,
+    content_encoding: str | None = None,
 ) -> str:
     """A hex digest that is equal for requests with the same intent.
 
@@ -32,7 +34,9 @@ def fingerprint(
     so that no two different requests can produce the same hashed byte stream.
     """
     digest = body_digest(content_type, body, exclude_pointers)
-    return fingerprint_of_digest(method, path, query, content_type, digest)
+    return fingerprint_of_digest(
+        method, path, query, content_type, digest, content_encoding=content_encoding
+    )
 
 
 def body_digest(
@@ -44,13 +48,27 @@ def body_digest(
 
 
 def fingerprint_of_digest(
-    method: str, path: str, query: str, content_type: str | None, body_sha256: bytes
+    method: str,
+    path: str,
+    query: str,
+    content_type: str | None,
+    body_sha256: bytes,
+    *,
+    content_encoding: str | None = None,
 ) -> str:
     """The fingerprint from the SHA-256 of the (canonical) body. A body spooled to disk
-    (proxy/body.py) is hashed as raw bytes while it arrives: it is not canonicalised."""
-    media_type = media_type_of(content_type)
+    (proxy/body.py) is hashed as raw bytes while it arrives: it is not canonicalised.
+
+    The body's content codings (`Content-Encoding`, RFC 9110 §8.4) change what the same bytes
+    are to the backend (`gzip` is decoded, no coding is taken as it is): hashed as one more
+    field, only when there is one, so that a request without it fingerprints as it always did.
+    """
+    media_type = fingerprinted_media_type(content_type)
+    fields = [method.upper(), path, query, media_type]
+    if codings := _codings(content_encoding):
+        fields.append(codings)
     stream = bytearray()  # hashed in one call: the same bytes as one update per part
-    for text in (method.upper(), path, query, media_type):
+    for text in fields:
         # Header values and targets hold any byte as a surrogate escape (aiohttp decodes them
         # so): hashed as the bytes that arrived, never an encoding error.
         part = text.encode("utf-8", "surrogateescape")
@@ -60,10 +78,85 @@ def fingerprint_of_digest(
     return hashlib.sha256(stream).hexdigest()
 
 
+def _codings(content_encoding: str | None) -> str:
+    """`Content-Encoding` as a list of lower-cased codings (RFC 9110 §8.4.1: case-insensitive),
+    in order (they were applied in that order), empty list elements dropped (§5.6.1)."""
+    if not content_encoding:
+        return ""
+    return ",".join(c.strip(" \t").lower() for c in content_encoding.split(",") if c.strip(" \t"))
+
+
 def media_type_of(content_type: str | None) -> str:
+    """The media type without its parameters: what decides whether a body is JSON."""
     if not content_type:
         return ""
     return content_type.split(";", 1)[0].strip().lower()
+
+
+def fingerprinted_media_type(content_type: str | None) -> str:
+    """The media type with its parameters, as the fingerprint hashes it (SPEC §6).
+
+    Parameters change what the same bytes mean (`boundary` splits a multipart body into other
+    fields, `charset` decodes it to other text), so they are part of the intent. Normalised per
+    RFC 9110 §8.3.1 and §5.6.6: type, subtype and parameter names lower-cased, values as sent but
+    a quoted-string unquoted (re-quoted only when it is not a token) and a `charset` lower-cased
+    (§8.3.2), in the order sent (a repeated name stays repeated, in its place), written
+    `type/subtype;name=value`. A value without parameters (nor any after an empty `;`) is
+    exactly what `media_type_of` gives, as before parameters were hashed: jobs stored by an
+    older version still match their retries. A value that does not parse is hashed whole, as
+    sent, after a NUL (which no normalised value holds), so it can match only itself.
+    """
+    media_type = media_type_of(content_type)
+    if content_type is None or ";" not in content_type:
+        return media_type
+    parameters = _parameters(content_type.partition(";")[2])
+    if parameters == []:
+        return media_type
+    if parameters is None or not _MEDIA_TYPE.fullmatch(media_type):
+        return "\x00" + content_type.strip(" \t")
+    return media_type + "".join(f";{name}={_value_text(value)}" for name, value in parameters)
+
+
+_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"  # RFC 9110 §5.6.2
+_MEDIA_TYPE = re.compile(f"{_TOKEN}/{_TOKEN}")
+_TOKEN_ONLY = re.compile(_TOKEN)
+# RFC 9110 §5.6.6: `parameters = *( OWS ";" OWS [ parameter ] )`, `parameter = name "=" value`,
+# a value a token or a quoted-string (qdtext: HTAB, SP and visible or obs-text bytes but `"` and
+# `\`; a quoted-pair `\` escapes HTAB, SP, a visible character or obs-text).
+_PARAMETER = re.compile(
+    rf'[ \t]*;[ \t]*(?:({_TOKEN})=(?:({_TOKEN})|"((?:[\t !#-\[\]-~\x80-\U0010ffff]'
+    rf'|\\[\t -~\x80-\U0010ffff])*)"))?'
+)
+_QUOTED_PAIR = re.compile(r"\\(.)", re.DOTALL)
+
+
+def _parameters(text: str) -> list[tuple[str, str]] | None:
+    """The (lower-cased name, unquoted value) pairs after the first `;`, or None when the text
+    is not RFC 9110 parameters."""
+    parameters: list[tuple[str, str]] = []
+    position = 0
+    text = ";" + text.rstrip(" \t")
+    while position < len(text):
+        match = _PARAMETER.match(text, position)
+        if match is None or match.end() == position:
+            return None
+        name, token, quoted = match.groups()
+        if name is not None:
+            value = token if token is not None else _QUOTED_PAIR.sub(r"\1", quoted)
+            name = name.lower()
+            if name == "charset":  # RFC 9110 §8.3.2: charset names are case-insensitive
+                value = value.lower()
+            parameters.append((name, value))
+        position = match.end()
+    return parameters
+
+
+def _value_text(value: str) -> str:
+    """A value as a token when it is one, else as a quoted-string: `;` or `=` inside a value
+    can never make two different parameter lists write the same text."""
+    if _TOKEN_ONLY.fullmatch(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def is_json(media_type: str) -> bool:

@@ -8,6 +8,7 @@ answer instead of being refused.
 
 from __future__ import annotations
 
+import gzip
 import logging
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from backend import Ledger
 from idemproxy.store.base import Store
 
-from .conftest import ListeningProxy
+from .conftest import CountingStore, ListeningProxy
 from .test_requests import exchange
 
 
@@ -73,3 +74,71 @@ async def test_a_changed_number_token_or_a_repeated_name_is_a_payload_mismatch(
     same = await exchange(address, request("tokens", first))
     assert status_of(same) == 201 and b"Idempotent-Replayed: true\r\n" in same
     assert ledger.count("tokens") == 1
+
+
+# The same bytes are the form amount=1 with boundary=c and amount=1000000 with boundary=d: the
+# media type's parameters are part of the intent (SPEC §6, RFC 9110 §8.3.1).
+FORM = (
+    b'--c--\r\nContent-Disposition: form-data; name="amount"\r\n\r\n1\r\n--c--\r\n'
+    b'--d--\r\nContent-Disposition: form-data; name="amount"\r\n\r\n1000000\r\n--d----\r\n'
+)
+
+
+@pytest.mark.parametrize("spool_threshold", [1024 * 1024, 16], ids=["memory", "spooled"])
+async def test_another_boundary_is_a_payload_mismatch(
+    listening_proxy: ListeningProxy, ledger: Ledger, sqlite_jobs: Store, spool_threshold: int
+) -> None:
+    address = await listening_proxy(server={"spool_threshold": spool_threshold})
+    first = await exchange(address, request("form", FORM, b"multipart/form-data; boundary=c"))
+    assert status_of(first) == 201, first[:200]
+    other = await exchange(address, request("form", FORM, b"multipart/form-data; boundary=d"))
+    assert status_of(other) == 409 and b"Idempotency-Error: payload-mismatch\r\n" in other
+    # The same parameters spelled otherwise (RFC 9110 §5.6.6) are the same intent: replayed.
+    same = await exchange(address, request("form", FORM, b'Multipart/Form-Data;Boundary="c"'))
+    assert status_of(same) == 201 and b"Idempotent-Replayed: true\r\n" in same
+    assert ledger.count("form") == 1
+
+
+async def test_another_charset_is_a_payload_mismatch(
+    listening_proxy: ListeningProxy, ledger: Ledger, sqlite_jobs: Store
+) -> None:
+    address = await listening_proxy()
+    body = "Привет".encode("koi8-r")
+    first = await exchange(address, request("text", body, b"text/plain; charset=koi8-r"))
+    assert status_of(first) == 201, first[:200]
+    other = await exchange(address, request("text", body, b"text/plain; charset=iso-8859-1"))
+    assert status_of(other) == 409 and b"Idempotency-Error: payload-mismatch\r\n" in other
+    assert ledger.count("text") == 1
+
+
+async def test_a_repeated_content_type_is_refused_by_the_parser(
+    listening_proxy: ListeningProxy, ledger: Ledger, counting_store: CountingStore
+) -> None:
+    """Which of two Content-Type fields counts would be each parser's choice: the proxy's HTTP
+    parser refuses the request (400) before the handler, so no fingerprint ever picks one."""
+    address = await listening_proxy(inject_store=counting_store)
+    twice = request("twice", FORM, b"multipart/form-data; boundary=c").replace(
+        b"\r\nContent-Length:",
+        b"\r\nContent-Type: multipart/form-data; boundary=d\r\nContent-Length:",
+    )
+    answer = await exchange(address, twice)
+    assert status_of(answer) == 400, answer[:200]
+    assert ledger.count() == 0
+    assert counting_store.calls == []
+
+
+async def test_the_same_bytes_with_another_content_coding_are_a_payload_mismatch(
+    listening_proxy: ListeningProxy, ledger: Ledger, sqlite_jobs: Store
+) -> None:
+    """RFC 9110 §8.4: with `Content-Encoding: gzip` the backend decodes the bytes; without it
+    they are the payload (an upload of a .gz file). Two intents: the second is not replayed."""
+    address = await listening_proxy()
+    gzipped = gzip.compress(b"amount=1000000")
+    plain = request("coded", gzipped, b"application/octet-stream")
+    coded = plain.replace(b"\r\nContent-Length:", b"\r\nContent-Encoding: gzip\r\nContent-Length:")
+    assert status_of(await exchange(address, plain)) == 201
+    other = await exchange(address, coded)
+    assert status_of(other) == 409 and b"Idempotency-Error: payload-mismatch\r\n" in other
+    again = await exchange(address, plain)
+    assert status_of(again) == 201 and b"Idempotent-Replayed: true\r\n" in again
+    assert ledger.count("coded") == 1

@@ -106,3 +106,83 @@ async def test_a_host_route_is_found_by_any_spelling_of_its_name(
     answer = await exchange(address, request.encode())
     assert b"Idempotency-Error: key-missing\r\n" in answer, answer[:200]
     assert ledger.count() == 0
+
+
+# RFC 3986 §3.3 path parameters: Servlet containers (Tomcat, Jetty, Spring) strip `;params` from
+# every segment before they route, so each of these runs the payments handler; matched as sent,
+# each went to the `/` route and passed through untracked. So do a NUL (which ends a C string)
+# and other control characters, and a space that ends a segment (trimmed by some servers).
+UNROUTABLE = [
+    "/payments;x=1",
+    "/payments;",
+    "/payments;x=1/charge",
+    "/payments;a/charge",
+    "/payments/charge;jsessionid=1",
+    "/payments%3b",
+    "/payments%3B/charge",
+    "/payments/charge%3bx=1",
+    "/payments%00",
+    "/payments/charge%00.json",
+    "/payments%01/charge",
+    "/payments/charge%09",
+    "/payments%7f/charge",
+    "/payments%20",
+    "/payments%20/charge",
+    "/payments/charge%20",
+    "http://proxy/payments;x=1/charge",
+]
+
+
+@pytest.mark.parametrize("target", UNROUTABLE)
+async def test_path_parameters_and_control_characters_are_400_and_reach_no_backend(
+    payments_proxy: tuple[str, int], counting_store: CountingStore, ledger: Ledger, target: str
+) -> None:
+    for key in (False, True):
+        answer = await exchange(payments_proxy, post(target, key))
+        assert answer.startswith(b"HTTP/1.1 400 "), (target, answer[:200])
+        assert b"Idempotency-Error: path-invalid\r\n" in answer
+    assert counting_store.calls == []
+    assert ledger.count() == 0
+
+
+async def test_a_path_parameter_is_refused_for_a_method_that_is_not_governed(
+    payments_proxy: tuple[str, int], ledger: Ledger
+) -> None:
+    request = b"GET /payments;x=1/charge HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n"
+    answer = await exchange(payments_proxy, request)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert b"Idempotency-Error: path-invalid\r\n" in answer
+    assert ledger.count() == 0
+
+
+async def test_a_nested_route_is_not_escaped_by_a_parameter_in_a_parent_segment(
+    listening_proxy: ListeningProxy,
+    backend_url: str,
+    counting_store: CountingStore,
+    ledger: Ledger,
+) -> None:
+    routes = [{"prefix": "/v1/payments", "upstream": backend_url, "require_key": True}]
+    address = await listening_proxy(inject_store=counting_store, routes=routes)
+    for target in ("/v1;a/payments", "/v1%3Ba/payments", "/v1/payments;x=1"):
+        answer = await exchange(address, post(target))
+        assert b"Idempotency-Error: path-invalid\r\n" in answer, (target, answer[:200])
+    assert counting_store.calls == []
+    assert ledger.count() == 0
+
+
+@pytest.mark.parametrize("target", ["/things/a%20b", "/things/%20a", "/v1/a=b,c", "/v1/x%3Dy"])
+async def test_a_space_inside_a_segment_and_other_sub_delims_are_fine(
+    payments_proxy: tuple[str, int], target: str
+) -> None:
+    answer = await exchange(payments_proxy, post(target))
+    assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:200])
+
+
+async def test_route_prefixes_match_case_sensitively(
+    payments_proxy: tuple[str, int], ledger: Ledger
+) -> None:
+    """RFC 3986 §6.2.2.1: the path is case-sensitive; `/Payments` is another resource, routed as
+    nginx `location` prefixes are. docs/deploy.md tells operators to use the backend's case."""
+    answer = await exchange(payments_proxy, post("/Payments/charge"))
+    assert answer.startswith(b"HTTP/1.1 201 "), answer[:200]
+    assert ledger.count() == 1

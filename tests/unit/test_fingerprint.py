@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from typing import Any
@@ -15,6 +16,7 @@ from idemproxy.fingerprint import (
     canonical_json,
     fingerprint,
     fingerprint_of_digest,
+    fingerprinted_media_type,
     is_json,
     media_type_of,
     parse_pointer,
@@ -32,8 +34,9 @@ def fp(
     content_type: str | None = JSON,
     body: bytes = BODY,
     exclude: tuple[str, ...] = (),
+    encoding: str | None = None,
 ) -> str:
-    return fingerprint(method, path, query, content_type, body, exclude)
+    return fingerprint(method, path, query, content_type, body, exclude, content_encoding=encoding)
 
 
 def test_fingerprint_is_a_sha256_hex_digest_and_deterministic() -> None:
@@ -150,16 +153,119 @@ def test_non_ascii_json_escaped_or_literal_is_the_same() -> None:
 
 @pytest.mark.parametrize(
     "content_type",
+    ["Application/JSON", " application/json ", "application/json;", "APPLICATION/json ; ;"],
+)
+def test_media_type_case_and_empty_parameters_are_ignored(content_type: str) -> None:
+    assert fp(content_type=content_type) == fp()
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
     [
-        "application/json; charset=utf-8",
-        "application/json;charset=UTF-8",
-        "Application/JSON",
-        " application/json ; charset=utf-8",
-        "application/json; charset=iso-8859-1; foo=bar",
+        ("application/json; charset=utf-8", "application/json;charset=UTF-8"),
+        (" application/json ; charset=utf-8", "Application/JSON;CHARSET=utf-8"),
+        ('multipart/form-data; boundary="c"', "multipart/form-data; boundary=c"),
+        ('text/plain; x="a\\"b"', 'text/plain; x="a\\"b"'),
+        ('text/plain; x="\\a"', "text/plain; x=a"),  # RFC 9110 §5.6.4: a quoted-pair
     ],
 )
-def test_media_type_parameters_and_case_are_ignored(content_type: str) -> None:
-    assert fp(content_type=content_type) == fp()
+def test_equal_media_type_parameters_give_one_fingerprint(one: str, other: str) -> None:
+    assert fp(content_type=one) == fp(content_type=other)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("application/json", "application/json; charset=utf-8"),
+        ("application/json; charset=utf-8", "application/json; charset=utf-16"),
+        ("multipart/form-data; boundary=c", "multipart/form-data; boundary=C"),
+        ("text/plain; a=1; b=2", "text/plain; b=2; a=1"),  # in the order sent
+        ("text/plain; a=1; a=2", "text/plain; a=2; a=1"),  # which one counts: the parser's
+        ('text/plain; x="1;y=2"', "text/plain; x=1; y=2"),
+        ('text/plain; x="1;y=2"', 'text/plain; x="1";y=2'),
+        ('text/plain; x="a b"', "text/plain; x=a b"),  # the second does not parse
+        ("text/plain; x", "text/plain"),
+        ("text/plain; x", "text/plain; x="),
+        ("text/plain; x=1", "text/plain; x = 1"),
+        ("text/plain; x=1", "\x00text/plain; x=1"),
+        ("text/plain; x=1", "text/plain;x=1 junk"),
+    ],
+)
+def test_different_media_type_parameters_never_merge(one: str, other: str) -> None:
+    assert fp(content_type=one) != fp(content_type=other)
+
+
+BOUNDARY_BODY = (
+    b'--c--\r\nContent-Disposition: form-data; name="amount"\r\n\r\n1\r\n--c--\r\n'
+    b'--d--\r\nContent-Disposition: form-data; name="amount"\r\n\r\n1000000\r\n--d----\r\n'
+)
+
+
+def test_the_multipart_boundary_is_part_of_the_intent() -> None:
+    """The same bytes are the form amount=1 with boundary=c, amount=1000000 with boundary=d."""
+    one = fp(content_type="multipart/form-data; boundary=c", body=BOUNDARY_BODY)
+    million = fp(content_type="multipart/form-data; boundary=d", body=BOUNDARY_BODY)
+    assert one != million
+
+
+def test_the_charset_is_part_of_the_intent() -> None:
+    body = "Привет".encode("koi8-r")
+    koi8 = fp(content_type="text/plain; charset=koi8-r", body=body)
+    latin1 = fp(content_type="text/plain; charset=iso-8859-1", body=body)
+    assert koi8 != latin1
+
+
+def test_a_spooled_body_hashes_the_parameters_too() -> None:
+    digest = hashlib.sha256(BOUNDARY_BODY).digest()
+    one = fingerprint_of_digest("POST", "/pay", "", "multipart/form-data; boundary=c", digest)
+    other = fingerprint_of_digest("POST", "/pay", "", "multipart/form-data; boundary=d", digest)
+    assert one != other
+
+
+# Computed by the version that hashed the media type without its parameters: a job it stored must
+# still match its retries after an upgrade (a Content-Type without parameters hashes as it did).
+STORED_BODY = b'{"amount": 100, "currency": "EUR"}'
+STORED = [
+    ("application/json", "dd5fd07c8d206b5096b634eeafa3ff66c86b3a022b3fa56c7748845e18aca69c"),
+    (None, "52bd9cb9153a623edfd6144ea81538abcc1587fffab3ca41bde65b6eb713cb02"),
+    ("Application/JSON ;", "dd5fd07c8d206b5096b634eeafa3ff66c86b3a022b3fa56c7748845e18aca69c"),
+    ("text/plain", "a720d3d59b3f5468a858160712b4667b613530c5ac587acc61c3b42699b38d72"),
+]
+
+
+@pytest.mark.parametrize(("content_type", "stored"), STORED)
+def test_a_media_type_without_parameters_fingerprints_as_before(
+    content_type: str | None, stored: str
+) -> None:
+    assert fingerprint("POST", "/v1/payments", "a=1", content_type, STORED_BODY) == stored
+
+
+def test_a_spooled_body_without_parameters_fingerprints_as_before() -> None:
+    stored = "86e3d66b7d6b5977ae74e563e38eacfc4dbe98710ab41f89d26160669a382237"
+    digest = fingerprint_of_digest(
+        "POST", "/v1/payments", "", "application/octet-stream", bytes(32)
+    )
+    assert digest == stored
+    multipart = "3285373da7462400c80351cf7fa3b50177b66ed01000d0ee5b4220db86956a03"
+    assert fingerprint("POST", "/v1/payments", "a=1", "multipart/form-data", b"--c--") == multipart
+
+
+@pytest.mark.parametrize(
+    ("content_type", "hashed"),
+    [
+        (None, ""),
+        ("Text/Plain", "text/plain"),
+        ("text/plain ; ", "text/plain"),
+        ('Multipart/Form-Data; Boundary="a b"; X=Y', 'multipart/form-data;boundary="a b";x=Y'),
+        ("text/plain; charset=KOI8-R", "text/plain;charset=koi8-r"),
+        ('text/plain; x="a;b=c"', 'text/plain;x="a;b=c"'),
+        ('text/plain; x="q\\"\\\\"', 'text/plain;x="q\\"\\\\"'),
+        ("text/plain; x=1 2", "\x00text/plain; x=1 2"),
+        ("text plain; x=1", "\x00text plain; x=1"),
+    ],
+)
+def test_fingerprinted_media_type(content_type: str | None, hashed: str) -> None:
+    assert fingerprinted_media_type(content_type) == hashed
 
 
 def test_method_case_is_ignored() -> None:
@@ -602,3 +708,50 @@ def test_a_kept_number_token_leaves_the_rest_of_the_canonical_form_as_it_was(
     plain = canonical_json(json.dumps([document]).encode())
     kept = canonical_json(json.dumps([document]).encode()[:-1] + b",1E2]")
     assert kept == plain[:-1] + b",1E2]"
+
+
+# --- Content-Encoding (RFC 9110 §8.4) -------------------------------------------------------------
+
+
+def test_a_content_coding_is_part_of_the_intent() -> None:
+    """`gzip` bytes are decoded by the backend; without the header they are the payload."""
+    gzipped = gzip.compress(b"amount=1000000")
+    assert fp(content_type="application/octet-stream", body=gzipped) != fp(
+        content_type="application/octet-stream", body=gzipped, encoding="gzip"
+    )
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [("gzip", "deflate"), ("gzip,br", "br,gzip"), ("gzip", "gzip,gzip"), ("gzip", "x-gzip")],
+)
+def test_different_content_codings_never_merge(one: str, other: str) -> None:
+    assert fp(encoding=one) != fp(encoding=other)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ("gzip", "GZIP"),
+        ("gzip, br", "gzip,br"),
+        ("gzip,,br", " gzip , br "),
+        (None, ""),
+        (None, ","),
+    ],
+)
+def test_equal_content_codings_give_one_fingerprint(one: str | None, other: str) -> None:
+    assert fp(encoding=one) == fp(encoding=other)
+
+
+def test_no_content_coding_fingerprints_as_before() -> None:
+    stored = STORED[0][1]  # computed before codings were hashed
+    assert (
+        fingerprint(
+            "POST", "/v1/payments", "a=1", "application/json", STORED_BODY, content_encoding=""
+        )
+        == stored
+    )
+    digest = hashlib.sha256(b"x").digest()
+    assert fingerprint_of_digest("POST", "/p", "", None, digest) == fingerprint_of_digest(
+        "POST", "/p", "", None, digest, content_encoding=None
+    )

@@ -125,10 +125,17 @@ async def _identify(
         spool_threshold=ctx.settings.server.spool_threshold,
     )
     url = request.rel_url
-    content_type = request.headers.get("Content-Type")
+    content_type = request.headers.get(hdrs.CONTENT_TYPE)
+    # Every field, in order (RFC 9110 §5.3: a list may be split over several).
+    content_encoding = ",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
     if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/body.py)
         digest = fingerprint_of_digest(
-            request.method, url.raw_path, url.raw_query_string, content_type, body.raw_sha256
+            request.method,
+            url.raw_path,
+            url.raw_query_string,
+            content_type,
+            body.raw_sha256,
+            content_encoding=content_encoding,
         )
     else:
         digest = fingerprint(
@@ -138,6 +145,7 @@ async def _identify(
             content_type,
             body.memory,
             ctx.settings.fingerprint_exclude,
+            content_encoding=content_encoding,
         )
     intent = Intent(
         owner=owner, key=key, fingerprint=digest, method=request.method, path=url.raw_path

@@ -14,6 +14,12 @@ from idemproxy.proxy.contract import Contract, ContractGate
 # A `.` or `..` segment, or an empty one, in the percent-decoded path; `\\` counts as a separator
 # because some servers (IIS, and frameworks on Windows) take it for one.
 _AMBIGUOUS = re.compile(r"[/\\](?:\.{1,2}(?=[/\\]|$)|(?=[/\\]))")
+# Characters a backend may drop or cut the path at before it routes: `;` starts RFC 3986 §3.3 path
+# parameters, which Servlet containers (Tomcat, Jetty, Spring) strip from each segment
+# (`/payments;x=1` runs `/payments`); a control character (NUL ends a C string, and none is
+# allowed in a target by RFC 3986 §2); a space that ends a segment, which some servers trim
+# (Windows file names, IIS). Checked in the decoded path, so `%3b`, `%00` and `%20` count too.
+_UNROUTABLE = re.compile(r"[;\x00-\x1f\x7f]| (?=[/\\]|$)")
 
 
 def routable_path(path: str) -> str:
@@ -23,8 +29,10 @@ def routable_path(path: str) -> str:
     repeated slashes, and many decode `%2e` and `%2f` before they do. Matched as sent, such a
     target escaped a `/payments` route with `require_key: true` into the `/` route. No API client
     needs one, so rather than guess how each backend resolves it, the proxy refuses it (400).
+    The same holds for a `;` (`/payments;x=1` is `/payments` to a Servlet container), a control
+    character and a space at the end of a segment (`_UNROUTABLE`).
     """
-    if _AMBIGUOUS.search(path):
+    if _AMBIGUOUS.search(path) or _UNROUTABLE.search(path):
         raise PathInvalid()
     return path
 
