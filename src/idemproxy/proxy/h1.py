@@ -594,7 +594,7 @@ async def send_stream(
         connection.abort()
 
 
-def _codings(headers: CIMultiDict[str]) -> list[str]:
+def transfer_codings(headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> list[str]:
     """The transfer codings of every Transfer-Encoding line, in the order they were applied."""
     return [
         coding.strip().lower()
@@ -620,7 +620,7 @@ def framing_fault(headers: CIMultiDict[str], version: str) -> str | None:
         return None
     if version != "1.1":
         return f"Transfer-Encoding in an HTTP/{version} response"
-    codings = _codings(headers)
+    codings = transfer_codings(headers)
     if codings != ["chunked"]:
         return f"transfer codings the proxy does not decode: {', '.join(codings) or 'none'}"
     if "Content-Length" in headers:
@@ -632,5 +632,5 @@ def _chunked(headers: CIMultiDict[str]) -> bool:
     """RFC 9112 §6.3 (4): chunked framing only when `chunked` is the final coding, across every
     Transfer-Encoding line. As llhttp frames the body; the first line alone (`chunked`, then
     `identity`) disagreed with it and failed a close-delimited body as a cut-off one."""
-    codings = _codings(headers)
+    codings = transfer_codings(headers)
     return bool(codings) and codings[-1] == "chunked"
