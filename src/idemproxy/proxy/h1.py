@@ -291,7 +291,9 @@ class Connection(asyncio.Protocol):
             exchange.fail(UpstreamFailure(Failure.BROKEN, "upstream switched protocols"))
             self.abort()
         except httptools.HttpParserError as exc:
-            exchange.fail(UpstreamFailure(Failure.BROKEN, f"invalid upstream response: {exc}"))
+            # A callback's refusal (on_header, on_headers_complete) says why; llhttp does not.
+            why = exc.__context__ if isinstance(exc.__context__, ValueError) else exc
+            exchange.fail(UpstreamFailure(Failure.BROKEN, f"invalid upstream response: {why}"))
             self.abort()
 
     def eof_received(self) -> bool | None:
