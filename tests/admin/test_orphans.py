@@ -54,7 +54,9 @@ async def proxy_with_metrics(
     sweeper: dict[str, float] = TAKEOVER,
     **overrides: Any,
 ) -> Client:
-    settings = make_settings(lease=LEASE, sweeper=sweeper, **overrides)
+    # A lease this short needs store calls that end within it (config: 1.5 x store_timeout).
+    pool = {"store_timeout": LEASE / 2}
+    settings = make_settings(lease=LEASE, sweeper=sweeper, pool=pool, **overrides)
     client = TestClient(TestServer(create_app(settings, store=store, metrics=metrics)))
     await client.start_server()
     return client
