@@ -35,7 +35,9 @@
     ├── ConfigError                 bad settings, raised at start-up
     └── ListenFailed                a configured address cannot be listened on (in use, …)
 
-Docstrings are the default `detail` of each problem.
+Docstrings are the default `detail` of each problem, as one line: their line breaks and
+indentation are source layout, not text for a client (RFC 9457 §3.1.4: a human-readable
+explanation).
 """
 
 from __future__ import annotations
@@ -43,11 +45,17 @@ from __future__ import annotations
 from typing import ClassVar
 
 
+def one_line(text: str) -> str:
+    """`text` with every run of whitespace (a docstring's line breaks and indentation) as one
+    space."""
+    return " ".join(text.split())
+
+
 class IdemproxyError(Exception):
     """Internal error."""
 
     def __init__(self, detail: str | None = None) -> None:
-        self.detail = detail or (self.__doc__ or "").strip()
+        self.detail = detail or one_line(self.__doc__ or "")
         super().__init__(self.detail)
 
 

@@ -46,6 +46,11 @@ CASES: dict[str, bytes] = {
     "length-overflow": HEAD + b"Content-Length: 99999999999999999999999\r\n\r\nabc",
     "coding-not-chunked": HEAD + b"Transfer-Encoding: gzip\r\n\r\nabc",
     "chunked-not-last": HEAD + b"Transfer-Encoding: chunked, gzip\r\n\r\n0\r\n\r\n",
+    # RFC 9112 §6.1: aiohttp removes the final chunked and hands on the still-coded bytes as
+    # the body; forwarded as the identity body they would mean something else.
+    "coding-before-chunked": HEAD + b"Transfer-Encoding: gzip, chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    "coding-line-before-chunked": HEAD
+    + b"Transfer-Encoding: deflate\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
     "xchunked": HEAD + b"Transfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
     "two-chunked": HEAD
     + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",

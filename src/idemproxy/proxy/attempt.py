@@ -37,6 +37,7 @@ from idemproxy.proxy.passthrough import forwarded_headers, upstream_url
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.sink import ClientSink
+from idemproxy.proxy.whole import AsSentStreamResponse
 from idemproxy.types import Job, JobState, StoredResponse
 
 log = logging.getLogger(__name__)
@@ -233,7 +234,7 @@ async def _finish_streamed(
     racing = attempt.mode is Mode.HEDGED and outcome is Outcome.COMPLETE
     if racing and not await completed(ctx, attempt, omitted, route.ttl):
         return None
-    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    response = AsSentStreamResponse(status=upstream.status, reason=upstream.reason)
     response.headers.extend(_client_headers(upstream, attempt.job))
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
@@ -279,7 +280,7 @@ async def _finish_stream(
     duplicate meanwhile is held, and gets the replay. Not in a race, whose winner must be
     decided before a byte goes out, and not behind a contract gate, which needs the whole body.
     """
-    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    response = AsSentStreamResponse(status=upstream.status, reason=upstream.reason)
     response.headers.extend(_client_headers(upstream, attempt.job))
     client = ClientSink(request, response)
     await client.write(b"")  # the head goes out now

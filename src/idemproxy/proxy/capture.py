@@ -22,7 +22,12 @@ from multidict import CIMultiDict
 from idemproxy.proxy.budget import Held, ResponseBudget
 from idemproxy.proxy.h1 import UpstreamResponse
 from idemproxy.proxy.sink import ClientSink
-from idemproxy.proxy.whole import ONE_WRITE_BODY, NotifiedResponse
+from idemproxy.proxy.whole import (
+    ONE_WRITE_BODY,
+    AsSentResponse,
+    AsSentStreamResponse,
+    NotifiedResponse,
+)
 
 _PIECE = 256 * 1024  # read back from a temporary file in pieces of this size
 
@@ -172,7 +177,7 @@ def answer(
     if len(content) <= ONE_WRITE_BODY:
         # One write when its handler returns (proxy/whole.py): given back then.
         captured.release()
-        return web.Response(status=status, reason=reason, body=content, headers=headers)
+        return AsSentResponse(status=status, reason=reason, body=content, headers=headers)
     # Given back once written (proxy/whole.py), not when the handler returns.
     return NotifiedResponse(
         status=status, reason=reason, body=content, headers=headers, done=captured.close
@@ -188,7 +193,7 @@ def on_disk(budget: ResponseBudget, body: bytes) -> Captured:
     return captured
 
 
-class SpooledResponse(web.StreamResponse):
+class SpooledResponse(AsSentStreamResponse):
     """A stored body answered from its temporary file, a piece at a time."""
 
     def __init__(

@@ -180,7 +180,7 @@ class UpstreamResponse:
             (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
         )
 
-    def on_headers_complete(self, status: int) -> None:
+    def on_headers_complete(self, status: int, version: str) -> None:
         if 100 <= status < 200:
             # RFC 9110 §15.2: interim responses (103 Early Hints, an unasked-for 100) are not
             # the answer; the final response follows on the same connection.
@@ -198,8 +198,14 @@ class UpstreamResponse:
         self.headers = CIMultiDictProxy(headers)
         length = headers.get("Content-Length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
+        bodiless = self.method == "HEAD" or status in (204, 304)
+        fault = None if bodiless else framing_fault(headers, version)
+        if fault is not None:
+            # SPEC §10: a malformed response (unknown once sent); raised while the head is not
+            # yet the exchange's, so that no path relays it.
+            raise ValueError(fault)
         self._stage = _Stage.BODY
-        if self.method == "HEAD" or status in (204, 304):
+        if bodiless:
             self._done()  # RFC 9110 §6.4.1: no body, whatever the headers say
             return
         if length is None and not _chunked(headers):
@@ -285,7 +291,9 @@ class Connection(asyncio.Protocol):
             exchange.fail(UpstreamFailure(Failure.BROKEN, "upstream switched protocols"))
             self.abort()
         except httptools.HttpParserError as exc:
-            exchange.fail(UpstreamFailure(Failure.BROKEN, f"invalid upstream response: {exc}"))
+            # A callback's refusal (on_header, on_headers_complete) says why; llhttp does not.
+            why = exc.__context__ if isinstance(exc.__context__, ValueError) else exc
+            exchange.fail(UpstreamFailure(Failure.BROKEN, f"invalid upstream response: {why}"))
             self.abort()
 
     def eof_received(self) -> bool | None:
@@ -327,7 +335,8 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         if self.exchange is not None:
-            self.exchange.on_headers_complete(self.parser.get_status_code())
+            parser = self.parser
+            self.exchange.on_headers_complete(parser.get_status_code(), parser.get_http_version())
 
     def on_body(self, body: bytes) -> None:
         if self.exchange is not None:
@@ -587,14 +596,43 @@ async def send_stream(
         connection.abort()
 
 
-def _chunked(headers: CIMultiDict[str]) -> bool:
-    """RFC 9112 §6.3 (4): chunked framing only when `chunked` is the final coding, across every
-    Transfer-Encoding line. As llhttp frames the body; the first line alone (`chunked`, then
-    `identity`) disagreed with it and failed a close-delimited body as a cut-off one."""
-    codings = [
+def transfer_codings(headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> list[str]:
+    """The transfer codings of every Transfer-Encoding line, in the order they were applied."""
+    return [
         coding.strip().lower()
         for value in headers.getall("Transfer-Encoding", ())
         for coding in value.split(",")
         if coding.strip()
     ]
+
+
+def framing_fault(headers: CIMultiDict[str], version: str) -> str | None:
+    """Why a response's Transfer-Encoding makes it malformed for the proxy, or None.
+
+    The proxy decodes one transfer coding, `chunked`, and relays, stores and replays the decoded
+    bytes as the identity body (SPEC §10). Any other coding (gzip, deflate, compress, an unknown
+    one, `identity`, which RFC 9112 §7 no longer defines, or a second `chunked`, which §7.1
+    forbids) leaves bytes whose meaning is not the identity body: relaying them as such would
+    change what the upstream said, so the response is refused as malformed (RFC 9112 §6.1).
+    So is a Transfer-Encoding on a 1.0 response (§6.1: "MUST treat the message as if the
+    framing is faulty") and one beside a Content-Length (§6.3 (3): "ought to be handled as an
+    error").
+    """
+    if "Transfer-Encoding" not in headers:
+        return None
+    if version != "1.1":
+        return f"Transfer-Encoding in an HTTP/{version} response"
+    codings = transfer_codings(headers)
+    if codings != ["chunked"]:
+        return f"transfer codings the proxy does not decode: {', '.join(codings) or 'none'}"
+    if "Content-Length" in headers:
+        return "Transfer-Encoding and Content-Length in one response"
+    return None
+
+
+def _chunked(headers: CIMultiDict[str]) -> bool:
+    """RFC 9112 §6.3 (4): chunked framing only when `chunked` is the final coding, across every
+    Transfer-Encoding line. As llhttp frames the body; the first line alone (`chunked`, then
+    `identity`) disagreed with it and failed a close-delimited body as a cut-off one."""
+    codings = transfer_codings(headers)
     return bool(codings) and codings[-1] == "chunked"

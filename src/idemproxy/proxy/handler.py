@@ -18,6 +18,7 @@ from idemproxy.owner import derive_owner
 from idemproxy.proxy.body import RequestBody, read_body
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.governed import handle_governed
+from idemproxy.proxy.h1 import transfer_codings
 from idemproxy.proxy.hangups import client_gone
 from idemproxy.proxy.headers import hop_by_hop
 from idemproxy.proxy.host import valid_host
@@ -69,6 +70,10 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
     try:
         if not valid_host(request.headers.get(hdrs.HOST)):
             return _refuse_host(ctx, trace)
+        if hdrs.TRANSFER_ENCODING in request.headers and transfer_codings(request.headers) != [
+            "chunked"
+        ]:
+            return _refuse_transfer_coding(ctx, trace)
         route = ctx.routes.find(routable_path(request.path), request.host)
         if route is None:
             raise NoRoute()
@@ -88,6 +93,20 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
             client_gone(ctx.metrics, request, "request_body")
         trace.problem(error)
         return problem_response(error, profile=ctx.settings.profile)
+
+
+def _refuse_transfer_coding(ctx: ProxyContext, trace: Trace) -> web.StreamResponse:
+    """RFC 9112 §6.1: aiohttp removes the final `chunked` of `gzip, chunked` and hands on the
+    still-coded bytes as the body; forwarded (and fingerprinted) as the identity body, they
+    would mean something else to the upstream. The proxy decodes no other transfer coding, so
+    the request is refused, and the connection closed, as for the framings aiohttp refuses."""
+    error = HeaderInvalid(
+        "The proxy decodes no transfer coding but a single chunked (RFC 9112 §6.1)."
+    )
+    trace.problem(error)
+    response = problem_response(error, profile=ctx.settings.profile)
+    response.force_close()
+    return response
 
 
 def _refuse_host(ctx: ProxyContext, trace: Trace) -> web.StreamResponse:

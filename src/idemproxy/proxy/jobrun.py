@@ -111,9 +111,16 @@ class _Race:
                 winner = step
         return winner
 
+    def none_executed(self) -> bool:
+        """SPEC §3.4: once any racer may have executed, no further upstream is brought in,
+        neither as a fail-over (every racer failed) nor by the hedge timer. A racer that ended
+        with a store error (its outcome not written, or its answer not stored) is one whose
+        outcome the race does not know: it may have executed."""
+        return not self.errors and _none_executed(self.failures)
+
     def may_fail_over(self) -> bool:
         """Every racer ended without an answer and the store took each outcome: the next
-        upstream may come in (whether any of them may have executed is `_none_executed`)."""
+        upstream may come in (whether any of them may have executed is `none_executed`)."""
         return not self.racing and not self.errors
 
 
@@ -131,7 +138,7 @@ async def _run_hedged(
     _race(ctx, request, route, body, race.racing, first)
     waiting_for = 1
     while race.racing:
-        more = waiting_for < len(upstreams) and not race.lost and _none_executed(race.failures)
+        more = waiting_for < len(upstreams) and not race.lost and race.none_executed()
         done, _ = await asyncio.wait(
             race.racing,
             timeout=route.hedge_after if more else None,
@@ -140,7 +147,7 @@ async def _run_hedged(
         winner = race.collect(done)
         if winner is not None:
             return winner
-        if more and _none_executed(race.failures) and (not done or race.may_fail_over()):
+        if more and race.none_executed() and (not done or race.may_fail_over()):
             # No answer within hedge_after, or every racer failed: bring in the next upstream.
             try:
                 await _hedge(ctx, request, route, body, race.racing, job, upstreams[waiting_for])
@@ -174,8 +181,7 @@ async def _hedge(
 
 
 def _none_executed(failures: list[tuple[Attempt, Failed]]) -> bool:
-    """SPEC §3.4: once any racer may have executed, no further upstream is brought in, neither
-    as a fail-over (every racer failed) nor by the hedge timer."""
+    """Every failed racer was released: none of them may have executed (SPEC §3.2)."""
     return race_outcome(failed.outcome for _, failed in failures) is Outcome.RELEASE
 
 

@@ -20,6 +20,7 @@ from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.sink import abort
 from idemproxy.proxy.trusted import is_trusted
+from idemproxy.proxy.whole import AsSentResponse, AsSentStreamResponse
 
 log = logging.getLogger(__name__)
 # Request bodies up to this size with a declared length are read whole rather than streamed;
@@ -84,7 +85,7 @@ async def passthrough(
             if upstream.complete and _small(upstream.content_length) and request.method != "HEAD":
                 content, _ = await UpstreamClient.read_body(upstream, SMALL_BODY)
                 return _buffered(upstream, content)
-            response = web.StreamResponse()
+            response = AsSentStreamResponse()
             await _stream(ctx, request, response, upstream)
             return response
     except UpstreamFailure as failure:
@@ -102,7 +103,7 @@ def _small(length: int | None) -> bool:
 
 
 def _buffered(upstream: UpstreamResponse, content: bytes) -> web.Response:
-    return web.Response(
+    return AsSentResponse(
         status=upstream.status,
         reason=upstream.reason,
         body=content,

@@ -7,7 +7,7 @@ import json
 from aiohttp import web
 
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE, PROBLEM_TYPE_PREFIX
-from idemproxy.errors import PayloadMismatch, ProblemError
+from idemproxy.errors import PayloadMismatch, ProblemError, one_line
 
 # SPEC §8 / draft-ietf-httpapi-idempotency-key-header-07 §2.7: a reused key with another
 # payload is 422 in the ietf profile.
@@ -22,7 +22,8 @@ def problem_response(error: ProblemError, *, profile: str = "default") -> web.Re
         "type": PROBLEM_TYPE_PREFIX + error.code,
         "title": error.title,
         "status": status,
-        "detail": error.detail,  # always our own text, never attacker bytes (SPEC §8)
+        # Always our own text, never attacker bytes (SPEC §8); one line, whoever wrote it.
+        "detail": one_line(error.detail),
         "code": error.code,
     }
     headers = {ERROR_HEADER: error.code}

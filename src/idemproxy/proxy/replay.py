@@ -8,7 +8,7 @@ from multidict import CIMultiDict
 from idemproxy.constants import ERROR_HEADER, JOB_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
 from idemproxy.proxy.budget import ResponseBudget
 from idemproxy.proxy.capture import SpooledResponse, on_disk
-from idemproxy.proxy.whole import ONE_WRITE_BODY, NotifiedResponse
+from idemproxy.proxy.whole import ONE_WRITE_BODY, AsSentResponse, NotifiedResponse
 from idemproxy.types import StoredResponse
 
 
@@ -26,7 +26,7 @@ def replay_response(
         headers[REPLAY_OMITTED_HEADER] = "omitted"
     body = stored.body or b""
     if shared is None or len(body) <= ONE_WRITE_BODY:
-        return web.Response(status=stored.status, body=body, headers=headers)
+        return AsSentResponse(status=stored.status, body=body, headers=headers)
     return shared.response(job_id, stored.status, headers, body)
 
 

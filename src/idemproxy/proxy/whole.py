@@ -15,7 +15,7 @@ of the handler's) goes aiohttp's usual way.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +54,11 @@ def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> W
 
     Adds, as aiohttp does (`Response._start`, `StreamResponse._prepare_headers`):
     Content-Length, Content-Type `application/octet-stream` for a non-empty body without one
-    (RFC 9110 §8.3), Date, Server, and `Connection: keep-alive` (HTTP/1.0) or `close` (HTTP/1.1)
-    where the connection's persistence differs from the version's default (RFC 9112 §9.3).
+    (RFC 9110 §8.3) unless the fields are an upstream's (`AsSentResponse`), Date, Server, and
+    `Connection: keep-alive` (HTTP/1.0) or `close` (HTTP/1.1) where the connection's persistence
+    differs from the version's default (RFC 9112 §9.3).
     """
-    if (type(response) is not web.Response and type(response) is not NotifiedResponse) or (
-        response.prepared
-    ):
+    if not isinstance(response, web.Response) or type(response) not in _WHOLE or response.prepared:
         return None
     body = response.body
     if body is None:
@@ -82,7 +81,7 @@ def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> W
     if keep_alive is None:
         keep_alive = request.keep_alive
     headers[hdrs.CONTENT_LENGTH] = str(len(body))
-    if body:
+    if body and not isinstance(response, AsSentResponse):
         headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
     if hdrs.DATE not in headers:
         headers[hdrs.DATE] = rfc822_formatted_time()
@@ -115,7 +114,35 @@ def mark_sent(response: web.StreamResponse, keep_alive: bool) -> None:
     response._eof_sent = True
 
 
-class NotifiedResponse(web.Response):
+async def _prepare_as_sent(
+    response: web.StreamResponse, prepare: Callable[[], Awaitable[None]]
+) -> None:
+    """aiohttp's header preparation, without the Content-Type it invents for a body that has
+    none: an upstream's answer without one reaches the client without one (RFC 9110 §8.3: the
+    recipient may then inspect the body; `application/octet-stream` would tell it not to)."""
+    invented = hdrs.CONTENT_TYPE not in response.headers
+    await prepare()
+    if invented:
+        response.headers.popall(hdrs.CONTENT_TYPE, None)
+
+
+class AsSentStreamResponse(web.StreamResponse):
+    """A streamed response whose header fields are an upstream's, or the store's copy of them:
+    aiohttp adds the framing, Date and Server, never a Content-Type (SPEC §10)."""
+
+    async def _prepare_headers(self) -> None:
+        await _prepare_as_sent(self, super()._prepare_headers)
+
+
+class AsSentResponse(web.Response):
+    """A whole response whose header fields are an upstream's, or the store's copy of them:
+    aiohttp (or `serialise_whole`) adds the framing, Date and Server, never a Content-Type."""
+
+    async def _prepare_headers(self) -> None:
+        await _prepare_as_sent(self, super()._prepare_headers)
+
+
+class NotifiedResponse(AsSentResponse):
     """A complete response whose `done` runs once when it has been written, by either path, or
     when it is dropped unsent: what it holds (a budget's bytes, a shared body) is given back."""
 
@@ -129,6 +156,10 @@ class NotifiedResponse(web.Response):
             await super().write_eof(data)
         finally:
             self.written()
+
+
+# The classes `serialise_whole` writes (a subclass of its own could change what goes out).
+_WHOLE = frozenset({web.Response, AsSentResponse, NotifiedResponse})
 
 
 def _once(done: Callable[[], None]) -> Callable[[], None]:
