@@ -13,6 +13,8 @@ get nothing, their retries are held.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 from collections.abc import AsyncIterator
 
@@ -110,3 +112,40 @@ async def test_an_unread_replay_does_not_stop_other_responses(
         unread.close()
         for sock in others:
             sock.close()
+
+
+async def test_a_drain_does_not_turn_an_answered_request_into_an_unknown_one(
+    start_proxy: StartProxy, sized_backend: tuple[str, dict[str, int]], tmp_path
+) -> None:
+    """The upstream answered in full (the body waits on disk for budget room); a graceful
+    shutdown's deadline then cuts the attempt off as `unknown` and its client gets
+    `504 upstream-timeout` ("shut down before the upstream answered"), every retry
+    `409 outcome-unknown`, although the result was there to store."""
+    url, ledger = sized_backend
+    proxy = await start_proxy(
+        "--upstream",
+        url,
+        "--store",
+        f"sqlite:///{tmp_path / 'jobs.db'}",
+        "--max-stored-body",
+        str(16 * 1024 * 1024),
+        env={
+            "IDEMPROXY_LIMITS__RESPONSE_BUFFER": str(BUDGET),
+            "IDEMPROXY_SERVER__SHUTDOWN_TIMEOUT": "2",
+        },
+    )
+    first = await _send(proxy.port, "large", LARGE)
+    assert len(await _read(first, LARGE + 200, 10)) > LARGE
+    first.close()
+    unread = await _send(proxy.port, "large", LARGE, rcvbuf=4096)
+    await asyncio.sleep(1.0)
+    victim = await _send(proxy.port, "answered", 1_000_000)
+    await asyncio.sleep(1.0)
+    assert ledger.get("answered") == 1
+    os.kill(proxy.pid, signal.SIGTERM)
+    try:
+        answer = await _read(victim, 200, 8.0)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    finally:
+        unread.close()
+        victim.close()
