@@ -149,3 +149,40 @@ async def test_a_drain_does_not_turn_an_answered_request_into_an_unknown_one(
     finally:
         unread.close()
         victim.close()
+
+
+async def test_a_drain_during_the_wait_for_budget_room_stores_the_answer(
+    start_proxy: StartProxy, sized_backend: tuple[str, dict[str, int]], tmp_path
+) -> None:
+    """The drain's deadline falls while the answered body still waits for room (a wait longer
+    than the drain): the cancellation ends the wait, not the store write."""
+    url, ledger = sized_backend
+    proxy = await start_proxy(
+        "--upstream",
+        url,
+        "--store",
+        f"sqlite:///{tmp_path / 'jobs.db'}",
+        "--max-stored-body",
+        str(16 * 1024 * 1024),
+        env={
+            "IDEMPROXY_LIMITS__RESPONSE_BUFFER": str(BUDGET),
+            "IDEMPROXY_LIMITS__RESPONSE_BUFFER_WAIT": "30",
+            "IDEMPROXY_LIMITS__RESPONSE_BUFFER_HOLD": "30",
+            "IDEMPROXY_SERVER__SHUTDOWN_TIMEOUT": "1",
+        },
+    )
+    first = await _send(proxy.port, "large", LARGE)
+    assert len(await _read(first, LARGE + 200, 10)) > LARGE
+    first.close()
+    unread = await _send(proxy.port, "large", LARGE, rcvbuf=4096)
+    await asyncio.sleep(1.0)
+    victim = await _send(proxy.port, "answered", 1_000_000)
+    await asyncio.sleep(0.5)
+    assert ledger.get("answered") == 1
+    os.kill(proxy.pid, signal.SIGTERM)
+    try:
+        answer = await _read(victim, 200, 8.0)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    finally:
+        unread.close()
+        victim.close()
