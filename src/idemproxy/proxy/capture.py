@@ -4,8 +4,9 @@ Up to `max_stored_body` bytes are read before the client sees one (the outcome i
 SPEC §2 step 4). They stay in memory while the budget has room; once it has none, what was read
 so far and the rest go to an unnamed temporary file (as nginx's `proxy_temp_path` does), so that
 the upstream connection is read at full speed and the response is still stored and answered
-whole. Such a body is read back into memory for its store write only once the budget has room
-(`ResponseBudget.take`), and its client is answered from the file.
+whole. Such a body is read back into memory for its store write once the budget has room, or
+after `limits.response_buffer_wait` over it (`ResponseBudget.take`), and its client is answered
+from the file.
 """
 
 from __future__ import annotations
