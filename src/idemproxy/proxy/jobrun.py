@@ -153,6 +153,8 @@ async def _run_hedged(
                 race.errors.append(error)
                 waiting_for = len(upstreams)
             waiting_for += 1
+    if race.lost or race.errors:
+        _drop_replies(race)  # nobody sends them now
     if race.lost:
         return None  # the winner was another request's attempt (a takeover): re-read the job
     if race.errors:
