@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+
+import pytest
+from multidict import CIMultiDict
 
 from idemproxy.proxy.budget import Held, ResponseBudget
+from idemproxy.proxy.capture import SpooledResponse, drop_unsent, on_disk
 from idemproxy.proxy.whole import NotifiedResponse
 
 
@@ -100,4 +105,22 @@ async def test_a_notified_response_gives_back_after_its_hold_at_the_latest() -> 
     await asyncio.sleep(0.1)
     assert len(given) == 1  # its client never read it: the budget has its bytes back
     response.written()  # written at last: given back once only
+    assert len(given) == 1
+
+
+async def test_an_unsent_spooled_answer_closes_its_file_and_an_unsent_notified_one_gives_back() -> (
+    None
+):
+    budget = ResponseBudget(0)
+    captured = on_disk(budget, b"x" * 1000)
+    spooled = SpooledResponse(captured, status=200, headers=CIMultiDict())
+    fd = captured._spool.fileno() if captured._spool is not None else -1
+    os.fstat(fd)
+    drop_unsent(spooled)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed now, not at a later garbage collection
+    given: list[None] = []
+    notified = NotifiedResponse(body=b"x", done=lambda: given.append(None))
+    drop_unsent(notified)
+    drop_unsent(None)
     assert len(given) == 1
