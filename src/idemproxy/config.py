@@ -283,6 +283,13 @@ class LimitsSettings(BaseModel):
     # store writes, and the answers to their first clients); a body that does not fit waits in
     # an unnamed temporary file instead (proxy/budget.py). Never a reason to refuse a request.
     response_buffer: int = Field(default=c.DEFAULT_RESPONSE_BUFFER, ge=0)
+    # Seconds a body on disk waits for room in the response buffer before its store write goes
+    # ahead over it (an overdraft, counted in idemproxy_response_buffer_overdrafts_total): the
+    # budget bounds memory, never how long a request waits.
+    response_buffer_wait: float = Field(default=c.DEFAULT_RESPONSE_BUFFER_WAIT, gt=0)
+    # Seconds a response being written to its client holds its bytes in the response buffer;
+    # after it, a client that does not read no longer keeps room from every other response.
+    response_buffer_hold: float = Field(default=c.DEFAULT_RESPONSE_BUFFER_HOLD, gt=0)
     # Client connections open at once; beyond it new ones wait in the kernel's listen backlog
     # (proxy/gate.py). Each takes a file descriptor: keep it under the process's RLIMIT_NOFILE
     # less pool.upstream_connections and pool.store_connections.

@@ -55,6 +55,8 @@ DEFAULT_MAX_WAITERS_PER_KEY: Final = 64
 DEFAULT_MAX_WAITERS: Final = 10_000
 # limits.response_buffer and limits.max_connections, per process (docs/operations.md, Memory).
 DEFAULT_RESPONSE_BUFFER: Final = 256 * 1024 * 1024
+DEFAULT_RESPONSE_BUFFER_WAIT: Final = 1.0
+DEFAULT_RESPONSE_BUFFER_HOLD: Final = 10.0
 DEFAULT_MAX_CONNECTIONS: Final = 1024
 DEFAULT_BACKLOG: Final = 1024
 # server.workers: each worker holds its own store pool, so a typo must not open thousands.

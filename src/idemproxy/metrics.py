@@ -111,6 +111,12 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         self.requests = self._counter("requests", "Requests by outcome.", ["outcome"])
         self.attempts = self._counter("attempts", "Attempts by outcome.", ["outcome"])
+        self.response_buffer_overdrafts = self._counter(
+            "response_buffer_overdrafts",
+            "Response bodies taken over limits.response_buffer after waiting "
+            "limits.response_buffer_wait for room.",
+            [],
+        )
         self.late_results = self._counter(
             "late_results_discarded", "Attempt results that lost the completion CAS.", []
         )

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
+
+import pytest
+from multidict import CIMultiDict
 
 from idemproxy.proxy.budget import Held, ResponseBudget
+from idemproxy.proxy.capture import SpooledResponse, drop_unsent, on_disk
+from idemproxy.proxy.whole import NotifiedResponse
 
 
 async def test_try_take_never_waits_and_never_exceeds_the_limit() -> None:
@@ -67,3 +73,54 @@ async def test_held_gives_back_exactly_once() -> None:
     held.release()
     held.release()
     assert budget.used == 0 and held.size == 0
+
+
+async def test_take_waits_a_bounded_time_then_overdraws_and_counts_it() -> None:
+    counted: list[None] = []
+    budget = ResponseBudget(10, wait=0.05, overdrawn=lambda: counted.append(None))
+    assert budget.try_take(10)  # held by a client that never reads
+    async with asyncio.timeout(1):
+        await budget.take(5)
+    assert budget.used == 15 and budget.overdrafts == 1 and len(counted) == 1
+    budget.give_back(15)
+    assert budget.used == 0 and budget.try_take(10)  # the abandoned wait left no trace
+
+
+async def test_an_overdraft_does_not_jump_ahead_of_a_waiter_that_fits_later() -> None:
+    budget = ResponseBudget(10, wait=0.05)
+    assert budget.try_take(10)
+    first = asyncio.create_task(budget.take(4))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(budget.take(4))
+    async with asyncio.timeout(1):
+        await asyncio.gather(first, second)
+    assert budget.used == 18 and budget.overdrafts == 2
+    budget.give_back(18)
+    assert budget.used == 0
+
+
+async def test_a_notified_response_gives_back_after_its_hold_at_the_latest() -> None:
+    given: list[None] = []
+    response = NotifiedResponse(body=b"x" * 100, done=lambda: given.append(None), hold=0.05)
+    await asyncio.sleep(0.1)
+    assert len(given) == 1  # its client never read it: the budget has its bytes back
+    response.written()  # written at last: given back once only
+    assert len(given) == 1
+
+
+async def test_an_unsent_spooled_answer_closes_its_file_and_an_unsent_notified_one_gives_back() -> (
+    None
+):
+    budget = ResponseBudget(0)
+    captured = on_disk(budget, b"x" * 1000)
+    spooled = SpooledResponse(captured, status=200, headers=CIMultiDict())
+    fd = captured._spool.fileno() if captured._spool is not None else -1
+    os.fstat(fd)
+    drop_unsent(spooled)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed now, not at a later garbage collection
+    given: list[None] = []
+    notified = NotifiedResponse(body=b"x", done=lambda: given.append(None))
+    drop_unsent(notified)
+    drop_unsent(None)
+    assert len(given) == 1

@@ -4,17 +4,19 @@ Up to `max_stored_body` bytes are read before the client sees one (the outcome i
 SPEC §2 step 4). They stay in memory while the budget has room; once it has none, what was read
 so far and the rest go to an unnamed temporary file (as nginx's `proxy_temp_path` does), so that
 the upstream connection is read at full speed and the response is still stored and answered
-whole. Such a body is read back into memory for its store write only once the budget has room
-(`ResponseBudget.take`), and its client is answered from the file.
+whole. Such a body is read back into memory for its store write once the budget has room, or
+after `limits.response_buffer_wait` over it (`ResponseBudget.take`), and its client is answered
+from the file.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import weakref
 from collections.abc import AsyncIterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -44,6 +46,10 @@ class Captured:
         self._spool: BinaryIO | None = None
         self.size = 0
         self.whole = False
+
+    @property
+    def budget_hold(self) -> float:
+        return self._budget.hold
 
     @property
     def spooled(self) -> bool:
@@ -84,10 +90,24 @@ class Captured:
             return content
         assert self._spool is not None
         if not self.held.size:
-            await self._budget.take(self.size)
+            await self._take_for_store()
             self.held.size = self.size
         self._spool.flush()
         return os.pread(self._spool.fileno(), self.size, 0)
+
+    async def _take_for_store(self) -> None:
+        """Room for the whole body, waited for a bounded time (proxy/budget.py). The body is
+        whole: the upstream answered. A shutdown's cancellation arriving during this wait ends
+        the wait, not the store write: cut off here, an outcome that is known would be recorded
+        unknown (SPEC §3.2) and its client answered 504."""
+        try:
+            await self._budget.take(self.size)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling() != 1:
+                raise  # cancelled again, or not by the drain: let it end
+            task.uncancel()
+            self._budget.overdraw(self.size)
 
     def _join(self) -> None:
         # b"".join holds the pieces and the whole at once: the whole is taken from the budget
@@ -180,7 +200,12 @@ def answer(
         return AsSentResponse(status=status, reason=reason, body=content, headers=headers)
     # Given back once written (proxy/whole.py), not when the handler returns.
     return NotifiedResponse(
-        status=status, reason=reason, body=content, headers=headers, done=captured.close
+        status=status,
+        reason=reason,
+        body=content,
+        headers=headers,
+        done=captured.close,
+        hold=captured.budget_hold,
     )
 
 
@@ -208,6 +233,17 @@ class SpooledResponse(AsSentStreamResponse):
         self.content_length = captured.size
         self._captured = captured
 
+    def close(self) -> None:
+        """Never to be sent: its file is closed now, not at some later garbage collection."""
+        self._captured.close()
+
+    async def prepare(self, request: web.BaseRequest) -> Any:
+        try:
+            return await super().prepare(request)
+        except BaseException:
+            self._captured.close()  # the client is gone: write_eof will not run
+            raise
+
     async def write_eof(self, data: bytes = b"") -> None:
         try:
             if not self._eof_sent:
@@ -216,3 +252,14 @@ class SpooledResponse(AsSentStreamResponse):
             await super().write_eof(data)
         finally:
             self._captured.close()
+
+
+def drop_unsent(response: web.StreamResponse | None) -> None:
+    """A response that will never be sent (its client left, or another answer was chosen)
+    gives back what it holds now: a spooled one its file descriptor, a notified one its
+    budget's bytes. Without this they wait for a full garbage collection, which the server's
+    gc.freeze and raised thresholds make rare."""
+    if isinstance(response, SpooledResponse):
+        response.close()
+    elif isinstance(response, NotifiedResponse):
+        response.written()

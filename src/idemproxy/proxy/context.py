@@ -85,7 +85,13 @@ class ProxyContext:
 
 
 def _budget(settings: Settings, metrics: Metrics) -> ResponseBudget:
-    budget = ResponseBudget(settings.limits.response_buffer)
+    limits = settings.limits
+    budget = ResponseBudget(
+        limits.response_buffer,
+        wait=limits.response_buffer_wait,
+        hold=limits.response_buffer_hold,
+        overdrawn=metrics.response_buffer_overdrafts.inc,
+    )
     metrics.response_buffer.set_function(lambda: budget.used)
     return budget
 

@@ -30,6 +30,7 @@ from idemproxy.errors import (
 )
 from idemproxy.ids import new_job_id
 from idemproxy.proxy.body import RequestBody
+from idemproxy.proxy.capture import drop_unsent
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobrun import run_job
 from idemproxy.proxy.passthrough import passthrough
@@ -141,11 +142,18 @@ async def run_shielded(
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         if not _cut_off_by_shutdown(task, request):
+            # The client left: the attempt goes on, and its response is never sent.
+            task.add_done_callback(_drop_result)
             raise
     # SPEC §3.2: the drain's deadline cancelled the attempt and its job is unknown. The first
     # client gets a 504 as for any attempt whose outcome is unknown, not a bare disconnect
     # (unless the response had already started); retries get 409 outcome-unknown.
     raise UpstreamTimeout(_CUT_OFF)
+
+
+def _drop_result(task: asyncio.Task[web.StreamResponse | None]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        drop_unsent(task.result())
 
 
 def _cut_off_by_shutdown(

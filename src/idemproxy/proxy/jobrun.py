@@ -26,6 +26,7 @@ from idemproxy.proxy.attempt import (
     run_attempt,
 )
 from idemproxy.proxy.body import RequestBody
+from idemproxy.proxy.capture import drop_unsent
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
@@ -146,6 +147,7 @@ async def _run_hedged(
         )
         winner = race.collect(done)
         if winner is not None:
+            _drop_replies(race)
             return winner
         if more and race.none_executed() and (not done or race.may_fail_over()):
             # No answer within hedge_after, or every racer failed: bring in the next upstream.
@@ -158,6 +160,8 @@ async def _run_hedged(
                 race.errors.append(error)
                 waiting_for = len(upstreams)
             waiting_for += 1
+    if race.lost or race.errors:
+        _drop_replies(race)  # nobody sends them now
     if race.lost:
         return None  # the winner was another request's attempt (a takeover): re-read the job
     if race.errors:
@@ -178,6 +182,21 @@ async def _hedge(
     number = await ctx.store.add_attempt(job, upstream, lease=ctx.settings.lease)
     if number is not None:
         _race(ctx, request, route, body, racing, Attempt(job, number, upstream, Mode.HEDGED))
+
+
+def _drop_replies(race: _Race) -> None:
+    """The race is answered: the upstream replies kept by its failed racers, and by those still
+    running, are never sent; each gives back what it holds now (proxy/capture.py)."""
+    for _, failed in race.failures:
+        drop_unsent(failed.reply)
+    for task in race.racing:
+        task.add_done_callback(_drop_reply)
+
+
+def _drop_reply(task: asyncio.Task[Step]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        step = task.result()
+        drop_unsent(step.reply if isinstance(step, Failed) else None)
 
 
 def _none_executed(failures: list[tuple[Attempt, Failed]]) -> bool:
@@ -247,6 +266,9 @@ async def _all_failed(
         status=failed.status,
         error=failed.error,
     )
+    for _, other in failures:
+        if other is not failed:
+            drop_unsent(other.reply)
     if failed.reply is not None:  # SPEC §3.2: the upstream's own answer, e.g. its 503
         return failed.reply
     return problem_response(failed.problem(), profile=ctx.settings.profile)

@@ -51,8 +51,14 @@ class SharedBodies:
         if not users and not self._budget.try_take(len(body)):
             return SpooledResponse(on_disk(self._budget, body), status=status, headers=headers)
         self._bodies[job_id] = (held, users + 1)
+        # Given back once written, or after the budget's `hold` when its client does not read
+        # (the bytes stay, shared, until written).
         return NotifiedResponse(
-            status=status, body=held, headers=headers, done=lambda: self._give_back(job_id)
+            status=status,
+            body=held,
+            headers=headers,
+            done=lambda: self._give_back(job_id),
+            hold=self._budget.hold,
         )
 
     def _give_back(self, job_id: str) -> None:

@@ -14,6 +14,7 @@ of the handler's) goes aiohttp's usual way.
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -144,11 +145,23 @@ class AsSentResponse(web.Response):
 
 class NotifiedResponse(AsSentResponse):
     """A complete response whose `done` runs once when it has been written, by either path, or
-    when it is dropped unsent: what it holds (a budget's bytes, a shared body) is given back."""
+    when it is dropped unsent: what it holds (a budget's bytes, a shared body) is given back.
+    With `hold`, `done` runs after that many seconds at the latest: a client that does not read
+    must not keep what it holds for ever (SPEC §9; the bytes themselves stay until written)."""
 
-    def __init__(self, *, done: Callable[[], None], **kwargs: Any) -> None:
+    def __init__(
+        self, *, done: Callable[[], None], hold: float | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.written = _once(done)
+        if hold is not None:
+            once, timer = self.written, asyncio.get_running_loop().call_later(hold, self.written)
+
+            def written() -> None:
+                timer.cancel()
+                once()
+
+            self.written = written
         weakref.finalize(self, self.written)
 
     async def write_eof(self, data: bytes = b"") -> None:
