@@ -44,16 +44,20 @@ async def late_stream_backend() -> AsyncIterator[str]:
         await runner.cleanup()
 
 
+@pytest.mark.parametrize(
+    "key_header",
+    [b"Idempotency-Key: late-head\r\n", b""],
+    ids=["governed", "pass-through"],
+)
 async def test_a_stream_answered_during_a_drain_says_connection_close(
-    start_proxy: StartProxy, late_stream_backend: str, tmp_path
+    start_proxy: StartProxy, late_stream_backend: str, tmp_path, key_header: bytes
 ) -> None:
     proxy = await start_proxy(
         "--upstream", late_stream_backend, "--store", f"sqlite:///{tmp_path / 'jobs.db'}"
     )
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
     writer.write(
-        b"POST /events HTTP/1.1\r\nHost: p\r\nIdempotency-Key: late-head\r\n"
-        b"Content-Length: 0\r\n\r\n"
+        b"POST /events HTTP/1.1\r\nHost: p\r\n" + key_header + b"Content-Length: 0\r\n\r\n"
     )
     await writer.drain()
     await asyncio.sleep(0.3)

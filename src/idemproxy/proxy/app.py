@@ -18,6 +18,7 @@ from idemproxy.proxy.drain import drain
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.handler import expect_continue, handle
+from idemproxy.proxy.listener import close_when_closing
 from idemproxy.proxy.one_response import note_started
 from idemproxy.proxy.orphans import take_over_forever
 from idemproxy.proxy.sweeper import sweep_forever
@@ -44,6 +45,7 @@ def create_app(
     )
     app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics()))
     app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
+    app.on_response_prepare.append(close_when_closing)  # SPEC §8: a drain's heads say so
     app.router.register_resource(AnyPath(handle, expect_handler=expect_continue))
     return app
 

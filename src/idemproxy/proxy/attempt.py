@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, STREAMING_MEDIA_TYPES
@@ -38,7 +38,7 @@ from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.sink import ClientSink
 from idemproxy.proxy.whole import AsSentStreamResponse
-from idemproxy.types import Job, JobState, StoredResponse
+from idemproxy.types import HeaderPairs, Job, JobState, StoredResponse
 
 log = logging.getLogger(__name__)
 # After forwarding, "the request was not forwarded" (StoreUnavailable's default) would be a lie.
@@ -200,7 +200,7 @@ async def _finish_buffered(
     # The outcome is stored before the client sees a byte: a client that retries after a lost
     # response always finds it.
     if outcome is Outcome.COMPLETE:
-        headers = headers_to_store(upstream.headers, ctx.settings.unreplayed_headers)
+        headers = _stored_headers(ctx, upstream)
         stored = StoredResponse(upstream.status, headers, await captured.content())
         ctx.failpoints.hit("before_store")
         if not await completed(ctx, attempt, stored, route.ttl):
@@ -228,9 +228,7 @@ async def _finish_streamed(
     In a race (hedging) the attempt must win before a byte reaches the client, so it completes
     first, as "omitted"; a body cut off after that leaves the job completed, not unknown.
     """
-    omitted = StoredResponse(
-        upstream.status, headers_to_store(upstream.headers, ctx.settings.unreplayed_headers), None
-    )
+    omitted = StoredResponse(upstream.status, _stored_headers(ctx, upstream), None)
     racing = attempt.mode is Mode.HEDGED and outcome is Outcome.COMPLETE
     if racing and not await completed(ctx, attempt, omitted, route.ttl):
         return None
@@ -293,7 +291,7 @@ async def _finish_stream(
         return response
     try:
         if outcome is Outcome.COMPLETE:
-            headers = headers_to_store(upstream.headers, ctx.settings.unreplayed_headers)
+            headers = _stored_headers(ctx, upstream)
             body = await kept.content() if kept.whole else None
             stored = StoredResponse(upstream.status, headers, body)
             await _after_head(attempt, completed(ctx, attempt, stored, route.ttl))
@@ -385,5 +383,21 @@ async def settle(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> None:
 
 def _client_headers(upstream: UpstreamResponse, job: Job) -> CIMultiDict[str]:
     headers = response_headers_for_client(upstream.headers)
+    headers.extend(_head_length(upstream))
     headers[JOB_HEADER] = job.id
     return headers
+
+
+def _stored_headers(ctx: ProxyContext, upstream: UpstreamResponse) -> HeaderPairs:
+    return headers_to_store(upstream.headers, ctx.settings.unreplayed_headers) + _head_length(
+        upstream
+    )
+
+
+def _head_length(upstream: UpstreamResponse) -> HeaderPairs:
+    """RFC 9110 §9.3.2, §8.6: a HEAD answer's Content-Length is that of the body a GET would
+    get, not of its own (it has none), so it is not recomputed as every other one is (SPEC §7):
+    the upstream's, for the first answer and, stored, for each replay."""
+    if upstream.method == "HEAD" and upstream.content_length is not None:
+        return ((hdrs.CONTENT_LENGTH, str(upstream.content_length)),)
+    return ()

@@ -114,6 +114,11 @@ class GuardedHandler(web.RequestHandler):
         if idle:
             self.close()
 
+    @property
+    def closing(self) -> bool:
+        """A shutdown began: the connection closes after the response being handled."""
+        return self._closing
+
     def head_read(self) -> None:
         """The request's head arrived and its handler runs: no deadline until the response."""
         self._serving = True
@@ -279,6 +284,19 @@ def close_idle_connections(server: web.Server) -> None:
             connection.close_when_idle()
         else:  # not this listener's (tests): aiohttp's own graceful close
             connection.close()
+
+
+async def close_when_closing(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: a head written after a shutdown began says `Connection: close`.
+
+    SPEC §8. `finish_response` does this for a response that is not prepared yet; a streamed
+    one (governed or pass-through) is prepared inside its handler, and aiohttp has already
+    decided its Connection header when this signal runs (after `_prepare_headers`, before the
+    head is serialised), so the header is set here as well as the persistence."""
+    protocol = request.protocol
+    if isinstance(protocol, GuardedHandler) and protocol.closing:
+        response.force_close()
+        response.headers[hdrs.CONNECTION] = "close"
 
 
 def head_read(request: web.BaseRequest) -> None:
