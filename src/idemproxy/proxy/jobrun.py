@@ -119,11 +119,6 @@ class _Race:
         outcome the race does not know: it may have executed."""
         return not self.errors and _none_executed(self.failures)
 
-    def may_fail_over(self) -> bool:
-        """Every racer ended without an answer and the store took each outcome: the next
-        upstream may come in (whether any of them may have executed is `none_executed`)."""
-        return not self.racing and not self.errors
-
 
 async def _run_hedged(
     ctx: ProxyContext,
@@ -149,8 +144,9 @@ async def _run_hedged(
         if winner is not None:
             _drop_replies(race)
             return winner
-        if more and race.none_executed() and (not done or race.may_fail_over()):
-            # No answer within hedge_after, or every racer failed: bring in the next upstream.
+        if more and race.none_executed() and (not done or not race.racing):
+            # No answer within hedge_after, or every racer failed (each proved nothing executed,
+            # none_executed): bring in the next upstream.
             try:
                 await _hedge(ctx, request, route, body, race.racing, job, upstreams[waiting_for])
             except StoreUnavailable as error:
