@@ -23,7 +23,7 @@ from hypothesis import settings
 
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.store.postgres import PostgresStore
+from idemproxy.store.postgres.store import PostgresStore
 
 T = TypeVar("T")
 

@@ -191,7 +191,8 @@ async def freeze_postgres(
     chaos: Chaos, pg: ThrowawayPostgres, *, every: tuple[float, float], seconds: tuple[float, float]
 ) -> None:
     """SIGSTOP the whole server for a while (a stall longer than the store timeout): claims
-    waiting then get 503 and may commit once it runs again (proxy/unsent.py releases those)."""
+    waiting then get 503 and may commit once it runs again (proxy/background/unsent.py releases
+    those)."""
     while not await chaos.pause(*every):
         frozen = round(chaos.rng.uniform(*seconds), 2)
         async with chaos.database:

@@ -33,8 +33,8 @@ from pydantic_settings import (
 
 from idemproxy import constants as c
 from idemproxy.errors import ConfigError
-from idemproxy.fingerprint import parse_pointer
-from idemproxy.owner import OwnerPolicy, check_strategy
+from idemproxy.identity.fingerprint import parse_pointer
+from idemproxy.identity.owner import OwnerPolicy, check_strategy
 
 _STRICT = ConfigDict(extra="forbid")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -173,7 +173,7 @@ class OwnerSettings(BaseModel):
         if self._policy is None:
             verifier = None
             if self.strategy == "jwt":
-                from idemproxy.jwt_owner import JwtVerifier
+                from idemproxy.identity.jwt_owner import JwtVerifier
 
                 verifier = JwtVerifier.from_settings(self.jwt)
             self._policy = OwnerPolicy(self.strategy, self.required, verifier)
@@ -194,7 +194,8 @@ class ServerSettings(BaseModel):
     model_config = _STRICT
     keepalive_timeout: float = Field(default=15.0, gt=0)
     # A request head must arrive in full within this many seconds of its first byte (of the
-    # connection, for a new one): aiohttp has no such deadline (slowloris, proxy/listener.py).
+    # connection, for a new one): aiohttp has no such deadline (slowloris,
+    # proxy/server/listener.py).
     header_read_timeout: float = Field(default=10.0, gt=0)
     body_read_timeout: float = Field(default=30.0, gt=0)
     # Governed request bodies larger than this many bytes wait on disk, not in memory; they are
@@ -262,7 +263,7 @@ class RedisSettings(BaseModel):
 
 class ReplayCacheSettings(BaseModel):
     """The in-process replay cache of completed jobs, in each proxy process, in front of a
-    PostgreSQL store (`replay_cache`, SPEC §11; store/replay_memory.py). SQLite has none: its
+    PostgreSQL store (`replay_cache`, SPEC §11; store/cache/memory.py). SQLite has none: its
     changes made by other processes (`idemproxy jobs delete`) are not announced."""
 
     model_config = _STRICT
@@ -281,7 +282,8 @@ class LimitsSettings(BaseModel):
     model_config = _STRICT
     # Bytes of response bodies held in memory at once (governed answers read for storing, their
     # store writes, and the answers to their first clients); a body that does not fit waits in
-    # an unnamed temporary file instead (proxy/budget.py). Never a reason to refuse a request.
+    # an unnamed temporary file instead (proxy/server/budget.py). Never a reason to refuse a
+    # request.
     response_buffer: int = Field(default=c.DEFAULT_RESPONSE_BUFFER, ge=0)
     # Seconds a body on disk waits for room in the response buffer before its store write goes
     # ahead over it (an overdraft, counted in idemproxy_response_buffer_overdrafts_total): the
@@ -291,8 +293,8 @@ class LimitsSettings(BaseModel):
     # after it, a client that does not read no longer keeps room from every other response.
     response_buffer_hold: float = Field(default=c.DEFAULT_RESPONSE_BUFFER_HOLD, gt=0)
     # Client connections open at once; beyond it new ones wait in the kernel's listen backlog
-    # (proxy/gate.py). Each takes a file descriptor: keep it under the process's RLIMIT_NOFILE
-    # less pool.upstream_connections and pool.store_connections.
+    # (proxy/server/gate.py). Each takes a file descriptor: keep it under the process's
+    # RLIMIT_NOFILE less pool.upstream_connections and pool.store_connections.
     max_connections: int = Field(default=c.DEFAULT_MAX_CONNECTIONS, gt=0)
     # Connections the kernel keeps waiting, accepted by it but not yet by the proxy (listen(2);
     # Linux caps it at net.core.somaxconn).
@@ -304,7 +306,7 @@ class SweeperSettings(BaseModel):
     interval: float = Field(default=60.0, gt=0)
     batch_size: int = Field(default=500, gt=0)
     # SPEC §3.5: how often each proxy looks for jobs whose lease ran out at least one `lease`
-    # ago (their proxy died) and takes them over as `unknown` (proxy/orphans.py).
+    # ago (their proxy died) and takes them over as `unknown` (proxy/background/orphans.py).
     takeover_interval: float = Field(default=5.0, gt=0)
 
 
@@ -350,7 +352,7 @@ class Settings(BaseSettings):
     )
     outcomes: OutcomeSettings = Field(default_factory=OutcomeSettings)
     on_store_error: Literal["fail_closed", "passthrough"] = "fail_closed"
-    # --- trusted_proxies (SPEC §10, proxy/trusted.py) -------------------------------------
+    # --- trusted_proxies (SPEC §10, proxy/server/trusted.py) -------------------------------------
     # Peers (CIDRs, or single addresses) whose X-Forwarded-*/Forwarded headers are kept, as
     # nginx's set_real_ip_from. Empty (the default): every peer is a client, and the proxy
     # sets X-Forwarded-For/Proto/Host from what it saw.

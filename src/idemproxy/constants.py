@@ -116,5 +116,5 @@ REDIS_WATCH_SECONDS: Final = 300
 REDIS_RETRY_SECONDS: Final = 1.0
 # A cached replay (Redis or in-process) is given up this long before its job expires by the
 # database's clock (which decides expiry, SPEC §3.5), as this host measures it against its own
-# (store/pg_listen.py): slack for that measurement's error and for drift between measurements.
+# (store/postgres/listen.py): slack for that measurement's error and for drift between measurements.
 CLOCK_MARGIN_SECONDS: Final = 1.0

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from idemproxy.config import load_settings
-from idemproxy.proxy.contract import check_upstream
-from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.routing import Route, RouteTable
+from idemproxy.proxy.upstream.client import UpstreamClient
+from idemproxy.proxy.upstream.contract import check_upstream
 from idemproxy.redact import redact_url
 
 

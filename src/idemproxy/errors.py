@@ -181,8 +181,8 @@ class StoreRefused(StoreUnavailable):
     """The idempotency store is unavailable; the request was not forwarded."""
 
     # The client's answer is a StoreUnavailable's (SPEC §11: no driver text). The difference
-    # is for the proxy's follow-ups (proxy/followups.py): the store is there and refused this
-    # statement for its data (PostgreSQL SQLSTATE classes 22, 23 and 54, asyncpg's own
+    # is for the proxy's follow-ups (proxy/background/followups.py): the store is there and refused
+    # this statement for its data (PostgreSQL SQLSTATE classes 22, 23 and 54, asyncpg's own
     # DataError for a value it cannot encode; SQLite's DataError and IntegrityError, a text
     # that is not UTF-8). Trying it again gets the same refusal, and says nothing about the
     # store's health.

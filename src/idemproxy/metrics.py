@@ -38,8 +38,8 @@ from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
 from idemproxy.logs import dropped_log_lines
 from idemproxy.store.base import Store
-from idemproxy.store.delegating import DelegatingStore
-from idemproxy.store.replay_memory import MemoryReplayCache
+from idemproxy.store.cache.delegating import DelegatingStore
+from idemproxy.store.cache.memory import MemoryReplayCache
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=MetricWrapperBase)
@@ -58,12 +58,13 @@ REQUEST_OUTCOMES = (
     "unavailable",
 )
 ATTEMPT_OUTCOMES = ("succeeded", "failed", "unknown", "discarded")
-# What became of a claim that failed at the proxy (proxy/unsent.py).
-# "refused": the store refused the write for its data (StoreRefused), final (proxy/followups.py).
+# What became of a claim that failed at the proxy (proxy/background/unsent.py).
+# "refused": the store refused the write for its data (StoreRefused), final
+# (proxy/background/followups.py).
 UNSENT_OUTCOMES = ("released", "not_committed", "moved_on", "dropped", "refused")
-# What became of an attempt's outcome that the store could not take (proxy/unwritten.py).
+# What became of an attempt's outcome that the store could not take (proxy/background/unwritten.py).
 UNWRITTEN_OUTCOMES = ("written", "moved_on", "dropped", "refused")
-# Where a client hung up (proxy/hangups.py).
+# Where a client hung up (proxy/server/hangups.py).
 DISCONNECT_STAGES = ("request_body", "response")
 # Sub-millisecond store calls up to upstream timeouts.
 _LATENCY_BUCKETS = (
@@ -123,25 +124,25 @@ class Metrics:
         self.unsent_claims = self._counter(
             "unsent_claims",
             "Claims that failed at the proxy (503, nothing forwarded), by what became of them "
-            "(proxy/unsent.py).",
+            "(proxy/background/unsent.py).",
             ["outcome"],
         )
         self.unwritten_outcomes = self._counter(
             "unwritten_outcomes",
             "Attempt outcomes the store could not take (503 after forwarding), by what became "
-            "of them (proxy/unwritten.py).",
+            "of them (proxy/background/unwritten.py).",
             ["outcome"],
         )
         self.second_responses = self._counter(
             "second_responses_refused",
             "Responses returned after another had started on the same request, not written: "
-            "the connection was closed instead (proxy/one_response.py). Always a bug.",
+            "the connection was closed instead (proxy/server/one_response.py). Always a bug.",
             [],
         )
         self.orphans_taken_over = self._counter(
             "orphans_taken_over",
             "Jobs in flight whose lease ran out (their proxy died) that this process took over "
-            "as unknown in the background (proxy/orphans.py).",
+            "as unknown in the background (proxy/background/orphans.py).",
             [],
         )
         self.client_disconnects = self._counter(

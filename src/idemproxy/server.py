@@ -31,7 +31,7 @@ from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import close_connections, drain, start_draining
-from idemproxy.proxy.listener import GuardedSite
+from idemproxy.proxy.server.listener import GuardedSite
 from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
@@ -94,7 +94,7 @@ async def _serve_until_signalled(
     # c=32 (bench/findings.md). Reference cycles are still collected, a little later.
     gc.set_threshold(_YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
     try:
-        # SPEC §9: the proxy listener cuts off slow request heads (proxy/listener.py).
+        # SPEC §9: the proxy listener cuts off slow request heads (proxy/server/listener.py).
         site = GuardedSite(proxy, settings.listen, settings.server, reuse_port=worker is not None)
         await _listening("listen", settings.listen, site.start())
         admin_listen = settings.admin.listen

@@ -14,8 +14,8 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
+from idemproxy.core.types import Job, JobState
 from idemproxy.store.base import Store
-from idemproxy.types import Job, JobState
 
 from .conftest import Upstream, post
 from .test_jobs_api import assert_problem, job_with_key

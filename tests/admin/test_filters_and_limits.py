@@ -10,10 +10,10 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from idemproxy.constants import MAX_RESOLVED_HEADER_BYTES
+from idemproxy.core.types import JobState
 from idemproxy.errors import InvalidRequest
 from idemproxy.ops.resolution import ResponseRules, completed
 from idemproxy.store.base import Store
-from idemproxy.types import JobState
 
 from .conftest import Upstream
 from .test_jobs_api import assert_problem, make_unknown, resolve

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from idemproxy.core.types import Intent, Job, JobState
 from idemproxy.store.base import Store
-from idemproxy.types import Intent, Job, JobState
 
 from .conftest import ALICE, BOB, TOKEN, MakeClient, MakeSettings, Upstream, post
 

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from idemproxy.core.types import AttemptState, Job, JobState
 from idemproxy.errors import InvalidRequest
 from idemproxy.ops.cli import _resolution
 from idemproxy.ops.resolution import ResponseRules
 from idemproxy.store.base import Store
-from idemproxy.types import AttemptState, Job, JobState
 
 from .conftest import Upstream, post
 from .test_delete_cas import RUNNING, in_flight

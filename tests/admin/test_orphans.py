@@ -15,10 +15,10 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from idemproxy.core.types import AttemptState, Intent, Job, JobState
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.store.base import Store
-from idemproxy.types import AttemptState, Intent, Job, JobState
 
 from .conftest import MakeClient, MakeSettings
 from .test_jobs_api import get_json

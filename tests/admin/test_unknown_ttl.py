@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
-from idemproxy.proxy.sweeper import release_stale_unknown
+from idemproxy.core.types import Claimed, Intent, Job, JobState
+from idemproxy.proxy.background.sweeper import release_stale_unknown
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.types import Claimed, Intent, Job, JobState
 
 from .conftest import MakeClient, MakeSettings, Upstream, post
 from .test_jobs_api import make_unknown

@@ -2,7 +2,7 @@
 answered whole, never refused. One client that does not read a large replay must not stop every
 other governed response of the process.
 
-A replay of a large stored body takes its whole size from the budget (proxy/replay.py,
+A replay of a large stored body takes its whole size from the budget (proxy/server/replay.py,
 SharedBodies) and gives it back only once the last byte is written to its client; nothing
 bounds how long that takes. While it is held, a new response that does not fit goes to disk and
 waits in `ResponseBudget.take` for room, and once anything waits, `try_take` refuses every other

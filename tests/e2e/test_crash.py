@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 
-from idemproxy.owner import hash_credential
+from idemproxy.core.types import AttemptState, Job, JobState
+from idemproxy.identity.owner import hash_credential
 from idemproxy.proxy.failpoints import ENV as FAILPOINT_ENV
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.types import AttemptState, Job, JobState
 
 from .client import Answer, send
 

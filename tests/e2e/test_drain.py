@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 
-from idemproxy.owner import hash_credential
+from idemproxy.core.types import AttemptState, Job, JobState
+from idemproxy.identity.owner import hash_credential
 from idemproxy.store.factory import create_store
-from idemproxy.types import AttemptState, Job, JobState
 
 from .client import Answer, send
 

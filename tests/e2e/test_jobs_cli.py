@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 import pytest
 
+from idemproxy.core.types import Claimed, Intent, Job, JobState, StoredResponse
 from idemproxy.store.factory import create_store
-from idemproxy.types import Claimed, Intent, Job, JobState, StoredResponse
 
 from .client import send
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 
+from idemproxy.core.types import AttemptState, Job, JobState
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.types import AttemptState, Job, JobState
 
 from .client import send
 

@@ -1,5 +1,5 @@
 """SPEC §9: what a client can make the proxy hold is bounded. A governed body that does not fit
-the response budget waits in an unnamed temporary file (proxy/capture.py) and its client is
+the response budget waits in an unnamed temporary file (proxy/server/capture.py) and its client is
 answered from there (SpooledResponse). When that client hung up before its answer, the answer
 is never written, `write_eof` never runs, and the file (its descriptor and its disk space)
 stays open until a full garbage collection happens to reach it: each client that leaves early

@@ -28,7 +28,7 @@ from backend import Ledger, backend_app
 from e2e.conftest import ProxyProcess, StartProxy, start_proxy  # real-process helpers
 from idemproxy.config import PoolSettings, load_settings
 from idemproxy.proxy.app import create_app
-from idemproxy.store.postgres import PostgresStore
+from idemproxy.store.postgres.store import PostgresStore
 from pgserver import ThrowawayPostgres
 
 __all__ = ["start_proxy"]

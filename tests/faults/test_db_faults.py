@@ -31,9 +31,9 @@ import pytest
 
 from backend import Ledger
 from idemproxy.constants import WAITER_RECHECK_SECONDS
+from idemproxy.proxy.background.unsent import NEVER_FORWARDED
 from idemproxy.proxy.context import CONTEXT
-from idemproxy.proxy.unsent import NEVER_FORWARDED
-from idemproxy.store import pg_listen
+from idemproxy.store.postgres import listen as pg_listen
 
 from .blackhole import Relay
 from .conftest import (
@@ -197,8 +197,8 @@ async def test_killed_during_the_completion(
 ) -> None:
     """SPEC §3.2, §3.5: the upstream ran, its outcome could not be stored, and the client got
     503. The proxy keeps the outcome and writes it by the attempt's compare-and-swap once the
-    store answers (proxy/unwritten.py), well within the lease: retries get the replay of the one
-    execution, never a second one (before, the job became `unknown` after its lease)."""
+    store answers (proxy/background/unwritten.py), well within the lease: retries get the replay of
+    the one execution, never a second one (before, the job became `unknown` after its lease)."""
     ledger = recording_backend[1]
     client = await proxy_app()
     url = f"http://{client.server.host}:{client.server.port}"
@@ -365,7 +365,8 @@ async def test_claim_answered_after_the_timeout(
     still commit it once it runs again (with SIGSTOP it does, nearly every time). Nobody could
     tell that job from one whose proxy died mid-attempt, and after its lease it would be taken
     over as `unknown`; the proxy that gave up on the claim knows nothing was forwarded, and
-    releases it as soon as the server answers (proxy/unsent.py). The retry runs it, once."""
+    releases it as soon as the server answers (proxy/background/unsent.py). The retry runs it,
+    once."""
     ledger = recording_backend[1]
     client = await proxy_app()
     url = f"http://{client.server.host}:{client.server.port}"

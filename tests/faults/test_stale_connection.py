@@ -15,9 +15,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from idemproxy.config import load_settings
+from idemproxy.core.types import JobState
 from idemproxy.proxy.app import create_app
 from idemproxy.store.factory import create_store
-from idemproxy.types import JobState
 
 _OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: text/plain\r\n\r\nok"
 

@@ -22,13 +22,13 @@ from aiohttp import web
 
 from faultproxy import FaultProxy
 from idemproxy.config import load_settings
+from idemproxy.core.types import Intent
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
-from idemproxy.proxy.listener import GuardedSite
+from idemproxy.proxy.server.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.store.sqlite import SqliteStore
-from idemproxy.types import Intent
+from idemproxy.store.sqlite.store import SqliteStore
 from proxy.conftest import backend_url, jobs, ledger, make_proxy, proxy
 
 __all__ = ["backend_url", "jobs", "ledger", "make_proxy", "proxy"]

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from hostile.conftest import ListeningProxy
+from idemproxy.core.types import JobState
 from idemproxy.metrics import Metrics
-from idemproxy.proxy import attempt as attempt_module
+from idemproxy.proxy.jobs import attempt as attempt_module
 from idemproxy.store.base import Store
 from idemproxy.store.factory import sqlite_path
-from idemproxy.types import JobState
 from marker_upstream import MarkerUpstream, Play, answer, body_for, cut, reset
 from proxy.support import REPLAYED, only_job, wait_for_state
 from rawhttp import RawConnection, RawResponse
@@ -126,7 +126,7 @@ async def test_a_store_failing_after_the_head_never_adds_a_second_answer(
 ) -> None:
     """Issue 17, 1(b): the head of a streamed 200 is out when the store stops taking writes.
     The 200 is finished, no 503 follows it, the next request gets its own answer, and the
-    outcome is written once the store answers again (proxy/unwritten.py)."""
+    outcome is written once the store answers again (proxy/background/unwritten.py)."""
     primary = await upstreams("primary", {"/pay": answer(size=LARGE, chunk=2000, pace=0.08)})
     conn = await connect(
         listening_proxy,

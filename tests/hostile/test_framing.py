@@ -236,7 +236,8 @@ async def test_a_declined_upgrade_and_the_request_behind_it_are_each_answered_on
     proxies: Proxies, parser: str
 ) -> None:
     """aiohttp stops parsing after an `Upgrade` request and feeds what followed it once that
-    request is answered: such an answer goes aiohttp's own way, not one write (proxy/whole.py)."""
+    request is answered: such an answer goes aiohttp's own way, not one write
+    (proxy/server/whole.py)."""
     upgrade = request(
         "/one", f"upgrade-1-{parser}", b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
     )

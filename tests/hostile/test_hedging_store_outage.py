@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from idemproxy.core.types import Job, JobState
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.sqlite import SqliteStore
-from idemproxy.types import Job, JobState
+from idemproxy.store.sqlite.store import SqliteStore
 from marker_upstream import MarkerUpstream, answer
 from proxy.conftest import ProxyFactory
 from proxy.support import KEY

@@ -21,9 +21,9 @@ import pytest
 
 from backend import Ledger
 from faultproxy import FaultProxy, replace
-from idemproxy.owner import hash_credential
+from idemproxy.core.types import JobState
+from idemproxy.identity.owner import hash_credential
 from idemproxy.store.base import Store
-from idemproxy.types import JobState
 from proxy.conftest import ProxyFactory
 from proxy.support import ATTEMPT, JOB, KEY, REPLAYED, wait_for_jobs
 

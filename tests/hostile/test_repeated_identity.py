@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 
 from backend import Ledger
 from idemproxy.errors import HeaderInvalid
-from idemproxy.owner import OwnerPolicy, derive_owner
+from idemproxy.identity.owner import OwnerPolicy, derive_owner
 from jwtkit import SECRET, claims, token
 
 from .conftest import CountingStore, ListeningProxy

@@ -13,8 +13,8 @@ import logging
 import pytest
 
 from backend import Ledger
+from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
-from idemproxy.types import JobState
 
 from .conftest import ListeningProxy
 

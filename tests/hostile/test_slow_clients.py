@@ -2,7 +2,7 @@
 
 The proxy runs as `idemproxy serve` runs it (AppRunner + GuardedSite, see conftest.py), on a
 real socket. aiohttp has no deadline for reading a request head: `server.header_read_timeout`
-(proxy/listener.py) is ours. Bodies have `server.body_read_timeout`; pass-through bodies that
+(proxy/server/listener.py) is ours. Bodies have `server.body_read_timeout`; pass-through bodies that
 stream are bounded by `upstream_timeout`.
 """
 
@@ -14,8 +14,8 @@ import socket
 import time
 
 from backend import Ledger
+from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
-from idemproxy.types import JobState
 
 from .conftest import ListeningProxy
 

@@ -24,8 +24,8 @@ from faultproxy import (
     replace,
     reset_mid_body,
 )
+from idemproxy.core.types import AttemptState, JobState
 from idemproxy.store.base import Store
-from idemproxy.types import AttemptState, JobState
 from proxy.conftest import ProxyFactory
 from proxy.support import KEY, REPLAYED, assert_problem, only_job
 

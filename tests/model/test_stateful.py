@@ -53,7 +53,7 @@ from hypothesis.stateful import (
 )
 
 from idemproxy.constants import DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES
-from idemproxy.decision import (
+from idemproxy.core.decision import (
     Decision,
     Failure,
     Forget,
@@ -72,19 +72,7 @@ from idemproxy.decision import (
     moves_on,
     race_outcome,
 )
-from idemproxy.errors import (
-    ContractViolation,
-    OutcomeUnknown,
-    PayloadMismatch,
-    RequestInFlight,
-    UpstreamTimeout,
-    UpstreamUnavailable,
-)
-from idemproxy.store.base import Store
-from idemproxy.store.postgres import PostgresStore
-from idemproxy.store.replay_memory import MemoryReplayCache
-from idemproxy.store.sqlite import SqliteStore
-from idemproxy.types import (
+from idemproxy.core.types import (
     Attempt,
     AttemptState,
     Claimed,
@@ -95,6 +83,18 @@ from idemproxy.types import (
     JobState,
     StoredResponse,
 )
+from idemproxy.errors import (
+    ContractViolation,
+    OutcomeUnknown,
+    PayloadMismatch,
+    RequestInFlight,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from idemproxy.store.base import Store
+from idemproxy.store.cache.memory import MemoryReplayCache
+from idemproxy.store.postgres.store import PostgresStore
+from idemproxy.store.sqlite.store import SqliteStore
 
 # Longer runs: IDEMPROXY_MODEL_SCALE multiplies the examples, IDEMPROXY_MODEL_STEPS sets the
 # steps per example (docs/reliability.md).
@@ -698,9 +698,9 @@ class IdempotencyMachine(RuleBasedStateMachine):
         lease: float,
         how: str,
     ) -> None:
-        """Record a failed attempt as the proxy does (proxy/attempt.py, proxy/jobrun.py): while
-        other attempts of the same job race, only its own end; a fail-over only after an outcome
-        that `moves_on`; the job's settlement, when it is the last, by `race_outcome`."""
+        """Record a failed attempt as the proxy does (proxy/jobs/attempt.py, proxy/jobs/jobrun.py):
+        while other attempts of the same job race, only its own end; a fail-over only after an
+        outcome that `moves_on`; the job's settlement, when it is the last, by `race_outcome`."""
         job, number = attempt.job, attempt.number
         self.touched.add(job.id)
         race = (job.id, job.version)
@@ -732,7 +732,7 @@ class IdempotencyMachine(RuleBasedStateMachine):
         if race_outcome(self.raced.get((attempt.job.id, attempt.job.version), [])) is not (
             Outcome.RELEASE
         ):
-            return  # proxy/jobrun.py: no upstream is brought in once a racer may have executed
+            return  # proxy/jobs/jobrun.py: no upstream is brought in once a racer may have executed
         number = self.call("add_attempt", attempt.job, UPSTREAMS[1], lease=lease)
         self.touched.add(attempt.job.id)
         if number is not None:

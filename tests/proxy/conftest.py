@@ -24,7 +24,7 @@ from yarl import URL
 from backend import Ledger, backend_app
 from idemproxy.config import ServerSettings, load_settings
 from idemproxy.proxy.app import create_app
-from idemproxy.proxy.listener import GuardedSite
+from idemproxy.proxy.server.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 
@@ -56,8 +56,8 @@ class Server(TestServer):
 
 class ServeListener(Server):
     """The proxy behind the listener `idemproxy serve` uses (`GuardedSite`: aiohttp's handler
-    with the header-read deadline, one-write responses and no router, proxy/listener.py), on an
-    ephemeral port of 127.0.0.1, so that the proxy's tests also test that listener."""
+    with the header-read deadline, one-write responses and no router, proxy/server/listener.py), on
+    an ephemeral port of 127.0.0.1, so that the proxy's tests also test that listener."""
 
     def __init__(self, app: web.Application, settings: ServerSettings) -> None:
         super().__init__(app)

@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 from aiohttp.test_utils import TestClient
 
+from idemproxy.core.types import Job, JobState
 from idemproxy.store.base import Store
-from idemproxy.types import Job, JobState
 
 KEY = "Idempotency-Key"
 JOB = "Idempotency-Job"

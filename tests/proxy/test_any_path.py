@@ -7,7 +7,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 from aiohttp.typedefs import Handler
 
-from idemproxy.proxy.any_path import AnyPath, direct_handler
+from idemproxy.proxy.server.any_path import AnyPath, direct_handler
 
 
 async def _echo(request: web.Request) -> web.Response:

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from idemproxy.core.types import AttemptState, JobState
 from idemproxy.store.base import Store
-from idemproxy.types import AttemptState, JobState
 from named_upstream import WRONG_SHAPE
 
 from .conftest import ProxyFactory

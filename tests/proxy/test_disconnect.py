@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from backend import Ledger
+from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
-from idemproxy.types import JobState
 
 from .conftest import ProxyFactory
 from .support import KEY, REPLAYED, eventually, wait_for_jobs, wait_for_state

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from backend import Ledger
-from idemproxy.proxy.sweeper import sweep_once
+from idemproxy.core.types import JobState
+from idemproxy.proxy.background.sweeper import sweep_once
 from idemproxy.store.base import Store
-from idemproxy.types import JobState
 
 from .conftest import ProxyFactory
 from .support import JOB, KEY, REPLAYED, wait_for_jobs

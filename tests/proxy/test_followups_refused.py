@@ -1,5 +1,5 @@
 """A follow-up write the store refuses for its data is final for that item, and never holds up
-the others (proxy/followups.py).
+the others (proxy/background/followups.py).
 
 The follow-up loop stopped each round at the first item that raised StoreUnavailable, rightly
 while the store is away. But PostgreSQL refusing a statement's data (a value `jsonb` does not
@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from idemproxy.core.types import Claimed, Intent, JobState, StoredResponse
 from idemproxy.errors import StoreRefused
 from idemproxy.metrics import Metrics
-from idemproxy.proxy.unwritten import UnwrittenOutcomes
+from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.types import Claimed, Intent, JobState, StoredResponse
 
 from .support import eventually
 

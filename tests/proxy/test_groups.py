@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from idemproxy.core.types import AttemptState, Job, JobState
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
-from idemproxy.types import AttemptState, Job, JobState
 from named_upstream import WRONG_SHAPE, NamedUpstream, write_contract
 
 from .conftest import ProxyFactory, Server

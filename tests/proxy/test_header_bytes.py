@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 
 from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
+from idemproxy.core.types import JobState
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.context import CONTEXT
-from idemproxy.types import JobState
 
 from .conftest import ProxyFactory, RawUpstream
 

@@ -6,10 +6,10 @@ import asyncio
 import uuid
 from pathlib import Path
 
+from idemproxy.core.types import Claimed, Intent
 from idemproxy.errors import StoreUnavailable
-from idemproxy.proxy.lease import KeptLease
-from idemproxy.store.sqlite import SqliteStore
-from idemproxy.types import Claimed, Intent
+from idemproxy.proxy.jobs.lease import KeptLease
+from idemproxy.store.sqlite.store import SqliteStore
 
 
 async def claimed_job(store: SqliteStore, lease: float) -> Claimed:

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from backend import Ledger
+from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
-from idemproxy.types import JobState
 
 from .conftest import ProxyFactory
 from .support import JOB, KEY, REPLAYED, assert_problem, only_job

@@ -13,12 +13,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from backend import Ledger, backend_app
 from idemproxy.config import load_settings
+from idemproxy.identity.owner import hash_credential
 from idemproxy.logs import JsonFormatter, PlainFormatter, configure_logging
 from idemproxy.metrics import Metrics
-from idemproxy.owner import hash_credential
-from idemproxy.proxy import trace as trace_module
 from idemproxy.proxy.app import create_app
-from idemproxy.proxy.trace import Trace, record
+from idemproxy.proxy.server import trace as trace_module
+from idemproxy.proxy.server.trace import Trace, record
 
 SECRET = "Bearer s3cr3t-token"
 BODY = b'{"card": "4111111111111111"}'

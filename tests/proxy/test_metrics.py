@@ -135,7 +135,7 @@ async def test_store_errors_are_counted(clients: Clients, sqlite_dsn: str) -> No
 
 
 async def test_unsent_claim_outcomes_exist_from_the_start(clients: Clients) -> None:
-    """proxy/unsent.py: a rate over them is never "no data"."""
+    """proxy/background/unsent.py: a rate over them is never "no data"."""
     samples = await scrape(clients[1])
     for outcome in UNSENT_OUTCOMES:
         assert samples[("idemproxy_unsent_claims_total", (("outcome", outcome),))] == 0

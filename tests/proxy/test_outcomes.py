@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from backend import Ledger
+from idemproxy.core.types import AttemptState, JobState
 from idemproxy.store.base import Store
-from idemproxy.types import AttemptState, JobState
 
 from .conftest import ProxyFactory, RawUpstream
 from .support import (

@@ -17,8 +17,8 @@ from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.config import load_settings
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
+from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import serving_store
-from idemproxy.store.replay_memory import MemoryReplayCache
 
 from .conftest import ServeListener
 from .support import JOB, KEY, REPLAYED, eventually

@@ -9,8 +9,8 @@ import pytest
 
 from backend import Ledger
 from idemproxy.proxy.context import CONTEXT
+from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import create_store
-from idemproxy.store.replay_memory import MemoryReplayCache
 
 from .conftest import ProxyFactory
 from .support import KEY, assert_problem, eventually

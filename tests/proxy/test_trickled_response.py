@@ -13,9 +13,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from idemproxy.core.types import JobState
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
-from idemproxy.types import JobState
 
 from .conftest import ProxyFactory
 from .support import KEY, REPLAYED, only_job, wait_for_state

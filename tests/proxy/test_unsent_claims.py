@@ -1,5 +1,5 @@
-"""A claim that commits after the proxy answered 503 for it (proxy/unsent.py): nothing was
-forwarded, so the proxy releases that job as soon as the store answers, instead of leaving a job
+"""A claim that commits after the proxy answered 503 for it (proxy/background/unsent.py): nothing
+was forwarded, so the proxy releases that job as soon as the store answers, instead of leaving a job
 nobody runs to be taken over as `unknown` after its lease (docs/operations.md).
 
 Here the store commits the claim and then fails the call, which is what a stalled server does
@@ -19,13 +19,13 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from backend import Ledger
+from idemproxy.core.types import AttemptState, Claimed, Intent, Job, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.metrics import Metrics
+from idemproxy.proxy.background.unsent import NEVER_FORWARDED, UnsentClaims
 from idemproxy.proxy.context import CONTEXT
-from idemproxy.proxy.unsent import NEVER_FORWARDED, UnsentClaims
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.types import AttemptState, Claimed, Intent, Job, JobState
 
 from .conftest import ProxyFactory
 from .support import KEY, assert_problem, eventually, job_with_attempts, settle_quietly

@@ -1,5 +1,5 @@
-"""An attempt's outcome that the store could not take (proxy/unwritten.py): the client got
-503 after its request was forwarded, and the proxy writes the outcome by the attempt's own
+"""An attempt's outcome that the store could not take (proxy/background/unwritten.py): the client
+got 503 after its request was forwarded, and the proxy writes the outcome by the attempt's own
 compare-and-swap as soon as the store answers, so that retries get the stored response rather
 than finding the job taken over as `unknown` after its lease (docs/operations.md).
 
@@ -17,11 +17,11 @@ from typing import Any
 from aiohttp.test_utils import TestClient
 
 from backend import Ledger
+from idemproxy.core.types import AttemptState, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
-from idemproxy.types import AttemptState, JobState
 
 from .conftest import ProxyFactory
 from .support import KEY, assert_problem, eventually, job_with_attempts

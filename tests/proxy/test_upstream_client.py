@@ -1,4 +1,5 @@
-"""The upstream client (proxy/h1.py, proxy/forward.py) against scripted raw-socket upstreams.
+"""The upstream client (proxy/upstream/h1.py, proxy/upstream/client.py) against scripted raw-socket
+upstreams.
 
 Each upstream here is a real TCP server on loopback that reads a request and writes bytes
 chosen by the test, so that framing, keep-alive and every failure class (SPEC §3.2) are
@@ -27,9 +28,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from yarl import URL
 
-from idemproxy.decision import Failure
-from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure
-from idemproxy.proxy.h1 import MAX_HEAD_BYTES
+from idemproxy.core.decision import Failure
+from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
+from idemproxy.proxy.upstream.h1 import MAX_HEAD_BYTES
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {
     "asyncio": asyncio.run,
@@ -406,7 +407,7 @@ async def test_idle_connections_expire_after_keepalive() -> None:
 
 @on_both_loops
 async def test_a_large_streamed_answer_is_flow_controlled_not_timed_out() -> None:
-    """Reading paused by a slow consumer is not upstream slowness (proxy/h1.py)."""
+    """Reading paused by a slow consumer is not upstream slowness (proxy/upstream/h1.py)."""
     size = 8 * 1024 * 1024
 
     async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -32,7 +32,7 @@ from redis_support import (
 from backend import Ledger, backend_app
 from idemproxy.config import load_settings
 from idemproxy.proxy.app import create_app
-from idemproxy.store.redis_cache import RedisCachedStore
+from idemproxy.store.redis.cache import RedisCachedStore
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient
 from redis.asyncio import Redis
 
 from idemproxy.constants import REDIS_JOB_PREFIX
-from idemproxy.store.postgres import PostgresStore
+from idemproxy.store.postgres.store import PostgresStore
 
 # make_store(listen=True, url=None, **options) -> RedisCachedStore (over a SpyStore, `.inner`)
 CachedStoreFactory = Callable[..., Awaitable[Any]]

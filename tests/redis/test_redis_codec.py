@@ -7,9 +7,9 @@ from datetime import UTC, datetime
 import pytest
 
 from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX
-from idemproxy.decision import Policy, Reject, Replay, decide
-from idemproxy.store.redis_codec import decode, encode, entry_name, tombstone_name
-from idemproxy.types import Job, JobState, StoredResponse
+from idemproxy.core.decision import Policy, Reject, Replay, decide
+from idemproxy.core.types import Job, JobState, StoredResponse
+from idemproxy.store.redis.codec import decode, encode, entry_name, tombstone_name
 
 OWNER = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 BODY = b"\x00\xff\n\r\n not utf-8 \x80\xc3\x28\n"
@@ -17,7 +17,7 @@ HEADERS = (
     ("Content-Type", "application/octet-stream"),
     ("X-Dup", "a"),
     ("x-dup", "b"),
-    # obs-text as proxy/h1.py decodes it (SPEC §7): stored and replayed byte for byte.
+    # obs-text as proxy/upstream/h1.py decodes it (SPEC §7): stored and replayed byte for byte.
     ("X-Name", b"caf\xe9 \xff".decode("utf-8", "surrogateescape")),
 )
 

@@ -1,5 +1,5 @@
 """A store's close stops its wake-up feed even when the client library swallowed the
-cancellation (store/feed_task.py).
+cancellation (store/feed.py).
 
 redis-py's pub/sub can lose a cancellation: the feed listened on, and `close`, which cancels
 the feed and waits for it, waited for ever; `idemproxy jobs delete --redis` hung after its work
@@ -19,8 +19,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis_support import RedisServer, wait_for
 
-from idemproxy.store.redis_cache import RedisCachedStore
-from idemproxy.store.sqlite import SqliteStore
+from idemproxy.store.redis.cache import RedisCachedStore
+from idemproxy.store.sqlite.store import SqliteStore
 
 
 async def _subscribed(client: Redis) -> bool:

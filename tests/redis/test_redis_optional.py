@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from idemproxy import cli
 from idemproxy.config import Settings, load_settings
 from idemproxy.store.factory import create_store, wrap_with_cache
-from idemproxy.store.redis_cache import RedisCachedStore
+from idemproxy.store.redis.cache import RedisCachedStore
 
 UPSTREAM = "http://127.0.0.1:9"
 
@@ -24,7 +24,7 @@ WITHOUT_REDIS = textwrap.dedent(
     sys.modules["redis"] = None  # as if `idemproxy[redis]` were not installed
     import idemproxy
     for info in pkgutil.walk_packages(idemproxy.__path__, "idemproxy."):
-        if info.name != "idemproxy.__main__" and ".redis_" not in info.name:
+        if info.name != "idemproxy.__main__" and not info.name.startswith("idemproxy.store.redis"):
             importlib.import_module(info.name)
     from idemproxy.config import load_settings
     from idemproxy.store.factory import create_store, wrap_with_cache

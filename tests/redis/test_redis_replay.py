@@ -17,9 +17,9 @@ from backend import Ledger
 from idemproxy import cli
 from idemproxy.config import load_settings
 from idemproxy.constants import REDIS_GONE_PREFIX
+from idemproxy.core.types import Claimed, Existing, Intent, JobState, StoredResponse
 from idemproxy.proxy.app import create_app
-from idemproxy.store.redis_codec import encode, entry_name, tombstone_name, watch_name
-from idemproxy.types import Claimed, Existing, Intent, JobState, StoredResponse
+from idemproxy.store.redis.codec import encode, entry_name, tombstone_name, watch_name
 
 pytestmark = pytest.mark.postgres
 

@@ -1,5 +1,5 @@
 """The store contract runs on a third store besides SQLite and PostgreSQL: PostgreSQL behind
-the in-process replay cache, as `idemproxy serve` runs it (store/replay_memory.py)."""
+the in-process replay cache, as `idemproxy serve` runs it (store/cache/memory.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from idemproxy.store.base import Store
+from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import create_store
-from idemproxy.store.replay_memory import MemoryReplayCache
 
 _CACHED = "postgres+memory"
 _DSN_FIXTURES = {"sqlite": "sqlite_dsn", "postgres": "pg_dsn", _CACHED: "pg_dsn"}

@@ -13,11 +13,7 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from idemproxy.errors import StoreUnavailable
-from idemproxy.store.base import Store
-from idemproxy.store.factory import create_store
-from idemproxy.store.queries import load_migrations
-from idemproxy.types import (
+from idemproxy.core.types import (
     AttemptState,
     Claimed,
     Existing,
@@ -26,6 +22,10 @@ from idemproxy.types import (
     JobState,
     StoredResponse,
 )
+from idemproxy.errors import StoreUnavailable
+from idemproxy.store.base import Store
+from idemproxy.store.factory import create_store
+from idemproxy.store.queries import load_migrations
 
 TTL = 3600.0
 LEASE = 30.0

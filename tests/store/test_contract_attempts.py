@@ -15,11 +15,8 @@ from datetime import timedelta
 
 import pytest
 
-from idemproxy.decision import Policy, Replay, TakeOver, decide
-from idemproxy.store.base import Store
-from idemproxy.store.factory import create_store
-from idemproxy.store.watch import JobWatch
-from idemproxy.types import (
+from idemproxy.core.decision import Policy, Replay, TakeOver, decide
+from idemproxy.core.types import (
     AttemptState,
     Claimed,
     Existing,
@@ -28,6 +25,9 @@ from idemproxy.types import (
     JobState,
     StoredResponse,
 )
+from idemproxy.store.base import Store
+from idemproxy.store.factory import create_store
+from idemproxy.store.watch import JobWatch
 
 TTL = 3600.0
 LEASE = 30.0  # never runs out during a test

@@ -13,8 +13,8 @@ import asyncpg
 import pytest
 
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.pg_kept import _live_connection_next
-from idemproxy.store.postgres import PostgresStore
+from idemproxy.store.postgres.kept import _live_connection_next
+from idemproxy.store.postgres.store import PostgresStore
 
 pytestmark = pytest.mark.postgres
 

@@ -1,4 +1,4 @@
-"""Lease renewals on connections of their own (SPEC §3.5, store/pg_renewals.py)."""
+"""Lease renewals on connections of their own (SPEC §3.5, store/postgres/renewals.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import uuid
 import pytest
 
 from idemproxy.config import load_settings
+from idemproxy.core.types import Claimed, Intent
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
-from idemproxy.store.postgres import PostgresStore
-from idemproxy.types import Claimed, Intent
+from idemproxy.store.postgres.store import PostgresStore
 
 pytestmark = pytest.mark.postgres
 

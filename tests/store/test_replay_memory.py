@@ -1,4 +1,4 @@
-"""The in-process replay cache (store/replay_memory.py) against a real PostgreSQL: what it serves,
+"""The in-process replay cache (store/cache/memory.py) against a real PostgreSQL: what it serves,
 and everything that must make it stop serving a job."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import asyncpg
 import pytest
 
 from idemproxy.config import load_settings
+from idemproxy.core.types import Claimed, ClaimResult, Existing, JobState, StoredResponse
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store
+from idemproxy.store.cache.memory import ENTRY_OVERHEAD_BYTES, MemoryReplayCache
 from idemproxy.store.factory import serving_store
-from idemproxy.store.postgres import PostgresStore
-from idemproxy.store.replay_memory import ENTRY_OVERHEAD_BYTES, MemoryReplayCache
-from idemproxy.types import Claimed, ClaimResult, Existing, JobState, StoredResponse
+from idemproxy.store.postgres.store import PostgresStore
 
 from .conftest import eventually, wait_until_live
 from .test_contract import LEASE, RESPONSE, TTL, claim, intent

@@ -12,7 +12,7 @@ import pytest
 
 from idemproxy.config import ContractSettings
 from idemproxy.errors import ConfigError
-from idemproxy.proxy.contract import Contract, load_samples
+from idemproxy.proxy.upstream.contract import Contract, load_samples
 from named_upstream import CHAT_SCHEMA
 
 

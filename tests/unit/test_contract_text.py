@@ -10,9 +10,9 @@ import uuid
 from pathlib import Path
 
 from idemproxy.config import ContractSettings
-from idemproxy.proxy.contract import Contract
+from idemproxy.core.types import Claimed, Intent, JobState
+from idemproxy.proxy.upstream.contract import Contract
 from idemproxy.store.base import Store
-from idemproxy.types import Claimed, Intent, JobState
 
 SCHEMA = {"type": "object", "additionalProperties": {"type": "integer"}}
 BODY = b'{"a\\u0000b": "x", "caf\\udce9": "y", "ok": 1}'

@@ -1,10 +1,10 @@
-"""proxy/deadline.py: one timer for a deadline that is started again and again."""
+"""http/deadline.py: one timer for a deadline that is started again and again."""
 
 from __future__ import annotations
 
 import asyncio
 
-from idemproxy.proxy.deadline import Deadline
+from idemproxy.http.deadline import Deadline
 
 
 class _Expiries:

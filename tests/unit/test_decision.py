@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from idemproxy.constants import DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES
-from idemproxy.decision import (
+from idemproxy.core.decision import (
     Decision,
     Failure,
     Forget,
@@ -29,6 +29,7 @@ from idemproxy.decision import (
     race_outcome,
     unsent_claim,
 )
+from idemproxy.core.types import Job, JobState, StoredResponse
 from idemproxy.errors import (
     ContractViolation,
     OutcomeUnknown,
@@ -37,7 +38,6 @@ from idemproxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from idemproxy.types import Job, JobState, StoredResponse
 
 FINGERPRINT = "f" * 64
 OTHER_FINGERPRINT = "0" * 64
@@ -312,7 +312,8 @@ def test_a_race_is_released_only_when_no_racer_may_have_executed(outcomes: list[
     assert race_outcome(outcomes) is expected
 
 
-# --- a claim the proxy gave up on (proxy/unsent.py) -------------------------------------------
+# --- a claim the proxy gave up on (proxy/background/unsent.py)
+# -------------------------------------------
 
 
 def test_an_unsent_claim_not_committed_yet_is_looked_for_again() -> None:

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from idemproxy.errors import ConfigError
-from idemproxy.fingerprint import (
+from idemproxy.identity.fingerprint import (
     canonical_json,
     fingerprint,
     fingerprint_of_digest,

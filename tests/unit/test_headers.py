@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from multidict import CIMultiDict
 
-from idemproxy.proxy.headers import (
+from idemproxy.http.headers import (
     headers_to_store,
     request_headers_for_upstream,
     response_headers_for_client,

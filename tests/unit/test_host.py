@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from idemproxy.proxy.host import valid_host
+from idemproxy.proxy.server.host import valid_host
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from idemproxy.ids import new_job_id
+from idemproxy.identity.ids import new_job_id
 
 
 def test_a_job_id_is_a_version_7_uuid_of_the_rfc_variant() -> None:

@@ -17,9 +17,9 @@ from pydantic import ValidationError
 from idemproxy.cli import main
 from idemproxy.config import JwtSettings, load_settings
 from idemproxy.errors import ConfigError
-from idemproxy.jwt_keys import load_keys
-from idemproxy.jwt_owner import JwtVerifier
-from idemproxy.owner import OwnerPolicy
+from idemproxy.identity.jwt_keys import load_keys
+from idemproxy.identity.jwt_owner import JwtVerifier
+from idemproxy.identity.owner import OwnerPolicy
 from jwtkit import (
     AUDIENCE,
     SECRET,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from idemproxy.config import load_settings
-from idemproxy.proxy.contract import Contract
 from idemproxy.proxy.routing import Route, RouteTable
+from idemproxy.proxy.upstream.contract import Contract
 
 ROOT = Path(__file__).parents[2]
 COMPLETION = {

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
 
+from idemproxy.core.types import Attempt, AttemptState, Job, JobState, StoredResponse
 from idemproxy.ops.resolution import ResponseRules, completed, parse_header_line
 from idemproxy.ops.service import resolution_ttl
 from idemproxy.ops.table import job_details, jobs_table
 from idemproxy.ops.view import job_to_json
 from idemproxy.redact import redact_url
-from idemproxy.types import Attempt, AttemptState, Job, JobState, StoredResponse
 
 T0 = datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
 

@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, OwnerMissing
-from idemproxy.owner import OwnerPolicy, derive_owner, hash_credential
+from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential
 
 TOKEN = "Bearer sk-live-4f9a1c2e7b"
 OTHER_TOKEN = "Bearer sk-live-4f9a1c2e7c"

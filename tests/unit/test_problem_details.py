@@ -13,7 +13,7 @@ import re
 import pytest
 
 from idemproxy import errors
-from idemproxy.proxy.problems import problem_response
+from idemproxy.http.problems import problem_response
 
 
 def _problems(cls: type[errors.ProblemError]) -> list[type[errors.ProblemError]]:

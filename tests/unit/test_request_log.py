@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 
 from idemproxy.logs import JsonFormatter, PlainFormatter
 from idemproxy.metrics import ATTEMPT_OUTCOMES, REQUEST_OUTCOMES, Metrics
-from idemproxy.proxy.trace import Trace, record
+from idemproxy.proxy.server.trace import Trace, record
 
 STOCK_PLAIN = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -1,4 +1,4 @@
-"""proxy/budget.py: the response budget's accounting, order and cancellation."""
+"""proxy/server/budget.py: the response budget's accounting, order and cancellation."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 import pytest
 from multidict import CIMultiDict
 
-from idemproxy.proxy.budget import Held, ResponseBudget
-from idemproxy.proxy.capture import SpooledResponse, drop_unsent, on_disk
-from idemproxy.proxy.whole import NotifiedResponse
+from idemproxy.proxy.server.budget import Held, ResponseBudget
+from idemproxy.proxy.server.capture import SpooledResponse, drop_unsent, on_disk
+from idemproxy.proxy.server.whole import NotifiedResponse
 
 
 async def test_try_take_never_waits_and_never_exceeds_the_limit() -> None:

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from idemproxy.core.types import JobState
 from idemproxy.store.rows import decode_headers, encode_headers, job_from_row
-from idemproxy.types import JobState
 
 HEADERS = (("Content-Type", "application/json"), ("Link", "<a>"), ("Link", "<b>"))
 

@@ -1,4 +1,4 @@
-"""proxy/whole.py: a complete response's bytes, the same as aiohttp's own path writes."""
+"""proxy/server/whole.py: a complete response's bytes, the same as aiohttp's own path writes."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from aiohttp.http_writer import StreamWriter
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
+from idemproxy.core.types import StoredResponse
 from idemproxy.errors import PayloadMismatch
-from idemproxy.proxy.problems import problem_response
-from idemproxy.proxy.replay import replay_response
-from idemproxy.proxy.whole import mark_sent, serialise_whole
-from idemproxy.types import StoredResponse
+from idemproxy.http.problems import problem_response
+from idemproxy.proxy.server.replay import replay_response
+from idemproxy.proxy.server.whole import mark_sent, serialise_whole
 
 _DATE = re.compile(rb"\r\nDate: [^\r]*")
 

@@ -14,8 +14,8 @@ from idemproxy.admin.jobs import add_jobs_routes, client_max_size
 from idemproxy.admin.peers import Peers, merge_metrics
 from idemproxy.config import Settings
 from idemproxy.errors import StoreUnavailable, Unauthorized
+from idemproxy.http.problems import problem_response
 from idemproxy.metrics import Metrics, metrics_handler
-from idemproxy.proxy.problems import problem_response
 from idemproxy.store.base import Store
 
 

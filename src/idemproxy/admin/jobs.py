@@ -18,13 +18,13 @@ from typing import Any
 from aiohttp import web
 
 from idemproxy.config import Settings
+from idemproxy.core.types import JobState
 from idemproxy.errors import InvalidRequest, ProblemError
+from idemproxy.http.problems import problem_response
 from idemproxy.ops import service
 from idemproxy.ops.resolution import ResponseRules, resolution_from_json
 from idemproxy.ops.view import job_to_json
-from idemproxy.proxy.problems import problem_response
 from idemproxy.store.base import Store
-from idemproxy.types import JobState
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from idemproxy.config import Settings, load_settings
+from idemproxy.core.types import JobState
 from idemproxy.errors import ConfigError, InvalidRequest, OperatorError, StoreUnavailable
 from idemproxy.ops import service
 from idemproxy.ops.resolution import (
@@ -30,7 +31,6 @@ from idemproxy.ops.table import job_details, jobs_table
 from idemproxy.ops.view import job_to_json
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store, sqlite_path, wrap_with_cache
-from idemproxy.types import JobState
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _MAX_LIMIT = 1000

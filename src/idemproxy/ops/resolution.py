@@ -18,9 +18,9 @@ from multidict import CIMultiDict
 
 from idemproxy.config import Settings
 from idemproxy.constants import MAX_RESOLVED_HEADER_BYTES
+from idemproxy.core.types import HeaderPairs, JobState, StoredResponse
 from idemproxy.errors import InvalidRequest
-from idemproxy.proxy.headers import headers_to_store
-from idemproxy.types import HeaderPairs, JobState, StoredResponse
+from idemproxy.http.headers import headers_to_store
 
 # RFC 9110 §5.1 field-name = token; §5.5 field-value: visible ASCII, SP and HTAB (obs-text is
 # legal but deprecated, and what a replay would encode it as is not worth guessing).

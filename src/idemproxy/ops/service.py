@@ -10,6 +10,7 @@ import logging
 import re
 
 from idemproxy.constants import OWNER_FILTER_MAX_LENGTH, RESOLUTION_OPERATOR
+from idemproxy.core.types import Job, JobState, StoredResponse
 from idemproxy.errors import (
     DeletionLost,
     InvalidRequest,
@@ -22,7 +23,6 @@ from idemproxy.errors import (
 )
 from idemproxy.ops.resolution import Resolution
 from idemproxy.store.base import Store
-from idemproxy.types import Job, JobState, StoredResponse
 
 log = logging.getLogger(__name__)
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from idemproxy.core.types import Attempt, Job, StoredResponse
 from idemproxy.redact import redact_url
 from idemproxy.store.header_json import pairs_to_json
-from idemproxy.types import Attempt, Job, StoredResponse
 
 JsonObject = dict[str, Any]
 

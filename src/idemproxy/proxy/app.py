@@ -11,17 +11,17 @@ from aiohttp import web
 
 from idemproxy.config import Settings
 from idemproxy.metrics import Metrics, refresh_gauges, watch_store
-from idemproxy.proxy.any_path import AnyPath
+from idemproxy.proxy.background.orphans import take_over_forever
+from idemproxy.proxy.background.sweeper import sweep_forever
 from idemproxy.proxy.context import CONTEXT, ProxyContext
-from idemproxy.proxy.contract import keep_checking
 from idemproxy.proxy.drain import drain
 from idemproxy.proxy.failpoints import Failpoints
-from idemproxy.proxy.forward import UpstreamClient
 from idemproxy.proxy.handler import expect_continue, handle
-from idemproxy.proxy.listener import close_when_closing
-from idemproxy.proxy.one_response import note_started
-from idemproxy.proxy.orphans import take_over_forever
-from idemproxy.proxy.sweeper import sweep_forever
+from idemproxy.proxy.server.any_path import AnyPath
+from idemproxy.proxy.server.listener import close_when_closing
+from idemproxy.proxy.server.one_response import note_started
+from idemproxy.proxy.upstream.client import UpstreamClient
+from idemproxy.proxy.upstream.contract import keep_checking
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
 

@@ -9,16 +9,16 @@ from typing import Any
 from aiohttp import web
 
 from idemproxy.config import Settings
-from idemproxy.decision import Policy, StatusPolicy
+from idemproxy.core.decision import Policy, StatusPolicy
+from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.metrics import Metrics
-from idemproxy.owner import OwnerPolicy
-from idemproxy.proxy.budget import ResponseBudget
+from idemproxy.proxy.background.unsent import UnsentClaims
+from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.proxy.failpoints import Failpoints
-from idemproxy.proxy.forward import UpstreamClient
-from idemproxy.proxy.replay import SharedBodies
 from idemproxy.proxy.routing import RouteTable
-from idemproxy.proxy.unsent import UnsentClaims
-from idemproxy.proxy.unwritten import UnwrittenOutcomes
+from idemproxy.proxy.server.budget import ResponseBudget
+from idemproxy.proxy.server.replay import SharedBodies
+from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.store.base import Store
 
 
@@ -38,9 +38,9 @@ class ProxyContext:
     unsent: UnsentClaims
     # Attempt outcomes the store could not take (503 after forwarding): written when it answers.
     unwritten: UnwrittenOutcomes
-    # Response bytes held in memory, for this process (proxy/budget.py).
+    # Response bytes held in memory, for this process (proxy/server/budget.py).
     budget: ResponseBudget
-    # Large stored bodies being replayed, one copy per job (proxy/replay.py).
+    # Large stored bodies being replayed, one copy per job (proxy/server/replay.py).
     replays: SharedBodies
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.

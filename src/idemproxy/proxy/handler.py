@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import HttpVersion11, hdrs, web
 
+from idemproxy.core.types import Intent
 from idemproxy.errors import (
     BodyTooLarge,
     ClientDisconnected,
@@ -12,23 +13,22 @@ from idemproxy.errors import (
     NoRoute,
     ProblemError,
 )
-from idemproxy.fingerprint import fingerprint, fingerprint_of_digest
-from idemproxy.key import parse_key
-from idemproxy.owner import derive_owner
-from idemproxy.proxy.body import RequestBody, read_body
+from idemproxy.http.headers import hop_by_hop
+from idemproxy.http.problems import problem_response
+from idemproxy.identity.fingerprint import fingerprint, fingerprint_of_digest
+from idemproxy.identity.key import parse_key
+from idemproxy.identity.owner import derive_owner
 from idemproxy.proxy.context import CONTEXT, ProxyContext
-from idemproxy.proxy.governed import handle_governed
-from idemproxy.proxy.h1 import transfer_codings
-from idemproxy.proxy.hangups import client_gone
-from idemproxy.proxy.headers import hop_by_hop
-from idemproxy.proxy.host import valid_host
-from idemproxy.proxy.listener import head_read
-from idemproxy.proxy.one_response import only_response
+from idemproxy.proxy.jobs.governed import handle_governed
 from idemproxy.proxy.passthrough import passthrough
-from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import routable_path
-from idemproxy.proxy.trace import Trace, record
-from idemproxy.types import Intent
+from idemproxy.proxy.server.body import RequestBody, read_body
+from idemproxy.proxy.server.hangups import client_gone
+from idemproxy.proxy.server.host import valid_host
+from idemproxy.proxy.server.listener import head_read
+from idemproxy.proxy.server.one_response import only_response
+from idemproxy.proxy.server.trace import Trace, record
+from idemproxy.proxy.upstream.h1 import transfer_codings
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
@@ -147,7 +147,7 @@ async def _identify(
     content_type = request.headers.get(hdrs.CONTENT_TYPE)
     # Every field, in order (RFC 9110 §5.3: a list may be split over several).
     content_encoding = ",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
-    if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/body.py)
+    if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
         digest = fingerprint_of_digest(
             request.method,
             url.raw_path,

@@ -9,18 +9,18 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from idemproxy.decision import Failure
+from idemproxy.core.decision import Failure
 from idemproxy.errors import UpstreamTimeout, UpstreamUnavailable
-from idemproxy.proxy.body import RequestBody, read_body
+from idemproxy.http.headers import request_headers_for_upstream, response_headers_for_client
+from idemproxy.http.problems import problem_response
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.forward import UpstreamClient, UpstreamFailure, UpstreamResponse
-from idemproxy.proxy.hangups import client_gone
-from idemproxy.proxy.headers import request_headers_for_upstream, response_headers_for_client
-from idemproxy.proxy.problems import problem_response
 from idemproxy.proxy.routing import Route
-from idemproxy.proxy.sink import abort
-from idemproxy.proxy.trusted import is_trusted
-from idemproxy.proxy.whole import AsSentResponse, AsSentStreamResponse
+from idemproxy.proxy.server.body import RequestBody, read_body
+from idemproxy.proxy.server.hangups import client_gone
+from idemproxy.proxy.server.sink import abort
+from idemproxy.proxy.server.trusted import is_trusted
+from idemproxy.proxy.server.whole import AsSentResponse, AsSentStreamResponse
+from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
 
 log = logging.getLogger(__name__)
 # Request bodies up to this size with a declared length are read whole rather than streamed;

@@ -9,7 +9,7 @@ from urllib.parse import unquote
 
 from idemproxy.config import ContractSettings, RouteSettings, Settings
 from idemproxy.errors import PathInvalid
-from idemproxy.proxy.contract import Contract, ContractGate
+from idemproxy.proxy.upstream.contract import Contract, ContractGate
 
 # A `.` or `..` segment, or an empty one, in the percent-decoded path; `\\` counts as a separator
 # because some servers (IIS, and frameworks on Windows) take it for one.
@@ -39,8 +39,8 @@ def routable_path(path: str) -> str:
 
 @functools.lru_cache(maxsize=256)
 def host_name(host: str) -> str:
-    """The name a Host value (`host[:port]`, proxy/host.py) routes by: no port, lower-case, no
-    trailing dot, percent-decoded. `API.example.com.:443` is the same name in DNS, and with the
+    """The name a Host value (`host[:port]`, proxy/server/host.py) routes by: no port, lower-case,
+    no trailing dot, percent-decoded. `API.example.com.:443` is the same name in DNS, and with the
     first character only it missed a host route and fell through to one without a host."""
     if host.startswith("["):  # an IP literal: the port follows the bracket (RFC 3986 §3.2.2)
         name = host[: host.find("]") + 1]

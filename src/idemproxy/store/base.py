@@ -14,9 +14,9 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
 
+from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.watch import JobWatch
-from idemproxy.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 
 
 class Store(abc.ABC):

@@ -27,7 +27,7 @@ def create_store(
     §3.5); the operator tools run no attempts and need none.
     """
     if _is_postgres(dsn):
-        from idemproxy.store.postgres import PostgresStore
+        from idemproxy.store.postgres.store import PostgresStore
 
         return PostgresStore(
             dsn,
@@ -37,7 +37,7 @@ def create_store(
             lease_connections=lease_connections,
         )
     if dsn.startswith("sqlite://"):
-        from idemproxy.store.sqlite import SqliteStore
+        from idemproxy.store.sqlite.store import SqliteStore
 
         return SqliteStore(sqlite_path(dsn), busy_timeout=command_timeout, late_bytes=late_bytes)
     raise ConfigError(f"store: unsupported DSN scheme in {dsn.split(':', 1)[0]!r}")
@@ -58,7 +58,7 @@ def serving_store(settings: Settings) -> Store:
     # Only PostgreSQL announces every deletion to every process (its change feed).
     if not _is_postgres(settings.store) or options.max_bytes == 0:
         return store
-    from idemproxy.store.replay_memory import MemoryReplayCache
+    from idemproxy.store.cache.memory import MemoryReplayCache
 
     return MemoryReplayCache(
         store, max_bytes=options.max_bytes, max_body=options.max_body, ttl=options.ttl
@@ -77,7 +77,7 @@ def wrap_with_cache(store: Store, settings: Settings) -> Store:
     if settings.redis is None:
         return store
     try:
-        from idemproxy.store.redis_cache import RedisCachedStore
+        from idemproxy.store.redis.cache import RedisCachedStore
     except ImportError as exc:
         if (exc.name or "").partition(".")[0] != "redis":
             raise

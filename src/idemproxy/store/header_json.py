@@ -1,7 +1,7 @@
 """Stored header pairs as JSON, byte for byte (SPEC §7). Pure.
 
-In the proxy a header value is the text aiohttp and proxy/h1.py make of its bytes: UTF-8, and
-each byte outside a UTF-8 sequence (obs-text such as ISO-8859-1 `é`, RFC 9110 §5.5) as a lone
+In the proxy a header value is the text aiohttp and proxy/upstream/h1.py make of its bytes: UTF-8,
+and each byte outside a UTF-8 sequence (obs-text such as ISO-8859-1 `é`, RFC 9110 §5.5) as a lone
 surrogate escape. JSON text can not hold a lone surrogate: PostgreSQL's `jsonb` refuses
 `\\udce9`, and so do strict JSON readers. A pair whose name or value holds one is therefore
 kept as its bytes read as ISO-8859-1 (every byte one character), marked by a third element:
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from idemproxy.types import HeaderPairs
+from idemproxy.core.types import HeaderPairs
 
 _BYTES = "latin-1"  # the mark of a pair kept as its bytes
 

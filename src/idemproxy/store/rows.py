@@ -1,4 +1,4 @@
-"""Turning database rows into the plain `Job`/`Attempt` data of `idemproxy.types`."""
+"""Turning database rows into the plain `Job`/`Attempt` data of `idemproxy.core.types`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from idemproxy.core.types import Attempt, AttemptState, HeaderPairs, Job, JobState, StoredResponse
 from idemproxy.store.header_json import pairs_from_json, pairs_to_json
-from idemproxy.types import Attempt, AttemptState, HeaderPairs, Job, JobState, StoredResponse
 
 # `JobState(value)` goes through EnumMeta.__call__ (about a microsecond); a dict does not.
 _JOB_STATES = {state.value: state for state in JobState}

@@ -4,7 +4,7 @@ A store calls `notify(job_id)` whenever it learns that a job changed: from its o
 (SQLite) or from `LISTEN/NOTIFY` (PostgreSQL, any replica). Waiters never hold a database
 connection while they wait.
 
-The same announcements keep the in-process replay cache honest (store/replay_memory.py): it
+The same announcements keep the in-process replay cache honest (store/cache/memory.py): it
 registers with `on_change` and serves only while `live`, that is while a change feed from the
 source of truth is connected and listening, so that no deletion can pass unseen.
 """

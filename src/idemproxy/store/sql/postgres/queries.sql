@@ -203,7 +203,7 @@ SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 -- name: expired_leases
 -- SPEC §3.5: jobs in flight whose lease ran out at least $1 seconds ago by the database clock
 -- (their proxy died, or cannot reach the store), oldest first, for the background takeover
--- (proxy/orphans.py). Each is then taken over by the `take_over` CAS, as a request would.
+-- (proxy/background/orphans.py). Each is then taken over by the `take_over` CAS, as a request would.
 SELECT *, expires_at <= now() AS expired, true AS lease_expired
 FROM idemproxy.jobs
 WHERE state = 'in_flight' AND lease_expires_at <= now() - make_interval(secs => $1)

@@ -137,7 +137,7 @@ WHERE owner = :owner AND job_id = :id AND state = 'started';
 
 -- name: expired_leases
 -- SPEC §3.5: jobs in flight whose lease ran out at least :grace seconds ago, for the
--- background takeover (proxy/orphans.py).
+-- background takeover (proxy/background/orphans.py).
 SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
        1 AS lease_expired
 FROM jobs

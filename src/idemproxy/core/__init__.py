@@ -1,0 +1,2 @@
+"""The pure core: plain data and every transition of jobs and attempts, no I/O, no clock (SPEC §2,
+§3)."""

@@ -1,0 +1,163 @@
+"""Header handling on both legs (SPEC §7, §10).
+
+Every request runs these filters two or three times, so the common case is kept cheap: the
+sets of dropped names are built once, and a `Connection` header only costs a set union when it
+names a header beyond the fixed hop-by-hop list. The filters copy the headers in one C-level
+call and delete the dropped names (multidict matches them case-insensitively), rather than
+lower-casing every name in Python.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Iterable
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from idemproxy.constants import (
+    ATTEMPT_HEADER,
+    ERROR_HEADER,
+    HOP_BY_HOP_HEADERS,
+    JOB_HEADER,
+    REPLAY_OMITTED_HEADER,
+    REPLAYED_HEADER,
+)
+from idemproxy.core.types import HeaderPairs
+
+# The proxy alone speaks these; a client or an upstream that sends them is not believed. An
+# upstream's `Idempotency-Error` would make clients (and the batch runner) take a backend answer,
+# a 200 even, for the proxy's refusal (SPEC §8): it is neither passed on nor stored.
+PROXY_OWNED = frozenset(
+    h.lower()
+    for h in (REPLAYED_HEADER, REPLAY_OMITTED_HEADER, JOB_HEADER, ATTEMPT_HEADER, ERROR_HEADER)
+)
+# Recomputed by whoever sends the message next; `Expect` was already answered by this proxy.
+_FRAMING = frozenset({"content-length", "host", "expect"})
+# SPEC §7: a replay gets a fresh Date and a recomputed Content-Length.
+_NOT_STORED = frozenset({"content-length", "date"})
+# SPEC §10: what a client may claim about the hops before this proxy; believed only from a
+# trusted proxy (proxy/server/trusted.py), dropped from anyone else.
+_FORWARDING = frozenset(
+    {
+        "forwarded",  # RFC 7239
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-forwarded-port",
+        "x-forwarded-prefix",
+        "x-forwarded-server",
+        "x-forwarded-ssl",
+        "x-forwarded-scheme",
+        "x-forwarded-uri",
+        "x-forwarded-path",
+        # The client's address as other proxies and CDNs name it.
+        "x-real-ip",
+        "true-client-ip",
+        "x-client-ip",
+        "x-cluster-client-ip",
+        "cf-connecting-ip",
+        # The path some frameworks (IIS, Symfony) route by instead of the request line's: from
+        # a client, a way past this proxy's routing (and a route's require_key).
+        "x-original-url",
+        "x-rewrite-url",
+    }
+)
+# What each filter drops when `Connection` names nothing beyond the fixed list.
+_REQUEST_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _FRAMING
+_UNTRUSTED_DROPPED = _REQUEST_DROPPED | _FORWARDING
+_RESPONSE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | frozenset({"content-length"})
+_STORE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _NOT_STORED
+_NONE: frozenset[str] = frozenset()
+
+Headers = CIMultiDictProxy[str] | CIMultiDict[str]
+
+
+def connection_named(headers: Headers) -> frozenset[str]:
+    """The header names listed in `Connection` (RFC 9110 §7.6.1), lower-cased."""
+    values = headers.getall("Connection", None)
+    if values is None:
+        return _NONE
+    return frozenset(
+        token.strip().lower() for value in values for token in value.split(",") if token.strip()
+    )
+
+
+def hop_by_hop(headers: Headers) -> frozenset[str]:
+    """RFC 9110 §7.6.1: the fixed list plus every header named in `Connection`."""
+    return _with_named(HOP_BY_HOP_HEADERS, headers)
+
+
+def _with_named(dropped: frozenset[str], headers: Headers) -> frozenset[str]:
+    named = connection_named(headers)
+    # `Connection: keep-alive` or `close` adds nothing that is not dropped already (or, for
+    # `close`, only a header name nobody sends): no new set for the common case.
+    return dropped if named <= dropped else dropped | named
+
+
+def _without(headers: Headers, dropped: Collection[str]) -> CIMultiDict[str]:
+    """A copy minus every header named in `dropped` (lower-case), repeated ones kept in order."""
+    out = CIMultiDict[str](headers)
+    for name in dropped:
+        if name in out:
+            del out[name]
+    return out
+
+
+def request_headers_for_upstream(
+    headers: Headers,
+    *,
+    client_ip: str | None,
+    scheme: str,
+    host: str | None,
+    trusted: bool = False,
+) -> CIMultiDict[str]:
+    """The client's headers minus hop-by-hop and proxy-owned ones, plus X-Forwarded-* (SPEC §10).
+
+    Repeated headers keep their order. Host and Content-Length are set by the upstream client.
+    From a `trusted` peer (another proxy) its forwarding headers are kept and X-Forwarded-For is
+    appended to; from any other peer they are replaced by what this proxy saw.
+    """
+    dropped = _REQUEST_DROPPED if trusted else _UNTRUSTED_DROPPED
+    out = _without(headers, _with_named(dropped, headers))
+    earlier = headers.getall("X-Forwarded-For", None) if trusted else None
+    if earlier is None:
+        forwarded_for = client_ip
+    else:
+        forwarded_for = ", ".join([*earlier, client_ip] if client_ip else earlier)
+    if forwarded_for:
+        out.popall("X-Forwarded-For", None)
+        out["X-Forwarded-For"] = forwarded_for
+    _set_once(out, "X-Forwarded-Proto", scheme)
+    if host:
+        _set_once(out, "X-Forwarded-Host", host)
+    return out
+
+
+def _set_once(out: CIMultiDict[str], name: str, value: str) -> None:
+    # A trusted proxy's one value stands; a repeated one (two hops that appended) cannot say
+    # which is the client's, so this proxy's view replaces both.
+    values = out.getall(name, None)
+    if values is None or len(values) > 1:
+        out.popall(name, None)
+        out[name] = value
+
+
+def response_headers_for_client(headers: Headers) -> CIMultiDict[str]:
+    """The upstream's response headers minus hop-by-hop, framing and proxy-owned ones."""
+    return _without(headers, _with_named(_RESPONSE_DROPPED, headers))
+
+
+def headers_to_store(headers: Headers, unreplayed: Collection[str]) -> HeaderPairs:
+    """SPEC §7: end-to-end headers only; Set-Cookie and auth challenges not kept by default."""
+    dropped = _with_named(_store_dropped(tuple(unreplayed)), headers)
+    return tuple(_without(headers, dropped).items())
+
+
+@functools.lru_cache(maxsize=16)
+def _store_dropped(unreplayed: tuple[str, ...]) -> frozenset[str]:
+    # The setting is one list for the process's life: lower-cased and merged once, not per call.
+    return _STORE_DROPPED | {h.lower() for h in unreplayed}
+
+
+def multidict(pairs: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
+    return CIMultiDict[str](pairs)

@@ -1,0 +1,312 @@
+"""The request fingerprint (SPEC §6): SHA-256 over method, path, query, media type and body."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator, Sequence
+from json.encoder import encode_basestring
+from typing import Any
+
+from idemproxy.errors import ConfigError
+
+_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
+# One encoder for every body: `json.dumps` with any non-default option builds a new one per
+# call. The output is the same byte for byte (stored fingerprints stay valid).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def fingerprint(
+    method: str,
+    path: str,
+    query: str,
+    content_type: str | None,
+    body: bytes,
+    exclude_pointers: Sequence[str] = (),
+    *,
+    content_encoding: str | None = None,
+) -> str:
+    """A hex digest that is equal for requests with the same intent.
+
+    JSON bodies are canonicalised (sorted keys, no insignificant whitespace) with the configured
+    JSON pointers removed, so that semantically equal JSON matches. Every field is length-prefixed
+    so that no two different requests can produce the same hashed byte stream.
+    """
+    digest = body_digest(content_type, body, exclude_pointers)
+    return fingerprint_of_digest(
+        method, path, query, content_type, digest, content_encoding=content_encoding
+    )
+
+
+def body_digest(
+    content_type: str | None, body: bytes, exclude_pointers: Sequence[str] = ()
+) -> bytes:
+    if is_json(media_type_of(content_type)):
+        body = canonical_json(body, exclude_pointers)
+    return hashlib.sha256(body).digest()
+
+
+def fingerprint_of_digest(
+    method: str,
+    path: str,
+    query: str,
+    content_type: str | None,
+    body_sha256: bytes,
+    *,
+    content_encoding: str | None = None,
+) -> str:
+    """The fingerprint from the SHA-256 of the (canonical) body. A body spooled to disk
+    (proxy/server/body.py) is hashed as raw bytes while it arrives: it is not canonicalised.
+
+    The body's content codings (`Content-Encoding`, RFC 9110 §8.4) change what the same bytes
+    are to the backend (`gzip` is decoded, no coding is taken as it is): hashed as one more
+    field, only when there is one, so that a request without it fingerprints as it always did.
+    """
+    media_type = fingerprinted_media_type(content_type)
+    fields = [method.upper(), path, query, media_type]
+    if codings := _codings(content_encoding):
+        fields.append(codings)
+    stream = bytearray()  # hashed in one call: the same bytes as one update per part
+    for text in fields:
+        # Header values and targets hold any byte as a surrogate escape (aiohttp decodes them
+        # so): hashed as the bytes that arrived, never an encoding error.
+        part = text.encode("utf-8", "surrogateescape")
+        stream += len(part).to_bytes(8, "big")
+        stream += part
+    stream += body_sha256
+    return hashlib.sha256(stream).hexdigest()
+
+
+def _codings(content_encoding: str | None) -> str:
+    """`Content-Encoding` as a list of lower-cased codings (RFC 9110 §8.4.1: case-insensitive),
+    in order (they were applied in that order), empty list elements dropped (§5.6.1)."""
+    if not content_encoding:
+        return ""
+    return ",".join(c.strip(" \t").lower() for c in content_encoding.split(",") if c.strip(" \t"))
+
+
+def media_type_of(content_type: str | None) -> str:
+    """The media type without its parameters: what decides whether a body is JSON."""
+    if not content_type:
+        return ""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def fingerprinted_media_type(content_type: str | None) -> str:
+    """The media type with its parameters, as the fingerprint hashes it (SPEC §6).
+
+    Parameters change what the same bytes mean (`boundary` splits a multipart body into other
+    fields, `charset` decodes it to other text), so they are part of the intent. Normalised per
+    RFC 9110 §8.3.1 and §5.6.6: type, subtype and parameter names lower-cased, values as sent but
+    a quoted-string unquoted (re-quoted only when it is not a token) and a `charset` lower-cased
+    (§8.3.2), in the order sent (a repeated name stays repeated, in its place), written
+    `type/subtype;name=value`. A value without parameters (nor any after an empty `;`) is
+    exactly what `media_type_of` gives, as before parameters were hashed: jobs stored by an
+    older version still match their retries. A value that does not parse is hashed whole, as
+    sent, after a NUL (which no normalised value holds), so it can match only itself.
+    """
+    media_type = media_type_of(content_type)
+    if content_type is None or ";" not in content_type:
+        return media_type
+    parameters = _parameters(content_type.partition(";")[2])
+    if parameters == []:
+        return media_type
+    if parameters is None or not _MEDIA_TYPE.fullmatch(media_type):
+        return "\x00" + content_type.strip(" \t")
+    return media_type + "".join(f";{name}={_value_text(value)}" for name, value in parameters)
+
+
+_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"  # RFC 9110 §5.6.2
+_MEDIA_TYPE = re.compile(f"{_TOKEN}/{_TOKEN}")
+_TOKEN_ONLY = re.compile(_TOKEN)
+# RFC 9110 §5.6.6: `parameters = *( OWS ";" OWS [ parameter ] )`, `parameter = name "=" value`,
+# a value a token or a quoted-string (qdtext: HTAB, SP and visible or obs-text bytes but `"` and
+# `\`; a quoted-pair `\` escapes HTAB, SP, a visible character or obs-text).
+_PARAMETER = re.compile(
+    rf'[ \t]*;[ \t]*(?:({_TOKEN})=(?:({_TOKEN})|"((?:[\t !#-\[\]-~\x80-\U0010ffff]'
+    rf'|\\[\t -~\x80-\U0010ffff])*)"))?'
+)
+_QUOTED_PAIR = re.compile(r"\\(.)", re.DOTALL)
+
+
+def _parameters(text: str) -> list[tuple[str, str]] | None:
+    """The (lower-cased name, unquoted value) pairs after the first `;`, or None when the text
+    is not RFC 9110 parameters."""
+    parameters: list[tuple[str, str]] = []
+    position = 0
+    text = ";" + text.rstrip(" \t")
+    while position < len(text):
+        match = _PARAMETER.match(text, position)
+        if match is None or match.end() == position:
+            return None
+        name, token, quoted = match.groups()
+        if name is not None:
+            value = token if token is not None else _QUOTED_PAIR.sub(r"\1", quoted)
+            name = name.lower()
+            if name == "charset":  # RFC 9110 §8.3.2: charset names are case-insensitive
+                value = value.lower()
+            parameters.append((name, value))
+        position = match.end()
+    return parameters
+
+
+def _value_text(value: str) -> str:
+    """A value as a token when it is one, else as a quoted-string: `;` or `=` inside a value
+    can never make two different parameter lists write the same text."""
+    if _TOKEN_ONLY.fullmatch(value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def is_json(media_type: str) -> bool:
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
+def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
+    """Canonical JSON bytes, or the body unchanged when it is not valid JSON.
+
+    A document nested too deeply for the parser (RecursionError) counts as not valid JSON: it is
+    fingerprinted as raw bytes instead of failing the request. So does one with a member name
+    twice in an object (RFC 8259 §4: which value counts is the parser's choice, so no canonical
+    form can stand for it) and one with NaN or Infinity, which are not JSON.
+    """
+    try:
+        text = _decoded(body)
+        document = _decoder(text).decode(text)
+        for pointer in exclude_pointers:
+            _remove(document, parse_pointer(pointer))
+        canonical = _encode(document)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return body
+    return canonical.encode("utf-8", "surrogatepass")
+
+
+def _parse_float(token: str) -> float | _Number:
+    value = float(token)
+    # The encoder writes a float as its repr: the same text only if the token was that repr.
+    return value if repr(value) == token else _Number(token)
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")  # RFC 8259 §6
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        raise ValueError("a member name occurs twice")
+    return members
+
+
+def _parse_int(token: str) -> int | _Number:
+    return _Number(token) if token == "-0" else int(token)  # int("-0") is 0
+
+
+# One decoder for every body, as for the encoder: `json.loads` with any hook builds one per call.
+_DECODER = json.JSONDecoder(
+    parse_float=_parse_float, parse_constant=_refuse_constant, object_pairs_hook=_unique_object
+)
+# The integer -0 is the one integer token an int changes. A hook on every integer would cost a
+# call per token: only a body where the text may hold one (or a string that looks so) pays it.
+_WITH_NEGATIVE_ZERO = json.JSONDecoder(
+    parse_float=_parse_float,
+    parse_int=_parse_int,
+    parse_constant=_refuse_constant,
+    object_pairs_hook=_unique_object,
+)
+_NEGATIVE_ZERO = re.compile(r"-0(?![0-9.eE])")
+
+
+def _decoder(text: str) -> json.JSONDecoder:
+    if "-0" in text and _NEGATIVE_ZERO.search(text):
+        return _WITH_NEGATIVE_ZERO
+    return _DECODER
+
+
+class _Number:
+    """A number token that a float would change (`0.30000000000000000001` is 0.3, `1e400` and
+    `9e999` are both infinite, `1E2` and `100.0` the same): kept as its text, so that different
+    payloads never fingerprint the same."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _encode(document: Any) -> str:
+    try:
+        return _CANONICAL.encode(document)
+    except TypeError:  # a _Number, which the C encoder cannot write as it is
+        return "".join(_canonical_parts(document))
+
+
+def _canonical_parts(node: Any) -> Iterator[str]:
+    """What `_CANONICAL` writes, with every `_Number` written as its token."""
+    if isinstance(node, dict):
+        yield "{"
+        for index, name in enumerate(sorted(node)):
+            yield ("," if index else "") + encode_basestring(name) + ":"
+            yield from _canonical_parts(node[name])
+        yield "}"
+    elif isinstance(node, list):
+        yield "["
+        for index, item in enumerate(node):
+            if index:
+                yield ","
+            yield from _canonical_parts(item)
+        yield "]"
+    elif isinstance(node, _Number):
+        yield node.text
+    else:
+        yield _CANONICAL.encode(node)
+
+
+def _decoded(body: bytes) -> str:
+    """The text `json.loads` would decode a body to, found without its encoding detection (in
+    Python, on every body) when the body opens an object or array in UTF-8; other bodies are
+    detected as `json.loads` does, UTF-16 and UTF-32 included (RFC 8259 §8.1)."""
+    if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
+        return body.decode("utf-8", "surrogatepass")  # what json.loads does for UTF-8
+    return body.decode(json.detect_encoding(body), "surrogatepass")
+
+
+def parse_pointer(pointer: str) -> list[str]:
+    """RFC 6901 §3-§4: "/a/b~1c" → ["a", "b/c"]."""
+    if pointer == "":
+        return []
+    if not pointer.startswith("/"):
+        raise ConfigError(f"JSON pointer {pointer!r} must start with '/'")
+    return [token.replace("~1", "/").replace("~0", "~") for token in pointer[1:].split("/")]
+
+
+def _remove(document: Any, tokens: list[str]) -> None:
+    if not tokens:
+        return
+    parent = document
+    for token in tokens[:-1]:
+        parent = _child(parent, token)
+        if parent is None:
+            return
+    last = tokens[-1]
+    if isinstance(parent, dict):
+        parent.pop(last, None)
+    elif isinstance(parent, list) and (index := _array_index(last, parent)) is not None:
+        parent[index] = None  # keep the positions of the other elements
+
+
+def _child(node: Any, token: str) -> Any:
+    if isinstance(node, dict):
+        return node.get(token)
+    if isinstance(node, list) and (index := _array_index(token, node)) is not None:
+        return node[index]
+    return None
+
+
+def _array_index(token: str, array: list[Any]) -> int | None:
+    """RFC 6901 §4: an array index is "0" or ASCII digits without a leading zero."""
+    if not _ARRAY_INDEX.fullmatch(token):
+        return None
+    index = int(token)
+    return index if index < len(array) else None

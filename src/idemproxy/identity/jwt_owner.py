@@ -1,0 +1,117 @@
+"""The `jwt` owner strategy (SPEC §5): the owner is a claim of a verified bearer JWT.
+
+`Authorization: Bearer <jwt>` is verified with the configured key and algorithms (never the
+algorithm a token asks for alone), then its expiry (`exp`, required), not-before, audience
+(required) and, when configured, issuer, with a small leeway for clock skew. The owner is a hash
+of the token's issuer and the configured claim (default `sub`), so a refreshed token for the
+same subject keeps its jobs, while the token itself is never stored.
+
+A credential that is present but does not verify is always `401 owner-missing`, even when
+`owner.required` is false: in the shared anonymous scope a forged token would read anonymous
+responses and seem to work. Only a request with no Authorization header at all is anonymous.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jwt
+
+from idemproxy.errors import OwnerMissing
+from idemproxy.identity.jwt_keys import KeyRing, load_keys
+from idemproxy.identity.owner import hash_claim
+
+if TYPE_CHECKING:
+    from idemproxy.config import JwtSettings
+
+log = logging.getLogger("idemproxy.identity.owner")
+
+# RFC 6750 §2.1: b64token. Anything else (spaces, non-ASCII, undecodable bytes) is no JWT.
+_B64TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+
+_NOT_BEARER = "The Authorization header must carry a bearer JWT (Authorization: Bearer <token>)."
+_UNVERIFIED = "The bearer token could not be verified."
+_NO_OWNER = "The bearer token does not carry the owner claim as a non-empty string."
+# Fixed details by failure, never PyJWT's message or any byte of the token (SPEC §8).
+_REASONS: tuple[tuple[type[jwt.PyJWTError], str], ...] = (
+    (jwt.ExpiredSignatureError, "The bearer token has expired."),
+    (jwt.ImmatureSignatureError, "The bearer token is not valid yet."),
+    (jwt.InvalidAudienceError, "The bearer token is meant for another audience."),
+    (jwt.InvalidIssuerError, "The bearer token comes from another issuer."),
+    (jwt.MissingRequiredClaimError, "The bearer token lacks a required claim."),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class JwtVerifier:
+    """Verifies bearer JWTs and turns the owner claim into an owner scope (an `OwnerVerifier`)."""
+
+    keys: KeyRing
+    audience: tuple[str, ...]
+    issuer: str | None = None
+    claim: str = "sub"
+    leeway: float = 0.0
+
+    @classmethod
+    def from_settings(
+        cls, settings: JwtSettings, environ: Mapping[str, str] | None = None
+    ) -> JwtVerifier:
+        """Load the keys once (start-up); raises `ConfigError` naming the field at fault."""
+        keys = load_keys(
+            settings.key or "", settings.algorithms, os.environ if environ is None else environ
+        )
+        return cls(
+            keys=keys,
+            audience=tuple(settings.audience),
+            issuer=settings.issuer,
+            claim=settings.claim,
+            leeway=settings.leeway,
+        )
+
+    def owner(self, authorization: str) -> str:
+        claims = self.verify(_bearer_token(authorization))
+        value = claims.get(self.claim)
+        if not isinstance(value, str) or not value:
+            raise OwnerMissing(_NO_OWNER)
+        return hash_claim(claims.get("iss"), self.claim, value)
+
+    def verify(self, token: str) -> dict[str, Any]:
+        """The claims of a token that verifies; raises `OwnerMissing` for any other."""
+        try:
+            key = self.keys.select(jwt.get_unverified_header(token).get("kid"))
+            if key is None:
+                raise jwt.InvalidKeyError("no key for this kid")
+            claims: dict[str, Any] = jwt.decode(
+                token,
+                key.key,
+                algorithms=key.algorithms,
+                audience=self.audience,
+                issuer=self.issuer,
+                leeway=self.leeway,
+                options={"require": ["exp"], "enforce_minimum_key_length": True},
+            )
+        except jwt.PyJWTError as exc:
+            log.debug("bearer token rejected: %s", type(exc).__name__)
+            raise OwnerMissing(_reason(exc)) from exc
+        return claims
+
+
+def _bearer_token(authorization: str) -> str:
+    # RFC 6750 §2.1, RFC 9110 §11.4: the auth-scheme is case-insensitive.
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip(" ")
+    if scheme.lower() != "bearer" or not _B64TOKEN.fullmatch(token):
+        raise OwnerMissing(_NOT_BEARER)
+    return token
+
+
+def _reason(error: jwt.PyJWTError) -> str:
+    for kind, reason in _REASONS:
+        if isinstance(error, kind):
+            return reason
+    return _UNVERIFIED

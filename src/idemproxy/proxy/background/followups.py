@@ -1,0 +1,125 @@
+"""Store writes that failed and are finished later, once the store answers again: the loop that
+proxy/background/unsent.py (claims that committed after their 503) and proxy/background/unwritten.py
+(attempt outcomes the store could not take) share.
+
+Each item is keyed by its job id and tried in the background, first after 50 ms, then with a
+pause that doubles up to 1 s while the store stays away or the item is not settled yet. Every
+write it makes is a compare-and-swap on the job's version, so a late one changes nothing once
+the job moved on. At most `max_items` items (and `max_bytes` of responses) are held per process;
+one more is counted as dropped and left to the lease and the operator, as before.
+
+While the store is away (`StoreUnavailable`) a round stops at the first item: every other try
+would fail the same way. An item the store refuses for its data (`StoreRefused`, a value that
+PostgreSQL's jsonb would not take) is final: logged, counted as "refused" and dropped. One whose
+try raises (a bug) is logged and tried again in the next round. Either way the round goes on
+with the next item.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Generic, TypeVar
+
+from prometheus_client import Counter
+
+from idemproxy.errors import StoreRefused, StoreUnavailable
+from idemproxy.store.base import Store
+
+log = logging.getLogger(__name__)
+# Seconds between rounds, doubling while the store stays away or nothing was settled.
+_FIRST_PAUSE, _LAST_PAUSE = 0.05, 1.0
+
+Item = TypeVar("Item")
+
+
+class FollowUps(abc.ABC, Generic[Item]):
+    def __init__(
+        self,
+        store: Store,
+        counted: Mapping[str, Counter],
+        *,
+        max_items: int,
+        max_bytes: int = 0,
+    ) -> None:
+        """`counted`: a counter by outcome (one of Metrics' `Children`), "dropped" among them."""
+        self._store = store
+        self._counted = counted
+        self._max_items = max_items
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._pending: dict[str, Item] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def _add(self, job_id: str, item: Item) -> None:
+        self._drop(job_id)  # a newer item for the same job replaces the older one
+        size = self._size(item)
+        over_bytes = self._max_bytes and self._bytes + size > self._max_bytes
+        if len(self._pending) >= self._max_items or over_bytes:
+            self._counted["dropped"].inc()
+            return
+        self._pending[job_id] = item
+        self._bytes += size
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._until_settled())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # --- what each kind defines ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _settle(self, store: Store, item: Item) -> str | None:
+        """One try: the outcome to count when the item is done, None to try again later.
+        StoreUnavailable: the store is still away."""
+
+    def _size(self, item: Item) -> int:
+        return 0
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def _drop(self, job_id: str) -> None:
+        item = self._pending.pop(job_id, None)
+        if item is not None:
+            self._bytes -= self._size(item)
+
+    async def _until_settled(self) -> None:
+        pause = _FIRST_PAUSE
+        while self._pending:
+            await asyncio.sleep(pause)
+            settled = False
+            for job_id, item in list(self._pending.items()):
+                try:
+                    outcome = await self._try(job_id, item)
+                except StoreUnavailable:
+                    break  # still away: every other try would fail the same way
+                if outcome is not None:
+                    self._drop(job_id)
+                    self._counted[outcome].inc()
+                    settled = True
+            pause = _FIRST_PAUSE if settled else min(pause * 2, _LAST_PAUSE)
+
+    async def _try(self, job_id: str, item: Item) -> str | None:
+        """`_settle`, with the errors that are final for this item made its outcome: the
+        others are still tried (one item the store refuses held up every one behind it)."""
+        try:
+            return await self._settle(self._store, item)
+        except StoreRefused:
+            # The store answered and refused this write (its data): never written, whatever
+            # the wait. Its job is left to the lease and the operator (SPEC §3.5).
+            log.error("the follow-up of job %s was refused by the store; given up", job_id)
+            return "refused"
+        except StoreUnavailable:
+            raise
+        except Exception:  # a bug: loud, and this item is tried again later (the others now)
+            log.exception("the follow-up of job %s failed", job_id)
+            return None

@@ -1,0 +1,84 @@
+"""Claims this process gave up on, released once the store answers again (SPEC §2.2, §3.1).
+
+A claim sent to a stalled store times out and its client gets `503 store-unavailable`: nothing
+was forwarded. The stalled server may still commit that claim once it runs again (it has the
+whole statement, and commits it whether or not the proxy still listens), leaving a job
+`in_flight` that nobody runs. After its lease the next request would take it over as `unknown`,
+and every retry would get `409 outcome-unknown` until an operator released it: after a store
+stall of a second or two, one such job for every claim that was waiting.
+
+This process knows what the store cannot: it never forwarded those requests. So it remembers
+the job id of each claim that failed, and until that claim's lease would have run out it looks
+the key up (backing off while the store is still away). If the job under the key is that
+claim, untouched (`decision.unsent_claim`), it settles it `released` with the same
+compare-and-swap an attempt uses when its upstream refused the connection; the duplicates held
+behind it wake up and the next one runs. A job already taken over as `unknown` is left to the
+operator (docs/operations.md, "A claim that commits after its 503").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from prometheus_client import Counter
+
+from idemproxy.core.decision import Unsent, unsent_claim
+from idemproxy.core.types import JobState
+from idemproxy.proxy.background.followups import FollowUps
+from idemproxy.store.base import Store
+
+log = logging.getLogger(__name__)
+# Recorded on the attempt (SPEC §3.2 "failed"): what the operator reads in `jobs show`.
+NEVER_FORWARDED = "claim committed after its timeout; never forwarded"
+# At most this many claims are watched; one more is counted as dropped (left to the operator).
+MAX_UNSENT = 10_000
+
+
+class _Claim(NamedTuple):
+    owner: str
+    key: str
+    job_id: str
+    # time.monotonic() after which a claim that has not appeared is no longer looked for: its
+    # lease ran from its statement's start, so had it committed later, it would be lease-expired
+    # at once, and the next request would take it over.
+    until: float
+
+
+class UnsentClaims(FollowUps[_Claim]):
+    def __init__(
+        self,
+        store: Store,
+        counted: Mapping[str, Counter],
+        *,
+        lease: float,
+        max_items: int = MAX_UNSENT,
+    ) -> None:
+        """`counted`: Metrics.unsent_outcome (metrics.UNSENT_OUTCOMES)."""
+        super().__init__(store, counted, max_items=max_items)
+        self._lease = lease
+
+    def note(self, owner: str, key: str, job_id: str) -> None:
+        """A claim under `job_id` failed: nothing was forwarded under it."""
+        self._add(job_id, _Claim(owner, key, job_id, time.monotonic() + self._lease))
+
+    async def _settle(self, store: Store, claim: _Claim) -> str | None:
+        job = await store.get(claim.owner, claim.key)
+        verdict = unsent_claim(job, claim.job_id)
+        if verdict is Unsent.NOT_YET:
+            return "not_committed" if time.monotonic() >= claim.until else None
+        released = (
+            verdict is Unsent.RELEASE
+            and job is not None
+            and await store.settle(job, 1, JobState.RELEASED, error=NEVER_FORWARDED)
+        )
+        if not released:
+            return "moved_on"
+        log.warning(
+            "job %s released: its claim committed after the proxy had answered 503, and nothing "
+            "was forwarded",
+            claim.job_id,
+        )
+        return "released"

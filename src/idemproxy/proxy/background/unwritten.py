@@ -1,0 +1,82 @@
+"""Attempt outcomes the store could not take, written once it answers again (SPEC §2.4, §3.5).
+
+The upstream answered (or failed) and the proxy could not store that outcome: the store went
+away or the statement timed out, and the client got `503 store-unavailable` saying the request
+was forwarded. The job then stayed `in_flight` until its lease ran out, and the next request took
+it over as `unknown`, an operator task, although this process held the very response.
+
+Now the process keeps the outcome and writes it in the background as soon as the store answers
+(proxy/background/followups.py). Each write is the attempt's own compare-and-swap on the version it
+ran under: it wins only while the job is still that attempt's, in flight and not completed, so a
+job taken over in the meantime stays `unknown` (SPEC §3.3), and a first try that did commit
+after all makes the retry lose, with the same response stored. A duplicate held behind the job
+then gets the stored response as a replay, and a later retry too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from prometheus_client import Counter
+
+from idemproxy.core.types import Job, JobState, StoredResponse
+from idemproxy.proxy.background.followups import FollowUps
+from idemproxy.store.base import Store
+
+log = logging.getLogger(__name__)
+# At most this many outcomes, and this many bytes of responses, wait per process; one more is
+# counted as dropped, and its job becomes unknown after its lease as before.
+MAX_UNWRITTEN = 1_000
+MAX_UNWRITTEN_BYTES = 64 << 20
+
+
+class _Outcome(NamedTuple):
+    job: Job
+    attempt: int
+    # A completion (SPEC §3.2 succeeded) or a settlement (released or unknown), not both.
+    response: StoredResponse | None
+    ttl: float
+    state: JobState
+    status: int | None
+    error: str | None
+
+
+class UnwrittenOutcomes(FollowUps[_Outcome]):
+    def __init__(self, store: Store, counted: Mapping[str, Counter]) -> None:
+        """`counted`: Metrics.unwritten_outcome (metrics.UNWRITTEN_OUTCOMES)."""
+        super().__init__(store, counted, max_items=MAX_UNWRITTEN, max_bytes=MAX_UNWRITTEN_BYTES)
+
+    def completion(self, job: Job, attempt: int, response: StoredResponse, ttl: float) -> None:
+        completed = JobState.COMPLETED
+        self._add(job.id, _Outcome(job, attempt, response, ttl, completed, None, None))
+
+    def settlement(
+        self, job: Job, attempt: int, state: JobState, status: int | None, error: str | None
+    ) -> None:
+        self._add(job.id, _Outcome(job, attempt, None, 0.0, state, status, error))
+
+    def _size(self, outcome: _Outcome) -> int:
+        response = outcome.response
+        if response is None:
+            return 0
+        headers = sum(len(name) + len(value) for name, value in response.headers)
+        return len(response.body or b"") + headers
+
+    async def _settle(self, store: Store, outcome: _Outcome) -> str:
+        job, attempt = outcome.job, outcome.attempt
+        if outcome.response is not None:
+            won = await store.complete(job, attempt, outcome.response, ttl=outcome.ttl)
+        else:
+            won = await store.settle(
+                job, attempt, outcome.state, status=outcome.status, error=outcome.error
+            )
+        if not won:
+            return "moved_on"
+        log.warning(
+            "job %s %s: its outcome was written after the proxy had answered 503",
+            job.id,
+            outcome.state.value,
+        )
+        return "written"

@@ -1,0 +1,1 @@
+"""Governed requests: the loop around the core, upstream order and hedging, attempts, leases."""

@@ -1,0 +1,1 @@
+"""The client-facing side: listener, request bodies, response writing and the request record."""

@@ -1,0 +1,266 @@
+"""Reading a governed response body for storing, within the response budget
+(proxy/server/budget.py).
+
+Up to `max_stored_body` bytes are read before the client sees one (the outcome is stored first,
+SPEC §2 step 4). They stay in memory while the budget has room; once it has none, what was read
+so far and the rest go to an unnamed temporary file (as nginx's `proxy_temp_path` does), so that
+the upstream connection is read at full speed and the response is still stored and answered
+whole. Such a body is read back into memory for its store write once the budget has room, or
+after `limits.response_buffer_wait` over it (`ResponseBudget.take`), and its client is answered
+from the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any, BinaryIO
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from idemproxy.proxy.server.budget import Held, ResponseBudget
+from idemproxy.proxy.server.sink import ClientSink
+from idemproxy.proxy.server.whole import (
+    ONE_WRITE_BODY,
+    AsSentResponse,
+    AsSentStreamResponse,
+    NotifiedResponse,
+)
+from idemproxy.proxy.upstream.h1 import UpstreamResponse
+
+_PIECE = 256 * 1024  # read back from a temporary file in pieces of this size
+
+
+class Captured:
+    """Up to `limit` bytes of an upstream body, in memory or on disk; `whole` when that was
+    all of it. Whoever holds it gives its bytes back (`release`, `close`, or the response
+    `answer` makes of it) on every path: no finalizer per response on the hot path."""
+
+    def __init__(self, budget: ResponseBudget) -> None:
+        self._budget = budget
+        self.held = Held(budget)
+        self._chunks: list[bytes] = []
+        self._spool: BinaryIO | None = None
+        self.size = 0
+        self.whole = False
+
+    @property
+    def budget_hold(self) -> float:
+        return self._budget.hold
+
+    @property
+    def spooled(self) -> bool:
+        return self._spool is not None
+
+    def add(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self._spool is None and self.held.add(len(chunk)):
+            self._chunks.append(chunk)
+            return
+        self._spill()
+        assert self._spool is not None
+        self._spool.write(chunk)
+
+    def _spill(self) -> None:
+        if self._spool is not None:
+            return
+        spool = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close() or the finalizer
+        weakref.finalize(self, spool.close)
+        for chunk in self._chunks:
+            spool.write(chunk)
+        self._spool, self._chunks = spool, []
+        self.held.release()
+
+    def in_memory(self) -> bytes | None:
+        """The body as one bytes object when it is in memory; None when it is on disk."""
+        if self._spool is None and len(self._chunks) > 1:
+            self._join()
+        if self._spool is not None:
+            return None
+        return self._chunks[0] if self._chunks else b""
+
+    async def content(self) -> bytes:
+        """The body in memory, held against the budget until `release` (for its store write and
+        a contract check). A spooled body waits for room first."""
+        content = self.in_memory()
+        if content is not None:
+            return content
+        assert self._spool is not None
+        if not self.held.size:
+            await self._take_for_store()
+            self.held.size = self.size
+        self._spool.flush()
+        return os.pread(self._spool.fileno(), self.size, 0)
+
+    async def _take_for_store(self) -> None:
+        """Room for the whole body, waited for a bounded time (proxy/server/budget.py). The body is
+        whole: the upstream answered. A shutdown's cancellation arriving during this wait ends
+        the wait, not the store write: cut off here, an outcome that is known would be recorded
+        unknown (SPEC §3.2) and its client answered 504."""
+        try:
+            await self._budget.take(self.size)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling() != 1:
+                raise  # cancelled again, or not by the drain: let it end
+            task.uncancel()
+            self._budget.overdraw(self.size)
+
+    def _join(self) -> None:
+        # b"".join holds the pieces and the whole at once: the whole is taken from the budget
+        # too, or, without room for it, the pieces go to disk.
+        if not self.held.add(self.size):
+            self._spill()
+            return
+        self._chunks = [b"".join(self._chunks)]
+        self._budget.give_back(self.size)
+        self.held.size -= self.size
+
+    async def pieces(self) -> AsyncIterator[bytes]:
+        """The captured bytes in order, a piece at a time (for the client)."""
+        if self._spool is None:
+            for chunk in self._chunks:
+                yield chunk
+            return
+        self._spool.flush()
+        fd, offset = self._spool.fileno(), 0
+        while offset < self.size:
+            piece = os.pread(fd, min(_PIECE, self.size - offset), offset)
+            if not piece:
+                return
+            offset += len(piece)
+            yield piece
+
+    def release(self) -> None:
+        """Nothing of it stays in memory: the budget gets its bytes back."""
+        self.held.release()
+        if self._spool is not None:
+            self._chunks = []
+
+    def close(self) -> None:
+        self.release()
+        self._chunks = []
+        if self._spool is not None:
+            self._spool.close()
+
+
+async def capture(upstream: UpstreamResponse, limit: int, budget: ResponseBudget) -> Captured:
+    """Up to `limit` bytes of the body (and one piece more when it is larger)."""
+    captured = Captured(budget)
+    try:
+        while captured.size <= limit:
+            chunk = await upstream.read_chunk()
+            if not chunk:
+                captured.whole = True
+                break
+            captured.add(chunk)
+    except BaseException:
+        captured.close()
+        raise
+    return captured
+
+
+async def tee(
+    upstream: UpstreamResponse, client: ClientSink, limit: int, budget: ResponseBudget
+) -> Captured:
+    """The body to `client` as it arrives, and kept up to `limit` bytes (`whole` when it all
+    was): a stream (SPEC §2 step 4) is stored once it has ended, not before its client sees it."""
+    kept, over = Captured(budget), False
+    try:
+        while chunk := await upstream.read_chunk():
+            await client.write(chunk)
+            if over:
+                continue
+            if kept.size + len(chunk) > limit:
+                kept.close()  # too large to keep (SPEC §7): nothing of it stays held
+                kept, over = Captured(budget), True
+                continue
+            kept.add(chunk)
+    except BaseException:
+        kept.close()
+        raise
+    kept.whole = not over
+    return kept
+
+
+def answer(
+    captured: Captured, status: int, reason: str, headers: CIMultiDict[str]
+) -> web.StreamResponse:
+    """The first client's response to a whole captured body (stored, or settled, by now)."""
+    content = captured.in_memory()
+    if content is None:
+        captured.release()  # its store write, if any, is done: the client is answered from disk
+        return SpooledResponse(captured, status=status, reason=reason, headers=headers)
+    if len(content) <= ONE_WRITE_BODY:
+        # One write when its handler returns (proxy/server/whole.py): given back then.
+        captured.release()
+        return AsSentResponse(status=status, reason=reason, body=content, headers=headers)
+    # Given back once written (proxy/server/whole.py), not when the handler returns.
+    return NotifiedResponse(
+        status=status,
+        reason=reason,
+        body=content,
+        headers=headers,
+        done=captured.close,
+        hold=captured.budget_hold,
+    )
+
+
+def on_disk(budget: ResponseBudget, body: bytes) -> Captured:
+    """`body` in a temporary file, for an answer that the budget has no room for."""
+    captured = Captured(budget)
+    captured.size, captured.whole = len(body), True
+    captured._chunks = [body]
+    captured._spill()
+    return captured
+
+
+class SpooledResponse(AsSentStreamResponse):
+    """A stored body answered from its temporary file, a piece at a time."""
+
+    def __init__(
+        self,
+        captured: Captured,
+        *,
+        status: int,
+        headers: CIMultiDict[str],
+        reason: str | None = None,
+    ) -> None:
+        super().__init__(status=status, reason=reason, headers=headers)
+        self.content_length = captured.size
+        self._captured = captured
+
+    def close(self) -> None:
+        """Never to be sent: its file is closed now, not at some later garbage collection."""
+        self._captured.close()
+
+    async def prepare(self, request: web.BaseRequest) -> Any:
+        try:
+            return await super().prepare(request)
+        except BaseException:
+            self._captured.close()  # the client is gone: write_eof will not run
+            raise
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        try:
+            if not self._eof_sent:
+                async for piece in self._captured.pieces():
+                    await self.write(piece)
+            await super().write_eof(data)
+        finally:
+            self._captured.close()
+
+
+def drop_unsent(response: web.StreamResponse | None) -> None:
+    """A response that will never be sent (its client left, or another answer was chosen)
+    gives back what it holds now: a spooled one its file descriptor, a notified one its
+    budget's bytes. Without this they wait for a full garbage collection, which the server's
+    gc.freeze and raised thresholds make rare."""
+    if isinstance(response, SpooledResponse):
+        response.close()
+    elif isinstance(response, NotifiedResponse):
+        response.written()

@@ -1,0 +1,187 @@
+"""Complete responses in one write, without aiohttp's machinery for streamed ones.
+
+Most of the proxy's answers are whole: replays, problems, and the pass-through and governed
+answers it read in full. aiohttp sends each of them through the path built for streaming
+(`prepare`, the header preparation, the prepare signal, a payload writer, `write_eof`), six
+coroutines deep: about 45,000 instructions a response, a fifth of aiohttp's own cost per request
+(bench/findings.md). For a plain `web.Response` whose body is bytes, this module builds the same
+bytes directly: the headers aiohttp would add, in the order it adds them, serialised as every
+head of the listener is (proxy/server/head.py: header values byte for byte; CR or LF in a status
+line or header refused). Anything that needs more of that machinery (a streamed body, compression,
+cookies, chunking, HEAD, a status without a body, a declared Content-Length, a Connection header
+of the handler's) goes aiohttp's usual way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE
+from multidict import CIMultiDict
+
+from idemproxy.proxy.server.head import serialise_head
+
+# A larger body is not copied behind its head: it goes out after it, in pieces (memoryviews of
+# the one bytes object, so a replay of a large stored body costs no copy of it).
+ONE_WRITE_BODY = 64 * 1024
+_PIECE = 256 * 1024
+# RFC 9110 §6.4.1, §15.3.5, §15.4.5: no content with these (aiohttp's `must_be_empty_body`).
+_WITHOUT_CONTENT = frozenset({204, 304})
+_VERSIONS = (HttpVersion11, HttpVersion10)
+
+
+@dataclass(frozen=True, slots=True)
+class WholeResponse:
+    """The response's bytes (the head and a small body, then a large body on its own), and
+    whether the connection stays open after it."""
+
+    data: bytes
+    keep_alive: bool
+    body: bytes = b""
+
+    def pieces(self) -> list[memoryview]:
+        view = memoryview(self.body)
+        return [view[start : start + _PIECE] for start in range(0, len(view), _PIECE)]
+
+
+def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> WholeResponse | None:
+    """The bytes aiohttp would send for `response`, or None where its usual path must run.
+
+    Adds, as aiohttp does (`Response._start`, `StreamResponse._prepare_headers`):
+    Content-Length, Content-Type `application/octet-stream` for a non-empty body without one
+    (RFC 9110 §8.3) unless the fields are an upstream's (`AsSentResponse`), Date, Server, and
+    `Connection: keep-alive` (HTTP/1.0) or `close` (HTTP/1.1) where the connection's persistence
+    differs from the version's default (RFC 9112 §9.3).
+    """
+    if not isinstance(response, web.Response) or type(response) not in _WHOLE or response.prepared:
+        return None
+    body = response.body
+    if body is None:
+        body = b""  # aiohttp sends the head alone, with Content-Length: 0
+    if (
+        type(body) is not bytes
+        or response.chunked
+        or response.compression
+        or response._cookies  # never set by this proxy; the property would create them
+        or request.method == hdrs.METH_HEAD
+        or response.status < 200
+        or response.status in _WITHOUT_CONTENT
+    ):
+        return None
+    version = request.version
+    headers = response.headers
+    if version not in _VERSIONS or _framed(headers):
+        return None
+    keep_alive = response.keep_alive
+    if keep_alive is None:
+        keep_alive = request.keep_alive
+    headers[hdrs.CONTENT_LENGTH] = str(len(body))
+    if body and not isinstance(response, AsSentResponse):
+        headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
+    if hdrs.DATE not in headers:
+        headers[hdrs.DATE] = rfc822_formatted_time()
+    headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
+    if keep_alive:
+        if version == HttpVersion10:
+            headers[hdrs.CONNECTION] = "keep-alive"
+    elif version == HttpVersion11:
+        headers[hdrs.CONNECTION] = "close"
+    status_line = f"HTTP/{version.major}.{version.minor} {response.status} {response.reason}"
+    head = serialise_head(status_line, headers)
+    if len(body) > ONE_WRITE_BODY:
+        return WholeResponse(head, keep_alive, body)
+    return WholeResponse(head + body, keep_alive)
+
+
+def _framed(headers: CIMultiDict[str]) -> bool:
+    """The handler framed the message itself: leave it to aiohttp."""
+    return (
+        hdrs.CONTENT_LENGTH in headers
+        or hdrs.TRANSFER_ENCODING in headers
+        or hdrs.CONNECTION in headers
+    )
+
+
+def mark_sent(response: web.StreamResponse, keep_alive: bool) -> None:
+    """Leave `response` as aiohttp leaves one it sent: prepared, finished, and with the
+    persistence its connection loop reads (`resp.keep_alive`) decided."""
+    response._keep_alive = keep_alive
+    response._eof_sent = True
+
+
+async def _prepare_as_sent(
+    response: web.StreamResponse, prepare: Callable[[], Awaitable[None]]
+) -> None:
+    """aiohttp's header preparation, without the Content-Type it invents for a body that has
+    none: an upstream's answer without one reaches the client without one (RFC 9110 §8.3: the
+    recipient may then inspect the body; `application/octet-stream` would tell it not to)."""
+    invented = hdrs.CONTENT_TYPE not in response.headers
+    await prepare()
+    if invented:
+        response.headers.popall(hdrs.CONTENT_TYPE, None)
+
+
+class AsSentStreamResponse(web.StreamResponse):
+    """A streamed response whose header fields are an upstream's, or the store's copy of them:
+    aiohttp adds the framing, Date and Server, never a Content-Type (SPEC §10)."""
+
+    async def _prepare_headers(self) -> None:
+        await _prepare_as_sent(self, super()._prepare_headers)
+
+
+class AsSentResponse(web.Response):
+    """A whole response whose header fields are an upstream's, or the store's copy of them:
+    aiohttp (or `serialise_whole`) adds the framing, Date and Server, never a Content-Type."""
+
+    async def _prepare_headers(self) -> None:
+        await _prepare_as_sent(self, super()._prepare_headers)
+
+
+class NotifiedResponse(AsSentResponse):
+    """A complete response whose `done` runs once when it has been written, by either path, or
+    when it is dropped unsent: what it holds (a budget's bytes, a shared body) is given back.
+    With `hold`, `done` runs after that many seconds at the latest: a client that does not read
+    must not keep what it holds for ever (SPEC §9; the bytes themselves stay until written)."""
+
+    def __init__(
+        self, *, done: Callable[[], None], hold: float | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.written = _once(done)
+        if hold is not None:
+            once, timer = self.written, asyncio.get_running_loop().call_later(hold, self.written)
+
+            def written() -> None:
+                timer.cancel()
+                once()
+
+            self.written = written
+        weakref.finalize(self, self.written)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        try:
+            await super().write_eof(data)
+        finally:
+            self.written()
+
+
+# The classes `serialise_whole` writes (a subclass of its own could change what goes out).
+_WHOLE = frozenset({web.Response, AsSentResponse, NotifiedResponse})
+
+
+def _once(done: Callable[[], None]) -> Callable[[], None]:
+    ran = False
+
+    def once() -> None:
+        nonlocal ran
+        if not ran:
+            ran = True
+            done()
+
+    return once

@@ -1,0 +1,638 @@
+"""A small HTTP/1.1 client for the upstream leg: pooled keep-alive connections, llhttp parsing.
+
+Why not aiohttp's client: profiles of the proxy (docs/benchmarks.md) put a third of its CPU per
+pass-through request in `ClientSession._request` (request and response objects, cookie
+filtering, timers, tracing), none of which a proxy needs. This client does only what the
+upstream leg needs (SPEC §10): one write for a request of known length, the llhttp parser
+(httptools) for the answer, no decompression, no redirects, and never a re-send.
+
+Timeouts, as nginx's `proxy_read_timeout`: `timeout` bounds the wait for the response head,
+and then every wait for more of the body (the upstream may not fall silent for longer). Time
+the proxy itself spends handing a streamed body to a slow client (reading paused by flow
+control) is no wait for the upstream, so a slow reader never turns an answered request into an
+unknown outcome; and a long streamed answer (an LLM's tokens) is not cut off while it flows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import re
+import select
+import time
+from collections.abc import AsyncIterable, Callable, Iterable
+from typing import Any, cast
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from idemproxy.core.decision import Failure
+from idemproxy.http.deadline import Deadline
+
+# Flow control of a streamed response body: stop reading the upstream above HIGH buffered
+# bytes, resume below LOW (as aiohttp's StreamReader does with its 64 KiB limit x 2).
+_HIGH_WATER = 256 * 1024
+_LOW_WATER = 64 * 1024
+# aiohttp's client sends `Content-Length: 0` for a body-less request of any other method.
+_NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
+# Set by this client from the request itself; a caller's copies are dropped.
+_FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
+# Bytes received before a response head is whole: 128 fields of 8 KiB (aiohttp's limits) plus
+# one read's worth of body behind the head.
+MAX_HEAD_BYTES = 128 * 8 * 1024 + 256 * 1024
+ONE_WRITE = 16 * 1024  # up to this size head and body are joined into one write
+# RFC 9110 §5.5: a field value is VCHAR, SP, HTAB and obs-text (0x80-0xFF); any other control
+# character makes it invalid. NUL, CR and LF make the whole message invalid ("MUST reject").
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_FATAL_CONTROL = re.compile(rb"[\x00\r\n]")
+# The fields that frame the body: one with any control character is refused, never left out
+# (llhttp would frame the body by what is left, a peer of the upstream by something else).
+_FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding"})
+
+
+class UpstreamFailure(Exception):
+    """The upstream call failed; `failure` says how far the request got (SPEC §3.2)."""
+
+    def __init__(self, failure: Failure, reason: str) -> None:
+        super().__init__(reason)
+        self.failure = failure
+        self.reason = reason
+
+
+class _Stage(enum.Enum):
+    HEAD = 1  # waiting for the response head
+    BODY = 2  # the head arrived; body bytes may follow
+    DONE = 3  # the whole message arrived
+
+
+class UpstreamResponse:
+    """One exchange on one connection: the response head, then its body as it arrives."""
+
+    def __init__(self, connection: Connection, method: str, timeout: float) -> None:
+        self._connection = connection
+        self._loop = connection.loop
+        self._timeout = timeout
+        self.method = method
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
+        self.content_length: int | None = None
+        self._raw_headers: list[tuple[str, str]] = []
+        # Names of fields left out for a control character in their value (`on_header`).
+        self.dropped_headers: list[str] = []
+        self._reason_bytes = b""
+        self._stage = _Stage.HEAD
+        self._interim = False
+        self._until_close = False  # the body ends when the upstream closes the connection
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._error: UpstreamFailure | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._waiting_for = ""  # what a timeout of the current wait is reported as
+        self.request_sent = False
+        self.head_bytes = 0  # received while the head was incomplete (MAX_HEAD_BYTES)
+        self.finished_at: float | None = None  # time.perf_counter() when the body was whole
+
+    # --- reading, for the proxy -------------------------------------------------------------
+
+    async def wait_head(self) -> None:
+        while self._stage is _Stage.HEAD:
+            await self._wait("upstream timed out")
+
+    async def read_chunk(self) -> bytes:
+        """The next piece of the body; b"" once it is complete."""
+        while True:
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                self._buffered -= len(chunk)
+                if self._paused and self._buffered < _LOW_WATER:
+                    self._paused = False
+                    self._connection.resume_reading()
+                return chunk
+            if self._error is not None:
+                raise self._error
+            if self._stage is _Stage.DONE:
+                return b""
+            await self._wait("upstream body timed out")
+
+    @property
+    def complete(self) -> bool:
+        return self._stage is _Stage.DONE
+
+    @property
+    def awaiting_head(self) -> bool:
+        return self._stage is _Stage.HEAD
+
+    async def _wait(self, reason: str) -> None:
+        """Wait for the upstream, at most `timeout` (SPEC §3.2: a timeout is unknown)."""
+        if self._error is not None:
+            raise self._error
+        waiter = self._waiter = self._loop.create_future()
+        self._waiting_for = reason
+        deadline = self._connection.deadline
+        deadline.start(self._timeout)
+        try:
+            await waiter
+        finally:
+            deadline.stop()
+            self._waiter = None
+
+    def expire(self) -> None:
+        """The connection's deadline passed while this exchange waited."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            self.fail(UpstreamFailure(Failure.TIMEOUT, self._waiting_for))
+            self._connection.abort()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def fail(self, error: UpstreamFailure) -> None:
+        if self._stage is not _Stage.DONE and self._error is None:
+            self._error = error
+        self._wake()
+
+    # --- llhttp callbacks (httptools), via the connection ------------------------------------
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason_bytes += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # As aiohttp's parser does: llhttp keeps the whitespace after a value (RFC 9110 §5.5),
+        # and in lenient mode lets control characters through, which would reach the client.
+        value = value.rstrip(b" \t")
+        if _CONTROL.search(value) is not None:
+            if _FATAL_CONTROL.search(value) or name.lower() in _FRAMING_FIELDS:
+                raise ValueError("a control character in an upstream header")  # SPEC §10
+            # SPEC §10: invalid, but harmless to the framing; refusing the response would turn
+            # an executed request into an unknown outcome. The field is dropped and counted.
+            self.dropped_headers.append(name.decode("latin-1"))
+            return
+        # Decoded as aiohttp decodes request headers: UTF-8, any other byte as a surrogate
+        # escape. The proxy writes such a value back with the same codec (proxy/server/head.py) and
+        # stores it losslessly (store/header_json.py): obs-text passes byte for byte (SPEC §7).
+        self._raw_headers.append(
+            (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+        )
+
+    def on_headers_complete(self, status: int, version: str) -> None:
+        if 100 <= status < 200:
+            # RFC 9110 §15.2: interim responses (103 Early Hints, an unasked-for 100) are not
+            # the answer; the final response follows on the same connection.
+            self._interim = True
+            self._raw_headers = []
+            self.dropped_headers = []
+            self._reason_bytes = b""
+            return
+        self.status = status
+        reason = self._reason_bytes
+        # RFC 9112 §4: the reason phrase is informational; one with a control character is not
+        # forwarded (the client gets an empty one), any other byte goes out as it came.
+        self.reason = "" if _CONTROL.search(reason) else reason.decode("utf-8", "surrogateescape")
+        headers = CIMultiDict(self._raw_headers)
+        self.headers = CIMultiDictProxy(headers)
+        length = headers.get("Content-Length")
+        self.content_length = int(length) if length is not None and length.isdigit() else None
+        bodiless = self.method == "HEAD" or status in (204, 304)
+        fault = None if bodiless else framing_fault(headers, version)
+        if fault is not None:
+            # SPEC §10: a malformed response (unknown once sent); raised while the head is not
+            # yet the exchange's, so that no path relays it.
+            raise ValueError(fault)
+        self._stage = _Stage.BODY
+        if bodiless:
+            self._done()  # RFC 9110 §6.4.1: no body, whatever the headers say
+            return
+        if length is None and not _chunked(headers):
+            self._until_close = True  # RFC 9112 §6.3 (4, 7): read until the connection closes
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if not self._paused and self._buffered > _HIGH_WATER:
+            self._paused = True
+            self._connection.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._done()
+
+    def _done(self) -> None:
+        if self._stage is not _Stage.DONE:
+            self._stage = _Stage.DONE
+            self.finished_at = time.perf_counter()
+        self._wake()
+
+    def on_connection_lost(self, exc: BaseException | None) -> None:
+        if self._stage is _Stage.BODY and self._until_close and exc is None:
+            self._done()  # a close-delimited body ends here
+            return
+        if self.request_sent or self._stage is not _Stage.HEAD:
+            self.fail(UpstreamFailure(Failure.BROKEN, "upstream closed the connection"))
+        else:
+            self.fail(UpstreamFailure(Failure.BROKEN, "upstream closed before the request"))
+        self._wake()
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection; carries one exchange at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        # The leniencies aiohttp's client applies to responses, so that backends it accepted
+        # (bare LF line ends, obs-fold, spaces after a chunk size) keep working; values are
+        # still checked for control characters (UpstreamResponse.on_header).
+        self.parser.set_dangerous_leniencies(
+            lenient_headers=True,
+            lenient_optional_cr_before_lf=True,
+            lenient_spaces_after_chunk_size=True,
+        )
+        self.exchange: UpstreamResponse | None = None
+        self.closed = False
+        self.keep_alive = False
+        self.idle_since = 0.0
+        self._write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        # The exchange's current wait for the upstream (http/deadline.py: one timer).
+        self.deadline = Deadline(loop, self._expire_exchange)
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's TCP transport has every method of asyncio.Transport but is no subclass.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None or exchange.complete:
+            self.abort()  # bytes nobody asked for: this connection can not be trusted again
+            return
+        if exchange.awaiting_head:
+            # llhttp sets no limit on a response head; aiohttp's parser allowed 128 fields of
+            # 8 KiB. Past this much without a whole head, the upstream is broken.
+            exchange.head_bytes += len(data)
+            if exchange.head_bytes > MAX_HEAD_BYTES:
+                exchange.fail(UpstreamFailure(Failure.BROKEN, "upstream response head too large"))
+                self.abort()
+                return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            exchange.fail(UpstreamFailure(Failure.BROKEN, "upstream switched protocols"))
+            self.abort()
+        except httptools.HttpParserError as exc:
+            # A callback's refusal (on_header, on_headers_complete) says why; llhttp does not.
+            why = exc.__context__ if isinstance(exc.__context__, ValueError) else exc
+            exchange.fail(UpstreamFailure(Failure.BROKEN, f"invalid upstream response: {why}"))
+            self.abort()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost settles the exchange
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.deadline.close()
+        if self.exchange is not None:
+            self.exchange.on_connection_lost(exc)
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_exception(ConnectionResetError("upstream closed the connection"))
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    # httptools callbacks, handed to the exchange in progress
+    def on_message_begin(self) -> None:
+        exchange = self.exchange
+        if exchange is None or exchange.complete:
+            # A second message after the answer (a body longer than declared, a forged
+            # response): never parsed into this exchange, and the connection is not reused.
+            raise ConnectionAbortedError("bytes after the upstream's response")
+
+    def on_status(self, status: bytes) -> None:
+        if self.exchange is not None:
+            self.exchange.on_status(status)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.exchange is not None:
+            self.exchange.on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self.exchange is not None:
+            parser = self.parser
+            self.exchange.on_headers_complete(parser.get_status_code(), parser.get_http_version())
+
+    def on_body(self, body: bytes) -> None:
+        if self.exchange is not None:
+            self.exchange.on_body(body)
+
+    def on_message_complete(self) -> None:
+        # Read here: llhttp resets the message's flags once this callback returns.
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.exchange is not None:
+            self.exchange.on_message_complete()
+
+    # for the exchange and the pool
+    def _expire_exchange(self) -> None:
+        if self.exchange is not None:
+            self.exchange.expire()
+
+    def write(self, data: bytes) -> None:
+        if self.closed or self.transport is None:
+            raise ConnectionResetError("upstream connection closed")
+        self.transport.write(data)
+
+    def writelines(self, data: Iterable[bytes]) -> None:
+        if self.closed or self.transport is None:
+            raise ConnectionResetError("upstream connection closed")
+        self.transport.writelines(data)
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("upstream connection closed")
+        if self._write_paused:
+            self._drained = self.loop.create_future()
+            try:
+                await self._drained
+            finally:
+                self._drained = None
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def readable(self) -> bool:
+        """Whether an idle connection has something to read: its peer's close (or bytes nobody
+        asked for) that the loop has not handled yet. Reusing it would send a request into a
+        closing connection, and its outcome would be unknown (SPEC §3.2); a poll with no wait
+        narrows that race to the network's own delay, as urllib3 does."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return True
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLRDHUP)
+        return bool(poller.poll(0))
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    @property
+    def reusable(self) -> bool:
+        exchange = self.exchange
+        return (
+            not self.closed
+            and exchange is not None
+            and exchange.complete
+            and exchange.request_sent
+            and exchange.method != "HEAD"  # llhttp would wait for the body HEAD announced
+            and self.keep_alive
+        )
+
+
+Origin = tuple[str, int, bool]  # host, port, TLS
+
+
+class ConnectionPool:
+    """Idle keep-alive connections per origin (newest first) and a limit on those in use."""
+
+    def __init__(self, *, limit: int, keepalive: float, ssl: Any = None) -> None:
+        self._limit = limit
+        self._keepalive = keepalive
+        self._ssl = ssl
+        self._idle: dict[Origin, list[Connection]] = {}
+        self._in_use = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closing = False
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    async def acquire(self, origin: Origin, connect_timeout: float) -> Connection:
+        """A connection to `origin`; any failure here means nothing was sent (SPEC §3.2)."""
+        loop = asyncio.get_running_loop()
+        if self._in_use < self._limit:  # the common case, with no timer to arm
+            idle = self._idle_connection(origin, loop.time())
+            if idle is not None:
+                self._in_use += 1
+                return idle
+        try:
+            async with asyncio.timeout(connect_timeout):
+                while self._in_use >= self._limit:
+                    waiter = loop.create_future()
+                    self._waiters.append(waiter)
+                    try:
+                        await waiter
+                    finally:
+                        with contextlib.suppress(ValueError):
+                            self._waiters.remove(waiter)
+                self._in_use += 1
+                try:
+                    return self._idle_connection(origin, loop.time()) or await self._connect(
+                        loop, origin
+                    )
+                except BaseException:
+                    self._give_back()
+                    raise
+        except TimeoutError as exc:
+            raise UpstreamFailure(Failure.CONNECT, "connect failed: timed out") from exc
+        except OSError as exc:
+            raise UpstreamFailure(Failure.CONNECT, f"connect failed: {exc}") from exc
+
+    def release(self, origin: Origin, connection: Connection) -> None:
+        if connection.reusable and not self._closing:
+            connection.exchange = None
+            connection.idle_since = asyncio.get_running_loop().time()
+            self._idle.setdefault(origin, []).append(connection)
+            self._schedule_sweep()
+        else:
+            connection.abort()
+        self._give_back()
+
+    def close(self) -> None:
+        self._closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for idle in self._idle.values():
+            for connection in idle:
+                connection.abort()
+        self._idle.clear()
+
+    def _idle_connection(self, origin: Origin, now: float) -> Connection | None:
+        idle = self._idle.get(origin)
+        while idle:
+            connection = idle.pop()
+            if connection.closed:
+                continue  # the upstream closed it while it idled
+            if now - connection.idle_since < self._keepalive and not connection.readable():
+                return connection
+            for stale in (*idle, connection):  # older ones idled longer still
+                stale.abort()
+            idle.clear()
+        return None
+
+    def _sweep_idle(self) -> None:
+        """Close connections idle for longer than `keepalive` (aiohttp's keepalive_timeout)."""
+        self._sweeper = None
+        now = asyncio.get_running_loop().time()
+        for idle in self._idle.values():
+            fresh = [c for c in idle if not c.closed and now - c.idle_since < self._keepalive]
+            for connection in idle:
+                if connection not in fresh:
+                    connection.abort()
+            idle[:] = fresh
+        self._schedule_sweep()
+
+    def _schedule_sweep(self) -> None:
+        if self._sweeper is None and any(self._idle.values()) and not self._closing:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(self._keepalive, self._sweep_idle)
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, origin: Origin) -> Connection:
+        host, port, tls = origin
+        _, connection = await loop.create_connection(
+            lambda: Connection(loop),
+            host,
+            port,
+            ssl=self._ssl if tls else None,
+            server_hostname=host if tls else None,
+        )
+        return connection
+
+    def _give_back(self) -> None:
+        self._in_use -= 1
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+def request_head(method: str, target: str, host: str, headers: Any, framing: str) -> bytes:
+    """The request line and headers (RFC 9112 §3, §5), ready for the wire."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
+    for name, value in headers.items():
+        if name.lower() not in _FRAMING:
+            lines.append(f"{name}: {value}\r\n")
+    lines.append(framing)
+    lines.append("\r\n")
+    head = "".join(lines)
+    # Values come from a parsed request, which can not hold CR or LF; a line more than the
+    # headers would be a request smuggled into the head: refuse to send it.
+    breaks = len(lines) + 1 - (framing == "")
+    if head.count("\n") != breaks or head.count("\r") != breaks:
+        raise UpstreamFailure(Failure.CONNECT, "refused to send a header with a line break")
+    return head.encode("utf-8", "surrogateescape")
+
+
+def framing_for(method: str, body: object, content_length: int | None) -> str:
+    if isinstance(body, bytes | bytearray):
+        if body or method not in _NO_BODY_METHODS:
+            return f"Content-Length: {len(body)}\r\n"
+        return ""
+    if body is None:
+        return "" if method in _NO_BODY_METHODS else "Content-Length: 0\r\n"
+    if content_length is not None:
+        return f"Content-Length: {content_length}\r\n"
+    return "Transfer-Encoding: chunked\r\n"
+
+
+async def send_stream(
+    connection: Connection,
+    exchange: UpstreamResponse,
+    body: AsyncIterable[bytes],
+    *,
+    chunked: bool,
+    content_length: int | None,
+    on_sent: Callable[[], None] | None,
+) -> None:
+    """Stream a request body upstream, in step with the connection's write buffer."""
+    sent = 0
+    try:
+        async for chunk in body:
+            if not chunk:
+                continue
+            sent += len(chunk)
+            if chunked:
+                connection.writelines((f"{len(chunk):x}\r\n".encode(), chunk, b"\r\n"))
+            else:
+                connection.write(chunk)
+            if on_sent is not None:
+                connection.loop.call_soon(on_sent)
+                on_sent = None
+            await connection.drain()
+        if chunked:
+            connection.write(b"0\r\n\r\n")
+        elif content_length is not None and sent != content_length:
+            raise ConnectionResetError("request body ended before its declared length")
+        exchange.request_sent = True
+    except (ConnectionError, OSError) as exc:
+        exchange.fail(UpstreamFailure(Failure.BROKEN, f"sending the request failed: {exc}"))
+        connection.abort()
+    except Exception as exc:  # the client's own body broke off (it hung up mid-upload)
+        exchange.fail(UpstreamFailure(Failure.BROKEN, f"request body broke off: {exc!r}"))
+        connection.abort()
+
+
+def transfer_codings(headers: CIMultiDict[str] | CIMultiDictProxy[str]) -> list[str]:
+    """The transfer codings of every Transfer-Encoding line, in the order they were applied."""
+    return [
+        coding.strip().lower()
+        for value in headers.getall("Transfer-Encoding", ())
+        for coding in value.split(",")
+        if coding.strip()
+    ]
+
+
+def framing_fault(headers: CIMultiDict[str], version: str) -> str | None:
+    """Why a response's Transfer-Encoding makes it malformed for the proxy, or None.
+
+    The proxy decodes one transfer coding, `chunked`, and relays, stores and replays the decoded
+    bytes as the identity body (SPEC §10). Any other coding (gzip, deflate, compress, an unknown
+    one, `identity`, which RFC 9112 §7 no longer defines, or a second `chunked`, which §7.1
+    forbids) leaves bytes whose meaning is not the identity body: relaying them as such would
+    change what the upstream said, so the response is refused as malformed (RFC 9112 §6.1).
+    So is a Transfer-Encoding on a 1.0 response (§6.1: "MUST treat the message as if the
+    framing is faulty") and one beside a Content-Length (§6.3 (3): "ought to be handled as an
+    error").
+    """
+    if "Transfer-Encoding" not in headers:
+        return None
+    if version != "1.1":
+        return f"Transfer-Encoding in an HTTP/{version} response"
+    codings = transfer_codings(headers)
+    if codings != ["chunked"]:
+        return f"transfer codings the proxy does not decode: {', '.join(codings) or 'none'}"
+    if "Content-Length" in headers:
+        return "Transfer-Encoding and Content-Length in one response"
+    return None
+
+
+def _chunked(headers: CIMultiDict[str]) -> bool:
+    """RFC 9112 §6.3 (4): chunked framing only when `chunked` is the final coding, across every
+    Transfer-Encoding line. As llhttp frames the body; the first line alone (`chunked`, then
+    `identity`) disagreed with it and failed a close-delimited body as a cut-off one."""
+    codings = transfer_codings(headers)
+    return bool(codings) and codings[-1] == "chunked"

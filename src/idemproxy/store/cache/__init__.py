@@ -1,0 +1,1 @@
+"""Replay caches in front of a store: the shared base and the in-process one."""

@@ -1,0 +1,206 @@
+"""An in-process replay cache of completed jobs in front of the PostgreSQL store (SPEC §11).
+
+Without it every duplicate costs a round trip and a read on PostgreSQL: about a third of a
+replay's CPU across all processes (bench/findings.md). A completed job never changes again
+(SPEC §3.2: `completed` is terminal); it only disappears, when it expires or an operator deletes
+it. So a proxy may answer a duplicate from memory exactly as from a read, provided that it never
+outlives the job:
+
+* **Expiry.** An entry lives at most `ttl` seconds and never past its job's expiry: from the
+  proxy's own completion, measured from before the store call (the database's `now() + ttl`
+  comes later); for a job read from the store, by the database's clock as the change feed
+  measures it against this host's (`JobWatch.clock_offset`), less `CLOCK_MARGIN_SECONDS`.
+* **Deletion.** Every deletion is announced on the store's change feed (`pg_notify` in the same
+  statement, queries.sql `delete_job`), which drops the entry by job id in every replica and
+  worker. The cache serves and fills only while that feed is live (`JobWatch.live`); when the
+  feed is lost it is emptied and stays off until LISTEN is back, so no deletion passes unseen.
+  A read that was under way while its job's change was announced is not kept (it may predate
+  the change): every announcement gets a sequence number, and a read keeps its result only if
+  no announcement for that job, and no "anything may have changed", came after it began.
+* **Tenants.** Entries are keyed by (owner, key), as the store is; the decision core checks the
+  fingerprint of a cached job as of a stored one (409 on another payload).
+
+Bounded by bytes (bodies plus an allowance per entry), least recently used out first. What it
+cannot see: a row deleted by hand in SQL, without `pg_notify` (docs/operations.md), and a
+`LISTEN` that is accepted but never delivers (a transaction-pooling PgBouncer).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from itertools import chain
+from typing import NamedTuple
+
+from idemproxy.core.types import ClaimResult, Existing, Intent, Job, JobState, StoredResponse
+from idemproxy.store.base import Store
+from idemproxy.store.cache.delegating import MIN_ENTRY_SECONDS, ReplayCache, seconds_left
+
+log = logging.getLogger(__name__)
+# Bytes counted for an entry besides its body and headers' text: the entry, job, Existing and
+# datetime objects and dictionary slots (about 560 bytes with tracemalloc), and the job's strings
+# and the response's objects, which the cache keeps alive (about 600 more).
+ENTRY_OVERHEAD_BYTES = 1200
+# Job ids whose latest announcement is remembered (for reads under way); older ones only move
+# the floor below which every read under way is refused.
+_TRACKED_CHANGES = 1024
+
+
+class _Entry(NamedTuple):
+    found: Existing  # what a claim returns, built once (a frozen dataclass costs to build)
+    deadline: float  # time.monotonic()
+    size: int
+
+
+class MemoryReplayCache(ReplayCache):
+    def __init__(self, inner: Store, *, max_bytes: int, max_body: int, ttl: float) -> None:
+        super().__init__(inner)
+        self._max_bytes = max_bytes
+        self._max_body = max_body
+        self._ttl = ttl
+        self._entries: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._scope_of: dict[str, tuple[str, str]] = {}  # job id -> (owner, key)
+        self._bytes = 0
+        # Announcements: a sequence number each, the latest per job id, and a floor.
+        self._sequence = 0
+        self._changed: OrderedDict[str, int] = OrderedDict()
+        self._floor = 0
+        self.hits = 0
+        self.watch.on_change(self._on_change)
+
+    async def open(self) -> None:
+        await self.inner.open()
+        log.info(
+            "in-process replay cache: up to %d bytes, bodies up to %d bytes, %g s per entry",
+            self._max_bytes,
+            self._max_body,
+            self._ttl,
+        )
+
+    @property
+    def entries(self) -> int:
+        return len(self._entries)
+
+    @property
+    def size(self) -> int:
+        """Bytes held, as counted against `max_bytes`."""
+        return self._bytes
+
+    # --- the hot path -------------------------------------------------------------------------
+
+    async def claim(
+        self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
+    ) -> ClaimResult:
+        scope = (intent.owner, intent.key)
+        entry = self._entries.get(scope)
+        if entry is not None:
+            if self.watch.live and entry.deadline > time.monotonic():
+                self._entries.move_to_end(scope)
+                self.hits += 1
+                return entry.found
+            self._drop(scope)
+        mark = self._sequence
+        result = await self.inner.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
+        if isinstance(result, Existing):
+            self._remember(result.job, seconds_left(result.job, self.watch.clock_offset), mark)
+        return result
+
+    async def get(self, owner: str, key: str) -> Job | None:
+        mark = self._sequence
+        job = await self.inner.get(owner, key)
+        if job is not None:
+            self._remember(job, seconds_left(job, self.watch.clock_offset), mark)
+        return job
+
+    async def complete(
+        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    ) -> bool:
+        mark = self._sequence
+        completed = await self.complete_in_store(job, attempt, response, ttl=ttl)
+        if completed is None:
+            return False
+        self._remember(*completed, mark)
+        return True
+
+    async def forget(self, job: Job) -> bool:
+        self._drop_job(job.id)
+        return await self.inner.forget(job)
+
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
+        # Announced locally before and after: a read under way keeps nothing, and the feed's
+        # own announcement reaches the other replicas.
+        self._on_change(job.id)
+        try:
+            return await self.inner.delete(job, force=force)
+        finally:
+            self._on_change(job.id)
+
+    # --- the cache ------------------------------------------------------------------------------
+
+    def _remember(self, job: Job, lifetime: float, mark: int) -> None:
+        """Keep a completed job for at most `ttl` and `lifetime` seconds, unless a change of it
+        may have been announced after the read that returned it began (`mark`)."""
+        if not self._cacheable(job) or not self._unchanged_since(job.id, mark):
+            return
+        lifetime = min(self._ttl, lifetime)
+        size = _size(job)
+        if lifetime < MIN_ENTRY_SECONDS or size > self._max_bytes:
+            return
+        scope = (job.owner, job.key)
+        self._drop(scope)
+        self._entries[scope] = _Entry(Existing(job), time.monotonic() + lifetime, size)
+        self._scope_of[job.id] = scope
+        self._bytes += size
+        while self._bytes > self._max_bytes:
+            self._drop(next(iter(self._entries)))  # the least recently used
+
+    def _cacheable(self, job: Job) -> bool:
+        response = job.response
+        return (
+            self.watch.live
+            and job.state is JobState.COMPLETED
+            and not job.expired
+            and response is not None
+            and len(response.body or b"") <= self._max_body
+        )
+
+    def _unchanged_since(self, job_id: str, mark: int) -> bool:
+        return mark >= self._floor and self._changed.get(job_id, 0) <= mark
+
+    def _on_change(self, job_id: str | None) -> None:
+        """The store's feed announced a change of `job_id`, or of anything (None)."""
+        self._sequence += 1
+        if job_id is None:
+            self._floor = self._sequence
+            self._changed.clear()
+            self._entries.clear()
+            self._scope_of.clear()
+            self._bytes = 0
+            return
+        self._changed[job_id] = self._sequence
+        self._changed.move_to_end(job_id)
+        if len(self._changed) > _TRACKED_CHANGES:
+            _, oldest = self._changed.popitem(last=False)
+            self._floor = max(self._floor, oldest)
+        self._drop_job(job_id)
+
+    def _drop_job(self, job_id: str) -> None:
+        scope = self._scope_of.get(job_id)
+        if scope is not None:
+            self._drop(scope)
+
+    def _drop(self, scope: tuple[str, str]) -> None:
+        entry = self._entries.pop(scope, None)
+        if entry is not None:
+            self._bytes -= entry.size
+            self._scope_of.pop(entry.found.job.id, None)
+
+
+def _size(job: Job) -> int:
+    response = job.response
+    stored = 0
+    if response is not None:
+        headers = sum(map(len, chain.from_iterable(response.headers)))
+        stored = len(response.body or b"") + headers
+    return ENTRY_OVERHEAD_BYTES + stored + len(job.key)

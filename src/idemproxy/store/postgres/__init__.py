@@ -1,0 +1,1 @@
+"""The PostgreSQL store (asyncpg) and its connections, change feed and error mapping."""

@@ -1,0 +1,421 @@
+"""The PostgreSQL store (asyncpg): the source of truth for production and many replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import asyncpg
+
+from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.core.types import (
+    Claimed,
+    ClaimResult,
+    Existing,
+    Intent,
+    Job,
+    JobState,
+    StoredResponse,
+)
+from idemproxy.errors import StoreUnavailable
+from idemproxy.store.base import Store, settle_states
+from idemproxy.store.feed import stop_feed
+from idemproxy.store.postgres.errors import (
+    DRIVER_ERRORS,
+    translate_connect_errors,
+    translate_errors,
+    unavailable,
+)
+from idemproxy.store.postgres.kept import KeptConnections
+from idemproxy.store.postgres.listen import listen_forever
+from idemproxy.store.postgres.renewals import RenewalConnections
+from idemproxy.store.queries import load_migrations, load_queries
+from idemproxy.store.rows import (
+    attempt_from_row,
+    encode_headers,
+    job_from_row,
+    late_response_from_row,
+)
+
+if TYPE_CHECKING:  # PoolConnectionProxy is generic only in asyncpg-stubs, not at runtime
+    from asyncpg.pool import PoolConnectionProxy
+
+    Pooled = PoolConnectionProxy[asyncpg.Record]
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+# Several processes may start at once; one advisory lock serialises their migrations.
+_MIGRATION_LOCK = 0x1DE3_9A0C
+_CLAIM_RETRIES = 5
+# Seconds a connection may stay idle before it is closed (asyncpg's default): kept ones are
+# first released to the pool (store/postgres/kept.py), whose own timer then closes them.
+_IDLE_LIFETIME = 300.0
+_ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
+
+
+class PostgresStore(Store):
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        min_connections: int = 2,
+        max_connections: int = 20,
+        command_timeout: float = 5.0,
+        listen: bool = True,
+        late_bytes: int = DEFAULT_MAX_STORED_BODY,
+        lease_connections: int = 0,
+    ) -> None:
+        """`lease_connections`: a pool of that many reserved for lease renewals
+        (store/postgres/renewals.py); 0, for processes that run no attempts, renews on the main
+        pool."""
+        super().__init__()
+        self._late_bytes = late_bytes  # kept late bodies per job in all (SPEC §3.3)
+        self._dsn = dsn
+        # asyncpg refuses a min_size above max_size: `pool.store_connections: 1` is one connection.
+        self._pool_size = (min(min_connections, max_connections), max_connections)
+        self._command_timeout = command_timeout
+        self._listen = listen
+        self._sql = load_queries("postgres")
+        self._pool: asyncpg.Pool | None = None
+        self._kept: KeptConnections | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._renewals = (
+            RenewalConnections(
+                dsn, size=lease_connections, timeout=command_timeout, init=_init_connection
+            )
+            if lease_connections > 0
+            else None
+        )
+
+    async def open(self) -> None:
+        async with translate_connect_errors():
+            self._pool = await asyncpg.create_pool(
+                self._dsn,
+                min_size=self._pool_size[0],
+                max_size=self._pool_size[1],
+                command_timeout=self._command_timeout,
+                max_inactive_connection_lifetime=_IDLE_LIFETIME,
+                init=_init_connection,
+                reset=_keep_session,
+            )
+            self._kept = KeptConnections(
+                self._pool,
+                capacity=self._pool_size[1],
+                timeout=self._command_timeout,
+                idle_lifetime=_IDLE_LIFETIME,
+            )
+            if self._renewals is not None:
+                await self._renewals.open()
+        if self._listen:
+            self._listener = asyncio.create_task(
+                listen_forever(self._dsn, self.watch, timeout=self._command_timeout),
+                name="idemproxy-change-feed",
+            )
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            await stop_feed(self._listener)
+        if self._renewals is not None:
+            await self._renewals.close()
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            await kept.close()  # the pool's close waits for every connection it lent
+        if self._pool is not None:
+            # A stalled server (frozen, or a network black hole) never answers the graceful
+            # close, and asyncpg waits for it without limit: bound it, then abort the sockets
+            # (asyncpg terminates the pool when its close is cancelled).
+            try:
+                await asyncio.wait_for(self._pool.close(), timeout=self._command_timeout)
+            except TimeoutError:
+                log.warning("store: the pool did not close in time; connections aborted")
+
+    async def migrate(self) -> list[str]:
+        applied: list[str] = []
+        async with self._connection("migrate") as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            await conn.execute(
+                "CREATE SCHEMA IF NOT EXISTS idemproxy;"
+                "CREATE TABLE IF NOT EXISTS idemproxy.schema_migrations ("
+                " version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            rows = await conn.fetch("SELECT version FROM idemproxy.schema_migrations")
+            done = {row["version"] for row in rows}
+            for version, sql in load_migrations("postgres"):
+                if version not in done:
+                    await conn.execute(sql)
+                    await conn.execute(
+                        "INSERT INTO idemproxy.schema_migrations (version) VALUES ($1)", version
+                    )
+                    applied.append(version)
+        return applied
+
+    async def claim(
+        self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
+    ) -> ClaimResult:
+        args = (intent.owner, intent.key, job_id, intent.fingerprint, intent.method, intent.path)
+        for _ in range(_CLAIM_RETRIES):
+            row = await self._fetchrow("claim", *args, float(ttl), upstream, float(lease))
+            if row is None:
+                # A concurrent claim committed while this one waited: read it afresh.
+                row = await self._fetchrow("get_job", intent.owner, intent.key)
+            if row is None:
+                continue  # it was deleted in between (expiry); claim again
+            job = job_from_row(row)
+            return Claimed(job, 1) if row.get("created", False) else Existing(job)
+        raise StoreUnavailable("The claim did not settle; retry.")
+
+    async def get(self, owner: str, key: str) -> Job | None:
+        row = await self._fetchrow("get_job", owner, key)
+        return None if row is None else job_from_row(row)
+
+    async def watch_job(self, owner: str, key: str) -> Job | None:
+        row = await self._fetchrow("watch_job", owner, key)
+        return job_from_row(row) if row is not None else await self.get(owner, key)
+
+    async def complete(
+        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+    ) -> bool:
+        row = await self._fetchrow(
+            "complete",
+            *_cas(job),
+            attempt,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            response.omitted,
+            float(ttl),
+            self._late_bytes,
+        )
+        return row is not None
+
+    async def settle(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> bool:
+        job_state, attempt_state = settle_states(state)
+        row = await self._fetchrow(
+            "settle", *_cas(job), attempt, job_state, attempt_state, status, error
+        )
+        return row is not None
+
+    async def finish_attempt(
+        self,
+        job: Job,
+        attempt: int,
+        state: JobState,
+        *,
+        status: int | None = None,
+        error: str | None = None,
+    ) -> None:
+        await self._execute(
+            "finish_attempt", job.owner, job.id, attempt, _ATTEMPT_STATE[state], status, error
+        )
+
+    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+        row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))
+        return _claimed(row)
+
+    async def fail_over(
+        self,
+        job: Job,
+        attempt: int,
+        upstream: str,
+        *,
+        status: int | None,
+        error: str | None,
+        lease: float,
+    ) -> Claimed | None:
+        row = await self._fetchrow(
+            "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
+        )
+        return _claimed(row)
+
+    async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
+        row = await self._fetchrow("add_attempt", *_cas(job), upstream, float(lease))
+        return None if row is None else int(row["number"])
+
+    async def renew_lease(self, job: Job, *, lease: float) -> bool:
+        sql, args = self._sql["renew_lease"], (*_cas(job), float(lease))
+        renewals = self._renewals
+        if renewals is None:
+            return bool(await self._run("renew_lease", lambda c: c.fetch(sql, *args)))
+        # SPEC §3.5: never queued behind request traffic for a pooled connection.
+        with self.observed("renew_lease"):
+            async with translate_errors("renew_lease"):
+                return bool(await renewals.fetch(sql, *args))
+
+    async def take_over(self, job: Job) -> bool:
+        return await self._fetchrow("take_over", *_cas(job)) is not None
+
+    async def forget(self, job: Job) -> bool:
+        return await self._execute("forget", *_cas(job)) == "DELETE 1"
+
+    async def get_by_id(self, job_id: str) -> Job | None:
+        try:
+            job_uuid = uuid.UUID(job_id)
+        except ValueError:
+            return None  # ids are UUIDs here: anything else names no job, as in SQLite
+        async with self._connection("get_by_id") as conn:
+            row = await conn.fetchrow(self._sql["get_job_by_id"], job_uuid)
+            if row is None:
+                return None
+            attempts = await conn.fetch(self._sql["get_attempts"], row["owner"], job_uuid)
+        return job_from_row(row, tuple(attempt_from_row(a) for a in attempts))
+
+    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+        row = await self._fetchrow("get_late_response", job.owner, uuid.UUID(job.id), attempt)
+        return None if row is None else late_response_from_row(row)
+
+    async def resolve(
+        self,
+        job: Job,
+        state: JobState,
+        *,
+        response: StoredResponse | None = None,
+        ttl: float = 0.0,
+        resolution: str = "operator",
+    ) -> bool:
+        if state is JobState.RELEASED:
+            return await self._fetchrow("resolve_released", *_cas(job), resolution) is not None
+        if state is not JobState.COMPLETED or response is None or response.body is None:
+            raise ValueError("resolve as completed needs a response with a body")
+        row = await self._fetchrow(
+            "resolve_completed",
+            *_cas(job),
+            resolution,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            float(ttl),
+        )
+        return row is not None
+
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
+        return await self._fetchrow("delete_job", *_cas(job), force) is not None
+
+    async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
+        rows = await self._run(
+            "stale_unknown", lambda c: c.fetch(self._sql["stale_unknown"], older_than, limit)
+        )
+        return [job_from_row(row) for row in rows]
+
+    async def expired_leases(self, older_than: float, limit: int) -> list[Job]:
+        rows = await self._run(
+            "expired_leases",
+            lambda c: c.fetch(self._sql["expired_leases"], float(older_than), limit),
+        )
+        return [job_from_row(row) for row in rows]
+
+    async def sweep_expired(self, batch_size: int) -> int:
+        status = await self._execute("sweep_expired", batch_size)
+        return int(status.rsplit(" ", 1)[-1])
+
+    async def list_jobs(
+        self, *, state: JobState | None = None, owner: str | None = None, limit: int = 100
+    ) -> list[Job]:
+        rows = await self._run(
+            "list_jobs",
+            lambda c: c.fetch(self._sql["list_jobs"], state and state.value, owner, limit),
+        )
+        return [job_from_row(row) for row in rows]
+
+    async def count_unknown(self) -> int:
+        row = await self._fetchrow("count_unknown")
+        return 0 if row is None else int(row["unknown"])
+
+    async def ping(self) -> None:
+        await self._fetchrow("ping")
+
+    async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
+        return await self._run(name, lambda c: c.fetchrow(self._sql[name], *args))
+
+    async def _execute(self, name: str, *args: Any) -> str:
+        return await self._run(name, lambda c: c.execute(self._sql[name], *args))
+
+    async def _run(self, what: str, call: Callable[[Pooled], Awaitable[T]]) -> T:
+        try:
+            return await self._call(what, call)
+        except StoreUnavailable as exc:
+            # A pooled session the server had just ended, handed out before asyncpg noticed:
+            # asyncpg refuses the statement before sending it, so one retry on a fresh
+            # connection cannot run anything twice (and every write here is a CAS anyway).
+            if not isinstance(exc.__cause__, asyncpg.InternalClientError):
+                raise
+        return await self._call(what, call)
+
+    async def _call(self, what: str, call: Callable[[Pooled], Awaitable[T]]) -> T:
+        """One statement on a pooled connection: timed for the metrics (SPEC §13), its driver
+        errors translated (SPEC §11). What `_connection` and `KeptConnections.lend` do, flattened
+        into one frame: the hot path makes two or three of these per request."""
+        kept = self._kept
+        if kept is None:
+            raise StoreUnavailable("The store is not open.")
+        started = time.perf_counter()
+        failed = False
+        try:
+            conn = await kept.take()
+            try:
+                result = await call(conn)
+            except BaseException:
+                await kept.release(conn)
+                raise
+            if not kept.keep(conn):
+                await kept.release(conn)
+            return result
+        except DRIVER_ERRORS as exc:
+            failed = True
+            raise unavailable(what, exc) from exc
+        finally:
+            if self.observer is not None:
+                self.observer(what, time.perf_counter() - started, failed)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self, what: str) -> AsyncIterator[Pooled]:
+        """A pooled connection for several statements (migrations, operators' reads)."""
+        kept = self._kept
+        if kept is None:
+            raise StoreUnavailable("The store is not open.")
+        with self.observed(what):
+            async with translate_errors(what), kept.lend() as conn:
+                yield conn
+
+
+def _cas(job: Job) -> tuple[str, str, int]:
+    """(owner, id, version): every hot-path statement names the owner (SPEC §11)."""
+    return job.owner, job.id, job.version
+
+
+def _claimed(row: asyncpg.Record | None) -> Claimed | None:
+    if row is None:
+        return None
+    started = job_from_row(row)
+    return Claimed(started, started.attempt_count)
+
+
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """No session reset on release: the store never leaves session state on a pooled
+    connection (LISTEN has its own connection, the migration lock is transaction-scoped), and
+    asyncpg still rolls back any open transaction. Saves a round trip per store call."""
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    await conn.set_type_codec("jsonb", encoder=str, decoder=str, schema="pg_catalog")
+    # SPEC §2.2: the claim is durable before a byte goes upstream. With synchronous_commit=off
+    # (a common throughput setting for a database or role) PostgreSQL acknowledges a commit
+    # before its WAL is flushed: a crash loses the claim and a retry executes a second time
+    # (tests/faults/test_db_faults.py). Raised to `on` for this session only when it is off;
+    # kept because the pool runs no session reset (_keep_session).
+    await conn.execute(
+        "SELECT set_config('synchronous_commit', 'on', false)"
+        " WHERE current_setting('synchronous_commit') = 'off'"
+    )

@@ -1,0 +1,91 @@
+"""Redis cache entries for completed jobs: names and a compact encoding (SPEC §7, §11). Pure.
+
+An entry holds everything a replay needs, so that a hit is answered without the store: the
+job's id, version, fingerprint and expiry, and its stored response (status, header pairs in
+order, body bytes, omitted flag). Layout: one format byte, a JSON line of metadata, then the
+body bytes as they are (no base64). Entries are named by a hash of (owner, key): the owner is
+already a hash of the credential (SPEC §5), and neither appears in Redis in the clear.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX, REDIS_WATCH_PREFIX
+from idemproxy.core.types import Job, JobState, StoredResponse
+from idemproxy.store.header_json import pairs_from_json, pairs_to_json
+
+_FORMAT = b"1"  # an entry of any other format is a miss, never an error
+
+
+def entry_name(owner: str, key: str) -> str:
+    """`idemproxy:job:{<hash>}`: the braces keep an entry and its tombstones in one slot."""
+    digest = hashlib.sha256(json.dumps([owner, key]).encode()).hexdigest()  # unambiguous pair
+    return f"{REDIS_JOB_PREFIX}{{{digest}}}"
+
+
+def tombstone_name(entry: str, job_id: str) -> str:
+    """Marks one deleted job: a cache write for it that lands later is refused."""
+    return f"{REDIS_GONE_PREFIX}{entry.removeprefix(REDIS_JOB_PREFIX)}:{job_id}"
+
+
+def watch_name(entry: str) -> str:
+    """Set while a duplicate of (owner, key) is held somewhere: its changes are published."""
+    return f"{REDIS_WATCH_PREFIX}{entry.removeprefix(REDIS_JOB_PREFIX)}"
+
+
+def encode(job: Job) -> bytes:
+    """A completed job with its response and expiry (callers check both)."""
+    response = job.response
+    assert response is not None and job.expires_at is not None, "only completed jobs are cached"
+    meta = {
+        "id": job.id,
+        "fp": job.fingerprint,
+        "v": job.version,
+        "n": job.attempt_count,
+        "by": job.completed_by,
+        "m": job.method,
+        "p": job.path,
+        "exp": job.expires_at.timestamp(),
+        "s": response.status,
+        "h": pairs_to_json(response.headers),  # no lone surrogate (store/header_json.py)
+        "omit": response.omitted,
+    }
+    head = json.dumps(meta, separators=(",", ":")).encode()  # ASCII: never holds a newline
+    return b"".join((_FORMAT, head, b"\n", response.body or b""))
+
+
+def decode(payload: bytes, owner: str, key: str) -> Job | None:
+    """The job in an entry, or None for an entry this version cannot read."""
+    if not payload.startswith(_FORMAT):
+        return None
+    head, sep, body = payload[len(_FORMAT) :].partition(b"\n")
+    if not sep:
+        return None
+    try:
+        meta = json.loads(head)
+        return _job(meta, owner, key, body)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _job(meta: dict[str, Any], owner: str, key: str, body: bytes) -> Job:
+    headers = pairs_from_json(meta["h"])
+    response = StoredResponse(int(meta["s"]), headers, None if meta["omit"] else body)
+    return Job(
+        id=str(meta["id"]),
+        owner=owner,
+        key=key,
+        fingerprint=str(meta["fp"]),
+        state=JobState.COMPLETED,
+        version=int(meta["v"]),
+        attempt_count=int(meta["n"]),
+        method=str(meta["m"]),
+        path=str(meta["p"]),
+        completed_by=meta["by"],
+        response=response,
+        expires_at=datetime.fromtimestamp(float(meta["exp"]), tz=UTC),
+    )
