@@ -1,4 +1,4 @@
-"""Shared fixtures: a fresh database per test, for every store backend (STYLE §13).
+"""Shared fixtures: a fresh database per test, for every store backend.
 
 PostgreSQL tests get their own database, cloned from a session-wide template that already holds
 every migration (`CREATE DATABASE … TEMPLATE …` is far cheaper than migrating each time). The

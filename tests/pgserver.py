@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server of the test's own, for fault tests (STYLE §13: real failures).
+"""A throwaway PostgreSQL server of the test's own, for fault tests: real failures, not mocks.
 
 The shared test server must never be stopped or disturbed, so tests that stop, restart, kill or
 freeze PostgreSQL start one of these instead: `initdb` into a temporary directory, `postgres` on

@@ -1,4 +1,6 @@
-"""Wire names and defaults: every header name, problem code and magic number lives here."""
+"""Wire names and defaults: header names, problem codes, metric and Redis key prefixes, and the
+defaults that settings and several modules share. A number used in one module only is named
+there."""
 
 from __future__ import annotations
 

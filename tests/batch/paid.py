@@ -1,4 +1,4 @@
-"""A fake paid endpoint (named as such, STYLE §13): every call it executes is a charge.
+"""A fake paid endpoint (named as such): every call it executes is a charge.
 
 It counts charges per `Idempotency-Key`, so a test can tell "300 items, 300 charges" from
 "300 items, 301 charges"; it sleeps a little per call so that a batch runs long enough to be

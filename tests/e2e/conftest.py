@@ -1,4 +1,4 @@
-"""End-to-end helpers: real `idemproxy` processes in front of a real backend (STYLE §13).
+"""End-to-end helpers: real `idemproxy` processes in front of a real backend.
 
 Each proxy is `python -m idemproxy serve …` on a free loopback port, with its stdout and stderr
 captured to files under the test's `tmp_path`. Start-up waits, with a deadline, until the port

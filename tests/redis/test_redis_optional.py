@@ -1,5 +1,6 @@
-"""STYLE §9: Redis is an extra. Without the package the core imports and runs; asking for it
-then is a clear start-up error. With it, `--redis` / `IDEMPROXY_REDIS` turn the cache on."""
+"""Redis is an optional extra (`idemproxy[redis]`). Without the package the core imports and runs;
+asking for it then is a clear start-up error. With it, `--redis` / `IDEMPROXY_REDIS` turn the cache
+on."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Sending one item: the request, its retries under the same key, and its result record (SPEC §14).
 
-aiohttp errors are translated here and nowhere else (STYLE §4): every transport failure — refused,
+aiohttp errors are translated here and nowhere else: every transport failure — refused,
 reset, cut off, timed out — is transient, because the retry carries the same key.
 """
 

@@ -1,9 +1,10 @@
 """The idempotency decision: pure code over plain data, no I/O, no clock (SPEC §2, §3).
 
-The proxy handler is a short loop around two functions:
-
 * `decide(job, ...)` says what to do with a request whose key already has a job;
-* `classify_response(...)` / `classify_failure(...)` say what an attempt's result means.
+* `classify_response(...)`, `classify_failure(...)` and `classify_breach()` say what an attempt's
+  result means, `moves_on` whether another upstream may be tried and `race_outcome` what a race
+  of hedged attempts ends in;
+* `unsent_claim(...)` says what became of a claim this process gave up on.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Building the proxy application (STYLE §8: dependencies injected, tests pass their own)."""
+"""Building the proxy application : dependencies are injected, so tests pass their own."""
 
 from __future__ import annotations
 

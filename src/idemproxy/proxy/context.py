@@ -1,4 +1,4 @@
-"""Everything a request handler needs, built once from the settings (STYLE §6, §8)."""
+"""Everything a request handler needs, built once from the settings and injected."""
 
 from __future__ import annotations
 

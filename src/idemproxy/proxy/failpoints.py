@@ -1,4 +1,4 @@
-"""Test-only crash points (issue: crash tests with real SIGKILLs).
+"""Test-only crash points, for crash tests with real SIGKILLs.
 
 `IDEMPROXY_TEST_FAILPOINT=<name>` makes the process kill itself with SIGKILL at that point of
 the first governed request that reaches it. Never set it in production.

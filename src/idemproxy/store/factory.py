@@ -72,7 +72,8 @@ def _is_postgres(dsn: str) -> bool:
 def wrap_with_cache(store: Store, settings: Settings) -> Store:
     """`store` behind the Redis replay cache when `redis` is set (SPEC §11), else `store`.
 
-    Redis is an optional extra (STYLE §9): its client is imported only here, only when asked for.
+    Redis is an optional extra (`idemproxy[redis]`): its client is imported only here, only when
+    asked for.
     """
     if settings.redis is None:
         return store

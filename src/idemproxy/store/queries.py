@@ -1,4 +1,5 @@
-"""Loading named SQL sections and migrations from the package's `sql/` folder (STYLE §3)."""
+"""Loading named SQL sections and migrations from the package's `sql/` folder: the SQL lives in .sql
+files, not in Python strings."""
 
 from __future__ import annotations
 

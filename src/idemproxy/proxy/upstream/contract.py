@@ -38,9 +38,8 @@ class Sample:
 class Contract:
     def __init__(self, settings: ContractSettings) -> None:
         self.settings = settings
-        # FIX (SPEC §12: invalid configuration fails at start-up with a message naming the
-        # field): a schema file that is not JSON, or not a valid JSON Schema, ended `serve` and
-        # `contract check` with a traceback.
+        # SPEC §12: invalid configuration fails at start-up with a message naming the field, so a
+        # schema file that is not JSON, or not a valid JSON Schema, is a ConfigError.
         try:
             schema = json.loads(settings.schema_file.read_text())
             validator_class = validators.validator_for(schema)

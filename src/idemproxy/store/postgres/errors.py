@@ -1,4 +1,5 @@
-"""The one place where asyncpg's errors become `StoreUnavailable` (STYLE §4)."""
+"""The one place where asyncpg's errors become `StoreUnavailable`, so no driver error reaches the
+proxy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The one boundary to Redis (STYLE §4): every call bounded in time, every failure a cache miss.
+"""The one boundary to Redis (its errors are translated here and nowhere else): every call bounded
+in time, every failure a cache miss.
 
 Redis is never the source of truth (SPEC §11). A lookup that fails or takes longer than
 `timeout` is a miss and the request goes to the store. Writes and wake-ups run in the

@@ -422,7 +422,8 @@ def _cas(job: Job) -> Params:
 
 @contextlib.asynccontextmanager
 async def _translate() -> AsyncIterator[None]:
-    """The one place where sqlite3's errors become `StoreUnavailable` (STYLE §4)."""
+    """The one place where sqlite3's errors become `StoreUnavailable`, so no driver error reaches
+    the proxy."""
     try:
         yield
     except (sqlite3.DataError, sqlite3.IntegrityError, UnicodeError) as exc:
