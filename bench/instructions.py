@@ -30,11 +30,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import harness
+import common
+import registry
 import tools
 
 DATABASE = "idemproxy_bench_instructions"
-SCENARIOS = {"passthrough": "post.lua", "new": "unique_key.lua", "replay": "replay_keys.lua"}
+# The names of --only, and the scenarios of bench/run whose wrk scripts they send (registry.py).
+_MEASURED = {"passthrough": "passthrough", "new": "new-pg", "replay": "replay-pg"}
+SCENARIOS = {name: registry.SCENARIOS[scenario].script for name, scenario in _MEASURED.items()}
 REPLAY_KEYS = 64
 CALLGRIND_READY_TIMEOUT = 180.0  # start-up under callgrind is about 50 times slower
 
@@ -57,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="idemproxy-instructions-") as scratch:
         work = Path(scratch)
         with _worktree(args.baseline, work / "baseline") as baseline:
-            port = harness.free_port()
+            port = common.free_port()
             listen = ["--listen", f"127.0.0.1:{port}"]
-            backend_argv = [sys.executable, str(harness.BENCH / "backend.py"), *listen]
-            backend = harness.Service("backend", backend_argv, port, work)
-            with harness.running(backend):
-                for label, source in (("baseline", baseline), ("current", harness.ROOT)):
+            backend_argv = [sys.executable, str(common.BENCH / "backend.py"), *listen]
+            backend = common.Service("backend", backend_argv, port, work)
+            with common.running(backend):
+                for label, source in (("baseline", baseline), ("current", common.ROOT)):
                     results[label] = _measure(args, wrk, valgrind, backend, source, work, label)
     _print(args, results)
     return 0
@@ -96,7 +99,7 @@ def _valgrind() -> str:
 @contextlib.contextmanager
 def _worktree(revision: str, where: Path) -> Iterator[Path]:
     """The revision's files, checked out beside the working tree (which stays untouched)."""
-    git = ["git", "-C", str(harness.ROOT)]
+    git = ["git", "-C", str(common.ROOT)]
     subprocess.run([*git, "worktree", "add", "--detach", str(where), revision], check=True)
     try:
         yield where
@@ -108,12 +111,12 @@ def _measure(
     args: argparse.Namespace,
     wrk: str,
     valgrind: str,
-    backend: harness.Service,
+    backend: common.Service,
     source: Path,
     work: Path,
     label: str,
 ) -> dict[str, Counted]:
-    harness.recreate_db(args.pg_dsn, DATABASE)
+    common.recreate_db(args.pg_dsn, DATABASE)
     try:
         with _proxy_under_callgrind(args, valgrind, backend, source, work, label) as proxy:
             return {
@@ -121,28 +124,28 @@ def _measure(
                 for name in args.only.split(",")
             }
     finally:
-        harness.drop_db(args.pg_dsn, DATABASE)
+        common.drop_db(args.pg_dsn, DATABASE)
 
 
 @contextlib.contextmanager
 def _proxy_under_callgrind(
     args: argparse.Namespace,
     valgrind: str,
-    backend: harness.Service,
+    backend: common.Service,
     source: Path,
     work: Path,
     label: str,
-) -> Iterator[harness.Service]:
-    port, admin = harness.free_port(), harness.free_port()
-    store = harness.pg_dsn(args.pg_dsn, DATABASE)
+) -> Iterator[common.Service]:
+    port, admin = common.free_port(), common.free_port()
+    store = common.pg_dsn(args.pg_dsn, DATABASE)
     argv = [
         valgrind,
         "--tool=callgrind",
         "--instr-atstart=no",  # counted only while `callgrind_control -i on` says so
         f"--callgrind-out-file={work / label}.%p.out",
-        *harness.serve_argv(port, admin, backend.url, store),
+        *common.serve_argv(port, admin, backend.url, store),
     ]
-    proxy = harness.Service(f"proxy-{label}", argv, port, work, {"PYTHONPATH": str(source / "src")})
+    proxy = common.Service(f"proxy-{label}", argv, port, work, {"PYTHONPATH": str(source / "src")})
     try:
         proxy.wait_ready(CALLGRIND_READY_TIMEOUT)
         yield proxy
@@ -151,17 +154,17 @@ def _proxy_under_callgrind(
 
 
 def _count(
-    wrk: str, proxy: harness.Service, work: Path, label: str, name: str, seconds: float
+    wrk: str, proxy: common.Service, work: Path, label: str, name: str, seconds: float
 ) -> Counted:
     script = SCENARIOS[name]
     if name == "replay":
         _store_replay_keys(proxy)
     # Warm: imports on first use, prepared statements, the upstream connection; not counted.
-    harness.run_wrk(wrk, proxy.url, script, 1, 1, 2, *_script_args(name, f"{label}-warm"))
+    common.run_wrk(wrk, proxy.url, script, 1, 1, 2, *_script_args(name, f"{label}-warm"))
     before = set(work.glob(f"{label}.*.out*"))
     _control(proxy, "--zero")
     _control(proxy, "--instr=on")
-    result = harness.run_wrk(wrk, proxy.url, script, 1, 1, seconds, *_script_args(name, label))
+    result = common.run_wrk(wrk, proxy.url, script, 1, 1, seconds, *_script_args(name, label))
     _control(proxy, "--instr=off")
     _control(proxy, "--dump")
     dumped = sorted(set(work.glob(f"{label}.*.out*")) - before)
@@ -179,7 +182,7 @@ def _script_args(name: str, label: str) -> list[str]:
     return []
 
 
-def _store_replay_keys(proxy: harness.Service) -> None:
+def _store_replay_keys(proxy: common.Service) -> None:
     """Each key once, so that wrk's requests are replays; slow under callgrind, hence its own
     generous timeout (the first governed request translates a lot of new code)."""
     prefix, count = "replay", REPLAY_KEYS
@@ -187,7 +190,7 @@ def _store_replay_keys(proxy: harness.Service) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=120)
         try:
             headers = {"Content-Type": "application/json", "Idempotency-Key": f"{prefix}-{number}"}
-            conn.request("POST", harness.PATH, body=harness.BODY.encode(), headers=headers)
+            conn.request("POST", common.PATH, body=common.BODY.encode(), headers=headers)
             status = conn.getresponse().status
         finally:
             conn.close()
@@ -195,7 +198,7 @@ def _store_replay_keys(proxy: harness.Service) -> None:
             raise RuntimeError(f"storing replay key {number}: {status}")
 
 
-def _control(proxy: harness.Service, option: str) -> None:
+def _control(proxy: common.Service, option: str) -> None:
     subprocess.run(
         ["callgrind_control", option, str(proxy.pid)], check=True, capture_output=True, timeout=60
     )

@@ -1,4 +1,5 @@
-"""The benchmark's scenarios and results, shared by the harness and the report."""
+"""What a scenario is and what a run records, shared by the scenarios (scenarios/), the harness
+and the report; registry.py has the scenarios themselves."""
 
 from __future__ import annotations
 
@@ -31,71 +32,7 @@ class Scenario:
         }.get(self.script, "plain")
 
 
-SCENARIOS = {
-    s.name: s
-    for s in (
-        Scenario("direct", "backend direct (POST)", "backend", "post.lua"),
-        Scenario("nginx", "nginx reverse proxy (POST)", "nginx", "post.lua"),
-        Scenario("passthrough", "proxy pass-through (POST, no key)", "proxy-pg", "post.lua"),
-        Scenario("new-pg", "proxy new keys, PostgreSQL", "proxy-pg", "unique_key.lua", "pg"),
-        Scenario(
-            "new-sqlite", "proxy new keys, SQLite", "proxy-sqlite", "unique_key.lua", "sqlite"
-        ),
-        Scenario(
-            "replay-pg",
-            "proxy replays, PostgreSQL (in-process cache)",
-            "proxy-pg",
-            "replay_keys.lua",
-        ),
-        # The same replays read from the store: `replay_cache.max_bytes: 0`.
-        Scenario(
-            "replay-pg-store",
-            "proxy replays, PostgreSQL, no in-process cache",
-            "proxy-pg-store",
-            "replay_keys.lua",
-        ),
-        Scenario("hot-pg", "proxy hot-key storm, PostgreSQL", "proxy-pg", "hot_keys.lua", "pg"),
-        # `serve --workers 2`: the same scenarios with two proxy processes on one port.
-        Scenario(
-            "passthrough-w2",
-            "proxy pass-through (POST, no key), 2 workers",
-            "proxy-pg-w2",
-            "post.lua",
-        ),
-        Scenario(
-            "new-pg-w2",
-            "proxy new keys, PostgreSQL, 2 workers",
-            "proxy-pg-w2",
-            "unique_key.lua",
-            "pg",
-        ),
-        Scenario(
-            "replay-pg-w2", "proxy replays, PostgreSQL, 2 workers", "proxy-pg-w2", "replay_keys.lua"
-        ),
-        Scenario(
-            "new-pg-redis",
-            "proxy new keys, PostgreSQL + Redis, no in-process cache",
-            "proxy-pg-redis",
-            "unique_key.lua",
-            "pg",
-        ),
-        Scenario(
-            "replay-pg-redis",
-            "proxy replays, PostgreSQL + Redis, no in-process cache",
-            "proxy-pg-redis",
-            "replay_keys.lua",
-        ),
-        Scenario("peer-plain", "peer app, no key (POST)", "peer", "post.lua"),
-        Scenario("peer-new", "peer new keys (middleware + Redis)", "peer", "unique_key.lua"),
-        Scenario("peer-replay", "peer replays (middleware + Redis)", "peer", "replay_keys.lua"),
-        Scenario("pgbench", "pgbench claim + complete (no HTTP)", "pgbench", ""),
-    )
-}
-# Measured again on a store of millions of jobs (--big-store; replays from the store, without the
-# in-process cache, since the store's growth is the question), and under the sweeper (--sweeper).
-BIG_STORE_SCENARIOS = ("new-pg", "replay-pg")
 WORKERS = 2  # the proxy-pg-w2 scenarios: `idemproxy serve --workers 2`
-WORKER_SCENARIOS = ("passthrough-w2", "new-pg-w2", "replay-pg-w2")
 
 
 @dataclass

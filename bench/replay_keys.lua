@@ -1,7 +1,7 @@
 -- "Replays": requests cycle through a fixed set of keys that were stored beforehand, so each
 -- one is answered from the store without calling the upstream.
 -- Usage: wrk -t2 -c32 -d5s -s bench/replay_keys.lua http://127.0.0.1:PORT -- PREFIX COUNT
--- Keys are PREFIX-0 … PREFIX-(COUNT-1); send each once first (bench/harness.py pre-warms them).
+-- Keys are PREFIX-0 … PREFIX-(COUNT-1); send each once first (bench/runner.py pre-warms them).
 
 local common = dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "wrk_common.lua")
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model import CONCURRENCY, SATURATED, SCENARIOS, WORKERS, Result, result_from_dict
+from model import CONCURRENCY, SATURATED, WORKERS, Result, result_from_dict
+from registry import SCENARIOS
 
 BENCH = Path(__file__).resolve().parent
 FINDINGS = BENCH / "findings.md"

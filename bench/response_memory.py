@@ -36,7 +36,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness
+import common
 from memory import MIB, RssSampler, status_kib
 
 _PIECE = 64 * 1024
@@ -152,16 +152,16 @@ async def _phase(url: str, admin_url: str, pid: int, clients: int, digests: list
 def _measure(
     label: str,
     args: argparse.Namespace,
-    backend: harness.Service,
+    backend: common.Service,
     work: Path,
     env: dict[str, str],
     digests: list[str],
 ) -> Run:
-    port, admin = harness.free_port(), harness.free_port()
+    port, admin = common.free_port(), common.free_port()
     store = work / f"{label.replace(' ', '-')}.db"
-    argv = harness.serve_argv(port, admin, backend.url, f"sqlite:///{store}")
-    posts0 = harness.counts(backend)["posts"]
-    proxy = harness.Service(f"proxy-{label.replace(' ', '-')}", argv, port, work, env)
+    argv = common.serve_argv(port, admin, backend.url, f"sqlite:///{store}")
+    posts0 = common.counts(backend)["posts"]
+    proxy = common.Service(f"proxy-{label.replace(' ', '-')}", argv, port, work, env)
     try:
         proxy.wait_ready()
         admin_url = f"http://127.0.0.1:{admin}"
@@ -173,13 +173,13 @@ def _measure(
         proxy.stop()
         for path in work.glob(f"{store.name}*"):
             path.unlink()
-    executions = harness.counts(backend)["posts"] - posts0
+    executions = common.counts(backend)["posts"] - posts0
     return Run(label, idle, first, replay, hwm, executions)
 
 
 @contextlib.contextmanager
 def _worktree(revision: str, where: Path) -> Iterator[Path]:
-    git = ["git", "-C", str(harness.ROOT)]
+    git = ["git", "-C", str(common.ROOT)]
     subprocess.run([*git, "worktree", "add", "--detach", str(where), revision], check=True)
     try:
         yield where
@@ -189,7 +189,7 @@ def _worktree(revision: str, where: Path) -> Iterator[Path]:
 
 def _default_baseline() -> str:
     found = subprocess.run(
-        ["git", "-C", str(harness.ROOT), "merge-base", "HEAD", "main"],
+        ["git", "-C", str(common.ROOT), "merge-base", "HEAD", "main"],
         capture_output=True,
         text=True,
         check=True,
@@ -231,12 +231,12 @@ def main() -> int:
         serve_backend(args.backend, args.size)
         return 0
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    work = harness.BENCH / "results" / f"response-memory-{stamp}"
+    work = common.BENCH / "results" / f"response-memory-{stamp}"
     work.mkdir(parents=True)
     digests = [hashlib.sha256(body_of(n, args.size)).hexdigest() for n in range(args.clients)]
-    port = harness.free_port()
+    port = common.free_port()
     backend_argv = [sys.executable, __file__, "--backend", str(port), "--size", str(args.size)]
-    backend = harness.Service("backend", backend_argv, port, work)
+    backend = common.Service("backend", backend_argv, port, work)
     on = {} if args.budget is None else {"IDEMPROXY_LIMITS__RESPONSE_BUFFER": str(args.budget)}
     off = {"IDEMPROXY_LIMITS__RESPONSE_BUFFER": str(1 << 40)}
     runs: list[Run] = []

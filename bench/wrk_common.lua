@@ -2,7 +2,7 @@
 --
 -- Each script loads this file from its own folder:
 --   local common = dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "wrk_common.lua")
--- bench/harness.py passes BENCH_BODY so that its replay pre-warm sends the very same bytes
+-- bench/common.py passes BENCH_BODY so that the replay pre-warm (runner.py) sends the very same bytes
 -- (the proxy fingerprints the body; a different body under a stored key is a 422, not a replay).
 
 local common = {}

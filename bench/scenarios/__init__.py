@@ -1,0 +1,1 @@
+"""The benchmark's scenarios, one module per part of a run; registry.py lists them in run order."""
