@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from idemproxy.constants import DEFAULT_MAX_STORED_BODY
 from idemproxy.store.queries import load_queries
 
 _PARAM = re.compile(r"\$(\d+)\b")
@@ -31,7 +32,19 @@ _CLAIM_ARGS = (
     ":upstream",
     ":lease",
 )
-_COMPLETE_ARGS = (":owner", ":id", ":version", "1", ":status", ":headers", ":body", "false", ":ttl")
+# The last one bounds the late bodies kept per job (SPEC §3.3); a winning completion keeps none.
+_COMPLETE_ARGS = (
+    ":owner",
+    ":id",
+    ":version",
+    "1",
+    ":status",
+    ":headers",
+    ":body",
+    "false",
+    ":ttl",
+    ":late_bytes",
+)
 
 
 def _bind(sql: str, names: tuple[str, ...]) -> str:
@@ -66,6 +79,7 @@ def variables(path: str) -> dict[str, str]:
         "status": "201",
         "headers": headers,
         "body": "\\x" + response.encode().hex(),
+        "late_bytes": str(DEFAULT_MAX_STORED_BODY),
     }
 
 
