@@ -14,7 +14,7 @@ from typing import Any
 
 from yarl import URL
 
-from idemproxy.core.decision import Failure
+from idemproxy.core.attempts import Failure
 from idemproxy.proxy.upstream.h1 import (
     ONE_WRITE,
     Connection,

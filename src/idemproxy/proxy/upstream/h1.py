@@ -28,7 +28,7 @@ from typing import Any, cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from idemproxy.core.decision import Failure
+from idemproxy.core.attempts import Failure
 from idemproxy.http.deadline import Deadline
 
 # Flow control of a streamed response body: stop reading the upstream above HIGH buffered
