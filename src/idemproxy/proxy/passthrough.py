@@ -7,8 +7,7 @@ from collections.abc import AsyncIterable
 
 from aiohttp import web
 
-from idemproxy.core.attempts import Failure
-from idemproxy.errors import UpstreamTimeout, UpstreamUnavailable
+from idemproxy.core.attempts import classify_failure
 from idemproxy.http.headers import response_headers_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.proxy.context import ProxyContext
@@ -70,7 +69,7 @@ async def passthrough(
             log.warning("pass-through cut off mid-response: %s", failure.reason)
             abort(request, response)
             return response
-        problem = UpstreamTimeout if failure.failure is Failure.TIMEOUT else UpstreamUnavailable
+        _, problem = classify_failure(failure.failure)  # the answer a governed request gets
         return problem_response(problem(), profile=ctx.settings.profile)
 
 
