@@ -53,24 +53,26 @@ from hypothesis.stateful import (
 )
 
 from idemproxy.constants import DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES
+from idemproxy.core.attempts import (
+    Failure,
+    Outcome,
+    StatusPolicy,
+    classify_breach,
+    classify_failure,
+    classify_response,
+    moves_on,
+    race_outcome,
+)
 from idemproxy.core.decision import (
     Decision,
-    Failure,
     Forget,
     Hold,
-    Outcome,
     Policy,
     Reject,
     Replay,
     StartNextAttempt,
-    StatusPolicy,
     TakeOver,
-    classify_breach,
-    classify_failure,
-    classify_response,
     decide,
-    moves_on,
-    race_outcome,
 )
 from idemproxy.core.types import (
     Attempt,

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from yarl import URL
 
-from idemproxy.core.decision import Failure
+from idemproxy.core.attempts import Failure
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
 from idemproxy.proxy.upstream.h1 import MAX_HEAD_BYTES
 

@@ -1,43 +1,25 @@
-"""SPEC §2.3, §3.1, §3.2, §11: the pure idempotency decision."""
+"""SPEC §2.3, §3.1, §11: the pure decision of what to do with a job."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from idemproxy.constants import DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES
 from idemproxy.core.decision import (
     Decision,
-    Failure,
     Forget,
     Hold,
-    Outcome,
     Policy,
     Reject,
     Replay,
     StartNextAttempt,
-    StatusPolicy,
     Unsent,
-    classify_breach,
-    classify_failure,
-    classify_response,
     decide,
-    moves_on,
-    race_outcome,
     unsent_claim,
 )
 from idemproxy.core.types import Job, JobState, StoredResponse
-from idemproxy.errors import (
-    ContractViolation,
-    OutcomeUnknown,
-    PayloadMismatch,
-    RequestInFlight,
-    UpstreamTimeout,
-    UpstreamUnavailable,
-)
+from idemproxy.errors import OutcomeUnknown, PayloadMismatch, RequestInFlight
 
 FINGERPRINT = "f" * 64
 OTHER_FINGERPRINT = "0" * 64
@@ -47,7 +29,6 @@ RESPONSE = StoredResponse(
 )
 HOLD = Policy(hold_in_flight=True)
 IETF = Policy(hold_in_flight=False)
-DEFAULT_STATUSES = StatusPolicy(DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES)
 
 
 def make_job(
@@ -216,100 +197,6 @@ def test_decide_does_not_modify_the_job() -> None:
     before = make_job(JobState.RELEASED)
     decide(job, FINGERPRINT, HOLD)
     assert job == before
-
-
-# --- attempt outcomes ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("status", "outcome"),
-    [
-        *[pytest.param(status, Outcome.RELEASE, id=str(status)) for status in (408, 425, 429, 503)],
-        *[pytest.param(status, Outcome.UNKNOWN, id=str(status)) for status in (502, 504)],
-        *[
-            pytest.param(status, Outcome.COMPLETE, id=str(status))
-            for status in (
-                100, 200, 201, 202, 204, 301, 302, 304, 307,
-                400, 401, 403, 404, 405, 409, 410, 422, 451,
-                500, 501, 505, 507, 511, 599,
-            )
-        ],
-    ],
-)  # fmt: skip
-def test_classify_response_with_the_default_lists(status: int, outcome: Outcome) -> None:
-    assert classify_response(status, DEFAULT_STATUSES) is outcome
-
-
-def test_default_status_lists_match_the_spec() -> None:
-    assert set(DEFAULT_RELEASE_STATUSES) == {408, 425, 429, 503}
-    assert set(DEFAULT_UNKNOWN_STATUSES) == {502, 504}
-
-
-@given(st.integers(min_value=100, max_value=599))
-def test_every_unlisted_status_completes(status: int) -> None:
-    expected = (
-        Outcome.RELEASE
-        if status in DEFAULT_RELEASE_STATUSES
-        else Outcome.UNKNOWN
-        if status in DEFAULT_UNKNOWN_STATUSES
-        else Outcome.COMPLETE
-    )
-    assert classify_response(status, DEFAULT_STATUSES) is expected
-
-
-def test_classify_response_uses_the_configured_lists() -> None:
-    policy = StatusPolicy(release_statuses=frozenset({500}), unknown_statuses=[418])
-    assert classify_response(500, policy) is Outcome.RELEASE
-    assert classify_response(418, policy) is Outcome.UNKNOWN
-    assert classify_response(503, policy) is Outcome.COMPLETE
-    assert classify_response(504, policy) is Outcome.COMPLETE
-
-
-def test_classify_response_with_empty_lists_always_completes() -> None:
-    policy = StatusPolicy(release_statuses=(), unknown_statuses=())
-    for status in (408, 429, 502, 503, 504):
-        assert classify_response(status, policy) is Outcome.COMPLETE
-
-
-@pytest.mark.parametrize(
-    ("failure", "outcome", "problem"),
-    [
-        pytest.param(Failure.CONNECT, Outcome.RELEASE, UpstreamUnavailable, id="connect"),
-        pytest.param(Failure.TIMEOUT, Outcome.UNKNOWN, UpstreamTimeout, id="timeout"),
-        pytest.param(Failure.BROKEN, Outcome.UNKNOWN, UpstreamUnavailable, id="broken"),
-    ],
-)
-def test_classify_failure(failure: Failure, outcome: Outcome, problem: type) -> None:
-    assert classify_failure(failure) == (outcome, problem)
-
-
-def test_classify_failure_covers_every_failure() -> None:
-    for failure in Failure:
-        outcome, problem = classify_failure(failure)
-        assert outcome in (Outcome.RELEASE, Outcome.UNKNOWN)
-        assert problem.status in (502, 504)
-
-
-def test_only_a_connect_failure_releases() -> None:
-    """SPEC §3.2: once a request byte may have been written, the outcome is unknown."""
-    released = [failure for failure in Failure if classify_failure(failure)[0] is Outcome.RELEASE]
-    assert released == [Failure.CONNECT]
-
-
-def test_a_contract_breach_is_unknown_never_a_release() -> None:
-    """SPEC §3.4: a 2xx proves the upstream acted, whatever its body."""
-    assert classify_breach() == (Outcome.UNKNOWN, ContractViolation)
-    assert not moves_on(classify_breach()[0])
-
-
-def test_only_a_release_moves_on_to_another_attempt() -> None:
-    assert [outcome for outcome in Outcome if moves_on(outcome)] == [Outcome.RELEASE]
-
-
-@given(st.lists(st.sampled_from([Outcome.RELEASE, Outcome.UNKNOWN])))
-def test_a_race_is_released_only_when_no_racer_may_have_executed(outcomes: list[Outcome]) -> None:
-    expected = Outcome.UNKNOWN if Outcome.UNKNOWN in outcomes else Outcome.RELEASE
-    assert race_outcome(outcomes) is expected
 
 
 # --- a claim the proxy gave up on (proxy/background/unsent.py)

@@ -36,7 +36,7 @@ _FRAMING = frozenset({"content-length", "host", "expect"})
 # SPEC §7: a replay gets a fresh Date and a recomputed Content-Length.
 _NOT_STORED = frozenset({"content-length", "date"})
 # SPEC §10: what a client may claim about the hops before this proxy; believed only from a
-# trusted proxy (proxy/server/trusted.py), dropped from anyone else.
+# trusted proxy (proxy/upstream/target.py), dropped from anyone else.
 _FORWARDING = frozenset(
     {
         "forwarded",  # RFC 7239

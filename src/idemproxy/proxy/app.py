@@ -20,7 +20,7 @@ from idemproxy.proxy.handler import expect_continue, handle
 from idemproxy.proxy.server.any_path import AnyPath
 from idemproxy.proxy.server.listener import close_when_closing
 from idemproxy.proxy.server.one_response import note_started
-from idemproxy.proxy.upstream.client import UpstreamClient
+from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamHooks
 from idemproxy.proxy.upstream.contract import keep_checking
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
@@ -142,6 +142,8 @@ def _upstream_client(
         connect_timeout=settings.connect_timeout,
         connections=settings.pool.upstream_connections,
         keepalive=settings.pool.upstream_keepalive,
-        on_sent=failpoints.on_sent(),
-        on_headers_dropped=metrics.upstream_headers_dropped.inc,
+        hooks=UpstreamHooks(
+            on_sent=failpoints.on_sent(),
+            on_headers_dropped=metrics.upstream_headers_dropped.inc,
+        ),
     )

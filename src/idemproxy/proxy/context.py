@@ -9,7 +9,8 @@ from typing import Any
 from aiohttp import web
 
 from idemproxy.config import Settings
-from idemproxy.core.decision import Policy, StatusPolicy
+from idemproxy.core.attempts import StatusPolicy
+from idemproxy.core.decision import Policy
 from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims

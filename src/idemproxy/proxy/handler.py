@@ -20,6 +20,7 @@ from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owner
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.jobs.governed import handle_governed
+from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import routable_path
 from idemproxy.proxy.server.body import RequestBody, read_body
@@ -87,7 +88,11 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         _refuse_hidden_identity(ctx, request)
         intent, body = await _identify(ctx, request, key)
         trace.owner = intent.owner
-        return await handle_governed(ctx, request, route, intent, body, trace)
+        return await handle_governed(
+            GovernedRequest(
+                ctx=ctx, request=request, route=route, intent=intent, body=body, trace=trace
+            )
+        )
     except ProblemError as error:
         if isinstance(error, ClientDisconnected):
             client_gone(ctx.metrics, request, "request_body")

@@ -6,48 +6,23 @@ import logging
 from collections.abc import AsyncIterable
 
 from aiohttp import web
-from multidict import CIMultiDict
-from yarl import URL
 
-from idemproxy.core.decision import Failure
-from idemproxy.errors import UpstreamTimeout, UpstreamUnavailable
-from idemproxy.http.headers import request_headers_for_upstream, response_headers_for_client
+from idemproxy.core.attempts import classify_failure
+from idemproxy.http.headers import response_headers_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.sink import abort
-from idemproxy.proxy.server.trusted import is_trusted
 from idemproxy.proxy.server.whole import AsSentResponse, AsSentStreamResponse
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
+from idemproxy.proxy.upstream.target import forwarded_headers, upstream_url
 
 log = logging.getLogger(__name__)
 # Request bodies up to this size with a declared length are read whole rather than streamed;
 # responses up to it that arrived whole with their head go out in one write.
 SMALL_BODY = 64 * 1024
-
-
-def upstream_url(upstream: str, request: web.Request) -> URL:
-    # raw_path keeps the client's exact path and query bytes, no re-quoting. Callers must pass
-    # this URL object on as it is: str() of it is re-parsed and re-quoted by aiohttp (%2F -> /).
-    target = request.raw_path
-    if not target.startswith("/"):
-        # RFC 9112 §3.2.2: absolute-form ("POST http://host/p"). Only its path and query go on:
-        # glued to the upstream URL it made an invalid one (500, and a claimed job never sent).
-        target = request.rel_url.raw_path_qs
-    return URL(upstream + target, encoded=True)
-
-
-def forwarded_headers(ctx: ProxyContext, request: web.Request) -> CIMultiDict[str]:
-    peer = request.remote
-    return request_headers_for_upstream(
-        request.headers,
-        client_ip=peer,
-        scheme=request.scheme,
-        host=request.host,
-        trusted=is_trusted(peer, ctx.settings.trusted_proxies),
-    )
 
 
 async def passthrough(
@@ -74,7 +49,7 @@ async def passthrough(
         async with ctx.upstream.request(
             request.method,
             upstream_url(route.upstream, request),
-            forwarded_headers(ctx, request),
+            forwarded_headers(request, ctx.settings.trusted_proxies),
             data,
             content_length=length,
         ) as upstream:
@@ -94,7 +69,7 @@ async def passthrough(
             log.warning("pass-through cut off mid-response: %s", failure.reason)
             abort(request, response)
             return response
-        problem = UpstreamTimeout if failure.failure is Failure.TIMEOUT else UpstreamUnavailable
+        _, problem = classify_failure(failure.failure)  # the answer a governed request gets
         return problem_response(problem(), profile=ctx.settings.profile)
 
 

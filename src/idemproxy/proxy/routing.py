@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
-from idemproxy.config import ContractSettings, RouteSettings, Settings
+from idemproxy.config import RouteSettings, Settings
 from idemproxy.errors import PathInvalid
 from idemproxy.proxy.upstream.contract import Contract, ContractGate
 
@@ -58,7 +58,6 @@ class Route:
     ttl: float
     fallbacks: tuple[str, ...] = ()
     hedge_after: float | None = None
-    contract: ContractSettings | None = None
     # Mutable eligibility of the fallbacks, when the group has a contract (SPEC §3.4).
     gate: ContractGate | None = field(default=None, compare=False, hash=False)
 
@@ -110,7 +109,6 @@ def _route(route: RouteSettings, settings: Settings) -> Route:
         ttl=settings.ttl if route.ttl is None else route.ttl,
         fallbacks=tuple(route.fallbacks),
         hedge_after=route.hedge_after,
-        contract=route.contract,
         gate=None
         if route.contract is None
         else ContractGate(Contract(route.contract), tuple(route.fallbacks)),

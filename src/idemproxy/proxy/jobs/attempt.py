@@ -1,4 +1,5 @@
-"""Running one attempt: forward, classify the result, store it, answer the client (SPEC §2.4, §3.2).
+"""Running one attempt: forward, store what its result means (core/attempts.py), answer the client
+(SPEC §2.4, §3.2).
 
 `run_attempt` either finishes the job (stores the response or settles the job, and returns the
 client's response), reports that another attempt won the completion CAS (None), or — when the
@@ -9,36 +10,42 @@ job alone (SPEC §3.4).
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import assert_never
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, STREAMING_MEDIA_TYPES
-from idemproxy.core.decision import (
+from idemproxy.core.attempts import (
+    Handling,
+    Mode,
     Outcome,
+    checks_contract,
     classify_breach,
+    classify_cut_off,
     classify_failure,
     classify_response,
-    moves_on,
+    completes_before_head,
+    handed_back,
+    response_handling,
+    settled_state,
 )
-from idemproxy.core.types import HeaderPairs, Job, JobState, StoredResponse
+from idemproxy.core.types import HeaderPairs, Job, StoredResponse
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.lease import KeptLease
-from idemproxy.proxy.passthrough import forwarded_headers, upstream_url
-from idemproxy.proxy.routing import Route
-from idemproxy.proxy.server.body import RequestBody
+from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.server.capture import Captured, answer, capture, tee
 from idemproxy.proxy.server.sink import ClientSink
 from idemproxy.proxy.server.whole import AsSentStreamResponse
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
+from idemproxy.proxy.upstream.target import forwarded_headers, upstream_url
 
 log = logging.getLogger(__name__)
 # After forwarding, "the request was not forwarded" (StoreUnavailable's default) would be a lie.
@@ -48,13 +55,6 @@ _FORWARDED_NOT_STORED = (
     "The request was forwarded, but its outcome could not be stored; retry later with the same "
     "Idempotency-Key to learn it."
 )
-SETTLED_STATE = {Outcome.RELEASE: JobState.RELEASED, Outcome.UNKNOWN: JobState.UNKNOWN}
-
-
-class Mode(enum.Enum):
-    FINAL = "final"  # the last option: settle the job whatever happens
-    FAIL_OVER = "fail-over"  # a released outcome goes to the next upstream
-    HEDGED = "hedged"  # other attempts race: report failures, buffer the response
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,10 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
-class Attempt:
+class AttemptRun:
+    """The attempt this request runs: its job as claimed, its number, its upstream, and its
+    place among the job's attempts (core/attempts.py, `Mode`)."""
+
     job: Job
     number: int
     upstream: str
@@ -80,11 +83,10 @@ class Attempt:
 Step = web.StreamResponse | Failed | None
 
 
-async def run_attempt(
-    ctx: ProxyContext, request: web.Request, route: Route, attempt: Attempt, body: RequestBody
-) -> Step:
+async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
+    ctx, request, body = governed.ctx, governed.request, governed.body
     job = attempt.job
-    headers = forwarded_headers(ctx, request)
+    headers = forwarded_headers(request, ctx.settings.trusted_proxies)
     headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
     headers[ATTEMPT_HEADER] = str(attempt.number)
     url = upstream_url(attempt.upstream, request)
@@ -96,7 +98,7 @@ async def run_attempt(
                 request.method, url, headers, body.payload(), content_length=body.size
             ) as upstream,
         ):
-            step = await _on_response(ctx, request, route, attempt, upstream)
+            step = await _on_response(governed, attempt, upstream)
             # Until the upstream's answer was whole, not until it was stored: the store's time
             # is idemproxy_store_seconds' (SPEC §13).
             ended = upstream.finished_at or time.perf_counter()
@@ -110,39 +112,51 @@ async def run_attempt(
         return await _fail(ctx, attempt, Failed(outcome, None, failure.reason, problem))
     except asyncio.CancelledError:
         # Cut off by shutdown: the request may have reached the upstream (SPEC §3.2).
-        cut = Failed(Outcome.UNKNOWN, None, "cut off by shutdown")
+        cut = Failed(classify_cut_off(), None, "cut off by shutdown")
         await asyncio.shield(settle(ctx, attempt, cut))
         raise
 
 
 async def _on_response(
-    ctx: ProxyContext,
-    request: web.Request,
-    route: Route,
-    attempt: Attempt,
-    upstream: UpstreamResponse,
+    governed: GovernedRequest, attempt: AttemptRun, upstream: UpstreamResponse
 ) -> Step:
+    ctx = governed.ctx
     outcome = classify_response(upstream.status, ctx.statuses)
-    if _handed_back(outcome, attempt.mode):
-        if attempt.mode is Mode.HEDGED:  # it may be the last answer the race gets
-            return Failed(
-                outcome, upstream.status, None, reply=await _reply(ctx, upstream, attempt)
-            )
-        # The next upstream answers instead: this one's body is not needed.
-        return Failed(outcome, upstream.status, None)
-    if _is_stream(upstream) and attempt.mode is not Mode.HEDGED and route.gate is None:
-        return await _finish_stream(ctx, request, route, attempt, upstream, outcome)
+    handling = response_handling(
+        outcome,
+        attempt.mode,
+        event_stream=_is_stream(upstream),
+        gated=governed.route.gate is not None,
+    )
+    match handling:
+        case Handling.HAND_BACK:  # the next upstream answers instead: this body is not needed
+            return Failed(outcome, upstream.status, None)
+        case Handling.HAND_BACK_WITH_REPLY:  # it may be the last answer the race gets
+            reply = await _reply(ctx, upstream, attempt)
+            return Failed(outcome, upstream.status, None, reply=reply)
+        case Handling.STREAM:
+            return await _finish_stream(governed, attempt, upstream, outcome)
+        case Handling.CAPTURE:
+            return await _finish_captured(governed, attempt, upstream, outcome)
+        case _:
+            assert_never(handling)
+
+
+async def _finish_captured(
+    governed: GovernedRequest, attempt: AttemptRun, upstream: UpstreamResponse, outcome: Outcome
+) -> Step:
+    ctx, gate = governed.ctx, governed.route.gate
     captured = await _capture(ctx, upstream)
     try:
-        if outcome is Outcome.COMPLETE and route.gate is not None:
+        if gate is not None and checks_contract(outcome):
             content = await captured.content() if captured.whole else None
-            broken = route.gate.contract.violations(upstream.status, content)
+            broken = gate.contract.violations(upstream.status, content)
             if broken:
                 captured.close()
                 return await _fail(ctx, attempt, _breach(attempt, upstream.status, broken))
         if captured.whole:
-            return await _finish_buffered(ctx, route, attempt, upstream, outcome, captured)
-        return await _finish_streamed(ctx, request, route, attempt, upstream, outcome, captured)
+            return await _finish_buffered(governed, attempt, upstream, outcome, captured)
+        return await _finish_streamed(governed, attempt, upstream, outcome, captured)
     except BaseException:
         captured.close()
         raise
@@ -158,7 +172,7 @@ async def _capture(ctx: ProxyContext, upstream: UpstreamResponse) -> Captured:
     return await capture(upstream, limit, ctx.budget)
 
 
-def _breach(attempt: Attempt, status: int, broken: list[str]) -> Failed:
+def _breach(attempt: AttemptRun, status: int, broken: list[str]) -> Failed:
     """SPEC §3.4: the upstream acted, so the breach is unknown, never a release; its response
     is neither stored nor passed on."""
     outcome, problem = classify_breach()
@@ -175,7 +189,7 @@ def _breach(attempt: Attempt, status: int, broken: list[str]) -> Failed:
 
 
 async def _reply(
-    ctx: ProxyContext, upstream: UpstreamResponse, attempt: Attempt
+    ctx: ProxyContext, upstream: UpstreamResponse, attempt: AttemptRun
 ) -> web.StreamResponse | None:
     try:
         captured = await capture(upstream, ctx.settings.max_stored_body, ctx.budget)
@@ -190,20 +204,20 @@ async def _reply(
 
 
 async def _finish_buffered(
-    ctx: ProxyContext,
-    route: Route,
-    attempt: Attempt,
+    governed: GovernedRequest,
+    attempt: AttemptRun,
     upstream: UpstreamResponse,
     outcome: Outcome,
     captured: Captured,
 ) -> Step:
+    ctx = governed.ctx
     # The outcome is stored before the client sees a byte: a client that retries after a lost
     # response always finds it.
     if outcome is Outcome.COMPLETE:
         headers = _stored_headers(ctx, upstream)
         stored = StoredResponse(upstream.status, headers, await captured.content())
         ctx.failpoints.hit("before_store")
-        if not await completed(ctx, attempt, stored, route.ttl):
+        if not await completed(ctx, attempt, stored, governed.route.ttl):
             captured.close()
             return None
         ctx.failpoints.hit("after_store")
@@ -215,10 +229,8 @@ async def _finish_buffered(
 
 
 async def _finish_streamed(
-    ctx: ProxyContext,
-    request: web.Request,
-    route: Route,
-    attempt: Attempt,
+    governed: GovernedRequest,
+    attempt: AttemptRun,
     upstream: UpstreamResponse,
     outcome: Outcome,
     head: Captured,
@@ -228,15 +240,16 @@ async def _finish_streamed(
     In a race (hedging) the attempt must win before a byte reaches the client, so it completes
     first, as "omitted"; a body cut off after that leaves the job completed, not unknown.
     """
+    ctx, ttl = governed.ctx, governed.route.ttl
     omitted = StoredResponse(upstream.status, _stored_headers(ctx, upstream), None)
-    racing = attempt.mode is Mode.HEDGED and outcome is Outcome.COMPLETE
-    if racing and not await completed(ctx, attempt, omitted, route.ttl):
+    racing = completes_before_head(outcome, attempt.mode)
+    if racing and not await completed(ctx, attempt, omitted, ttl):
         return None
     response = AsSentStreamResponse(status=upstream.status, reason=upstream.reason)
     response.headers.extend(_client_headers(upstream, attempt.job))
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
-    client = ClientSink(request, response)
+    client = ClientSink(governed.request, response)
     await client.write(b"")  # the head goes out now, not with the first byte of the body
     async for piece in head.pieces():
         await client.write(piece)
@@ -246,13 +259,13 @@ async def _finish_streamed(
             await client.write(chunk)
     except UpstreamFailure as failure:
         if not racing:
-            cut = Failed(Outcome.UNKNOWN, upstream.status, failure.reason)
+            cut = Failed(classify_cut_off(), upstream.status, failure.reason)
             await _after_head(attempt, settle(ctx, attempt, cut))
         client.abort()
         return response
     if outcome is Outcome.COMPLETE:
         if not racing:
-            await _after_head(attempt, completed(ctx, attempt, omitted, route.ttl))
+            await _after_head(attempt, completed(ctx, attempt, omitted, ttl))
     else:
         failed = Failed(outcome, upstream.status, None)
         await _after_head(attempt, settle(ctx, attempt, failed))
@@ -266,26 +279,22 @@ def _is_stream(upstream: UpstreamResponse) -> bool:
 
 
 async def _finish_stream(
-    ctx: ProxyContext,
-    request: web.Request,
-    route: Route,
-    attempt: Attempt,
-    upstream: UpstreamResponse,
-    outcome: Outcome,
+    governed: GovernedRequest, attempt: AttemptRun, upstream: UpstreamResponse, outcome: Outcome
 ) -> Step:
     """SPEC §2 step 4: a stream of events (server-sent events, NDJSON) reaches its client as it
     arrives and is stored once it has ended (without its body when over max_stored_body). A
     duplicate meanwhile is held, and gets the replay. Not in a race, whose winner must be
     decided before a byte goes out, and not behind a contract gate, which needs the whole body.
     """
+    ctx = governed.ctx
     response = AsSentStreamResponse(status=upstream.status, reason=upstream.reason)
     response.headers.extend(_client_headers(upstream, attempt.job))
-    client = ClientSink(request, response)
+    client = ClientSink(governed.request, response)
     await client.write(b"")  # the head goes out now
     try:
         kept = await tee(upstream, client, ctx.settings.max_stored_body, ctx.budget)
     except UpstreamFailure as failure:
-        cut = Failed(Outcome.UNKNOWN, upstream.status, failure.reason)
+        cut = Failed(classify_cut_off(), upstream.status, failure.reason)
         await _after_head(attempt, settle(ctx, attempt, cut))
         client.abort()
         return response
@@ -294,7 +303,7 @@ async def _finish_stream(
             headers = _stored_headers(ctx, upstream)
             body = await kept.content() if kept.whole else None
             stored = StoredResponse(upstream.status, headers, body)
-            await _after_head(attempt, completed(ctx, attempt, stored, route.ttl))
+            await _after_head(attempt, completed(ctx, attempt, stored, governed.route.ttl))
         else:
             await _after_head(attempt, settle(ctx, attempt, Failed(outcome, upstream.status, None)))
     finally:
@@ -303,7 +312,7 @@ async def _finish_stream(
     return response
 
 
-async def _after_head(attempt: Attempt, storing: Awaitable[object]) -> None:
+async def _after_head(attempt: AttemptRun, storing: Awaitable[object]) -> None:
     """Store an outcome whose response is on its way to the client already (SPEC §7: one
     response per request).
 
@@ -323,25 +332,16 @@ async def _after_head(attempt: Attempt, storing: Awaitable[object]) -> None:
         )
 
 
-def _handed_back(outcome: Outcome, mode: Mode) -> bool:
-    """Whether the caller decides what a failed outcome does to the job (SPEC §3.4): a released
-    one may fail over; in a race every failure waits for the other attempts. An unknown outcome
-    never fails over."""
-    if outcome is Outcome.COMPLETE:
-        return False
-    return mode is Mode.HEDGED or (mode is Mode.FAIL_OVER and moves_on(outcome))
-
-
-async def _fail(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> Step:
+async def _fail(ctx: ProxyContext, attempt: AttemptRun, failed: Failed) -> Step:
     """A failed attempt: the caller's to handle, or, on the last option, the job's end."""
-    if _handed_back(failed.outcome, attempt.mode):
+    if handed_back(failed.outcome, attempt.mode):
         return failed
     await settle(ctx, attempt, failed)
     return problem_response(failed.problem(), profile=ctx.settings.profile)
 
 
 async def completed(
-    ctx: ProxyContext, attempt: Attempt, stored: StoredResponse, ttl: float
+    ctx: ProxyContext, attempt: AttemptRun, stored: StoredResponse, ttl: float
 ) -> bool:
     """The completion CAS (SPEC §1); a losing result is discarded, counted and logged."""
     try:
@@ -367,9 +367,9 @@ def _observe_upstream(
     ctx.metrics.upstream_outcome[outcome].observe(finished - started)
 
 
-async def settle(ctx: ProxyContext, attempt: Attempt, failed: Failed) -> None:
+async def settle(ctx: ProxyContext, attempt: AttemptRun, failed: Failed) -> None:
     count_failed(ctx, failed)
-    state = SETTLED_STATE[failed.outcome]
+    state = settled_state(failed.outcome)
     try:
         won = await ctx.store.settle(
             attempt.job, attempt.number, state, status=failed.status, error=failed.error

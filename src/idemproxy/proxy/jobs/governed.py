@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import assert_never
 
 from aiohttp import web
 
 from idemproxy.constants import WAITER_RECHECK_SECONDS
 from idemproxy.core.decision import (
+    Decision,
     Forget,
     Hold,
     Reject,
@@ -20,7 +22,7 @@ from idemproxy.core.decision import (
     TakeOver,
     decide,
 )
-from idemproxy.core.types import Claimed, ClaimResult, Existing, Intent, Job, JobState
+from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState
 from idemproxy.errors import (
     JobLost,
     RequestInFlight,
@@ -32,12 +34,10 @@ from idemproxy.errors import (
 from idemproxy.identity.ids import new_job_id
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.jobrun import run_job
+from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.passthrough import passthrough
-from idemproxy.proxy.routing import Route
-from idemproxy.proxy.server.body import RequestBody
 from idemproxy.proxy.server.capture import drop_unsent
 from idemproxy.proxy.server.replay import replay_response
-from idemproxy.proxy.server.trace import Trace
 
 log = logging.getLogger(__name__)
 _CUT_OFF = (
@@ -52,20 +52,14 @@ _HELD_AT_SHUTDOWN = (
 _MAX_TURNS = 32
 
 
-async def handle_governed(
-    ctx: ProxyContext,
-    request: web.Request,
-    route: Route,
-    intent: Intent,
-    body: RequestBody,
-    trace: Trace,
-) -> web.StreamResponse:
+async def handle_governed(governed: GovernedRequest) -> web.StreamResponse:
+    ctx = governed.ctx
     passes_through = ctx.settings.on_store_error == "passthrough"  # SPEC §11: explicit opt-out
     try:
-        result = await _claim(ctx, route, intent, forwarded_if_failed=passes_through)
+        result = await _claim(governed, forwarded_if_failed=passes_through)
     except StoreUnavailable:
         if passes_through:
-            return await passthrough(ctx, request, route, body)
+            return await passthrough(ctx, governed.request, governed.route, governed.body)
         raise
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.settings.effective_max_wait
@@ -75,53 +69,62 @@ async def handle_governed(
     ran: str | None = None
     for _ in range(_MAX_TURNS):
         if isinstance(result, Claimed):
-            trace.ran(result.job.id, result.attempt)
+            governed.trace.ran(result.job.id, result.attempt)
             ctx.failpoints.hit("after_claim")
-            response = await run_shielded(ctx, request, route, result, body)
+            response = await run_shielded(governed, result)
             if response is not None:
                 return response
             ran = result.job.id
-            result = await _reread(ctx, route, intent, ran)  # lost the CAS: the winner's answer
+            result = await _reread(governed, ran)  # lost the CAS: the winner's answer
             continue
         job = result.job
         _check_own(job, ran)
-        decision = decide(job, intent.fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
-        if isinstance(decision, Replay):
-            trace.replayed(job.id)
-            return replay_response(job.id, decision.response, ctx.replays)
-        if isinstance(decision, Reject):
-            raise decision.problem()
-        if isinstance(decision, Hold):
-            trace.held = True
-        result = await _act(ctx, route, intent, job, decision, deadline, ran)
+        fingerprint = governed.intent.fingerprint
+        decision = decide(job, fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
+        step = await _act(governed, job, decision, deadline=deadline, ran=ran)
+        if isinstance(step, web.StreamResponse):
+            return step
+        result = step
     raise RequestInFlight()
 
 
 async def _act(
-    ctx: ProxyContext,
-    route: Route,
-    intent: Intent,
-    job: Job,
-    decision: Hold | StartNextAttempt | TakeOver | Forget,
-    deadline: float,
-    ran: str | None,
-) -> ClaimResult:
-    """One I/O step for a decision that does not answer the client yet."""
-    if isinstance(decision, Hold):
-        return await _hold(ctx, route, intent, job, deadline, ran)
-    if isinstance(decision, TakeOver):
-        await ctx.store.take_over(job)  # winners and losers alike re-read the job
-        return await _reread(ctx, route, intent, ran)
+    governed: GovernedRequest, job: Job, decision: Decision, *, deadline: float, ran: str | None
+) -> web.StreamResponse | ClaimResult:
+    """The decision's answer to the client, or the one I/O step after which it decides again.
+    `ran` is the job this request ran an attempt of, if it did."""
+    ctx = governed.ctx
+    match decision:
+        case Replay(response):
+            governed.trace.replayed(job.id)
+            return replay_response(job.id, response, ctx.replays)
+        case Reject(problem):
+            raise problem()
+        case Hold():
+            governed.trace.held = True
+            return await _hold(governed, job, deadline, ran)
+        case TakeOver():
+            await ctx.store.take_over(job)  # winners and losers alike re-read the job
+            return await _reread(governed, ran)
+        case StartNextAttempt():
+            _refuse_if_ran(job, ran)
+            _refuse_if_draining(ctx)
+            lease = ctx.settings.lease
+            claimed = await ctx.store.start_next_attempt(job, governed.route.upstream, lease=lease)
+            return claimed or await _reread(governed, ran)
+        case Forget():
+            _refuse_if_ran(job, ran)
+            await ctx.store.forget(job)
+            return await _claim(governed)
+        case _:
+            assert_never(decision)
+
+
+def _refuse_if_ran(job: Job, ran: str | None) -> None:
+    """Released (an operator resolved the job taken over from under this request's attempt) or
+    expired: running it again would be this request's second execution."""
     if ran is not None:
-        # Released (an operator resolved the job taken over from under this attempt) or
-        # expired: running it again would be this request's second execution.
         raise _lost(job.id, f"it is {job.state.value} again")
-    if isinstance(decision, StartNextAttempt):
-        _refuse_if_draining(ctx)
-        claimed = await ctx.store.start_next_attempt(job, route.upstream, lease=ctx.settings.lease)
-        return claimed or await _reread(ctx, route, intent, ran)
-    await ctx.store.forget(job)
-    return await _claim(ctx, route, intent)
 
 
 def _check_own(job: Job, ran: str | None) -> None:
@@ -131,17 +134,16 @@ def _check_own(job: Job, ran: str | None) -> None:
         raise _lost(ran, f"job {job.id} holds its key now")
 
 
-async def run_shielded(
-    ctx: ProxyContext, request: web.Request, route: Route, claimed: Claimed, body: RequestBody
-) -> web.StreamResponse | None:
+async def run_shielded(governed: GovernedRequest, claimed: Claimed) -> web.StreamResponse | None:
     """SPEC §2: the client disconnecting must not cancel the upstream call or the completion."""
-    task = asyncio.create_task(run_job(ctx, request, route, claimed, body))
+    ctx = governed.ctx
+    task = asyncio.create_task(run_job(governed, claimed))
     ctx.attempts.add(task)
     task.add_done_callback(ctx.attempts.discard)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        if not _cut_off_by_shutdown(task, request):
+        if not _cut_off_by_shutdown(task, governed.request):
             # The client left: the attempt goes on, and its response is never sent.
             task.add_done_callback(_drop_result)
             raise
@@ -174,9 +176,8 @@ def _refuse_if_draining(ctx: ProxyContext) -> None:
         raise ShuttingDown()
 
 
-async def _claim(
-    ctx: ProxyContext, route: Route, intent: Intent, *, forwarded_if_failed: bool = False
-) -> ClaimResult:
+async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False) -> ClaimResult:
+    ctx, route, intent = governed.ctx, governed.route, governed.intent
     _refuse_if_draining(ctx)
     job_id = new_job_id()
     try:
@@ -191,22 +192,19 @@ async def _claim(
         raise
 
 
-async def _reread(
-    ctx: ProxyContext, route: Route, intent: Intent, ran: str | None = None
-) -> ClaimResult:
-    job = await ctx.store.get(intent.owner, intent.key)
-    return Existing(job) if job is not None else await _claim_unless_ran(ctx, route, intent, ran)
+async def _reread(governed: GovernedRequest, ran: str | None = None) -> ClaimResult:
+    intent = governed.intent
+    job = await governed.ctx.store.get(intent.owner, intent.key)
+    return Existing(job) if job is not None else await _claim_unless_ran(governed, ran)
 
 
-async def _claim_unless_ran(
-    ctx: ProxyContext, route: Route, intent: Intent, ran: str | None
-) -> ClaimResult:
+async def _claim_unless_ran(governed: GovernedRequest, ran: str | None) -> ClaimResult:
     """No job under the key: claim it afresh, unless this request already ran an attempt of
     the job that was there (an operator deleted it under that attempt, whose outcome could not
     be stored): a claim now would execute the request a second time."""
     if ran is not None:
         raise _lost(ran, "it was deleted")
-    return await _claim(ctx, route, intent)
+    return await _claim(governed)
 
 
 def _lost(job_id: str, why: str) -> JobLost:
@@ -219,9 +217,10 @@ def _lost(job_id: str, why: str) -> JobLost:
 
 
 async def _hold(
-    ctx: ProxyContext, route: Route, intent: Intent, job: Job, deadline: float, ran: str | None
+    governed: GovernedRequest, job: Job, deadline: float, ran: str | None
 ) -> ClaimResult:
     """Wait, without a pooled connection, until the job leaves in_flight or the deadline passes."""
+    ctx, intent = governed.ctx, governed.intent
     watch = ctx.store.watch
     if (
         watch.waiting_for(job.id) >= ctx.settings.max_waiters_per_key
@@ -242,7 +241,7 @@ async def _hold(
             current = await ctx.store.get(intent.owner, intent.key)
     if current is not None:
         return Existing(current)
-    return await _claim_unless_ran(ctx, route, intent, ran)
+    return await _claim_unless_ran(governed, ran)
 
 
 def _still_running(current: Job | None, job: Job) -> bool:

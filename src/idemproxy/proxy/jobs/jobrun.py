@@ -11,53 +11,50 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from aiohttp import web
 
-from idemproxy.core.decision import Outcome, race_outcome
+from idemproxy.core.attempts import (
+    Mode,
+    RaceEnd,
+    brings_in_next,
+    may_hedge,
+    none_executed,
+    order_mode,
+    race_end,
+    settled_state,
+    settling_index,
+)
 from idemproxy.core.types import Claimed, Job
 from idemproxy.errors import StoreUnavailable
 from idemproxy.http.problems import problem_response
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.jobs.attempt import (
-    SETTLED_STATE,
-    Attempt,
-    Failed,
-    Mode,
-    Step,
-    count_failed,
-    run_attempt,
-)
-from idemproxy.proxy.routing import Route
-from idemproxy.proxy.server.body import RequestBody
+from idemproxy.proxy.jobs.attempt import AttemptRun, Failed, Step, count_failed, run_attempt
+from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.server.capture import drop_unsent
 
 log = logging.getLogger(__name__)
-Racing = dict["asyncio.Task[Step]", Attempt]
+Racing = dict["asyncio.Task[Step]", AttemptRun]
 
 
-async def run_job(
-    ctx: ProxyContext, request: web.Request, route: Route, claimed: Claimed, body: RequestBody
-) -> web.StreamResponse | None:
+async def run_job(governed: GovernedRequest, claimed: Claimed) -> web.StreamResponse | None:
     """The client's response, or None when another attempt won: the caller re-reads the job."""
-    upstreams = route.upstreams
+    route = governed.route
+    upstreams = route.upstreams  # the fallbacks eligible now (SPEC §3.4), for the whole job
     if route.hedge_after is not None and len(upstreams) > 1:
-        return await _run_hedged(ctx, request, route, claimed, body, upstreams)
-    return await _run_in_order(ctx, request, route, claimed, body, upstreams)
+        return await _run_hedged(governed, claimed, upstreams, route.hedge_after)
+    return await _run_in_order(governed, claimed, upstreams)
 
 
 async def _run_in_order(
-    ctx: ProxyContext,
-    request: web.Request,
-    route: Route,
-    claimed: Claimed,
-    body: RequestBody,
-    upstreams: tuple[str, ...],
+    governed: GovernedRequest, claimed: Claimed, upstreams: tuple[str, ...]
 ) -> web.StreamResponse | None:
+    ctx = governed.ctx
     job, number = claimed.job, claimed.attempt
     for index, upstream in enumerate(upstreams):
-        mode = Mode.FINAL if index == len(upstreams) - 1 else Mode.FAIL_OVER
-        step = await run_attempt(ctx, request, route, Attempt(job, number, upstream, mode), body)
+        attempt = AttemptRun(job, number, upstream, order_mode(index, len(upstreams)))
+        step = await run_attempt(governed, attempt)
         if not isinstance(step, Failed):
             return step
         log.info(
@@ -87,7 +84,7 @@ class _Race:
     """The racers of one hedged request, and what the finished ones left."""
 
     racing: Racing = field(default_factory=dict)
-    failures: list[tuple[Attempt, Failed]] = field(default_factory=list)
+    failures: list[tuple[AttemptRun, Failed]] = field(default_factory=list)
     errors: list[StoreUnavailable] = field(default_factory=list)  # outcomes in ctx.unwritten
     lost: bool = False  # an attempt lost the completion CAS: another one completed the job
 
@@ -101,54 +98,57 @@ class _Race:
             except StoreUnavailable as error:
                 self.errors.append(error)
                 continue
-            if isinstance(step, Failed):
-                self.failures.append((attempt, step))  # counted and recorded by the racer
-            elif step is None:
-                # The CAS winner may be a racer of this very request, still streaming its
-                # body to this client: a replay now would be a second response in the middle
-                # of that body (SPEC §7, one response per request). Wait for the winner.
-                self.lost = True
-            else:
-                winner = step
+            match step:
+                case Failed():
+                    self.failures.append((attempt, step))  # counted and recorded by the racer
+                case None:
+                    # The CAS winner may be a racer of this very request, still streaming its
+                    # body to this client: a replay now would be a second response in the
+                    # middle of that body (SPEC §7, one response per request). Wait for it.
+                    self.lost = True
+                case web.StreamResponse():
+                    winner = step
+                case _:
+                    assert_never(step)
         return winner
 
     def none_executed(self) -> bool:
         """SPEC §3.4: once any racer may have executed, no further upstream is brought in,
-        neither as a fail-over (every racer failed) nor by the hedge timer. A racer that ended
-        with a store error (its outcome not written, or its answer not stored) is one whose
-        outcome the race does not know: it may have executed."""
-        return not self.errors and _none_executed(self.failures)
+        neither as a fail-over (every racer failed) nor by the hedge timer."""
+        outcomes = (failed.outcome for _, failed in self.failures)
+        return none_executed(outcomes, store_errors=bool(self.errors))
 
 
 async def _run_hedged(
-    ctx: ProxyContext,
-    request: web.Request,
-    route: Route,
-    claimed: Claimed,
-    body: RequestBody,
-    upstreams: tuple[str, ...],
+    governed: GovernedRequest, claimed: Claimed, upstreams: tuple[str, ...], hedge_after: float
 ) -> web.StreamResponse | None:
-    assert route.hedge_after is not None
     job, race = claimed.job, _Race()
-    first = Attempt(job, claimed.attempt, upstreams[0], Mode.HEDGED)
-    _race(ctx, request, route, body, race.racing, first)
+    _race(governed, race.racing, AttemptRun(job, claimed.attempt, upstreams[0], Mode.HEDGED))
     waiting_for = 1
     while race.racing:
-        more = waiting_for < len(upstreams) and not race.lost and race.none_executed()
+        more = may_hedge(
+            started=waiting_for,
+            upstreams=len(upstreams),
+            lost=race.lost,
+            none_executed=race.none_executed(),
+        )
         done, _ = await asyncio.wait(
             race.racing,
-            timeout=route.hedge_after if more else None,
+            timeout=hedge_after if more else None,
             return_when=asyncio.FIRST_COMPLETED,
         )
         winner = race.collect(done)
         if winner is not None:
             _drop_replies(race)
             return winner
-        if more and race.none_executed() and (not done or not race.racing):
-            # No answer within hedge_after, or every racer failed (each proved nothing executed,
-            # none_executed): bring in the next upstream.
+        if brings_in_next(
+            admitted=more,
+            none_executed=race.none_executed(),
+            timed_out=not done,
+            racing=bool(race.racing),
+        ):
             try:
-                await _hedge(ctx, request, route, body, race.racing, job, upstreams[waiting_for])
+                await _hedge(governed, race.racing, job, upstreams[waiting_for])
             except StoreUnavailable as error:
                 if not race.racing:
                     raise
@@ -156,28 +156,30 @@ async def _run_hedged(
                 race.errors.append(error)
                 waiting_for = len(upstreams)
             waiting_for += 1
-    if race.lost or race.errors:
-        _drop_replies(race)  # nobody sends them now
-    if race.lost:
-        return None  # the winner was another request's attempt (a takeover): re-read the job
-    if race.errors:
-        raise race.errors[0]
-    return await _all_failed(ctx, race.failures)
+    return await _without_winner(governed.ctx, race)
 
 
-async def _hedge(
-    ctx: ProxyContext,
-    request: web.Request,
-    route: Route,
-    body: RequestBody,
-    racing: Racing,
-    job: Job,
-    upstream: str,
-) -> None:
+async def _without_winner(ctx: ProxyContext, race: _Race) -> web.StreamResponse | None:
+    end = race_end(lost=race.lost, store_errors=bool(race.errors))
+    match end:
+        case RaceEnd.LOST:
+            _drop_replies(race)  # nobody sends them now
+            return None  # the winner was another request's attempt (a takeover): re-read the job
+        case RaceEnd.STORE_ERROR:
+            _drop_replies(race)
+            raise race.errors[0]
+        case RaceEnd.ALL_FAILED:
+            return await _all_failed(ctx, race.failures)
+        case _:
+            assert_never(end)
+
+
+async def _hedge(governed: GovernedRequest, racing: Racing, job: Job, upstream: str) -> None:
     """One more racer on `upstream`, unless the job stopped taking attempts (it completed)."""
+    ctx = governed.ctx
     number = await ctx.store.add_attempt(job, upstream, lease=ctx.settings.lease)
     if number is not None:
-        _race(ctx, request, route, body, racing, Attempt(job, number, upstream, Mode.HEDGED))
+        _race(governed, racing, AttemptRun(job, number, upstream, Mode.HEDGED))
 
 
 def _drop_replies(race: _Race) -> None:
@@ -195,20 +197,9 @@ def _drop_reply(task: asyncio.Task[Step]) -> None:
         drop_unsent(step.reply if isinstance(step, Failed) else None)
 
 
-def _none_executed(failures: list[tuple[Attempt, Failed]]) -> bool:
-    """Every failed racer was released: none of them may have executed (SPEC §3.2)."""
-    return race_outcome(failed.outcome for _, failed in failures) is Outcome.RELEASE
-
-
-def _race(
-    ctx: ProxyContext,
-    request: web.Request,
-    route: Route,
-    body: RequestBody,
-    racing: Racing,
-    attempt: Attempt,
-) -> None:
-    task = asyncio.create_task(_racer(ctx, request, route, body, attempt))
+def _race(governed: GovernedRequest, racing: Racing, attempt: AttemptRun) -> None:
+    ctx = governed.ctx
+    task = asyncio.create_task(_racer(governed, attempt))
     ctx.attempts.add(task)  # a loser keeps running after the client has its answer
     task.add_done_callback(ctx.attempts.discard)
     task.add_done_callback(_note_failure)
@@ -226,22 +217,18 @@ def _note_failure(task: asyncio.Task[Step]) -> None:
         log.error("hedged attempt failed", exc_info=error)
 
 
-async def _racer(
-    ctx: ProxyContext, request: web.Request, route: Route, body: RequestBody, attempt: Attempt
-) -> Step:
-    """One attempt of the race; a failure is counted and recorded on the attempt, the job is
-    left alone.
-
-    FIX: failures used to be recorded by `_run_hedged` only while it was still waiting, so a
-    racer that failed after another had won (a late 503, a timeout) stayed `started` for ever.
-    """
-    step = await run_attempt(ctx, request, route, attempt, body)
+async def _racer(governed: GovernedRequest, attempt: AttemptRun) -> Step:
+    """One attempt of the race; a failure is counted and recorded on the attempt (also after
+    another racer won: a late 503 or timeout must not leave it `started`), the job is left
+    alone."""
+    ctx = governed.ctx
+    step = await run_attempt(governed, attempt)
     if isinstance(step, Failed):
         count_failed(ctx, step)
         await ctx.store.finish_attempt(
             attempt.job,
             attempt.number,
-            SETTLED_STATE[step.outcome],
+            settled_state(step.outcome),
             status=step.status,
             error=step.error,
         )
@@ -249,16 +236,15 @@ async def _racer(
 
 
 async def _all_failed(
-    ctx: ProxyContext, failures: list[tuple[Attempt, Failed]]
+    ctx: ProxyContext, failures: list[tuple[AttemptRun, Failed]]
 ) -> web.StreamResponse | None:
     """No racer completed: the job is unknown if any attempt may have executed, else released."""
-    unknown = [(a, f) for a, f in failures if f.outcome is Outcome.UNKNOWN]
-    attempt, failed = (unknown or failures)[-1]
+    attempt, failed = failures[settling_index([failed.outcome for _, failed in failures])]
     # Every attempt's own end is recorded already; this settles the job.
     await ctx.store.settle(
         attempt.job,
         attempt.number,
-        SETTLED_STATE[failed.outcome],
+        settled_state(failed.outcome),
         status=failed.status,
         error=failed.error,
     )

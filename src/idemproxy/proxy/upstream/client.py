@@ -10,11 +10,12 @@ import asyncio
 import logging
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from yarl import URL
 
-from idemproxy.core.decision import Failure
+from idemproxy.core.attempts import Failure
 from idemproxy.proxy.upstream.h1 import (
     ONE_WRITE,
     Connection,
@@ -27,9 +28,40 @@ from idemproxy.proxy.upstream.h1 import (
     send_stream,
 )
 
-__all__ = ["UpstreamClient", "UpstreamFailure", "UpstreamResponse"]
+__all__ = ["UpstreamClient", "UpstreamFailure", "UpstreamHooks", "UpstreamResponse"]
 log = logging.getLogger(__name__)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamHooks:
+    """What the client reports to the rest of the process."""
+
+    # Test-only (proxy/failpoints.py): called once a request's bytes are on the wire.
+    on_sent: Callable[[], None] | None = None
+    # on_headers_dropped(n): n fields of a response head were left out (SPEC §10).
+    on_headers_dropped: Callable[[int], None] | None = None
+
+
+_NO_HOOKS = UpstreamHooks()
+
+
+@dataclass(frozen=True, slots=True)
+class _Link:
+    """What every exchange of an open client shares."""
+
+    pool: ConnectionPool
+    connect_timeout: float
+    timeout: float
+    hooks: UpstreamHooks
+
+
+class _StreamedBody(NamedTuple):
+    """A request body sent as it comes: with its declared length, or chunked (`length` None,
+    as framing_for chose)."""
+
+    chunks: AsyncIterable[bytes]
+    length: int | None
 
 
 class UpstreamClient:
@@ -40,30 +72,27 @@ class UpstreamClient:
         connect_timeout: float,
         connections: int,
         keepalive: float,
-        on_sent: Callable[[], None] | None = None,
-        on_headers_dropped: Callable[[int], None] | None = None,
+        hooks: UpstreamHooks = _NO_HOOKS,
     ) -> None:
-        """`on_headers_dropped(n)`: n fields of a response head were left out (SPEC §10)."""
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._connections = connections
         self._keepalive = keepalive
-        # Test-only (proxy/failpoints.py): called once the request's bytes are on the wire.
-        self._on_sent = on_sent
-        self._on_dropped = on_headers_dropped
-        self._pool: ConnectionPool | None = None
+        self._hooks = hooks
+        self._link: _Link | None = None
         self._origins: dict[tuple[str | None, str | None, int | None], tuple[Origin, str]] = {}
 
     async def open(self) -> None:
-        self._pool = ConnectionPool(
+        pool = ConnectionPool(
             limit=self._connections,
             keepalive=self._keepalive,
             ssl=ssl.create_default_context(),
         )
+        self._link = _Link(pool, self._connect_timeout, self._timeout, self._hooks)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
+        if self._link is not None:
+            self._link.pool.close()
 
     def request(
         self,
@@ -76,23 +105,14 @@ class UpstreamClient:
     ) -> Exchange:
         """`async with client.request(…) as response`: sends the request and gives the response
         once its head arrived; leaving the block gives the connection back."""
-        if self._pool is None:
+        if self._link is None:
             raise RuntimeError("UpstreamClient.open() was not called")
         origin, host = self._origin(url)
         framing = framing_for(method, body, content_length)
-        return Exchange(
-            self._pool,
-            origin,
-            method,
-            request_head(method, url.raw_path_qs, host, headers, framing),
-            body,
-            chunked=framing.startswith("Transfer-Encoding"),
-            content_length=content_length,
-            connect_timeout=self._connect_timeout,
-            timeout=self._timeout,
-            on_sent=self._on_sent,
-            on_dropped=self._on_dropped,
-        )
+        head = request_head(method, url.raw_path_qs, host, headers, framing)
+        if body is None or isinstance(body, bytes | bytearray):
+            return Exchange(self._link, origin, method, head, body)
+        return Exchange(self._link, origin, method, head, _StreamedBody(body, content_length))
 
     def _origin(self, url: URL) -> tuple[Origin, str]:
         """(host, port, TLS) and the Host header for an upstream URL; cached per upstream."""
@@ -135,55 +155,29 @@ class Exchange:
     rather than a generator context manager: it runs for every request, and a generator's frame
     and its `asynccontextmanager` wrapper cost more than the two methods."""
 
-    __slots__ = (
-        "_body",
-        "_chunked",
-        "_connect_timeout",
-        "_connection",
-        "_content_length",
-        "_head",
-        "_method",
-        "_on_dropped",
-        "_on_sent",
-        "_origin",
-        "_pool",
-        "_sender",
-        "_timeout",
-    )
+    __slots__ = ("_body", "_connection", "_head", "_link", "_method", "_origin", "_sender")
 
     def __init__(
         self,
-        pool: ConnectionPool,
+        link: _Link,
         origin: Origin,
         method: str,
         head: bytes,
-        body: bytes | AsyncIterable[bytes] | None,
-        *,
-        chunked: bool,
-        content_length: int | None,
-        connect_timeout: float,
-        timeout: float,
-        on_sent: Callable[[], None] | None,
-        on_dropped: Callable[[int], None] | None = None,
+        body: bytes | _StreamedBody | None,
     ) -> None:
-        self._pool = pool
+        self._link = link
         self._origin = origin
         self._method = method
         self._head = head
         self._body = body
-        self._chunked = chunked
-        self._content_length = content_length
-        self._connect_timeout = connect_timeout
-        self._timeout = timeout
-        self._on_sent = on_sent
-        self._on_dropped = on_dropped
         self._connection: Connection | None = None
         self._sender: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> UpstreamResponse:
-        connection = await self._pool.acquire(self._origin, self._connect_timeout)
+        link = self._link
+        connection = await link.pool.acquire(self._origin, link.connect_timeout)
         self._connection = connection
-        exchange = UpstreamResponse(connection, self._method, self._timeout)
+        exchange = UpstreamResponse(connection, self._method, link.timeout)
         connection.exchange = exchange
         body = self._body
         try:
@@ -195,10 +189,9 @@ class Exchange:
                     send_stream(
                         connection,
                         exchange,
-                        body,
-                        chunked=self._chunked,
-                        content_length=self._content_length,
-                        on_sent=self._on_sent,
+                        body.chunks,
+                        content_length=body.length,
+                        on_sent=link.hooks.on_sent,
                     )
                 )
             await exchange.wait_head()
@@ -220,8 +213,9 @@ class Exchange:
             port,
             ", ".join(names),
         )
-        if self._on_dropped is not None:
-            self._on_dropped(len(names))
+        on_dropped = self._link.hooks.on_headers_dropped
+        if on_dropped is not None:
+            on_dropped(len(names))
 
     async def __aexit__(self, *_exc: object) -> None:
         self._finish()
@@ -232,8 +226,9 @@ class Exchange:
         else:
             connection.writelines((self._head, body))
         exchange.request_sent = True
-        if self._on_sent is not None:
-            connection.loop.call_soon(self._on_sent)
+        on_sent = self._link.hooks.on_sent
+        if on_sent is not None:
+            connection.loop.call_soon(on_sent)
 
     def _finish(self) -> None:
         connection, self._connection = self._connection, None
@@ -243,4 +238,4 @@ class Exchange:
         if sender is not None and not sender.done():
             sender.cancel()  # answered before the whole body was sent: not reusable
             connection.abort()
-        self._pool.release(self._origin, connection)
+        self._link.pool.release(self._origin, connection)

@@ -3,7 +3,7 @@
 A group may declare a response contract (a JSON Schema for its 2xx bodies) and sample requests.
 A fallback is eligible only after its answers to the samples validated; at run time, a 2xx
 from any upstream of the group that violates the contract is never stored, replayed or passed
-on, and makes the job unknown (decision.classify_breach): the upstream acted.
+on, and makes the job unknown (core/attempts.py, classify_breach): the upstream acted.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from typing import Any, cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from idemproxy.core.decision import Failure
+from idemproxy.core.attempts import Failure
 from idemproxy.http.deadline import Deadline
 
 # Flow control of a streamed response body: stop reading the upstream above HIGH buffered
@@ -564,11 +564,12 @@ async def send_stream(
     exchange: UpstreamResponse,
     body: AsyncIterable[bytes],
     *,
-    chunked: bool,
     content_length: int | None,
     on_sent: Callable[[], None] | None,
 ) -> None:
-    """Stream a request body upstream, in step with the connection's write buffer."""
+    """Stream a request body upstream, in step with the connection's write buffer: chunked
+    when it has no declared length (framing_for)."""
+    chunked = content_length is None
     sent = 0
     try:
         async for chunk in body:

@@ -1,0 +1,56 @@
+"""What is sent upstream for a client's request: its URL and its forwarded headers (SPEC §10).
+
+Whose X-Forwarded-* and Forwarded headers are believed (`trusted_proxies`) is decided as nginx's
+`set_real_ip_from` does: only a peer inside one of the configured networks is another proxy
+whose forwarding headers are kept (X-Forwarded-For appended to). From any other peer they are
+what a client wrote, and a backend building redirect URLs, CSRF origins or audit logs from them
+would trust the client's word: they are replaced by what this proxy saw.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from idemproxy.http.headers import request_headers_for_upstream
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def upstream_url(upstream: str, request: web.Request) -> URL:
+    # raw_path keeps the client's exact path and query bytes, no re-quoting. Callers must pass
+    # this URL object on as it is: str() of it is re-parsed and re-quoted by aiohttp (%2F -> /).
+    target = request.raw_path
+    if not target.startswith("/"):
+        # RFC 9112 §3.2.2: absolute-form ("POST http://host/p"). Only its path and query go on:
+        # glued to the upstream URL it made an invalid one (500, and a claimed job never sent).
+        target = request.rel_url.raw_path_qs
+    return URL(upstream + target, encoded=True)
+
+
+def forwarded_headers(request: web.Request, trusted_proxies: Sequence[Network]) -> CIMultiDict[str]:
+    peer = request.remote
+    return request_headers_for_upstream(
+        request.headers,
+        client_ip=peer,
+        scheme=request.scheme,
+        host=request.host,
+        trusted=is_trusted(peer, trusted_proxies),
+    )
+
+
+def is_trusted(peer: str | None, networks: Sequence[Network]) -> bool:
+    """Whether the peer address `peer` (aiohttp's `request.remote`) lies in `networks`."""
+    if not networks or not peer:
+        return False  # the default, and a Unix socket peer: nothing to match
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # a dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d
+    return any(address in network for network in networks)
