@@ -35,8 +35,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.support.ports import free_port
+
 from .rawserver import RawAnswer, RawUpstream, raw_upstream
-from .servers import free_port, line_count, read_results, write_jsonl
+from .servers import line_count, read_results, write_jsonl
 from .test_hostile import strict_results
 
 pytestmark = pytest.mark.slow

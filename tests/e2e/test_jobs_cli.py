@@ -15,8 +15,7 @@ import pytest
 
 from idemproxy.core.types import Claimed, Intent, Job, JobState, StoredResponse
 from idemproxy.store.factory import create_store
-
-from .client import send
+from tests.support.client import send
 
 if TYPE_CHECKING:
     from .conftest import Backend, CliRun, RunCli, StartProxy

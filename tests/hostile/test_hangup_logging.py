@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from backend import Ledger
 from idemproxy.proxy.context import CONTEXT
-from proxy.conftest import ProxyFactory
+from tests.support.backend import Ledger
+from tests.support.proxyapp import ProxyFactory
 
 HEADS = {
     "declared-length": b"Content-Length: 1000\r\n\r\n0123456789",

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient
 
 from idemproxy.constants import REPLAYED_HEADER
-from rawhttp import RawConnection, RawResponse
+from tests.support.rawhttp import RawConnection, RawResponse
 
 from .conftest import ProxyFactory
 

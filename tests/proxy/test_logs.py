@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from backend import Ledger, backend_app
 from idemproxy.config import load_settings
 from idemproxy.identity.owner import hash_credential
 from idemproxy.logs import JsonFormatter, PlainFormatter, configure_logging
@@ -19,6 +18,7 @@ from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.server import trace as trace_module
 from idemproxy.proxy.server.trace import Trace, record
+from tests.support.backend import Ledger, backend_app
 
 SECRET = "Bearer s3cr3t-token"
 BODY = b'{"card": "4111111111111111"}'

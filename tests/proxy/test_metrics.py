@@ -10,13 +10,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend import Ledger, backend_app
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.config import load_settings
 from idemproxy.metrics import UNSENT_OUTCOMES, Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.factory import create_store
+from tests.support.backend import Ledger, backend_app
 
 Clients = tuple[TestClient[object, object], TestClient[object, object]]
 

@@ -14,9 +14,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from idemproxy.proxy.context import CONTEXT
+from tests.support.proxychecks import KEY, REPLAYED
 
 from .conftest import ProxyFactory
-from .support import KEY, REPLAYED
 
 KiB = 1024
 SIZE = 512 * KiB

@@ -7,13 +7,13 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from backend import Ledger
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import create_store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import KEY, assert_problem, eventually
 
 from .conftest import ProxyFactory
-from .support import KEY, assert_problem, eventually
 
 
 async def test_closed_store_answers_503_and_forwards_nothing(

@@ -16,9 +16,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from idemproxy.core.types import JobState
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
+from tests.support.proxychecks import KEY, REPLAYED, only_job, wait_for_state
 
 from .conftest import ProxyFactory
-from .support import KEY, REPLAYED, only_job, wait_for_state
 
 PIECE_SECONDS = 0.7  # the body's three bytes take 2.1 s
 

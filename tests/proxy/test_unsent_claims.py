@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from backend import Ledger
 from idemproxy.core.types import AttemptState, Claimed, Intent, Job, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.metrics import Metrics
@@ -26,9 +25,16 @@ from idemproxy.proxy.background.unsent import NEVER_FORWARDED, UnsentClaims
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import (
+    KEY,
+    assert_problem,
+    eventually,
+    job_with_attempts,
+    settle_quietly,
+)
 
 from .conftest import ProxyFactory
-from .support import KEY, assert_problem, eventually, job_with_attempts, settle_quietly
 
 Claim = Callable[..., Awaitable[Any]]
 

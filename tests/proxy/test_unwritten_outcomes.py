@@ -16,15 +16,15 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from backend import Ledger
 from idemproxy.core.types import AttemptState, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import KEY, assert_problem, eventually, job_with_attempts
 
 from .conftest import ProxyFactory
-from .support import KEY, assert_problem, eventually, job_with_attempts
 
 
 class FailingWrites:
