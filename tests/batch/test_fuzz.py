@@ -183,7 +183,7 @@ class Example:
 
 @st.composite
 def _examples_of(draw: st.DrawFn) -> Example:
-    items = draw(st.lists(_items, min_size=1, max_size=10, unique_by=lambda item: item["id"]))
+    items = draw(st.lists(_items, min_size=1, max_size=10, unique_by=lambda item: str(item["id"])))
     answers = draw(st.lists(_answers, min_size=len(items), max_size=len(items)))
     kill = st.builds(
         Kill,

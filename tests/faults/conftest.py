@@ -29,7 +29,7 @@ from tests.support.backend import Ledger, backend_app
 from tests.support.loop import run_private
 from tests.support.pgserver import ThrowawayPostgres
 from tests.support.processes import ProxyProcess, StartProxy, start_proxy
-from tests.support.proxyapp import Server
+from tests.support.proxyapp import ProxyClient, Server
 from tests.support.stores import migrate_postgres
 
 __all__ = ["start_proxy"]
@@ -111,7 +111,7 @@ async def recording_backend() -> AsyncIterator[tuple[str, Ledger]]:
 
 
 class StartApp(Protocol):
-    async def __call__(self, **overrides: Any) -> TestClient[Any, Any]: ...
+    async def __call__(self, **overrides: Any) -> ProxyClient: ...
 
 
 def fault_settings(store: str, upstream: str, /, **overrides: Any) -> dict[str, Any]:
@@ -171,11 +171,11 @@ async def proxy_app(
     fault_db: FaultDatabase, recording_backend: tuple[str, Ledger]
 ) -> AsyncIterator[StartApp]:
     """`await proxy_app(**overrides)`: a test client for the proxy app on `fault_db`."""
-    clients: list[TestClient[Any, Any]] = []
+    clients: list[ProxyClient] = []
 
-    async def start(**overrides: Any) -> TestClient[Any, Any]:
+    async def start(**overrides: Any) -> ProxyClient:
         settings = load_settings(**fault_settings(fault_db.dsn, recording_backend[0], **overrides))
-        client: TestClient[Any, Any] = TestClient(Server(create_app(settings)))
+        client: ProxyClient = TestClient(Server(create_app(settings)))
         await client.start_server()
         clients.append(client)
         return client

@@ -202,7 +202,7 @@ async def test_killed_during_the_completion(
     ledger = recording_backend[1]
     client = await proxy_app()
     url = f"http://{client.server.host}:{client.server.port}"
-    unwritten = client.server.app[CONTEXT].unwritten
+    unwritten = client.app[CONTEXT].unwritten
     path = PATH + "?delay=0.2"
     async with aiohttp.ClientSession() as session:
         request = asyncio.create_task(send(session, url, "complete", path=path))
@@ -370,7 +370,7 @@ async def test_claim_answered_after_the_timeout(
     ledger = recording_backend[1]
     client = await proxy_app()
     url = f"http://{client.server.host}:{client.server.port}"
-    unsent = client.server.app[CONTEXT].unsent
+    unsent = client.app[CONTEXT].unsent
     async with aiohttp.ClientSession() as session:
         assert (await send(session, url, "warm")).status == 201  # pooled sessions are open
         fault_db.server.pause()

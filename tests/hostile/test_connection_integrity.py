@@ -23,6 +23,7 @@ import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -59,7 +60,7 @@ async def upstreams() -> AsyncIterator[StartUpstream]:
             await upstream.close()
 
 
-async def connect(listening_proxy: ListeningProxy, **overrides: object) -> RawConnection:
+async def connect(listening_proxy: ListeningProxy, **overrides: Any) -> RawConnection:
     host, port = await listening_proxy(**overrides)
     return await RawConnection.open(host, port)
 
@@ -203,7 +204,7 @@ class Fault:
     # Otherwise: the body is cut off, and the connection ends after it.
 
 
-HEDGED = {"hedge_after": 0.1}
+HEDGED: dict[str, object] = {"hedge_after": 0.1}
 FAULTS = {
     "hedged, the fallback wins": Fault(answer(delay=0.5), answer(), HEDGED, answered_by="fallback"),
     "hedged, a streamed primary wins": Fault(

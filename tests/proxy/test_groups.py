@@ -21,6 +21,7 @@ from idemproxy.core.types import AttemptState, Job, JobState
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from tests.support.named_upstream import WRONG_SHAPE, NamedUpstream, write_contract
+from tests.support.proxyapp import ProxyClient
 from tests.support.proxychecks import (
     ATTEMPT,
     JOB,
@@ -510,10 +511,10 @@ def contract_route(
     return [{"prefix": "/v1", "upstream": primary, "fallbacks": fallbacks, "contract": settings}]
 
 
-def eligible(client: TestClient[Any, Any]) -> tuple[str, ...]:
+def eligible(client: ProxyClient) -> tuple[str, ...]:
     """The fallbacks of the /v1 group that passed their contract check, as the proxy sees it."""
     assert isinstance(client.server, Server)
-    ctx = client.server.app[CONTEXT]
+    ctx = client.app[CONTEXT]
     route = ctx.routes.find("/v1/chat", None)
     assert route is not None and route.gate is not None
     return route.gate.eligible

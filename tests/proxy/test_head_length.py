@@ -21,6 +21,7 @@ _SIZE = 3_000_000
 
 
 async def _head(client: TestClient[Any, Any], key: str | None) -> RawResponse:
+    assert client.port is not None  # the test server is started
     connection = await RawConnection.open("127.0.0.1", client.port)
     try:
         connection.send("HEAD", f"/x?size={_SIZE}", marker="head", key=key)

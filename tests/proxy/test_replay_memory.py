@@ -35,7 +35,10 @@ class Proxy:
     async def post(
         self, key: str, *, user: str, amount: int = 10
     ) -> tuple[int, dict[str, str], bytes]:
-        request = {"json": {"amount": amount}, "headers": {KEY: key, "X-User": user}}
+        request: dict[str, Any] = {
+            "json": {"amount": amount},
+            "headers": {KEY: key, "X-User": user},
+        }
         async with self.client.post("/payments", **request) as response:
             return response.status, dict(response.headers), await response.read()
 

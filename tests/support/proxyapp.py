@@ -32,6 +32,9 @@ from idemproxy.store.factory import create_store
 from tests.support.backend import Ledger, backend_app
 from tests.support.stores import opened
 
+# A test client of the proxy app (its `.app` is the proxy's aiohttp application).
+ProxyClient = TestClient[web.Request, web.Application]
+
 
 class ProxyFactory(Protocol):
     async def __call__(
@@ -40,7 +43,7 @@ class ProxyFactory(Protocol):
         inject_store: Store | None = None,
         handler_cancellation: bool = False,
         **overrides: Any,
-    ) -> TestClient[Any, Any]: ...
+    ) -> ProxyClient: ...
 
 
 class Server(TestServer):
@@ -106,14 +109,14 @@ async def make_proxy(backend_url: str) -> AsyncIterator[ProxyFactory]:
     client never decompresses (byte-identity checks) and keeps no cookies (a replay must not
     depend on what the first response set).
     """
-    clients: list[TestClient[Any, Any]] = []
+    clients: list[ProxyClient] = []
 
     async def make(
         *,
         inject_store: Store | None = None,
         handler_cancellation: bool = False,
         **overrides: Any,
-    ) -> TestClient[Any, Any]:
+    ) -> ProxyClient:
         settings = load_settings(**{"upstream": backend_url, **overrides})
         app = create_app(settings, store=inject_store)
         server = (
@@ -137,7 +140,7 @@ async def make_proxy(backend_url: str) -> AsyncIterator[ProxyFactory]:
 def proxy(store_dsn: str, make_proxy: ProxyFactory) -> ProxyFactory:
     """`make_proxy` on the `store_dsn` database: every test using it runs on both stores."""
 
-    async def make(**kwargs: Any) -> TestClient[Any, Any]:
+    async def make(**kwargs: Any) -> ProxyClient:
         return await make_proxy(**{"store": store_dsn, **kwargs})
 
     return make

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 from idemproxy.store.base import Store
 from idemproxy.store.postgres.store import PostgresStore
 
 S = TypeVar("S", bound=Store)
+
+
+class CacheBounds(TypedDict):
+    """The bounds of an in-process replay cache (`MemoryReplayCache(store, **bounds)`)."""
+
+    max_bytes: int
+    max_body: int
+    ttl: float
 
 
 @contextlib.asynccontextmanager
