@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from idemproxy.config import PoolSettings, load_settings
 from idemproxy.proxy.app import create_app
-from tests.support.backend import Ledger, backend_app
+from tests.support.backend import Ledger, serving
 from tests.support.loop import run_private
 from tests.support.pgserver import ThrowawayPostgres
 from tests.support.processes import ProxyProcess, StartProxy, start_proxy
@@ -99,15 +98,8 @@ def fault_db(throwaway_pg: ThrowawayPostgres) -> Iterator[FaultDatabase]:
 async def recording_backend() -> AsyncIterator[tuple[str, Ledger]]:
     """The recording upstream (tests/support/backend.py) in-process: (url, ledger)."""
     ledger = Ledger()
-    runner = web.AppRunner(backend_app(ledger), access_log=None, handler_cancellation=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}", ledger
-    finally:
-        await runner.cleanup()
+    async with serving(ledger) as url:
+        yield url, ledger
 
 
 class StartApp(Protocol):

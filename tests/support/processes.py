@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Protocol
 
 import pytest
-from aiohttp import web
 
-from tests.support.backend import Ledger, backend_app
+from tests.support.backend import Ledger, serving
 from tests.support.ports import free_port
 
 START_DEADLINE = 20.0  # seconds for a proxy to accept connections (imports + store + migrate)
@@ -229,23 +228,13 @@ StartBackend = Callable[[], Awaitable[Backend]]
 @pytest.fixture
 async def start_backend() -> AsyncIterator[StartBackend]:
     """Factory for recording backends (`tests/support/backend.py`) on 127.0.0.1:<ephemeral>."""
-    runners: list[web.AppRunner] = []
+    async with contextlib.AsyncExitStack() as running:
 
-    async def start() -> Backend:
-        ledger = Ledger()
-        runner = web.AppRunner(backend_app(ledger), access_log=None)
-        await runner.setup()
-        runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        return Backend(f"http://{host}:{port}", ledger)
+        async def start() -> Backend:
+            ledger = Ledger()
+            return Backend(await running.enter_async_context(serving(ledger)), ledger)
 
-    try:
         yield start
-    finally:
-        for runner in runners:
-            await runner.cleanup()
 
 
 @pytest.fixture
