@@ -8,13 +8,11 @@ fixtures created are ever touched.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import secrets
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -23,9 +21,8 @@ from hypothesis import settings
 
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.store.postgres.store import PostgresStore
-
-T = TypeVar("T")
+from tests.support.loop import run_private
+from tests.support.stores import migrate_postgres, opened
 
 # Property-based tests draw the same examples on every run by default ("repeatable"): a failure
 # in one run is a failure in every run, never a draw of luck in CI. A search for new failures
@@ -47,30 +44,12 @@ def database_dsn(name: str) -> str:
     return urlsplit(SERVER_DSN)._replace(path=f"/{name}").geturl()
 
 
-def run_admin(coro: Coroutine[Any, Any, T]) -> T:
-    """Run setup SQL on a private event loop, so fixtures work for sync and async tests alike."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
 async def _execute(sql: str) -> None:
     conn = await asyncpg.connect(SERVER_DSN)
     try:
         await conn.execute(sql)
     finally:
         await conn.close()
-
-
-async def _migrate(dsn: str) -> None:
-    store = PostgresStore(dsn, min_connections=1, max_connections=1, listen=False)
-    await store.open()
-    try:
-        await store.migrate()
-    finally:
-        await store.close()
 
 
 @pytest.fixture(scope="session")
@@ -83,23 +62,23 @@ def pg_server_dsn() -> str:
 def pg_template() -> Iterator[str]:
     """A database with every migration applied, cloned by `pg_dsn`; dropped at session end."""
     name = f"{_PREFIX}_template"
-    run_admin(_execute(f'CREATE DATABASE "{name}"'))
+    run_private(_execute(f'CREATE DATABASE "{name}"'))
     try:
-        run_admin(_migrate(database_dsn(name)))
+        run_private(migrate_postgres(database_dsn(name)))
         yield name
     finally:
-        run_admin(_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        run_private(_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture
 def pg_dsn(pg_template: str) -> Iterator[str]:
     """A fresh, migrated PostgreSQL database for one test."""
     name = f"{_PREFIX}_{next(_counter)}"
-    run_admin(_execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
+    run_private(_execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
     try:
         yield database_dsn(name)
     finally:
-        run_admin(_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        run_private(_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture
@@ -121,10 +100,5 @@ def store_dsn(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 async def store(store_dsn: str) -> AsyncIterator[Store]:
     """An open, migrated store on a fresh database."""
-    store = create_store(store_dsn)
-    await store.open()
-    try:
-        await store.migrate()
+    async with opened(create_store(store_dsn)) as store:
         yield store
-    finally:
-        await store.close()

@@ -1,8 +1,9 @@
 """The soak's faults and measurements, each a loop that runs until `stop` is set.
 
-* `ProxySlot`: one proxy "replica", a real `python -m idemproxy serve` process (tests/e2e) that
-  can be SIGKILLed and restarted on the same port. Each incarnation's PostgreSQL connections carry
-  an `application_name` of their own (`soak-a-3`), so that `pg_stat_activity` tells them apart.
+* `ProxySlot`: one proxy "replica", a real `python -m idemproxy serve` process
+  (tests/support/processes.py) that can be SIGKILLed and restarted on the same port. Each
+  incarnation's PostgreSQL connections carry an `application_name` of their own (`soak-a-3`), so
+  that `pg_stat_activity` tells them apart.
 * `kill_proxies`: SIGKILL one replica every `every` seconds (drawn at random), restart it after
   a short outage.
 * `kill_sessions`: `pg_terminate_backend` on all, or a random half, of one replica's sessions
@@ -32,8 +33,9 @@ from typing import Any
 import asyncpg
 from upstream import SteeredRelay
 
-from e2e.conftest import ProcessDied, ProxyProcess, child_env, free_port
-from pgserver import ThrowawayPostgres
+from tests.support.pgserver import ThrowawayPostgres
+from tests.support.ports import free_port
+from tests.support.processes import ProcessDied, ProxyProcess, child_env
 
 DATABASE = "soak"
 START_TRIES = 10

@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/soak/soak.py [--minutes 10] [--clients 16] [--seed N] [--out DIR]
 
-Two `idemproxy serve` processes share one throwaway PostgreSQL (tests/pgserver.py) in front of a
-recording backend behind a fault relay (upstream.py); `clients` workers (workload.py) send mixed
-traffic to both while chaos.py kills the proxies' database sessions, restarts and freezes
+Two `idemproxy serve` processes share one throwaway PostgreSQL (tests/support/pgserver.py) in
+front of a recording backend behind a fault relay (upstream.py); `clients` workers (workload.py)
+send mixed traffic to both while chaos.py kills the proxies' database sessions, restarts and freezes
 (SIGSTOP) PostgreSQL, SIGKILLs and restarts one proxy (the other one survives the whole run),
 and makes the upstream refuse, reset, drip and fail. Then, after a quiet period longer than the
 lease, the store is read and every job still `in_flight` past its lease is retried once (it must
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))  # tests/pgserver.py, tests/faultproxy.py, tests/e2e
+sys.path.insert(0, str(REPO))  # tests.support: the throwaway PostgreSQL, the fault relay, proxies
 
 import aiohttp  # noqa: E402
 import asyncpg  # noqa: E402
@@ -43,7 +43,7 @@ import check  # noqa: E402
 from upstream import Ledger, SteeredRelay, owner_marker, start_backend  # noqa: E402
 from workload import History, Plan, owners, run_clients, send  # noqa: E402
 
-from pgserver import ThrowawayPostgres  # noqa: E402
+from tests.support.pgserver import ThrowawayPostgres  # noqa: E402
 
 LEASE = 5.0  # seconds
 UPSTREAM_TIMEOUT = 3.0  # seconds: drip-timeout is well past it, drip-ok well within

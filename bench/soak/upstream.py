@@ -3,9 +3,9 @@
 The client chooses each request's upstream fault with headers that the proxy forwards untouched
 (headers are not part of the fingerprint, SPEC §6, so a retry may carry another fault):
 
-  X-Soak-Fault   for the relay (tests/faultproxy.py): `reset-after-send` (the backend executes,
-                 the relay resets before a response byte), `reset-mid-body`, `drip-ok` (slow,
-                 within the upstream timeout), `drip-timeout` (slow, past it)
+  X-Soak-Fault   for the relay (tests/support/faultproxy.py): `reset-after-send` (the backend
+                 executes, the relay resets before a response byte), `reset-mid-body`, `drip-ok`
+                 (slow, within the upstream timeout), `drip-timeout` (slow, past it)
   X-Soak-Status  the backend's answer: 201 (default), 503 (a release status: the backend does
                  NOT execute), 502 or 504 (the backend executes, then answers as a gateway that
                  lost the response would)
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from faultproxy import (
+from tests.support.faultproxy import (
     PASS,
     RESET_BEFORE_RESPONSE,
     RESET_ON_ACCEPT,

@@ -73,7 +73,7 @@ async def resolve(admin: Client, job_id: str, body: dict[str, Any]) -> Any:
     return await admin.post(f"/jobs/{job_id}/resolve", json=body)
 
 
-COMPLETED = {
+COMPLETED: dict[str, Any] = {
     "as": "completed",
     "status": 201,
     "headers": [["Content-Type", "application/json"], ["Location", "/charges/42"]],

@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from tests.support.ports import free_port
 
 
 async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -24,13 +25,6 @@ async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
     return runner, f"http://127.0.0.1:{port}"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def wait_listening(port: int, process: asyncio.subprocess.Process, log: Path) -> None:

@@ -35,8 +35,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from tests.support.ports import free_port
+
 from .rawserver import RawAnswer, RawUpstream, raw_upstream
-from .servers import free_port, line_count, read_results, write_jsonl
+from .servers import line_count, read_results, write_jsonl
 from .test_hostile import strict_results
 
 pytestmark = pytest.mark.slow
@@ -181,7 +183,7 @@ class Example:
 
 @st.composite
 def _examples_of(draw: st.DrawFn) -> Example:
-    items = draw(st.lists(_items, min_size=1, max_size=10, unique_by=lambda item: item["id"]))
+    items = draw(st.lists(_items, min_size=1, max_size=10, unique_by=lambda item: str(item["id"])))
     answers = draw(st.lists(_answers, min_size=len(items), max_size=len(items)))
     kill = st.builds(
         Kill,

@@ -15,6 +15,7 @@ import pytest
 
 from idemproxy.batch import BatchOptions, run_batch
 from idemproxy.batch import client as batch_client
+from idemproxy.batch import records as batch_records
 
 from .rawserver import RawAnswer, RawUpstream, raw_upstream
 
@@ -88,7 +89,7 @@ async def test_a_record_that_cannot_be_made_is_a_failed_item_and_the_batch_goes_
 ) -> None:
     # Whatever raises while one answer is turned into its record (a bug, or an answer nothing
     # here foresaw) fails that item, not the run, and not the items in flight beside it.
-    real = batch_client.encode_body
+    real = batch_records.encode_body  # what batch_client calls
 
     def breaks_on_boom(data: bytes, content_type: str | None) -> tuple[Any, str]:
         if b"boom" in data:

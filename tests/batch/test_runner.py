@@ -27,9 +27,10 @@ from idemproxy.batch import (
     run_batch,
 )
 from idemproxy.batch.checkpoint import CheckpointWriter
+from tests.support.ports import free_port
 
 from .scripted import Calls
-from .servers import free_port, read_results
+from .servers import read_results
 
 
 def _options(url: str, **overrides: Any) -> BatchOptions:

@@ -1,231 +1,53 @@
-"""End-to-end helpers: real `idemproxy` processes in front of a real backend.
+"""End-to-end fixtures: real `idemproxy` processes in front of a real backend.
 
-Each proxy is `python -m idemproxy serve …` on a free loopback port, with its stdout and stderr
-captured to files under the test's `tmp_path`. Start-up waits, with a deadline, until the port
-accepts connections; teardown sends SIGTERM, then SIGKILL, and always reaps the process. The
-backend runs inside the test process so that its ledger can be inspected.
+* `start_proxy`, `start_backend`, `backend`: from tests/support/processes.py (re-exported).
+* `run_cli(*args)`: a one-shot `idemproxy …` command, run to completion.
+* `empty_pg_dsn`: a fresh PostgreSQL database with no schema at all.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import itertools
 import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
-from aiohttp import web
 
-from backend import Ledger, backend_app
+from tests.support.loop import run_private
+from tests.support.ports import free_port
+from tests.support.processes import (
+    START_DEADLINE,
+    Backend,
+    ProxyProcess,
+    StartBackend,
+    StartProxy,
+    backend,
+    child_env,
+    start_backend,
+    start_proxy,
+)
 
-START_DEADLINE = 20.0  # seconds for a proxy to accept connections (imports + store + migrate)
-STOP_DEADLINE = 10.0  # seconds between SIGTERM and SIGKILL in teardown
+__all__ = [
+    "START_DEADLINE",
+    "Backend",
+    "ProxyProcess",
+    "StartBackend",
+    "StartProxy",
+    "backend",
+    "child_env",
+    "free_port",
+    "start_backend",
+    "start_proxy",
+]
+
 CLI_DEADLINE = 30.0  # seconds for a one-shot command (migrate, demo, a failing serve)
-_ADDRESS_IN_USE = ("address already in use", "errno 98")
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (a race remains; `start_proxy` retries)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test's environment without any `IDEMPROXY_…` variable, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("IDEMPROXY_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
-    return env
-
-
-class ProxyProcess:
-    """One running `idemproxy serve` process."""
-
-    def __init__(
-        self, name: str, args: list[str], port: int, admin_port: int, logs: Path, cwd: Path
-    ) -> None:
-        self.name = name
-        self.args = args
-        self.port = port
-        self.admin_port = admin_port
-        self.stdout_path = logs / f"{name}.stdout"
-        self.stderr_path = logs / f"{name}.stderr"
-        self._cwd = cwd
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    @property
-    def pid(self) -> int:
-        return self._popen.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._popen.poll()
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def _popen(self) -> subprocess.Popen[bytes]:
-        assert self._proc is not None, f"{self.name} was never started"
-        return self._proc
-
-    def spawn(self, env: Mapping[str, str]) -> None:
-        command = [sys.executable, "-m", "idemproxy", "serve", *self.args]
-        with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
-            self._proc = subprocess.Popen(
-                command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=self._cwd, env=env
-            )
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
-
-    def stdout(self) -> str:
-        return self.stdout_path.read_text(errors="replace") if self.stdout_path.exists() else ""
-
-    def describe(self) -> str:
-        """For assertion messages: who it is, how it ended and what it said."""
-        return (
-            f"{self.name} (pid {self._popen.pid}, exit {self._popen.poll()}) "
-            f"args {self.args}\n--- stdout ---\n{self.stdout()[-3000:]}"
-            f"\n--- stderr ---\n{self.stderr()[-3000:]}"
-        )
-
-    async def wait_ready(self, deadline: float = START_DEADLINE) -> None:
-        """Until the port accepts a connection; fails fast when the process dies first."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + deadline
-        while True:
-            if self._popen.poll() is not None:
-                raise ProcessDied(self.describe())
-            try:
-                _reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-            except OSError as exc:
-                if loop.time() >= until:
-                    message = f"not accepting after {deadline}s: {self.describe()}"
-                    raise TimeoutError(message) from exc
-                await asyncio.sleep(0.05)
-                continue
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-            return
-
-    async def wait_exit(self, timeout: float) -> int | None:
-        """The exit status, or None if it is still running after `timeout` seconds."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + timeout
-        while self._popen.poll() is None:
-            if loop.time() >= until:
-                return None
-            await asyncio.sleep(0.02)
-        return self._popen.returncode
-
-    async def terminate(self, timeout: float = STOP_DEADLINE) -> int:
-        """SIGTERM and wait for the exit status; SIGKILL (and fail) if it does not stop."""
-        if self._popen.poll() is None:
-            self._popen.send_signal(signal.SIGTERM)
-        code = await self.wait_exit(timeout)
-        if code is None:
-            self.kill()
-            raise AssertionError(f"still running {timeout}s after SIGTERM: {self.describe()}")
-        return code
-
-    def kill(self) -> None:
-        """SIGKILL and reap; a no-op for a process that is gone already."""
-        if self._proc is None:
-            return
-        if self._proc.poll() is None:
-            self._proc.kill()
-        self._proc.wait(timeout=STOP_DEADLINE)
-
-
-class ProcessDied(RuntimeError):
-    """A proxy exited before it accepted connections."""
-
-
-class StartProxy(Protocol):
-    async def __call__(
-        self,
-        *args: str,
-        env: Mapping[str, str] | None = None,
-        port: int | None = None,
-        name: str | None = None,
-    ) -> ProxyProcess: ...
-
-
-@pytest.fixture
-async def start_proxy(tmp_path: Path) -> AsyncIterator[StartProxy]:
-    """Factory: `await start_proxy("--upstream", url, "--store", dsn, env={…})`.
-
-    `--listen 127.0.0.1:<free port>` is added (or `port`, to restart on the same one), and
-    `--admin-listen` on another free port so that proxies never fight over the default.
-    Every process started here is stopped (SIGTERM, then SIGKILL) at teardown.
-    """
-    started: list[ProxyProcess] = []
-    names = itertools.count(1)
-    logs = tmp_path / "logs"
-    logs.mkdir(exist_ok=True)
-
-    async def start(
-        *args: str,
-        env: Mapping[str, str] | None = None,
-        port: int | None = None,
-        name: str | None = None,
-    ) -> ProxyProcess:
-        for _try in range(3):
-            listen = port or free_port()
-            admin = free_port()
-            proxy = ProxyProcess(
-                f"{name or 'proxy'}-{next(names)}",
-                ["--listen", f"127.0.0.1:{listen}", "--admin-listen", f"127.0.0.1:{admin}", *args],
-                listen,
-                admin,
-                logs,
-                tmp_path,
-            )
-            started.append(proxy)
-            proxy.spawn(child_env(env))
-            try:
-                await proxy.wait_ready()
-            except ProcessDied:
-                lost_port_race = any(s in proxy.stderr().lower() for s in _ADDRESS_IN_USE)
-                if lost_port_race:
-                    continue
-                raise
-            return proxy
-        raise AssertionError(f"no free port after 3 tries: {started[-1].describe()}")
-
-    try:
-        yield start
-    finally:
-        for proxy in started:
-            if proxy.running:
-                with contextlib.suppress(AssertionError):
-                    await proxy.terminate()
-            proxy.kill()
 
 
 @dataclass
@@ -266,42 +88,6 @@ def run_cli(tmp_path: Path) -> RunCli:
     return run
 
 
-@dataclass
-class Backend:
-    url: str
-    ledger: Ledger
-
-
-StartBackend = Callable[[], Awaitable[Backend]]
-
-
-@pytest.fixture
-async def start_backend() -> AsyncIterator[StartBackend]:
-    """Factory for recording backends (`tests/backend.py`) on 127.0.0.1:<ephemeral>."""
-    runners: list[web.AppRunner] = []
-
-    async def start() -> Backend:
-        ledger = Ledger()
-        runner = web.AppRunner(backend_app(ledger), access_log=None)
-        await runner.setup()
-        runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        return Backend(f"http://{host}:{port}", ledger)
-
-    try:
-        yield start
-    finally:
-        for runner in runners:
-            await runner.cleanup()
-
-
-@pytest.fixture
-async def backend(start_backend: StartBackend) -> Backend:
-    return await start_backend()
-
-
 @pytest.fixture
 def empty_pg_dsn(pg_server_dsn: str) -> Iterator[str]:
     """A fresh PostgreSQL database with no schema at all (not cloned from the migrated template)."""
@@ -321,9 +107,4 @@ def _admin(server_dsn: str, sql: str) -> None:
         finally:
             await conn.close()
 
-    # A private loop: this fixture serves sync and async tests alike.
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(execute())
-    finally:
-        loop.close()
+    run_private(execute())

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -82,7 +83,7 @@ async def _read(sock: socket.socket, want: int, timeout: float) -> bytes:
 
 
 async def test_an_unread_replay_does_not_stop_other_responses(
-    start_proxy: StartProxy, sized_backend: tuple[str, dict[str, int]], tmp_path
+    start_proxy: StartProxy, sized_backend: tuple[str, dict[str, int]], tmp_path: Path
 ) -> None:
     url, ledger = sized_backend
     proxy = await start_proxy(
@@ -115,7 +116,7 @@ async def test_an_unread_replay_does_not_stop_other_responses(
 
 
 async def test_a_drain_does_not_turn_an_answered_request_into_an_unknown_one(
-    start_proxy: StartProxy, sized_backend: tuple[str, dict[str, int]], tmp_path
+    start_proxy: StartProxy, sized_backend: tuple[str, dict[str, int]], tmp_path: Path
 ) -> None:
     """The upstream answered in full (the body waits on disk for budget room); a graceful
     shutdown's deadline then cuts the attempt off as `unknown` and its client gets
@@ -152,7 +153,7 @@ async def test_a_drain_does_not_turn_an_answered_request_into_an_unknown_one(
 
 
 async def test_a_drain_during_the_wait_for_budget_room_stores_the_answer(
-    start_proxy: StartProxy, sized_backend: tuple[str, dict[str, int]], tmp_path
+    start_proxy: StartProxy, sized_backend: tuple[str, dict[str, int]], tmp_path: Path
 ) -> None:
     """The drain's deadline falls while the answered body still waits for room (a wait longer
     than the drain): the cancellation ends the wait, not the store write."""

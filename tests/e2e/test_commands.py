@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 
-from .client import send
+from tests.support.client import send
 
 if TYPE_CHECKING:
     from .conftest import Backend, RunCli, StartProxy

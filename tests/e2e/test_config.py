@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 import yaml
 
-from .client import send
+from tests.support.client import send
+
 from .conftest import free_port
 
 if TYPE_CHECKING:

@@ -30,8 +30,7 @@ from idemproxy.identity.owner import hash_credential
 from idemproxy.proxy.failpoints import ENV as FAILPOINT_ENV
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-
-from .client import Answer, send
+from tests.support.client import Answer, send
 
 if TYPE_CHECKING:
     from .conftest import Backend, ProxyProcess, RunCli, StartProxy

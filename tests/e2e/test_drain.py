@@ -21,8 +21,7 @@ import pytest
 from idemproxy.core.types import AttemptState, Job, JobState
 from idemproxy.identity.owner import hash_credential
 from idemproxy.store.factory import create_store
-
-from .client import Answer, send
+from tests.support.client import Answer, send
 
 if TYPE_CHECKING:
     from .conftest import Backend, ProxyProcess, StartProxy

@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -50,7 +51,7 @@ async def late_stream_backend() -> AsyncIterator[str]:
     ids=["governed", "pass-through"],
 )
 async def test_a_stream_answered_during_a_drain_says_connection_close(
-    start_proxy: StartProxy, late_stream_backend: str, tmp_path, key_header: bytes
+    start_proxy: StartProxy, late_stream_backend: str, tmp_path: Path, key_header: bytes
 ) -> None:
     proxy = await start_proxy(
         "--upstream", late_stream_backend, "--store", f"sqlite:///{tmp_path / 'jobs.db'}"

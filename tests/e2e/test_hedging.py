@@ -19,9 +19,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from named_upstream import WRONG_SHAPE, NamedUpstream, write_contract
-
-from .client import send
+from tests.support.client import send
+from tests.support.named_upstream import WRONG_SHAPE, NamedUpstream, write_contract
 
 if TYPE_CHECKING:
     from .conftest import CliRun, RunCli, StartProxy

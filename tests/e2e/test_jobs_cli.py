@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import uuid
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
 
 from idemproxy.core.types import Claimed, Intent, Job, JobState, StoredResponse
 from idemproxy.store.factory import create_store
-
-from .client import send
+from tests.support.client import send
+from tests.support.loop import run_private as run  # the tests themselves are synchronous
 
 if TYPE_CHECKING:
     from .conftest import Backend, CliRun, RunCli, StartProxy
 
 pytestmark = pytest.mark.slow
 
-T = TypeVar("T")
 JOB_FIELDS = {"id", "owner", "key", "state", "version", "created_at", "expires_at", "attempts"}
 ATTEMPT_FIELDS = {"number", "upstream", "state", "status", "error", "started_at", "finished_at"}
 ALICE = hashlib.sha256(b"Bearer alice").hexdigest()
@@ -37,15 +34,6 @@ def dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path}/jobs.db"
     pg: str = request.getfixturevalue("pg_dsn")
     return pg
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    """Set-up and checks on a private loop: the tests themselves are synchronous."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
 
 
 async def _prepare(dsn: str) -> dict[str, Job]:

@@ -9,8 +9,7 @@ import aiohttp
 import pytest
 
 from idemproxy.constants import WAITER_RECHECK_SECONDS
-
-from .client import send
+from tests.support.client import send
 
 if TYPE_CHECKING:
     from .conftest import Backend, StartProxy

@@ -13,8 +13,7 @@ import pytest
 from idemproxy.core.types import AttemptState, Job, JobState
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-
-from .client import send
+from tests.support.client import send
 
 if TYPE_CHECKING:
     from .conftest import Backend, StartProxy

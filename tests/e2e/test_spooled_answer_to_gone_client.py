@@ -12,6 +12,7 @@ import asyncio
 import os
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -59,7 +60,7 @@ def _deleted_files(pid: int) -> int:
 
 
 async def test_a_client_gone_before_its_spooled_answer_leaves_no_open_file(
-    start_proxy: StartProxy, slow_backend: str, tmp_path
+    start_proxy: StartProxy, slow_backend: str, tmp_path: Path
 ) -> None:
     proxy = await start_proxy(
         "--upstream",

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from idemproxy.constants import WAITER_RECHECK_SECONDS
 from idemproxy.workers.role import WORKER_ROLE_FLAG, WorkerRole
+from tests.support.client import send
 
-from .client import send
 from .conftest import START_DEADLINE, free_port
 
 if TYPE_CHECKING:

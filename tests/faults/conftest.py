@@ -1,4 +1,4 @@
-"""Fixtures for the tests that break PostgreSQL: a throwaway server (tests/pgserver.py).
+"""Fixtures for the tests that break PostgreSQL: a throwaway server (tests/support/pgserver.py).
 
 * `throwaway_pg`: one private PostgreSQL for the session, with a migrated template database. It
   is started here or the session errors (never skipped): these tests are the proof that the
@@ -9,31 +9,30 @@
 * `proxy_app(**overrides)`: the proxy app in-process (`create_app`) in front of the recording
   backend, on `fault_db`, with a short store timeout and lease.
 * `governed_proxy(kind, **overrides)`: the same settings either in-process (`"app"`) or as a
-  real `python -m idemproxy serve` process (`"process"`, via the tests/e2e helpers).
+  real `python -m idemproxy serve` process (`"process"`, via tests/support/processes.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from backend import Ledger, backend_app
-from e2e.conftest import ProxyProcess, StartProxy, start_proxy  # real-process helpers
 from idemproxy.config import PoolSettings, load_settings
 from idemproxy.proxy.app import create_app
-from idemproxy.store.postgres.store import PostgresStore
-from pgserver import ThrowawayPostgres
+from tests.support.backend import Ledger, serving
+from tests.support.loop import run_private
+from tests.support.pgserver import ThrowawayPostgres
+from tests.support.processes import ProxyProcess, StartProxy, start_proxy
+from tests.support.proxyapp import ProxyClient, Server
+from tests.support.stores import migrate_postgres
 
 __all__ = ["start_proxy"]
 
-T = TypeVar("T")
 TEMPLATE = "idemproxy_fault_template"
 APPLICATION_NAME = "idemproxy-under-test"
 STORE_TIMEOUT = 0.5  # seconds: pool.store_timeout, so that a stalled store fails fast
@@ -45,31 +44,13 @@ LEASE = 1.0
 _databases = itertools.count(1)
 
 
-def run_private(coro: Coroutine[Any, Any, T]) -> T:
-    """Run setup SQL on a private event loop: fixtures serve sync and async tests alike."""
-    loop = asyncio.new_event_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
-
-
-async def _migrate(dsn: str) -> None:
-    store = PostgresStore(dsn, min_connections=1, max_connections=1, listen=False)
-    await store.open()
-    try:
-        await store.migrate()
-    finally:
-        await store.close()
-
-
 @pytest.fixture(scope="session")
 def throwaway_pg() -> Iterator[ThrowawayPostgres]:
     server = ThrowawayPostgres()
     try:
         server.start()  # PostgresUnavailable here is an error, on purpose
         run_private(server.execute(f'CREATE DATABASE "{TEMPLATE}"'))
-        run_private(_migrate(server.dsn(TEMPLATE)))
+        run_private(migrate_postgres(server.dsn(TEMPLATE)))
         yield server
     finally:
         server.destroy()
@@ -115,29 +96,14 @@ def fault_db(throwaway_pg: ThrowawayPostgres) -> Iterator[FaultDatabase]:
 
 @pytest.fixture
 async def recording_backend() -> AsyncIterator[tuple[str, Ledger]]:
-    """The recording upstream (tests/backend.py) in-process: (url, ledger)."""
+    """The recording upstream (tests/support/backend.py) in-process: (url, ledger)."""
     ledger = Ledger()
-    runner = web.AppRunner(backend_app(ledger), access_log=None, handler_cancellation=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}", ledger
-    finally:
-        await runner.cleanup()
-
-
-class Server(TestServer):
-    """Handlers are not cancelled when a client hangs up, as in `idemproxy.server.serve`."""
-
-    async def _make_runner(self, **kwargs: Any) -> web.AppRunner:
-        kwargs["handler_cancellation"] = False
-        return web.AppRunner(self.app, **kwargs)
+    async with serving(ledger) as url:
+        yield url, ledger
 
 
 class StartApp(Protocol):
-    async def __call__(self, **overrides: Any) -> TestClient[Any, Any]: ...
+    async def __call__(self, **overrides: Any) -> ProxyClient: ...
 
 
 def fault_settings(store: str, upstream: str, /, **overrides: Any) -> dict[str, Any]:
@@ -197,11 +163,11 @@ async def proxy_app(
     fault_db: FaultDatabase, recording_backend: tuple[str, Ledger]
 ) -> AsyncIterator[StartApp]:
     """`await proxy_app(**overrides)`: a test client for the proxy app on `fault_db`."""
-    clients: list[TestClient[Any, Any]] = []
+    clients: list[ProxyClient] = []
 
-    async def start(**overrides: Any) -> TestClient[Any, Any]:
+    async def start(**overrides: Any) -> ProxyClient:
         settings = load_settings(**fault_settings(fault_db.dsn, recording_backend[0], **overrides))
-        client: TestClient[Any, Any] = TestClient(Server(create_app(settings)))
+        client: ProxyClient = TestClient(Server(create_app(settings)))
         await client.start_server()
         clients.append(client)
         return client

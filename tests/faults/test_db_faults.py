@@ -1,6 +1,6 @@
 """Database faults (issue 8.2): sessions killed at each step, restarts and stalls under traffic.
 
-All on a throwaway PostgreSQL (tests/pgserver.py). The proxy's connections carry an
+All on a throwaway PostgreSQL (tests/support/pgserver.py). The proxy's connections carry an
 `application_name` (set in the DSN), so the test finds exactly the backend that runs a given
 statement: it holds `LOCK TABLE idemproxy.jobs` from a connection of its own, waits until the
 proxy's statement queues behind the lock, and `pg_terminate_backend`s that session.
@@ -29,11 +29,11 @@ import aiohttp
 import asyncpg
 import pytest
 
-from backend import Ledger
 from idemproxy.constants import WAITER_RECHECK_SECONDS
 from idemproxy.proxy.background.unsent import NEVER_FORWARDED
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.postgres import listen as pg_listen
+from tests.support.backend import Ledger
 
 from .blackhole import Relay
 from .conftest import (
@@ -202,7 +202,7 @@ async def test_killed_during_the_completion(
     ledger = recording_backend[1]
     client = await proxy_app()
     url = f"http://{client.server.host}:{client.server.port}"
-    unwritten = client.server.app[CONTEXT].unwritten
+    unwritten = client.app[CONTEXT].unwritten
     path = PATH + "?delay=0.2"
     async with aiohttp.ClientSession() as session:
         request = asyncio.create_task(send(session, url, "complete", path=path))
@@ -370,7 +370,7 @@ async def test_claim_answered_after_the_timeout(
     ledger = recording_backend[1]
     client = await proxy_app()
     url = f"http://{client.server.host}:{client.server.port}"
-    unsent = client.server.app[CONTEXT].unsent
+    unsent = client.app[CONTEXT].unsent
     async with aiohttp.ClientSession() as session:
         assert (await send(session, url, "warm")).status == 201  # pooled sessions are open
         fault_db.server.pause()

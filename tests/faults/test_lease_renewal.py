@@ -22,8 +22,8 @@ import aiohttp
 import asyncpg
 import pytest
 
-from backend import Ledger
 from idemproxy.config import PoolSettings
+from tests.support.backend import Ledger
 
 from .conftest import FaultDatabase, StartApp
 from .traffic import PATH, Answer, send

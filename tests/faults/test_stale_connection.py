@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from idemproxy.config import load_settings
@@ -63,7 +64,7 @@ async def upstream() -> AsyncIterator[tuple[ClosingUpstream, str]]:
 @pytest.fixture
 async def client(
     upstream: tuple[ClosingUpstream, str], sqlite_dsn: str
-) -> AsyncIterator[TestClient[object, object]]:
+) -> AsyncIterator[TestClient[web.Request, web.Application]]:
     settings = load_settings(upstream=upstream[1], store=sqlite_dsn)
     async with TestClient(TestServer(create_app(settings))) as test_client:
         yield test_client
@@ -71,7 +72,9 @@ async def client(
 
 @pytest.mark.parametrize("method", ["PUT", "DELETE", "GET"])
 async def test_idempotent_passthrough_is_not_resent(
-    client: TestClient[object, object], upstream: tuple[ClosingUpstream, str], method: str
+    client: TestClient[web.Request, web.Application],
+    upstream: tuple[ClosingUpstream, str],
+    method: str,
 ) -> None:
     closing, _ = upstream
     first = await client.request(method, "/thing", data=b"x" if method == "PUT" else None)
@@ -83,7 +86,9 @@ async def test_idempotent_passthrough_is_not_resent(
 
 
 async def test_governed_request_cut_off_on_a_pooled_connection_is_unknown(
-    client: TestClient[object, object], upstream: tuple[ClosingUpstream, str], sqlite_dsn: str
+    client: TestClient[web.Request, web.Application],
+    upstream: tuple[ClosingUpstream, str],
+    sqlite_dsn: str,
 ) -> None:
     closing, _ = upstream
     assert (await client.post("/pay", data=b"1", headers={"Idempotency-Key": "k1"})).status == 200

@@ -1,7 +1,7 @@
 """PostgreSQL down or unreachable (SPEC §11, issue 4.6): fail closed, recover by itself.
 
-On a throwaway PostgreSQL of the test's own (tests/pgserver.py), with the proxy both in-process
-(`create_app`) and as a real `idemproxy serve` process:
+On a throwaway PostgreSQL of the test's own (tests/support/pgserver.py), with the proxy both
+in-process (`create_app`) and as a real `idemproxy serve` process:
 
 * while the store is down, every governed request gets `503 store-unavailable` with
   `Retry-After`, fast, and nothing reaches the backend; non-governed requests pass through;
@@ -20,8 +20,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from backend import Ledger
 from idemproxy.constants import JOB_HEADER
+from tests.support.backend import Ledger
 
 from .conftest import CONNECTIONS_MAX, LEASE, STORE_TIMEOUT, FaultDatabase, GovernedProxy
 from .traffic import (

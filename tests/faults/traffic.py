@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import aiohttp
 import asyncpg
 
-from backend import Ledger
 from idemproxy.constants import ERROR_HEADER, JOB_HEADER, PROBLEM_CONTENT_TYPE, REPLAYED_HEADER
+from tests.support.backend import Ledger
 
 SPREAD = 4  # how many neighbouring keys a turn of the traffic covers
 REQUEST_DEADLINE = 10.0  # seconds: an answer later than this is a hang

@@ -1,7 +1,8 @@
 """Fixtures for the hostile tests: a faulty upstream, a really listening proxy, counted stores.
 
-* `backend_url`, `ledger`, `make_proxy`, `proxy`, `jobs`: as in tests/proxy (re-exported).
-* `fault_proxy`: tests/faultproxy.py between the proxy and the recording backend.
+* `backend_url`, `ledger`, `make_proxy`, `proxy`, `jobs`: as in tests/proxy (re-exported from
+  tests/support/proxyapp.py).
+* `fault_proxy`: tests/support/faultproxy.py between the proxy and the recording backend.
 * `sqlite_jobs`: a handle on the `sqlite_dsn` database, for tests that run on SQLite only.
 * `listening_proxy(**overrides)`: the proxy app behind the listener `idemproxy serve` uses
   (`web.AppRunner` with handler_cancellation=False + `GuardedSite`) on 127.0.0.1, for raw-socket
@@ -20,7 +21,6 @@ from urllib.parse import urlsplit
 import pytest
 from aiohttp import web
 
-from faultproxy import FaultProxy
 from idemproxy.config import load_settings
 from idemproxy.core.types import Intent
 from idemproxy.metrics import Metrics
@@ -29,7 +29,9 @@ from idemproxy.proxy.server.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 from idemproxy.store.sqlite.store import SqliteStore
-from proxy.conftest import backend_url, jobs, ledger, make_proxy, proxy
+from tests.support.faultproxy import FaultProxy
+from tests.support.proxyapp import backend_url, jobs, ledger, make_proxy, proxy
+from tests.support.stores import opened
 
 __all__ = ["backend_url", "jobs", "ledger", "make_proxy", "proxy"]
 
@@ -73,13 +75,8 @@ class CountingStore(SqliteStore):
 
 @pytest.fixture
 async def counting_store(tmp_path: Any) -> AsyncIterator[CountingStore]:
-    store = CountingStore(str(tmp_path / "counted.db"))
-    await store.open()
-    try:
-        await store.migrate()
+    async with opened(CountingStore(str(tmp_path / "counted.db"))) as store:
         yield store
-    finally:
-        await store.close()
 
 
 @pytest.fixture
@@ -94,13 +91,8 @@ async def fault_proxy(backend_url: str) -> AsyncIterator[FaultProxy]:
 
 @pytest.fixture
 async def sqlite_jobs(sqlite_dsn: str) -> AsyncIterator[Store]:
-    store = create_store(sqlite_dsn)
-    await store.open()
-    try:
-        await store.migrate()
+    async with opened(create_store(sqlite_dsn)) as store:
         yield store
-    finally:
-        await store.close()
 
 
 class ListeningProxy(Protocol):

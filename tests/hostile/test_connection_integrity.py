@@ -1,9 +1,9 @@
 """Connection integrity: on one keep-alive connection, response i answers request i (SPEC §7).
 
-Every request carries a unique `X-Marker` that the upstream (tests/marker_upstream.py) echoes
-in a header and at the start of its body; the client reads the connection's raw bytes and
-parses each response strictly by its own framing (tests/rawhttp.py). A second status line in
-the middle of a body, or an answer written after the previous one ended, shows up as a body
+Every request carries a unique `X-Marker` that the upstream (tests/support/marker_upstream.py)
+echoes in a header and at the start of its body; the client reads the connection's raw bytes and
+parses each response strictly by its own framing (tests/support/rawhttp.py). A second status line
+in the middle of a body, or an answer written after the previous one ended, shows up as a body
 that is not the upstream's, a response whose marker belongs to another request, or bytes
 nobody asked for. Behind a load balancer that pools connections, the next request on a
 connection may be another tenant's: these are the tests that keep it from reading this one's
@@ -23,18 +23,20 @@ import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
-from hostile.conftest import ListeningProxy
 from idemproxy.core.types import JobState
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.jobs import attempt as attempt_module
 from idemproxy.store.base import Store
 from idemproxy.store.factory import sqlite_path
-from marker_upstream import MarkerUpstream, Play, answer, body_for, cut, reset
-from proxy.support import REPLAYED, only_job, wait_for_state
-from rawhttp import RawConnection, RawResponse
+from tests.support.marker_upstream import MarkerUpstream, Play, answer, body_for, cut, reset
+from tests.support.proxychecks import REPLAYED, only_job, wait_for_state
+from tests.support.rawhttp import RawConnection, RawResponse
+
+from .conftest import ListeningProxy
 
 StartUpstream = Callable[[str, dict[str, Play]], Awaitable[MarkerUpstream]]
 # SPEC §7: a body over max_stored_body streams through; these bodies are all over it.
@@ -58,7 +60,7 @@ async def upstreams() -> AsyncIterator[StartUpstream]:
             await upstream.close()
 
 
-async def connect(listening_proxy: ListeningProxy, **overrides: object) -> RawConnection:
+async def connect(listening_proxy: ListeningProxy, **overrides: Any) -> RawConnection:
     host, port = await listening_proxy(**overrides)
     return await RawConnection.open(host, port)
 
@@ -202,7 +204,7 @@ class Fault:
     # Otherwise: the body is cut off, and the connection ends after it.
 
 
-HEDGED = {"hedge_after": 0.1}
+HEDGED: dict[str, object] = {"hedge_after": 0.1}
 FAULTS = {
     "hedged, the fallback wins": Fault(answer(delay=0.5), answer(), HEDGED, answered_by="fallback"),
     "hedged, a streamed primary wins": Fault(

@@ -13,8 +13,8 @@ import logging
 
 import pytest
 
-from backend import Ledger
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
 
 from .conftest import CountingStore, ListeningProxy
 from .test_requests import exchange

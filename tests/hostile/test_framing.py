@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from backend import Ledger, backend_app
-from e2e.conftest import ProxyProcess, child_env, free_port
 from idemproxy.store.factory import create_store
+from tests.support.backend import Ledger, backend_app
+from tests.support.ports import free_port
+from tests.support.processes import ProxyProcess, child_env
 
 pytestmark = pytest.mark.slow
 

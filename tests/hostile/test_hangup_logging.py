@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from backend import Ledger
 from idemproxy.proxy.context import CONTEXT
-from proxy.conftest import ProxyFactory
+from tests.support.backend import Ledger
+from tests.support.proxyapp import ProxyFactory
 
 HEADS = {
     "declared-length": b"Content-Length: 1000\r\n\r\n0123456789",
@@ -34,7 +34,7 @@ async def test_a_hang_up_mid_body_is_one_info_line_and_counted(
     case: str,
 ) -> None:
     client = await make_proxy(store=sqlite_dsn, server={"spool_threshold": 65536})
-    metrics = client.server.app[CONTEXT].metrics
+    metrics = client.app[CONTEXT].metrics
     caplog.set_level(logging.DEBUG)
     for attempt in range(3):
         _, writer = await asyncio.open_connection(client.host, client.port)
@@ -78,7 +78,7 @@ async def test_a_hang_up_during_a_pass_through_response_is_one_info_line_and_cou
     await upstream.start_server()
     try:
         client = await make_proxy(store=sqlite_dsn, upstream=str(upstream.make_url("")))
-        metrics = client.server.app[CONTEXT].metrics
+        metrics = client.app[CONTEXT].metrics
         caplog.set_level(logging.DEBUG)
         reader, writer = await asyncio.open_connection(client.host, client.port)
         writer.write(b"GET /big HTTP/1.1\r\nHost: p\r\n\r\n")

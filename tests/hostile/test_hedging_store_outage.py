@@ -19,9 +19,9 @@ import pytest
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.sqlite.store import SqliteStore
-from marker_upstream import MarkerUpstream, answer
-from proxy.conftest import ProxyFactory
-from proxy.support import KEY
+from tests.support.marker_upstream import MarkerUpstream, answer
+from tests.support.proxyapp import ProxyFactory
+from tests.support.proxychecks import KEY
 
 
 class SettleFails(SqliteStore):

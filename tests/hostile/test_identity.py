@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from backend import Ledger
-from faultproxy import FaultProxy, replace
 from idemproxy.core.types import JobState
 from idemproxy.identity.owner import hash_credential
 from idemproxy.store.base import Store
-from proxy.conftest import ProxyFactory
-from proxy.support import ATTEMPT, JOB, KEY, REPLAYED, wait_for_jobs
+from tests.support.backend import Ledger
+from tests.support.faultproxy import FaultProxy, replace
+from tests.support.proxyapp import ProxyFactory
+from tests.support.proxychecks import ATTEMPT, JOB, KEY, REPLAYED, wait_for_jobs
 
 from .conftest import CountingStore, ListeningProxy
 

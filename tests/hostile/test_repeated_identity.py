@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from backend import Ledger
 from idemproxy.errors import HeaderInvalid
 from idemproxy.identity.owner import OwnerPolicy, derive_owner
-from jwtkit import SECRET, claims, token
+from tests.support.backend import Ledger
+from tests.support.jwtkit import SECRET, claims, hs256, token
 
 from .conftest import CountingStore, ListeningProxy
 from .test_identity import exchange
@@ -61,8 +61,6 @@ async def test_a_repeated_owner_header_is_400_and_never_reaches_the_victims_job(
 
 
 def test_a_repeated_bearer_jwt_is_refused_even_when_both_verify() -> None:
-    from unit.test_jwt_owner import hs256
-
     policy = OwnerPolicy("jwt", verifier=hs256())
     alice = token(claims("alice"), SECRET, "HS256")
     mallory = token(claims("mallory"), SECRET, "HS256")

@@ -12,9 +12,9 @@ import logging
 
 import pytest
 
-from backend import Ledger
 from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
 
 from .conftest import ListeningProxy
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend import Ledger
+from tests.support.backend import Ledger
 
 from .conftest import CountingStore, ListeningProxy
 from .test_identity import exchange

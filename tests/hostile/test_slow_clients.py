@@ -13,9 +13,9 @@ import contextlib
 import socket
 import time
 
-from backend import Ledger
 from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
 
 from .conftest import ListeningProxy
 

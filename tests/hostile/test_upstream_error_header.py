@@ -7,10 +7,10 @@ never stored (so never replayed), and dropped in pass-through, on both stores.
 
 from __future__ import annotations
 
-from faultproxy import FaultProxy, replace
 from idemproxy.store.base import Store
-from proxy.conftest import ProxyFactory
-from proxy.support import KEY, REPLAYED, wait_for_jobs
+from tests.support.faultproxy import FaultProxy, replace
+from tests.support.proxyapp import ProxyFactory
+from tests.support.proxychecks import KEY, REPLAYED, wait_for_jobs
 
 ANSWER = (
     b"HTTP/1.1 200 OK\r\nIdempotency-Error: payload-mismatch\r\n"

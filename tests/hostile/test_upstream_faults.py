@@ -1,4 +1,5 @@
-"""SPEC §3.2, §7, §10: every way an upstream exchange can break, through tests/faultproxy.py.
+"""SPEC §3.2, §7, §10: every way an upstream exchange can break, through the fault relay
+(tests/support/faultproxy.py).
 
 The recording backend really executes whatever the relay forwards, so each case checks three
 things: what the first client gets, the job's state (`released` only where nothing can have
@@ -15,8 +16,10 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
-from backend import Ledger
-from faultproxy import (
+from idemproxy.core.types import AttemptState, JobState
+from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.faultproxy import (
     RESET_BEFORE_RESPONSE,
     RESET_ON_ACCEPT,
     FaultProxy,
@@ -24,10 +27,8 @@ from faultproxy import (
     replace,
     reset_mid_body,
 )
-from idemproxy.core.types import AttemptState, JobState
-from idemproxy.store.base import Store
-from proxy.conftest import ProxyFactory
-from proxy.support import KEY, REPLAYED, assert_problem, only_job
+from tests.support.proxyapp import ProxyFactory
+from tests.support.proxychecks import KEY, REPLAYED, assert_problem, only_job
 
 Client = TestClient[Any, Any]
 

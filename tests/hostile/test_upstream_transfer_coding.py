@@ -17,10 +17,10 @@ import logging
 
 import pytest
 
-from backend import Ledger
-from faultproxy import FaultProxy, replace
-from proxy.conftest import ProxyFactory
-from proxy.support import KEY
+from tests.support.backend import Ledger
+from tests.support.faultproxy import FaultProxy, replace
+from tests.support.proxyapp import ProxyFactory
+from tests.support.proxychecks import KEY
 
 PAYLOAD = b'{"paid":true}'
 CODED = gzip.compress(PAYLOAD)

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from backend import Ledger
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import KEY, REPLAYED, assert_problem, only_job
 
 from .conftest import ProxyFactory
-from .support import KEY, REPLAYED, assert_problem, only_job
 
 
 @pytest.mark.parametrize(("profile", "status"), [("default", 409), ("ietf", 422)])

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from proxy.conftest import ProxyFactory
+from .conftest import ProxyFactory
 
 
 class CodedUpstream:

@@ -20,10 +20,10 @@ import pytest
 
 from idemproxy.core.types import AttemptState, JobState
 from idemproxy.store.base import Store
-from named_upstream import WRONG_SHAPE
+from tests.support.named_upstream import WRONG_SHAPE
+from tests.support.proxychecks import assert_problem, only_job
 
 from .conftest import ProxyFactory
-from .support import assert_problem, only_job
 from .test_groups import (
     StartUpstream,
     attempts_settle,

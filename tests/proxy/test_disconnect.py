@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from backend import Ledger
 from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import KEY, REPLAYED, eventually, wait_for_jobs, wait_for_state
 
 from .conftest import ProxyFactory
-from .support import KEY, REPLAYED, eventually, wait_for_jobs, wait_for_state
 
 
 @pytest.mark.parametrize("handler_cancellation", [False, True], ids=["serve", "cancelling"])

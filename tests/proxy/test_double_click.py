@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from backend import Ledger
+from tests.support.backend import Ledger
+from tests.support.proxychecks import JOB, KEY, REPLAYED, assert_problem
 
 from .conftest import ProxyFactory
-from .support import JOB, KEY, REPLAYED, assert_problem
 
 
 @pytest.mark.parametrize("clicks", [2, 100])

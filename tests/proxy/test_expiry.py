@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from backend import Ledger
 from idemproxy.core.types import JobState
 from idemproxy.proxy.background.sweeper import sweep_once
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import JOB, KEY, REPLAYED, wait_for_jobs
 
 from .conftest import ProxyFactory
-from .support import JOB, KEY, REPLAYED, wait_for_jobs
 
 
 async def test_expired_completed_job_is_forgotten_and_the_key_executes_again(

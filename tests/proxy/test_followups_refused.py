@@ -21,8 +21,7 @@ from idemproxy.metrics import Metrics
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-
-from .support import eventually
+from tests.support.proxychecks import eventually
 
 # PostgreSQL's jsonb has no NUL in a string: `\u0000` is refused (SQLSTATE 22P05). The proxy
 # never stores one (an upstream's NUL refuses its response); here it stands for any write

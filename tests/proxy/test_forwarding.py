@@ -1,8 +1,9 @@
 """SPEC §10: X-Forwarded-* and Forwarded reach the backend as this proxy saw the request, unless
 the peer is a configured trusted proxy (`trusted_proxies`, as nginx's set_real_ip_from).
 
-The backend is a real aiohttp server recording every header it receives (tests/backend.py); the
-client connects from 127.0.0.1, trusted or not depending on the list.
+The backend is a real aiohttp server recording every header it receives
+(tests/support/backend.py); the client connects from 127.0.0.1, trusted or not depending on the
+list.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from backend import Ledger
-from proxy.conftest import ProxyFactory
-from proxy.support import KEY
+from tests.support.backend import Ledger
+from tests.support.proxychecks import KEY
+
+from .conftest import ProxyFactory
 
 GOVERNED_OR_NOT = pytest.mark.parametrize(
     ("method", "extra"), [("GET", {}), ("POST", {KEY: "k"})], ids=["passthrough", "governed"]

@@ -1,8 +1,8 @@
 """SPEC §3.4: upstream groups. Fail-over to ordered fallbacks, hedging, contract-gated fallbacks.
 
-Every upstream of a group is a `NamedUpstream` of its own (tests/named_upstream.py), so that the
-primary and the fallbacks behave differently and each one's executions are counted apart. All
-tests run on SQLite and PostgreSQL (`proxy` and `jobs` follow `store_dsn`).
+Every upstream of a group is a `NamedUpstream` of its own (tests/support/named_upstream.py), so
+that the primary and the fallbacks behave differently and each one's executions are counted
+apart. All tests run on SQLite and PostgreSQL (`proxy` and `jobs` follow `store_dsn`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from aiohttp.test_utils import TestClient
 from idemproxy.core.types import AttemptState, Job, JobState
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
-from named_upstream import WRONG_SHAPE, NamedUpstream, write_contract
-
-from .conftest import ProxyFactory, Server
-from .support import (
+from tests.support.named_upstream import WRONG_SHAPE, NamedUpstream, write_contract
+from tests.support.proxyapp import ProxyClient
+from tests.support.proxychecks import (
     ATTEMPT,
     JOB,
     KEY,
@@ -34,6 +33,8 @@ from .support import (
     only_job,
     settle_quietly,
 )
+
+from .conftest import ProxyFactory, Server
 
 StartUpstream = Callable[..., Awaitable[NamedUpstream]]
 PROMPT: dict[str, Any] = {"model": "m", "prompt": "What is an idempotency key?"}
@@ -510,10 +511,10 @@ def contract_route(
     return [{"prefix": "/v1", "upstream": primary, "fallbacks": fallbacks, "contract": settings}]
 
 
-def eligible(client: TestClient[Any, Any]) -> tuple[str, ...]:
+def eligible(client: ProxyClient) -> tuple[str, ...]:
     """The fallbacks of the /v1 group that passed their contract check, as the proxy sees it."""
     assert isinstance(client.server, Server)
-    ctx = client.server.app[CONTEXT]
+    ctx = client.app[CONTEXT]
     route = ctx.routes.find("/v1/chat", None)
     assert route is not None and route.gate is not None
     return route.gate.eligible

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient
 
 from idemproxy.constants import REPLAYED_HEADER
-from rawhttp import RawConnection, RawResponse
+from tests.support.rawhttp import RawConnection, RawResponse
 
 from .conftest import ProxyFactory
 
@@ -21,6 +21,7 @@ _SIZE = 3_000_000
 
 
 async def _head(client: TestClient[Any, Any], key: str | None) -> RawResponse:
+    assert client.port is not None  # the test server is started
     connection = await RawConnection.open("127.0.0.1", client.port)
     try:
         connection.send("HEAD", f"/x?size={_SIZE}", marker="head", key=key)

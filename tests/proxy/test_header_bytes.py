@@ -249,7 +249,7 @@ async def test_obs_text_is_stored_as_sent(
     raw_upstream.response = upstream_answer(OBS_TEXT, b"ok")
     key = new_key()
     assert (await exchange(client, post(b"pay", key))).status == 200
-    store = client.server.app[CONTEXT].store
+    store = client.app[CONTEXT].store
     job = await store.get("anonymous", key)
     assert job is not None and job.state is JobState.COMPLETED and job.response is not None
     stored = [
@@ -310,7 +310,7 @@ async def test_a_field_with_a_control_character_is_left_out_and_counted(
         assert (answer.status, answer.upstream_fields(), answer.body) == (200, kept, b"done")
     passed = await exchange(client, post(b"pay"))
     assert (passed.status, passed.upstream_fields()) == (200, kept)
-    metrics: Metrics = client.server.app[CONTEXT].metrics
+    metrics: Metrics = client.app[CONTEXT].metrics
     dropped = metrics.registry.get_sample_value("idemproxy_upstream_headers_dropped_total")
     assert dropped == 2 * len(controls)  # the governed first answer and the pass-through
 
@@ -343,7 +343,7 @@ async def test_a_nul_or_a_control_in_framing_is_refused_and_the_job_unknown(
     key = new_key()
     answer = await exchange(client, post(b"pay", key))
     assert answer.status == 502 and answer.get(b"Idempotency-Error") == b"upstream-unavailable"
-    job = await client.server.app[CONTEXT].store.get("anonymous", key)
+    job = await client.app[CONTEXT].store.get("anonymous", key)
     assert job is not None and job.state is JobState.UNKNOWN
     assert (await exchange(client, post(b"pay"))).status == 502
 

@@ -9,11 +9,19 @@ from typing import Any
 from aiohttp.test_utils import TestClient
 from multidict import CIMultiDict
 
-from backend import Ledger
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import (
+    JOB,
+    KEY,
+    REPLAYED,
+    assert_problem,
+    eventually,
+    only_job,
+    wait_for_jobs,
+)
 
 from .conftest import ProxyFactory
-from .support import JOB, KEY, REPLAYED, assert_problem, eventually, only_job, wait_for_jobs
 
 SLOW = "/payments?delay=0.5"
 REQUEST: dict[str, Any] = {"data": b"pay", "headers": {KEY: "held"}}

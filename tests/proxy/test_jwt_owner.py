@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from backend import Ledger
 from idemproxy.identity.owner import hash_claim
 from idemproxy.store.base import Store
-from jwtkit import (
+from tests.support.backend import Ledger
+from tests.support.jwtkit import (
     AUDIENCE,
     ISSUER,
     bearer,
@@ -31,9 +31,9 @@ from jwtkit import (
     with_payload,
     write_pem,
 )
+from tests.support.proxychecks import KEY, REPLAYED, assert_problem, only_job
 
 from .conftest import ProxyFactory
-from .support import KEY, REPLAYED, assert_problem, only_job
 
 PAYMENT = {"amount": 10, "currency": "EUR"}
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from backend import Ledger
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import JOB, KEY, REPLAYED, assert_problem, only_job, raw_exchange
 
 from .conftest import ProxyFactory
-from .support import JOB, KEY, REPLAYED, assert_problem, only_job, raw_exchange
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE", "OPTIONS"])

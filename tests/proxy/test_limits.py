@@ -6,12 +6,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from backend import Ledger
 from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import JOB, KEY, REPLAYED, assert_problem, only_job
 
 from .conftest import ProxyFactory
-from .support import JOB, KEY, REPLAYED, assert_problem, only_job
 
 KEEP = ("Content-Type", "Location", "ETag")
 

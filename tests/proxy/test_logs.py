@@ -7,11 +7,11 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from backend import Ledger, backend_app
 from idemproxy.config import load_settings
 from idemproxy.identity.owner import hash_credential
 from idemproxy.logs import JsonFormatter, PlainFormatter, configure_logging
@@ -19,6 +19,7 @@ from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.server import trace as trace_module
 from idemproxy.proxy.server.trace import Trace, record
+from tests.support.backend import Ledger, backend_app
 
 SECRET = "Bearer s3cr3t-token"
 BODY = b'{"card": "4111111111111111"}'
@@ -38,7 +39,7 @@ def logging_restored() -> Iterator[None]:
     logging.getLogger("aiosqlite").setLevel(saved[2])
 
 
-async def _exchange(sqlite_dsn: str, **overrides: object) -> None:
+async def _exchange(sqlite_dsn: str, **overrides: Any) -> None:
     async with TestServer(backend_app(Ledger())) as backend:
         settings = load_settings(
             upstream=str(backend.make_url("")).rstrip("/"), store=sqlite_dsn, **overrides
@@ -164,8 +165,8 @@ def test_a_log_record_factory_of_someone_else_sees_the_request_records() -> None
     default = logging.getLogRecordFactory()
 
     def factory(*args: object, **kwargs: object) -> logging.LogRecord:
-        made = default(*args, **kwargs)  # type: ignore[arg-type]
-        made.marked = True  # type: ignore[attr-defined]
+        made = default(*args, **kwargs)
+        made.marked = True
         return made
 
     logging.setLogRecordFactory(factory)

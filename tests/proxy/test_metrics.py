@@ -10,15 +10,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend import Ledger, backend_app
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.config import load_settings
 from idemproxy.metrics import UNSENT_OUTCOMES, Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.factory import create_store
+from tests.support.backend import Ledger, backend_app
 
-Clients = tuple[TestClient[object, object], TestClient[object, object]]
+Clients = tuple[TestClient[web.Request, web.Application], TestClient[web.Request, web.Application]]
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ async def clients(sqlite_dsn: str) -> AsyncIterator[Clients]:
 
 
 async def scrape(
-    admin: TestClient[object, object],
+    admin: TestClient[web.Request, web.Application],
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     response = await admin.get("/metrics")
     assert response.status == 200
@@ -124,7 +124,7 @@ async def test_waiters_gauge_counts_held_duplicates(clients: Clients) -> None:
 
 async def test_store_errors_are_counted(clients: Clients, sqlite_dsn: str) -> None:
     proxy, admin = clients
-    store = proxy.server.app[CONTEXT].store
+    store = proxy.app[CONTEXT].store
     await store.close()  # the store goes away under the proxy
     response = await proxy.post("/pay", data=b"a", headers={"Idempotency-Key": "down"})
     assert response.status == 503
@@ -183,7 +183,7 @@ async def test_upstream_time_ends_when_the_answer_arrived_not_when_it_was_stored
     """A slow completion write is the store's time (idemproxy_store_seconds), not the
     upstream's: dashboards must not blame the upstream for the database."""
     proxy, admin = clients
-    store = proxy.server.app[CONTEXT].store
+    store = proxy.app[CONTEXT].store
     complete = store.complete
 
     async def slow_complete(*args: object, **kwargs: object) -> bool:

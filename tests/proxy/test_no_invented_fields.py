@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 
-from proxy.conftest import ProxyFactory, RawUpstream
+from .conftest import ProxyFactory, RawUpstream
 
 KEY = "Idempotency-Key"
 _keys = itertools.count()

@@ -8,12 +8,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from backend import Ledger
 from idemproxy.core.types import AttemptState, JobState
 from idemproxy.store.base import Store
-
-from .conftest import ProxyFactory, RawUpstream
-from .support import (
+from tests.support.backend import Ledger
+from tests.support.proxychecks import (
     ATTEMPT,
     JOB,
     KEY,
@@ -24,6 +22,8 @@ from .support import (
     only_job,
     settle_quietly,
 )
+
+from .conftest import ProxyFactory, RawUpstream
 
 
 async def test_upstream_timeout_is_504_then_outcome_unknown_without_forwarding(

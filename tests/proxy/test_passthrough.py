@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 import pytest
 from yarl import URL
 
-from backend import Ledger
+from tests.support.backend import Ledger
+from tests.support.proxychecks import KEY, REPLAYED, raw_exchange
 
 from .conftest import ProxyFactory, RawUpstream
-from .support import KEY, REPLAYED, raw_exchange
 
 HOP_BY_HOP = ("Connection", "Keep-Alive", "TE", "Upgrade", "Proxy-Authorization", "X-Secret")
 GOVERNED_OR_NOT = pytest.mark.parametrize(

@@ -6,11 +6,11 @@ import gzip
 import json
 from typing import Any
 
-from backend import Ledger
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import ATTEMPT, JOB, KEY, REPLAYED, http_date_age, only_job
 
 from .conftest import ProxyFactory
-from .support import ATTEMPT, JOB, KEY, REPLAYED, http_date_age, only_job
 
 END_TO_END = ("Content-Type", "Location", "ETag")
 

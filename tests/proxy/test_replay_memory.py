@@ -12,16 +12,16 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from backend import Ledger
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.config import load_settings
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import serving_store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import JOB, KEY, REPLAYED, eventually
 
 from .conftest import ServeListener
-from .support import JOB, KEY, REPLAYED, eventually
 
 pytestmark = pytest.mark.postgres
 
@@ -35,7 +35,10 @@ class Proxy:
     async def post(
         self, key: str, *, user: str, amount: int = 10
     ) -> tuple[int, dict[str, str], bytes]:
-        request = {"json": {"amount": amount}, "headers": {KEY: key, "X-User": user}}
+        request: dict[str, Any] = {
+            "json": {"amount": amount},
+            "headers": {KEY: key, "X-User": user},
+        }
         async with self.client.post("/payments", **request) as response:
             return response.status, dict(response.headers), await response.read()
 

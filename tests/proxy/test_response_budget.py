@@ -14,15 +14,16 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from idemproxy.proxy.context import CONTEXT
+from tests.support.proxyapp import ProxyClient
+from tests.support.proxychecks import KEY, REPLAYED
 
 from .conftest import ProxyFactory
-from .support import KEY, REPLAYED
 
 KiB = 1024
 SIZE = 512 * KiB
 CONCURRENT = 24
 BUDGET = 2 * 1024 * KiB  # a sixth of what the responses hold together
-EXECUTIONS = web.AppKey("executions", list)
+EXECUTIONS = web.AppKey("executions", list[int])
 ARRIVED = web.AppKey("arrived", asyncio.Event)
 
 
@@ -59,15 +60,16 @@ async def upstream() -> AsyncIterator[TestServer]:
     app[EXECUTIONS] = []
     app[ARRIVED] = asyncio.Event()
     app.router.add_post("/big/{number}", _answer_all_at_once)
-    async with TestServer(app) as server:
+    server = TestServer(app)
+    async with server:
         yield server
 
 
 class GaugeWatch:
     """The proxy's idemproxy_response_buffer_bytes gauge, read every millisecond."""
 
-    def __init__(self, client: TestClient[Any, Any]) -> None:
-        self._registry = client.server.app[CONTEXT].metrics.registry
+    def __init__(self, client: ProxyClient) -> None:
+        self._registry = client.app[CONTEXT].metrics.registry
         self.peak = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -120,7 +122,8 @@ async def test_concurrent_large_responses_stay_within_the_budget_and_are_stored_
     replays = await asyncio.gather(*(_post(client, n, query) for n in range(CONCURRENT)))
     assert [(status, replayed) for status, _, replayed in replays] == [(200, "true")] * CONCURRENT
     assert [body == body_for(n) for n, (_, body, _) in enumerate(replays)] == [True] * CONCURRENT
-    assert sorted(upstream.app[EXECUTIONS]) == list(range(CONCURRENT))
+    executions: list[int] = upstream.app[EXECUTIONS]
+    assert sorted(executions) == list(range(CONCURRENT))
     assert gauge.value() == 0
 
 
@@ -139,7 +142,7 @@ async def _get(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> by
 
 async def test_connections_over_the_limit_wait_until_one_closes(proxy: ProxyFactory) -> None:
     client = await proxy(limits={"max_connections": 2})
-    registry = client.server.app[CONTEXT].metrics.registry
+    registry = client.app[CONTEXT].metrics.registry
     held = [await asyncio.open_connection(client.host, client.port) for _ in range(2)]
     for reader, writer in held:
         assert (await _get(reader, writer)).startswith(b"HTTP/1.1 201")
@@ -180,7 +183,7 @@ async def test_concurrent_replays_of_one_large_job_share_one_copy_of_its_body(
     )
     upstream.app[ARRIVED].set()  # answer at once
     assert (await _post(client, 3, f"?size={size}"))[:2] == (200, body_for(3, size))
-    registry = client.server.app[CONTEXT].metrics.registry
+    registry = client.app[CONTEXT].metrics.registry
     request = (
         f"POST /big/3?size={size} HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: k3\r\n"
         "Content-Type: application/octet-stream\r\nContent-Length: 2\r\n\r\n{}"

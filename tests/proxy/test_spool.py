@@ -28,14 +28,15 @@ async def upstream() -> AsyncIterator[TestServer]:
     app = web.Application(client_max_size=64 * MiB)
     app[RECEIVED] = []
     app.router.add_post("/{tail:.*}", _digest_of_body)
-    async with TestServer(app) as server:
+    server = TestServer(app)
+    async with server:
         yield server
 
 
 @pytest.fixture
 async def client(
     upstream: TestServer, sqlite_dsn: str
-) -> AsyncIterator[TestClient[object, object]]:
+) -> AsyncIterator[TestClient[web.Request, web.Application]]:
     settings = load_settings(
         upstream=str(upstream.make_url("")).rstrip("/"),
         store=sqlite_dsn,
@@ -57,7 +58,7 @@ async def _chunked(body: bytes) -> AsyncIterator[bytes]:
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 async def test_a_spooled_body_reaches_the_upstream_intact_and_replays(
-    client: TestClient[object, object], upstream: TestServer, chunked: bool
+    client: TestClient[web.Request, web.Application], upstream: TestServer, chunked: bool
 ) -> None:
     body = _big(7)
     headers = {"Idempotency-Key": "big", "Content-Type": "application/octet-stream"}
@@ -71,7 +72,7 @@ async def test_a_spooled_body_reaches_the_upstream_intact_and_replays(
 
 
 async def test_another_large_body_under_the_same_key_is_a_mismatch(
-    client: TestClient[object, object], upstream: TestServer
+    client: TestClient[web.Request, web.Application], upstream: TestServer
 ) -> None:
     headers = {"Idempotency-Key": "big2", "Content-Type": "application/octet-stream"}
     assert (await client.post("/upload", data=io.BytesIO(_big(7)), headers=headers)).status == 200
@@ -81,7 +82,7 @@ async def test_another_large_body_under_the_same_key_is_a_mismatch(
 
 
 async def test_spooled_json_is_matched_by_its_bytes(
-    client: TestClient[object, object], upstream: TestServer
+    client: TestClient[web.Request, web.Application], upstream: TestServer
 ) -> None:
     """Above the spool threshold JSON is not canonicalised: reordering is another intent."""
     items = ",".join(f'"k{i}": {i}' for i in range(150_000))

@@ -7,13 +7,13 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from backend import Ledger
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import create_store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import KEY, assert_problem, eventually
 
 from .conftest import ProxyFactory
-from .support import KEY, assert_problem, eventually
 
 
 async def test_closed_store_answers_503_and_forwards_nothing(
@@ -59,7 +59,7 @@ async def test_postgres_going_away_fails_closed_and_pass_through_still_works(
         # "before" is in the proxy's in-process replay cache, which answers it from memory
         # until its change feed notices the loss (at once here: the connection was closed;
         # docs/operations.md). From then on it is empty and off.
-        store = client.server.app[CONTEXT].store
+        store = client.app[CONTEXT].store
         assert isinstance(store, MemoryReplayCache)
         await eventually(lambda: not store.watch.live and store.entries == 0)
 

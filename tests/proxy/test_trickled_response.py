@@ -16,9 +16,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from idemproxy.core.types import JobState
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
+from tests.support.proxychecks import KEY, REPLAYED, only_job, wait_for_state
 
 from .conftest import ProxyFactory
-from .support import KEY, REPLAYED, only_job, wait_for_state
 
 PIECE_SECONDS = 0.7  # the body's three bytes take 2.1 s
 
@@ -127,7 +127,8 @@ async def event_stream() -> AsyncIterator[TestServer]:
     app = web.Application()
     app[SSE_EXECUTIONS] = []
     app.router.add_post("/{tail:.*}", _events)
-    async with TestServer(app) as server:
+    server = TestServer(app)
+    async with server:
         yield server
 
 
@@ -164,5 +165,5 @@ async def test_governed_event_stream_over_max_stored_body_streams_whole_and_is_k
     async with client.post("/chat", data=b"{}", headers={KEY: "s2"}) as replay:
         assert replay.headers["Idempotency-Replay"] == "omitted"
         assert await replay.read() == b""
-    assert client.server.app[CONTEXT].budget.used == 0
+    assert client.app[CONTEXT].budget.used == 0
     assert event_stream.app[SSE_EXECUTIONS] == ["s2"]

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from backend import Ledger
 from idemproxy.core.types import AttemptState, Claimed, Intent, Job, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.metrics import Metrics
@@ -26,16 +25,24 @@ from idemproxy.proxy.background.unsent import NEVER_FORWARDED, UnsentClaims
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
+from tests.support.backend import Ledger
+from tests.support.proxyapp import ProxyClient
+from tests.support.proxychecks import (
+    KEY,
+    assert_problem,
+    eventually,
+    job_with_attempts,
+    settle_quietly,
+)
 
 from .conftest import ProxyFactory
-from .support import KEY, assert_problem, eventually, job_with_attempts, settle_quietly
 
 Claim = Callable[..., Awaitable[Any]]
 
 
-def _fail_claims(client: TestClient[Any, Any], *, commit: bool) -> Store:
+def _fail_claims(client: ProxyClient, *, commit: bool) -> Store:
     """Every claim fails after the store committed it (`commit`) or without it."""
-    store = client.server.app[CONTEXT].store
+    store = client.app[CONTEXT].store
     real: Claim = store.claim
 
     async def claim(*args: Any, **kwargs: Any) -> Any:
@@ -48,11 +55,11 @@ def _fail_claims(client: TestClient[Any, Any], *, commit: bool) -> Store:
 
 
 def _restore_claims(store: Store) -> None:
-    del store.claim  # type: ignore[method-assign]  # the class's method again
+    del store.claim  # the class's method again
 
 
 def _unsent(client: TestClient[Any, Any], outcome: str) -> float:
-    metrics: Metrics = client.server.app[CONTEXT].metrics
+    metrics: Metrics = client.app[CONTEXT].metrics
     value = metrics.registry.get_sample_value("idemproxy_unsent_claims_total", {"outcome": outcome})
     return value or 0.0
 
@@ -71,7 +78,7 @@ async def test_a_claim_that_committed_after_its_503_is_released_and_its_retry_ru
     store = _fail_claims(client, commit=True)
     assert await _post(client, "late") == (503, None)
     _restore_claims(store)
-    unsent = client.server.app[CONTEXT].unsent
+    unsent = client.app[CONTEXT].unsent
     await eventually(lambda: len(unsent) == 0)
 
     job = await job_with_attempts(store, "late")
@@ -106,7 +113,7 @@ async def test_a_claim_that_never_committed_is_looked_for_until_its_lease_would_
     store = _fail_claims(client, commit=False)
     assert await _post(client, "lost") == (503, None)
     _restore_claims(store)
-    unsent = client.server.app[CONTEXT].unsent
+    unsent = client.app[CONTEXT].unsent
     assert len(unsent) == 1
     await eventually(lambda: len(unsent) == 0, timeout=5.0)
     assert _unsent(client, "not_committed") == 1
@@ -125,7 +132,7 @@ async def test_nothing_is_released_when_the_request_went_upstream_anyway(
     assert await _post(client, "forwarded") == (201, None)
     _restore_claims(store)
     await settle_quietly(0.3)
-    assert len(client.server.app[CONTEXT].unsent) == 0
+    assert len(client.app[CONTEXT].unsent) == 0
     assert (await job_with_attempts(store, "forwarded")).state is JobState.IN_FLIGHT
     assert ledger.count("forwarded") == 1
 

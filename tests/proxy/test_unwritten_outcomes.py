@@ -16,22 +16,22 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from backend import Ledger
 from idemproxy.core.types import AttemptState, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
+from tests.support.backend import Ledger
+from tests.support.proxychecks import KEY, assert_problem, eventually, job_with_attempts
 
 from .conftest import ProxyFactory
-from .support import KEY, assert_problem, eventually, job_with_attempts
 
 
 class FailingWrites:
     """The store's `method` raises StoreUnavailable until `heal()` (or for `seconds`)."""
 
     def __init__(self, client: TestClient[Any, Any], method: str, seconds: float = 0.0) -> None:
-        self.store: Store = client.server.app[CONTEXT].store
+        self.store: Store = client.app[CONTEXT].store
         self.method = method
         self.until = time.monotonic() + seconds if seconds else float("inf")
         real = getattr(self.store, method)
@@ -48,7 +48,7 @@ class FailingWrites:
 
 
 def _counted(client: TestClient[Any, Any], outcome: str) -> float:
-    metrics: Metrics = client.server.app[CONTEXT].metrics
+    metrics: Metrics = client.app[CONTEXT].metrics
     value = metrics.registry.get_sample_value(
         "idemproxy_unwritten_outcomes_total", {"outcome": outcome}
     )
@@ -78,7 +78,7 @@ async def test_a_completion_the_store_missed_is_written_and_retries_get_it(
         assert "was forwarded" in problem["detail"]
     failing.heal()
     store = failing.store
-    await eventually(lambda: len(client.server.app[CONTEXT].unwritten) == 0)
+    await eventually(lambda: len(client.app[CONTEXT].unwritten) == 0)
 
     job = await job_with_attempts(store, "k")
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 1)
@@ -116,7 +116,7 @@ async def test_a_settlement_the_store_missed_is_written(
     async with client.post("/payments?status=503", data=b"pay", headers={KEY: "k"}) as response:
         await assert_problem(response, "store-unavailable", 503)
     failing.heal()
-    await eventually(lambda: len(client.server.app[CONTEXT].unwritten) == 0)
+    await eventually(lambda: len(client.app[CONTEXT].unwritten) == 0)
     job = await job_with_attempts(failing.store, "k")
     assert job.state is JobState.RELEASED
     assert [a.state for a in job.attempts] == [AttemptState.FAILED]
@@ -137,7 +137,7 @@ async def test_a_job_taken_over_first_stays_unknown(proxy: ProxyFactory, ledger:
     status, _, body = await _post(client, "k")  # held, then takes the job over
     assert (status, json.loads(body)["code"]) == (409, "outcome-unknown")
     failing.heal()
-    await eventually(lambda: len(client.server.app[CONTEXT].unwritten) == 0, timeout=5.0)
+    await eventually(lambda: len(client.app[CONTEXT].unwritten) == 0, timeout=5.0)
     assert await _state(failing.store, "k") is JobState.UNKNOWN
     assert _counted(client, "moved_on") == 1
     assert ledger.count("k") == 1

@@ -20,7 +20,12 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
-from redis_support import (
+
+from idemproxy.config import load_settings
+from idemproxy.proxy.app import create_app
+from idemproxy.store.redis.cache import RedisCachedStore
+from tests.support.backend import Ledger, backend_app
+from tests.support.redisserver import (
     LOOKUP_TIMEOUT,
     WRITE_TIMEOUT,
     CachedStoreFactory,
@@ -28,11 +33,6 @@ from redis_support import (
     RedisServer,
     SpyStore,
 )
-
-from backend import Ledger, backend_app
-from idemproxy.config import load_settings
-from idemproxy.proxy.app import create_app
-from idemproxy.store.redis.cache import RedisCachedStore
 
 
 @pytest.fixture

@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from redis_support import (
+
+from tests.support.backend import Ledger
+from tests.support.redisserver import (
     LOOKUP_TIMEOUT,
     CachedStoreFactory,
     ProxyFactory,
     RedisServer,
     closed_port_url,
 )
-
-from backend import Ledger
 
 pytestmark = pytest.mark.postgres
 

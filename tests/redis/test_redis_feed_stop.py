@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
-from redis_support import RedisServer, wait_for
 
 from idemproxy.store.redis.cache import RedisCachedStore
 from idemproxy.store.sqlite.store import SqliteStore
+from tests.support.redisserver import RedisServer, wait_for
 
 
 async def _subscribed(client: Redis) -> bool:

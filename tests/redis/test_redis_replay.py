@@ -11,15 +11,21 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 from redis.asyncio import Redis
-from redis_support import CachedStoreFactory, ProxyFactory, RedisServer, cached_entries, wait_for
 
-from backend import Ledger
 from idemproxy import cli
 from idemproxy.config import load_settings
 from idemproxy.constants import REDIS_GONE_PREFIX
 from idemproxy.core.types import Claimed, Existing, Intent, JobState, StoredResponse
 from idemproxy.proxy.app import create_app
 from idemproxy.store.redis.codec import encode, entry_name, tombstone_name, watch_name
+from tests.support.backend import Ledger
+from tests.support.redisserver import (
+    CachedStoreFactory,
+    ProxyFactory,
+    RedisServer,
+    cached_entries,
+    wait_for,
+)
 
 pytestmark = pytest.mark.postgres
 

@@ -11,11 +11,11 @@ import asyncio
 
 import aiohttp
 import pytest
-from redis_support import RedisServer
 
-from e2e.client import send
-from e2e.conftest import Backend, StartProxy, backend, start_backend, start_proxy
 from idemproxy.constants import WAITER_RECHECK_SECONDS
+from tests.support.client import send
+from tests.support.processes import Backend, StartProxy, backend, start_backend, start_proxy
+from tests.support.redisserver import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 __all__ = ["backend", "start_backend", "start_proxy"]  # fixtures, used by name

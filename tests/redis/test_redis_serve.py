@@ -12,9 +12,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from redis.asyncio import Redis
-from redis_support import RedisServer, cached_entries, free_port, wait_for
 
-from backend import Ledger
+from tests.support.backend import Ledger
+from tests.support.ports import free_port
+from tests.support.redisserver import RedisServer, cached_entries, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 from redis.asyncio import Redis
-from redis_support import CachedStoreFactory, ProxyFactory, closed_port_url, wait_for
 
-from backend import Ledger
 from idemproxy.constants import REDIS_CHANNEL, WAITER_RECHECK_SECONDS
+from tests.support.backend import Ledger
+from tests.support.redisserver import CachedStoreFactory, ProxyFactory, closed_port_url, wait_for
 
 pytestmark = pytest.mark.postgres
 

@@ -12,11 +12,12 @@ import pytest
 from idemproxy.store.base import Store
 from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import create_store
+from tests.support.stores import CacheBounds, opened
 
 _CACHED = "postgres+memory"
 _DSN_FIXTURES = {"sqlite": "sqlite_dsn", "postgres": "pg_dsn", _CACHED: "pg_dsn"}
 # A cache that keeps anything a test makes: its bounds have tests of their own.
-_UNBOUNDED = {"max_bytes": 1 << 30, "max_body": 1 << 30, "ttl": 3600.0}
+_UNBOUNDED: CacheBounds = {"max_bytes": 1 << 30, "max_body": 1 << 30, "ttl": 3600.0}
 
 
 @pytest.fixture(
@@ -37,14 +38,10 @@ async def store(store_dsn: str, request: pytest.FixtureRequest) -> AsyncIterator
     store = create_store(store_dsn)
     if request.node.callspec.params.get("store_dsn") == _CACHED:
         store = MemoryReplayCache(store, **_UNBOUNDED)
-    await store.open()
-    try:
-        await store.migrate()
+    async with opened(store):
         if isinstance(store, MemoryReplayCache):
             await wait_until_live(store)
         yield store
-    finally:
-        await store.close()
 
 
 async def wait_until_live(store: Store) -> None:

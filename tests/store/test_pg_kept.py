@@ -31,7 +31,7 @@ class Pool:
     def __init__(self) -> None:
         self.made = 0
         self.acquired = 0
-        self.released: list[Conn] = []
+        self.released: list[object] = []  # the Conns given back, as KeptConnections sees them
 
     async def acquire(self, timeout: float | None = None) -> Conn:
         self.acquired += 1
@@ -136,7 +136,7 @@ async def test_a_waiter_cancelled_as_a_place_came_free_passes_the_place_on() -> 
 async def test_a_dead_connection_handed_over_is_released_and_replaced() -> None:
     pool = Pool()
     kept = _kept(pool)
-    conn = await kept.take()
+    conn: Any = await kept.take()  # a Conn of the fake pool
     waiter = await _waiting(kept)
     conn.closed = True  # the server ended it after its statement
     kept.keep(conn)

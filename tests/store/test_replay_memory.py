@@ -19,13 +19,14 @@ from idemproxy.store.base import Store
 from idemproxy.store.cache.memory import ENTRY_OVERHEAD_BYTES, MemoryReplayCache
 from idemproxy.store.factory import serving_store
 from idemproxy.store.postgres.store import PostgresStore
+from tests.support.stores import CacheBounds
 
 from .conftest import eventually, wait_until_live
 from .test_contract import LEASE, RESPONSE, TTL, claim, intent
 
 pytestmark = pytest.mark.postgres
 
-BOUNDS = {"max_bytes": 1 << 20, "max_body": 4096, "ttl": 60.0}
+BOUNDS: CacheBounds = {"max_bytes": 1 << 20, "max_body": 4096, "ttl": 60.0}
 
 
 @pytest.fixture

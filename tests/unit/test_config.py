@@ -161,7 +161,11 @@ def test_a_lease_renewal_must_fit_in_the_lease(
 ) -> None:
     """SPEC §3.5: a renewal due after lease / 3 that may take pool.store_timeout to fail must
     end before the lease does."""
-    settings = {"upstream": "http://u:1", "lease": lease, "pool": {"store_timeout": store_timeout}}
+    settings: dict[str, Any] = {
+        "upstream": "http://u:1",
+        "lease": lease,
+        "pool": {"store_timeout": store_timeout},
+    }
     if not refused:
         assert load_settings(**settings).lease == lease
         return

@@ -13,7 +13,7 @@ import pytest
 from idemproxy.config import ContractSettings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.contract import Contract, load_samples
-from named_upstream import CHAT_SCHEMA
+from tests.support.named_upstream import CHAT_SCHEMA
 
 
 def contract(tmp_path: Path, schema: str | None = None, samples: str | None = None) -> Contract:

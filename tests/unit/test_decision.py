@@ -68,12 +68,13 @@ def expected_decision(
         return Forget(VERSION)  # an expired job is gone; in_flight/unknown are never swept early
     if not matches:
         return Reject(PayloadMismatch)  # whatever the state: the stored job is untouched
-    return {
+    by_state: dict[JobState, Decision] = {
         JobState.COMPLETED: Replay(RESPONSE),
         JobState.RELEASED: StartNextAttempt(VERSION),
         JobState.UNKNOWN: Reject(OutcomeUnknown),
         JobState.IN_FLIGHT: Hold() if hold and not wait_expired else Reject(RequestInFlight),
-    }[state]
+    }
+    return by_state[state]
 
 
 MATRIX = [

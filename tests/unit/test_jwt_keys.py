@@ -20,7 +20,7 @@ from idemproxy.errors import ConfigError
 from idemproxy.identity.jwt_keys import load_keys
 from idemproxy.identity.jwt_owner import JwtVerifier
 from idemproxy.identity.owner import OwnerPolicy
-from jwtkit import (
+from tests.support.jwtkit import (
     AUDIENCE,
     SECRET,
     claims,

@@ -16,33 +16,24 @@ from idemproxy.constants import ANONYMOUS_OWNER
 from idemproxy.errors import OwnerMissing
 from idemproxy.identity.jwt_owner import JwtVerifier
 from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_claim, hash_credential
-from jwtkit import (
+from tests.support.jwtkit import (
     AUDIENCE,
     ISSUER,
     SECRET,
     claims,
     ec_key,
     hmac_token,
+    hs256,
     public_jwk,
     public_pem,
     rsa_key,
     token,
     unsigned,
+    verifier,
     with_payload,
     write_jwks,
     write_pem,
 )
-
-ENVIRON = {"JWT_SECRET": SECRET}
-
-
-def verifier(key: str, algorithms: list[str], **settings: Any) -> JwtVerifier:
-    jwt_settings = JwtSettings(key=key, algorithms=algorithms, audience=[AUDIENCE], **settings)
-    return JwtVerifier.from_settings(jwt_settings, environ=ENVIRON)
-
-
-def hs256(**settings: Any) -> JwtVerifier:
-    return verifier("env:JWT_SECRET", ["HS256"], **settings)
 
 
 @pytest.fixture

@@ -87,14 +87,14 @@ def _repeated() -> web.Response:
     return web.Response(status=201, reason="Made", body=b"ok", headers=headers)
 
 
-def _replayed() -> web.Response:
+def _replayed() -> web.StreamResponse:
     stored = StoredResponse(
         status=201, headers=(("Content-Type", "application/json"),), body=b'{"id":7}'
     )
     return replay_response("job-1", stored)
 
 
-RESPONSES: dict[str, Callable[[], web.Response]] = {
+RESPONSES: dict[str, Callable[[], web.StreamResponse]] = {
     "json": _plain,
     "empty": lambda: web.Response(status=200),
     "no content type": lambda: web.Response(body=b"\x00\x01"),

@@ -16,12 +16,28 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
+from idemproxy.config import JwtSettings
+from idemproxy.identity.jwt_owner import JwtVerifier
+
 AUDIENCE = "https://api.example.test"
 ISSUER = "https://idp.example.test"
 # 48 bytes: long enough for HS256 and HS384 (RFC 7518 §3.2).
 SECRET = "k7Qp2vX9mR4tL8wZ1cN6bH3jF5dS0gY2aE7uI9oP4kM1nB8v"
 
 PrivateKey = rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey
+# The environment the verifiers below read their `env:` keys from.
+ENVIRON = {"JWT_SECRET": SECRET}
+
+
+def verifier(key: str, algorithms: list[str], **settings: Any) -> JwtVerifier:
+    """The proxy's verifier for `key` (a file, a JWKS file or `env:JWT_SECRET`) and AUDIENCE."""
+    jwt_settings = JwtSettings(key=key, algorithms=algorithms, audience=[AUDIENCE], **settings)
+    return JwtVerifier.from_settings(jwt_settings, environ=ENVIRON)
+
+
+def hs256(**settings: Any) -> JwtVerifier:
+    """A verifier of HS256 tokens signed with SECRET."""
+    return verifier("env:JWT_SECRET", ["HS256"], **settings)
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 
 from idemproxy.constants import REDIS_JOB_PREFIX
 from idemproxy.store.postgres.store import PostgresStore
+from tests.support.ports import free_port
 
 # make_store(listen=True, url=None, **options) -> RedisCachedStore (over a SpyStore, `.inner`)
 CachedStoreFactory = Callable[..., Awaitable[Any]]
@@ -27,13 +28,6 @@ ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 START_DEADLINE = 5.0
 LOOKUP_TIMEOUT = 0.05
 WRITE_TIMEOUT = 0.3
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class RedisServer:

@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+
+from tests.support.ports import free_port
 
 START_DEADLINE = 30.0  # seconds for initdb, or for the server to accept connections
 STOP_DEADLINE = 30.0  # seconds for a shutdown to finish
@@ -80,13 +81,6 @@ def find_bindir() -> Path:
 
 def _version(path: Path) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", path.parent.name)) or (0,)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class ThrowawayPostgres:

@@ -11,8 +11,10 @@ carries `execution`, the 1-based count of requests this backend executed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,3 +106,20 @@ def backend_app(ledger: Ledger | None = None) -> web.Application:
     app[LEDGER] = ledger or Ledger()
     app.router.add_route("*", "/{tail:.*}", _handle)
     return app
+
+
+@contextlib.asynccontextmanager
+async def serving(ledger: Ledger) -> AsyncIterator[str]:
+    """`backend_app(ledger)` on 127.0.0.1, an ephemeral port, for the block; yields its URL.
+
+    As `idemproxy serve` and a typical backend do, a handler keeps executing when its client
+    hangs up (handler_cancellation=False)."""
+    runner = web.AppRunner(backend_app(ledger), access_log=None, handler_cancellation=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()

@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from backend import Execution
+from tests.support.backend import Execution
 
 # The response contract of the chat-like group used by these tests (JSON Schema).
 CHAT_SCHEMA: dict[str, Any] = {

@@ -1,0 +1,37 @@
+"""Stores opened for a test: migrated on the way in, closed on the way out."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TypedDict, TypeVar
+
+from idemproxy.store.base import Store
+from idemproxy.store.postgres.store import PostgresStore
+
+S = TypeVar("S", bound=Store)
+
+
+class CacheBounds(TypedDict):
+    """The bounds of an in-process replay cache (`MemoryReplayCache(store, **bounds)`)."""
+
+    max_bytes: int
+    max_body: int
+    ttl: float
+
+
+@contextlib.asynccontextmanager
+async def opened(store: S) -> AsyncIterator[S]:
+    """`store`, open and migrated, for the duration of the block; closed whatever happens."""
+    await store.open()
+    try:
+        await store.migrate()
+        yield store
+    finally:
+        await store.close()
+
+
+async def migrate_postgres(dsn: str) -> None:
+    """Apply every migration to the PostgreSQL database at `dsn` (for a template database)."""
+    async with opened(PostgresStore(dsn, min_connections=1, max_connections=1, listen=False)):
+        pass
