@@ -15,7 +15,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from backend import Ledger
-from idemproxy.identity.owner import hash_claim
+from idemproxy.identity.jwt_owner import hash_claim
 from idemproxy.store.base import Store
 from jwtkit import (
     AUDIENCE,

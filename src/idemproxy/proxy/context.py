@@ -10,7 +10,7 @@ from aiohttp import web
 
 from idemproxy.config import Settings
 from idemproxy.core.decision import Policy, StatusPolicy
-from idemproxy.identity.owner import OwnerPolicy
+from idemproxy.identity.owner import OwnerPolicy, owner_policy
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
@@ -59,7 +59,9 @@ class ProxyContext:
         upstream: UpstreamClient,
         failpoints: Failpoints | None = None,
         metrics: Metrics | None = None,
+        owner: OwnerPolicy | None = None,
     ) -> ProxyContext:
+        """`owner` is built from `settings.owner` when not given (identity/owner.py)."""
         failpoints = failpoints or Failpoints(None)
         metrics = metrics or Metrics()
         budget = _budget(settings, metrics)
@@ -73,7 +75,7 @@ class ProxyContext:
                 frozenset(settings.outcomes.release_statuses),
                 frozenset(settings.outcomes.unknown_statuses),
             ),
-            owner=settings.owner.policy(),
+            owner=owner or owner_policy(settings.owner),
             governed_methods=frozenset(settings.methods),
             failpoints=failpoints,
             metrics=metrics,
