@@ -100,7 +100,14 @@ async def _serve_until_signalled(
     gc.set_threshold(_YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
     try:
         # SPEC §9: the proxy listener cuts off slow request heads (proxy/server/listener.py).
-        site = GuardedSite(proxy, settings.listen, settings.server, reuse_port=worker is not None)
+        site = GuardedSite(
+            proxy,
+            settings.listen,
+            settings.server,
+            settings.limits,
+            metrics,
+            reuse_port=worker is not None,
+        )
         await _listening("listen", settings.listen, site.start())
         admin_listen = settings.admin.listen
         admin_at = await _listening(
