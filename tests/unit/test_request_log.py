@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from idemproxy.logs import JsonFormatter, PlainFormatter
-from idemproxy.metrics import ATTEMPT_OUTCOMES, REQUEST_OUTCOMES, Metrics
+from idemproxy.metrics import AttemptOutcome, Metrics, RequestOutcome
 from idemproxy.proxy.server.trace import Trace, record
 
 STOCK_PLAIN = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -84,9 +84,9 @@ def _value(metrics: Metrics, name: str, **labels: str) -> float | None:
 def test_every_outcome_series_exists_from_the_start_and_no_other() -> None:
     metrics = Metrics()
     text = generate_latest(metrics.registry).decode()
-    for outcome in REQUEST_OUTCOMES:
+    for outcome in RequestOutcome:
         assert f'idemproxy_requests_total{{outcome="{outcome}"}} 0.0' in text
-    for outcome in ATTEMPT_OUTCOMES:
+    for outcome in AttemptOutcome:
         assert f'idemproxy_attempts_total{{outcome="{outcome}"}} 0.0' in text
     assert "idemproxy_store_seconds_count{" not in text
     assert "idemproxy_store_errors_total{" not in text
