@@ -184,7 +184,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = _settings(args, _SERVE_FLAGS)
     parse_listen(settings.listen)
-    owner = owner_policy(settings.owner)  # JWT keys: a bad one stops the start before the store
+    # With JWT owners this loads the keys: a bad one stops the start before the store is opened.
+    owner = owner_policy(settings.owner)
     if args.worker_role is not None:
         from idemproxy.workers.role import WorkerRole
 

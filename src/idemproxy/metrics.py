@@ -36,7 +36,7 @@ from idemproxy.store.cache.memory import MemoryReplayCache
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=MetricWrapperBase)
-L = TypeVar("L", bound=str)
+L = TypeVar("L", bound=str)  # a label value: one of the enums below, or a store operation
 # How often the unknown-jobs gauge is refreshed at most (one cheap COUNT on the store).
 _GAUGE_REFRESH_SECONDS = 15.0
 
@@ -79,10 +79,10 @@ class UnsentOutcome(enum.StrEnum):
     """`idemproxy_unsent_claims_total{outcome}`: what became of a claim that failed at the proxy
     (proxy/background/unsent.py)."""
 
-    RELEASED = "released"
-    NOT_COMMITTED = "not_committed"
-    MOVED_ON = "moved_on"
-    DROPPED = "dropped"  # more than the process holds
+    RELEASED = "released"  # it committed after all, untouched: released
+    NOT_COMMITTED = "not_committed"  # it never appeared within its lease
+    MOVED_ON = "moved_on"  # another job holds the key, or this one moved on
+    DROPPED = "dropped"  # one more than the process holds
     # The store refused the write for its data (StoreRefused): final
     # (proxy/background/followups.py).
     REFUSED = "refused"
@@ -93,9 +93,9 @@ class UnwrittenOutcome(enum.StrEnum):
     the store could not take (proxy/background/unwritten.py)."""
 
     WRITTEN = "written"
-    MOVED_ON = "moved_on"
-    DROPPED = "dropped"
-    REFUSED = "refused"
+    MOVED_ON = "moved_on"  # the job moved on meanwhile: nothing written
+    DROPPED = "dropped"  # one more than the process holds
+    REFUSED = "refused"  # the store refused the write for its data: final
 
 
 class DisconnectStage(enum.StrEnum):

@@ -75,7 +75,7 @@ class ProxyContext:
                 frozenset(settings.outcomes.release_statuses),
                 frozenset(settings.outcomes.unknown_statuses),
             ),
-            owner=owner or owner_policy(settings.owner),
+            owner=owner if owner is not None else owner_policy(settings.owner),
             governed_methods=frozenset(settings.methods),
             failpoints=failpoints,
             metrics=metrics,
