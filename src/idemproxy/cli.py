@@ -179,15 +179,17 @@ def _settings(args: argparse.Namespace, flags: dict[str, str], **extra: Any) -> 
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from idemproxy.identity.owner import owner_policy
     from idemproxy.server import serve
 
     settings = _settings(args, _SERVE_FLAGS)
     parse_listen(settings.listen)
-    settings.owner.policy()  # JWT keys: a bad one stops the start before the store is opened
+    # With JWT owners this loads the keys: a bad one stops the start before the store is opened.
+    owner = owner_policy(settings.owner)
     if args.worker_role is not None:
         from idemproxy.workers.role import WorkerRole
 
-        serve(settings, WorkerRole.from_arg(args.worker_role))
+        serve(settings, owner, WorkerRole.from_arg(args.worker_role))
         return 0
     if settings.server.workers > 1:
         from idemproxy.workers.supervisor import supervise
@@ -196,7 +198,7 @@ def _serve(args: argparse.Namespace) -> int:
     from idemproxy.workers.listen import probe
 
     probe(*parse_listen(settings.listen))  # a taken port fails before the store is touched
-    serve(settings)
+    serve(settings, owner)
     return 0
 
 

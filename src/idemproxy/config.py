@@ -16,7 +16,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PrivateAttr,
     SecretStr,
     ValidationError,
     ValidationInfo,
@@ -33,11 +32,11 @@ from pydantic_settings import (
 
 from idemproxy import constants as c
 from idemproxy.errors import ConfigError
-from idemproxy.identity.fingerprint import parse_pointer
-from idemproxy.identity.owner import OwnerPolicy, check_strategy
 
 _STRICT = ConfigDict(extra="forbid")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# RFC 9110 §5.1: field-name = token.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 class ContractSettings(BaseModel):
@@ -145,7 +144,6 @@ class OwnerSettings(BaseModel):
     strategy: str = "authorization"
     required: bool = False
     jwt: JwtSettings = Field(default_factory=JwtSettings)
-    _policy: OwnerPolicy | None = PrivateAttr(default=None)
 
     @field_validator("strategy")
     @classmethod
@@ -167,17 +165,6 @@ class OwnerSettings(BaseModel):
             if missing:
                 raise ValueError(f"strategy jwt needs {', '.join(missing)}")
         return self
-
-    def policy(self) -> OwnerPolicy:
-        """Built once: with `jwt`, this loads the keys (`ConfigError` naming the field)."""
-        if self._policy is None:
-            verifier = None
-            if self.strategy == "jwt":
-                from idemproxy.identity.jwt_owner import JwtVerifier
-
-                verifier = JwtVerifier.from_settings(self.jwt)
-            self._policy = OwnerPolicy(self.strategy, self.required, verifier)
-        return self._policy
 
 
 class OutcomeSettings(BaseModel):
@@ -446,7 +433,6 @@ class Settings(BaseSettings):
         for pointer in pointers:
             if not pointer.startswith("/"):
                 raise ValueError(f"JSON pointer {pointer!r} must start with '/'")
-            parse_pointer(pointer)
         return pointers
 
     @model_validator(mode="after")
@@ -502,6 +488,16 @@ class Settings(BaseSettings):
                 )
             )
         return routes
+
+
+def check_strategy(strategy: str) -> None:
+    """SPEC §5: `owner.strategy` is authorization, header:<NAME>, jwt or none."""
+    if strategy in ("authorization", "jwt", "none"):
+        return
+    # The name must be an RFC 9110 token exactly: "header: X-Tenant" would look up
+    # " X-Tenant", never find it, and put every request in the shared anonymous scope.
+    if not strategy.startswith("header:") or not _TOKEN.fullmatch(strategy[7:]):
+        raise ConfigError("owner.strategy must be authorization, header:<NAME>, jwt or none")
 
 
 def check_upstream_url(url: str) -> str:

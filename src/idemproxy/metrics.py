@@ -1,21 +1,14 @@
 """Prometheus metrics (SPEC §13), on a registry of their own that the admin listener serves.
 
-Every request gets exactly one outcome:
-  new                 this request's attempt ran (first of its key, or retry of a released job)
-  replayed            answered at once from the stored response
-  held                waited for a duplicate in flight, then answered from its stored response
-  mismatch            the key was used with another payload (409/422)
-  in_flight_conflict  a duplicate in flight past max_wait, or at once in the ietf profile (409)
-  unknown             the key's outcome is unknown (409 outcome-unknown)
-  passthrough         not governed: no key, or a method that is not governed
-  rejected            refused before any storage call (bad key, no owner, body too large, …)
-  unavailable         the store (or the waiter limit, or a shutdown) could not take it (503)
+Every label value is a member of one of the enums below (`RequestOutcome`, ...), so that a
+misspelt one fails the type check instead of starting a new series.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -43,29 +36,76 @@ from idemproxy.store.cache.memory import MemoryReplayCache
 
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=MetricWrapperBase)
+L = TypeVar("L", bound=str)  # a label value: one of the enums below, or a store operation
 # How often the unknown-jobs gauge is refreshed at most (one cheap COUNT on the store).
 _GAUGE_REFRESH_SECONDS = 15.0
 
-REQUEST_OUTCOMES = (
-    "new",
-    "replayed",
-    "held",
-    "mismatch",
-    "in_flight_conflict",
-    "unknown",
-    "passthrough",
-    "rejected",
-    "unavailable",
-)
-ATTEMPT_OUTCOMES = ("succeeded", "failed", "unknown", "discarded")
-# What became of a claim that failed at the proxy (proxy/background/unsent.py).
-# "refused": the store refused the write for its data (StoreRefused), final
-# (proxy/background/followups.py).
-UNSENT_OUTCOMES = ("released", "not_committed", "moved_on", "dropped", "refused")
-# What became of an attempt's outcome that the store could not take (proxy/background/unwritten.py).
-UNWRITTEN_OUTCOMES = ("written", "moved_on", "dropped", "refused")
-# Where a client hung up (proxy/server/hangups.py).
-DISCONNECT_STAGES = ("request_body", "response")
+
+class RequestOutcome(enum.StrEnum):
+    """`idemproxy_requests_total{outcome}`: exactly one per request."""
+
+    NEW = "new"  # this request's attempt ran (first of its key, or retry of a released job)
+    REPLAYED = "replayed"  # answered at once from the stored response
+    HELD = "held"  # waited for a duplicate in flight, then answered from its stored response
+    MISMATCH = "mismatch"  # the key was used with another payload (409/422)
+    # A duplicate in flight past max_wait, or at once in the ietf profile (409).
+    IN_FLIGHT_CONFLICT = "in_flight_conflict"
+    UNKNOWN = "unknown"  # the key's outcome is unknown (409 outcome-unknown)
+    PASSTHROUGH = "passthrough"  # not governed: no key, or a method that is not governed
+    REJECTED = "rejected"  # refused before any storage call (bad key, no owner, body too large)
+    UNAVAILABLE = "unavailable"  # the store (or the waiter limit, or a shutdown) could not take it
+
+
+class AttemptOutcome(enum.StrEnum):
+    """`idemproxy_attempts_total{outcome}`."""
+
+    SUCCEEDED = "succeeded"  # completed the job
+    FAILED = "failed"  # released the job: nothing executed
+    UNKNOWN = "unknown"  # the upstream may have executed it
+    DISCARDED = "discarded"  # a result that lost the completion CAS
+
+
+class UpstreamOutcome(enum.StrEnum):
+    """`idemproxy_upstream_seconds{outcome}`: how an upstream call ended."""
+
+    ANSWERED = "answered"  # with the attempt's answer
+    FAILED = "failed"  # with a response that fails the attempt (its status, its contract)
+    # With no response, by what the transport failure does to the job (core.decision.Outcome).
+    RELEASE = "release"
+    UNKNOWN = "unknown"
+
+
+class UnsentOutcome(enum.StrEnum):
+    """`idemproxy_unsent_claims_total{outcome}`: what became of a claim that failed at the proxy
+    (proxy/background/unsent.py)."""
+
+    RELEASED = "released"  # it committed after all, untouched: released
+    NOT_COMMITTED = "not_committed"  # it never appeared within its lease
+    MOVED_ON = "moved_on"  # another job holds the key, or this one moved on
+    DROPPED = "dropped"  # one more than the process holds
+    # The store refused the write for its data (StoreRefused): final
+    # (proxy/background/followups.py).
+    REFUSED = "refused"
+
+
+class UnwrittenOutcome(enum.StrEnum):
+    """`idemproxy_unwritten_outcomes_total{outcome}`: what became of an attempt's outcome that
+    the store could not take (proxy/background/unwritten.py)."""
+
+    WRITTEN = "written"
+    MOVED_ON = "moved_on"  # the job moved on meanwhile: nothing written
+    DROPPED = "dropped"  # one more than the process holds
+    REFUSED = "refused"  # the store refused the write for its data: final
+
+
+class DisconnectStage(enum.StrEnum):
+    """`idemproxy_client_disconnects_total{stage}`: where a client hung up
+    (proxy/server/hangups.py)."""
+
+    REQUEST_BODY = "request_body"
+    RESPONSE = "response"
+
+
 # Sub-millisecond store calls up to upstream timeouts.
 _LATENCY_BUCKETS = (
     0.0005,
@@ -87,7 +127,7 @@ _LATENCY_BUCKETS = (
 )
 
 
-class Children(dict[str, C]):
+class Children(dict[L, C]):
     """A metric's children by label value, bound once: `labels()` takes a lock, builds a tuple
     and looks it up on every call, which the hot path pays several times per request.
 
@@ -95,13 +135,13 @@ class Children(dict[str, C]):
     is first observed, exactly as with `labels()`.
     """
 
-    def __init__(self, bind: Callable[[str], C], values: tuple[str, ...] = ()) -> None:
+    def __init__(self, bind: Callable[[L], C], values: Iterable[L] = ()) -> None:
         super().__init__()
-        self._bind: Callable[[str], C] = bind
+        self._bind: Callable[[L], C] = bind
         for value in values:
             self[value] = bind(value)
 
-    def __missing__(self, value: str) -> C:
+    def __missing__(self, value: L) -> C:
         child: C = self._bind(value)
         self[value] = child
         return child
@@ -203,17 +243,24 @@ class Metrics:
         # The hot path's children, bound once. Request, attempt, unsent-claim and
         # unwritten-outcome outcomes: every series exists from the start; the others appear
         # when first observed.
-        self.request_outcome = Children[Counter](self.requests.labels, REQUEST_OUTCOMES)
-        self.attempt_outcome = Children[Counter](self.attempts.labels, ATTEMPT_OUTCOMES)
-        self.unsent_outcome = Children[Counter](self.unsent_claims.labels, UNSENT_OUTCOMES)
-        self.unwritten_outcome = Children[Counter](
-            self.unwritten_outcomes.labels, UNWRITTEN_OUTCOMES
+        self.request_outcome = Children[RequestOutcome, Counter](
+            self.requests.labels, RequestOutcome
         )
-        self.upstream_outcome = Children[Histogram](self.upstream_seconds.labels)
-        self._store_seconds = Children[Histogram](self.store_seconds.labels)
-        self._store_errors = Children[Counter](self.store_errors.labels)
-        self.client_disconnect = Children[Counter](
-            self.client_disconnects.labels, DISCONNECT_STAGES
+        self.attempt_outcome = Children[AttemptOutcome, Counter](
+            self.attempts.labels, AttemptOutcome
+        )
+        self.unsent_outcome = Children[UnsentOutcome, Counter](
+            self.unsent_claims.labels, UnsentOutcome
+        )
+        self.unwritten_outcome = Children[UnwrittenOutcome, Counter](
+            self.unwritten_outcomes.labels, UnwrittenOutcome
+        )
+        self.upstream_outcome = Children[UpstreamOutcome, Histogram](self.upstream_seconds.labels)
+        # The store's operations are its method names (store/base.py), not an enum of ours.
+        self._store_seconds = Children[str, Histogram](self.store_seconds.labels)
+        self._store_errors = Children[str, Counter](self.store_errors.labels)
+        self.client_disconnect = Children[DisconnectStage, Counter](
+            self.client_disconnects.labels, DisconnectStage
         )
 
     def _counter(self, name: str, help_text: str, labels: list[str]) -> Counter:

@@ -26,6 +26,7 @@ from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
 from idemproxy.config import Settings, parse_listen
 from idemproxy.errors import ListenFailed
+from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
@@ -45,31 +46,35 @@ _PARENT_CHECK_SECONDS = 1.0
 _YOUNG_COLLECTION_THRESHOLD = 10_000  # gc generation 0; the default is 700
 
 
-def serve(settings: Settings, worker: WorkerRole | None = None) -> None:
-    """One proxy process; `worker` when it is one of a supervisor's (`server.workers` > 1)."""
+def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = None) -> None:
+    """One proxy process; `worker` when it is one of a supervisor's (`server.workers` > 1).
+    `owner` is built from `settings.owner` before (identity/owner.py), so that a bad JWT key
+    stops the start before the store is opened."""
     configure_logging(settings.log_level, settings.log_format)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        runner.run(run_server(settings, worker))
+        runner.run(run_server(settings, owner, worker))
 
 
-async def run_server(settings: Settings, worker: WorkerRole | None = None) -> None:
+async def run_server(
+    settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = None
+) -> None:
     store = serving_store(settings)  # SPEC §11: with Redis and the in-process replay cache
     await store.open()
     try:
         if settings.migrate:
             await store.migrate()
-        await _serve_until_signalled(settings, store, worker)
+        await _serve_until_signalled(settings, owner, store, worker)
     finally:
         await store.close()
 
 
 async def _serve_until_signalled(
-    settings: Settings, store: Store, worker: WorkerRole | None
+    settings: Settings, owner: OwnerPolicy, store: Store, worker: WorkerRole | None
 ) -> None:
     readiness = Readiness()
     metrics = Metrics()
     proxy = web.AppRunner(
-        create_app(settings, store=store, metrics=metrics),
+        create_app(settings, store=store, metrics=metrics, owner=owner),
         access_log=None,  # one log line per request costs more than the proxy itself
         handler_cancellation=False,  # SPEC §2: a client hanging up cancels nothing
         keepalive_timeout=settings.server.keepalive_timeout,
@@ -95,7 +100,14 @@ async def _serve_until_signalled(
     gc.set_threshold(_YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
     try:
         # SPEC §9: the proxy listener cuts off slow request heads (proxy/server/listener.py).
-        site = GuardedSite(proxy, settings.listen, settings.server, reuse_port=worker is not None)
+        site = GuardedSite(
+            proxy,
+            settings.listen,
+            settings.server,
+            settings.limits,
+            metrics,
+            reuse_port=worker is not None,
+        )
         await _listening("listen", settings.listen, site.start())
         admin_listen = settings.admin.listen
         admin_at = await _listening(

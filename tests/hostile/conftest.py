@@ -25,6 +25,7 @@ from idemproxy.config import load_settings
 from idemproxy.core.types import Intent
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
+from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.server.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
@@ -119,7 +120,10 @@ async def listening_proxy(backend_url: str, sqlite_dsn: str) -> AsyncIterator[Li
         )
         await runner.setup()
         runners.append(runner)
-        await GuardedSite(runner, "127.0.0.1:0", settings.server).start()
+        ctx = runner.app[CONTEXT]
+        await GuardedSite(
+            runner, "127.0.0.1:0", settings.server, settings.limits, ctx.metrics
+        ).start()
         host, port = runner.addresses[0][:2]
         return host, port
 

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from idemproxy.metrics import DisconnectStage, RequestOutcome
 from idemproxy.proxy.context import CONTEXT
 from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyFactory
@@ -48,14 +49,14 @@ async def test_a_hang_up_mid_body_is_one_info_line_and_counted(
         await writer.wait_closed()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 3
-    while metrics.client_disconnect["request_body"]._value.get() < 3:
+    while metrics.client_disconnect[DisconnectStage.REQUEST_BODY]._value.get() < 3:
         assert loop.time() < deadline, "the hang-ups were not counted"
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.05)
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
     lines = [r for r in caplog.records if "hung up" in r.getMessage()]
     assert [r.levelno for r in lines] == [logging.INFO] * 3
-    assert metrics.request_outcome["rejected"]._value.get() == 3
+    assert metrics.request_outcome[RequestOutcome.REJECTED]._value.get() == 3
     assert ledger.count() == 0
 
 
@@ -87,7 +88,7 @@ async def test_a_hang_up_during_a_pass_through_response_is_one_info_line_and_cou
         writer.transport.abort()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 3
-        while metrics.client_disconnect["response"]._value.get() < 1:
+        while metrics.client_disconnect[DisconnectStage.RESPONSE]._value.get() < 1:
             assert loop.time() < deadline, "the hang-up was not counted"
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.05)

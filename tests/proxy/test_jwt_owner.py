@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from idemproxy.identity.owner import hash_claim
+from idemproxy.identity.jwt_owner import hash_claim
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.jwtkit import (

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.config import load_settings
-from idemproxy.metrics import UNSENT_OUTCOMES, Metrics
+from idemproxy.metrics import Metrics, UnsentOutcome
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.factory import create_store
@@ -137,7 +137,7 @@ async def test_store_errors_are_counted(clients: Clients, sqlite_dsn: str) -> No
 async def test_unsent_claim_outcomes_exist_from_the_start(clients: Clients) -> None:
     """proxy/background/unsent.py: a rate over them is never "no data"."""
     samples = await scrape(clients[1])
-    for outcome in UNSENT_OUTCOMES:
+    for outcome in UnsentOutcome:
         assert samples[("idemproxy_unsent_claims_total", (("outcome", outcome),))] == 0
 
 

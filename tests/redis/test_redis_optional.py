@@ -54,7 +54,7 @@ def test_the_core_imports_and_runs_without_redis_and_asking_for_it_fails_clearly
 
 def test_the_flag_sets_redis(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Settings] = []
-    monkeypatch.setattr("idemproxy.server.serve", seen.append)
+    monkeypatch.setattr("idemproxy.server.serve", lambda settings, *_: seen.append(settings))
     argv = ["serve", "--upstream", UPSTREAM, "--redis", "redis://cache:6379/0"]
     assert cli.main(argv) == 0
     assert seen[0].redis == "redis://cache:6379/0"

@@ -26,6 +26,7 @@ from yarl import URL
 
 from idemproxy.config import ServerSettings, load_settings
 from idemproxy.proxy.app import create_app
+from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.server.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
@@ -77,7 +78,11 @@ class ServeListener(Server):
             return
         self.runner = await self._make_runner(**kwargs)
         await self.runner.setup()
-        await GuardedSite(self.runner, f"{self.host}:0", self._settings).start()
+        ctx = self.runner.app[CONTEXT]  # built by runner.setup(), as in `idemproxy serve`
+        listen = f"{self.host}:0"
+        await GuardedSite(
+            self.runner, listen, self._settings, ctx.settings.limits, ctx.metrics
+        ).start()
         self.port = self.runner.addresses[0][1]
         self.scheme = "http"
         self._root = URL(f"http://{self.host}:{self.port}")

@@ -15,11 +15,11 @@ from cryptography.x509.oid import NameOID
 from pydantic import ValidationError
 
 from idemproxy.cli import main
-from idemproxy.config import JwtSettings, load_settings
+from idemproxy.config import JwtSettings, OwnerSettings, load_settings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.jwt_keys import load_keys
 from idemproxy.identity.jwt_owner import JwtVerifier
-from idemproxy.identity.owner import OwnerPolicy
+from idemproxy.identity.owner import OwnerPolicy, owner_policy
 from tests.support.jwtkit import (
     AUDIENCE,
     SECRET,
@@ -107,16 +107,21 @@ class TestSettings:
             load_settings(upstream="http://x:1", owner={"strategy": strategy})
         assert "owner.strategy" in locations(caught.value)
 
-    def test_the_policy_is_built_once_with_its_verifier(
+    def test_the_policy_is_built_from_the_settings_with_its_verifier(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         monkeypatch.setenv("JWT_SECRET", SECRET)
         owner = load_settings(upstream="http://x:1", owner={"strategy": "jwt", "jwt": JWT}).owner
-        policy = owner.policy()
+        policy = owner_policy(owner)
         assert isinstance(policy.verifier, JwtVerifier)
-        assert owner.policy() is policy
-        plain = load_settings(upstream="http://x:1").owner.policy()
+        assert (policy.strategy, policy.required) == ("jwt", False)
+        plain = owner_policy(load_settings(upstream="http://x:1").owner)
         assert plain.verifier is None
+
+    def test_the_settings_stay_data(self) -> None:
+        """Nothing built from them (a verifier, its keys) is kept inside the settings model."""
+        assert OwnerSettings.__private_attributes__ == {}
+        assert JwtSettings.__private_attributes__ == {}
 
     def test_no_jwt_policy_without_a_verifier(self) -> None:
         with pytest.raises(ConfigError):

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from idemproxy.logs import JsonFormatter, PlainFormatter
-from idemproxy.metrics import ATTEMPT_OUTCOMES, REQUEST_OUTCOMES, Metrics
+from idemproxy.metrics import AttemptOutcome, Metrics, RequestOutcome, UpstreamOutcome
 from idemproxy.proxy.server.trace import Trace, record
 
 STOCK_PLAIN = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -41,7 +41,7 @@ def captured(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 def test_a_governed_request_logs_one_line_with_its_fields(
     captured: pytest.LogCaptureFixture,
 ) -> None:
-    trace = Trace(outcome="new", owner="0123456789abcdef", job_id="j-1", attempt=2)
+    trace = Trace(outcome=RequestOutcome.NEW, owner="0123456789abcdef", job_id="j-1", attempt=2)
     record(Metrics(), trace, 201, log_requests=True)
     [entry] = captured.records
     fields = entry.fields  # type: ignore[attr-defined]
@@ -56,7 +56,7 @@ def test_a_governed_request_logs_one_line_with_its_fields(
 
 
 def test_fields_without_a_value_are_left_out(captured: pytest.LogCaptureFixture) -> None:
-    record(Metrics(), Trace(outcome="rejected"), 400, log_requests=True)
+    record(Metrics(), Trace(outcome=RequestOutcome.REJECTED), 400, log_requests=True)
     [entry] = captured.records
     assert entry.getMessage().startswith("governed outcome=rejected status=400 ms=")
     assert set(json.loads(JsonFormatter().format(entry))) == {
@@ -84,10 +84,10 @@ def _value(metrics: Metrics, name: str, **labels: str) -> float | None:
 def test_every_outcome_series_exists_from_the_start_and_no_other() -> None:
     metrics = Metrics()
     text = generate_latest(metrics.registry).decode()
-    for outcome in REQUEST_OUTCOMES:
+    for outcome in RequestOutcome:
         assert f'idemproxy_requests_total{{outcome="{outcome}"}} 0.0' in text
-    for outcome in ATTEMPT_OUTCOMES:
-        assert f'idemproxy_attempts_total{{outcome="{outcome}"}} 0.0' in text
+    for attempt_outcome in AttemptOutcome:
+        assert f'idemproxy_attempts_total{{outcome="{attempt_outcome}"}} 0.0' in text
     assert "idemproxy_store_seconds_count{" not in text
     assert "idemproxy_store_errors_total{" not in text
     assert "idemproxy_upstream_seconds_count{" not in text
@@ -95,14 +95,14 @@ def test_every_outcome_series_exists_from_the_start_and_no_other() -> None:
 
 def test_pre_bound_children_move_the_labelled_series() -> None:
     metrics = Metrics()
-    metrics.request_outcome["new"].inc()
-    metrics.attempt_outcome["discarded"].inc()
-    metrics.upstream_outcome["succeeded"].observe(0.01)
+    metrics.request_outcome[RequestOutcome.NEW].inc()
+    metrics.attempt_outcome[AttemptOutcome.DISCARDED].inc()
+    metrics.upstream_outcome[UpstreamOutcome.ANSWERED].observe(0.01)
     metrics.observe_store("claim", 0.002, False)
     metrics.observe_store("claim", 0.003, True)
     assert _value(metrics, "idemproxy_requests_total", outcome="new") == 1
     assert _value(metrics, "idemproxy_attempts_total", outcome="discarded") == 1
-    assert _value(metrics, "idemproxy_upstream_seconds_count", outcome="succeeded") == 1
+    assert _value(metrics, "idemproxy_upstream_seconds_count", outcome="answered") == 1
     assert _value(metrics, "idemproxy_store_seconds_count", operation="claim") == 2
     assert _value(metrics, "idemproxy_store_errors_total", operation="claim") == 1
     assert _value(metrics, "idemproxy_store_errors_total", operation="get") is None

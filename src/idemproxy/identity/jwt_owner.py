@@ -13,26 +13,28 @@ responses and seem to work. Only a request with no Authorization header at all i
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jwt
 
+from idemproxy.config import JwtSettings
 from idemproxy.errors import OwnerMissing
 from idemproxy.identity.jwt_keys import KeyRing, load_keys
-from idemproxy.identity.owner import hash_claim
-
-if TYPE_CHECKING:
-    from idemproxy.config import JwtSettings
 
 log = logging.getLogger("idemproxy.identity.owner")
 
 # RFC 6750 §2.1: b64token. Anything else (spaces, non-ASCII, undecodable bytes) is no JWT.
 _B64TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+
+# RFC 9110 §5.5: a field value never holds NUL, so no header hash can start from this prefix.
+_CLAIM_NAMESPACE = "\0idemproxy:jwt\0"
 
 _NOT_BEARER = "The Authorization header must carry a bearer JWT (Authorization: Bearer <token>)."
 _UNVERIFIED = "The bearer token could not be verified."
@@ -99,6 +101,16 @@ class JwtVerifier:
             log.debug("bearer token rejected: %s", type(exc).__name__)
             raise OwnerMissing(_reason(exc)) from exc
         return claims
+
+
+def hash_claim(issuer: object, claim: str, value: str) -> str:
+    """The owner for a verified JWT claim: never equal to the hash of any header value.
+
+    The issuer is part of it (OIDC Core §2: `sub` is unique only within its issuer). JSON with
+    ASCII escapes encodes the three parts without ambiguity, lone surrogates included.
+    """
+    parts = json.dumps([issuer, claim, value], ensure_ascii=True, sort_keys=True)
+    return hashlib.sha256((_CLAIM_NAMESPACE + parts).encode("ascii")).hexdigest()
 
 
 def _bearer_token(authorization: str) -> str:

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from multidict import MultiMapping
 
+from idemproxy.config import OwnerSettings, check_strategy
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, HeaderInvalid, OwnerMissing
-
-# RFC 9110 §5.1: field-name = token.
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-# RFC 9110 §5.5: a field value never holds NUL, so no header hash can start from this prefix.
-_CLAIM_NAMESPACE = "\0idemproxy:jwt\0"
+from idemproxy.identity.jwt_owner import JwtVerifier
 
 
 class OwnerVerifier(Protocol):
@@ -51,13 +46,13 @@ class OwnerPolicy:
         check_strategy(self.strategy)
 
 
-def check_strategy(strategy: str) -> None:
-    if strategy in ("authorization", "jwt", "none"):
-        return
-    # The name must be an RFC 9110 token exactly: "header: X-Tenant" would look up
-    # " X-Tenant", never find it, and put every request in the shared anonymous scope.
-    if not strategy.startswith("header:") or not _TOKEN.fullmatch(strategy[7:]):
-        raise ConfigError("owner.strategy must be authorization, header:<NAME>, jwt or none")
+def owner_policy(settings: OwnerSettings) -> OwnerPolicy:
+    """The policy `settings` describe, built once at start-up: with `jwt`, this loads the keys
+    (`ConfigError` naming the field at fault)."""
+    verifier = None
+    if settings.strategy == "jwt":
+        verifier = JwtVerifier.from_settings(settings.jwt)
+    return OwnerPolicy(settings.strategy, settings.required, verifier)
 
 
 def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str]) -> str:
@@ -96,13 +91,3 @@ def single_value(headers: Mapping[str, str], name: str) -> str | None:
 
 def hash_credential(credential: str) -> str:
     return hashlib.sha256(credential.encode("utf-8", "surrogateescape")).hexdigest()
-
-
-def hash_claim(issuer: object, claim: str, value: str) -> str:
-    """The owner for a verified JWT claim: never equal to the hash of any header value.
-
-    The issuer is part of it (OIDC Core §2: `sub` is unique only within its issuer). JSON with
-    ASCII escapes encodes the three parts without ambiguity, lone surrogates included.
-    """
-    parts = json.dumps([issuer, claim, value], ensure_ascii=True, sort_keys=True)
-    return hashlib.sha256((_CLAIM_NAMESPACE + parts).encode("ascii")).hexdigest()

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from idemproxy.config import Settings
+from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.metrics import Metrics, refresh_gauges, watch_store
 from idemproxy.proxy.background.orphans import take_over_forever
 from idemproxy.proxy.background.sweeper import sweep_forever
@@ -29,10 +30,15 @@ log = logging.getLogger(__name__)
 
 
 def create_app(
-    settings: Settings, *, store: Store | None = None, metrics: Metrics | None = None
+    settings: Settings,
+    *,
+    store: Store | None = None,
+    metrics: Metrics | None = None,
+    owner: OwnerPolicy | None = None,
 ) -> web.Application:
     """The proxy app. An injected `store` is owned (opened, migrated, closed) by the caller;
-    `metrics` are shared with the admin listener that serves them."""
+    `metrics` are shared with the admin listener that serves them; `owner`, when not given, is
+    built from `settings.owner` as the app starts."""
     app = web.Application(
         handler_args={
             "max_line_size": settings.server.max_line_size,
@@ -43,7 +49,7 @@ def create_app(
             "auto_decompress": False,
         },
     )
-    app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics()))
+    app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics(), owner))
     app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
     app.on_response_prepare.append(close_when_closing)  # SPEC §8: a drain's heads say so
     app.router.register_resource(AnyPath(handle, expect_handler=expect_continue))
@@ -51,7 +57,7 @@ def create_app(
 
 
 def _lifecycle(
-    settings: Settings, injected: Store | None, metrics: Metrics
+    settings: Settings, injected: Store | None, metrics: Metrics, owner: OwnerPolicy | None
 ) -> Callable[[web.Application], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -63,7 +69,7 @@ def _lifecycle(
             upstream = _upstream_client(settings, failpoints, metrics)
             await upstream.open()
             stack.push_async_callback(upstream.close)
-            ctx = ProxyContext.build(settings, store, upstream, failpoints, metrics)
+            ctx = ProxyContext.build(settings, store, upstream, failpoints, metrics, owner)
             # After the drain, before the store.
             stack.push_async_callback(ctx.unsent.close)
             stack.push_async_callback(ctx.unwritten.close)

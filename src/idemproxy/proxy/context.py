@@ -11,7 +11,7 @@ from aiohttp import web
 from idemproxy.config import Settings
 from idemproxy.core.attempts import StatusPolicy
 from idemproxy.core.decision import Policy
-from idemproxy.identity.owner import OwnerPolicy
+from idemproxy.identity.owner import OwnerPolicy, owner_policy
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
@@ -60,7 +60,9 @@ class ProxyContext:
         upstream: UpstreamClient,
         failpoints: Failpoints | None = None,
         metrics: Metrics | None = None,
+        owner: OwnerPolicy | None = None,
     ) -> ProxyContext:
+        """`owner` is built from `settings.owner` when not given (identity/owner.py)."""
         failpoints = failpoints or Failpoints(None)
         metrics = metrics or Metrics()
         budget = _budget(settings, metrics)
@@ -74,7 +76,7 @@ class ProxyContext:
                 frozenset(settings.outcomes.release_statuses),
                 frozenset(settings.outcomes.unknown_statuses),
             ),
-            owner=settings.owner.policy(),
+            owner=owner if owner is not None else owner_policy(settings.owner),
             governed_methods=frozenset(settings.methods),
             failpoints=failpoints,
             metrics=metrics,

@@ -18,6 +18,7 @@ from idemproxy.http.problems import problem_response
 from idemproxy.identity.fingerprint import fingerprint, fingerprint_of_digest
 from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owner
+from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.jobs.governed import handle_governed
 from idemproxy.proxy.jobs.request import GovernedRequest
@@ -95,7 +96,7 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         )
     except ProblemError as error:
         if isinstance(error, ClientDisconnected):
-            client_gone(ctx.metrics, request, "request_body")
+            client_gone(ctx.metrics, request, DisconnectStage.REQUEST_BODY)
         trace.problem(error)
         return problem_response(error, profile=ctx.settings.profile)
 

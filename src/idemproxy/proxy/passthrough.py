@@ -10,6 +10,7 @@ from aiohttp import web
 from idemproxy.core.attempts import classify_failure
 from idemproxy.http.headers import response_headers_for_client
 from idemproxy.http.problems import problem_response
+from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody, read_body
@@ -104,4 +105,4 @@ async def _stream(
     except ConnectionError:
         # Only the client's side raises it here (the upstream's failures are UpstreamFailure);
         # leaving the exchange unread closes the upstream connection rather than pooling it.
-        client_gone(ctx.metrics, request, "response")
+        client_gone(ctx.metrics, request, DisconnectStage.RESPONSE)

@@ -10,7 +10,7 @@ one more is counted as dropped and left to the lease and the operator, as before
 
 While the store is away (`StoreUnavailable`) a round stops at the first item: every other try
 would fail the same way. An item the store refuses for its data (`StoreRefused`, a value that
-PostgreSQL's jsonb would not take) is final: logged, counted as "refused" and dropped. One whose
+PostgreSQL's jsonb would not take) is final: logged, counted as refused and dropped. One whose
 try raises (a bug) is logged and tried again in the next round. Either way the round goes on
 with the next item.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import Mapping
 from typing import Generic, TypeVar
@@ -34,20 +35,26 @@ log = logging.getLogger(__name__)
 _FIRST_PAUSE, _LAST_PAUSE = 0.05, 1.0
 
 Item = TypeVar("Item")
+Done = TypeVar("Done", bound=enum.StrEnum)  # what became of an item: a metric's label value
 
 
-class FollowUps(abc.ABC, Generic[Item]):
+class FollowUps(abc.ABC, Generic[Item, Done]):
     def __init__(
         self,
         store: Store,
-        counted: Mapping[str, Counter],
+        counted: Mapping[Done, Counter],
         *,
+        dropped: Done,
+        refused: Done,
         max_items: int,
         max_bytes: int = 0,
     ) -> None:
-        """`counted`: a counter by outcome (one of Metrics' `Children`), "dropped" among them."""
+        """`counted`: a counter by outcome (one of Metrics' `Children`), `dropped` (more items
+        than this process holds) and `refused` (by the store, for their data) among them."""
         self._store = store
         self._counted = counted
+        self._dropped = dropped
+        self._refused = refused
         self._max_items = max_items
         self._max_bytes = max_bytes
         self._bytes = 0
@@ -62,7 +69,7 @@ class FollowUps(abc.ABC, Generic[Item]):
         size = self._size(item)
         over_bytes = self._max_bytes and self._bytes + size > self._max_bytes
         if len(self._pending) >= self._max_items or over_bytes:
-            self._counted["dropped"].inc()
+            self._counted[self._dropped].inc()
             return
         self._pending[job_id] = item
         self._bytes += size
@@ -78,7 +85,7 @@ class FollowUps(abc.ABC, Generic[Item]):
     # --- what each kind defines ---------------------------------------------------------------
 
     @abc.abstractmethod
-    async def _settle(self, store: Store, item: Item) -> str | None:
+    async def _settle(self, store: Store, item: Item) -> Done | None:
         """One try: the outcome to count when the item is done, None to try again later.
         StoreUnavailable: the store is still away."""
 
@@ -108,7 +115,7 @@ class FollowUps(abc.ABC, Generic[Item]):
                     settled = True
             pause = _FIRST_PAUSE if settled else min(pause * 2, _LAST_PAUSE)
 
-    async def _try(self, job_id: str, item: Item) -> str | None:
+    async def _try(self, job_id: str, item: Item) -> Done | None:
         """`_settle`, with the errors that are final for this item made its outcome: the
         others are still tried (one item the store refuses held up every one behind it)."""
         try:
@@ -117,7 +124,7 @@ class FollowUps(abc.ABC, Generic[Item]):
             # The store answered and refused this write (its data): never written, whatever
             # the wait. Its job is left to the lease and the operator (SPEC §3.5).
             log.error("the follow-up of job %s was refused by the store; given up", job_id)
-            return "refused"
+            return self._refused
         except StoreUnavailable:
             raise
         except Exception:  # a bug: loud, and this item is tried again later (the others now)

@@ -27,6 +27,7 @@ from prometheus_client import Counter
 
 from idemproxy.core.decision import Unsent, unsent_claim
 from idemproxy.core.types import JobState
+from idemproxy.metrics import UnsentOutcome
 from idemproxy.proxy.background.followups import FollowUps
 from idemproxy.store.base import Store
 
@@ -47,38 +48,44 @@ class _Claim(NamedTuple):
     until: float
 
 
-class UnsentClaims(FollowUps[_Claim]):
+class UnsentClaims(FollowUps[_Claim, UnsentOutcome]):
     def __init__(
         self,
         store: Store,
-        counted: Mapping[str, Counter],
+        counted: Mapping[UnsentOutcome, Counter],
         *,
         lease: float,
         max_items: int = MAX_UNSENT,
     ) -> None:
-        """`counted`: Metrics.unsent_outcome (metrics.UNSENT_OUTCOMES)."""
-        super().__init__(store, counted, max_items=max_items)
+        """`counted`: Metrics.unsent_outcome."""
+        super().__init__(
+            store,
+            counted,
+            dropped=UnsentOutcome.DROPPED,
+            refused=UnsentOutcome.REFUSED,
+            max_items=max_items,
+        )
         self._lease = lease
 
     def note(self, owner: str, key: str, job_id: str) -> None:
         """A claim under `job_id` failed: nothing was forwarded under it."""
         self._add(job_id, _Claim(owner, key, job_id, time.monotonic() + self._lease))
 
-    async def _settle(self, store: Store, claim: _Claim) -> str | None:
+    async def _settle(self, store: Store, claim: _Claim) -> UnsentOutcome | None:
         job = await store.get(claim.owner, claim.key)
         verdict = unsent_claim(job, claim.job_id)
         if verdict is Unsent.NOT_YET:
-            return "not_committed" if time.monotonic() >= claim.until else None
+            return UnsentOutcome.NOT_COMMITTED if time.monotonic() >= claim.until else None
         released = (
             verdict is Unsent.RELEASE
             and job is not None
             and await store.settle(job, 1, JobState.RELEASED, error=NEVER_FORWARDED)
         )
         if not released:
-            return "moved_on"
+            return UnsentOutcome.MOVED_ON
         log.warning(
             "job %s released: its claim committed after the proxy had answered 503, and nothing "
             "was forwarded",
             claim.job_id,
         )
-        return "released"
+        return UnsentOutcome.RELEASED

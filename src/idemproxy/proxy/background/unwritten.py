@@ -22,6 +22,7 @@ from typing import NamedTuple
 from prometheus_client import Counter
 
 from idemproxy.core.types import Job, JobState, StoredResponse
+from idemproxy.metrics import UnwrittenOutcome
 from idemproxy.proxy.background.followups import FollowUps
 from idemproxy.store.base import Store
 
@@ -43,10 +44,17 @@ class _Outcome(NamedTuple):
     error: str | None
 
 
-class UnwrittenOutcomes(FollowUps[_Outcome]):
-    def __init__(self, store: Store, counted: Mapping[str, Counter]) -> None:
-        """`counted`: Metrics.unwritten_outcome (metrics.UNWRITTEN_OUTCOMES)."""
-        super().__init__(store, counted, max_items=MAX_UNWRITTEN, max_bytes=MAX_UNWRITTEN_BYTES)
+class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
+    def __init__(self, store: Store, counted: Mapping[UnwrittenOutcome, Counter]) -> None:
+        """`counted`: Metrics.unwritten_outcome."""
+        super().__init__(
+            store,
+            counted,
+            dropped=UnwrittenOutcome.DROPPED,
+            refused=UnwrittenOutcome.REFUSED,
+            max_items=MAX_UNWRITTEN,
+            max_bytes=MAX_UNWRITTEN_BYTES,
+        )
 
     def completion(self, job: Job, attempt: int, response: StoredResponse, ttl: float) -> None:
         completed = JobState.COMPLETED
@@ -64,7 +72,7 @@ class UnwrittenOutcomes(FollowUps[_Outcome]):
         headers = sum(len(name) + len(value) for name, value in response.headers)
         return len(response.body or b"") + headers
 
-    async def _settle(self, store: Store, outcome: _Outcome) -> str:
+    async def _settle(self, store: Store, outcome: _Outcome) -> UnwrittenOutcome:
         job, attempt = outcome.job, outcome.attempt
         if outcome.response is not None:
             won = await store.complete(job, attempt, outcome.response, ttl=outcome.ttl)
@@ -73,10 +81,10 @@ class UnwrittenOutcomes(FollowUps[_Outcome]):
                 job, attempt, outcome.state, status=outcome.status, error=outcome.error
             )
         if not won:
-            return "moved_on"
+            return UnwrittenOutcome.MOVED_ON
         log.warning(
             "job %s %s: its outcome was written after the proxy had answered 503",
             job.id,
             outcome.state.value,
         )
-        return "written"
+        return UnwrittenOutcome.WRITTEN

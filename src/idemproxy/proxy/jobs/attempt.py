@@ -38,6 +38,7 @@ from idemproxy.core.types import HeaderPairs, Job, StoredResponse
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
 from idemproxy.http.problems import problem_response
+from idemproxy.metrics import AttemptOutcome, UpstreamOutcome
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.lease import KeptLease
 from idemproxy.proxy.jobs.request import GovernedRequest
@@ -103,12 +104,15 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
             # is idemproxy_store_seconds' (SPEC §13).
             ended = upstream.finished_at or time.perf_counter()
             _observe_upstream(
-                ctx, started, "failed" if isinstance(step, Failed) else "answered", ended
+                ctx,
+                started,
+                UpstreamOutcome.FAILED if isinstance(step, Failed) else UpstreamOutcome.ANSWERED,
+                ended,
             )
             return step
     except UpstreamFailure as failure:
         outcome, problem = classify_failure(failure.failure)
-        _observe_upstream(ctx, started, outcome.value)
+        _observe_upstream(ctx, started, UpstreamOutcome(outcome.value))
         return await _fail(ctx, attempt, Failed(outcome, None, failure.reason, problem))
     except asyncio.CancelledError:
         # Cut off by shutdown: the request may have reached the upstream (SPEC §3.2).
@@ -349,7 +353,7 @@ async def completed(
     except StoreUnavailable as exc:
         ctx.unwritten.completion(attempt.job, attempt.number, stored, ttl)
         raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
-    ctx.metrics.attempt_outcome["succeeded" if won else "discarded"].inc()
+    ctx.metrics.attempt_outcome[AttemptOutcome.SUCCEEDED if won else AttemptOutcome.DISCARDED].inc()
     if not won:
         ctx.metrics.late_results.inc()
         log.info("late result discarded: job %s attempt %d", attempt.job.id, attempt.number)
@@ -357,11 +361,13 @@ async def completed(
 
 
 def count_failed(ctx: ProxyContext, failed: Failed) -> None:
-    ctx.metrics.attempt_outcome["failed" if failed.outcome is Outcome.RELEASE else "unknown"].inc()
+    ctx.metrics.attempt_outcome[
+        AttemptOutcome.FAILED if failed.outcome is Outcome.RELEASE else AttemptOutcome.UNKNOWN
+    ].inc()
 
 
 def _observe_upstream(
-    ctx: ProxyContext, started: float, outcome: str, ended: float | None = None
+    ctx: ProxyContext, started: float, outcome: UpstreamOutcome, ended: float | None = None
 ) -> None:
     finished = time.perf_counter() if ended is None else ended
     ctx.metrics.upstream_outcome[outcome].observe(finished - started)

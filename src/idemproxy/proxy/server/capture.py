@@ -17,7 +17,7 @@ import os
 import tempfile
 import weakref
 from collections.abc import AsyncIterator
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -30,9 +30,16 @@ from idemproxy.proxy.server.whole import (
     AsSentStreamResponse,
     NotifiedResponse,
 )
-from idemproxy.proxy.upstream.h1 import UpstreamResponse
 
 _PIECE = 256 * 1024  # read back from a temporary file in pieces of this size
+
+
+class BodySource(Protocol):
+    """What is read here of an upstream response (proxy/upstream/h1.py's `UpstreamResponse`)."""
+
+    async def read_chunk(self) -> bytes:
+        """The next piece of the body; b"" once it is complete."""
+        ...
 
 
 class Captured:
@@ -148,7 +155,7 @@ class Captured:
             self._spool.close()
 
 
-async def capture(upstream: UpstreamResponse, limit: int, budget: ResponseBudget) -> Captured:
+async def capture(upstream: BodySource, limit: int, budget: ResponseBudget) -> Captured:
     """Up to `limit` bytes of the body (and one piece more when it is larger)."""
     captured = Captured(budget)
     try:
@@ -165,7 +172,7 @@ async def capture(upstream: UpstreamResponse, limit: int, budget: ResponseBudget
 
 
 async def tee(
-    upstream: UpstreamResponse, client: ClientSink, limit: int, budget: ResponseBudget
+    upstream: BodySource, client: ClientSink, limit: int, budget: ResponseBudget
 ) -> Captured:
     """The body to `client` as it arrives, and kept up to `limit` bytes (`whole` when it all
     was): a stream (SPEC §2 step 4) is stored once it has ended, not before its client sees it."""

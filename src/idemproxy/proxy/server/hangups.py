@@ -10,17 +10,16 @@ import logging
 
 from aiohttp import web
 
-from idemproxy.metrics import Metrics
+from idemproxy.metrics import DisconnectStage, Metrics
 
 log = logging.getLogger("idemproxy.proxy")
 
 _WHEN = {
-    "request_body": "before its request body was complete",
-    "response": "during a pass-through response",
+    DisconnectStage.REQUEST_BODY: "before its request body was complete",
+    DisconnectStage.RESPONSE: "during a pass-through response",
 }
 
 
-def client_gone(metrics: Metrics, request: web.BaseRequest, stage: str) -> None:
-    """`stage` is one of metrics.DISCONNECT_STAGES."""
+def client_gone(metrics: Metrics, request: web.BaseRequest, stage: DisconnectStage) -> None:
     metrics.client_disconnect[stage].inc()
     log.info("client %s hung up %s", request.remote, _WHEN[stage])

@@ -32,12 +32,12 @@ from aiohttp import HttpVersion11, StreamReader, hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 
-from idemproxy.config import ServerSettings, parse_listen
+from idemproxy.config import LimitsSettings, ServerSettings, parse_listen
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import RequestTimeout
 from idemproxy.http.deadline import Deadline
 from idemproxy.http.problems import problem_response
-from idemproxy.proxy.context import CONTEXT
+from idemproxy.metrics import Metrics
 from idemproxy.proxy.server.any_path import RequestHandler, direct_handler
 from idemproxy.proxy.server.gate import ConnectionGate, listening_sockets
 from idemproxy.proxy.server.head import HeadWriter
@@ -307,19 +307,24 @@ def head_read(request: web.BaseRequest) -> None:
 
 
 class GuardedSite(web.BaseSite):
-    """A TCP listener like `web.TCPSite` whose connections are served by `GuardedHandler`."""
+    """A TCP listener like `web.TCPSite` whose connections are served by `GuardedHandler`,
+    at most `limits.max_connections` at a time (counted in `metrics.client_connections`)."""
 
     def __init__(
         self,
         runner: web.AppRunner,
         listen: str,
         settings: ServerSettings,
+        limits: LimitsSettings,
+        metrics: Metrics,
         *,
         reuse_port: bool = False,
     ) -> None:
         super().__init__(runner)
         self._host, self._port = parse_listen(listen)
         self._settings = settings
+        self._limits = limits
+        self._metrics = metrics
         self._app_runner = runner
         # SO_REUSEPORT (set before bind by the event loop): the workers of one supervisor each
         # bind `listen`, and the kernel spreads new connections over them.
@@ -340,8 +345,7 @@ class GuardedSite(web.BaseSite):
         header_timeout = self._settings.header_read_timeout
         app = self._app_runner.app
         handler = direct_handler(app)
-        ctx = app[CONTEXT]
-        limits = ctx.settings.limits
+        limits = self._limits
 
         def protocol(closed: Callable[[], None]) -> GuardedHandler:
             return GuardedHandler(
@@ -357,5 +361,5 @@ class GuardedSite(web.BaseSite):
             self._host, self._port, backlog=limits.backlog, reuse_port=self._reuse_port
         )
         gate = ConnectionGate(list(sockets), protocol, limits.max_connections)
-        ctx.metrics.client_connections.set_function(lambda: gate.open)
+        self._metrics.client_connections.set_function(lambda: gate.open)
         self._server = gate
