@@ -211,14 +211,6 @@ RULES = {
     ),
 }
 
-# The governed path gets its upstream URL and forwarded headers from the pass-through module
-# today; they are moving to proxy/upstream/target.py.
-PENDING = {
-    "the governed path does not lean on the pass-through module": Rule(
-        "proxy.jobs", forbidden=("proxy.passthrough",)
-    ),
-}
-
 
 def broken(rule: Rule) -> list[Import]:
     return [edge for edge in IMPORTS if rule.broken_by(edge)]
@@ -227,16 +219,6 @@ def broken(rule: Rule) -> list[Import]:
 @pytest.mark.parametrize("rule", RULES, ids=list(RULES))
 def test_layer_rule(rule: str) -> None:
     offending = broken(RULES[rule])
-    if offending:
-        pytest.fail(f"{rule}:\n" + describe(offending), pytrace=False)
-
-
-@pytest.mark.xfail(
-    strict=False, reason="upstream_url and forwarded_headers still live in passthrough.py"
-)
-@pytest.mark.parametrize("rule", PENDING, ids=list(PENDING))
-def test_pending_layer_rule(rule: str) -> None:
-    offending = broken(PENDING[rule])
     if offending:
         pytest.fail(f"{rule}:\n" + describe(offending), pytrace=False)
 

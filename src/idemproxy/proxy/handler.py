@@ -89,11 +89,16 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         _refuse_hidden_identity(ctx, request)
         intent, body = await _identify(ctx, request, key)
         trace.owner = intent.owner
-        return await handle_governed(
+        response = await handle_governed(
             GovernedRequest(
                 ctx=ctx, request=request, route=route, intent=intent, body=body, trace=trace
             )
         )
+        if response is None:
+            # The store could not take the claim and `on_store_error: passthrough` forwards the
+            # request ungoverned (SPEC §11). A response is a mapping: never test it for truth.
+            return await passthrough(ctx, request, route, body)
+        return response
     except ProblemError as error:
         if isinstance(error, ClientDisconnected):
             client_gone(ctx.metrics, request, DisconnectStage.REQUEST_BODY)

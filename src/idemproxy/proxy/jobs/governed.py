@@ -35,7 +35,6 @@ from idemproxy.identity.ids import new_job_id
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.jobrun import run_job
 from idemproxy.proxy.jobs.request import GovernedRequest
-from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.server.capture import drop_unsent
 from idemproxy.proxy.server.replay import replay_response
 
@@ -52,14 +51,17 @@ _HELD_AT_SHUTDOWN = (
 _MAX_TURNS = 32
 
 
-async def handle_governed(governed: GovernedRequest) -> web.StreamResponse:
+async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | None:
+    """The answer to a governed request, or None when the store could not take its claim and
+    the settings say to forward it ungoverned then (`on_store_error: passthrough`, SPEC §11):
+    the caller passes it through. Nothing was claimed, so nothing can run twice."""
     ctx = governed.ctx
     passes_through = ctx.settings.on_store_error == "passthrough"  # SPEC §11: explicit opt-out
     try:
         result = await _claim(governed, forwarded_if_failed=passes_through)
     except StoreUnavailable:
         if passes_through:
-            return await passthrough(ctx, governed.request, governed.route, governed.body)
+            return None
         raise
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ctx.settings.effective_max_wait
