@@ -181,15 +181,6 @@ class Store(abc.ABC):
         return self.watch.subscribe(job_id)
 
 
-def settle_states(state: JobState) -> tuple[str, str]:
-    """The (job state, attempt state) pair written by `settle` (SPEC §3.2)."""
-    if state is JobState.RELEASED:
-        return "released", "failed"
-    if state is JobState.UNKNOWN:
-        return "unknown", "unknown"
-    raise ValueError(f"settle cannot move a job to {state}")
-
-
 class _Observed(AbstractContextManager[None]):
     """`Store.observed` as a plain class: a generator-based context manager costs a generator
     and two extra frames on every store call."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncpg
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
@@ -23,7 +24,7 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.base import Store, settle_states
+from idemproxy.store.base import Store
 from idemproxy.store.feed import stop_feed
 from idemproxy.store.postgres.errors import (
     DRIVER_ERRORS,
@@ -55,7 +56,6 @@ _CLAIM_RETRIES = 5
 # Seconds a connection may stay idle before it is closed (asyncpg's default): kept ones are
 # first released to the pool (store/postgres/kept.py), whose own timer then closes them.
 _IDLE_LIFETIME = 300.0
-_ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
 
 
 class PostgresStore(Store):
@@ -204,7 +204,7 @@ class PostgresStore(Store):
     ) -> bool:
         job_state, attempt_state = settle_states(state)
         row = await self._fetchrow(
-            "settle", *_cas(job), attempt, job_state, attempt_state, status, error
+            "settle", *_cas(job), attempt, job_state.value, attempt_state.value, status, error
         )
         return row is not None
 
@@ -217,9 +217,8 @@ class PostgresStore(Store):
         status: int | None = None,
         error: str | None = None,
     ) -> None:
-        await self._execute(
-            "finish_attempt", job.owner, job.id, attempt, _ATTEMPT_STATE[state], status, error
-        )
+        ended = attempt_end(state).value
+        await self._execute("finish_attempt", job.owner, job.id, attempt, ended, status, error)
 
     async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
         row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))

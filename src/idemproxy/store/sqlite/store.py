@@ -12,7 +12,9 @@ from typing import Any
 import aiosqlite
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
+    AttemptState,
     Claimed,
     ClaimResult,
     Existing,
@@ -22,7 +24,7 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.errors import StoreRefused, StoreUnavailable
-from idemproxy.store.base import Store, settle_states
+from idemproxy.store.base import Store
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
     attempt_from_row,
@@ -32,7 +34,6 @@ from idemproxy.store.rows import (
 )
 
 Params = dict[str, Any]
-_ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
 
 
 class SqliteStore(Store):
@@ -133,13 +134,7 @@ class SqliteStore(Store):
             attempt_row = {"owner": job.owner, "job_id": job.id, "attempt": attempt}
             if won:
                 await db.execute(
-                    self._sql["finish_attempt"],
-                    attempt_row
-                    | {
-                        "state": "succeeded",
-                        "status": response.status,
-                        "error": None,
-                    },
+                    self._sql["succeed_attempt"], attempt_row | {"status": response.status}
                 )
             else:
                 await self._discard(db, attempt_row, response)
@@ -174,7 +169,7 @@ class SqliteStore(Store):
     ) -> bool:
         job_state, attempt_state = settle_states(state)
         async with self._transaction("settle") as db:
-            won = await self._changed(db, "settle_job", _cas(job) | {"state": job_state})
+            won = await self._changed(db, "settle_job", _cas(job) | {"state": job_state.value})
             await self._finish(db, job, attempt, attempt_state, status, error)
         return self._notify_if(won, job)
 
@@ -188,7 +183,7 @@ class SqliteStore(Store):
         error: str | None = None,
     ) -> None:
         async with self._transaction() as db:
-            await self._finish(db, job, attempt, _ATTEMPT_STATE[state], status, error)
+            await self._finish(db, job, attempt, attempt_end(state), status, error)
 
     async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
         async with self._transaction() as db:
@@ -209,7 +204,7 @@ class SqliteStore(Store):
         async with self._transaction() as db:
             if not await self._changed(db, "advance_job", _cas(job) | {"lease": float(lease)}):
                 return None
-            await self._finish(db, job, attempt, "failed", status, error)
+            await self._finish(db, job, attempt, attempt_end(JobState.RELEASED), status, error)
             return await self._started(db, job, upstream, lease)
 
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
@@ -362,7 +357,7 @@ class SqliteStore(Store):
         db: aiosqlite.Connection,
         job: Job,
         attempt: int,
-        state: str,
+        state: AttemptState,
         status: int | None,
         error: str | None,
     ) -> None:
@@ -372,7 +367,7 @@ class SqliteStore(Store):
                 "owner": job.owner,
                 "job_id": job.id,
                 "attempt": attempt,
-                "state": state,
+                "state": state.value,
                 "status": status,
                 "error": error,
             },
