@@ -23,7 +23,7 @@ from hypothesis import settings
 
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.store.postgres.store import PostgresStore
+from idemproxy.store.postgres.store import Connections, PostgresStore
 
 T = TypeVar("T")
 
@@ -65,7 +65,7 @@ async def _execute(sql: str) -> None:
 
 
 async def _migrate(dsn: str) -> None:
-    store = PostgresStore(dsn, min_connections=1, max_connections=1, listen=False)
+    store = PostgresStore(dsn, connections=Connections(1, 1), listen=False)
     await store.open()
     try:
         await store.migrate()

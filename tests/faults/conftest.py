@@ -28,7 +28,7 @@ from backend import Ledger, backend_app
 from e2e.conftest import ProxyProcess, StartProxy, start_proxy  # real-process helpers
 from idemproxy.config import PoolSettings, load_settings
 from idemproxy.proxy.app import create_app
-from idemproxy.store.postgres.store import PostgresStore
+from idemproxy.store.postgres.store import Connections, PostgresStore
 from pgserver import ThrowawayPostgres
 
 __all__ = ["start_proxy"]
@@ -55,7 +55,7 @@ def run_private(coro: Coroutine[Any, Any, T]) -> T:
 
 
 async def _migrate(dsn: str) -> None:
-    store = PostgresStore(dsn, min_connections=1, max_connections=1, listen=False)
+    store = PostgresStore(dsn, connections=Connections(1, 1), listen=False)
     await store.open()
     try:
         await store.migrate()

@@ -13,10 +13,19 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
+from typing import NamedTuple
 
 from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.watch import JobWatch
+
+
+class AttemptFailure(NamedTuple):
+    """What a failed attempt is recorded with: the upstream's status if it answered, and the
+    error (SPEC §3.2)."""
+
+    status: int | None = None
+    error: str | None = None
 
 
 class Store(abc.ABC):
@@ -100,8 +109,7 @@ class Store(abc.ABC):
         attempt: int,
         upstream: str,
         *,
-        status: int | None,
-        error: str | None,
+        failure: AttemptFailure,
         lease: float,
     ) -> Claimed | None:
         """Attempt `attempt` failed without executing: start the next one on `upstream` in the

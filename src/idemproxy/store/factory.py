@@ -27,14 +27,13 @@ def create_store(
     §3.5); the operator tools run no attempts and need none.
     """
     if _is_postgres(dsn):
-        from idemproxy.store.postgres.store import PostgresStore
+        from idemproxy.store.postgres.store import Connections, PostgresStore
 
         return PostgresStore(
             dsn,
-            max_connections=max_connections,
+            connections=Connections(maximum=max_connections, lease=lease_connections),
             command_timeout=command_timeout,
             late_bytes=late_bytes,
-            lease_connections=lease_connections,
         )
     if dsn.startswith("sqlite://"):
         from idemproxy.store.sqlite.store import SqliteStore
@@ -78,7 +77,7 @@ def wrap_with_cache(store: Store, settings: Settings) -> Store:
     if settings.redis is None:
         return store
     try:
-        from idemproxy.store.redis.cache import RedisCachedStore
+        from idemproxy.store.redis.cache import RedisCachedStore, RedisCacheOptions
     except ImportError as exc:
         if (exc.name or "").partition(".")[0] != "redis":
             raise
@@ -89,10 +88,12 @@ def wrap_with_cache(store: Store, settings: Settings) -> Store:
     return RedisCachedStore.from_url(
         store,
         settings.redis,
-        timeout=options.timeout,
-        write_timeout=options.write_timeout,
-        ttl=options.ttl,
-        max_body=options.max_body,
+        RedisCacheOptions(
+            timeout=options.timeout,
+            write_timeout=options.write_timeout,
+            ttl=options.ttl,
+            max_body=options.max_body,
+        ),
     )
 
 

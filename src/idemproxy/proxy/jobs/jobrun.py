@@ -31,6 +31,7 @@ from idemproxy.proxy.jobs.attempt import (
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody
 from idemproxy.proxy.server.capture import drop_unsent
+from idemproxy.store.base import AttemptFailure
 
 log = logging.getLogger(__name__)
 Racing = dict["asyncio.Task[Step]", Attempt]
@@ -72,8 +73,7 @@ async def _run_in_order(
             job,
             number,
             upstreams[index + 1],
-            status=step.status,
-            error=step.error,
+            failure=AttemptFailure(step.status, step.error),
             lease=ctx.settings.lease,
         )
         if following is None:

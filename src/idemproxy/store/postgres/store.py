@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
@@ -24,7 +25,7 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.base import Store
+from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.feed import stop_feed
 from idemproxy.store.postgres.errors import (
     DRIVER_ERRORS,
@@ -58,26 +59,35 @@ _CLAIM_RETRIES = 5
 _IDLE_LIFETIME = 300.0
 
 
+@dataclass(frozen=True, slots=True)
+class Connections:
+    """The store's connection pools: `minimum` to `maximum` for the statements, and `lease`
+    reserved for lease renewals (store/postgres/renewals.py, SPEC §3.5); 0, for processes that
+    run no attempts, renews on the main pool."""
+
+    minimum: int = 2
+    maximum: int = 20
+    lease: int = 0
+
+
+_DEFAULT_CONNECTIONS = Connections()
+
+
 class PostgresStore(Store):
     def __init__(
         self,
         dsn: str,
         *,
-        min_connections: int = 2,
-        max_connections: int = 20,
+        connections: Connections = _DEFAULT_CONNECTIONS,
         command_timeout: float = 5.0,
         listen: bool = True,
         late_bytes: int = DEFAULT_MAX_STORED_BODY,
-        lease_connections: int = 0,
     ) -> None:
-        """`lease_connections`: a pool of that many reserved for lease renewals
-        (store/postgres/renewals.py); 0, for processes that run no attempts, renews on the main
-        pool."""
         super().__init__()
         self._late_bytes = late_bytes  # kept late bodies per job in all (SPEC §3.3)
         self._dsn = dsn
         # asyncpg refuses a min_size above max_size: `pool.store_connections: 1` is one connection.
-        self._pool_size = (min(min_connections, max_connections), max_connections)
+        self._pool_size = (min(connections.minimum, connections.maximum), connections.maximum)
         self._command_timeout = command_timeout
         self._listen = listen
         self._sql = load_queries("postgres")
@@ -86,9 +96,9 @@ class PostgresStore(Store):
         self._listener: asyncio.Task[None] | None = None
         self._renewals = (
             RenewalConnections(
-                dsn, size=lease_connections, timeout=command_timeout, init=_init_connection
+                dsn, size=connections.lease, timeout=command_timeout, init=_init_connection
             )
-            if lease_connections > 0
+            if connections.lease > 0
             else None
         )
 
@@ -230,10 +240,10 @@ class PostgresStore(Store):
         attempt: int,
         upstream: str,
         *,
-        status: int | None,
-        error: str | None,
+        failure: AttemptFailure,
         lease: float,
     ) -> Claimed | None:
+        status, error = failure
         row = await self._fetchrow(
             "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
         )

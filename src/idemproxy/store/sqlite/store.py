@@ -24,7 +24,7 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.errors import StoreRefused, StoreUnavailable
-from idemproxy.store.base import Store
+from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
     attempt_from_row,
@@ -104,7 +104,9 @@ class SqliteStore(Store):
         async with self._transaction("claim") as db:
             created = await self._changed(db, "insert_job", job_args)
             if created:
-                await self._insert_attempt(db, intent.owner, job_id, 1, upstream, lease)
+                await self._insert_attempt(
+                    db, _new_attempt(intent.owner, job_id, 1, upstream, lease)
+                )
             row = await self._one(db, "get_job", {"owner": intent.owner, "key": intent.key})
         assert row is not None, "the job exists inside the claim's transaction"
         job = job_from_row(row)
@@ -170,7 +172,7 @@ class SqliteStore(Store):
         job_state, attempt_state = settle_states(state)
         async with self._transaction("settle") as db:
             won = await self._changed(db, "settle_job", _cas(job) | {"state": job_state.value})
-            await self._finish(db, job, attempt, attempt_state, status, error)
+            await self._finish(db, job, attempt, attempt_state, AttemptFailure(status, error))
         return self._notify_if(won, job)
 
     async def finish_attempt(
@@ -183,7 +185,7 @@ class SqliteStore(Store):
         error: str | None = None,
     ) -> None:
         async with self._transaction() as db:
-            await self._finish(db, job, attempt, attempt_end(state), status, error)
+            await self._finish(db, job, attempt, attempt_end(state), AttemptFailure(status, error))
 
     async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
         async with self._transaction() as db:
@@ -197,14 +199,13 @@ class SqliteStore(Store):
         attempt: int,
         upstream: str,
         *,
-        status: int | None,
-        error: str | None,
+        failure: AttemptFailure,
         lease: float,
     ) -> Claimed | None:
         async with self._transaction() as db:
             if not await self._changed(db, "advance_job", _cas(job) | {"lease": float(lease)}):
                 return None
-            await self._finish(db, job, attempt, attempt_end(JobState.RELEASED), status, error)
+            await self._finish(db, job, attempt, attempt_end(JobState.RELEASED), failure)
             return await self._started(db, job, upstream, lease)
 
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
@@ -329,28 +330,11 @@ class SqliteStore(Store):
         assert row is not None, "the job exists inside the transaction"
         started = job_from_row(row)
         number = started.attempt_count
-        await self._insert_attempt(db, job.owner, job.id, number, upstream, lease)
+        await self._insert_attempt(db, _new_attempt(job.owner, job.id, number, upstream, lease))
         return Claimed(started, number)
 
-    async def _insert_attempt(
-        self,
-        db: aiosqlite.Connection,
-        owner: str,
-        job_id: str,
-        number: int,
-        upstream: str,
-        lease: float,
-    ) -> None:
-        await db.execute(
-            self._sql["insert_attempt"],
-            {
-                "owner": owner,
-                "job_id": job_id,
-                "number": number,
-                "upstream": upstream,
-                "lease": float(lease),
-            },
-        )
+    async def _insert_attempt(self, db: aiosqlite.Connection, attempt: Params) -> None:
+        await db.execute(self._sql["insert_attempt"], attempt)
 
     async def _finish(
         self,
@@ -358,8 +342,7 @@ class SqliteStore(Store):
         job: Job,
         attempt: int,
         state: AttemptState,
-        status: int | None,
-        error: str | None,
+        failure: AttemptFailure,
     ) -> None:
         await db.execute(
             self._sql["finish_attempt"],
@@ -368,8 +351,8 @@ class SqliteStore(Store):
                 "job_id": job.id,
                 "attempt": attempt,
                 "state": state.value,
-                "status": status,
-                "error": error,
+                "status": failure.status,
+                "error": failure.error,
             },
         )
 
@@ -413,6 +396,17 @@ class SqliteStore(Store):
 
 def _cas(job: Job) -> Params:
     return {"owner": job.owner, "id": job.id, "version": job.version}
+
+
+def _new_attempt(owner: str, job_id: str, number: int, upstream: str, lease: float) -> Params:
+    """The row `insert_attempt` adds: attempt `number` of the job, on `upstream`."""
+    return {
+        "owner": owner,
+        "job_id": job_id,
+        "number": number,
+        "upstream": upstream,
+        "lease": float(lease),
+    }
 
 
 @contextlib.asynccontextmanager
