@@ -24,7 +24,7 @@ from aiohttp import web
 
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
-from idemproxy.config import Settings, parse_listen
+from idemproxy.config import Settings, log_renamed_keys, parse_listen
 from idemproxy.errors import ListenFailed
 from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
@@ -48,6 +48,8 @@ _YOUNG_COLLECTION_THRESHOLD = 10_000  # gc generation 0; the default is 700
 def serve(settings: Settings, worker: WorkerRole | None = None) -> None:
     """One proxy process; `worker` when it is one of a supervisor's (`server.workers` > 1)."""
     configure_logging(settings.log_level, settings.log_format)
+    if worker is None:  # a supervisor's workers: the supervisor warned
+        log_renamed_keys(settings)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, worker))
 

@@ -43,8 +43,9 @@ def create_store(
 
 
 def serving_store(settings: Settings) -> Store:
-    """The store a proxy process serves from: the configured store, behind Redis when `redis`
-    is set, behind the in-process replay cache when the store is PostgreSQL (SPEC §11)."""
+    """The store a proxy process serves from: the configured store, behind Redis when
+    `redis.url` is set, behind the in-process replay cache when the store is PostgreSQL
+    (SPEC §11)."""
     store = create_store(
         settings.store,
         max_connections=settings.pool.store_connections,
@@ -69,12 +70,13 @@ def _is_postgres(dsn: str) -> bool:
 
 
 def wrap_with_cache(store: Store, settings: Settings) -> Store:
-    """`store` behind the Redis replay cache when `redis` is set (SPEC §11), else `store`.
+    """`store` behind the Redis replay cache when `redis.url` is set (SPEC §11), else `store`.
 
     Redis is an optional extra (`idemproxy[redis]`): its client is imported only here, only when
     asked for.
     """
-    if settings.redis is None:
+    redis = settings.redis
+    if redis.url is None:
         return store
     try:
         from idemproxy.store.redis.cache import RedisCachedStore, RedisCacheOptions
@@ -84,15 +86,14 @@ def wrap_with_cache(store: Store, settings: Settings) -> Store:
         raise ConfigError(
             "redis: --redis needs the redis package: pip install 'idemproxy[redis]'"
         ) from exc
-    options = settings.redis_options
     return RedisCachedStore.from_url(
         store,
-        settings.redis,
+        redis.url,
         RedisCacheOptions(
-            timeout=options.timeout,
-            write_timeout=options.write_timeout,
-            ttl=options.ttl,
-            max_body=options.max_body,
+            timeout=redis.timeout,
+            write_timeout=redis.write_timeout,
+            ttl=redis.ttl,
+            max_body=redis.max_body,
         ),
     )
 
