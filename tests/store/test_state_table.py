@@ -11,7 +11,7 @@ exactly what `TRANSITIONS` says, and every state the SQL names must be one the c
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -199,6 +199,10 @@ def _expected_attempts(
     )
 
 
+def _values(states: Iterable[JobState]) -> frozenset[str]:
+    return frozenset(state.value for state in states)
+
+
 def _queries(dialect: str) -> dict[str, str]:
     """The named statements as the store loads them, without their comments."""
     return {name: re.sub(r"--[^\n]*", "", sql) for name, sql in load_queries(dialect).items()}
@@ -232,7 +236,9 @@ def test_the_statements_follow_the_table(dialect: str, operation: Operation) -> 
         assert job == expected, f"{dialect} {operation}"
 
     attempts = attempt_effects(sql)
-    changed = {(source, target) for source, target in attempts if target is not None}
+    changed: set[tuple[frozenset[str], str | None]] = {
+        (source, target) for source, target in attempts if target is not None
+    }
     wanted = set(_expected_attempts(transition))
     if any(target == PARAMETER for _, target in changed):
         # The state is the store's argument (`settle_states`, `attempt_end`): the table's.
@@ -260,21 +266,21 @@ def test_the_reads_use_the_tables_sets(dialect: str) -> None:
     text = "\n".join(queries.values())
     # lease_expired is computed for the leased states only; an operator's unforced delete
     # spares those states under a live lease.
-    lease_states = set(re.findall(r"state\s*=\s*'(\w+)'\s+AND\s+lease_expires_at\s*<=", text))
-    assert lease_states == {state.value for state in LEASED}
-    assert set(re.findall(r"state\s*<>\s*'(\w+)'", queries["delete_job"])) == {
-        state.value for state in LEASED
-    }
-    assert _states(queries["expired_leases"]) == {state.value for state in LEASED}
-    resolvable = {state.value for state in RESOLVABLE}
+    lease_states = frozenset(re.findall(r"state\s*=\s*'(\w+)'\s+AND\s+lease_expires_at\s*<=", text))
+    leased = _values(LEASED)
+    assert lease_states == leased
+    assert frozenset(re.findall(r"state\s*<>\s*'(\w+)'", queries["delete_job"])) == leased
+    assert _states(queries["expired_leases"]) == leased
+    resolvable = _values(RESOLVABLE)
     assert _states(queries["stale_unknown"]) == resolvable
     assert _states(queries["count_unknown"]) == resolvable
-    expirable = {state.value for state in EXPIRABLE}
+    expirable = _values(EXPIRABLE)
     assert _states(queries["forget"]) == expirable
     assert _states(queries["sweep_expired"]) == expirable
     keep = queries["complete"] if dialect == "postgres" else queries["may_keep_late"]
     kept = re.search(r"FROM (?:idemproxy\.)?jobs WHERE .*?state = '(\w+)'", keep)
-    assert kept is not None and {kept.group(1)} == {state.value for state in LATE_RESPONSE_KEPT}
+    assert kept is not None
+    assert frozenset({kept.group(1)}) == _values(LATE_RESPONSE_KEPT)
 
 
 @pytest.mark.parametrize("dialect", ["postgres", "sqlite"])

@@ -67,7 +67,7 @@ def test_the_row_of(
     deletes: bool,
 ) -> None:
     row = TRANSITIONS[operation]
-    assert (row.source, row.target, row.bumps_version) == (source, target, bumps)
+    assert (row.source, row.target, row.bumps_version) == (frozenset(source), target, bumps)
     assert (row.lease, row.new_attempt, row.deletes) == (lease, new_attempt, deletes)
 
 
