@@ -22,7 +22,7 @@ _SERVE_FLAGS = {
     "listen": "listen",
     "upstream": "upstream",
     "store": "store",
-    "redis": "redis",
+    "redis": "redis.url",
     "profile": "profile",
     "methods": "methods",
     "owner": "owner.strategy",

@@ -6,7 +6,9 @@ Built once in `cli.main()` and passed in; nothing reads it from a global.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -16,12 +18,14 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -34,6 +38,7 @@ from idemproxy import constants as c
 from idemproxy.errors import ConfigError
 
 _STRICT = ConfigDict(extra="forbid")
+log = logging.getLogger("idemproxy.config")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # RFC 9110 §5.1: field-name = token.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -234,9 +239,13 @@ class AdminSettings(BaseModel):
 
 
 class RedisSettings(BaseModel):
-    """The optional Redis replay cache in front of the store (`redis`, SPEC §11)."""
+    """The optional Redis replay cache and cross-replica wake-ups in front of the store (the
+    `redis:` block, SPEC §11); optional (pip install 'idemproxy[redis]'), never the source of
+    truth."""
 
     model_config = _STRICT
+    # redis://[:password@]host:port/db, rediss://… or unix://… (flag --redis); none: off.
+    url: str | None = None
     # Seconds a cache lookup may take; a slower (or failed) one is a miss, answered by the store.
     timeout: float = Field(default=0.05, gt=0)
     # Seconds for a cache write, invalidation or wake-up (in the background, never in a request).
@@ -246,6 +255,17 @@ class RedisSettings(BaseModel):
     ttl: float = Field(default=300.0, gt=0)
     # Largest response body cached; larger ones are replayed from the store.
     max_body: int = Field(default=1024 * 1024, ge=0)
+
+    @field_validator("url", mode="before")
+    @classmethod
+    def _scheme(cls, url: Any) -> Any:
+        if url == "":
+            return None  # IDEMPROXY_REDIS__URL="" (e.g. an empty secret) means off, as no url does
+        if isinstance(url, str) and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be redis://…, rediss://… or unix://…")
+        if isinstance(url, str):
+            _check_authority(url)
+        return url
 
 
 class ReplayCacheSettings(BaseModel):
@@ -310,10 +330,9 @@ class Settings(BaseSettings):
     routes: list[RouteSettings] = Field(default_factory=list)
     store: str = c.DEFAULT_STORE
     migrate: bool = True
-    # redis://[:password@]host:port/db (flag --redis): a replay cache and cross-replica wake-ups
-    # in front of the store; optional (pip install 'idemproxy[redis]'), never the source of truth.
-    redis: str | None = None
-    redis_options: RedisSettings = Field(default_factory=RedisSettings)
+    # NoDecode: IDEMPROXY_REDIS is read as it was before the block, a URL (_RenamedRedisKeys).
+    redis: Annotated[RedisSettings, NoDecode] = Field(default_factory=RedisSettings)
+    _renamed_keys: tuple[str, ...] = PrivateAttr(default=())
     replay_cache: ReplayCacheSettings = Field(default_factory=ReplayCacheSettings)
     profile: Literal["default", "ietf"] = "default"
     key_header: str = c.DEFAULT_KEY_HEADER
@@ -380,7 +399,12 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # SPEC §12: flags (init) > environment > YAML file.
-        return init_settings, env_settings, YamlConfigSettingsSource(settings_cls)
+        renamed = _RENAMED_KEYS.get()
+        return (
+            _RenamedRedisKeys(init_settings, renamed, where=None),
+            _RenamedRedisKeys(env_settings, renamed, where="environment"),
+            _RenamedRedisKeysInFile(settings_cls, renamed),
+        )
 
     @field_validator("listen")
     @classmethod
@@ -415,17 +439,6 @@ class Settings(BaseSettings):
         if not dsn.startswith(("sqlite://", "postgresql://", "postgres://")):
             raise ValueError("must be sqlite:///PATH or postgresql://…")
         return dsn
-
-    @field_validator("redis", mode="before")
-    @classmethod
-    def _redis_scheme(cls, url: Any) -> Any:
-        if url == "":
-            return None  # IDEMPROXY_REDIS="" (e.g. an empty secret) means off, as `redis:` does
-        if isinstance(url, str) and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be redis://…, rediss://… or unix://…")
-        if isinstance(url, str):
-            _check_authority(url)
-        return url
 
     @field_validator("fingerprint_exclude")
     @classmethod
@@ -466,6 +479,11 @@ class Settings(BaseSettings):
                 " (1.5 times pool.store_timeout) or lower pool.store_timeout"
             )
         return pool
+
+    @property
+    def renamed_keys(self) -> tuple[str, ...]:
+        """A warning for each key of before that the file or the environment still gave."""
+        return self._renamed_keys
 
     @property
     def effective_max_wait(self) -> float:
@@ -542,10 +560,27 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         model_config = SettingsConfigDict(yaml_file=config_file)
 
     given = {k: v for k, v in overrides.items() if v is not None}
-    if config_file is None:
-        return FileSettings(**given)
+    renamed: list[str] = []
+    token = _RENAMED_KEYS.set(renamed)
     try:
-        return FileSettings(**given)
+        settings = _load(FileSettings, config_file, given)
+    finally:
+        _RENAMED_KEYS.reset(token)
+    settings._renamed_keys = tuple(dict.fromkeys(renamed))
+    return settings
+
+
+def log_renamed_keys(settings: Settings) -> None:
+    """Warn once, at start-up, of each key of before the settings were read with."""
+    for warning in settings.renamed_keys:
+        log.warning("settings: %s", warning)
+
+
+def _load(model: type[Settings], config_file: Path | None, given: dict[str, Any]) -> Settings:
+    if config_file is None:
+        return model(**given)
+    try:
+        return model(**given)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: {yaml_problem(config_file, exc)}") from exc
     except (OSError, UnicodeDecodeError) as exc:
@@ -574,3 +609,112 @@ def _reason(error: OSError | UnicodeDecodeError) -> str:
     if isinstance(error, UnicodeDecodeError):
         return f"not UTF-8 text (byte {error.start})"
     return error.strerror or str(error)
+
+
+# The renamed keys the sources of one `load_settings` call read (None: not recorded).
+_RENAMED_KEYS: ContextVar[list[str] | None] = ContextVar("idemproxy_renamed_keys", default=None)
+
+
+class _RenamedRedisKeys(PydanticBaseSettingsSource):
+    """One settings source, read with the Redis keys of before renamed: `redis: URL` is
+    `redis: {url: URL}` and `redis_options: {…}` joins the `redis:` block.
+
+    Each source is renamed on its own, so that the sources still merge key by key (an old
+    IDEMPROXY_REDIS with a new `redis:` block in the file keeps both). A rename read from the
+    file or the environment is noted for a warning at start-up (`log_renamed_keys`); the
+    program's own arguments (the flags) are renamed quietly. One source giving a setting in both
+    forms is refused: which one was meant cannot be told.
+    """
+
+    def __init__(
+        self, source: PydanticBaseSettingsSource, notes: list[str] | None, *, where: str | None
+    ) -> None:
+        super().__init__(source.settings_cls)
+        self._source, self._notes, self._where = source, notes, where
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._source.get_field_value(field, field_name)
+
+    def __call__(self) -> dict[str, Any]:
+        return self.rename(dict(self._source()))
+
+    def rename(self, values: dict[str, Any]) -> dict[str, Any]:
+        block = values.get("redis")
+        options = values.pop("redis_options", None) or self._old_option_variables()
+        if isinstance(block, dict) and options is not None:
+            raise ConfigError(
+                self._both("redis_options", "redis.*" if self._where == "environment" else "redis")
+            )
+        if isinstance(block, str):
+            if self._nested_redis_variables():
+                raise ConfigError(self._both("redis", "redis.url"))
+            self._note("redis", "redis.url")
+            block = {"url": block}
+        if options is not None:
+            self._note("redis_options", "redis.*" if self._where == "environment" else "redis")
+            block = {**(block or {}), **options}
+        if "redis" in values or options is not None:
+            values["redis"] = block or {}
+        return values
+
+    def _old_option_variables(self) -> dict[str, str] | None:
+        # No field is named redis_options any more, so the environment source skips them.
+        env_vars = getattr(self._source, "env_vars", None)
+        if self._where != "environment" or env_vars is None:
+            return None
+        prefix = "idemproxy_redis_options__"
+        found = {
+            name.lower().removeprefix(prefix): value
+            for name, value in env_vars.items()
+            if name.lower().startswith(prefix) and value is not None
+        }
+        return found or None
+
+    def _nested_redis_variables(self) -> bool:
+        # IDEMPROXY_REDIS is read as a URL (NoDecode), and then pydantic-settings would drop the
+        # IDEMPROXY_REDIS__… variables beside it without a word.
+        env_vars = getattr(self._source, "env_vars", None)
+        if self._where != "environment" or env_vars is None:
+            return False
+        return any(name.lower().startswith("idemproxy_redis__") for name in env_vars)
+
+    def _note(self, old: str, new: str) -> None:
+        if self._notes is None or self._where is None:
+            return
+        if self._where == "environment":
+            self._notes.append(f"{_ENV_NAMES[old]} is deprecated: set {_ENV_NAMES[new]} instead")
+        else:
+            self._notes.append(_FILE_NOTES[old])
+
+    def _both(self, old: str, new: str) -> str:
+        if self._where == "environment":
+            block = _ENV_NAMES["redis.*"]
+            return f"{_ENV_NAMES[old]} and {block} are both set: set only the {block} variables"
+        where = "the flags" if self._where is None else "the config file"
+        return f"`{old}` and `{new}` are both given in {where}: give only `{new}`"
+
+
+class _RenamedRedisKeysInFile(YamlConfigSettingsSource):
+    """The config file, read as `_RenamedRedisKeys` reads a source: a subclass rather than a
+    wrapper, because pydantic-settings looks among the sources for its YAML one by its class."""
+
+    def __init__(self, settings_cls: type[BaseSettings], notes: list[str] | None) -> None:
+        super().__init__(settings_cls)
+        self._renamed = _RenamedRedisKeys(self, notes, where="file")
+
+    def __call__(self) -> dict[str, Any]:
+        return self._renamed.rename(dict(super().__call__()))
+
+
+_FILE_NOTES = {
+    "redis": "`redis: URL` is deprecated: write `redis: {url: URL}` in the config file instead",
+    "redis_options": "`redis_options:` is deprecated: move its settings into the `redis:` block"
+    " of the config file",
+}
+# The environment variables of the renamed keys (env_prefix IDEMPROXY_, nested with `__`).
+_ENV_NAMES = {
+    "redis": "IDEMPROXY_REDIS",
+    "redis.url": "IDEMPROXY_REDIS__URL",
+    "redis.*": "IDEMPROXY_REDIS__…",
+    "redis_options": "IDEMPROXY_REDIS_OPTIONS__…",
+}

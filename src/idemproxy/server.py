@@ -24,7 +24,7 @@ from aiohttp import web
 
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
-from idemproxy.config import Settings, parse_listen
+from idemproxy.config import Settings, log_renamed_keys, parse_listen
 from idemproxy.errors import ListenFailed
 from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.logs import configure_logging
@@ -51,6 +51,8 @@ def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = No
     `owner` is built from `settings.owner` before (identity/owner.py), so that a bad JWT key
     stops the start before the store is opened."""
     configure_logging(settings.log_level, settings.log_format)
+    if worker is None:  # a supervisor's workers: the supervisor warned
+        log_renamed_keys(settings)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, owner, worker))
 

@@ -81,7 +81,7 @@ def test_secrets_reach_the_proxy_only_through_secret_refs(
     for variable, key in [
         ("IDEMPROXY_STORE", "store"),
         ("IDEMPROXY_ADMIN__TOKEN", "admin-token"),
-        ("IDEMPROXY_REDIS", "redis"),
+        ("IDEMPROXY_REDIS__URL", "redis"),
     ]:
         assert "value" not in env[variable]
         ref = env[variable]["valueFrom"]["secretKeyRef"]
@@ -100,6 +100,17 @@ def test_config_map_is_a_valid_settings_file(
     proxy = proxy_container(manifests)
     assert parse_listen(settings.listen)[1] == container_port(proxy, "http")
     assert parse_listen(settings.admin.listen)[1] == container_port(proxy, "admin")
+
+
+def test_the_redis_options_may_go_in_the_config_map(
+    helm_template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the URL of the `redis:` block is a secret; its options are plain settings."""
+    values = str(CHART / "ci" / "with-redis-values.yaml")
+    result = render(helm_template, "-f", values, "--set", "proxy.config.redis.timeout=0.1")
+    assert result.returncode == 0, result.stderr
+    manifests = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert _load_as_the_pod_would(manifests, tmp_path, monkeypatch).redis.timeout == 0.1
 
 
 def _load_as_the_pod_would(
@@ -228,6 +239,14 @@ def test_standalone_autoscales_instead_of_fixing_replicas(
         (
             ["--set", "proxy.config.admin.token=abc"],
             "proxy.config.admin.token: secrets never go in the ConfigMap",
+        ),
+        (
+            ["--set", "proxy.config.redis.url=redis://:p@cache:6379/0"],
+            "proxy.config.redis.url: secrets never go in the ConfigMap",
+        ),
+        (
+            ["--set", "proxy.config.redis=redis://:p@cache:6379/0"],
+            "proxy.config.redis.url: secrets never go in the ConfigMap",
         ),
         (["--set", "secrets.adminToken="], "secrets.adminToken: the admin listener"),
         (["--set", "mode=sidecar"], "app.image.repository: sidecar mode needs"),

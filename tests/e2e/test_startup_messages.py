@@ -177,7 +177,7 @@ BAD_URLS = {
     "upstream host": (["--upstream", "http://:8000"], "upstream: Value error, names no host"),
     "redis port": (
         ["--upstream", "http://127.0.0.1:9", "--redis", "redis://:{secret}@127.0.0.1:nope/0"],
-        "redis: Value error, the port (or an IPv6 address in brackets) is malformed",
+        "redis.url: Value error, the port (or an IPv6 address in brackets) is malformed",
     ),
 }
 

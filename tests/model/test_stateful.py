@@ -93,9 +93,9 @@ from idemproxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from idemproxy.store.base import Store
+from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.cache.memory import MemoryReplayCache
-from idemproxy.store.postgres.store import PostgresStore
+from idemproxy.store.postgres.store import Connections, PostgresStore
 from idemproxy.store.sqlite.store import SqliteStore
 
 # Longer runs: IDEMPROXY_MODEL_SCALE multiplies the examples, IDEMPROXY_MODEL_STEPS sets the
@@ -714,7 +714,12 @@ class IdempotencyMachine(RuleBasedStateMachine):
         # SPEC §3.4: unknown never fails over; in a race the fail-over is a hedge (`hedge`).
         if how == "fail_over" and moves_on(outcome) and race not in self.raced:
             following = self.call(
-                "fail_over", job, number, UPSTREAMS[1], status=status, error=error, lease=lease
+                "fail_over",
+                job,
+                number,
+                UPSTREAMS[1],
+                failure=AttemptFailure(status, error),
+                lease=lease,
             )
             if following is not None:
                 self.started(following, UPSTREAMS[1])
@@ -1020,7 +1025,7 @@ class PostgresMachine(StoreMachine):
 
     async def open_store(self) -> Store:
         await self.empty_database()
-        store = PostgresStore(self.dsn, min_connections=1, max_connections=2, listen=False)
+        store = PostgresStore(self.dsn, connections=Connections(1, 2), listen=False)
         await store.open()
         return store
 
@@ -1041,7 +1046,7 @@ class CachedPostgresMachine(PostgresMachine):
 
     async def open_store(self) -> Store:
         await self.empty_database()
-        inner = PostgresStore(self.dsn, min_connections=1, max_connections=2)
+        inner = PostgresStore(self.dsn, connections=Connections(1, 2))
         store = MemoryReplayCache(inner, max_bytes=1 << 20, max_body=1 << 16, ttl=60.0)
         await store.open()
         async with asyncio.timeout(10):  # the cache serves only once the change feed is live

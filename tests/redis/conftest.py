@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 
 from idemproxy.config import load_settings
 from idemproxy.proxy.app import create_app
-from idemproxy.store.redis.cache import RedisCachedStore
+from idemproxy.store.redis.cache import RedisCachedStore, RedisCacheOptions
 from tests.support.backend import Ledger, backend_app
 from tests.support.redisserver import (
     LOOKUP_TIMEOUT,
@@ -67,7 +67,9 @@ async def make_store(pg_dsn: str, redis_server: RedisServer) -> AsyncIterator[Ca
     async def make(*, listen: bool = True, url: str | None = None, **options: Any) -> Any:
         inner = SpyStore(pg_dsn, listen=listen)
         options = {"timeout": LOOKUP_TIMEOUT, "write_timeout": WRITE_TIMEOUT, **options}
-        store = RedisCachedStore.from_url(inner, url or redis_server.url, **options)
+        store = RedisCachedStore.from_url(
+            inner, url or redis_server.url, RedisCacheOptions(**options)
+        )
         await store.open()
         stores.append(store)
         return store

@@ -57,16 +57,16 @@ def test_the_flag_sets_redis(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("idemproxy.server.serve", lambda settings, *_: seen.append(settings))
     argv = ["serve", "--upstream", UPSTREAM, "--redis", "redis://cache:6379/0"]
     assert cli.main(argv) == 0
-    assert seen[0].redis == "redis://cache:6379/0"
+    assert seen[0].redis.url == "redis://cache:6379/0"
 
 
 def test_the_environment_sets_redis_and_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IDEMPROXY_REDIS", "redis://:secret@cache:6379/1")
     monkeypatch.setenv("IDEMPROXY_REDIS_OPTIONS__TIMEOUT", "0.02")
     settings = load_settings(upstream=UPSTREAM)
-    assert settings.redis == "redis://:secret@cache:6379/1"
-    assert settings.redis_options.timeout == 0.02
-    assert load_settings(upstream=UPSTREAM, redis=None).redis_options.ttl == 300
+    assert settings.redis.url == "redis://:secret@cache:6379/1"
+    assert settings.redis.timeout == 0.02
+    assert load_settings(upstream=UPSTREAM, redis=None).redis.ttl == 300
 
 
 @pytest.mark.parametrize("url", ["http://cache:6379", "cache:6379", "postgresql://x/y"])
@@ -93,4 +93,4 @@ async def test_the_factory_wraps_the_store_only_when_asked() -> None:
 
 def test_an_empty_redis_url_means_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("IDEMPROXY_REDIS", "")
-    assert load_settings(upstream=UPSTREAM).redis is None
+    assert load_settings(upstream=UPSTREAM).redis.url is None

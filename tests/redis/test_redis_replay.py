@@ -17,6 +17,8 @@ from idemproxy.config import load_settings
 from idemproxy.constants import REDIS_GONE_PREFIX
 from idemproxy.core.types import Claimed, Existing, Intent, JobState, StoredResponse
 from idemproxy.proxy.app import create_app
+from idemproxy.store.base import AttemptFailure
+from idemproxy.store.redis.client import EntryKeys
 from idemproxy.store.redis.codec import encode, entry_name, tombstone_name, watch_name
 from tests.support.backend import Ledger
 from tests.support.redisserver import (
@@ -145,7 +147,8 @@ async def test_deleting_a_job_invalidates_it_and_refuses_a_late_cache_write(
     assert (await redis_client.keys(f"{REDIS_GONE_PREFIX}*")) != []
 
     # A write of the deleted job that was already on its way lands now: refused.
-    store.cache.put(name, tombstone_name(name, job.id), watch_name(name), encode(job), 60, "")
+    keys = EntryKeys(name, tombstone_name(name, job.id), watch_name(name))
+    store.cache.put(keys, encode(job), 60, "")
     await store.cache.drain()
     assert await cached_entries(redis_client) == 0
 
@@ -207,7 +210,9 @@ async def test_a_cached_completion_counts_the_hedges_of_the_version_that_won(
     intent = Intent("alice", "k1", "fp1", "POST", "/pay")
     claimed = await store.claim(intent, str(uuid.uuid4()), "primary", ttl=3600.0, lease=60.0)
     assert isinstance(claimed, Claimed)
-    following = await store.fail_over(claimed.job, 1, "f1", status=503, error=None, lease=60.0)
+    following = await store.fail_over(
+        claimed.job, 1, "f1", failure=AttemptFailure(503, None), lease=60.0
+    )
     assert following is not None
     assert await store.add_attempt(following.job, "hedge", lease=60.0) == 3
     assert not await store.settle(claimed.job, 1, JobState.UNKNOWN, error="late timeout")

@@ -25,7 +25,7 @@ from idemproxy.core.types import (
     JobState,
     StoredResponse,
 )
-from idemproxy.store.base import Store
+from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.factory import create_store
 from idemproxy.store.watch import JobWatch
 
@@ -186,7 +186,9 @@ async def test_renewing_a_job_that_is_no_longer_in_flight_fails(store: Store) ->
 
 async def test_renewing_with_a_stale_version_fails(store: Store) -> None:
     claimed = await claim(store)
-    moved = await store.fail_over(claimed.job, 1, "fallback", status=503, error="busy", lease=SHORT)
+    moved = await store.fail_over(
+        claimed.job, 1, "fallback", failure=AttemptFailure(503, "busy"), lease=SHORT
+    )
     assert moved is not None
     assert not await store.renew_lease(claimed.job, lease=LEASE)  # the old attempt's view
     assert await store.renew_lease(moved.job, lease=LEASE)
@@ -251,7 +253,7 @@ async def test_take_over_loses_while_the_lease_is_live(store: Store) -> None:
 async def test_take_over_with_a_stale_version_loses(store: Store) -> None:
     claimed = await claim(store, lease=0.05)
     moved = await store.fail_over(
-        claimed.job, 1, "fallback", status=None, error="refused", lease=0.05
+        claimed.job, 1, "fallback", failure=AttemptFailure(None, "refused"), lease=0.05
     )
     assert moved is not None
     await asyncio.sleep(0.2)
@@ -335,7 +337,7 @@ async def test_a_late_release_after_a_takeover_cannot_release_the_job(store: Sto
 async def test_fail_over_starts_the_next_attempt_on_the_fallback(store: Store) -> None:
     claimed = await claim(store)
     moved = await store.fail_over(
-        claimed.job, 1, "fallback", status=503, error="upstream said 503", lease=LEASE
+        claimed.job, 1, "fallback", failure=AttemptFailure(503, "upstream said 503"), lease=LEASE
     )
     assert moved is not None
     assert moved.attempt == 2
@@ -360,9 +362,13 @@ async def test_fail_over_starts_the_next_attempt_on_the_fallback(store: Store) -
 
 async def test_fail_over_along_a_chain_of_fallbacks(store: Store) -> None:
     claimed = await claim(store)
-    second = await store.fail_over(claimed.job, 1, "b", status=None, error="refused", lease=LEASE)
+    second = await store.fail_over(
+        claimed.job, 1, "b", failure=AttemptFailure(None, "refused"), lease=LEASE
+    )
     assert second is not None
-    third = await store.fail_over(second.job, 2, "c", status=429, error=None, lease=LEASE)
+    third = await store.fail_over(
+        second.job, 2, "c", failure=AttemptFailure(429, None), lease=LEASE
+    )
     assert third is not None and third.attempt == 3
     assert third.job.version == claimed.job.version + 2
     job = await job_of(store, claimed.job.id)
@@ -376,8 +382,13 @@ async def test_fail_over_along_a_chain_of_fallbacks(store: Store) -> None:
 
 async def test_fail_over_with_a_stale_version_changes_nothing(store: Store) -> None:
     claimed = await claim(store)
-    assert await store.fail_over(claimed.job, 1, "b", status=503, error=None, lease=LEASE)
-    assert await store.fail_over(claimed.job, 1, "c", status=503, error=None, lease=LEASE) is None
+    assert await store.fail_over(
+        claimed.job, 1, "b", failure=AttemptFailure(503, None), lease=LEASE
+    )
+    assert (
+        await store.fail_over(claimed.job, 1, "c", failure=AttemptFailure(503, None), lease=LEASE)
+        is None
+    )
     job = await job_of(store, claimed.job.id)
     assert (job.attempt_count, job.version) == (2, claimed.job.version + 1)
     assert [a.upstream for a in job.attempts] == ["primary", "b"]
@@ -391,7 +402,9 @@ async def test_no_fail_over_once_the_job_left_in_flight(store: Store, end: str) 
     else:
         assert await store.settle(claimed.job, 1, JobState(end), status=503)
     job = await current(store, claimed.job)
-    assert await store.fail_over(job, 1, "b", status=503, error=None, lease=LEASE) is None
+    assert (
+        await store.fail_over(job, 1, "b", failure=AttemptFailure(503, None), lease=LEASE) is None
+    )
     after = await job_of(store, job.id)
     assert (after.state, after.version, after.attempt_count) == (job.state, job.version, 1)
 
@@ -400,7 +413,7 @@ async def test_of_concurrent_fail_overs_exactly_one_wins(store: Store) -> None:
     claimed = await claim(store)
     results = await asyncio.gather(
         *(
-            store.fail_over(claimed.job, 1, f"f{i}", status=503, error=None, lease=LEASE)
+            store.fail_over(claimed.job, 1, f"f{i}", failure=AttemptFailure(503, None), lease=LEASE)
             for i in range(8)
         )
     )
@@ -414,7 +427,9 @@ async def test_a_duplicate_counts_the_hedges_of_the_version_that_won(store: Stor
     """A late attempt of an older version ending (its CAS lost) must not make a replay cache
     forget the attempts hedged under the version in flight now (found by the model test)."""
     claimed = await claim(store)
-    following = await store.fail_over(claimed.job, 1, "f1", status=503, error=None, lease=LEASE)
+    following = await store.fail_over(
+        claimed.job, 1, "f1", failure=AttemptFailure(503, None), lease=LEASE
+    )
     assert following is not None and following.attempt == 2
     assert await store.add_attempt(following.job, "hedge", lease=LEASE) == 3
     assert not await store.settle(claimed.job, 1, JobState.UNKNOWN, error="late timeout")

@@ -14,14 +14,14 @@ import pytest
 
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.postgres.kept import _live_connection_next
-from idemproxy.store.postgres.store import PostgresStore
+from idemproxy.store.postgres.store import Connections, PostgresStore
 
 pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
 async def pg_store(pg_dsn: str) -> AsyncIterator[tuple[PostgresStore, list[tuple[str, bool]]]]:
-    store = PostgresStore(pg_dsn, min_connections=1, max_connections=2, listen=False)
+    store = PostgresStore(pg_dsn, connections=Connections(1, 2), listen=False)
     seen: list[tuple[str, bool]] = []
     store.observer = lambda operation, seconds, failed: seen.append((operation, failed))
     await store.open()
@@ -107,7 +107,7 @@ async def _its_one_connection_held(
 ) -> AsyncIterator[tuple[PostgresStore, asyncio.Event, asyncio.Task[None]]]:
     """A store of one connection, which a task holds until the event is set."""
     store = PostgresStore(
-        pg_dsn, min_connections=1, max_connections=1, command_timeout=command_timeout, listen=False
+        pg_dsn, connections=Connections(1, 1), command_timeout=command_timeout, listen=False
     )
     await store.open()
     try:
@@ -197,9 +197,7 @@ async def test_a_kept_connection_the_server_ended_is_not_reused(
 async def test_closing_gives_the_kept_connections_back_at_once(
     pg_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = PostgresStore(
-        pg_dsn, min_connections=1, max_connections=2, command_timeout=3.0, listen=False
-    )
+    store = PostgresStore(pg_dsn, connections=Connections(1, 2), command_timeout=3.0, listen=False)
     await store.open()
     await asyncio.gather(store.ping(), store.ping())  # two connections, both kept
     started = time.monotonic()

@@ -12,7 +12,7 @@ from idemproxy.config import load_settings
 from idemproxy.core.types import Claimed, Intent
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
-from idemproxy.store.postgres.store import PostgresStore
+from idemproxy.store.postgres.store import Connections, PostgresStore
 
 pytestmark = pytest.mark.postgres
 
@@ -26,7 +26,7 @@ async def _claimed(store: Store, key: str) -> Claimed:
 
 async def test_a_renewal_does_not_wait_for_the_request_pool(pg_dsn: str) -> None:
     store = PostgresStore(
-        pg_dsn, max_connections=1, command_timeout=2.0, listen=False, lease_connections=1
+        pg_dsn, connections=Connections(maximum=1, lease=1), command_timeout=2.0, listen=False
     )
     seen: list[tuple[str, bool]] = []
     store.observer = lambda operation, _seconds, failed: seen.append((operation, failed))

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import TypedDict, TypeVar
 
 from idemproxy.store.base import Store
-from idemproxy.store.postgres.store import PostgresStore
+from idemproxy.store.postgres.store import Connections, PostgresStore
 
 S = TypeVar("S", bound=Store)
 
@@ -33,5 +33,5 @@ async def opened(store: S) -> AsyncIterator[S]:
 
 async def migrate_postgres(dsn: str) -> None:
     """Apply every migration to the PostgreSQL database at `dsn` (for a template database)."""
-    async with opened(PostgresStore(dsn, min_connections=1, max_connections=1, listen=False)):
+    async with opened(PostgresStore(dsn, connections=Connections(1, 1), listen=False)):
         pass

@@ -34,10 +34,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "idemproxy.validate" -}}
 {{- $v := .Values }}
 {{- $config := $v.proxy.config | default dict }}
-{{- range $field := list "store" "redis" }}
-{{- if hasKey $config $field }}
-{{- fail (printf "proxy.config.%s: secrets never go in the ConfigMap; set secrets.%s or secrets.existingSecret" $field $field) }}
+{{- if hasKey $config "store" }}
+{{- fail "proxy.config.store: secrets never go in the ConfigMap; set secrets.store or secrets.existingSecret" }}
 {{- end }}
+{{- /* The redis block's options may go in the ConfigMap; its URL (it may hold a password) not. */}}
+{{- if and (hasKey $config "redis") (or (not (kindIs "map" $config.redis)) (hasKey ($config.redis | default dict) "url")) }}
+{{- fail "proxy.config.redis.url: secrets never go in the ConfigMap; set secrets.redis or secrets.existingSecret" }}
 {{- end }}
 {{- if and (kindIs "map" $config.admin) (hasKey $config.admin "token") }}
 {{- fail "proxy.config.admin.token: secrets never go in the ConfigMap; set secrets.adminToken or secrets.existingSecret" }}
@@ -103,7 +105,7 @@ env:
   - name: IDEMPROXY_ADMIN__TOKEN
     valueFrom:
       secretKeyRef: {name: {{ include "idemproxy.secretName" . }}, key: admin-token}
-  - name: IDEMPROXY_REDIS
+  - name: IDEMPROXY_REDIS__URL
     valueFrom:
       secretKeyRef: {name: {{ include "idemproxy.secretName" . }}, key: redis, optional: true}
 livenessProbe:

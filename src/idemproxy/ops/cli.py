@@ -208,7 +208,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     """--store > IDEMPROXY_STORE > the config file, as for `migrate`."""
     if args.config is not None and not Path(args.config).is_file():
         raise ConfigError(f"config: no such file: {args.config}")
-    settings = load_settings(args.config, store=args.store, redis=args.redis, upstream=_NO_UPSTREAM)
+    redis = None if args.redis is None else {"url": args.redis}
+    settings = load_settings(args.config, store=args.store, redis=redis, upstream=_NO_UPSTREAM)
     if settings.store.startswith("sqlite://"):
         path = sqlite_path(settings.store)
         # Opening a missing file would create an empty database and hide a typo.

@@ -13,10 +13,19 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
+from typing import NamedTuple
 
 from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.watch import JobWatch
+
+
+class AttemptFailure(NamedTuple):
+    """What a failed attempt is recorded with: the upstream's status if it answered, and the
+    error (SPEC §3.2)."""
+
+    status: int | None = None
+    error: str | None = None
 
 
 class Store(abc.ABC):
@@ -100,8 +109,7 @@ class Store(abc.ABC):
         attempt: int,
         upstream: str,
         *,
-        status: int | None,
-        error: str | None,
+        failure: AttemptFailure,
         lease: float,
     ) -> Claimed | None:
         """Attempt `attempt` failed without executing: start the next one on `upstream` in the
@@ -179,15 +187,6 @@ class Store(abc.ABC):
     def watching(self, job_id: str) -> AbstractAsyncContextManager[JobWatch.Subscription]:
         """Subscribe to changes of one job (SPEC §2.3: held duplicates)."""
         return self.watch.subscribe(job_id)
-
-
-def settle_states(state: JobState) -> tuple[str, str]:
-    """The (job state, attempt state) pair written by `settle` (SPEC §3.2)."""
-    if state is JobState.RELEASED:
-        return "released", "failed"
-    if state is JobState.UNKNOWN:
-        return "unknown", "unknown"
-    raise ValueError(f"settle cannot move a job to {state}")
 
 
 class _Observed(AbstractContextManager[None]):

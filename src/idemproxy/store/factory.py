@@ -27,14 +27,13 @@ def create_store(
     §3.5); the operator tools run no attempts and need none.
     """
     if _is_postgres(dsn):
-        from idemproxy.store.postgres.store import PostgresStore
+        from idemproxy.store.postgres.store import Connections, PostgresStore
 
         return PostgresStore(
             dsn,
-            max_connections=max_connections,
+            connections=Connections(maximum=max_connections, lease=lease_connections),
             command_timeout=command_timeout,
             late_bytes=late_bytes,
-            lease_connections=lease_connections,
         )
     if dsn.startswith("sqlite://"):
         from idemproxy.store.sqlite.store import SqliteStore
@@ -44,8 +43,9 @@ def create_store(
 
 
 def serving_store(settings: Settings) -> Store:
-    """The store a proxy process serves from: the configured store, behind Redis when `redis`
-    is set, behind the in-process replay cache when the store is PostgreSQL (SPEC §11)."""
+    """The store a proxy process serves from: the configured store, behind Redis when
+    `redis.url` is set, behind the in-process replay cache when the store is PostgreSQL
+    (SPEC §11)."""
     store = create_store(
         settings.store,
         max_connections=settings.pool.store_connections,
@@ -70,29 +70,31 @@ def _is_postgres(dsn: str) -> bool:
 
 
 def wrap_with_cache(store: Store, settings: Settings) -> Store:
-    """`store` behind the Redis replay cache when `redis` is set (SPEC §11), else `store`.
+    """`store` behind the Redis replay cache when `redis.url` is set (SPEC §11), else `store`.
 
     Redis is an optional extra (`idemproxy[redis]`): its client is imported only here, only when
     asked for.
     """
-    if settings.redis is None:
+    redis = settings.redis
+    if redis.url is None:
         return store
     try:
-        from idemproxy.store.redis.cache import RedisCachedStore
+        from idemproxy.store.redis.cache import RedisCachedStore, RedisCacheOptions
     except ImportError as exc:
         if (exc.name or "").partition(".")[0] != "redis":
             raise
         raise ConfigError(
             "redis: --redis needs the redis package: pip install 'idemproxy[redis]'"
         ) from exc
-    options = settings.redis_options
     return RedisCachedStore.from_url(
         store,
-        settings.redis,
-        timeout=options.timeout,
-        write_timeout=options.write_timeout,
-        ttl=options.ttl,
-        max_body=options.max_body,
+        redis.url,
+        RedisCacheOptions(
+            timeout=redis.timeout,
+            write_timeout=redis.write_timeout,
+            ttl=redis.ttl,
+            max_body=redis.max_body,
+        ),
     )
 
 

@@ -7,11 +7,10 @@ import json
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from idemproxy.core.states import ATTEMPT_STATE_OF, JOB_STATE_OF
 from idemproxy.core.types import Attempt, AttemptState, HeaderPairs, Job, JobState, StoredResponse
 from idemproxy.store.header_json import pairs_from_json, pairs_to_json
 
-# `JobState(value)` goes through EnumMeta.__call__ (about a microsecond); a dict does not.
-_JOB_STATES = {state.value: state for state in JobState}
 # Distinct stored header lists kept parsed (see `decode_headers`); each is a few hundred bytes.
 _PARSED_HEADERS = 64
 
@@ -49,7 +48,7 @@ def attempt_from_row(row: Row) -> Attempt:
     return Attempt(
         number=row["number"],
         upstream=row["upstream"],
-        state=AttemptState(row["state"]),
+        state=_attempt_state(row["state"]),
         status=row["status"],
         error=row["error"],
         started_at=as_datetime(row["started_at"]),
@@ -66,8 +65,13 @@ def late_response_from_row(row: Row) -> StoredResponse:
 
 
 def _job_state(value: str) -> JobState:
-    state = _JOB_STATES.get(value)
-    return JobState(value) if state is None else state  # an unknown value raises, as before
+    state = JOB_STATE_OF.get(value)
+    return JobState(value) if state is None else state  # an unknown value raises ValueError
+
+
+def _attempt_state(value: str) -> AttemptState:
+    state = ATTEMPT_STATE_OF.get(value)
+    return AttemptState(value) if state is None else state
 
 
 def _response(row: Row) -> StoredResponse | None:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-from idemproxy.config import Settings
+from idemproxy.config import Settings, log_renamed_keys
 from idemproxy.logs import configure_logging
 from idemproxy.store.factory import create_store
 from idemproxy.workers.listen import claim_listen
@@ -68,6 +68,7 @@ class _Worker:
 def supervise(settings: Settings, serve_argv: Sequence[str]) -> int:
     """Run `settings.server.workers` workers of `idemproxy <serve_argv>`; the exit status."""
     configure_logging(settings.log_level, settings.log_format)
+    log_renamed_keys(settings)
     # A taken port fails here, as it does for a single process (workers/listen.py).
     lock = claim_listen(settings.listen)
     try:

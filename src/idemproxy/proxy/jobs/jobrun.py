@@ -33,6 +33,7 @@ from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.attempt import AttemptRun, Failed, Step, count_failed, run_attempt
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.server.capture import drop_unsent
+from idemproxy.store.base import AttemptFailure
 
 log = logging.getLogger(__name__)
 Racing = dict["asyncio.Task[Step]", AttemptRun]
@@ -69,8 +70,7 @@ async def _run_in_order(
             job,
             number,
             upstreams[index + 1],
-            status=step.status,
-            error=step.error,
+            failure=AttemptFailure(step.status, step.error),
             lease=ctx.settings.lease,
         )
         if following is None:

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
 from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
-from idemproxy.store.base import Store
+from idemproxy.store.base import AttemptFailure, Store
 
 Observer = Callable[[str, float, bool], None]
 # A cache entry that would live less than this (seconds) is not worth writing.
@@ -112,13 +112,10 @@ class DelegatingStore(Store):
         attempt: int,
         upstream: str,
         *,
-        status: int | None,
-        error: str | None,
+        failure: AttemptFailure,
         lease: float,
     ) -> Claimed | None:
-        return await self.inner.fail_over(
-            job, attempt, upstream, status=status, error=error, lease=lease
-        )
+        return await self.inner.fail_over(job, attempt, upstream, failure=failure, lease=lease)
 
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
         return await self.inner.add_attempt(job, upstream, lease=lease)

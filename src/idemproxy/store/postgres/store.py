@@ -8,11 +8,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
@@ -23,7 +25,7 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.base import Store, settle_states
+from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.feed import stop_feed
 from idemproxy.store.postgres.errors import (
     DRIVER_ERRORS,
@@ -55,7 +57,20 @@ _CLAIM_RETRIES = 5
 # Seconds a connection may stay idle before it is closed (asyncpg's default): kept ones are
 # first released to the pool (store/postgres/kept.py), whose own timer then closes them.
 _IDLE_LIFETIME = 300.0
-_ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
+
+
+@dataclass(frozen=True, slots=True)
+class Connections:
+    """The store's connection pools: `minimum` to `maximum` for the statements, and `lease`
+    reserved for lease renewals (store/postgres/renewals.py, SPEC §3.5); 0, for processes that
+    run no attempts, renews on the main pool."""
+
+    minimum: int = 2
+    maximum: int = 20
+    lease: int = 0
+
+
+_DEFAULT_CONNECTIONS = Connections()
 
 
 class PostgresStore(Store):
@@ -63,21 +78,16 @@ class PostgresStore(Store):
         self,
         dsn: str,
         *,
-        min_connections: int = 2,
-        max_connections: int = 20,
+        connections: Connections = _DEFAULT_CONNECTIONS,
         command_timeout: float = 5.0,
         listen: bool = True,
         late_bytes: int = DEFAULT_MAX_STORED_BODY,
-        lease_connections: int = 0,
     ) -> None:
-        """`lease_connections`: a pool of that many reserved for lease renewals
-        (store/postgres/renewals.py); 0, for processes that run no attempts, renews on the main
-        pool."""
         super().__init__()
         self._late_bytes = late_bytes  # kept late bodies per job in all (SPEC §3.3)
         self._dsn = dsn
         # asyncpg refuses a min_size above max_size: `pool.store_connections: 1` is one connection.
-        self._pool_size = (min(min_connections, max_connections), max_connections)
+        self._pool_size = (min(connections.minimum, connections.maximum), connections.maximum)
         self._command_timeout = command_timeout
         self._listen = listen
         self._sql = load_queries("postgres")
@@ -86,9 +96,9 @@ class PostgresStore(Store):
         self._listener: asyncio.Task[None] | None = None
         self._renewals = (
             RenewalConnections(
-                dsn, size=lease_connections, timeout=command_timeout, init=_init_connection
+                dsn, size=connections.lease, timeout=command_timeout, init=_init_connection
             )
-            if lease_connections > 0
+            if connections.lease > 0
             else None
         )
 
@@ -204,7 +214,7 @@ class PostgresStore(Store):
     ) -> bool:
         job_state, attempt_state = settle_states(state)
         row = await self._fetchrow(
-            "settle", *_cas(job), attempt, job_state, attempt_state, status, error
+            "settle", *_cas(job), attempt, job_state.value, attempt_state.value, status, error
         )
         return row is not None
 
@@ -217,9 +227,8 @@ class PostgresStore(Store):
         status: int | None = None,
         error: str | None = None,
     ) -> None:
-        await self._execute(
-            "finish_attempt", job.owner, job.id, attempt, _ATTEMPT_STATE[state], status, error
-        )
+        ended = attempt_end(state).value
+        await self._execute("finish_attempt", job.owner, job.id, attempt, ended, status, error)
 
     async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
         row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))
@@ -231,10 +240,10 @@ class PostgresStore(Store):
         attempt: int,
         upstream: str,
         *,
-        status: int | None,
-        error: str | None,
+        failure: AttemptFailure,
         lease: float,
     ) -> Claimed | None:
+        status, error = failure
         row = await self._fetchrow(
             "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
         )

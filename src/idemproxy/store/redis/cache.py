@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
@@ -33,45 +34,43 @@ from idemproxy.core.types import ClaimResult, Existing, Intent, Job, JobState, S
 from idemproxy.store.base import Store
 from idemproxy.store.cache.delegating import MIN_ENTRY_SECONDS, ReplayCache, seconds_left
 from idemproxy.store.feed import stop_feed
-from idemproxy.store.redis.client import RedisCache, connect
+from idemproxy.store.redis.client import EntryKeys, RedisCache, connect
 from idemproxy.store.redis.codec import decode, encode, entry_name, tombstone_name, watch_name
 from idemproxy.store.redis.feed import listen_forever
 
 log = logging.getLogger("idemproxy.store.redis")
 
 
+@dataclass(frozen=True, slots=True)
+class RedisCacheOptions:
+    """How the cache talks to Redis and what it keeps (the `redis:` settings, SPEC §11)."""
+
+    timeout: float = 0.05  # seconds a lookup may take before it counts as a miss
+    write_timeout: float = 0.5  # seconds for a background write, and the client's socket timeout
+    ttl: float = 300.0  # longest an entry is kept (never past its job's expiry)
+    max_body: int = 1 << 20  # larger responses are not cached
+
+
+_DEFAULT_OPTIONS = RedisCacheOptions()
+
+
 class RedisCachedStore(ReplayCache):
     def __init__(
-        self,
-        inner: Store,
-        client: Redis,
-        *,
-        timeout: float = 0.05,
-        write_timeout: float = 0.5,
-        ttl: float = 300.0,
-        max_body: int = 1 << 20,
+        self, inner: Store, client: Redis, options: RedisCacheOptions = _DEFAULT_OPTIONS
     ) -> None:
         super().__init__(inner)
-        self.cache = RedisCache(client, timeout=timeout, write_timeout=write_timeout)
-        self._ttl = ttl
-        self._max_body = max_body
+        self.cache = RedisCache(
+            client, timeout=options.timeout, write_timeout=options.write_timeout
+        )
+        self._ttl = options.ttl
+        self._max_body = options.max_body
         self._feed: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(
-        cls,
-        inner: Store,
-        url: str,
-        *,
-        timeout: float = 0.05,
-        write_timeout: float = 0.5,
-        ttl: float = 300.0,
-        max_body: int = 1 << 20,
+        cls, inner: Store, url: str, options: RedisCacheOptions = _DEFAULT_OPTIONS
     ) -> RedisCachedStore:
-        client = connect(url, timeout=write_timeout)
-        return cls(
-            inner, client, timeout=timeout, write_timeout=write_timeout, ttl=ttl, max_body=max_body
-        )
+        return cls(inner, connect(url, timeout=options.write_timeout), options)
 
     async def open(self) -> None:
         await self.inner.open()
@@ -202,8 +201,8 @@ class RedisCachedStore(ReplayCache):
         ttl = min(self._ttl, lifetime)
         name = entry_name(job.owner, job.key)
         if self._cacheable(job) and ttl >= MIN_ENTRY_SECONDS:
-            keys = (name, tombstone_name(name, job.id), watch_name(name))
-            self.cache.put(*keys, encode(job), ttl, job.id if publish else "")
+            keys = EntryKeys(name, tombstone_name(name, job.id), watch_name(name))
+            self.cache.put(keys, encode(job), ttl, job.id if publish else "")
         elif publish:
             self._announce(job)
 

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -33,6 +33,15 @@ log = logging.getLogger("idemproxy.store.redis")
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
 # Cache writes queued at once; beyond this a write is skipped (a later miss re-caches the job).
 _MAX_BACKGROUND = 512
+
+
+class EntryKeys(NamedTuple):
+    """The keys a cache write touches (store/redis/codec.py names them)."""
+
+    entry: str
+    tombstone: str  # the job's: set once it was deleted, and then the write is refused
+    watch: str  # the key's watch mark: set while a duplicate is held somewhere
+
 
 # KEYS: entry, the job's tombstone, the key's watch mark. ARGV: payload, ttl ms, channel, job
 # id to announce ('' for none): only if a duplicate is held somewhere (the watch mark is set).
@@ -102,12 +111,9 @@ class RedisCache:
             return None
         return value if isinstance(value, bytes) else None
 
-    def put(
-        self, name: str, tombstone: str, watch: str, payload: bytes, ttl: float, announce: str
-    ) -> None:
+    def put(self, keys: EntryKeys, payload: bytes, ttl: float, announce: str) -> None:
         """In the background: write the entry unless the job is tombstoned, and announce the
         job id `announce` ('' for none) if its key is watched."""
-        keys = (name, tombstone, watch)
         args = (payload, max(1, int(ttl * 1000)), REDIS_CHANNEL, announce)
         self._spawn(self._quietly("write", lambda: self.client.eval(_PUT, 3, *keys, *args)))
 

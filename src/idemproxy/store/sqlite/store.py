@@ -12,7 +12,9 @@ from typing import Any
 import aiosqlite
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
+    AttemptState,
     Claimed,
     ClaimResult,
     Existing,
@@ -22,7 +24,7 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.errors import StoreRefused, StoreUnavailable
-from idemproxy.store.base import Store, settle_states
+from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
     attempt_from_row,
@@ -32,7 +34,6 @@ from idemproxy.store.rows import (
 )
 
 Params = dict[str, Any]
-_ATTEMPT_STATE = {JobState.RELEASED: "failed", JobState.UNKNOWN: "unknown"}
 
 
 class SqliteStore(Store):
@@ -103,7 +104,9 @@ class SqliteStore(Store):
         async with self._transaction("claim") as db:
             created = await self._changed(db, "insert_job", job_args)
             if created:
-                await self._insert_attempt(db, intent.owner, job_id, 1, upstream, lease)
+                await self._insert_attempt(
+                    db, _new_attempt(intent.owner, job_id, 1, upstream, lease)
+                )
             row = await self._one(db, "get_job", {"owner": intent.owner, "key": intent.key})
         assert row is not None, "the job exists inside the claim's transaction"
         job = job_from_row(row)
@@ -133,13 +136,7 @@ class SqliteStore(Store):
             attempt_row = {"owner": job.owner, "job_id": job.id, "attempt": attempt}
             if won:
                 await db.execute(
-                    self._sql["finish_attempt"],
-                    attempt_row
-                    | {
-                        "state": "succeeded",
-                        "status": response.status,
-                        "error": None,
-                    },
+                    self._sql["succeed_attempt"], attempt_row | {"status": response.status}
                 )
             else:
                 await self._discard(db, attempt_row, response)
@@ -174,8 +171,8 @@ class SqliteStore(Store):
     ) -> bool:
         job_state, attempt_state = settle_states(state)
         async with self._transaction("settle") as db:
-            won = await self._changed(db, "settle_job", _cas(job) | {"state": job_state})
-            await self._finish(db, job, attempt, attempt_state, status, error)
+            won = await self._changed(db, "settle_job", _cas(job) | {"state": job_state.value})
+            await self._finish(db, job, attempt, attempt_state, AttemptFailure(status, error))
         return self._notify_if(won, job)
 
     async def finish_attempt(
@@ -188,7 +185,7 @@ class SqliteStore(Store):
         error: str | None = None,
     ) -> None:
         async with self._transaction() as db:
-            await self._finish(db, job, attempt, _ATTEMPT_STATE[state], status, error)
+            await self._finish(db, job, attempt, attempt_end(state), AttemptFailure(status, error))
 
     async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
         async with self._transaction() as db:
@@ -202,14 +199,13 @@ class SqliteStore(Store):
         attempt: int,
         upstream: str,
         *,
-        status: int | None,
-        error: str | None,
+        failure: AttemptFailure,
         lease: float,
     ) -> Claimed | None:
         async with self._transaction() as db:
             if not await self._changed(db, "advance_job", _cas(job) | {"lease": float(lease)}):
                 return None
-            await self._finish(db, job, attempt, "failed", status, error)
+            await self._finish(db, job, attempt, attempt_end(JobState.RELEASED), failure)
             return await self._started(db, job, upstream, lease)
 
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
@@ -334,37 +330,19 @@ class SqliteStore(Store):
         assert row is not None, "the job exists inside the transaction"
         started = job_from_row(row)
         number = started.attempt_count
-        await self._insert_attempt(db, job.owner, job.id, number, upstream, lease)
+        await self._insert_attempt(db, _new_attempt(job.owner, job.id, number, upstream, lease))
         return Claimed(started, number)
 
-    async def _insert_attempt(
-        self,
-        db: aiosqlite.Connection,
-        owner: str,
-        job_id: str,
-        number: int,
-        upstream: str,
-        lease: float,
-    ) -> None:
-        await db.execute(
-            self._sql["insert_attempt"],
-            {
-                "owner": owner,
-                "job_id": job_id,
-                "number": number,
-                "upstream": upstream,
-                "lease": float(lease),
-            },
-        )
+    async def _insert_attempt(self, db: aiosqlite.Connection, attempt: Params) -> None:
+        await db.execute(self._sql["insert_attempt"], attempt)
 
     async def _finish(
         self,
         db: aiosqlite.Connection,
         job: Job,
         attempt: int,
-        state: str,
-        status: int | None,
-        error: str | None,
+        state: AttemptState,
+        failure: AttemptFailure,
     ) -> None:
         await db.execute(
             self._sql["finish_attempt"],
@@ -372,9 +350,9 @@ class SqliteStore(Store):
                 "owner": job.owner,
                 "job_id": job.id,
                 "attempt": attempt,
-                "state": state,
-                "status": status,
-                "error": error,
+                "state": state.value,
+                "status": failure.status,
+                "error": failure.error,
             },
         )
 
@@ -418,6 +396,17 @@ class SqliteStore(Store):
 
 def _cas(job: Job) -> Params:
     return {"owner": job.owner, "id": job.id, "version": job.version}
+
+
+def _new_attempt(owner: str, job_id: str, number: int, upstream: str, lease: float) -> Params:
+    """The row `insert_attempt` adds: attempt `number` of the job, on `upstream`."""
+    return {
+        "owner": owner,
+        "job_id": job_id,
+        "number": number,
+        "upstream": upstream,
+        "lease": float(lease),
+    }
 
 
 @contextlib.asynccontextmanager

@@ -145,7 +145,8 @@ WITH job AS (
 ), failed AS (
     UPDATE idemproxy.attempts
     SET state = 'failed', status = $5, error = $6, finished_at = now(), lease_expires_at = NULL
-    WHERE owner = $1 AND job_id = $2 AND number = $4 AND EXISTS (SELECT 1 FROM job)
+    WHERE owner = $1 AND job_id = $2 AND number = $4 AND state = 'started'
+      AND EXISTS (SELECT 1 FROM job)
 ), next_attempt AS (
     INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
     SELECT $1, id, attempt_count, $7, lease_expires_at FROM job

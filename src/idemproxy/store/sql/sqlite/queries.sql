@@ -62,6 +62,14 @@ SET state = :state, status = :status, error = :error,
     finished_at = (julianday('now') - 2440587.5) * 86400.0, lease_expires_at = NULL
 WHERE owner = :owner AND job_id = :job_id AND number = :attempt AND state = 'started';
 
+-- name: succeed_attempt
+-- The attempt whose result won the completion (see the PostgreSQL query `complete`).
+UPDATE attempts
+SET state = 'succeeded', status = :status,
+    finished_at = (julianday('now') - 2440587.5) * 86400.0, lease_expires_at = NULL
+WHERE owner = :owner AND job_id = :job_id AND number = :attempt
+  AND state IN ('started', 'unknown');
+
 -- name: discard_attempt
 -- A late result (the job completed or was taken over meanwhile): recorded, never replayed.
 -- Taken over (the job is `unknown`): its response is kept for the operator, within
