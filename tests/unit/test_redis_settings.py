@@ -118,7 +118,7 @@ def test_the_flag_sets_the_url_beside_old_options_quietly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[Settings] = []
-    monkeypatch.setattr("idemproxy.server.serve", seen.append)
+    monkeypatch.setattr("idemproxy.server.serve", lambda settings, *_: seen.append(settings))
     path = _file(tmp_path, "redis_options:\n  ttl: 60\n")
     assert cli.main(["serve", "--config", str(path), "--redis", URL]) == 0
     assert _options(seen[0])[::3] == (URL, 60)
