@@ -138,9 +138,9 @@ def test_every_object_is_named_and_labelled_by_the_overrides(
 ) -> None:
     name = fullname(values)
     label = values["nameOverride"] or "idemproxy"
+    named = {"Job": f"{name}-migrate", "ServiceAccount": values["serviceAccount"]["name"] or name}
     for doc in manifests:
-        suffix = "-migrate" if doc["kind"] == "Job" else ""
-        assert doc["metadata"]["name"] == name + suffix, doc["kind"]
+        assert doc["metadata"]["name"] == named.get(doc["kind"], name), doc["kind"]
         assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == label, doc["kind"]
     pod = proxy_pod(manifests)
     assert by_name(pod["volumes"])["config"]["configMap"]["name"] == name
