@@ -6,6 +6,7 @@ containers, a loopback sidecar upstream, a drain that fits the grace period).
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import jsonschema
 import pytest
 import yaml
 
@@ -59,6 +61,14 @@ def test_renders_valid_kubernetes_objects(scenario: str, rendered_files: dict[st
         check=False,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_values_pass_the_schema_with_another_validator(values: dict[str, Any]) -> None:
+    """Helm 3.18+ validates with another library than the renderer here: jsonschema too."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)
+    validator.check_schema(schema)
+    validator(schema).validate(values)
 
 
 def test_no_secret_value_in_any_config_map(
