@@ -46,7 +46,8 @@ def migrate_container(manifests: list[Manifest]) -> Manifest:
     pod = migrate_pod(manifests)
     assert pod is not None
     [container] = pod["containers"]
-    return container
+    found: Manifest = container
+    return found
 
 
 def test_env_from_existing_secrets_reaches_the_proxy_and_the_migration(
@@ -59,7 +60,7 @@ def test_env_from_existing_secrets_reaches_the_proxy_and_the_migration(
         assert (ref["name"], ref["key"]) == ("idemproxy-jwt", "hmac-secret")
         assert env["IDEMPROXY_LOG_LEVEL"]["value"] == "info"
         assert container["envFrom"] == [{"secretRef": {"name": "idemproxy-settings"}}]
-    # The chart's own variables still come first and from the chart's Secret reference.
+    # The chart's own variables come first, unchanged.
     names = [variable["name"] for variable in proxy_container(manifests)["env"]]
     assert names[:2] == ["IDEMPROXY_CONFIG", "IDEMPROXY_STORE"]
     key = proxy_config(manifests)["owner"]["jwt"]["key"]
@@ -69,7 +70,8 @@ def test_env_from_existing_secrets_reaches_the_proxy_and_the_migration(
 
 def _mount_holding(container: Manifest, path: str) -> Manifest:
     [mount] = [m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
-    return mount
+    found: Manifest = mount
+    return found
 
 
 def test_jwks_is_mounted_where_the_owner_settings_look(rendered_files: dict[str, Path]) -> None:
