@@ -17,6 +17,7 @@ import yaml
 
 ROOT = Path(__file__).parents[2]
 CHART = ROOT / "helm" / "idemproxy"
+RELEASE = "idemproxy"  # the release name `render` gives
 SCENARIOS = sorted(path.name for path in (CHART / "ci").glob("*-values.yaml"))
 
 Manifest = dict[str, Any]
@@ -37,7 +38,7 @@ def build_helm_template() -> Path:
 
 
 def render(helm_template: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [str(helm_template), "idemproxy", str(CHART), *args]
+    command = [str(helm_template), RELEASE, str(CHART), *args]
     return subprocess.run(command, capture_output=True, text=True, check=False)
 
 
@@ -54,6 +55,20 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> None:
             _deep_merge(base[key], value)
         else:
             base[key] = value
+
+
+def fullname(values: dict[str, Any]) -> str:
+    """The name of the release's objects, by the rule values.yaml states for the overrides."""
+    if values["fullnameOverride"]:
+        return str(values["fullnameOverride"])
+    name = values["nameOverride"] or "idemproxy"
+    return RELEASE if name in RELEASE else f"{RELEASE}-{name}"
+
+
+def render_manifests(helm_template: Path, *args: str) -> list[Manifest]:
+    result = render(helm_template, *args)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
 def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
@@ -77,6 +92,12 @@ def containers(pod: Manifest) -> list[Manifest]:
 
 def proxy_pod(manifests: list[Manifest]) -> Manifest:
     pod: Manifest = one(manifests, "Deployment")["spec"]["template"]["spec"]
+    return pod
+
+
+def migrate_pod(manifests: list[Manifest]) -> Manifest | None:
+    jobs = of_kind(manifests, "Job")
+    pod: Manifest | None = jobs[0]["spec"]["template"]["spec"] if jobs else None
     return pod
 
 

@@ -6,13 +6,16 @@ containers, a loopback sidecar upstream, a drain that fits the grace period).
 from __future__ import annotations
 
 import base64
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import jsonschema
 import pytest
 import yaml
 
@@ -23,6 +26,7 @@ from .chart import (
     Manifest,
     container_port,
     containers,
+    fullname,
     of_kind,
     one,
     pod_specs,
@@ -59,6 +63,14 @@ def test_renders_valid_kubernetes_objects(scenario: str, rendered_files: dict[st
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+def test_values_pass_the_schema_with_another_validator(values: dict[str, Any]) -> None:
+    """Helm 3.18+ validates with another library than the renderer here: jsonschema too."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)
+    validator.check_schema(schema)
+    validator(schema).validate(values)
+
+
 def test_no_secret_value_in_any_config_map(
     values: dict[str, Any], manifests: list[Manifest]
 ) -> None:
@@ -76,7 +88,7 @@ def test_no_secret_value_in_any_config_map(
 def test_secrets_reach_the_proxy_only_through_secret_refs(
     values: dict[str, Any], manifests: list[Manifest]
 ) -> None:
-    name = values["secrets"]["existingSecret"] or "idemproxy"
+    name = values["secrets"]["existingSecret"] or fullname(values)
     env = {e["name"]: e for e in proxy_container(manifests)["env"]}
     for variable, key in [
         ("IDEMPROXY_STORE", "store"),
@@ -95,11 +107,26 @@ def test_secrets_reach_the_proxy_only_through_secret_refs(
 def test_config_map_is_a_valid_settings_file(
     manifests: list[Manifest], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The rendered file, plus the Secret's variables, loads through the real settings model."""
+    """The rendered file, plus the pod's variables and mounts, loads through the real settings
+    model, and the owner's keys (a mounted JWKS, an HMAC secret from a Secret) load too."""
     settings = _load_as_the_pod_would(manifests, tmp_path, monkeypatch)
     proxy = proxy_container(manifests)
     assert parse_listen(settings.listen)[1] == container_port(proxy, "http")
     assert parse_listen(settings.admin.listen)[1] == container_port(proxy, "admin")
+    settings.owner.policy()
+
+
+# What the ConfigMaps the scenarios mount (made outside the chart) hold in these tests.
+MOUNTED_SOURCES = {
+    "idemproxy-jwks": Path(__file__).parent / "files" / "jwks",
+    "idemproxy-contracts": CHART.parents[1] / "config" / "contracts",
+}
+CHART_VARIABLES = {
+    "IDEMPROXY_CONFIG",
+    "IDEMPROXY_STORE",
+    "IDEMPROXY_ADMIN__TOKEN",
+    "IDEMPROXY_REDIS",
+}
 
 
 def test_the_redis_options_may_go_in_the_config_map(
@@ -120,9 +147,32 @@ def _load_as_the_pod_would(
         monkeypatch.delenv(variable)
     monkeypatch.setenv("IDEMPROXY_STORE", "postgresql://idemproxy@postgres:5432/idemproxy")
     monkeypatch.setenv("IDEMPROXY_ADMIN__TOKEN", "from-the-secret")
+    proxy = proxy_container(manifests)
+    for variable in proxy["env"]:
+        if variable["name"] not in CHART_VARIABLES:
+            value = variable.get("value", f"{variable['name']} from its secret, 32 bytes or more")
+            monkeypatch.setenv(variable["name"], value)
+    text = one(manifests, "ConfigMap")["data"]["idemproxy.yaml"]
+    volumes = {volume["name"]: volume for volume in proxy_pod(manifests)["volumes"]}
+    for mount in proxy["volumeMounts"]:
+        if mount["name"] not in ("config", "tmp"):
+            where = tmp_path / "mounts" / mount["mountPath"].lstrip("/")
+            _fill_mount(volumes[mount["name"]], where)
+            text = text.replace(mount["mountPath"], str(where))
     path = tmp_path / "idemproxy.yaml"
-    path.write_text(one(manifests, "ConfigMap")["data"]["idemproxy.yaml"])
+    path.write_text(text)
     return load_settings(path)
+
+
+def _fill_mount(volume: Manifest, where: Path) -> None:
+    """The files Kubernetes would put in a configMap volume's mount, from MOUNTED_SOURCES."""
+    source = MOUNTED_SOURCES[volume["configMap"]["name"]]
+    where.mkdir(parents=True)
+    items = volume["configMap"].get("items") or [
+        {"key": file.name, "path": file.name} for file in source.iterdir()
+    ]
+    for item in items:
+        shutil.copyfile(source / item["key"], where / item["path"])
 
 
 def test_probes_hit_the_admin_port(manifests: list[Manifest]) -> None:
@@ -175,9 +225,10 @@ def test_metrics_port_only_with_the_service_monitor(
         return
     [monitor] = monitors
     [endpoint] = monitor["spec"]["endpoints"]
-    assert endpoint == {"port": "admin", "path": "/metrics", "interval": "15s"}
+    wanted = values["metrics"]["serviceMonitor"]
+    assert endpoint == {"port": "admin", "path": "/metrics", "interval": wanted["interval"]}
     assert ports["admin"]["targetPort"] == "admin"
-    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert wanted["labels"].items() <= monitor["metadata"]["labels"].items()
 
 
 def test_migrations_hook_or_migrate_at_start(

@@ -1,12 +1,31 @@
 {{- define "idemproxy.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
 {{- define "idemproxy.fullname" -}}
-{{- if contains .Chart.Name .Release.Name }}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
 {{- .Release.Name | trunc 63 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The name with a suffix, still a valid object (and Job label) name of at most 63. */}}
+{{- define "idemproxy.suffixedName" -}}
+{{- $suffix := printf "-%s" .suffix }}
+{{- printf "%s%s" (include "idemproxy.fullname" .context | trunc (sub 63 (len $suffix) | int) | trimSuffix "-") $suffix }}
+{{- end }}
+
+{{- define "idemproxy.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- .Values.serviceAccount.name | default (include "idemproxy.fullname" .) }}
+{{- else }}
+{{- .Values.serviceAccount.name | default "default" }}
 {{- end }}
 {{- end }}
 
@@ -20,6 +39,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end }}
+
+{{/* The proxy pods' labels: podLabels below the selector labels, which always win. */}}
+{{- define "idemproxy.podLabels" -}}
+{{- toYaml (merge (fromYaml (include "idemproxy.selectorLabels" .)) (deepCopy .Values.podLabels)) }}
 {{- end }}
 
 {{- define "idemproxy.image" -}}
@@ -62,8 +86,34 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- else if not (or $config.upstream $config.routes) }}
 {{- fail "proxy.config: standalone mode needs `upstream` or `routes`" }}
 {{- end }}
+{{- include "idemproxy.validateExtensions" . }}
 {{- if le (int $v.drain.terminationGracePeriodSeconds) (add $v.drain.preStopSeconds $v.drain.shutdownTimeout | int) }}
 {{- fail "drain.terminationGracePeriodSeconds: must be longer than drain.preStopSeconds + drain.shutdownTimeout" }}
+{{- end }}
+{{- end }}
+
+{{/* extraEnv, extraVolumes and extraVolumeMounts may add to the pod, never replace the chart's own. */}}
+{{- define "idemproxy.validateExtensions" -}}
+{{- $v := .Values }}
+{{- range $v.extraEnv }}
+{{- if has .name (list "IDEMPROXY_CONFIG" "IDEMPROXY_STORE" "IDEMPROXY_ADMIN__TOKEN" "IDEMPROXY_REDIS") }}
+{{- fail (printf "extraEnv: %s is the chart's own (the settings file, or a key of the Secret in secrets)" .name) }}
+{{- end }}
+{{- end }}
+{{- $volumes := list }}
+{{- range $v.extraVolumes }}
+{{- if has .name (list "config" "tmp" "app-tmp") }}
+{{- fail (printf "extraVolumes: the name %s is the chart's own volume; choose another" .name) }}
+{{- end }}
+{{- $volumes = append $volumes .name }}
+{{- end }}
+{{- range $v.extraVolumeMounts }}
+{{- if not (has .name $volumes) }}
+{{- fail (printf "extraVolumeMounts: %s names no volume of extraVolumes" .name) }}
+{{- end }}
+{{- if has (trimSuffix "/" .mountPath) (list "/etc/idemproxy" "/tmp") }}
+{{- fail (printf "extraVolumeMounts: %s is where the chart mounts its own volume" .mountPath) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -94,7 +144,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "idemproxy.proxyContainer" -}}
 image: {{ include "idemproxy.image" . }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
-args: [serve]
+args:
+  - serve
+  {{- range .Values.extraArgs }}
+  - {{ . | quote }}
+  {{- end }}
 ports:
   - {name: http, containerPort: {{ .Values.proxy.port }}}
   - {name: admin, containerPort: {{ .Values.proxy.adminPort }}}
@@ -108,6 +162,13 @@ env:
   - name: IDEMPROXY_REDIS__URL
     valueFrom:
       secretKeyRef: {name: {{ include "idemproxy.secretName" . }}, key: redis, optional: true}
+  {{- with .Values.extraEnv }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with .Values.envFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 livenessProbe:
   httpGet: {path: /healthz, port: admin}
   periodSeconds: 10
@@ -125,4 +186,56 @@ securityContext:
 volumeMounts:
   - {name: config, mountPath: /etc/idemproxy, readOnly: true}
   - {name: tmp, mountPath: /tmp}
+  {{- with .Values.extraVolumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+
+{{/* NetworkPolicy peers: `from` as written, then one namespaceSelector per name in `namespaces`. */}}
+{{- define "idemproxy.networkPeers" -}}
+{{- $peers := .from | default list }}
+{{- range .namespaces }}
+{{- $peers = append $peers (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .))) }}
+{{- end }}
+{{- with $peers }}
+{{- toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The TCP ports the URLs name, as a JSON list (several hosts in one URL give several); a URL
+without a port gets 443 for https and `default` otherwise. */}}
+{{- define "idemproxy.urlPorts" -}}
+{{- $default := .default }}
+{{- $ports := list }}
+{{- range .urls }}
+{{- $port := ternary 443 $default (hasPrefix "https://" .) }}
+{{- $authority := regexReplaceAll "^[A-Za-z][A-Za-z0-9+.-]*://" . "" }}
+{{- $authority = regexReplaceAll "[/?#].*$" $authority "" }}
+{{- $authority = regexReplaceAll "^.*@" $authority "" }}
+{{- range splitList "," $authority }}
+{{- $given := regexFind ":[0-9]+$" . | trimPrefix ":" }}
+{{- $ports = append $ports ($given | default $port | int) }}
+{{- end }}
+{{- end }}
+{{- $ports | uniq | toJson }}
+{{- end }}
+
+{{/* One egress rule: to `rule.to` (empty: anywhere) on `rule.ports`, or else on the `ports`
+the chart found in the settings; nothing when there are none. */}}
+{{- define "idemproxy.egressRule" -}}
+{{- $ports := .rule.ports }}
+{{- if not $ports }}
+{{- $ports = list }}
+{{- range .ports }}
+{{- $ports = append $ports (dict "port" . "protocol" "TCP") }}
+{{- end }}
+{{- end }}
+{{- if $ports }}
+- ports:
+    {{- toYaml $ports | nindent 4 }}
+  {{- with .rule.to }}
+  to:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
 {{- end }}
