@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from idemproxy.config import Settings, load_settings, parse_listen
+from idemproxy.identity.owner import owner_policy
 
 from .chart import (
     CHART,
@@ -113,7 +114,7 @@ def test_config_map_is_a_valid_settings_file(
     proxy = proxy_container(manifests)
     assert parse_listen(settings.listen)[1] == container_port(proxy, "http")
     assert parse_listen(settings.admin.listen)[1] == container_port(proxy, "admin")
-    settings.owner.policy()
+    owner_policy(settings.owner)
 
 
 # What the ConfigMaps the scenarios mount (made outside the chart) hold in these tests.
@@ -125,7 +126,7 @@ CHART_VARIABLES = {
     "IDEMPROXY_CONFIG",
     "IDEMPROXY_STORE",
     "IDEMPROXY_ADMIN__TOKEN",
-    "IDEMPROXY_REDIS",
+    "IDEMPROXY_REDIS__URL",
 }
 
 
