@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from idemproxy.errors import ConfigError
 from idemproxy.identity.fingerprint import (
+    FingerprintedHead,
     canonical_json,
     fingerprint,
     fingerprint_of_digest,
@@ -22,6 +23,7 @@ from idemproxy.identity.fingerprint import (
     parse_pointer,
 )
 
+H = FingerprintedHead
 JSON = "application/json"
 BODY = b'{"amount": 100, "currency": "EUR", "meta": {"nonce": "n-1", "at": "2024-01-01"}}'
 
@@ -36,7 +38,9 @@ def fp(
     exclude: tuple[str, ...] = (),
     encoding: str | None = None,
 ) -> str:
-    return fingerprint(method, path, query, content_type, body, exclude, content_encoding=encoding)
+    return fingerprint(
+        FingerprintedHead(method, path, query, content_type, encoding), body, exclude
+    )
 
 
 def test_fingerprint_is_a_sha256_hex_digest_and_deterministic() -> None:
@@ -217,8 +221,8 @@ def test_the_charset_is_part_of_the_intent() -> None:
 
 def test_a_spooled_body_hashes_the_parameters_too() -> None:
     digest = hashlib.sha256(BOUNDARY_BODY).digest()
-    one = fingerprint_of_digest("POST", "/pay", "", "multipart/form-data; boundary=c", digest)
-    other = fingerprint_of_digest("POST", "/pay", "", "multipart/form-data; boundary=d", digest)
+    one = fingerprint_of_digest(H("POST", "/pay", "", "multipart/form-data; boundary=c"), digest)
+    other = fingerprint_of_digest(H("POST", "/pay", "", "multipart/form-data; boundary=d"), digest)
     assert one != other
 
 
@@ -237,17 +241,19 @@ STORED = [
 def test_a_media_type_without_parameters_fingerprints_as_before(
     content_type: str | None, stored: str
 ) -> None:
-    assert fingerprint("POST", "/v1/payments", "a=1", content_type, STORED_BODY) == stored
+    assert fingerprint(H("POST", "/v1/payments", "a=1", content_type), STORED_BODY) == stored
 
 
 def test_a_spooled_body_without_parameters_fingerprints_as_before() -> None:
     stored = "86e3d66b7d6b5977ae74e563e38eacfc4dbe98710ab41f89d26160669a382237"
     digest = fingerprint_of_digest(
-        "POST", "/v1/payments", "", "application/octet-stream", bytes(32)
+        H("POST", "/v1/payments", "", "application/octet-stream"), bytes(32)
     )
     assert digest == stored
     multipart = "3285373da7462400c80351cf7fa3b50177b66ed01000d0ee5b4220db86956a03"
-    assert fingerprint("POST", "/v1/payments", "a=1", "multipart/form-data", b"--c--") == multipart
+    assert (
+        fingerprint(H("POST", "/v1/payments", "a=1", "multipart/form-data"), b"--c--") == multipart
+    )
 
 
 @pytest.mark.parametrize(
@@ -571,9 +577,9 @@ def test_distinct_raw_requests_never_share_a_fingerprint(
     first: tuple[str, str, str, str, bytes], second: tuple[str, str, str, str, bytes]
 ) -> None:
     if first == second:
-        assert fingerprint(*first) == fingerprint(*second)
+        assert fingerprint(H(*first[:4]), first[4]) == fingerprint(H(*second[:4]), second[4])
     else:
-        assert fingerprint(*first) != fingerprint(*second)
+        assert fingerprint(H(*first[:4]), first[4]) != fingerprint(H(*second[:4]), second[4])
 
 
 # --- property: canonicalisation ----------------------------------------------------------------
@@ -694,7 +700,7 @@ def test_the_fingerprint_stream_is_what_it_was() -> None:
         digest.update(part)
     body = hashlib.sha256(b"x").digest()
     digest.update(body)
-    assert fingerprint_of_digest("post", "/pay", "a=1", "application/json", body) == (
+    assert fingerprint_of_digest(H("post", "/pay", "a=1", "application/json"), body) == (
         digest.hexdigest()
     )
 
@@ -746,12 +752,9 @@ def test_equal_content_codings_give_one_fingerprint(one: str | None, other: str)
 def test_no_content_coding_fingerprints_as_before() -> None:
     stored = STORED[0][1]  # computed before codings were hashed
     assert (
-        fingerprint(
-            "POST", "/v1/payments", "a=1", "application/json", STORED_BODY, content_encoding=""
-        )
-        == stored
+        fingerprint(H("POST", "/v1/payments", "a=1", "application/json", ""), STORED_BODY) == stored
     )
     digest = hashlib.sha256(b"x").digest()
-    assert fingerprint_of_digest("POST", "/p", "", None, digest) == fingerprint_of_digest(
-        "POST", "/p", "", None, digest, content_encoding=None
+    assert fingerprint_of_digest(H("POST", "/p", "", None), digest) == fingerprint_of_digest(
+        H("POST", "/p", "", None, None), digest
     )

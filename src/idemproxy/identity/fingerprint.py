@@ -7,7 +7,7 @@ import json
 import re
 from collections.abc import Iterator, Sequence
 from json.encoder import encode_basestring
-from typing import Any
+from typing import Any, NamedTuple
 
 from idemproxy.errors import ConfigError
 
@@ -17,26 +17,25 @@ _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def fingerprint(
-    method: str,
-    path: str,
-    query: str,
-    content_type: str | None,
-    body: bytes,
-    exclude_pointers: Sequence[str] = (),
-    *,
-    content_encoding: str | None = None,
-) -> str:
+class FingerprintedHead(NamedTuple):
+    """What of a request's head the fingerprint hashes (SPEC §6): its method, target and the
+    two headers that say what its body is."""
+
+    method: str
+    path: str
+    query: str
+    content_type: str | None = None
+    content_encoding: str | None = None
+
+
+def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence[str] = ()) -> str:
     """A hex digest that is equal for requests with the same intent.
 
     JSON bodies are canonicalised (sorted keys, no insignificant whitespace) with the configured
     JSON pointers removed, so that semantically equal JSON matches. Every field is length-prefixed
     so that no two different requests can produce the same hashed byte stream.
     """
-    digest = body_digest(content_type, body, exclude_pointers)
-    return fingerprint_of_digest(
-        method, path, query, content_type, digest, content_encoding=content_encoding
-    )
+    return fingerprint_of_digest(head, body_digest(head.content_type, body, exclude_pointers))
 
 
 def body_digest(
@@ -47,15 +46,7 @@ def body_digest(
     return hashlib.sha256(body).digest()
 
 
-def fingerprint_of_digest(
-    method: str,
-    path: str,
-    query: str,
-    content_type: str | None,
-    body_sha256: bytes,
-    *,
-    content_encoding: str | None = None,
-) -> str:
+def fingerprint_of_digest(head: FingerprintedHead, body_sha256: bytes) -> str:
     """The fingerprint from the SHA-256 of the (canonical) body. A body spooled to disk
     (proxy/server/body.py) is hashed as raw bytes while it arrives: it is not canonicalised.
 
@@ -63,9 +54,9 @@ def fingerprint_of_digest(
     are to the backend (`gzip` is decoded, no coding is taken as it is): hashed as one more
     field, only when there is one, so that a request without it fingerprints as it always did.
     """
-    media_type = fingerprinted_media_type(content_type)
-    fields = [method.upper(), path, query, media_type]
-    if codings := _codings(content_encoding):
+    media_type = fingerprinted_media_type(head.content_type)
+    fields = [head.method.upper(), head.path, head.query, media_type]
+    if codings := _codings(head.content_encoding):
         fields.append(codings)
     stream = bytearray()  # hashed in one call: the same bytes as one update per part
     for text in fields:

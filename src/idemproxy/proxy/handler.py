@@ -15,7 +15,7 @@ from idemproxy.errors import (
 )
 from idemproxy.http.headers import hop_by_hop
 from idemproxy.http.problems import problem_response
-from idemproxy.identity.fingerprint import fingerprint, fingerprint_of_digest
+from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
 from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owner
 from idemproxy.metrics import DisconnectStage
@@ -158,25 +158,13 @@ async def _identify(
     content_type = request.headers.get(hdrs.CONTENT_TYPE)
     # Every field, in order (RFC 9110 §5.3: a list may be split over several).
     content_encoding = ",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
+    head = FingerprintedHead(
+        request.method, url.raw_path, url.raw_query_string, content_type, content_encoding
+    )
     if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
-        digest = fingerprint_of_digest(
-            request.method,
-            url.raw_path,
-            url.raw_query_string,
-            content_type,
-            body.raw_sha256,
-            content_encoding=content_encoding,
-        )
+        digest = fingerprint_of_digest(head, body.raw_sha256)
     else:
-        digest = fingerprint(
-            request.method,
-            url.raw_path,
-            url.raw_query_string,
-            content_type,
-            body.memory,
-            ctx.settings.fingerprint_exclude,
-            content_encoding=content_encoding,
-        )
+        digest = fingerprint(head, body.memory, ctx.settings.fingerprint_exclude)
     intent = Intent(
         owner=owner, key=key, fingerprint=digest, method=request.method, path=url.raw_path
     )
