@@ -24,6 +24,7 @@ from idemproxy.batch.errors import (
     CheckpointLocked,
     CheckpointUnwritable,
 )
+from idemproxy.batch.ledger import Ledger
 from idemproxy.batch.records import LINE_START, ResultRecord
 
 try:
@@ -40,9 +41,11 @@ class TornLine:
 
 @dataclass
 class Checkpoint:
-    """What the results file holds: the last record of each id (a later line wins)."""
+    """What the results file holds: the last record of each id (a later line wins), and the
+    usage ledger of all its lines (ledger.py)."""
 
     records: dict[str, ResultRecord] = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)
     lines: int = 0
     torn: TornLine | None = None
     unterminated: int | None = None  # line number of a whole last result without its newline
@@ -71,6 +74,7 @@ def parse_checkpoint(data: bytes, path: Path) -> Checkpoint:
         except ValueError as exc:
             raise CheckpointCorrupt(f"{path}: line {number} is not a result ({exc})") from exc
         checkpoint.records[record.id] = record
+        checkpoint.ledger.add(record)
     if tail:
         _last_line(checkpoint, tail, path)
     return checkpoint
@@ -107,6 +111,7 @@ def _last_line(checkpoint: Checkpoint, tail: bytes, path: Path) -> None:
             "of one; left as it is (is this the results file of a batch run?)"
         ) from None
     checkpoint.records[record.id] = record
+    checkpoint.ledger.add(record)
     checkpoint.lines, checkpoint.unterminated = number, number
 
 
