@@ -106,6 +106,7 @@ class LimiterGate:
 
     def after(self, answer: Answer | None) -> None:
         if answer is None:
+            self.limiter.answered()
             return  # no answer: it may have used its tokens; the estimate stands
         if answer.rate_limited:
             self.limiter.pause(answer.rate_limit_pause)
@@ -116,3 +117,5 @@ class LimiterGate:
             used = answer_tokens(answer.body, answer.content_type, self.pointers)
             if used is not None:
                 self.limiter.correct(self.tokens, used)
+        if not answer.rate_limited:
+            self.limiter.answered()

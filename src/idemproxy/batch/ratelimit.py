@@ -11,18 +11,22 @@ A `429` or `503` that is not a replay pauses every worker, not only the one that
 what the answer asks — `Retry-After` (seconds or an HTTP date, RFC 9110 §10.2.3),
 `retry-after-ms`, or the `x-ratelimit-reset-requests` / `x-ratelimit-reset-tokens` durations
 (`6m0s`, `1s`, `20ms`) of the limit that ran out — capped at `RETRY_AFTER_CAP_SECONDS`, or
-`DEFAULT_PAUSE_SECONDS` when it asks nothing. Waits are computed, never polled, and end early
-when the run is stopped.
+`DEFAULT_PAUSE_SECONDS` when it asks nothing. When the pause ends one request goes first, and
+the others wait for an answer (at most `PROBE_WAIT_SECONDS`) before they follow: all the workers
+coming back at once would only be refused together again. Waits are computed, never polled, and
+end early when the run is stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from idemproxy.batch.constants import RETRY_AFTER_CAP_SECONDS
 from idemproxy.batch.outcome import retry_after_seconds
@@ -30,6 +34,7 @@ from idemproxy.batch.outcome import retry_after_seconds
 Clock = Callable[[], float]
 
 DEFAULT_PAUSE_SECONDS = 1.0
+PROBE_WAIT_SECONDS = 5.0
 RATE_LIMITED_STATUSES = frozenset({429, 503})
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|m|s|us|µs|ns)")
 _UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
@@ -156,6 +161,8 @@ class RateLimiter:
         self.paused_until = now
         self.pauses = 0  # rate-limited answers that paused the run
         self._lock = asyncio.Lock()
+        self._probing = False  # the next request to go is the first after a pause
+        self._probe: asyncio.Event | None = None  # set once an answer came after it went
 
     @property
     def limits_tokens(self) -> bool:
@@ -174,17 +181,36 @@ class RateLimiter:
     async def acquire(self, tokens: int, stop: asyncio.Event | None = None) -> bool:
         """Wait for the go-ahead and take one request and `tokens`; False if stopped first."""
         async with self._lock:
-            while (wait := self.delay(tokens)) > 0:
-                if await _stopped_within(stop, wait):
+            while True:
+                wait = self.delay(tokens)
+                probe = self._probe
+                if wait > 0:
+                    stopped = await _stopped_within(stop, _sleep(wait))
+                elif probe is not None and not probe.is_set():
+                    stopped = await _stopped_within(stop, _probe_answered(probe))
+                else:
+                    break
+                if stopped:
                     return False
             if stop is not None and stop.is_set():
                 return False
-            now = self._clock()
-            if self.requests is not None:
-                self.requests.take(1, now)
-            if self.tokens is not None:
-                self.tokens.take(tokens, now)
+            self._take(tokens)
             return True
+
+    def _take(self, tokens: int) -> None:
+        now = self._clock()
+        if self.requests is not None:
+            self.requests.take(1, now)
+        if self.tokens is not None:
+            self.tokens.take(tokens, now)
+        if self._probing:
+            self._probing, self._probe = False, asyncio.Event()
+
+    def answered(self) -> None:
+        """An answer came (or an attempt ended without one): the requests after a pause go."""
+        if self._probe is not None:
+            self._probe.set()
+            self._probe = None
 
     def correct(self, estimated: int, used: int) -> None:
         """An attempt took `estimated` tokens and the answer says it used `used`."""
@@ -196,15 +222,31 @@ class RateLimiter:
         wait = DEFAULT_PAUSE_SECONDS if seconds is None else min(seconds, RETRY_AFTER_CAP_SECONDS)
         self.paused_until = max(self.paused_until, self._clock() + wait)
         self.pauses += 1
+        self.answered()  # whoever waits for an earlier probe now waits for the pause
+        self._probing = True
         return wait
 
 
-async def _stopped_within(stop: asyncio.Event | None, seconds: float) -> bool:
+async def _sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+async def _probe_answered(probe: asyncio.Event) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(probe.wait(), timeout=PROBE_WAIT_SECONDS)
+
+
+async def _stopped_within(stop: asyncio.Event | None, waiting: Coroutine[Any, Any, None]) -> bool:
+    """Await `waiting` unless `stop` is set first; whether it was."""
     if stop is None:
-        await asyncio.sleep(seconds)
+        await waiting
         return False
+    task = asyncio.ensure_future(waiting)
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
-    except TimeoutError:
-        return False
-    return True
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, stopping):
+            pending.cancel()
+        await asyncio.gather(task, stopping, return_exceptions=True)
+    return stop.is_set()
