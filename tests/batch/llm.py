@@ -55,6 +55,8 @@ class LlmApi:
     billed: Counter[str] = field(default_factory=Counter)  # tokens billed per key
     arrivals: list[float] = field(default_factory=list)  # every request, refused ones too
     refusals: list[tuple[float, float]] = field(default_factory=list)  # (when, seconds asked)
+    in_flight: int = 0
+    most_in_flight: int = 0
     _buckets: dict[str, Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,7 +139,12 @@ async def _complete(request: web.Request) -> web.Response:
     if refused is not None:
         error = {"error": {"type": "rate_limit_exceeded", "message": "slow down"}}
         return web.json_response(error, status=429, headers=refused[1])
-    await asyncio.sleep(api.delay)
+    api.in_flight += 1
+    api.most_in_flight = max(api.most_in_flight, api.in_flight)
+    try:
+        await asyncio.sleep(api.delay)
+    finally:
+        api.in_flight -= 1
     api.correct(reserved, prompt + output)
     key = request.headers.get("Idempotency-Key", "")
     api.executions[key] += 1

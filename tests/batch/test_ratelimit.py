@@ -158,3 +158,17 @@ async def test_waiters_share_the_bucket_in_turn_and_a_stop_ends_a_wait() -> None
     await asyncio.sleep(0.05)
     stop.set()
     assert await asyncio.wait_for(waiting, 1.0) is False
+
+
+async def test_after_a_pause_one_request_goes_first_and_the_rest_follow_its_answer() -> None:
+    limiter = RateLimiter()
+    limiter.pause(0.05)
+    first = asyncio.ensure_future(limiter.acquire(1))
+    second = asyncio.ensure_future(limiter.acquire(1))
+    assert await asyncio.wait_for(first, 1.0)
+    await asyncio.sleep(0.05)
+    assert not second.done()  # waits for an answer to the first
+    limiter.answered()
+    assert await asyncio.wait_for(second, 1.0)
+    third = await asyncio.wait_for(limiter.acquire(1), 1.0)  # no pause since: no waiting
+    assert third
