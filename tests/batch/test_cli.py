@@ -165,3 +165,11 @@ def test_status_totals_the_tokens_and_their_cost(
     status = json.loads(capsys.readouterr().out)["usage"]
     assert status["executed"]["cost"] == 0.15 and status["cost"] == 0.3
     assert status["total_tokens"] == 1_400_000 and status["currency"] == "USD"
+
+
+def test_status_of_an_api_that_reports_no_usage_shows_no_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _results(tmp_path)
+    assert main(["batch", "status", str(out)]) == 0
+    assert "tokens" not in capsys.readouterr().out

@@ -74,9 +74,10 @@ class BatchStatus:
             value = getattr(self, name)
             if value is not None:
                 lines.append(f"  {name:<8} {value}")
-        usage = self.ledger.describe(self.prices, replay_note=FILE_REPLAY_NOTE)
-        lines.append(f"  tokens   {usage[0]}")
-        lines.extend(f"           {line}" for line in usage[1:])
+        if self.ledger.total_tokens or self.prices is not None:  # else: not an API that bills
+            usage = self.ledger.describe(self.prices, replay_note=FILE_REPLAY_NOTE)
+            lines.append(f"  tokens   {usage[0]}")
+            lines.extend(f"           {line}" for line in usage[1:])
         return "\n".join(lines)
 
 
