@@ -173,3 +173,25 @@ def test_status_of_an_api_that_reports_no_usage_shows_no_tokens(
     out = _results(tmp_path)
     assert main(["batch", "status", str(out)]) == 0
     assert "tokens" not in capsys.readouterr().out
+
+
+def test_status_totals_the_last_run_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.jsonl"
+    usage = {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15, "model": "m"}
+    writer, _ = CheckpointWriter.open(out)
+    writer.append(record("a", usage=usage, run="2025-01-01T00:00:00.000Z"))
+    writer.append(record("b", usage=usage, run="2025-01-02T00:00:00.000Z"))
+    writer.append(record("c", usage=usage, run="2025-01-02T00:00:00.000Z", replayed=True))
+    writer.close()
+    assert main(["batch", "status", str(out), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (
+        status["usage"]["total_tokens"] == 45 and status["last_run"] == "2025-01-02T00:00:00.000Z"
+    )
+    assert status["last_run_usage"]["executed"]["total_tokens"] == 15
+    assert status["last_run_usage"]["replayed"]["total_tokens"] == 15
+    assert main(["batch", "status", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "last run (started 2025-01-02T00:00:00.000Z): executed 1 answer(s), 15 tokens" in text

@@ -120,6 +120,11 @@ async def test_a_killed_and_resumed_run_counts_every_token_once_and_replays_apar
     assert usage["replayed"]["total_tokens"] == sum(api.billed[r["key"]] for r in replayed)
     assert usage["executed"]["answers"] == 120 - len(replayed)
     assert usage["unpriced_models"] == [] and usage["unmetered"] == 0
+    last_run = status["last_run_usage"]  # the resumed run alone
+    assert last_run["replayed"]["answers"] == len(replayed)
+    assert last_run["executed"]["answers"] == 120 - written - len(replayed)
+    assert last_run["total_tokens"] == sum(api.billed[r["key"]] for r in results[written:])
+    assert status["last_run"] == results[-1]["run"] != results[0]["run"]
     text = log.read_text()
     assert "results file: executed" in text and "paid once, by the run that executed them" in text
     assert f"replayed {len(replayed)} answer(s)" in text and "cost nothing now" in text

@@ -18,7 +18,8 @@ Every line must be readable by any JSON parser, whatever the upstream answered: 
 `Infinity`, not nested deeper than the encoder goes), else as `text` or `base64`; strings taken
 from response headers (aiohttp keeps undecodable bytes as lone surrogates) are made valid text.
 `usage` holds the tokens the answer reported (`input_tokens`, `output_tokens`, `total_tokens`
-and the `model`), null when it reported none (usage.py).
+and the `model`), null when it reported none (usage.py); `run` names the run that wrote the line
+(the time it started), so that `batch status` can total the last run apart.
 `omitted` is a final answer whose body the proxy did not store (`Idempotency-Replay: omitted`,
 SPEC §7): the request executed once, but its body is gone and a rerun cannot bring it back.
 """
@@ -63,6 +64,7 @@ class ResultRecord:
     finished_at: str
     key_header: str | None = None  # the header the key went in; None in files of older runs
     usage: Any = None  # {"input_tokens", "output_tokens", "total_tokens", "model"} (usage.py)
+    run: str | None = None  # when the run that wrote the line started; None in older files
 
     def to_line(self) -> bytes:
         """One JSON line, ending in a newline: the unit that is appended and fsynced.
@@ -104,6 +106,7 @@ _OPTIONAL: dict[str, Any] = {
     "finished_at": "",
     "key_header": None,
     "usage": None,
+    "run": None,
 }
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from os import PathLike
 from pathlib import Path
@@ -263,6 +263,7 @@ async def _send_all(
     reporter: Reporter,
     stop: Stop,
 ) -> None:
+    run = utc_now()  # names this run in each of its lines
     budget = None
     if options.limits().active:
         budget = Budget(options.limits(), options.prices or PriceTable(), summary.file_ledger)
@@ -280,7 +281,7 @@ async def _send_all(
                     item, admitted.identity, options.target, options.headers, options.key_header
                 )
                 gate = LimiterGate(limiter, admitted.tokens, stop, options.usage_pointers)
-                sending = _result(session, request, policy, stop, gate, options.usage_pointers)
+                sending = _result(session, request, policy, stop, gate, options.usage_pointers, run)
                 record = await _unless_abandoned(sending, stop)
                 if record is None:
                     return
@@ -310,15 +311,16 @@ async def _result(
     stop: Stop,
     gate: AttemptGate,
     pointers: tuple[UsagePointers, ...],
+    run: str,
 ) -> ResultRecord:
     """The item's record, one that can be written whatever happened: never raises but cancels."""
     started_at = utc_now()
     try:
         record = await send(session, request, policy, stop=stop.requested, gate=gate)
-        record = with_usage(record, request.item, pointers)
+        record = replace(with_usage(record, request.item, pointers), run=run)
         record.to_line()  # proves the line can be written before the worker relies on it
     except Exception as exc:  # one item's failure must never end the whole batch
-        return failed_record(request, started_at, exc)
+        return replace(failed_record(request, started_at, exc), run=run)
     return record
 
 
