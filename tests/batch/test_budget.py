@@ -44,7 +44,8 @@ async def test_items_in_flight_count_at_their_worst_case(
     assert summary.budget_stop is not None and summary.budget_stop.startswith(
         f"--max-tokens {limit:,}: spent {used:,} tokens"
     )
-    assert 0 < summary.done < 20 and summary.interrupted == 20 - summary.done
+    # More than the two that fit at first: the budget waited for answers to make room.
+    assert 2 < summary.done < 20 and summary.interrupted == 20 - summary.done
     assert not summary.stopped and not summary.complete
 
 
@@ -57,3 +58,15 @@ async def test_answers_without_usage_spend_nothing_and_a_budget_never_stops_them
     summary = await run_batch(items, tmp_path / "out.jsonl", options)
     assert summary.complete and summary.budget_stop is None
     assert summary.ledger.unmetered == 6 and "6 done answer(s) without usage" in summary.describe()
+
+
+async def test_assume_max_output_gives_uncapped_items_a_worst_case(
+    llm: tuple[LlmApi, str], tmp_path: Path
+) -> None:
+    api, url = llm
+    items = llm_items(4)
+    for item in items:
+        del item["body"]["max_tokens"]
+    options = BatchOptions(target=url, max_tokens=10_000, assume_max_output=50)
+    summary = await run_batch(items, tmp_path / "out.jsonl", options)
+    assert summary.complete and summary.file_ledger.total_tokens == api.billed_tokens > 0
