@@ -48,6 +48,14 @@ def test_invalid_input_refuses_to_start(tmp_path: Path, capsys: pytest.CaptureFi
         (["--header-env", "Authorization"], "--header-env must be NAME=VARIABLE"),
         (["--key-prefix", "a,b"], "key prefix"),
         (["--concurrency", "0"], "concurrency must be"),
+        (["--max-cost", "5"], "--max-cost needs a price table"),
+        (["--max-tokens", "-1"], "must be ≥ 0"),
+        (["--rpm", "0"], "--rpm and --tpm must be > 0"),
+        (["--usage-pointers", "/a"], "--usage-pointers: expected INPUT,OUTPUT"),
+        (["--usage-pointers", "a,/b"], "starts with '/'"),
+        (["--prices", "/nonexistent/prices.yaml"], "cannot read the price table"),
+        # The items set no max_tokens: their worst case is unknown.
+        (["--max-tokens", "1000"], "give --assume-max-output N"),
     ],
 )
 def test_bad_flags_refuse_to_start(
@@ -131,3 +139,59 @@ def test_a_file_that_is_not_a_results_file_refuses_to_start(
                  "--output", str(report)]) == 2  # fmt: skip
     assert "is not a result nor the start of one" in capsys.readouterr().err
     assert report.read_bytes() == b'{"total": 3, "rows": []}'
+
+
+def test_status_totals_the_tokens_and_their_cost(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.jsonl"
+    usage = {"input_tokens": 600_000, "output_tokens": 100_000, "total_tokens": 700_000}
+    writer, _ = CheckpointWriter.open(out)
+    writer.append(record("a", usage={**usage, "model": "gpt-4o-mini-2024-07-18"}))
+    writer.append(record("b", replayed=True, usage={**usage, "model": "gpt-4o-mini"}))
+    writer.append(record("c"))  # an answer without usage
+    writer.close()
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("models:\n  gpt-4o-mini: {input: 0.15, output: 0.60}\n")
+    assert main(["batch", "status", str(out), "--prices", str(prices)]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "tokens   executed 1 answer(s), 700,000 tokens (in 600,000, out 100,000), 0.150000 USD"
+        in text
+    )
+    assert "replayed 1 answer(s), 700,000 tokens" in text and "and not again" in text
+    assert "1 done answer(s) without usage" in text
+    assert main(["batch", "status", str(out), "--prices", str(prices), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)["usage"]
+    assert status["executed"]["cost"] == 0.15 and status["cost"] == 0.3
+    assert status["total_tokens"] == 1_400_000 and status["currency"] == "USD"
+
+
+def test_status_of_an_api_that_reports_no_usage_shows_no_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _results(tmp_path)
+    assert main(["batch", "status", str(out)]) == 0
+    assert "tokens" not in capsys.readouterr().out
+
+
+def test_status_totals_the_last_run_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.jsonl"
+    usage = {"input_tokens": 10, "output_tokens": 5, "total_tokens": 15, "model": "m"}
+    writer, _ = CheckpointWriter.open(out)
+    writer.append(record("a", usage=usage, run="2025-01-01T00:00:00.000Z"))
+    writer.append(record("b", usage=usage, run="2025-01-02T00:00:00.000Z"))
+    writer.append(record("c", usage=usage, run="2025-01-02T00:00:00.000Z", replayed=True))
+    writer.close()
+    assert main(["batch", "status", str(out), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (
+        status["usage"]["total_tokens"] == 45 and status["last_run"] == "2025-01-02T00:00:00.000Z"
+    )
+    assert status["last_run_usage"]["executed"]["total_tokens"] == 15
+    assert status["last_run_usage"]["replayed"]["total_tokens"] == 15
+    assert main(["batch", "status", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "last run (started 2025-01-02T00:00:00.000Z): executed 1 answer(s), 15 tokens" in text

@@ -105,3 +105,13 @@ def test_progress_reports_omitted_items() -> None:
     reporter.start(1, 0)
     reporter.advance(omitted)
     assert "item 'a': omitted (HTTP 201" in plain.getvalue()
+
+
+def test_the_live_counts_show_the_tokens_executed_not_those_replayed() -> None:
+    usage = {"input_tokens": 1200, "output_tokens": 300, "total_tokens": 1500, "model": None}
+    rich = RichReporter(Console(file=io.StringIO()))
+    rich.start(2, 0)
+    rich.advance(record("a", usage=usage))
+    rich.advance(record("b", replayed=True, usage=usage))
+    rich.finish()
+    assert rich._progress.counts.endswith("· tokens 1,500")

@@ -14,8 +14,13 @@ checkpoint.py  the append-only, fsynced results file; torn-line repair
 outcome.py     pure: what an answer means, how long to back off
 client.py      sending one item with retries under the same key (aiohttp)
 plan.py        pure: what a run sends, given what the results already hold
+usage.py       pure: the tokens an answer reports, and a request's estimate
+prices.py      the price table               ledger.py   tokens (and money) over result lines
+budget.py      pure: the budget stop         ratelimit.py  --rpm/--tpm buckets, 429 pauses
+admission.py   which item starts next, and when each attempt may go
 runner.py      `run_batch`
 progress.py    live bar / plain lines        status.py   `batch status`
+export.py      `batch export --failed`
 stop.py        the two-step Ctrl-C           cli.py      `idemproxy batch …`
 """
 

@@ -24,6 +24,7 @@ from idemproxy.batch.errors import (
     CheckpointLocked,
     CheckpointUnwritable,
 )
+from idemproxy.batch.ledger import Ledger
 from idemproxy.batch.records import LINE_START, ResultRecord
 
 try:
@@ -40,9 +41,13 @@ class TornLine:
 
 @dataclass
 class Checkpoint:
-    """What the results file holds: the last record of each id (a later line wins)."""
+    """What the results file holds: the last record of each id (a later line wins), and the
+    usage ledger of all its lines (ledger.py)."""
 
     records: dict[str, ResultRecord] = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)
+    last_run: str | None = None  # the `run` of the last line
+    last_run_ledger: Ledger = field(default_factory=Ledger)  # the lines of that run
     lines: int = 0
     torn: TornLine | None = None
     unterminated: int | None = None  # line number of a whole last result without its newline
@@ -70,10 +75,19 @@ def parse_checkpoint(data: bytes, path: Path) -> Checkpoint:
             record = _record(raw)
         except ValueError as exc:
             raise CheckpointCorrupt(f"{path}: line {number} is not a result ({exc})") from exc
-        checkpoint.records[record.id] = record
+        _add(checkpoint, record)
     if tail:
         _last_line(checkpoint, tail, path)
     return checkpoint
+
+
+def _add(checkpoint: Checkpoint, record: ResultRecord) -> None:
+    checkpoint.records[record.id] = record
+    checkpoint.ledger.add(record)
+    # A run's lines are contiguous: the file is locked while a run writes it.
+    if record.run != checkpoint.last_run or record.run is None:
+        checkpoint.last_run, checkpoint.last_run_ledger = record.run, Ledger()
+    checkpoint.last_run_ledger.add(record)
 
 
 def _record(raw: bytes) -> ResultRecord:
@@ -106,7 +120,7 @@ def _last_line(checkpoint: Checkpoint, tail: bytes, path: Path) -> None:
             f"{path}: its last line {number} has no newline and is not a result nor the start "
             "of one; left as it is (is this the results file of a batch run?)"
         ) from None
-    checkpoint.records[record.id] = record
+    _add(checkpoint, record)
     checkpoint.lines, checkpoint.unterminated = number, number
 
 

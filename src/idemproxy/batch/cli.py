@@ -1,9 +1,10 @@
-"""`idemproxy batch run|status`: flags → BatchOptions → `run_batch` (SPEC §13, §14).
+"""`idemproxy batch run|status|export`: flags → BatchOptions → `run_batch` (SPEC §13, §14).
 
 Exit status of `run`: 0 when every item has a `done` result, 1 when some do not (failed,
 unknown, omitted, changed), 2 when the run could not start or go on (bad flags, invalid input, a
 results file that is corrupt, locked, unwritable or written under another key prefix or key
-header), 130 when it was stopped with Ctrl-C.
+header), 3 when the budget (`--max-tokens`, `--max-cost`) stopped it before every item was
+sent, 130 when it was stopped with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from contextlib import suppress
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from idemproxy.batch.constants import (
@@ -25,14 +27,17 @@ from idemproxy.batch.constants import (
     DEFAULT_TIMEOUT_SECONDS,
 )
 from idemproxy.batch.errors import BatchError
+from idemproxy.batch.export import export_failed
+from idemproxy.batch.prices import PriceTable, load_prices
 from idemproxy.batch.progress import PlainReporter, Reporter, RichReporter
 from idemproxy.batch.runner import BatchOptions, run_batch
 from idemproxy.batch.status import batch_status
 from idemproxy.batch.stop import Stop
 from idemproxy.batch.summary import BatchSummary
+from idemproxy.batch.usage import BUILT_IN_POINTERS, UsagePointers, check_pointer
 from idemproxy.constants import DEFAULT_KEY_HEADER
 
-_EXIT_INCOMPLETE, _EXIT_CANNOT_START, _EXIT_STOPPED = 1, 2, 130
+_EXIT_INCOMPLETE, _EXIT_CANNOT_START, _EXIT_BUDGET, _EXIT_STOPPED = 1, 2, 3, 130
 
 
 def add_batch_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,6 +46,9 @@ def add_batch_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     actions = batch.add_subparsers(required=True, metavar="ACTION")
     _add_run(actions.add_parser("run", help="send every item the results do not answer yet"))
     _add_status(actions.add_parser("status", help="how far a run got; sends nothing"))
+    _add_export(
+        actions.add_parser("export", help="the input lines of items that need another look")
+    )
 
 
 def _add_run(run: argparse.ArgumentParser) -> None:
@@ -65,7 +73,34 @@ def _add_run(run: argparse.ArgumentParser) -> None:
     for flag, text in _SWITCHES.items():
         run.add_argument(flag, action="store_true", help=text)
     run.add_argument("--no-progress", action="store_true", help="plain lines, no live bar")
+    _add_metering(run)
     run.set_defaults(run=_run)
+
+
+def _add_metering(run: argparse.ArgumentParser) -> None:
+    run.add_argument("--prices", type=Path, metavar="FILE", help="price table (YAML or JSON)")
+    run.add_argument(
+        "--usage-pointers", metavar="INPUT,OUTPUT",
+        help="JSON pointers to the answer's token counts, e.g. /meta/tokens/in,/meta/tokens/out",
+    )  # fmt: skip
+    run.add_argument("--max-tokens", type=int, metavar="N", help="budget stop, in tokens")
+    run.add_argument("--max-cost", type=_decimal, metavar="X", help="budget stop (--prices)")
+    run.add_argument(
+        "--assume-max-output", type=int, metavar="N",
+        help="output tokens counted for an item whose request sets no max_tokens",
+    )  # fmt: skip
+    run.add_argument("--rpm", type=float, metavar="N", help="requests per minute, all workers")
+    run.add_argument("--tpm", type=float, metavar="N", help="tokens per minute, all workers")
+
+
+def _decimal(text: str) -> Decimal:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value.is_finite():
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
 
 
 _SWITCHES = {
@@ -82,7 +117,19 @@ def _add_status(status: argparse.ArgumentParser) -> None:
     status.add_argument("--input", type=Path, metavar="INPUT.jsonl")
     status.add_argument("--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--prices", type=Path, metavar="FILE", help="price table (YAML or JSON)")
     status.set_defaults(run=_status)
+
+
+def _add_export(export: argparse.ArgumentParser) -> None:
+    export.add_argument("results", type=Path, metavar="RESULTS.jsonl")
+    export.add_argument("--input", required=True, type=Path, metavar="INPUT.jsonl")
+    export.add_argument(
+        "--failed", required=True, action="store_true",
+        help="items whose result is failed or unknown (omitted ones are left out)",
+    )  # fmt: skip
+    export.add_argument("--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME")
+    export.set_defaults(run=_export)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -100,6 +147,8 @@ def _run(args: argparse.Namespace) -> int:
 def _exit_status(summary: BatchSummary) -> int:
     if summary.stopped:
         return _EXIT_STOPPED
+    if summary.budget_stop is not None and summary.interrupted:
+        return _EXIT_BUDGET
     return 0 if summary.complete else _EXIT_INCOMPLETE
 
 
@@ -142,7 +191,32 @@ def _options(args: argparse.Namespace, environ: dict[str, str] | os._Environ[str
         retry_unknown=args.retry_unknown,
         rerun_changed=args.rerun_changed,
         retry_omitted=args.retry_omitted,
+        usage_pointers=_pointers(args.usage_pointers),
+        prices=_prices(args.prices),
+        max_tokens=args.max_tokens,
+        max_cost=args.max_cost,
+        assume_max_output=args.assume_max_output,
+        rpm=args.rpm,
+        tpm=args.tpm,
     )
+
+
+def _pointers(spec: str | None) -> tuple[UsagePointers, ...]:
+    """The given pointers first, then the built-in OpenAI and Anthropic shapes."""
+    if spec is None:
+        return BUILT_IN_POINTERS
+    given, sep, output = spec.partition(",")
+    try:
+        if not sep or not given or not output:
+            raise ValueError("expected INPUT,OUTPUT, e.g. /meta/tokens/in,/meta/tokens/out")
+        pointers = UsagePointers(check_pointer(given), check_pointer(output))
+    except ValueError as exc:
+        raise BatchError(f"--usage-pointers: {exc}") from None
+    return (pointers, *BUILT_IN_POINTERS)
+
+
+def _prices(path: Path | None) -> PriceTable | None:
+    return None if path is None else load_prices(path)
 
 
 def _headers(
@@ -172,9 +246,22 @@ def _reporter(no_progress: bool) -> Reporter:
 
 def _status(args: argparse.Namespace) -> int:
     try:
-        status = batch_status(args.results, args.input, key_header=args.key_header)
+        prices = _prices(args.prices)
+        status = batch_status(args.results, args.input, key_header=args.key_header, prices=prices)
     except BatchError as exc:
         print(f"idemproxy batch: {exc}", file=sys.stderr)
         return _EXIT_CANNOT_START
     print(json.dumps(status.to_json(), indent=2) if args.json else status.describe())
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    try:
+        export = export_failed(args.results, args.input, key_header=args.key_header)
+    except BatchError as exc:
+        print(f"idemproxy batch: {exc}", file=sys.stderr)
+        return _EXIT_CANNOT_START
+    sys.stdout.buffer.write(b"".join(export.lines))
+    sys.stdout.flush()
+    print(export.describe(), file=sys.stderr)
     return 0

@@ -10,6 +10,7 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 from multidict import CIMultiDict
@@ -17,6 +18,7 @@ from multidict import CIMultiDict
 from idemproxy.batch.input import Item
 from idemproxy.batch.keys import Identity
 from idemproxy.batch.outcome import Verdict, classify, next_delay, retry_after_seconds
+from idemproxy.batch.ratelimit import RATE_LIMITED_STATUSES, pause_seconds
 from idemproxy.batch.records import Outcome, ResultRecord, encode_body, utc_now, valid_text
 from idemproxy.constants import ERROR_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
 
@@ -54,6 +56,24 @@ class Answer:
     retry_after: float | None
     content_type: str | None
     body: bytes
+    # A 429 or 503: how long the answer asks every client to wait (ratelimit.py), else None.
+    rate_limit_pause: float | None = None
+
+    @property
+    def rate_limited(self) -> bool:
+        return self.status in RATE_LIMITED_STATUSES and not self.replayed
+
+
+class AttemptGate(Protocol):
+    """What a run's shared rate limits see of one item's attempts (runner.py)."""
+
+    async def before_retry(self) -> bool:
+        """Wait until a retry may go; False when the run was stopped meanwhile."""
+        ...
+
+    def after(self, answer: Answer | None) -> None:
+        """An attempt ended, with this answer (None: no answer came)."""
+        ...
 
 
 @dataclass
@@ -85,16 +105,20 @@ async def send(
     stop: asyncio.Event | None = None,
     sleep: Sleep = asyncio.sleep,
     rng: random.Random | None = None,
+    gate: AttemptGate | None = None,
 ) -> ResultRecord:
     """Send until a final answer or until the retries run out; never raises for the network.
 
     `stop` set (the first Ctrl-C) ends a backoff at once: the item is recorded `failed` and
-    retryable, so the next run asks again under the same key (SPEC §14: a clean stop).
+    retryable, so the next run asks again under the same key (SPEC §14: a clean stop). The
+    first attempt is the caller's to admit; `gate` admits each retry and sees every answer.
     """
     tries = _Tries(utc_now())
     while True:
         tries.count += 1
         verdict = await _try_once(session, request, policy.timeout, tries)
+        if gate is not None:
+            gate.after(tries.answer)
         if verdict is not Verdict.RETRY:
             return _record(request, tries, verdict)
         if tries.count > policy.retries:
@@ -102,6 +126,8 @@ async def send(
         retry_after = tries.answer.retry_after if tries.answer else None
         delay = next_delay(tries.count, retry_after, policy.backoff_base, policy.backoff_max, rng)
         if await _stopped_during(sleep(delay), stop):
+            return _record(request, tries, Verdict.FAILED, retryable=True)
+        if gate is not None and not await gate.before_retry():
             return _record(request, tries, Verdict.FAILED, retryable=True)
 
 
@@ -148,6 +174,7 @@ async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: f
     ) as response:
         body = await response.read()
         headers = response.headers
+        limited = response.status in RATE_LIMITED_STATUSES
         # aiohttp keeps undecodable header bytes as lone surrogates: made valid text here, so
         # that whatever the upstream sent, the record can be written (records.py).
         return Answer(
@@ -158,6 +185,7 @@ async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: f
             retry_after=retry_after_seconds(headers.get("Retry-After")),
             content_type=valid_text(headers.get("Content-Type")),
             body=body,
+            rate_limit_pause=pause_seconds(headers) if limited else None,
         )
 
 

@@ -20,6 +20,7 @@ from rich.progress import (
 from rich.text import Text
 
 from idemproxy.batch.records import Outcome, ResultRecord
+from idemproxy.batch.usage import Usage
 
 
 class Reporter(Protocol):
@@ -121,6 +122,7 @@ class RichReporter:
         self._task = self._progress.add_task("batch", total=None, start=False)
         self._counts = {outcome: 0 for outcome in Outcome}
         self._replayed = 0
+        self._tokens = 0  # executed this run; a replay costs nothing (ledger.py)
 
     def start(self, total: int, completed: int) -> None:
         self._progress.update(self._task, total=total, completed=completed)
@@ -130,6 +132,9 @@ class RichReporter:
     def advance(self, record: ResultRecord) -> None:
         self._counts[record.outcome] += 1
         self._replayed += record.replayed
+        usage = Usage.from_json(record.usage)
+        if usage is not None and not record.replayed:
+            self._tokens += usage.total_tokens
         problem = describe_problem(record)
         if problem:
             self.note(problem)
@@ -138,6 +143,7 @@ class RichReporter:
             f"this run: done {counts[Outcome.DONE]} (replayed {self._replayed}) · "
             f"failed {counts[Outcome.FAILED]} · unknown {counts[Outcome.UNKNOWN]}"
             + (f" · omitted {counts[Outcome.OMITTED]}" if counts[Outcome.OMITTED] else "")
+            + (f" · tokens {self._tokens:,}" if self._tokens else "")
         )
         self._progress.update(self._task, advance=1)
 

@@ -3,7 +3,8 @@
     {"v": 1, "id": "q-17", "outcome": "done", "status": 201, "replayed": false, "attempts": 1,
      "body": {…}, "body_encoding": "json", "content_type": "application/json",
      "error": null, "error_code": null, "retryable": false, "key": "batch:q-17:…",
-     "request_hash": "…", "meta": …, "started_at": "…Z", "finished_at": "…Z"}
+     "request_hash": "…", "meta": …, "started_at": "…Z", "finished_at": "…Z",
+     "key_header": "Idempotency-Key", "usage": {"input_tokens": 31, …} or null}
 
 `outcome` is `done` (a final answer below 400), `failed` (a final error answer, or transient
 failures until the retries ran out: then `retryable` is true) or `unknown` (the proxy cannot know
@@ -16,6 +17,9 @@ Every line must be readable by any JSON parser, whatever the upstream answered: 
 `json` only if it can be written back as strict JSON (UTF-8 without lone surrogates, no `NaN` or
 `Infinity`, not nested deeper than the encoder goes), else as `text` or `base64`; strings taken
 from response headers (aiohttp keeps undecodable bytes as lone surrogates) are made valid text.
+`usage` holds the tokens the answer reported (`input_tokens`, `output_tokens`, `total_tokens`
+and the `model`), null when it reported none (usage.py); `run` names the run that wrote the line
+(the time it started), so that `batch status` can total the last run apart.
 `omitted` is a final answer whose body the proxy did not store (`Idempotency-Replay: omitted`,
 SPEC §7): the request executed once, but its body is gone and a rerun cannot bring it back.
 """
@@ -59,6 +63,8 @@ class ResultRecord:
     started_at: str
     finished_at: str
     key_header: str | None = None  # the header the key went in; None in files of older runs
+    usage: Any = None  # {"input_tokens", "output_tokens", "total_tokens", "model"} (usage.py)
+    run: str | None = None  # when the run that wrote the line started; None in older files
 
     def to_line(self) -> bytes:
         """One JSON line, ending in a newline: the unit that is appended and fsynced.
@@ -99,6 +105,8 @@ _OPTIONAL: dict[str, Any] = {
     "started_at": "",
     "finished_at": "",
     "key_header": None,
+    "usage": None,
+    "run": None,
 }
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

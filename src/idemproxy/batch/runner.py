@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Coroutine, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from decimal import Decimal
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,17 @@ import aiohttp
 from yarl import URL
 
 from idemproxy import __version__
+from idemproxy.batch.admission import Admission, LimiterGate
+from idemproxy.batch.budget import Budget, Limits
 from idemproxy.batch.checkpoint import Checkpoint, CheckpointWriter
-from idemproxy.batch.client import Request, RetryPolicy, build_request, failed_record, send
+from idemproxy.batch.client import (
+    AttemptGate,
+    Request,
+    RetryPolicy,
+    build_request,
+    failed_record,
+    send,
+)
 from idemproxy.batch.constants import (
     DEFAULT_BACKOFF_BASE,
     DEFAULT_BACKOFF_MAX,
@@ -37,10 +46,19 @@ from idemproxy.batch.errors import BatchError
 from idemproxy.batch.input import InputFile, Item, header_problem, items_from_objects, read_input
 from idemproxy.batch.keys import Identity, check_prefix
 from idemproxy.batch.plan import Plan, PlanRules, make_plan
+from idemproxy.batch.prices import PriceTable
 from idemproxy.batch.progress import NullReporter, Reporter
+from idemproxy.batch.ratelimit import RateLimiter
 from idemproxy.batch.records import ResultRecord, utc_now
 from idemproxy.batch.stop import Stop
 from idemproxy.batch.summary import BatchSummary
+from idemproxy.batch.usage import (
+    BUILT_IN_POINTERS,
+    UsagePointers,
+    estimate,
+    request_model,
+    with_usage,
+)
 from idemproxy.constants import DEFAULT_KEY_HEADER
 
 Source = str | PathLike[str] | Iterable[Mapping[str, Any]]
@@ -64,6 +82,15 @@ class BatchOptions:
     retry_unknown: bool = False
     rerun_changed: bool = False
     retry_omitted: bool = False
+    # Where answers keep their token counts, tried in order (usage.py).
+    usage_pointers: tuple[UsagePointers, ...] = BUILT_IN_POINTERS
+    prices: PriceTable | None = None  # turns tokens into money (prices.py)
+    max_tokens: int | None = None  # the budget stop (budget.py)
+    max_cost: Decimal | None = None
+    # The output tokens counted for an item whose request sets no max_tokens (usage.py).
+    assume_max_output: int | None = None
+    rpm: float | None = None  # requests per minute, shared by all workers (ratelimit.py)
+    tpm: float | None = None  # tokens per minute, estimated then corrected
 
     def check(self) -> None:
         url = URL(self.target)
@@ -75,11 +102,25 @@ class BatchOptions:
             check_prefix(self.key_prefix)
         except ValueError as exc:
             raise BatchError(str(exc)) from exc
+        self._check_metering()
         # Refused here, before anything is sent, rather than failing every item as it goes out.
         for name, value in {self.key_header: "", **self.headers}.items():
             problem = header_problem(name, value)
             if problem:
                 raise BatchError(f"header {name!r} {problem}")
+
+    def _check_metering(self) -> None:
+        if any(limit is not None and limit < 0 for limit in (self.max_tokens, self.max_cost)):
+            raise BatchError("--max-tokens and --max-cost must be ≥ 0")
+        if self.max_cost is not None and self.prices is None:
+            raise BatchError("--max-cost needs a price table (--prices FILE)")
+        if self.assume_max_output is not None and self.assume_max_output < 0:
+            raise BatchError("--assume-max-output must be ≥ 0")
+        if any(rate is not None and rate <= 0 for rate in (self.rpm, self.tpm)):
+            raise BatchError("--rpm and --tpm must be > 0")
+
+    def limits(self) -> Limits:
+        return Limits(self.max_tokens, self.max_cost)
 
     def rules(self) -> PlanRules:
         return PlanRules(
@@ -116,8 +157,10 @@ async def run_batch(
     writer, checkpoint = CheckpointWriter.open(Path(output))
     try:
         plan = make_plan(source_items.items, checkpoint.records, options.rules())
-        summary = _initial_summary(source_items, checkpoint, plan)
+        _check_worst_cases(plan, options)
+        summary = _initial_summary(source_items, checkpoint, plan, options)
         _announce(reporter, summary, plan)
+        _announce_budget(reporter, plan, options)
         reporter.start(plan.skipped + len(plan.send), plan.skipped)
         try:
             await _send_all(plan.send, writer, options, summary, reporter, stop or Stop())
@@ -125,7 +168,8 @@ async def run_batch(
             reporter.finish()
     finally:
         writer.close()
-    summary.stopped = (stop is not None and stop.requested.is_set()) or summary.interrupted > 0
+    stopped = stop is not None and stop.requested.is_set()
+    summary.stopped = stopped or (summary.interrupted > 0 and summary.budget_stop is None)
     summary.elapsed = time.monotonic() - started
     return summary
 
@@ -137,7 +181,24 @@ def _load(source: Source, options: BatchOptions) -> InputFile:
     return items_from_objects(source, skip_invalid=skip, key_header=header)
 
 
-def _initial_summary(source: InputFile, checkpoint: Checkpoint, plan: Plan) -> BatchSummary:
+def _check_worst_cases(plan: Plan, options: BatchOptions) -> None:
+    """A budget needs every item's worst case: refused before anything is sent if unknown."""
+    if not options.limits().active or options.assume_max_output is not None:
+        return
+    uncapped = [item for item, _ in plan.send if estimate(item).output_tokens is None]
+    if uncapped:
+        shown = ", ".join(f"{item.id!r} (line {item.line})" for item in uncapped[:5])
+        more = f" and {len(uncapped) - 5} more" if len(uncapped) > 5 else ""
+        raise BatchError(
+            f"--max-tokens/--max-cost count each item at its worst case, but {len(uncapped)} "
+            f"item(s) set no max_tokens, max_completion_tokens or max_output_tokens: {shown}"
+            f"{more}; set one, or give --assume-max-output N"
+        )
+
+
+def _initial_summary(
+    source: InputFile, checkpoint: Checkpoint, plan: Plan, options: BatchOptions
+) -> BatchSummary:
     return BatchSummary(
         total=len(source.items),
         invalid=len(source.invalid),
@@ -149,7 +210,24 @@ def _initial_summary(source: InputFile, checkpoint: Checkpoint, plan: Plan) -> B
         earlier_omitted=plan.kept_omitted,
         torn=checkpoint.torn,
         unterminated=checkpoint.unterminated,
+        file_ledger=checkpoint.ledger,
+        prices=options.prices,
+        limits=options.limits(),
     )
+
+
+def _announce_budget(reporter: Reporter, plan: Plan, options: BatchOptions) -> None:
+    prices = options.prices
+    if options.max_cost is None or prices is None:
+        return
+    unpriced = sorted(
+        {str(request_model(item)) for item, _ in plan.send if not prices.price(request_model(item))}
+    )
+    if unpriced:
+        reporter.note(
+            f"no price for model(s) {', '.join(unpriced)}: counted against --max-cost at the "
+            "table's highest rates"
+        )
 
 
 def _announce(reporter: Reporter, summary: BatchSummary, plan: Plan) -> None:
@@ -185,42 +263,64 @@ async def _send_all(
     reporter: Reporter,
     stop: Stop,
 ) -> None:
-    queue = deque(work)
+    run = utc_now()  # names this run in each of its lines
+    budget = None
+    if options.limits().active:
+        budget = Budget(options.limits(), options.prices or PriceTable(), summary.file_ledger)
+    admission = Admission(work, budget, options.assume_max_output)
+    limiter = RateLimiter(options.rpm, options.tpm)
     policy = options.policy()
 
     async def worker(session: aiohttp.ClientSession) -> None:
-        while queue and not stop.requested.is_set():
-            item, identity = queue.popleft()
-            request = build_request(
-                item, identity, options.target, options.headers, options.key_header
-            )
-            record = await _unless_abandoned(_result(session, request, policy, stop), stop)
-            if record is None:
-                return
-            writer.append(record)  # durable before it is counted (SPEC §14)
-            summary.count(record)
+        while (admitted := await admission.next(stop)) is not None:
+            item = admitted.item
+            try:
+                if not await limiter.acquire(admitted.tokens, stop.requested):
+                    return  # stopped before it was sent: a rerun sends it
+                request = build_request(
+                    item, admitted.identity, options.target, options.headers, options.key_header
+                )
+                gate = LimiterGate(limiter, admitted.tokens, stop, options.usage_pointers)
+                sending = _result(session, request, policy, stop, gate, options.usage_pointers, run)
+                record = await _unless_abandoned(sending, stop)
+                if record is None:
+                    return
+                writer.append(record)  # durable before it is counted (SPEC §14)
+                summary.count(record)
+            finally:
+                admission.settle(item.id)
             reporter.advance(record)
 
     try:
         async with _session(options) as session, asyncio.TaskGroup() as group:
-            for _ in range(min(options.concurrency, len(queue))):
+            for _ in range(min(options.concurrency, len(admission))):
                 group.create_task(worker(session))
     except* BatchError as failed:
         # A worker could not write its result: the others were cancelled (their items are
         # resumed under the same keys); report the cause, not the task group.
         raise failed.exceptions[0] from None
+    finally:
+        summary.budget_stop = admission.exhausted
+        summary.rate_limit_pauses = limiter.pauses
 
 
 async def _result(
-    session: aiohttp.ClientSession, request: Request, policy: RetryPolicy, stop: Stop
+    session: aiohttp.ClientSession,
+    request: Request,
+    policy: RetryPolicy,
+    stop: Stop,
+    gate: AttemptGate,
+    pointers: tuple[UsagePointers, ...],
+    run: str,
 ) -> ResultRecord:
     """The item's record, one that can be written whatever happened: never raises but cancels."""
     started_at = utc_now()
     try:
-        record = await send(session, request, policy, stop=stop.requested)
+        record = await send(session, request, policy, stop=stop.requested, gate=gate)
+        record = replace(with_usage(record, request.item, pointers), run=run)
         record.to_line()  # proves the line can be written before the worker relies on it
     except Exception as exc:  # one item's failure must never end the whole batch
-        return failed_record(request, started_at, exc)
+        return replace(failed_record(request, started_at, exc), run=run)
     return record
 
 

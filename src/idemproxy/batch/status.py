@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from idemproxy.batch.checkpoint import TornLine, read_checkpoint
 from idemproxy.batch.input import Item, read_input
 from idemproxy.batch.keys import request_hash
+from idemproxy.batch.ledger import Ledger
+from idemproxy.batch.prices import PriceTable
 from idemproxy.batch.records import Outcome, ResultRecord
+from idemproxy.batch.summary import FILE_REPLAY_NOTE, RUN_REPLAY_NOTE
 from idemproxy.constants import DEFAULT_KEY_HEADER
 
 
@@ -32,9 +35,23 @@ class BatchStatus:
     pending: int | None = None  # no result yet
     changed: int | None = None  # the result is for an earlier version of the item
     extra: int | None = None  # results for ids that are not in the input
+    # Tokens (and money, with a price table) over every line of the file (ledger.py).
+    ledger: Ledger = field(default_factory=Ledger)
+    last_run: str | None = None  # when the run that wrote the last line started
+    last_run_ledger: Ledger = field(default_factory=Ledger)
+    prices: PriceTable | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        report: dict[str, Any] = {}
+        for item in fields(self):
+            if item.name not in ("ledger", "last_run_ledger", "prices"):
+                value = getattr(self, item.name)
+                report[item.name] = value.__dict__.copy() if isinstance(value, TornLine) else value
+        report["usage"] = self.ledger.to_json(self.prices)
+        report["last_run_usage"] = (
+            self.last_run_ledger.to_json(self.prices) if self.last_run is not None else None
+        )
+        return report
 
     def describe(self) -> str:
         lines = [f"{self.results}: {self.lines} line(s)"]
@@ -62,6 +79,14 @@ class BatchStatus:
             value = getattr(self, name)
             if value is not None:
                 lines.append(f"  {name:<8} {value}")
+        if self.ledger.total_tokens or self.prices is not None:  # else: not an API that bills
+            usage = self.ledger.describe(self.prices, replay_note=FILE_REPLAY_NOTE)
+            lines.append(f"  tokens   {usage[0]}")
+            lines.extend(f"           {line}" for line in usage[1:])
+            if self.last_run is not None:
+                last = self.last_run_ledger.describe(self.prices, replay_note=RUN_REPLAY_NOTE)
+                lines.append(f"  last run (started {self.last_run}): {last[0]}")
+                lines.extend(f"           {line}" for line in last[1:])
         return "\n".join(lines)
 
 
@@ -70,10 +95,16 @@ def _invalid(count: int | None) -> str:
 
 
 def batch_status(
-    results: Path, input_path: Path | None = None, *, key_header: str = DEFAULT_KEY_HEADER
+    results: Path,
+    input_path: Path | None = None,
+    *,
+    key_header: str = DEFAULT_KEY_HEADER,
+    prices: PriceTable | None = None,
 ) -> BatchStatus:
     checkpoint = read_checkpoint(results)
     status = BatchStatus(str(results), checkpoint.lines, checkpoint.torn, checkpoint.unterminated)
+    status.ledger, status.prices = checkpoint.ledger, prices
+    status.last_run, status.last_run_ledger = checkpoint.last_run, checkpoint.last_run_ledger
     records = checkpoint.records
     if input_path is None:
         _tally(status, records.values())

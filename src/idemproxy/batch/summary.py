@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from idemproxy.batch.budget import Limits
 from idemproxy.batch.checkpoint import TornLine
+from idemproxy.batch.ledger import Ledger
+from idemproxy.batch.prices import PriceTable
 from idemproxy.batch.records import Outcome, ResultRecord
+
+RUN_REPLAY_NOTE = "cost nothing now: paid once, when first executed"
+FILE_REPLAY_NOTE = "paid once, by the run that executed them, and not again"
 
 
 @dataclass
@@ -30,8 +36,16 @@ class BatchSummary:
     unterminated: int | None = None  # line number of a whole last result given its newline
     stopped: bool = False
     elapsed: float = 0.0
+    ledger: Ledger = field(default_factory=Ledger)  # this run's answers (ledger.py)
+    file_ledger: Ledger = field(default_factory=Ledger)  # the whole results file, this run's too
+    prices: PriceTable | None = None
+    limits: Limits = field(default_factory=Limits)
+    budget_stop: str | None = None  # why the budget stopped the run (budget.py)
+    rate_limit_pauses: int = 0  # 429/503 answers that paused every worker (ratelimit.py)
 
     def count(self, record: ResultRecord) -> None:
+        self.ledger.add(record)
+        self.file_ledger.add(record)
         if record.outcome is Outcome.DONE:
             self.done += 1
             self.replayed += record.replayed
@@ -86,5 +100,41 @@ class BatchSummary:
         if self.invalid:
             parts.append(f"invalid lines left out {self.invalid}")
         verdict = "complete" if self.complete else f"{self.outstanding} item(s) not done"
-        head = "stopped" if self.stopped else "finished"
-        return f"{head} in {self.elapsed:.1f}s — {self.total} items: {', '.join(parts)} — {verdict}"
+        head = "stopped" if self.stopped or self.budget_stop else "finished"
+        first = (
+            f"{head} in {self.elapsed:.1f}s — {self.total} items: {', '.join(parts)} — {verdict}"
+        )
+        return "\n".join([first, *self._metering()])
+
+    def _metering(self) -> list[str]:
+        lines: list[str] = []
+        if self.file_ledger.total_tokens or self.prices is not None or self.limits.active:
+            lines += _block(
+                "this run", self.ledger.describe(self.prices, replay_note=RUN_REPLAY_NOTE)
+            )
+            lines += _block(
+                "results file",
+                self.file_ledger.describe(self.prices, replay_note=FILE_REPLAY_NOTE),
+            )
+        if self.rate_limit_pauses:
+            lines.append(
+                f"rate limited: {self.rate_limit_pauses} answer(s) 429/503 paused every worker "
+                "for what they asked"
+            )
+        if self.budget_stop:
+            done = self.skipped_done + self.done
+            lines.append(
+                f"budget reached, {self.budget_stop}; {done} of {self.total} items done, "
+                f"{self.interrupted} not started: rerun with a higher limit to resume"
+            )
+        return lines
+
+    @property
+    def skipped_done(self) -> int:
+        """Skipped items whose recorded result is `done`."""
+        return self.skipped - self.earlier_failed - self.earlier_unknown - self.earlier_omitted
+
+
+def _block(title: str, lines: list[str]) -> list[str]:
+    indent = " " * (len(title) + 2)
+    return [f"{title}: {lines[0]}", *(indent + line for line in lines[1:])]

@@ -1,0 +1,110 @@
+"""Pure: the budget stop (`--max-tokens`, `--max-cost`).
+
+What is counted against a limit is what the results file says was used — every key once,
+replays included, since their execution was paid by some run of this file (ledger.py) — plus
+each item in flight at its worst case: its estimated input and the most output its request
+allows (usage.py). An item is started only if that sum, with it, stays within every limit;
+when it would not, and nothing is in flight whose settling could make room, the run stops
+starting items. Once an item's result is written its reservation is replaced by the usage the
+result records (a failure without usage costs nothing).
+
+A model the price table lacks is counted at the table's dearest rates, so that a typo in a
+model name cannot let a batch spend past `--max-cost`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+from idemproxy.batch.ledger import Column, Ledger
+from idemproxy.batch.prices import PriceTable, money
+from idemproxy.batch.usage import Estimate
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int | None = None
+    max_cost: Decimal | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.max_tokens is not None or self.max_cost is not None
+
+
+@dataclass(frozen=True)
+class Charge:
+    tokens: int
+    cost: Decimal
+
+    def __add__(self, other: Charge) -> Charge:
+        return Charge(self.tokens + other.tokens, self.cost + other.cost)
+
+
+NOTHING = Charge(0, Decimal(0))
+
+
+@dataclass
+class Budget:
+    """The limits, against the results file's ledger (kept up to date as results are written)
+    and the reservations of the items in flight."""
+
+    limits: Limits
+    prices: PriceTable = field(default_factory=PriceTable)
+    ledger: Ledger = field(default_factory=Ledger)
+    reserved: dict[str, Charge] = field(default_factory=dict)
+
+    @property
+    def spent(self) -> Charge:
+        total = NOTHING
+        for column in (self.ledger.executed, self.ledger.replayed):
+            total += self._column(column)
+        return total
+
+    def charge(self, input_tokens: int, output_tokens: int, model: str | None) -> Charge:
+        price = self.prices.price(model) or self.prices.highest()
+        return Charge(input_tokens + output_tokens, price.of(input_tokens, output_tokens))
+
+    def worst_case(self, estimate: Estimate, model: str | None, assumed_output: int) -> Charge:
+        output = estimate.output_tokens if estimate.output_tokens is not None else assumed_output
+        return self.charge(estimate.input_tokens, output, model)
+
+    def committed(self) -> Charge:
+        total = self.spent  # computed once: the ledger is not touched while this runs
+        for charge in self.reserved.values():
+            total += charge
+        return total
+
+    def fits(self, charge: Charge) -> bool:
+        return self.passed(self.committed() + charge) is None
+
+    def passed(self, total: Charge) -> str | None:
+        """The limit `total` would pass, named as its flag, or None."""
+        max_tokens, max_cost = self.limits.max_tokens, self.limits.max_cost
+        if max_tokens is not None and total.tokens > max_tokens:
+            return f"--max-tokens {max_tokens:,}"
+        if max_cost is not None and total.cost > max_cost:
+            return f"--max-cost {max_cost}"
+        return None
+
+    def reserve(self, item_id: str, charge: Charge) -> None:
+        self.reserved[item_id] = charge
+
+    def settle(self, item_id: str) -> None:
+        """The item ended: its result is in the ledger now (or it was abandoned)."""
+        self.reserved.pop(item_id, None)
+
+    def describe(self, charge: Charge) -> str:
+        spent = f"{self.spent.tokens:,} tokens"
+        if self.limits.max_cost is not None:
+            spent += f", {money(self.spent.cost, self.prices.currency)}"
+        worst = f"{charge.tokens:,} tokens"
+        if self.limits.max_cost is not None:
+            worst += f", {money(charge.cost, self.prices.currency)}"
+        return f"spent {spent}; the next item, at worst {worst}, would pass"
+
+    def _column(self, column: Column) -> Charge:
+        total = NOTHING
+        for model, tokens in column.by_model.items():
+            total += self.charge(tokens.input, tokens.output, model)
+        return total

@@ -1,0 +1,192 @@
+"""Pure: the tokens an answer says it used, and the tokens a request may use before it is sent.
+
+Answers are read in the two shapes LLM APIs report usage in, then in any shape given as JSON
+pointers (RFC 6901):
+
+    OpenAI chat completions   usage.prompt_tokens, usage.completion_tokens (usage.total_tokens)
+    OpenAI responses,         usage.input_tokens, usage.output_tokens; Anthropic's
+    Anthropic messages        usage.cache_creation_input_tokens and cache_read_input_tokens are
+                              input tokens too (billed at other rates: counted as input, which
+                              over-counts cache reads rather than missing them)
+
+Before sending, an item's tokens are estimated the way providers count a request against a
+tokens-per-minute limit: the prompt at one token per 4 bytes of the request body (the JSON
+around the prompt makes this an overestimate, the safe side for a budget), plus the most the
+answer may hold — the body's `max_tokens`, `max_completion_tokens` or `max_output_tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from idemproxy.batch.input import Item
+from idemproxy.batch.records import ResultRecord, encode_body
+
+# The request fields that cap the answer's tokens (OpenAI chat, OpenAI responses, Anthropic).
+OUTPUT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+BYTES_PER_TOKEN = 4
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int
+    output_tokens: int
+    model: str | None = None  # the request's `model`, else the answer's
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "total_tokens": self.total_tokens,
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_json(cls, value: object) -> Usage | None:
+        """A result line's `usage`; None for a line without one (or one we did not write)."""
+        if not isinstance(value, Mapping):
+            return None
+        tokens = _count(value.get("input_tokens")), _count(value.get("output_tokens"))
+        if tokens[0] is None or tokens[1] is None:
+            return None
+        model = value.get("model")
+        return cls(tokens[0], tokens[1], model if isinstance(model, str) else None)
+
+
+@dataclass(frozen=True)
+class UsagePointers:
+    """Where an answer keeps its input and output token counts (RFC 6901 JSON pointers)."""
+
+    input: str
+    output: str
+    extra_input: tuple[str, ...] = ()  # added to the input when present
+
+
+OPENAI_CHAT = UsagePointers("/usage/prompt_tokens", "/usage/completion_tokens")
+INPUT_OUTPUT = UsagePointers(
+    "/usage/input_tokens",
+    "/usage/output_tokens",
+    ("/usage/cache_creation_input_tokens", "/usage/cache_read_input_tokens"),
+)
+BUILT_IN_POINTERS = (OPENAI_CHAT, INPUT_OUTPUT)
+
+
+def check_pointer(pointer: str) -> str:
+    if pointer and not pointer.startswith("/"):
+        raise ValueError(f"a JSON pointer starts with '/', not {pointer!r} (RFC 6901)")
+    return pointer
+
+
+def resolve(document: Any, pointer: str) -> Any:
+    """The value `pointer` names in `document` (RFC 6901), or None when it names nothing."""
+    if not pointer:
+        return document
+    value = document
+    for raw in pointer[1:].split("/"):
+        token = raw.replace("~1", "/").replace("~0", "~")  # RFC 6901 §4: in this order
+        if isinstance(value, Mapping):
+            value = value.get(token)
+        elif isinstance(value, list) and token.isascii() and token.isdigit():
+            index = int(token)
+            value = value[index] if index < len(value) else None
+        else:
+            return None
+    return value
+
+
+def extract_usage(
+    body: Any, pointers: Sequence[UsagePointers] = BUILT_IN_POINTERS
+) -> tuple[int, int] | None:
+    """(input, output) tokens from a parsed answer, by the first pointers that name both."""
+    for where in pointers:
+        input_tokens, output_tokens = (
+            _count(resolve(body, where.input)),
+            _count(resolve(body, where.output)),
+        )
+        if input_tokens is None or output_tokens is None:
+            continue
+        for extra in where.extra_input:
+            input_tokens += _count(resolve(body, extra)) or 0
+        return input_tokens, output_tokens
+    return None
+
+
+def _count(value: object) -> int | None:
+    """A token count: a non-negative integer (JSON has no int type: 12.0 is 12; true is not)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return None
+
+
+def request_model(item: Item) -> str | None:
+    return _model(item.body)
+
+
+def answer_model(body: Any) -> str | None:
+    return _model(body)
+
+
+def _model(body: Any) -> str | None:
+    model = body.get("model") if isinstance(body, Mapping) else None
+    return model if isinstance(model, str) and model else None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """An item's tokens before it is sent: `output_tokens` is None when nothing caps them."""
+
+    input_tokens: int
+    output_tokens: int | None
+
+    def tokens(self, assumed_output: int = 0) -> int:
+        output = self.output_tokens if self.output_tokens is not None else assumed_output
+        return self.input_tokens + output
+
+
+def estimate(item: Item) -> Estimate:
+    data, _ = item.payload()
+    input_tokens = math.ceil(len(data) / BYTES_PER_TOKEN) if data else 0
+    return Estimate(input_tokens, output_limit(item.body))
+
+
+def output_limit(body: Any) -> int | None:
+    if not isinstance(body, Mapping):
+        return None
+    limits = [_count(body.get(name)) for name in OUTPUT_LIMIT_FIELDS]
+    known = [limit for limit in limits if limit is not None]
+    return max(known) if known else None
+
+
+def with_usage(
+    record: ResultRecord, item: Item, pointers: Sequence[UsagePointers] = BUILT_IN_POINTERS
+) -> ResultRecord:
+    """The record with the usage its (parsed JSON) answer reports; as it was without one."""
+    if record.body_encoding != "json":
+        return record
+    tokens = extract_usage(record.body, pointers)
+    if tokens is None:
+        return record
+    model = request_model(item) or answer_model(record.body)
+    return replace(record, usage=Usage(*tokens, model).to_json())
+
+
+def answer_tokens(
+    body: bytes, content_type: str | None, pointers: Sequence[UsagePointers]
+) -> int | None:
+    """The total tokens a raw answer reports (for correcting a rate limit's estimate)."""
+    parsed, encoding = encode_body(body, content_type)
+    if encoding != "json":
+        return None
+    tokens = extract_usage(parsed, pointers)
+    return None if tokens is None else sum(tokens)

@@ -1,0 +1,72 @@
+"""The budget stop in a run, against the fake LLM API in-process (no proxy: nothing is resumed)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from idemproxy.batch import BatchOptions, run_batch
+from idemproxy.batch.input import item_from_object
+from idemproxy.batch.usage import estimate
+
+from .llm import LlmApi, llm_app, llm_items, usage_of
+from .servers import read_results, start_app
+
+
+@pytest.fixture
+async def llm() -> AsyncIterator[tuple[LlmApi, str]]:
+    api = LlmApi(delay=0.05)
+    runner, url = await start_app(llm_app(api))
+    try:
+        yield api, url
+    finally:
+        await runner.cleanup()
+
+
+async def test_items_in_flight_count_at_their_worst_case(
+    llm: tuple[LlmApi, str], tmp_path: Path
+) -> None:
+    api, url = llm
+    items = llm_items(20)
+    worst = [estimate(item_from_object(item, n)).tokens() for n, item in enumerate(items, 1)]
+    limit = 2 * max(worst) + 1  # room for any two items at their worst, never for three
+    assert 3 * min(worst) > limit
+    options = BatchOptions(target=url, concurrency=8, max_tokens=limit)
+    summary = await run_batch(items, tmp_path / "out.jsonl", options)
+
+    assert api.most_in_flight == 2  # eight workers, but the budget had room for two at a time
+    results = read_results(tmp_path / "out.jsonl")
+    used = sum(r["usage"]["total_tokens"] for r in results)
+    assert used == api.billed_tokens <= limit
+    assert sum(map(sum, (usage_of(i["body"]) for i in items[: len(results)]))) == used
+    assert summary.budget_stop is not None and summary.budget_stop.startswith(
+        f"--max-tokens {limit:,}: spent {used:,} tokens"
+    )
+    # More than the two that fit at first: the budget waited for answers to make room.
+    assert 2 < summary.done < 20 and summary.interrupted == 20 - summary.done
+    assert not summary.stopped and not summary.complete
+
+
+async def test_answers_without_usage_spend_nothing_and_a_budget_never_stops_them(
+    api_url: str, tmp_path: Path
+) -> None:
+    items = [{"id": f"i{n}", "method": "POST", "path": "/x", "body": {"max_tokens": 100}}
+             for n in range(6)]  # fmt: skip
+    options = BatchOptions(target=api_url, concurrency=3, max_tokens=300)
+    summary = await run_batch(items, tmp_path / "out.jsonl", options)
+    assert summary.complete and summary.budget_stop is None
+    assert summary.ledger.unmetered == 6 and "6 done answer(s) without usage" in summary.describe()
+
+
+async def test_assume_max_output_gives_uncapped_items_a_worst_case(
+    llm: tuple[LlmApi, str], tmp_path: Path
+) -> None:
+    api, url = llm
+    items = llm_items(4)
+    for item in items:
+        del item["body"]["max_tokens"]
+    options = BatchOptions(target=url, max_tokens=10_000, assume_max_output=50)
+    summary = await run_batch(items, tmp_path / "out.jsonl", options)
+    assert summary.complete and summary.file_ledger.total_tokens == api.billed_tokens > 0

@@ -1,0 +1,92 @@
+"""Pure: the usage ledger (each key once, replays apart) and the budget that reads it."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+from idemproxy.batch.budget import Budget, Charge, Limits
+from idemproxy.batch.input import Item
+from idemproxy.batch.ledger import Ledger
+from idemproxy.batch.prices import price_table
+from idemproxy.batch.records import Outcome, ResultRecord
+from idemproxy.batch.usage import Estimate
+
+from .factory import record
+
+PRICES = price_table(
+    {"models": {"cheap": {"input": 1, "output": 2}, "dear": {"input": 10, "output": 20}}}
+)
+
+
+def _used(
+    item_id: str, tokens: tuple[int, int], model: str | None = "cheap", **fields: Any
+) -> ResultRecord:
+    usage = {"input_tokens": tokens[0], "output_tokens": tokens[1], "total_tokens": sum(tokens),
+             "model": model}  # fmt: skip
+    return record(item_id, usage=usage, **fields)
+
+
+def test_executed_and_replayed_are_apart_and_each_key_counts_once() -> None:
+    ledger = Ledger.of(
+        [
+            _used("a", (100, 50)),
+            _used("b", (10, 5), replayed=True),
+            _used("b", (10, 5), replayed=True),  # the same key again: nothing more
+            record("c", Outcome.FAILED),  # no usage, and not done: not "unmetered"
+            record("d"),  # done without usage
+        ]
+    )
+    report = ledger.to_json(PRICES)
+    assert report["executed"] == {"answers": 1, "input_tokens": 100, "output_tokens": 50,
+                                  "total_tokens": 150, "cost": 0.0002}  # fmt: skip
+    assert report["replayed"]["total_tokens"] == 15 and report["total_tokens"] == 165
+    assert report["unmetered"] == 1 and report["unpriced_models"] == []
+    assert ledger.to_json(None).keys() == {"executed", "replayed", "total_tokens", "unmetered"}
+
+
+def test_describe_says_a_replay_costs_nothing_and_names_unpriced_models() -> None:
+    ledger = Ledger.of([_used("a", (1000, 0)), _used("b", (7, 3), "mystery", replayed=True)])
+    executed, replayed = ledger.describe(PRICES, replay_note="cost nothing now")
+    assert executed == "executed 1 answer(s), 1,000 tokens (in 1,000, out 0), 0.001000 USD"
+    assert replayed.startswith("replayed 1 answer(s), 10 tokens (in 7, out 3), 0.000000 USD")
+    assert "(no price for mystery: not counted)" in replayed and "cost nothing now" in replayed
+
+
+def test_an_edited_item_sent_again_is_a_second_key_and_counts_again() -> None:
+    first = _used("a", (10, 10))
+    again = record(Item("a", "POST", "/x", body={"v": 2}), usage=first.usage)
+    assert again.key != first.key
+    assert Ledger.of([first, again]).total_tokens == 40
+
+
+def test_the_budget_counts_the_file_and_the_items_in_flight_at_their_worst() -> None:
+    ledger = Ledger.of([_used("a", (100, 0))])
+    budget = Budget(Limits(max_tokens=300), PRICES, ledger)
+    worst = budget.worst_case(Estimate(50, 50), "cheap", assumed_output=0)
+    assert worst == Charge(100, Decimal("0.00015"))
+    assert budget.fits(worst)
+    budget.reserve("b", worst)
+    budget.reserve("c", worst)
+    assert budget.committed().tokens == 300 and not budget.fits(Charge(1, Decimal(0)))
+    assert budget.passed(Charge(301, Decimal(0))) == "--max-tokens 300"
+    # "b" ends: its result used less than its worst case, and the room comes back.
+    ledger.add(_used("b", (50, 10)))
+    budget.settle("b")
+    assert budget.committed().tokens == 100 + 60 + 100 and budget.fits(Charge(40, Decimal(0)))
+
+
+def test_a_cost_budget_prices_unknown_models_at_the_dearest_rates() -> None:
+    budget = Budget(Limits(max_cost=Decimal("0.001")), PRICES, Ledger())
+    unknown = budget.worst_case(Estimate(40, None), "typo-model", assumed_output=10)
+    assert unknown == Charge(50, Decimal("0.0006"))  # 40 x 10 + 10 x 20, per million
+    assert budget.fits(unknown)
+    budget.reserve("a", unknown)
+    assert not budget.fits(unknown)
+    assert budget.passed(budget.committed() + unknown) == "--max-cost 0.001"
+    assert "the next item, at worst 50 tokens, 0.000600 USD" in budget.describe(unknown)
+
+
+def test_replays_in_the_file_count_against_the_budget() -> None:
+    ledger = Ledger.of([_used("a", (100, 0), replayed=True)])
+    assert Budget(Limits(max_tokens=100), PRICES, ledger).spent.tokens == 100
