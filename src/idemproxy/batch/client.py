@@ -7,8 +7,7 @@ reset, cut off, timed out — is transient, because the retry carries the same k
 from __future__ import annotations
 
 import asyncio
-import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,8 +20,6 @@ from idemproxy.batch.outcome import Verdict, classify, next_delay, retry_after_s
 from idemproxy.batch.ratelimit import RATE_LIMITED_STATUSES, pause_seconds
 from idemproxy.batch.records import Outcome, ResultRecord, encode_body, utc_now, valid_text
 from idemproxy.constants import ERROR_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
-
-Sleep = Callable[[float], Awaitable[None]]
 
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
@@ -103,8 +100,6 @@ async def send(
     policy: RetryPolicy,
     *,
     stop: asyncio.Event | None = None,
-    sleep: Sleep = asyncio.sleep,
-    rng: random.Random | None = None,
     gate: AttemptGate | None = None,
 ) -> ResultRecord:
     """Send until a final answer or until the retries run out; never raises for the network.
@@ -124,8 +119,8 @@ async def send(
         if tries.count > policy.retries:
             return _record(request, tries, Verdict.FAILED, retryable=True)
         retry_after = tries.answer.retry_after if tries.answer else None
-        delay = next_delay(tries.count, retry_after, policy.backoff_base, policy.backoff_max, rng)
-        if await _stopped_during(sleep(delay), stop):
+        delay = next_delay(tries.count, retry_after, policy.backoff_base, policy.backoff_max)
+        if await _stopped_during(asyncio.sleep(delay), stop):
             return _record(request, tries, Verdict.FAILED, retryable=True)
         if gate is not None and not await gate.before_retry():
             return _record(request, tries, Verdict.FAILED, retryable=True)

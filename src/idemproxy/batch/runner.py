@@ -272,6 +272,7 @@ async def _send_all(
     policy = options.policy()
 
     async def worker(session: aiohttp.ClientSession) -> None:
+        sending = _Sending(session, policy, stop, options.usage_pointers, run)
         while (admitted := await admission.next(stop)) is not None:
             item = admitted.item
             try:
@@ -281,8 +282,7 @@ async def _send_all(
                     item, admitted.identity, options.target, options.headers, options.key_header
                 )
                 gate = LimiterGate(limiter, admitted.tokens, stop, options.usage_pointers)
-                sending = _result(session, request, policy, stop, gate, options.usage_pointers, run)
-                record = await _unless_abandoned(sending, stop)
+                record = await _unless_abandoned(_result(sending, request, gate), stop)
                 if record is None:
                     return
                 writer.append(record)  # durable before it is counted (SPEC §14)
@@ -304,23 +304,28 @@ async def _send_all(
         summary.rate_limit_pauses = limiter.pauses
 
 
-async def _result(
-    session: aiohttp.ClientSession,
-    request: Request,
-    policy: RetryPolicy,
-    stop: Stop,
-    gate: AttemptGate,
-    pointers: tuple[UsagePointers, ...],
-    run: str,
-) -> ResultRecord:
+@dataclass(frozen=True, slots=True)
+class _Sending:
+    """What every item of one run is sent with."""
+
+    session: aiohttp.ClientSession
+    policy: RetryPolicy
+    stop: Stop
+    pointers: tuple[UsagePointers, ...]
+    run: str  # names this run in each of its lines
+
+
+async def _result(sending: _Sending, request: Request, gate: AttemptGate) -> ResultRecord:
     """The item's record, one that can be written whatever happened: never raises but cancels."""
     started_at = utc_now()
     try:
-        record = await send(session, request, policy, stop=stop.requested, gate=gate)
-        record = replace(with_usage(record, request.item, pointers), run=run)
+        record = await send(
+            sending.session, request, sending.policy, stop=sending.stop.requested, gate=gate
+        )
+        record = replace(with_usage(record, request.item, sending.pointers), run=sending.run)
         record.to_line()  # proves the line can be written before the worker relies on it
     except Exception as exc:  # one item's failure must never end the whole batch
-        return replace(failed_record(request, started_at, exc), run=run)
+        return replace(failed_record(request, started_at, exc), run=sending.run)
     return record
 
 
