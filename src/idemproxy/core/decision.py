@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass
 from typing import assert_never
 
+from idemproxy.core.states import EXPIRABLE
 from idemproxy.core.types import Job, JobState, StoredResponse
 from idemproxy.errors import OutcomeUnknown, PayloadMismatch, ProblemError, RequestInFlight
 
@@ -68,7 +69,7 @@ class Policy:
 
 def decide(job: Job, fingerprint: str, policy: Policy, *, wait_expired: bool = False) -> Decision:
     """What to do with a request for an existing job (SPEC §2.3)."""
-    if job.expired and job.state in (JobState.COMPLETED, JobState.RELEASED):
+    if job.expired and job.state in EXPIRABLE:
         # SPEC §3.1: an expired job is gone, whatever its sweeper has not deleted yet.
         return Forget(job.version)
     if job.fingerprint != fingerprint:

@@ -1,4 +1,4 @@
-"""The storage interface every backend implements and one contract suite checks (SPEC §11).
+"""The storage interface every backend implements, checked by one shared test suite (SPEC §11).
 
 Every method that changes a job is a compare-and-swap on the job's `version` (and names its
 `owner`, so that every hot-path statement can be routed to one shard): it returns whether it
