@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -16,6 +15,7 @@ from typing import Any, NamedTuple
 from yarl import URL
 
 from idemproxy.core.attempts import Failure
+from idemproxy.proxy.upstream.dial import Dialing
 from idemproxy.proxy.upstream.h1 import (
     ONE_WRITE,
     Connection,
@@ -73,7 +73,11 @@ class UpstreamClient:
         connections: int,
         keepalive: float,
         hooks: UpstreamHooks = _NO_HOOKS,
+        dialing: Dialing | None = None,
     ) -> None:
+        """`dialing`: TLS and egress proxies per origin (`Dialing.from_settings`); by default
+        every origin is reached directly, an https one verified against the system's CAs."""
+        self._dialing = dialing or Dialing()
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._connections = connections
@@ -84,9 +88,7 @@ class UpstreamClient:
 
     async def open(self) -> None:
         pool = ConnectionPool(
-            limit=self._connections,
-            keepalive=self._keepalive,
-            ssl=ssl.create_default_context(),
+            limit=self._connections, keepalive=self._keepalive, dialer=self._dialing.dialer
         )
         self._link = _Link(pool, self._connect_timeout, self._timeout, self._hooks)
 
