@@ -33,6 +33,7 @@ from pydantic_settings import (
 
 from idemproxy import constants as c
 from idemproxy.config_upstream import (
+    UpstreamHeaderSettings,
     UpstreamSettings,
     check_proxy_url,
     origin_of,
@@ -80,6 +81,10 @@ class RouteSettings(BaseModel):
     contract: ContractSettings | None = None
     require_key: bool | None = None  # overrides the global setting for this route
     ttl: float | None = Field(default=None, gt=0)
+    # Overrides the global `upstream_timeout` for this route's upstreams.
+    upstream_timeout: float | None = Field(default=None, gt=0)
+    # Headers set (a provider's API key, from env:NAME or file:PATH) or removed upstream.
+    upstream_headers: UpstreamHeaderSettings = Field(default_factory=UpstreamHeaderSettings)
 
     @field_validator("fallbacks")
     @classmethod

@@ -34,6 +34,8 @@ _FRAMING_HEADERS = frozenset(
         "upgrade",
     }
 )
+# `env:NAME` or `file:PATH`, after words kept as they are (an auth scheme: `Bearer env:KEY`).
+_READ_FROM = re.compile(r"((?:[^ ]+ )*)((?:env|file):\S.*)")
 NO_PROXY = "none"  # `proxy: none`: this upstream is reached directly, whatever else is set
 
 
@@ -79,30 +81,14 @@ class UpstreamTlsSettings(BaseModel):
         return self
 
 
-class UpstreamSettings(BaseModel):
-    """What one upstream (an origin: scheme, host and port) is reached with."""
-
-    model_config = _STRICT
-    tls: UpstreamTlsSettings = Field(default_factory=UpstreamTlsSettings)
-    # http://[user:password@]host:port of a forward proxy for this upstream, or `none` to reach
-    # it directly; unset: `upstream_proxy`, then the environment (`upstream_proxy_from_env`).
-    proxy: str | None = None
-
-    @field_validator("proxy")
-    @classmethod
-    def _proxy_url(cls, url: str | None) -> str | None:
-        if url is None or url == NO_PROXY:
-            return url
-        return check_proxy_url(url)
-
-
 class UpstreamHeaderSettings(BaseModel):
     """Headers a route changes on the way upstream (after the owner and fingerprint were taken
     from the client's request, SPEC §5, §6): `remove` first, then `set`.
 
     A `set` value is `env:NAME` (an environment variable), `file:PATH` (a file's content, without
-    its final line break), or the value itself. Secrets belong in the first two: the values read
-    are never logged, stored or part of the fingerprint.
+    its final line break), or the value itself; words before `env:` or `file:` are kept as they
+    are (`Bearer env:OPENAI_API_KEY`). Secrets belong in the first two: the values read are
+    never logged, stored or part of the fingerprint.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -138,6 +124,26 @@ class UpstreamHeaderSettings(BaseModel):
     def values(self) -> tuple[tuple[str, str], ...]:
         """The headers to set, their values read (at start-up, once)."""
         return self._values
+
+
+class UpstreamSettings(BaseModel):
+    """What one upstream (an origin: scheme, host and port) is reached with."""
+
+    model_config = _STRICT
+    tls: UpstreamTlsSettings = Field(default_factory=UpstreamTlsSettings)
+    # http://[user:password@]host:port of a forward proxy for this upstream, or `none` to reach
+    # it directly; unset: `upstream_proxy`, then the environment (`upstream_proxy_from_env`).
+    proxy: str | None = None
+    # Headers set or removed on requests to this upstream, after the route's own: a provider's
+    # API key, when a route's upstreams are different providers.
+    headers: UpstreamHeaderSettings = Field(default_factory=UpstreamHeaderSettings)
+
+    @field_validator("proxy")
+    @classmethod
+    def _proxy_url(cls, url: str | None) -> str | None:
+        if url is None or url == NO_PROXY:
+            return url
+        return check_proxy_url(url)
 
 
 def check_proxy_url(url: str) -> str:
@@ -178,9 +184,11 @@ def _check_name(name: str) -> None:
         raise ValueError(f"{name} is framed or stripped by the proxy itself (SPEC §10)")
 
 
-def _header_value(name: str, source: str) -> str:
-    """The value `source` stands for; the error names the header and the source, never the
+def _header_value(name: str, setting: str) -> str:
+    """The value `setting` stands for; the error names the header and the source, never the
     value read."""
+    found = _READ_FROM.fullmatch(setting)
+    prefix, source = (found[1], found[2]) if found else ("", setting)
     if source.startswith("env:"):
         variable = source[4:]
         if not _ENV_NAME.fullmatch(variable):
@@ -199,9 +207,10 @@ def _header_value(name: str, source: str) -> str:
         value = value.removesuffix("\n").removesuffix("\r")
     else:
         value = source
-    if not value.strip() or not _FIELD_VALUE.fullmatch(value):
+    value = prefix + value.strip(" \t")
+    if not value or not _FIELD_VALUE.fullmatch(value):
         raise ValueError(f"{name}: the value from {_what(source)} is empty or not a header value")
-    return value.strip(" \t")
+    return value
 
 
 def _what(source: str) -> str:

@@ -59,7 +59,8 @@ async def _check_routes(client: UpstreamClient, routes: list[Route]) -> int:
             assert route.gate is not None
             print(f"route {route.prefix} ({len(route.gate.contract.samples)} samples)")
             for upstream in (route.upstream, *route.fallbacks):
-                problems = await check_upstream(client, upstream, route.gate.contract)
+                edits = route.header_edits.get(upstream, ())
+                problems = await check_upstream(client, upstream, route.gate.contract, edits)
                 failed += bool(problems)
                 print(f"  {'FAIL' if problems else 'ok  '} {redact_url(upstream)}")
                 for problem in problems:

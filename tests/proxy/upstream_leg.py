@@ -16,10 +16,15 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 
 class Upstream:
-    """An aiohttp upstream, HTTPS when given a context; counts the requests its handler ran."""
+    """An aiohttp upstream, HTTPS when given a context; counts the requests its handler ran.
+    It answers `status` after `delay` seconds."""
 
-    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, tls: ssl.SSLContext | None = None, *, status: int = 201, delay: float = 0
+    ) -> None:
         self.tls = tls
+        self.status = status
+        self.delay = delay
         self.executed = 0
         self.headers: list[CIMultiDictProxy[str]] = []
         self.url = ""
@@ -29,7 +34,9 @@ class Upstream:
         self.executed += 1
         self.headers.append(request.headers)
         await request.read()
-        return web.json_response({"executed": self.executed}, status=201)
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        return web.json_response({"executed": self.executed}, status=self.status)
 
     async def __aenter__(self) -> Upstream:
         app = web.Application()
