@@ -179,11 +179,13 @@ def _settings(args: argparse.Namespace, flags: dict[str, str], **extra: Any) -> 
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from idemproxy.proxy.upstream.dial import Dialing
     from idemproxy.server import serve
 
     settings = _settings(args, _SERVE_FLAGS)
     parse_listen(settings.listen)
     settings.owner.policy()  # JWT keys: a bad one stops the start before the store is opened
+    Dialing.check_environment(settings)  # so does an unusable HTTPS_PROXY (when it is read)
     if args.worker_role is not None:
         from idemproxy.workers.role import WorkerRole
 

@@ -118,6 +118,12 @@ class Dialing:
             environment = EnvironmentProxies.read(os.environ)
         return cls(upstreams, proxy=proxy, environment=environment)
 
+    @staticmethod
+    def check_environment(settings: Settings) -> None:
+        """`ConfigError` for an unusable proxy in the environment, before anything is opened."""
+        if settings.upstream_proxy is None and settings.upstream_proxy_from_env:
+            EnvironmentProxies.read(os.environ)
+
     def dialer(self, origin: Origin) -> Dialer:
         found = self._dialers.get(origin)
         if found is None:
