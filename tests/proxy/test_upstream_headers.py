@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from idemproxy.config import load_settings
 from idemproxy.core.types import JobState
 from idemproxy.proxy.routing import RouteTable
+from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.store.base import Store
 
 from .conftest import ProxyFactory
@@ -178,3 +179,37 @@ def test_a_secret_read_is_never_in_the_error(
         load_settings(**route("http://a:1", upstream_headers={"set": {"K": "env:PROVIDER_KEY"}}))
     assert "env:PROVIDER_KEY" in str(raised.value)
     assert SECRET not in str(raised.value)
+
+
+async def test_contract_samples_are_sent_with_the_headers_set_upstream(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A fallback checked against its contract (SPEC §3.4) gets its key as requests do, or a
+    provider would answer every sample 401 and never be eligible."""
+    monkeypatch.setenv("FALLBACK_KEY", SECRET)
+    schema, samples = tmp_path / "schema.json", tmp_path / "samples.jsonl"
+    schema.write_text('{"type": "object", "required": ["executed"]}')
+    samples.write_text('{"method": "POST", "path": "/pay", "headers": {"X-Sample": "1"}}\n')
+    async with Upstream() as primary, Upstream() as fallback:
+        settings = load_settings(
+            routes=[
+                {
+                    "prefix": "/",
+                    "upstream": primary.url,
+                    "fallbacks": [fallback.url],
+                    "contract": {"schema_file": str(schema), "samples_file": str(samples)},
+                }
+            ],
+            upstreams={fallback.url: {"headers": {"set": {"Authorization": "env:FALLBACK_KEY"}}}},
+        )
+        (route,) = RouteTable.from_settings(settings).routes
+        assert route.gate is not None
+        client = UpstreamClient(timeout=2, connect_timeout=2, connections=2, keepalive=5)
+        await client.open()
+        try:
+            await route.gate.check(client)
+        finally:
+            await client.close()
+    assert route.gate.eligible == (fallback.url,)
+    (seen,) = fallback.headers
+    assert (seen["Authorization"], seen["X-Sample"]) == (SECRET, "1")

@@ -29,6 +29,7 @@ from idemproxy.config_upstream import NO_PROXY, UpstreamSettings, check_proxy_ur
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.h1 import Connection, Origin
 from idemproxy.proxy.upstream.tls import tls_context
+from idemproxy.redact import redact_url
 
 if TYPE_CHECKING:
     from idemproxy.config import Settings
@@ -103,10 +104,9 @@ class Dialing:
         for url, options in settings.upstreams.items():
             if not options.tls.verify:
                 log.warning(
-                    "upstream %s: TLS certificates are not verified (upstreams.%s.tls.verify is"
-                    " false): anyone on the path can read and change its traffic",
-                    url,
-                    url,
+                    "upstream %s: TLS certificates are not verified (its tls.verify is false):"
+                    " anyone on the path can read and change its traffic",
+                    redact_url(url),
                 )
         proxy = (
             None

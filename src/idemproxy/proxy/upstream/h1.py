@@ -251,7 +251,9 @@ class UpstreamResponse:
         if self._stage is _Stage.BODY and self._until_close and exc is None:
             self._done()  # a close-delimited body ends here
             return
-        refusal = _handshake_refusal(exc) if self.head_bytes == 0 else None
+        # Only on a connection's first exchange: the handshake is long done on a reused one.
+        first = self.head_bytes == 0 and self._connection.fresh
+        refusal = _handshake_refusal(exc) if first else None
         if refusal is not None and self._stage is _Stage.HEAD:
             self.fail(
                 UpstreamFailure(Failure.CONNECT, f"upstream refused the TLS handshake: {refusal}")
@@ -433,6 +435,11 @@ class Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.abort()
+
+    @property
+    def fresh(self) -> bool:
+        """No exchange ran on this connection before the current one (it never idled)."""
+        return self.idle_since == 0.0
 
     @property
     def reusable(self) -> bool:
