@@ -35,6 +35,12 @@ from pydantic_settings import (
 )
 
 from idemproxy import constants as c
+from idemproxy.config_upstream import (
+    UpstreamHeaderSettings,
+    UpstreamSettings,
+    check_proxy_url,
+    origin_of,
+)
 from idemproxy.errors import ConfigError
 
 _STRICT = ConfigDict(extra="forbid")
@@ -79,6 +85,10 @@ class RouteSettings(BaseModel):
     contract: ContractSettings | None = None
     require_key: bool | None = None  # overrides the global setting for this route
     ttl: float | None = Field(default=None, gt=0)
+    # Overrides the global `upstream_timeout` for this route's upstreams.
+    upstream_timeout: float | None = Field(default=None, gt=0)
+    # Headers set (a provider's API key, from env:NAME or file:PATH) or removed upstream.
+    upstream_headers: UpstreamHeaderSettings = Field(default_factory=UpstreamHeaderSettings)
 
     @field_validator("fallbacks")
     @classmethod
@@ -347,6 +357,17 @@ class Settings(BaseSettings):
     unknown_ttl: float | None = Field(default=None, gt=0)
     upstream_timeout: float = Field(default=c.DEFAULT_UPSTREAM_TIMEOUT, gt=0)
     connect_timeout: float = Field(default=c.DEFAULT_CONNECT_TIMEOUT, gt=0)
+    # --- the upstream leg (config_upstream.py, proxy/upstream/dial.py) ----------------------
+    # TLS and egress proxy per upstream, keyed by its URL as the routes name it.
+    upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)
+    # http://[user:password@]host:port: the forward proxy every upstream is reached through
+    # (HTTP CONNECT), unless its `upstreams` entry says otherwise.
+    upstream_proxy: str | None = None
+    # Without `upstream_proxy`: take the proxy from HTTPS_PROXY, HTTP_PROXY, ALL_PROXY and
+    # NO_PROXY. Off by default: a sidecar's loopback upstream must not go through a corporate
+    # proxy set in the environment for other programs.
+    upstream_proxy_from_env: bool = False
+    # --- end of the upstream leg ------------------------------------------------------------
     max_wait: float | None = Field(default=None, ge=0)
     max_request_body: int = Field(default=c.DEFAULT_MAX_REQUEST_BODY, ge=0)
     max_stored_body: int = Field(default=c.DEFAULT_MAX_STORED_BODY, ge=0)
@@ -452,6 +473,30 @@ class Settings(BaseSettings):
     def _has_upstream(self) -> Settings:
         if self.upstream is None and not self.routes:
             raise ValueError("upstream: set --upstream URL or at least one entry in routes")
+        return self
+
+    @field_validator("upstream_proxy")
+    @classmethod
+    def _proxy_url(cls, url: str | None) -> str | None:
+        return None if url is None else check_proxy_url(url)
+
+    @field_validator("upstreams")
+    @classmethod
+    def _upstream_keys(cls, upstreams: dict[str, UpstreamSettings]) -> dict[str, UpstreamSettings]:
+        keyed = {check_upstream_url(url): options for url, options in upstreams.items()}
+        by_origin: dict[tuple[str, int, bool], UpstreamSettings] = {}
+        for url, options in keyed.items():
+            # The client keeps connections per origin: one origin, one way to reach it.
+            if by_origin.setdefault(origin_of(url), options) != options:
+                raise ValueError(f"{url}: another entry names the same scheme, host and port")
+        return keyed
+
+    @model_validator(mode="after")
+    def _upstreams_are_routed(self) -> Settings:
+        routed = {url for route in self.all_routes for url in (route.upstream, *route.fallbacks)}
+        for url in self.upstreams:
+            if url not in routed:  # a typo would otherwise leave TLS settings unused in silence
+                raise ValueError(f"upstreams: {url} is no route's upstream or fallback")
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ from idemproxy.config import load_settings
 from idemproxy.proxy.routing import Route, RouteTable
 from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.proxy.upstream.contract import check_upstream
+from idemproxy.proxy.upstream.dial import Dialing
 from idemproxy.redact import redact_url
 
 
@@ -44,6 +45,7 @@ def _check(args: argparse.Namespace) -> int:
         connect_timeout=settings.connect_timeout,
         connections=8,
         keepalive=settings.pool.upstream_keepalive,
+        dialing=Dialing.from_settings(settings),
     )
     failed = asyncio.run(_check_routes(client, routes))
     return 1 if failed else 0
@@ -57,7 +59,8 @@ async def _check_routes(client: UpstreamClient, routes: list[Route]) -> int:
             assert route.gate is not None
             print(f"route {route.prefix} ({len(route.gate.contract.samples)} samples)")
             for upstream in (route.upstream, *route.fallbacks):
-                problems = await check_upstream(client, upstream, route.gate.contract)
+                edits = route.header_edits.get(upstream, ())
+                problems = await check_upstream(client, upstream, route.gate.contract, edits)
                 failed += bool(problems)
                 print(f"  {'FAIL' if problems else 'ok  '} {redact_url(upstream)}")
                 for problem in problems:

@@ -1,8 +1,9 @@
 """Every `config/*.yaml` is a working settings file: it loads through the real settings model.
 
 Files are found by glob, so a new example is checked as soon as it is added. A file whose
-comments tell the reader to set IDEMPROXY_ADMIN__TOKEN from a secret gets one, as a deployment
-would; no other environment variable reaches the settings.
+comments tell the reader to set IDEMPROXY_ADMIN__TOKEN from a secret gets one, and so does every
+variable a file reads a header value from (`env:NAME`, an API key), as a deployment would; no
+other environment variable reaches the settings.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ CONFIG_FILES = sorted(CONFIG_DIR.glob("*.yaml"))
 # user:password@ in a URL value: examples must not teach putting credentials in a file (a
 # comment may still show the DSN syntax).
 _PASSWORD_IN_URL = re.compile(r"://[^/@\s:]+:[^/@\s]+@")
+_READ_FROM_ENV = re.compile(r"^[^#\n]*\benv:([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
 
 
 def test_the_deployment_shapes_have_examples() -> None:
@@ -34,6 +36,8 @@ def test_config_file_loads(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     text = path.read_text()
     if "IDEMPROXY_ADMIN__TOKEN" in text:
         monkeypatch.setenv("IDEMPROXY_ADMIN__TOKEN", "from-a-secret")
+    for variable in _READ_FROM_ENV.findall(text):
+        monkeypatch.setenv(variable, "from-a-secret")
     settings = load_settings(path)
     assert settings.all_routes
 

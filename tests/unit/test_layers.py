@@ -192,7 +192,10 @@ RULES = {
         "core", only=("core", "errors", "constants")
     ),
     "settings are data: config imports only errors and constants": Rule(
-        "config", only=("config", "errors", "constants")
+        "config", only=("config", "config_upstream", "errors", "constants")
+    ),
+    "so are the upstream leg's settings": Rule(
+        "config_upstream", only=("config_upstream", "errors", "constants")
     ),
     "a request's identity comes from the request and the settings alone": Rule(
         "identity", only=("identity", "config", "errors", "constants")

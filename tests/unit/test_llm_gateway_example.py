@@ -36,6 +36,8 @@ def chat_route(monkeypatch: pytest.MonkeyPatch) -> Route:
     monkeypatch.chdir(ROOT)  # the example's contract paths are relative to the repository
     for variable in [name for name in os.environ if name.startswith("IDEMPROXY_")]:
         monkeypatch.delenv(variable)
+    for variable in ("OPENAI_API_KEY", "FALLBACK_API_KEY"):  # the providers' keys it reads
+        monkeypatch.setenv(variable, f"{variable.lower()}-from-a-secret")
     settings = load_settings(ROOT / "config" / "llm-gateway.yaml")
     route = RouteTable.from_settings(settings).find("/v1/chat/completions", None)
     assert route is not None
@@ -49,6 +51,21 @@ def test_the_chat_route_is_a_hedged_group_with_a_contract(chat_route: Route) -> 
     assert chat_route.gate.fallbacks == chat_route.fallbacks
     assert chat_route.gate.eligible == ()  # until the fallback has passed its check
     assert chat_route.upstreams == (chat_route.upstream,)
+
+
+def test_each_provider_gets_its_own_key_and_the_chat_route_its_timeout(chat_route: Route) -> None:
+    """The gateway holds the providers' keys: each upstream of the group replaces the client's
+    Authorization with its own (config_upstream.py), samples included."""
+    keys = {
+        url: {name: value for edit in edits for name, value in edit.set}["Authorization"]
+        for url, edits in chat_route.header_edits.items()
+    }
+    assert keys == {
+        chat_route.upstream: "Bearer openai_api_key-from-a-secret",
+        chat_route.fallbacks[0]: "Bearer fallback_api_key-from-a-secret",
+    }
+    assert chat_route.gate is not None and chat_route.gate.edits == chat_route.header_edits
+    assert chat_route.upstream_timeout == 120
 
 
 def test_every_sample_is_a_chat_request_for_the_same_model(chat_route: Route) -> None:

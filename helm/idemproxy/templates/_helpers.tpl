@@ -96,7 +96,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "idemproxy.validateExtensions" -}}
 {{- $v := .Values }}
 {{- range $v.extraEnv }}
-{{- if has .name (list "IDEMPROXY_CONFIG" "IDEMPROXY_STORE" "IDEMPROXY_ADMIN__TOKEN" "IDEMPROXY_REDIS") }}
+{{- if has .name (list "IDEMPROXY_CONFIG" "IDEMPROXY_STORE" "IDEMPROXY_ADMIN__TOKEN" "IDEMPROXY_REDIS" "IDEMPROXY_REDIS__URL") }}
 {{- fail (printf "extraEnv: %s is the chart's own (the settings file, or a key of the Secret in secrets)" .name) }}
 {{- end }}
 {{- end }}

@@ -23,6 +23,7 @@ from idemproxy.proxy.server.listener import close_when_closing
 from idemproxy.proxy.server.one_response import note_started
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamHooks
 from idemproxy.proxy.upstream.contract import keep_checking
+from idemproxy.proxy.upstream.dial import Dialing
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
 
@@ -152,4 +153,5 @@ def _upstream_client(
             on_sent=failpoints.on_sent(),
             on_headers_dropped=metrics.upstream_headers_dropped.inc,
         ),
+        dialing=Dialing.from_settings(settings),
     )

@@ -50,9 +50,12 @@ async def passthrough(
         async with ctx.upstream.request(
             request.method,
             upstream_url(route.upstream, request),
-            forwarded_headers(request, ctx.settings.trusted_proxies),
+            forwarded_headers(
+                request, ctx.settings.trusted_proxies, route.header_edits.get(route.upstream, ())
+            ),
             data,
             content_length=length,
+            timeout=route.upstream_timeout,
         ) as upstream:
             # Only a body that arrived whole with its head goes out in one write; one still on
             # its way streams, so the client gets the head and what came at once, as it would

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from urllib.parse import unquote
 
+from idemproxy import constants as c
 from idemproxy.config import RouteSettings, Settings
+from idemproxy.config_upstream import UpstreamHeaderSettings
 from idemproxy.errors import PathInvalid
 from idemproxy.proxy.upstream.contract import Contract, ContractGate
+from idemproxy.proxy.upstream.target import Edits, HeaderEdits
 
 # A `.` or `..` segment, or an empty one, in the percent-decoded path; `\\` counts as a separator
 # because some servers (IIS, and frameworks on Windows) take it for one.
@@ -60,6 +65,15 @@ class Route:
     hedge_after: float | None = None
     # Mutable eligibility of the fallbacks, when the group has a contract (SPEC §3.4).
     gate: ContractGate | None = field(default=None, compare=False, hash=False)
+    # The route's own `upstream_timeout`; None: the global one (the upstream client's).
+    upstream_timeout: float | None = None
+    # How long a duplicate waits for the attempt in flight (SPEC §2.3): max_wait, or by default
+    # as long as an attempt of this route may take, plus a margin.
+    max_wait: float = c.DEFAULT_UPSTREAM_TIMEOUT + c.MAX_WAIT_MARGIN_SECONDS
+    # Header edits per upstream of the group that has any (`upstream_headers`).
+    header_edits: Mapping[str, Edits] = field(
+        default_factory=lambda: MappingProxyType({}), compare=False, hash=False, repr=False
+    )
 
     @property
     def upstreams(self) -> tuple[str, ...]:
@@ -101,6 +115,8 @@ class RouteTable:
 
 
 def _route(route: RouteSettings, settings: Settings) -> Route:
+    edits = _header_edits(route, settings)
+    timeout = route.upstream_timeout
     return Route(
         prefix=route.prefix,
         host=route.host,
@@ -111,5 +127,26 @@ def _route(route: RouteSettings, settings: Settings) -> Route:
         hedge_after=route.hedge_after,
         gate=None
         if route.contract is None
-        else ContractGate(Contract(route.contract), tuple(route.fallbacks)),
+        else ContractGate(Contract(route.contract), tuple(route.fallbacks), edits=edits),
+        upstream_timeout=timeout,
+        max_wait=settings.effective_max_wait
+        if timeout is None or settings.max_wait is not None
+        else timeout + c.MAX_WAIT_MARGIN_SECONDS,
+        header_edits=edits,
     )
+
+
+def _header_edits(route: RouteSettings, settings: Settings) -> Mapping[str, Edits]:
+    """The route's `upstream_headers`, then each upstream's own, for the upstreams with any."""
+    edits: dict[str, Edits] = {}
+    for url in (route.upstream, *route.fallbacks):
+        upstream = settings.upstreams.get(url)
+        steps = [route.upstream_headers, *(() if upstream is None else (upstream.headers,))]
+        found = tuple(_edit(step) for step in steps if step.set or step.remove)
+        if found:
+            edits[url] = found
+    return MappingProxyType(edits)
+
+
+def _edit(headers: UpstreamHeaderSettings) -> HeaderEdits:
+    return HeaderEdits(tuple(headers.remove), headers.values)

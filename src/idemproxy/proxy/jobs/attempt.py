@@ -87,7 +87,10 @@ Step = web.StreamResponse | Failed | None
 async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
     ctx, request, body = governed.ctx, governed.request, governed.body
     job = attempt.job
-    headers = forwarded_headers(request, ctx.settings.trusted_proxies)
+    route = governed.route
+    headers = forwarded_headers(
+        request, ctx.settings.trusted_proxies, route.header_edits.get(attempt.upstream, ())
+    )
     headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
     headers[ATTEMPT_HEADER] = str(attempt.number)
     url = upstream_url(attempt.upstream, request)
@@ -96,7 +99,12 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
         async with (
             KeptLease(ctx.store, job, lease=ctx.settings.lease),
             ctx.upstream.request(
-                request.method, url, headers, body.payload(), content_length=body.size
+                request.method,
+                url,
+                headers,
+                body.payload(),
+                content_length=body.size,
+                timeout=route.upstream_timeout,
             ) as upstream,
         ):
             step = await _on_response(governed, attempt, upstream)

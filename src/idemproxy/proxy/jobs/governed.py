@@ -64,7 +64,7 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
             return None
         raise
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + ctx.settings.effective_max_wait
+    deadline = loop.time() + governed.route.max_wait
     # The job this request ran an attempt of, once that attempt lost its CAS: from then on the
     # request only answers from that job, and never claims or starts an attempt again (one
     # request, at most one execution).

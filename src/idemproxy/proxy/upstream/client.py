@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -16,6 +15,7 @@ from typing import Any, NamedTuple
 from yarl import URL
 
 from idemproxy.core.attempts import Failure
+from idemproxy.proxy.upstream.dial import Dialing
 from idemproxy.proxy.upstream.h1 import (
     ONE_WRITE,
     Connection,
@@ -52,7 +52,6 @@ class _Link:
 
     pool: ConnectionPool
     connect_timeout: float
-    timeout: float
     hooks: UpstreamHooks
 
 
@@ -73,7 +72,11 @@ class UpstreamClient:
         connections: int,
         keepalive: float,
         hooks: UpstreamHooks = _NO_HOOKS,
+        dialing: Dialing | None = None,
     ) -> None:
+        """`dialing`: TLS and egress proxies per origin (`Dialing.from_settings`); by default
+        every origin is reached directly, an https one verified against the system's CAs."""
+        self._dialing = dialing or Dialing()
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._connections = connections
@@ -84,11 +87,9 @@ class UpstreamClient:
 
     async def open(self) -> None:
         pool = ConnectionPool(
-            limit=self._connections,
-            keepalive=self._keepalive,
-            ssl=ssl.create_default_context(),
+            limit=self._connections, keepalive=self._keepalive, dialer=self._dialing.dialer
         )
-        self._link = _Link(pool, self._connect_timeout, self._timeout, self._hooks)
+        self._link = _Link(pool, self._connect_timeout, self._hooks)
 
     async def close(self) -> None:
         if self._link is not None:
@@ -102,17 +103,20 @@ class UpstreamClient:
         body: bytes | AsyncIterable[bytes] | None,
         *,
         content_length: int | None = None,
+        timeout: float | None = None,
     ) -> Exchange:
         """`async with client.request(…) as response`: sends the request and gives the response
-        once its head arrived; leaving the block gives the connection back."""
+        once its head arrived; leaving the block gives the connection back. `timeout` overrides
+        the client's for this request (a route's `upstream_timeout`)."""
         if self._link is None:
             raise RuntimeError("UpstreamClient.open() was not called")
         origin, host = self._origin(url)
         framing = framing_for(method, body, content_length)
         head = request_head(method, url.raw_path_qs, host, headers, framing)
+        wait = self._timeout if timeout is None else timeout
         if body is None or isinstance(body, bytes | bytearray):
-            return Exchange(self._link, origin, method, head, body)
-        return Exchange(self._link, origin, method, head, _StreamedBody(body, content_length))
+            return Exchange(self._link, origin, method, head, body, wait)
+        return Exchange(self._link, origin, method, head, _StreamedBody(body, content_length), wait)
 
     def _origin(self, url: URL) -> tuple[Origin, str]:
         """(host, port, TLS) and the Host header for an upstream URL; cached per upstream."""
@@ -155,7 +159,16 @@ class Exchange:
     rather than a generator context manager: it runs for every request, and a generator's frame
     and its `asynccontextmanager` wrapper cost more than the two methods."""
 
-    __slots__ = ("_body", "_connection", "_head", "_link", "_method", "_origin", "_sender")
+    __slots__ = (
+        "_body",
+        "_connection",
+        "_head",
+        "_link",
+        "_method",
+        "_origin",
+        "_sender",
+        "_timeout",
+    )
 
     def __init__(
         self,
@@ -164,8 +177,10 @@ class Exchange:
         method: str,
         head: bytes,
         body: bytes | _StreamedBody | None,
+        timeout: float,
     ) -> None:
         self._link = link
+        self._timeout = timeout
         self._origin = origin
         self._method = method
         self._head = head
@@ -177,7 +192,7 @@ class Exchange:
         link = self._link
         connection = await link.pool.acquire(self._origin, link.connect_timeout)
         self._connection = connection
-        exchange = UpstreamResponse(connection, self._method, link.timeout)
+        exchange = UpstreamResponse(connection, self._method, self._timeout)
         connection.exchange = exchange
         body = self._body
         try:

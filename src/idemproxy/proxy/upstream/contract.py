@@ -11,16 +11,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from jsonschema import validators
 from jsonschema.exceptions import SchemaError
+from multidict import CIMultiDict
 from yarl import URL
 
 from idemproxy.config import ContractSettings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
+from idemproxy.proxy.upstream.target import Edits
 from idemproxy.redact import redact_url
 
 log = logging.getLogger(__name__)
@@ -72,10 +76,15 @@ class ContractGate:
     fallbacks: tuple[str, ...]
     eligible: tuple[str, ...] = ()
     reports: dict[str, list[str]] = field(default_factory=dict)
+    # The headers the route sets upstream (its API key): samples are sent as requests are.
+    edits: Mapping[str, Edits] = field(default_factory=lambda: MappingProxyType({}), repr=False)
 
     async def check(self, client: UpstreamClient) -> None:
         results = await asyncio.gather(
-            *(check_upstream(client, url, self.contract) for url in self.fallbacks)
+            *(
+                check_upstream(client, url, self.contract, self.edits.get(url, ()))
+                for url in self.fallbacks
+            )
         )
         self.reports = dict(zip(self.fallbacks, results, strict=True))
         self.eligible = tuple(url for url in self.fallbacks if not self.reports[url])
@@ -84,13 +93,16 @@ class ContractGate:
                 log.warning("fallback %s is not eligible: %s", redact_url(url), "; ".join(problems))
 
 
-async def check_upstream(client: UpstreamClient, base: str, contract: Contract) -> list[str]:
-    """Send every sample to `base`; the violations found, each prefixed with its sample."""
+async def check_upstream(
+    client: UpstreamClient, base: str, contract: Contract, edits: Edits = ()
+) -> list[str]:
+    """Send every sample to `base`, with the route's header edits; the violations found, each
+    prefixed with its sample."""
     problems: list[str] = []
     for number, sample in enumerate(contract.samples, start=1):
         try:
             async with asyncio.timeout(contract.settings.timeout):
-                status, body = await _send(client, base, sample)
+                status, body = await _send(client, base, sample, edits)
         except (UpstreamFailure, TimeoutError) as exc:
             problems.append(f"sample {number}: no answer ({exc})")
             continue
@@ -102,9 +114,14 @@ async def check_upstream(client: UpstreamClient, base: str, contract: Contract) 
     return problems
 
 
-async def _send(client: UpstreamClient, base: str, sample: Sample) -> tuple[int, bytes | None]:
+async def _send(
+    client: UpstreamClient, base: str, sample: Sample, edits: Edits
+) -> tuple[int, bytes | None]:
     url = URL(base + sample.path, encoded=True)
-    async with client.request(sample.method, url, dict(sample.headers), sample.body) as response:
+    headers = CIMultiDict(sample.headers)
+    for edit in edits:
+        edit.apply(headers)
+    async with client.request(sample.method, url, headers, sample.body) as response:
         body, whole = await UpstreamClient.read_body(response, 1024 * 1024)
         return response.status, body if whole else None
 

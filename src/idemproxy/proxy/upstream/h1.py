@@ -21,9 +21,10 @@ import contextlib
 import enum
 import re
 import select
+import ssl
 import time
 from collections.abc import AsyncIterable, Callable, Iterable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -50,6 +51,20 @@ _FATAL_CONTROL = re.compile(rb"[\x00\r\n]")
 # The fields that frame the body: one with any control character is refused, never left out
 # (llhttp would frame the body by what is left, a peer of the upstream by something else).
 _FRAMING_FIELDS = frozenset({b"content-length", b"transfer-encoding"})
+# OpenSSL's reasons for an alert received about the client's certificate (RFC 8446 §6.2).
+_HANDSHAKE_ALERTS = frozenset(
+    {
+        "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+        "SSLV3_ALERT_BAD_CERTIFICATE",
+        "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE",
+        "SSLV3_ALERT_CERTIFICATE_REVOKED",
+        "SSLV3_ALERT_CERTIFICATE_EXPIRED",
+        "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+        "TLSV1_ALERT_UNKNOWN_CA",
+        "TLSV1_ALERT_ACCESS_DENIED",
+        "SSLV3_ALERT_HANDSHAKE_FAILURE",
+    }
+)
 
 
 class UpstreamFailure(Exception):
@@ -236,11 +251,31 @@ class UpstreamResponse:
         if self._stage is _Stage.BODY and self._until_close and exc is None:
             self._done()  # a close-delimited body ends here
             return
-        if self.request_sent or self._stage is not _Stage.HEAD:
+        # Only on a connection's first exchange: the handshake is long done on a reused one.
+        first = self.head_bytes == 0 and self._connection.fresh
+        refusal = _handshake_refusal(exc) if first else None
+        if refusal is not None and self._stage is _Stage.HEAD:
+            self.fail(
+                UpstreamFailure(Failure.CONNECT, f"upstream refused the TLS handshake: {refusal}")
+            )
+        elif self.request_sent or self._stage is not _Stage.HEAD:
             self.fail(UpstreamFailure(Failure.BROKEN, "upstream closed the connection"))
         else:
             self.fail(UpstreamFailure(Failure.BROKEN, "upstream closed before the request"))
         self._wake()
+
+
+def _handshake_refusal(exc: BaseException | None) -> str | None:
+    """The alert, when `exc` is the upstream refusing this client's certificate (or its lack).
+
+    With TLS 1.3 the client's handshake ends before the server has checked the client's
+    certificate (RFC 8446 §4.4.2): a server that refuses it answers the request's first bytes
+    with this alert, having decrypted none of them, so nothing was executed (SPEC §3.2). Only
+    certificate and handshake alerts count: no server sends one once its handshake is done.
+    """
+    if isinstance(exc, ssl.SSLError) and exc.reason in _HANDSHAKE_ALERTS:
+        return str(exc.reason)
+    return None
 
 
 class Connection(asyncio.Protocol):
@@ -402,6 +437,11 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
 
     @property
+    def fresh(self) -> bool:
+        """No exchange ran on this connection before the current one (it never idled)."""
+        return self.idle_since == 0.0
+
+    @property
     def reusable(self) -> bool:
         exchange = self.exchange
         return (
@@ -417,13 +457,21 @@ class Connection(asyncio.Protocol):
 Origin = tuple[str, int, bool]  # host, port, TLS
 
 
+class Dialer(Protocol):
+    """How connections to one origin are opened (proxy/upstream/dial.py)."""
+
+    async def connect(
+        self, loop: asyncio.AbstractEventLoop, host: str, port: int
+    ) -> Connection: ...
+
+
 class ConnectionPool:
     """Idle keep-alive connections per origin (newest first) and a limit on those in use."""
 
-    def __init__(self, *, limit: int, keepalive: float, ssl: Any = None) -> None:
+    def __init__(self, *, limit: int, keepalive: float, dialer: Callable[[Origin], Dialer]) -> None:
         self._limit = limit
         self._keepalive = keepalive
-        self._ssl = ssl
+        self._dialer = dialer
         self._idle: dict[Origin, list[Connection]] = {}
         self._in_use = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -511,15 +559,8 @@ class ConnectionPool:
             self._sweeper = loop.call_later(self._keepalive, self._sweep_idle)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop, origin: Origin) -> Connection:
-        host, port, tls = origin
-        _, connection = await loop.create_connection(
-            lambda: Connection(loop),
-            host,
-            port,
-            ssl=self._ssl if tls else None,
-            server_hostname=host if tls else None,
-        )
-        return connection
+        host, port, _ = origin
+        return await self._dialer(origin).connect(loop, host, port)
 
     def _give_back(self) -> None:
         self._in_use -= 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -19,6 +20,26 @@ from yarl import URL
 from idemproxy.http.headers import request_headers_for_upstream
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderEdits:
+    """Headers a route or an upstream removes, then sets, on the way upstream
+    (`upstream_headers`, config_upstream.py). Applied to the forwarded copy only: the owner and
+    the fingerprint come from the client's own request (SPEC §5, §6), and a response stored or
+    logged holds none of them."""
+
+    remove: tuple[str, ...] = ()
+    set: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # values may be secrets
+
+    def apply(self, headers: CIMultiDict[str]) -> None:
+        for name in self.remove:
+            headers.popall(name, None)
+        for name, value in self.set:
+            headers[name] = value
+
+
+Edits = tuple[HeaderEdits, ...]  # in the order they apply: the route's, then the upstream's
 
 
 def upstream_url(upstream: str, request: web.Request) -> URL:
@@ -32,15 +53,20 @@ def upstream_url(upstream: str, request: web.Request) -> URL:
     return URL(upstream + target, encoded=True)
 
 
-def forwarded_headers(request: web.Request, trusted_proxies: Sequence[Network]) -> CIMultiDict[str]:
+def forwarded_headers(
+    request: web.Request, trusted_proxies: Sequence[Network], edits: Edits = ()
+) -> CIMultiDict[str]:
     peer = request.remote
-    return request_headers_for_upstream(
+    headers = request_headers_for_upstream(
         request.headers,
         client_ip=peer,
         scheme=request.scheme,
         host=request.host,
         trusted=is_trusted(peer, trusted_proxies),
     )
+    for edit in edits:
+        edit.apply(headers)
+    return headers
 
 
 def is_trusted(peer: str | None, networks: Sequence[Network]) -> bool:
