@@ -13,7 +13,6 @@ from aiohttp import web
 
 from idemproxy.constants import WAITER_RECHECK_SECONDS
 from idemproxy.core.decision import (
-    Decision,
     Forget,
     Hold,
     Reject,
@@ -83,25 +82,30 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
         _check_own(job, ran)
         fingerprint = governed.intent.fingerprint
         decision = decide(job, fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
-        step = await _act(governed, job, decision, deadline=deadline, ran=ran)
-        if isinstance(step, web.StreamResponse):
-            return step
-        result = step
+        # The answers are given here, without a coroutine of their own: a replay is the hot path.
+        match decision:
+            case Replay(stored):
+                governed.trace.replayed(job.id)
+                return replay_response(job.id, stored, ctx.replays)
+            case Reject(problem):
+                raise problem()
+            case _:
+                result = await _act(governed, job, decision, deadline=deadline, ran=ran)
     raise RequestInFlight()
 
 
 async def _act(
-    governed: GovernedRequest, job: Job, decision: Decision, *, deadline: float, ran: str | None
-) -> web.StreamResponse | ClaimResult:
-    """The decision's answer to the client, or the one I/O step after which it decides again.
-    `ran` is the job this request ran an attempt of, if it did."""
+    governed: GovernedRequest,
+    job: Job,
+    decision: Hold | TakeOver | StartNextAttempt | Forget,
+    *,
+    deadline: float,
+    ran: str | None,
+) -> ClaimResult:
+    """The one I/O step of a decision that does not answer the client yet, after which it
+    decides again. `ran` is the job this request ran an attempt of, if it did."""
     ctx = governed.ctx
     match decision:
-        case Replay(response):
-            governed.trace.replayed(job.id)
-            return replay_response(job.id, response, ctx.replays)
-        case Reject(problem):
-            raise problem()
         case Hold():
             governed.trace.held = True
             return await _hold(governed, job, deadline, ran)
