@@ -105,6 +105,7 @@ def pg_template() -> Iterator[str]:
 # writes the whole template, catalogs included, to the WAL) and `DROP DATABASE`.
 _CLONE_KEEPER = r'''
 import asyncio, itertools, sys
+from urllib.parse import urlsplit
 import asyncpg
 
 USER = "n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp_)'"
@@ -168,15 +169,27 @@ class Keeper:
         self.fresh_shape = None
         self.failed = []
 
+    async def connect(self, database=None):
+        # A server shared with other test runs may be out of connections for a moment.
+        dsn = self.server
+        if database is not None:
+            dsn = urlsplit(dsn)._replace(path=f"/{database}").geturl()
+        for _ in range(20):
+            try:
+                return await asyncpg.connect(dsn)
+            except asyncpg.TooManyConnectionsError:
+                await asyncio.sleep(0.5)
+        return await asyncpg.connect(dsn)
+
     async def admin(self, sql, *args):
-        conn = await asyncpg.connect(self.server)
+        conn = await self.connect()
         try:
             return await conn.fetchval(sql, *args)
         finally:
             await conn.close()
 
     async def shape(self, name):
-        conn = await asyncpg.connect(self.server.rsplit("/", 1)[0] + "/" + name)
+        conn = await self.connect(name)
         try:
             return await conn.fetchval(SHAPE)
         finally:
@@ -204,7 +217,7 @@ class Keeper:
             )
             if await self.admin("SELECT count(*) FROM pg_stat_activity WHERE datname = $1", name):
                 raise RuntimeError("sessions left")
-            conn = await asyncpg.connect(self.server.rsplit("/", 1)[0] + "/" + name)
+            conn = await self.connect(name)
             try:
                 if await conn.fetchval(SHAPE) != self.fresh_shape:
                     raise RuntimeError("not the shape of a fresh clone")
