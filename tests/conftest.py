@@ -1,16 +1,18 @@
 """Shared fixtures: a fresh database per test, for every store backend.
 
-PostgreSQL tests get their own database, cloned from a session-wide template that already holds
-every migration (`CREATE DATABASE … TEMPLATE …` is far cheaper than migrating each time). The
-server comes from `IDEMPROXY_TEST_POSTGRES`; only databases named `idemproxy_test_…` that these
+PostgreSQL tests get a database of their own, in the state of a fresh clone of a session-wide
+template that already holds every migration (`CREATE DATABASE … TEMPLATE …` is far cheaper than
+migrating each time; emptying a used clone of the same shape is cheaper still). The server
+comes from `IDEMPROXY_TEST_POSTGRES`; only databases named `idemproxy_test_…` that these
 fixtures created are ever touched.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import secrets
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -36,7 +38,6 @@ SERVER_DSN = os.environ.get(
 )
 # Unique across pytest processes running at once against the same server.
 _PREFIX = f"idemproxy_test_{os.getpid()}_{secrets.token_hex(3)}"
-_counter = itertools.count(1)
 
 
 def database_dsn(name: str) -> str:
@@ -70,15 +71,243 @@ def pg_template() -> Iterator[str]:
         run_private(_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+# The clone keeper: a process of its own (not a thread, which would wait for the GIL while a
+# test keeps it busy). It reads `want` lines, answering each with `ok NAME` (a database in the
+# state of a fresh clone) or `error …`, and `recycle NAME` / `drop NAME` lines for databases a
+# test is done with; at the end of its input it drops every database it holds and reports the
+# drops that failed. A recycled database goes back to the state of a fresh clone (its sessions
+# ended, its tables emptied) only if its shape is still exactly the fresh clone's; anything
+# else (a schema, a setting, a prepared transaction, a failure) and it is dropped instead.
+# Emptying two tables costs the server far less than `CREATE DATABASE … TEMPLATE` (which
+# writes the whole template, catalogs included, to the WAL) and `DROP DATABASE`.
+_CLONE_KEEPER = r'''
+import asyncio, itertools, sys
+from urllib.parse import urlsplit
+import asyncpg
+
+USER = "n.nspname NOT IN ('pg_catalog', 'information_schema') AND n.nspname !~ '^pg_(toast|temp_)'"
+SHAPE = f"""
+SELECT coalesce(string_agg(item, E'\n' ORDER BY item), '') FROM (
+  SELECT 'namespace ' || n.nspname || ' ' || n.nspowner::regrole || ' '
+      || coalesce(n.nspacl::text, '')
+    FROM pg_namespace n WHERE {USER}
+  UNION ALL SELECT 'relation ' || c.oid::regclass || ' ' || c.relkind::text
+      || c.relpersistence::text || ' ' || c.relowner::regrole || ' '
+      || coalesce(c.relacl::text, '') || ' ' || c.relrowsecurity
+    FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE {USER}
+  UNION ALL SELECT 'column ' || c.oid::regclass || '.' || a.attname || ' '
+      || format_type(a.atttypid, a.atttypmod) || ' ' || a.attnotnull || ' '
+      || coalesce(pg_get_expr(d.adbin, d.adrelid), '')
+    FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace
+    LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    WHERE {USER} AND a.attnum > 0 AND NOT a.attisdropped
+  UNION ALL SELECT 'index ' || pg_get_indexdef(i.indexrelid) || ' ' || i.indisvalid
+    FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+    JOIN pg_namespace n ON n.oid = c.relnamespace WHERE {USER}
+  UNION ALL SELECT 'constraint ' || k.conrelid::regclass || ' ' || k.conname || ' '
+      || pg_get_constraintdef(k.oid) || ' ' || k.convalidated
+    FROM pg_constraint k JOIN pg_namespace n ON n.oid = k.connamespace WHERE {USER}
+  UNION ALL SELECT 'type ' || t.typname || ' ' || t.typtype::text
+    FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace WHERE {USER}
+  UNION ALL SELECT 'function ' || p.oid::regprocedure || ' ' || md5(p.prosrc)
+    FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE {USER}
+  UNION ALL SELECT 'trigger ' || tgrelid::regclass || ' ' || tgname || ' ' || tgenabled::text
+    FROM pg_trigger WHERE NOT tgisinternal
+  UNION ALL SELECT 'rule ' || r.rulename FROM pg_rewrite r JOIN pg_class c ON c.oid = r.ev_class
+    JOIN pg_namespace n ON n.oid = c.relnamespace WHERE {USER}
+  UNION ALL SELECT 'policy ' || polname FROM pg_policy
+  UNION ALL SELECT 'event trigger ' || evtname FROM pg_event_trigger
+  UNION ALL SELECT 'extension ' || extname || ' ' || extversion FROM pg_extension
+  UNION ALL SELECT 'publication ' || pubname FROM pg_publication
+  UNION ALL SELECT 'migration ' || version FROM idemproxy.schema_migrations
+  UNION ALL SELECT 'large objects ' || count(*) FROM pg_largeobject_metadata
+  UNION ALL SELECT 'prepared ' || count(*) FROM pg_prepared_xacts
+    WHERE database = current_database()
+  UNION ALL SELECT 'settings ' || setrole || ' ' || setconfig::text FROM pg_db_role_setting
+    WHERE setdatabase = (SELECT oid FROM pg_database WHERE datname = current_database())
+  UNION ALL SELECT 'database ' || datallowconn || ' ' || datconnlimit || ' ' || datdba::regrole
+      || ' ' || coalesce(datacl::text, '')
+    FROM pg_database WHERE datname = current_database()
+) shape(item)
+"""
+DATA = f"""
+SELECT string_agg(c.oid::regclass::text, ', ') FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE {USER} AND c.relkind IN ('r', 'p') AND c.oid <> 'idemproxy.schema_migrations'::regclass
+"""
+
+
+class Keeper:
+    def __init__(self, server, template, prefix):
+        self.server, self.template, self.prefix = server, template, prefix
+        self.names = itertools.count(1)
+        self.spares = []
+        self.fresh_shape = None
+        self.failed = []
+
+    async def connect(self, database=None):
+        # A server shared with other test runs may be out of connections for a moment.
+        dsn = self.server
+        if database is not None:
+            dsn = urlsplit(dsn)._replace(path=f"/{database}").geturl()
+        for _ in range(20):
+            try:
+                return await asyncpg.connect(dsn)
+            except asyncpg.TooManyConnectionsError:
+                await asyncio.sleep(0.5)
+        return await asyncpg.connect(dsn)
+
+    async def admin(self, sql, *args):
+        conn = await self.connect()
+        try:
+            return await conn.fetchval(sql, *args)
+        finally:
+            await conn.close()
+
+    async def shape(self, name):
+        conn = await self.connect(name)
+        try:
+            return await conn.fetchval(SHAPE)
+        finally:
+            await conn.close()
+
+    async def want(self):
+        if self.spares:
+            return self.spares.pop()
+        name = f"{self.prefix}_{next(self.names)}"
+        await self.admin(f'CREATE DATABASE "{name}" TEMPLATE "{self.template}"')
+        if self.fresh_shape is None:
+            try:
+                self.fresh_shape = await self.shape(name)
+            except Exception:
+                await self.drop(name)
+                raise
+        return name
+
+    async def recycle(self, name):
+        try:
+            await self.admin(
+                "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity"
+                " WHERE datname = $1 AND pid <> pg_backend_pid()",
+                name,
+            )
+            if await self.admin("SELECT count(*) FROM pg_stat_activity WHERE datname = $1", name):
+                raise RuntimeError("sessions left")
+            conn = await self.connect(name)
+            try:
+                if await conn.fetchval(SHAPE) != self.fresh_shape:
+                    raise RuntimeError("not the shape of a fresh clone")
+                await conn.execute(f"TRUNCATE {await conn.fetchval(DATA)} RESTART IDENTITY")
+            finally:
+                await conn.close()
+        except Exception:
+            await self.drop(name)
+        else:
+            self.spares.append(name)
+
+    async def drop(self, name):
+        try:
+            await self.admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        except Exception as exc:
+            self.failed.append(f"{name}: {exc!r}")
+
+
+async def main(server, template, prefix):
+    keeper = Keeper(server, template, prefix)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        action, *name = line.split()
+        if action == "want":
+            try:
+                print("ok", await keeper.want(), flush=True)
+            except Exception as exc:
+                print("error", repr(exc).replace("\n", " "), flush=True)
+        elif action == "recycle":
+            await keeper.recycle(*name)
+        else:
+            await keeper.drop(*name)
+    for name in keeper.spares:
+        await keeper.drop(name)
+    print("failed", repr(keeper.failed), flush=True)
+
+asyncio.run(main(*sys.argv[1:]))
+'''
+
+
+class TemplateClones:
+    """Databases in the state of a fresh clone of the template, kept by a process of their own
+    (`_CLONE_KEEPER`): the next one is made ready while a test runs, and a test never waits for
+    `CREATE DATABASE` or `DROP DATABASE` itself."""
+
+    def __init__(self, template: str) -> None:
+        self._keeper = subprocess.Popen(
+            [sys.executable, "-c", _CLONE_KEEPER, SERVER_DSN, template, _PREFIX],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._wanted = 0  # `want` lines not answered yet
+        self._want()
+
+    def take(self) -> str:
+        """A database no test uses; the next one is asked for at once."""
+        self._want()
+        answer = self._answer()
+        self._wanted -= 1
+        if not answer.startswith("ok "):
+            raise RuntimeError(f"no fresh clone of the template: {answer}")
+        return answer.removeprefix("ok ")
+
+    def give_back(self, name: str) -> None:
+        self._send(f"recycle {name}")
+
+    def close(self) -> None:
+        """Drop every database, in use or not; fail if any of them could not be dropped."""
+        with self._keeper:  # closes its pipes and reaps it
+            for _ in range(self._wanted):
+                answer = self._answer()
+                if answer.startswith("ok "):
+                    self._send(f"drop {answer.removeprefix('ok ')}")
+            assert self._keeper.stdin is not None
+            self._keeper.stdin.close()
+            report = self._answer()
+        assert report == "failed []", f"databases not dropped: {report}"
+
+    def _want(self) -> None:
+        self._send("want")
+        self._wanted += 1
+
+    def _send(self, line: str) -> None:
+        assert self._keeper.stdin is not None
+        self._keeper.stdin.write(line + "\n")
+        self._keeper.stdin.flush()
+
+    def _answer(self) -> str:
+        assert self._keeper.stdout is not None
+        line = self._keeper.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the clone keeper exited ({self._keeper.poll()})")
+        return line.strip()
+
+
+@pytest.fixture(scope="session")
+def pg_clones(pg_template: str) -> Iterator[TemplateClones]:
+    clones = TemplateClones(pg_template)
+    try:
+        yield clones
+    finally:
+        clones.close()
+
+
 @pytest.fixture
-def pg_dsn(pg_template: str) -> Iterator[str]:
+def pg_dsn(pg_clones: TemplateClones) -> Iterator[str]:
     """A fresh, migrated PostgreSQL database for one test."""
-    name = f"{_PREFIX}_{next(_counter)}"
-    run_private(_execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"'))
+    name = pg_clones.take()
     try:
         yield database_dsn(name)
     finally:
-        run_private(_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        pg_clones.give_back(name)
 
 
 @pytest.fixture
