@@ -6,6 +6,7 @@ Built once in `cli.main()` and passed in; nothing reads it from a global.
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import re
 from contextvars import ContextVar
@@ -702,13 +703,19 @@ class _RenamedRedisKeys(PydanticBaseSettingsSource):
             values["redis"] = block or {}
         return values
 
-    def _old_option_variables(self) -> dict[str, str] | None:
-        # No field is named redis_options any more, so the environment source skips them.
+    def _old_option_variables(self) -> dict[str, Any] | None:
+        # No field is named redis_options any more, so the environment source skips them: the
+        # whole block as one JSON object (IDEMPROXY_REDIS_OPTIONS, as pydantic-settings reads a
+        # nested model), with its members given one by one beside it taking precedence.
         env_vars = getattr(self._source, "env_vars", None)
         if self._where != "environment" or env_vars is None:
             return None
+        whole = {name.lower(): value for name, value in env_vars.items()}.get(
+            "idemproxy_redis_options"
+        )
+        found = {} if whole is None else _json_object("IDEMPROXY_REDIS_OPTIONS", whole)
         prefix = "idemproxy_redis_options__"
-        found = {
+        found |= {
             name.lower().removeprefix(prefix): value
             for name, value in env_vars.items()
             if name.lower().startswith(prefix) and value is not None
@@ -737,6 +744,16 @@ class _RenamedRedisKeys(PydanticBaseSettingsSource):
             return f"{_ENV_NAMES[old]} and {block} are both set: set only the {block} variables"
         where = "the flags" if self._where is None else "the config file"
         return f"`{old}` and `{new}` are both given in {where}: give only `{new}`"
+
+
+def _json_object(name: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a JSON object of the redis settings")
+    return value
 
 
 class _RenamedRedisKeysInFile(YamlConfigSettingsSource):

@@ -90,3 +90,18 @@ def test_a_cost_budget_prices_unknown_models_at_the_dearest_rates() -> None:
 def test_replays_in_the_file_count_against_the_budget() -> None:
     ledger = Ledger.of([_used("a", (100, 0), replayed=True)])
     assert Budget(Limits(max_tokens=100), PRICES, ledger).spent.tokens == 100
+
+
+def test_a_line_of_a_file_begun_by_an_older_version_counts_the_usage_its_answer_reports() -> None:
+    # Lines written before result lines carried `usage` (and `run`) still hold the answer: a
+    # budget on the resumed file counts what those answers were paid, not nothing.
+    answer = {"model": "cheap", "usage": {"prompt_tokens": 80, "completion_tokens": 10}}
+    older = record("a", body=answer)
+    replayed = record("b", body=answer, replayed=True)
+    this_version = record("c", body=answer, run="2025-01-01T00:00:00.000Z")
+    ledger = Ledger.of([older, replayed, this_version])
+    report = ledger.to_json(PRICES)
+    assert (report["executed"]["total_tokens"], report["replayed"]["total_tokens"]) == (90, 90)
+    assert report["unmetered"] == 1  # a line of this version says itself what it used
+    budget = Budget(Limits(max_tokens=200), PRICES, ledger)
+    assert budget.spent == Charge(180, Decimal("0.00020"))

@@ -103,6 +103,29 @@ def test_the_variables_of_before_still_read_and_warn(monkeypatch: pytest.MonkeyP
     )
 
 
+def test_the_options_variable_of_before_as_one_json_object_still_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # pydantic-settings read the whole `redis_options` block from one variable, as JSON; its
+    # members given as IDEMPROXY_REDIS_OPTIONS__… variables beside it take precedence.
+    monkeypatch.setenv("IDEMPROXY_REDIS", URL)
+    monkeypatch.setenv("IDEMPROXY_REDIS_OPTIONS", '{"ttl": 60, "max_body": 1000}')
+    monkeypatch.setenv("IDEMPROXY_REDIS_OPTIONS__MAX_BODY", "2000")
+    settings = load_settings(upstream=UPSTREAM)
+    assert _options(settings) == (URL, 0.05, 0.5, 60, 2000)
+    assert "IDEMPROXY_REDIS_OPTIONS__… is deprecated: set IDEMPROXY_REDIS__… instead" in (
+        settings.renamed_keys
+    )
+
+
+def test_an_options_variable_of_before_that_is_not_a_json_object_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("IDEMPROXY_REDIS_OPTIONS", "ttl=60")
+    with pytest.raises(ConfigError, match="IDEMPROXY_REDIS_OPTIONS must be a JSON object"):
+        load_settings(upstream=UPSTREAM)
+
+
 def test_an_old_variable_and_a_new_block_in_the_file_both_count(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

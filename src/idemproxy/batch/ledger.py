@@ -22,7 +22,7 @@ from typing import Any
 
 from idemproxy.batch.prices import PriceTable, money
 from idemproxy.batch.records import Outcome, ResultRecord
-from idemproxy.batch.usage import Usage
+from idemproxy.batch.usage import BUILT_IN_POINTERS, Usage, answer_model, extract_usage
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Ledger:
         return ledger
 
     def add(self, record: ResultRecord) -> None:
-        usage = Usage.from_json(record.usage)
+        usage = Usage.from_json(record.usage) or _reported_by_older_line(record)
         if usage is None:
             self.unmetered += record.outcome is Outcome.DONE
             return
@@ -158,3 +158,15 @@ def _tokens_text(tokens: Tokens) -> str:
         f"{tokens.answers} answer(s), {tokens.total:,} tokens "
         f"(in {tokens.input:,}, out {tokens.output:,})"
     )
+
+
+def _reported_by_older_line(record: ResultRecord) -> Usage | None:
+    """The usage the answer of a line written before lines carried `usage` (nor `run`) reports,
+    read with the built-in pointers: a budget on a file begun by an older version counts what its
+    answers were paid. A line of this version without `usage` reported none."""
+    if record.run is not None or record.outcome is not Outcome.DONE:
+        return None
+    if record.body_encoding != "json":
+        return None
+    tokens = extract_usage(record.body, BUILT_IN_POINTERS)
+    return None if tokens is None else Usage(*tokens, answer_model(record.body))
