@@ -36,6 +36,7 @@ from pydantic_settings import (
 
 from idemproxy import constants as c
 from idemproxy.errors import ConfigError
+from idemproxy.secret_files import read_secret_files
 
 _STRICT = ConfigDict(extra="forbid")
 log = logging.getLogger("idemproxy.config")
@@ -110,12 +111,23 @@ class JwtSettings(BaseModel):
     model_config = _STRICT
     # A PEM public key or certificate file, a JWKS file, or env:NAME (an HMAC secret).
     key: str | None = None
+    # Or, instead of key, a file holding an HMAC secret (a mounted Secret). Never the secret
+    # itself in the settings.
+    secret_file: Path | None = None
     # Never taken from the token; "none" is refused.
     algorithms: Annotated[list[str], NoDecode] = Field(default_factory=list)
     audience: Annotated[list[str], NoDecode] = Field(default_factory=list)
     issuer: str | None = None
     claim: str = Field(default=c.DEFAULT_JWT_CLAIM, min_length=1)
     leeway: float = Field(default=c.DEFAULT_JWT_LEEWAY_SECONDS, ge=0, le=c.MAX_JWT_LEEWAY_SECONDS)
+
+    @model_validator(mode="after")
+    def _one_key(self) -> JwtSettings:
+        if self.key is not None and self.secret_file is not None:
+            raise ConfigError(
+                "owner.jwt.key and owner.jwt.secret_file are both given: give only one"
+            )
+        return self
 
     @field_validator("algorithms", "audience", mode="before")
     @classmethod
@@ -166,6 +178,7 @@ class OwnerSettings(BaseModel):
                 f"owner.jwt.{name}"
                 for name in ("key", "algorithms", "audience")
                 if not getattr(self.jwt, name)
+                and not (name == "key" and self.jwt.secret_file is not None)
             ]
             if missing:
                 raise ValueError(f"strategy jwt needs {', '.join(missing)}")
@@ -223,6 +236,12 @@ class AdminSettings(BaseModel):
     listen: str = c.DEFAULT_ADMIN_LISTEN
     # Bearer token for every admin request; required when `listen` is not a loopback address.
     token: SecretStr | None = None
+    token_file: Path | None = None  # or read from this file (a mounted Secret)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _token_file(cls, data: Any) -> Any:
+        return read_secret_files(data, ("token",), "admin.")
 
     @field_validator("listen")
     @classmethod
@@ -246,6 +265,13 @@ class RedisSettings(BaseModel):
     model_config = _STRICT
     # redis://[:password@]host:port/db, rediss://… or unix://… (flag --redis); none: off.
     url: str | None = None
+    url_file: Path | None = None  # or read from this file (a mounted Secret: it holds a password)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_file(cls, data: Any) -> Any:
+        return read_secret_files(data, ("url",), "redis.")
+
     # Seconds a cache lookup may take; a slower (or failed) one is a miss, answered by the store.
     timeout: float = Field(default=0.05, gt=0)
     # Seconds for a cache write, invalidation or wake-up (in the background, never in a request).
@@ -329,6 +355,8 @@ class Settings(BaseSettings):
     hedge_after: float | None = Field(default=None, gt=0)
     routes: list[RouteSettings] = Field(default_factory=list)
     store: str = c.DEFAULT_STORE
+    # Or the DSN read from this file: it holds the database password (a mounted Secret).
+    store_file: Path | None = None
     migrate: bool = True
     # NoDecode: IDEMPROXY_REDIS is read as it was before the block, a URL (_RenamedRedisKeys).
     redis: Annotated[RedisSettings, NoDecode] = Field(default_factory=RedisSettings)
@@ -405,6 +433,11 @@ class Settings(BaseSettings):
             _RenamedRedisKeys(env_settings, renamed, where="environment"),
             _RenamedRedisKeysInFile(settings_cls, renamed),
         )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _store_file(cls, data: Any) -> Any:
+        return read_secret_files(data, ("store",), "")
 
     @field_validator("listen")
     @classmethod
