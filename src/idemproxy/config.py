@@ -5,9 +5,12 @@ Built once in `cli.main()` and passed in; nothing reads it from a global.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import logging
+import os
 import re
+from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -343,9 +346,12 @@ class SweeperSettings(BaseModel):
     takeover_interval: float = Field(default=5.0, gt=0)
 
 
+_ENV_PREFIX = "IDEMPROXY_"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="IDEMPROXY_", env_nested_delimiter="__", extra="forbid"
+        env_prefix=_ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
     )
 
     listen: str = c.DEFAULT_LISTEN
@@ -361,6 +367,7 @@ class Settings(BaseSettings):
     # NoDecode: IDEMPROXY_REDIS is read as it was before the block, a URL (_RenamedRedisKeys).
     redis: Annotated[RedisSettings, NoDecode] = Field(default_factory=RedisSettings)
     _renamed_keys: tuple[str, ...] = PrivateAttr(default=())
+    _unknown_variables: tuple[str, ...] = PrivateAttr(default=())
     replay_cache: ReplayCacheSettings = Field(default_factory=ReplayCacheSettings)
     profile: Literal["default", "ietf"] = "default"
     key_header: str = c.DEFAULT_KEY_HEADER
@@ -519,6 +526,11 @@ class Settings(BaseSettings):
         return self._renamed_keys
 
     @property
+    def unknown_variables(self) -> tuple[str, ...]:
+        """A warning for each `IDEMPROXY_*` variable that names no setting (`unknown_variables`)."""
+        return self._unknown_variables
+
+    @property
     def effective_max_wait(self) -> float:
         """SPEC §2.3: by default a duplicate waits as long as the first attempt may take + 5 s."""
         if self.max_wait is not None:
@@ -600,13 +612,47 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     finally:
         _RENAMED_KEYS.reset(token)
     settings._renamed_keys = tuple(dict.fromkeys(renamed))
+    settings._unknown_variables = tuple(unknown_variables(os.environ))
     return settings
 
 
 def log_renamed_keys(settings: Settings) -> None:
-    """Warn once, at start-up, of each key of before the settings were read with."""
-    for warning in settings.renamed_keys:
+    """Warn once, at start-up, of each key of before the settings were read with, and of each
+    `IDEMPROXY_*` variable that was ignored."""
+    for warning in (*settings.renamed_keys, *settings.unknown_variables):
         log.warning("settings: %s", warning)
+
+
+# IDEMPROXY_* variables that are not settings: the config file's path, and the test suite's own.
+_NOT_SETTINGS = ("CONFIG", "TEST_")
+_OLD_TOP_LEVEL = ("redis_options",)  # read by _RenamedRedisKeys, with a warning of its own
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each `IDEMPROXY_*` variable whose first part names no top-level setting.
+
+    pydantic-settings ignores those in silence, so a typo (IDEMPROXY_TTLL) would leave the
+    default in force unnoticed; an unknown key below a known one (IDEMPROXY_ADMIN__TOKN) is
+    already refused by the nested model (extra="forbid").
+    """
+    known = [*Settings.model_fields, *_OLD_TOP_LEVEL]
+    warnings = []
+    for name in sorted(environ):
+        if not name.upper().startswith(_ENV_PREFIX):
+            continue
+        rest = name[len(_ENV_PREFIX) :]
+        if rest.upper().startswith(_NOT_SETTINGS):
+            continue
+        top, _, below = rest.partition("__")
+        if top.lower() in known:
+            continue
+        close = difflib.get_close_matches(top.lower(), known, n=1)
+        hint = ""
+        if close:
+            suggestion = _ENV_PREFIX + close[0].upper() + ("__" + below if below else "")
+            hint = f" (did you mean {suggestion}?)"
+        warnings.append(f"environment variable {name} names no setting and is ignored{hint}")
+    return warnings
 
 
 def _load(model: type[Settings], config_file: Path | None, given: dict[str, Any]) -> Settings:
