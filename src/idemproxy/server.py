@@ -26,7 +26,7 @@ from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
 from idemproxy.config import Settings, log_renamed_keys, parse_listen
 from idemproxy.errors import ListenFailed
-from idemproxy.identity.owner import OwnerPolicy
+from idemproxy.identity.owner import OwnerPolicy, log_owner_hint
 from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
@@ -53,6 +53,7 @@ def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = No
     configure_logging(settings.log_level, settings.log_format)
     if worker is None:  # a supervisor's workers: the supervisor warned
         log_renamed_keys(settings)
+        log_owner_hint(settings.owner)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, owner, worker))
 
