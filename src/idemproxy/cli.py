@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from idemproxy import __version__
 from idemproxy.config import Settings, load_settings, parse_listen
-from idemproxy.errors import ConfigError, IdemproxyError
+from idemproxy.errors import ConfigError, IdemproxyError, StoreUnreachable
 
 # Flag name → settings field (dotted for nested settings).
 _SERVE_FLAGS = {
@@ -59,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"idemproxy: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    except StoreUnreachable as exc:  # not the line meant for HTTP clients
+        print(f"idemproxy: {exc.reason}", file=sys.stderr)
+        return 1
     except IdemproxyError as exc:
         print(f"idemproxy: {exc}", file=sys.stderr)
         return 1

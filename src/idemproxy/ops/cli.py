@@ -17,7 +17,13 @@ from typing import Any
 
 from idemproxy.config import Settings, load_settings
 from idemproxy.core.types import JobState
-from idemproxy.errors import ConfigError, InvalidRequest, OperatorError, StoreUnavailable
+from idemproxy.errors import (
+    ConfigError,
+    InvalidRequest,
+    OperatorError,
+    StoreUnavailable,
+    StoreUnreachable,
+)
 from idemproxy.ops import service
 from idemproxy.ops.resolution import (
     Resolution,
@@ -183,6 +189,9 @@ def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
         except InvalidRequest as exc:
             print(f"idemproxy: {exc.detail}", file=sys.stderr)
             return EXIT_USAGE
+        except StoreUnreachable as exc:
+            print(f"idemproxy: {exc.reason}", file=sys.stderr)
+            return EXIT_FAILED
         except StoreUnavailable as exc:
             cause = f": {exc.__cause__}" if exc.__cause__ else ""
             print(f"idemproxy: store unavailable{cause}", file=sys.stderr)
@@ -214,7 +223,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         path = sqlite_path(settings.store)
         # Opening a missing file would create an empty database and hide a typo.
         if path != ":memory:" and not Path(path).is_file():
-            raise ConfigError(f"store: no SQLite database at {path}")
+            raise ConfigError(f"store: no SQLite database at {Path(path).resolve()}")
     return settings
 
 
