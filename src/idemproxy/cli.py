@@ -87,8 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--hedge-after",
-        type=float,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="hedge on the next upstream after this long (side-effect-free upstreams only)",
     )
     serve.add_argument("--store", metavar="DSN", help="sqlite:///PATH (default) or postgresql://…")
@@ -107,12 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--jwt-algorithms", metavar="LIST", help="e.g. RS256,ES256 (required)")
     serve.add_argument("--jwt-audience", metavar="LIST", help="accepted aud values (required)")
     serve.add_argument("--jwt-claim", metavar="CLAIM", help="the owner claim, default sub")
-    serve.add_argument("--ttl", type=float, metavar="SECONDS", help="job lifetime, default 86400")
-    serve.add_argument("--lease", type=float, metavar="SECONDS")
-    serve.add_argument("--upstream-timeout", type=float, metavar="SECONDS", help="default 30")
-    serve.add_argument("--max-wait", type=float, metavar="SECONDS", help="default timeout + 5")
-    serve.add_argument("--max-request-body", type=int, metavar="BYTES")
-    serve.add_argument("--max-stored-body", type=int, metavar="BYTES")
+    serve.add_argument("--ttl", metavar="DURATION", help="job lifetime, default 86400 (1d)")
+    serve.add_argument("--lease", metavar="DURATION")
+    serve.add_argument("--upstream-timeout", metavar="DURATION", help="default 30")
+    serve.add_argument("--max-wait", metavar="DURATION", help="default timeout + 5")
+    serve.add_argument("--max-request-body", metavar="SIZE")
+    serve.add_argument("--max-stored-body", metavar="SIZE")
     serve.add_argument(
         "--admin-listen", metavar="HOST:PORT", help="admin listener, default 127.0.0.1:9090"
     )
