@@ -33,9 +33,8 @@ from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import close_connections, drain, start_draining
 from idemproxy.proxy.server.listener import GuardedSite
-from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
-from idemproxy.store.factory import serving_store
+from idemproxy.store.factory import serving_store, shown_store
 from idemproxy.workers.role import WorkerRole
 
 log = logging.getLogger("idemproxy")
@@ -121,7 +120,7 @@ async def _serve_until_signalled(
             f"{worker.label()} " if worker is not None else "",
             settings.listen,
             admin_at,
-            redact_url(settings.store),
+            shown_store(settings.store),
         )
         await _wait_for_signal(supervised=worker is not None)
         readiness.draining = True

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from idemproxy.errors import StoreUnavailable, StoreUnreachable
+from idemproxy.store.factory import shown_store
 from idemproxy.store.reach import cause, postgres_address, postgres_unreachable
 from idemproxy.store.sqlite.store import SqliteStore
 
@@ -63,3 +64,13 @@ async def test_a_sqlite_store_in_a_missing_directory_is_not_created(
         " its directory does not exist"
     )
     assert not (tmp_path / "data").exists()
+
+
+def test_the_store_is_shown_with_a_resolved_sqlite_path_and_no_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert shown_store("sqlite:///idemproxy.db") == f"sqlite:///{tmp_path / 'idemproxy.db'}"
+    assert shown_store("sqlite:////var/lib/x.db") == "sqlite:////var/lib/x.db"
+    assert shown_store("sqlite://:memory:") == "sqlite://:memory:"
+    assert shown_store("postgresql://u:pw@h/d") == "postgresql://u:***@h/d"
