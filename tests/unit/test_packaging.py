@@ -50,3 +50,10 @@ def test_the_licence_file_is_the_one_pyproject_declares() -> None:
 def test_the_build_backend_understands_an_spdx_licence() -> None:
     requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
     assert "setuptools>=77" in requires
+
+
+def test_the_image_build_context_holds_the_licence_it_copies() -> None:
+    # pyproject names LICENSE in license-files: a build without it fails.
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "!LICENSE" in lines
+    assert re.search(r"^COPY .*\bLICENSE\b", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
