@@ -20,12 +20,13 @@ RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["p
     && python -m venv /opt/idemproxy \
     && /opt/idemproxy/bin/pip install --no-index --find-links /wheels -r requirements.txt
 # Then the project itself, without touching the dependencies installed above.
-COPY README.md ./
+COPY README.md LICENSE ./
 COPY src ./src
 RUN /opt/idemproxy/bin/pip install --no-deps . \
     && /opt/idemproxy/bin/pip uninstall --yes pip setuptools
 
 FROM ${BASE_IMAGE}
+# idemproxy.__version__ (tests/unit/test_packaging.py keeps them equal).
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 LABEL org.opencontainers.image.title="idemproxy" \

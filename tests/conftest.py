@@ -21,9 +21,11 @@ import asyncpg
 import pytest
 from hypothesis import settings
 
+from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 from tests.support.loop import run_private
+from tests.support.prerequisites import missing
 from tests.support.stores import migrate_postgres, opened
 
 # Property-based tests draw the same examples on every run by default ("repeatable"): a failure
@@ -33,9 +35,8 @@ settings.register_profile("repeatable", derandomize=True, database=None)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("IDEMPROXY_HYPOTHESIS", "repeatable"))
 
-SERVER_DSN = os.environ.get(
-    "IDEMPROXY_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
+_SERVER_VARIABLE = "IDEMPROXY_TEST_POSTGRES"
+SERVER_DSN = os.environ.get(_SERVER_VARIABLE, "postgresql://postgres@127.0.0.1:5432/postgres")
 # Unique across pytest processes running at once against the same server.
 _PREFIX = f"idemproxy_test_{os.getpid()}_{secrets.token_hex(3)}"
 
@@ -55,12 +56,22 @@ async def _execute(sql: str) -> None:
 
 @pytest.fixture(scope="session")
 def pg_server_dsn() -> str:
-    """The test server's maintenance database: for admin statements only, never for data."""
+    """The test server's maintenance database: for admin statements only, never for data.
+
+    Without a server there, the tests that need one are skipped, saying so (or fail, where every
+    test must run: tests/support/prerequisites.py)."""
+    try:
+        run_private(_execute("SELECT 1"))
+    except (OSError, TimeoutError) as exc:  # refused, no such host: nothing to test against
+        where = redact_url(SERVER_DSN)
+        missing(
+            f"no PostgreSQL server at {where} ({exc}); start one or set IDEMPROXY_TEST_POSTGRES"
+        )
     return SERVER_DSN
 
 
 @pytest.fixture(scope="session")
-def pg_template() -> Iterator[str]:
+def pg_template(pg_server_dsn: str) -> Iterator[str]:
     """A database with every migration applied, cloned by `pg_dsn`; dropped at session end."""
     name = f"{_PREFIX}_template"
     run_private(_execute(f'CREATE DATABASE "{name}"'))

@@ -14,8 +14,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from idemproxy import __version__
+from idemproxy.cli_help import describe_defaults, describe_setting_flags
 from idemproxy.config import Settings, load_settings, parse_listen
-from idemproxy.errors import ConfigError, IdemproxyError
+from idemproxy.errors import ConfigError, IdemproxyError, StoreUnreachable
+from idemproxy.units import DURATION_HELP, SIZE_HELP
 
 # Flag name → settings field (dotted for nested settings).
 _SERVE_FLAGS = {
@@ -59,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"idemproxy: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    except StoreUnreachable as exc:  # not the line meant for HTTP clients
+        print(f"idemproxy: {exc.reason}", file=sys.stderr)
+        return 1
     except IdemproxyError as exc:
         print(f"idemproxy: {exc}", file=sys.stderr)
         return 1
@@ -73,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the proxy")
     _config_flag(serve)
-    serve.add_argument("--listen", metavar="HOST:PORT", help="default 127.0.0.1:8080")
+    serve.add_argument("--listen", metavar="HOST:PORT", help="the proxy's address")
     serve.add_argument("--upstream", metavar="URL", help="the backend for the catch-all route")
     serve.add_argument(
         "--fallback",
@@ -84,17 +89,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--hedge-after",
-        type=float,
-        metavar="SECONDS",
+        metavar="DURATION",
         help="hedge on the next upstream after this long (side-effect-free upstreams only)",
     )
-    serve.add_argument("--store", metavar="DSN", help="sqlite:///PATH (default) or postgresql://…")
+    serve.add_argument(
+        "--store", metavar="DSN", help="where jobs live: sqlite:///PATH or postgresql://…"
+    )
     serve.add_argument(
         "--redis", metavar="URL", help="redis://HOST:PORT: replay cache and wake-ups (optional)"
     )
-    serve.add_argument("--profile", choices=["default", "ietf"])
-    serve.add_argument("--methods", metavar="LIST", help="governed methods, default POST,PATCH")
-    serve.add_argument("--require-key", action="store_const", const=True, default=None)
+    serve.add_argument(
+        "--profile", choices=["default", "ietf"], help="the header names and problem types"
+    )
+    serve.add_argument("--methods", metavar="LIST", help="governed methods")
+    serve.add_argument(
+        "--require-key",
+        action="store_const",
+        const=True,
+        default=None,
+        help="refuse governed requests without an Idempotency-Key",
+    )
     serve.add_argument(
         "--owner", metavar="STRATEGY", help="authorization | header:NAME | jwt | none"
     )
@@ -103,32 +117,50 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--jwt-algorithms", metavar="LIST", help="e.g. RS256,ES256 (required)")
     serve.add_argument("--jwt-audience", metavar="LIST", help="accepted aud values (required)")
-    serve.add_argument("--jwt-claim", metavar="CLAIM", help="the owner claim, default sub")
-    serve.add_argument("--ttl", type=float, metavar="SECONDS", help="job lifetime, default 86400")
-    serve.add_argument("--lease", type=float, metavar="SECONDS")
-    serve.add_argument("--upstream-timeout", type=float, metavar="SECONDS", help="default 30")
-    serve.add_argument("--max-wait", type=float, metavar="SECONDS", help="default timeout + 5")
-    serve.add_argument("--max-request-body", type=int, metavar="BYTES")
-    serve.add_argument("--max-stored-body", type=int, metavar="BYTES")
+    serve.add_argument("--jwt-claim", metavar="CLAIM", help="the owner claim")
+    serve.add_argument("--ttl", metavar="DURATION", help=f"job lifetime: {DURATION_HELP}")
     serve.add_argument(
-        "--admin-listen", metavar="HOST:PORT", help="admin listener, default 127.0.0.1:9090"
+        "--lease", metavar="DURATION", help="how long an attempt is owned without a renewal"
     )
+    serve.add_argument("--upstream-timeout", metavar="DURATION", help="one attempt's deadline")
+    serve.add_argument(
+        "--max-wait",
+        metavar="DURATION",
+        help="longest a duplicate waits for the first, default --upstream-timeout + 5s",
+    )
+    serve.add_argument(
+        "--max-request-body", metavar="SIZE", help=f"largest request body: {SIZE_HELP}"
+    )
+    serve.add_argument(
+        "--max-stored-body", metavar="SIZE", help="largest response body stored for replay"
+    )
+    serve.add_argument("--admin-listen", metavar="HOST:PORT", help="the admin listener's address")
     serve.add_argument(
         "--workers",
         type=int,
         metavar="N",
-        help="proxy processes sharing --listen (PostgreSQL store only), default 1",
+        help="proxy processes sharing --listen (PostgreSQL store only)",
     )
-    serve.add_argument("--no-migrate", action="store_true", help="do not apply migrations")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--log-format", choices=["plain", "json"])
+    serve.add_argument(
+        "--no-migrate",
+        action="store_true",
+        help="do not apply migrations at start (env IDEMPROXY_MIGRATE=false)",
+    )
+    serve.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="least severe logged"
+    )
+    serve.add_argument(
+        "--log-format", choices=["plain", "json"], help="one line of text or of JSON per event"
+    )
     # Internal: set by the supervisor for each of its workers (workers/role.py).
     serve.add_argument("--worker-role", metavar="JSON", help=argparse.SUPPRESS)
+    describe_setting_flags(serve, {**_SERVE_FLAGS, "require_key": "require_key"})
     serve.set_defaults(run=_serve)
 
     migrate = commands.add_parser("migrate", help="apply the store's SQL migrations")
     _config_flag(migrate)
-    migrate.add_argument("--store", metavar="DSN")
+    migrate.add_argument("--store", metavar="DSN", help="the store to migrate")
+    describe_setting_flags(migrate, {"store": "store"})
     migrate.set_defaults(run=_migrate)
 
     demo = commands.add_parser("demo", help="show a double click becoming one execution")
@@ -145,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     from idemproxy.ops.cli import add_jobs_commands
 
     add_jobs_commands(commands)
+    describe_defaults(parser)
     return parser
 
 

@@ -5,10 +5,13 @@ Built once in `cli.main()` and passed in; nothing reads it from a global.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
 import logging
+import os
 import re
+from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -43,6 +46,8 @@ from idemproxy.config_upstream import (
     origin_of,
 )
 from idemproxy.errors import ConfigError
+from idemproxy.secret_files import read_secret_files
+from idemproxy.units import ByteSize, Duration
 
 _STRICT = ConfigDict(extra="forbid")
 log = logging.getLogger("idemproxy.config")
@@ -121,12 +126,25 @@ class JwtSettings(BaseModel):
     model_config = _STRICT
     # A PEM public key or certificate file, a JWKS file, or env:NAME (an HMAC secret).
     key: str | None = None
+    # Or, instead of key, a file holding an HMAC secret (a mounted Secret). Never the secret
+    # itself in the settings.
+    secret_file: Path | None = None
     # Never taken from the token; "none" is refused.
     algorithms: Annotated[list[str], NoDecode] = Field(default_factory=list)
     audience: Annotated[list[str], NoDecode] = Field(default_factory=list)
     issuer: str | None = None
     claim: str = Field(default=c.DEFAULT_JWT_CLAIM, min_length=1)
-    leeway: float = Field(default=c.DEFAULT_JWT_LEEWAY_SECONDS, ge=0, le=c.MAX_JWT_LEEWAY_SECONDS)
+    leeway: Duration = Field(
+        default=c.DEFAULT_JWT_LEEWAY_SECONDS, ge=0, le=c.MAX_JWT_LEEWAY_SECONDS
+    )
+
+    @model_validator(mode="after")
+    def _one_key(self) -> JwtSettings:
+        if self.key is not None and self.secret_file is not None:
+            raise ConfigError(
+                "owner.jwt.key and owner.jwt.secret_file are both given: give only one"
+            )
+        return self
 
     @field_validator("algorithms", "audience", mode="before")
     @classmethod
@@ -177,6 +195,7 @@ class OwnerSettings(BaseModel):
                 f"owner.jwt.{name}"
                 for name in ("key", "algorithms", "audience")
                 if not getattr(self.jwt, name)
+                and not (name == "key" and self.jwt.secret_file is not None)
             ]
             if missing:
                 raise ValueError(f"strategy jwt needs {', '.join(missing)}")
@@ -195,20 +214,20 @@ class ServerSettings(BaseModel):
     """The client-facing listener (SPEC §9: deadlines well under aiohttp's 75 s default)."""
 
     model_config = _STRICT
-    keepalive_timeout: float = Field(default=15.0, gt=0)
+    keepalive_timeout: Duration = Field(default=15.0, gt=0)
     # A request head must arrive in full within this many seconds of its first byte (of the
     # connection, for a new one): aiohttp has no such deadline (slowloris,
     # proxy/server/listener.py).
-    header_read_timeout: float = Field(default=10.0, gt=0)
-    body_read_timeout: float = Field(default=30.0, gt=0)
+    header_read_timeout: Duration = Field(default=10.0, gt=0)
+    body_read_timeout: Duration = Field(default=30.0, gt=0)
     # Governed request bodies larger than this many bytes wait on disk, not in memory; they are
     # fingerprinted as raw bytes (JSON canonicalisation applies up to this size).
-    spool_threshold: int = Field(default=1024 * 1024, ge=0)
-    max_line_size: int = Field(default=8190, gt=0)
-    max_field_size: int = Field(default=8190, gt=0)
+    spool_threshold: ByteSize = Field(default=1024 * 1024, ge=0)
+    max_line_size: ByteSize = Field(default=8190, gt=0)
+    max_field_size: ByteSize = Field(default=8190, gt=0)
     # Header lines per request; aiohttp before 3.14 allowed 32768 (of max_field_size each).
     max_headers: int = Field(default=128, gt=0)
-    shutdown_timeout: float = Field(default=30.0, ge=0)
+    shutdown_timeout: Duration = Field(default=30.0, ge=0)
     # Proxy processes sharing `listen` (SO_REUSEPORT) under one supervisor: the proxy is
     # CPU-bound in one event loop, so this is how one host uses more than one core.
     workers: int = Field(default=1, ge=1, le=c.MAX_WORKERS)
@@ -217,11 +236,11 @@ class ServerSettings(BaseModel):
 class PoolSettings(BaseModel):
     model_config = _STRICT
     store_connections: int = Field(default=20, gt=0)
-    store_timeout: float = Field(default=5.0, gt=0)
+    store_timeout: Duration = Field(default=5.0, gt=0)
     upstream_connections: int = Field(default=256, gt=0)
     # Shorter than common upstream idle timeouts (Node.js: 5 s) so that a pooled connection is
     # rarely closed under a request: a POST cut off that way would leave its job unknown.
-    upstream_keepalive: float = Field(default=4.0, gt=0)
+    upstream_keepalive: Duration = Field(default=4.0, gt=0)
     # PostgreSQL connections of each proxy process reserved for lease renewals (SPEC §3.5), on
     # top of store_connections: a renewal never waits behind request traffic for a connection.
     lease_connections: int = Field(default=2, ge=1, le=c.MAX_LEASE_CONNECTIONS)
@@ -234,6 +253,12 @@ class AdminSettings(BaseModel):
     listen: str = c.DEFAULT_ADMIN_LISTEN
     # Bearer token for every admin request; required when `listen` is not a loopback address.
     token: SecretStr | None = None
+    token_file: Path | None = None  # or read from this file (a mounted Secret)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _token_file(cls, data: Any) -> Any:
+        return read_secret_files(data, ("token",), "admin.")
 
     @field_validator("listen")
     @classmethod
@@ -257,15 +282,22 @@ class RedisSettings(BaseModel):
     model_config = _STRICT
     # redis://[:password@]host:port/db, rediss://… or unix://… (flag --redis); none: off.
     url: str | None = None
+    url_file: Path | None = None  # or read from this file (a mounted Secret: it holds a password)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _url_file(cls, data: Any) -> Any:
+        return read_secret_files(data, ("url",), "redis.")
+
     # Seconds a cache lookup may take; a slower (or failed) one is a miss, answered by the store.
-    timeout: float = Field(default=0.05, gt=0)
+    timeout: Duration = Field(default=0.05, gt=0)
     # Seconds for a cache write, invalidation or wake-up (in the background, never in a request).
-    write_timeout: float = Field(default=0.5, gt=0)
+    write_timeout: Duration = Field(default=0.5, gt=0)
     # Longest an entry is kept (never past its job's expiry): Redis holds about this many
     # seconds of completed responses, plus those replayed since.
-    ttl: float = Field(default=300.0, gt=0)
+    ttl: Duration = Field(default=300.0, gt=0)
     # Largest response body cached; larger ones are replayed from the store.
-    max_body: int = Field(default=1024 * 1024, ge=0)
+    max_body: ByteSize = Field(default=1024 * 1024, ge=0)
 
     @field_validator("url", mode="before")
     @classmethod
@@ -287,11 +319,11 @@ class ReplayCacheSettings(BaseModel):
     model_config = _STRICT
     # Bytes of completed responses (plus about 1.2 KB per entry) kept per process; 0 turns the
     # cache off. The least recently replayed go first.
-    max_bytes: int = Field(default=32 * 1024 * 1024, ge=0)
+    max_bytes: ByteSize = Field(default=32 * 1024 * 1024, ge=0)
     # Largest response body kept; larger ones are replayed from the store.
-    max_body: int = Field(default=256 * 1024, ge=0)
+    max_body: ByteSize = Field(default=256 * 1024, ge=0)
     # Longest an entry is kept (never past its job's expiry).
-    ttl: float = Field(default=60.0, gt=0)
+    ttl: Duration = Field(default=60.0, gt=0)
 
 
 class LimitsSettings(BaseModel):
@@ -302,14 +334,14 @@ class LimitsSettings(BaseModel):
     # store writes, and the answers to their first clients); a body that does not fit waits in
     # an unnamed temporary file instead (proxy/server/budget.py). Never a reason to refuse a
     # request.
-    response_buffer: int = Field(default=c.DEFAULT_RESPONSE_BUFFER, ge=0)
+    response_buffer: ByteSize = Field(default=c.DEFAULT_RESPONSE_BUFFER, ge=0)
     # Seconds a body on disk waits for room in the response buffer before its store write goes
     # ahead over it (an overdraft, counted in idemproxy_response_buffer_overdrafts_total): the
     # budget bounds memory, never how long a request waits.
-    response_buffer_wait: float = Field(default=c.DEFAULT_RESPONSE_BUFFER_WAIT, gt=0)
+    response_buffer_wait: Duration = Field(default=c.DEFAULT_RESPONSE_BUFFER_WAIT, gt=0)
     # Seconds a response being written to its client holds its bytes in the response buffer;
     # after it, a client that does not read no longer keeps room from every other response.
-    response_buffer_hold: float = Field(default=c.DEFAULT_RESPONSE_BUFFER_HOLD, gt=0)
+    response_buffer_hold: Duration = Field(default=c.DEFAULT_RESPONSE_BUFFER_HOLD, gt=0)
     # Client connections open at once; beyond it new ones wait in the kernel's listen backlog
     # (proxy/server/gate.py). Each takes a file descriptor: keep it under the process's
     # RLIMIT_NOFILE less pool.upstream_connections and pool.store_connections.
@@ -321,29 +353,35 @@ class LimitsSettings(BaseModel):
 
 class SweeperSettings(BaseModel):
     model_config = _STRICT
-    interval: float = Field(default=60.0, gt=0)
+    interval: Duration = Field(default=60.0, gt=0)
     batch_size: int = Field(default=500, gt=0)
     # SPEC §3.5: how often each proxy looks for jobs whose lease ran out at least one `lease`
     # ago (their proxy died) and takes them over as `unknown` (proxy/background/orphans.py).
-    takeover_interval: float = Field(default=5.0, gt=0)
+    takeover_interval: Duration = Field(default=5.0, gt=0)
+
+
+_ENV_PREFIX = "IDEMPROXY_"
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="IDEMPROXY_", env_nested_delimiter="__", extra="forbid"
+        env_prefix=_ENV_PREFIX, env_nested_delimiter="__", extra="forbid"
     )
 
     listen: str = c.DEFAULT_LISTEN
     upstream: str | None = None
     # Fallbacks and hedging for the `upstream` route (flags --fallback, --hedge-after).
     fallbacks: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    hedge_after: float | None = Field(default=None, gt=0)
+    hedge_after: Duration | None = Field(default=None, gt=0)
     routes: list[RouteSettings] = Field(default_factory=list)
     store: str = c.DEFAULT_STORE
+    # Or the DSN read from this file: it holds the database password (a mounted Secret).
+    store_file: Path | None = None
     migrate: bool = True
     # NoDecode: IDEMPROXY_REDIS is read as it was before the block, a URL (_RenamedRedisKeys).
     redis: Annotated[RedisSettings, NoDecode] = Field(default_factory=RedisSettings)
     _renamed_keys: tuple[str, ...] = PrivateAttr(default=())
+    _unknown_variables: tuple[str, ...] = PrivateAttr(default=())
     replay_cache: ReplayCacheSettings = Field(default_factory=ReplayCacheSettings)
     profile: Literal["default", "ietf"] = "default"
     key_header: str = c.DEFAULT_KEY_HEADER
@@ -351,13 +389,13 @@ class Settings(BaseSettings):
     methods: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(c.DEFAULT_METHODS))
     require_key: bool = False
     owner: OwnerSettings = Field(default_factory=OwnerSettings)
-    ttl: float = Field(default=c.DEFAULT_TTL_SECONDS, gt=0)
-    lease: float = Field(default=10.0, gt=0)
+    ttl: Duration = Field(default=c.DEFAULT_TTL_SECONDS, gt=0)
+    lease: Duration = Field(default=10.0, gt=0)
     # SPEC §3.3: auto-release unknown jobs unchanged for this many seconds. Off by default: only
     # turn it on when the upstream is known to drop requests it did not finish.
-    unknown_ttl: float | None = Field(default=None, gt=0)
-    upstream_timeout: float = Field(default=c.DEFAULT_UPSTREAM_TIMEOUT, gt=0)
-    connect_timeout: float = Field(default=c.DEFAULT_CONNECT_TIMEOUT, gt=0)
+    unknown_ttl: Duration | None = Field(default=None, gt=0)
+    upstream_timeout: Duration = Field(default=c.DEFAULT_UPSTREAM_TIMEOUT, gt=0)
+    connect_timeout: Duration = Field(default=c.DEFAULT_CONNECT_TIMEOUT, gt=0)
     # --- the upstream leg (config_upstream.py, proxy/upstream/dial.py) ----------------------
     # TLS and egress proxy per upstream, keyed by its URL as the routes name it.
     upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)
@@ -369,9 +407,9 @@ class Settings(BaseSettings):
     # proxy set in the environment for other programs.
     upstream_proxy_from_env: bool = False
     # --- end of the upstream leg ------------------------------------------------------------
-    max_wait: float | None = Field(default=None, ge=0)
-    max_request_body: int = Field(default=c.DEFAULT_MAX_REQUEST_BODY, ge=0)
-    max_stored_body: int = Field(default=c.DEFAULT_MAX_STORED_BODY, ge=0)
+    max_wait: Duration | None = Field(default=None, ge=0)
+    max_request_body: ByteSize = Field(default=c.DEFAULT_MAX_REQUEST_BODY, ge=0)
+    max_stored_body: ByteSize = Field(default=c.DEFAULT_MAX_STORED_BODY, ge=0)
     max_waiters_per_key: int = Field(default=c.DEFAULT_MAX_WAITERS_PER_KEY, gt=0)
     max_waiters: int = Field(default=c.DEFAULT_MAX_WAITERS, gt=0)
     fingerprint_exclude: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -427,6 +465,11 @@ class Settings(BaseSettings):
             _RenamedRedisKeys(env_settings, renamed, where="environment"),
             _RenamedRedisKeysInFile(settings_cls, renamed),
         )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _store_file(cls, data: Any) -> Any:
+        return read_secret_files(data, ("store",), "")
 
     @field_validator("listen")
     @classmethod
@@ -532,6 +575,11 @@ class Settings(BaseSettings):
         return self._renamed_keys
 
     @property
+    def unknown_variables(self) -> tuple[str, ...]:
+        """A warning for each `IDEMPROXY_*` variable that names no setting (`unknown_variables`)."""
+        return self._unknown_variables
+
+    @property
     def effective_max_wait(self) -> float:
         """SPEC §2.3: by default a duplicate waits as long as the first attempt may take + 5 s."""
         if self.max_wait is not None:
@@ -613,13 +661,47 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     finally:
         _RENAMED_KEYS.reset(token)
     settings._renamed_keys = tuple(dict.fromkeys(renamed))
+    settings._unknown_variables = tuple(unknown_variables(os.environ))
     return settings
 
 
 def log_renamed_keys(settings: Settings) -> None:
-    """Warn once, at start-up, of each key of before the settings were read with."""
-    for warning in settings.renamed_keys:
+    """Warn once, at start-up, of each key of before the settings were read with, and of each
+    `IDEMPROXY_*` variable that was ignored."""
+    for warning in (*settings.renamed_keys, *settings.unknown_variables):
         log.warning("settings: %s", warning)
+
+
+# IDEMPROXY_* variables that are not settings: the config file's path, and the test suite's own.
+_NOT_SETTINGS = ("CONFIG", "TEST_")
+_OLD_TOP_LEVEL = ("redis_options",)  # read by _RenamedRedisKeys, with a warning of its own
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each `IDEMPROXY_*` variable whose first part names no top-level setting.
+
+    pydantic-settings ignores those in silence, so a typo (IDEMPROXY_TTLL) would leave the
+    default in force unnoticed; an unknown key below a known one (IDEMPROXY_ADMIN__TOKN) is
+    already refused by the nested model (extra="forbid").
+    """
+    known = [*Settings.model_fields, *_OLD_TOP_LEVEL]
+    warnings = []
+    for name in sorted(environ):
+        if not name.upper().startswith(_ENV_PREFIX):
+            continue
+        rest = name[len(_ENV_PREFIX) :]
+        if rest.upper().startswith(_NOT_SETTINGS):
+            continue
+        top, _, below = rest.partition("__")
+        if top.lower() in known:
+            continue
+        close = difflib.get_close_matches(top.lower(), known, n=1)
+        hint = ""
+        if close:
+            suggestion = _ENV_PREFIX + close[0].upper() + ("__" + below if below else "")
+            hint = f" (did you mean {suggestion}?)"
+        warnings.append(f"environment variable {name} names no setting and is ignored{hint}")
+    return warnings
 
 
 def _load(model: type[Settings], config_file: Path | None, given: dict[str, Any]) -> Settings:

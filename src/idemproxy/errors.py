@@ -177,6 +177,16 @@ class StoreUnavailable(ProblemError):
     retry_after = 1
 
 
+class StoreUnreachable(StoreUnavailable):
+    """The idempotency store is unavailable; the request was not forwarded."""
+
+    # Opening the store at start-up failed. `reason` is for the person who started the command
+    # (cli.main): it names the server or file, so it is never a client's answer.
+    def __init__(self, reason: str | None = None) -> None:
+        super().__init__()
+        self.reason = reason or self.detail
+
+
 class StoreRefused(StoreUnavailable):
     """The idempotency store is unavailable; the request was not forwarded."""
 

@@ -26,16 +26,15 @@ from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
 from idemproxy.config import Settings, log_renamed_keys, parse_listen
 from idemproxy.errors import ListenFailed
-from idemproxy.identity.owner import OwnerPolicy
+from idemproxy.identity.owner import OwnerPolicy, log_owner_hint
 from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import close_connections, drain, start_draining
 from idemproxy.proxy.server.listener import GuardedSite
-from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
-from idemproxy.store.factory import serving_store
+from idemproxy.store.factory import serving_store, shown_store
 from idemproxy.workers.role import WorkerRole
 
 log = logging.getLogger("idemproxy")
@@ -53,6 +52,7 @@ def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = No
     configure_logging(settings.log_level, settings.log_format)
     if worker is None:  # a supervisor's workers: the supervisor warned
         log_renamed_keys(settings)
+        log_owner_hint(settings.owner)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, owner, worker))
 
@@ -120,7 +120,7 @@ async def _serve_until_signalled(
             f"{worker.label()} " if worker is not None else "",
             settings.listen,
             admin_at,
-            redact_url(settings.store),
+            shown_store(settings.store),
         )
         await _wait_for_signal(supervised=worker is not None)
         readiness.draining = True

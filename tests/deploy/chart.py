@@ -1,13 +1,15 @@
 """Rendering the Helm chart and finding things in its manifests, for the deploy tests.
 
-Rendering uses helm-template, the offline stand-in for `helm template` from the shared tools
-(`HELM_TEMPLATE_DIR`, default `../shared/tools/helm-template` next to the repository), built
-into the git-ignored `build/`, never into the tools folder (read-only in CI).
+Rendering uses `helm template` when `helm` is on PATH; else helm-template, the offline stand-in
+for it from the shared tools (`HELM_TEMPLATE_DIR`, default `../shared/tools/helm-template` next
+to the repository), built into the git-ignored `build/`, never into the tools folder (read-only
+in CI). Both take the same arguments: `[NAME] CHART [-f values.yaml]... [--set a.b=c]...`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,12 +25,28 @@ SCENARIOS = sorted(path.name for path in (CHART / "ci").glob("*-values.yaml"))
 Manifest = dict[str, Any]
 
 
+class HelmMissing(RuntimeError):
+    """Neither `helm` nor the stand-in's sources are there: the message says where it looked."""
+
+
 def build_helm_template() -> Path:
-    """Builds the binary (the build script installs the Debian packages it needs)."""
-    default = ROOT.parent / "shared" / "tools" / "helm-template"
-    tool = Path(os.environ.get("HELM_TEMPLATE_DIR", default))
+    """An executable taking `helm template`'s arguments: `helm` itself when on PATH, else the
+    stand-in, built (its build script installs the Debian packages it needs)."""
     binary = ROOT / "build" / "helm-template"
     binary.parent.mkdir(exist_ok=True)
+    helm = shutil.which("helm")
+    if helm is not None:
+        wrapper = binary.with_name("helm-template-via-helm")
+        wrapper.write_text(f'#!/bin/sh\nexec "{helm}" template "$@"\n')
+        wrapper.chmod(0o755)
+        return wrapper
+    default = ROOT.parent / "shared" / "tools" / "helm-template"
+    tool = Path(os.environ.get("HELM_TEMPLATE_DIR", default))
+    if not (tool / "build").is_file():
+        raise HelmMissing(
+            f"no `helm` on PATH and no helm-template stand-in at {tool} (HELM_TEMPLATE_DIR):"
+            " install Helm 3 to run the chart tests"
+        )
     built = subprocess.run(
         ["sh", str(tool / "build"), str(binary)], capture_output=True, text=True, check=False
     )

@@ -8,9 +8,12 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.prerequisites import missing
+
 from .chart import (
     CHART,
     SCENARIOS,
+    HelmMissing,
     Manifest,
     build_helm_template,
     render,
@@ -22,6 +25,8 @@ from .chart import (
 def helm_template() -> Path:
     try:
         return build_helm_template()
+    except HelmMissing as exc:
+        missing(str(exc))
     except RuntimeError as exc:
         pytest.fail(str(exc))
 

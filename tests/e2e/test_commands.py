@@ -35,17 +35,46 @@ def test_migrate_a_fresh_postgres_database_once(empty_pg_dsn: str, run_cli: RunC
 
 
 def test_migrate_a_fresh_sqlite_file_once(tmp_path: Path, run_cli: RunCli) -> None:
-    path = tmp_path / "new" / "idemproxy.db"
+    path = tmp_path / "idemproxy.db"
     _migrate_twice(run_cli, f"sqlite:///{path}")
     assert path.is_file()
 
 
-def test_migrate_reports_an_unreachable_store(run_cli: RunCli) -> None:
+def test_the_default_store_is_created_in_the_working_directory(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    done = run_cli("migrate", timeout=20)
+    assert done.returncode == 0, done
+    assert (tmp_path / "idemproxy.db").is_file()
+
+
+@pytest.mark.parametrize("command", [("migrate",), ("jobs", "list")])
+def test_a_missing_sqlite_directory_is_an_error_naming_the_resolved_path(
+    tmp_path: Path, run_cli: RunCli, command: tuple[str, ...]
+) -> None:
+    done = run_cli(*command, "--store", "sqlite:///new/idemproxy.db", timeout=20)
+    assert done.returncode != 0, done
+    [line] = done.stderr.splitlines()
+    assert str(tmp_path / "new" / "idemproxy.db") in line, done.stderr
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(
+    "command", [("migrate",), ("jobs", "list"), ("serve", "--upstream", "http://127.0.0.1:9")]
+)
+def test_an_unreachable_store_is_one_line_naming_the_server(
+    run_cli: RunCli, command: tuple[str, ...]
+) -> None:
     # Port 9 (discard) on loopback: nothing listens, the connection is refused at once.
-    done = run_cli("migrate", "--store", "postgresql://nobody@127.0.0.1:9/none", timeout=20)
+    dsn = "postgresql://nobody:s3cret@127.0.0.1:9/orders"
+    done = run_cli(*command, "--store", dsn, timeout=20)
     assert done.returncode == 1, done
-    assert "idemproxy: The idempotency store is unavailable" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if "INFO" not in line]
+    assert lines == [
+        "idemproxy: cannot reach PostgreSQL at 127.0.0.1:9/orders: connection refused"
+    ], done.stderr
+    assert "not forwarded" not in done.stderr
+    assert "s3cret" not in done.stderr
 
 
 @pytest.fixture(params=[pytest.param("postgres", marks=pytest.mark.postgres), "sqlite"])

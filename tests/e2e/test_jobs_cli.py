@@ -240,12 +240,13 @@ def test_a_missing_sqlite_file_is_a_usage_error_not_a_new_database(
 ) -> None:
     failed(run_cli("jobs", "list", "--store", "sqlite:///typo.db"), 2, "no SQLite database")
     assert not (tmp_path / "typo.db").exists()
-    failed(run_cli("jobs", "list"), 2, "no SQLite database at idemproxy.db")
+    failed(run_cli("jobs", "list"), 2, f"no SQLite database at {tmp_path / 'idemproxy.db'}")
 
 
 def test_an_unreachable_store_says_so(run_cli: RunCli) -> None:
     store = "postgresql://nobody@127.0.0.1:9/none"  # discard port: refused at once
-    failed(run_cli("jobs", "list", "--store", store, timeout=20), 1, "store unavailable")
+    said = "cannot reach PostgreSQL at 127.0.0.1:9/none: connection refused"
+    failed(run_cli("jobs", "list", "--store", store, timeout=20), 1, said)
 
 
 async def test_an_operator_resolves_a_real_unknown_job(

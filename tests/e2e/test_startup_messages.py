@@ -192,3 +192,20 @@ def test_a_malformed_upstream_or_redis_url_is_refused_at_start_up_without_its_se
     assert done.returncode == 2, done
     assert done.stderr.strip().splitlines() == [f"idemproxy: invalid configuration: {message}"]
     assert SECRETS[0] not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("owner", "hinted"), [(None, True), ("header:X-Tenant", False), ("none", False)]
+)
+async def test_the_default_owner_strategy_is_explained_once_at_start(
+    tmp_path: Path, start_proxy: StartProxy, owner: str | None, hinted: bool
+) -> None:
+    store = f"sqlite:///{tmp_path / 'idemproxy.db'}"
+    flags = ("--owner", owner) if owner else ()
+    proxy = await start_proxy("--upstream", "http://127.0.0.1:9", "--store", store, *flags)
+    await _logged(proxy, "listening on")
+    assert await proxy.terminate() == 0, proxy.describe()
+    hint = "owner.strategy is authorization: jobs are scoped by a hash of the whole Authorization"
+    assert proxy.stderr().count(hint) == (1 if hinted else 0), proxy.describe()
+    if hinted:
+        assert "use owner.strategy jwt or header:<NAME> set by a gateway" in proxy.stderr()

@@ -26,7 +26,8 @@ from idemproxy.config import PoolSettings, load_settings
 from idemproxy.proxy.app import create_app
 from tests.support.backend import Ledger, serving
 from tests.support.loop import run_private
-from tests.support.pgserver import ThrowawayPostgres
+from tests.support.pgserver import PostgresUnavailable, ThrowawayPostgres, find_bindir
+from tests.support.prerequisites import missing
 from tests.support.processes import ProxyProcess, StartProxy, start_proxy
 from tests.support.proxyapp import ProxyClient, Server
 from tests.support.stores import migrate_postgres
@@ -46,9 +47,13 @@ _databases = itertools.count(1)
 
 @pytest.fixture(scope="session")
 def throwaway_pg() -> Iterator[ThrowawayPostgres]:
+    try:
+        find_bindir()
+    except PostgresUnavailable as exc:  # not installed: a skip that says so (or a failure in CI)
+        missing(str(exc))
     server = ThrowawayPostgres()
     try:
-        server.start()  # PostgresUnavailable here is an error, on purpose
+        server.start()  # PostgresUnavailable here (installed, but failed) is an error, on purpose
         run_private(server.execute(f'CREATE DATABASE "{TEMPLATE}"'))
         run_private(migrate_postgres(server.dsn(TEMPLATE)))
         yield server

@@ -4,7 +4,8 @@ fresh PostgreSQL database, and the real proxy app in front of the recording back
 Each test starts its own `redis-server` on a free loopback port, with persistence off
 (`--save "" --appendonly no`) and its files in the test's `tmp_path`, so that it can be
 stopped, restarted and paused (SIGSTOP) freely; the shared server on 6379 is never touched.
-There is no skip: without `redis-server` on PATH these tests fail.
+Without `redis-server` on PATH these tests are skipped, saying so, except where every test must
+run (IDEMPROXY_REQUIRE_ALL_TESTS=1, as CI sets it): there they fail.
 
 No `__init__.py` here on purpose: a `redis` package under tests/ would shadow redis-py.
 """
@@ -25,6 +26,7 @@ from idemproxy.config import load_settings
 from idemproxy.proxy.app import create_app
 from idemproxy.store.redis.cache import RedisCachedStore, RedisCacheOptions
 from tests.support.backend import Ledger, backend_app
+from tests.support.prerequisites import missing
 from tests.support.redisserver import (
     LOOKUP_TIMEOUT,
     WRITE_TIMEOUT,
@@ -39,7 +41,7 @@ from tests.support.redisserver import (
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.fail("redis-server is not installed: apt-get install redis-server")
+        missing("redis-server is not on PATH (apt-get install redis-server)")
     server = RedisServer(binary, tmp_path)
     server.start()
     try:

@@ -191,14 +191,15 @@ RULES = {
     "the core is pure: it imports only itself, errors and constants": Rule(
         "core", only=("core", "errors", "constants")
     ),
-    "settings are data: config imports only errors and constants": Rule(
-        "config", only=("config", "config_upstream", "errors", "constants")
+    "settings are data: config imports only errors, constants and its value parsers": Rule(
+        "config",
+        only=("config", "config_upstream", "errors", "constants", "units", "secret_files"),
     ),
     "so are the upstream leg's settings": Rule(
-        "config_upstream", only=("config_upstream", "errors", "constants")
+        "config_upstream", only=("config_upstream", "errors", "constants", "units", "secret_files")
     ),
     "a request's identity comes from the request and the settings alone": Rule(
-        "identity", only=("identity", "config", "errors", "constants")
+        "identity", only=("identity", "config", "errors", "constants", "secret_files")
     ),
     "wire helpers know no proxy and no store": Rule("http", forbidden=("proxy", "store")),
     "the store serves the proxy, the admin listener and the operator tools": Rule(

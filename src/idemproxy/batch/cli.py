@@ -54,11 +54,36 @@ def add_batch_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
 def _add_run(run: argparse.ArgumentParser) -> None:
     run.add_argument("input", type=Path, metavar="INPUT.jsonl")
     run.add_argument("--target", required=True, metavar="URL", help="the proxy's base URL")
-    run.add_argument("--output", required=True, type=Path, metavar="RESULTS.jsonl")
-    run.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N")
-    run.add_argument("--key-prefix", default=DEFAULT_KEY_PREFIX, metavar="PREFIX")
-    run.add_argument("--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME")
-    run.add_argument("--retries", type=int, default=DEFAULT_RETRIES, metavar="N")
+    run.add_argument(
+        "--output",
+        required=True,
+        type=Path,
+        metavar="RESULTS.jsonl",
+        help="one result line per item, appended; a rerun skips the items already in it",
+    )
+    run.add_argument(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        metavar="N",
+        help="items in flight at once",
+    )
+    run.add_argument(
+        "--key-prefix",
+        default=DEFAULT_KEY_PREFIX,
+        metavar="PREFIX",
+        help="each item's key is derived from it and the item's id",
+    )
+    run.add_argument(
+        "--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME", help="the key's header"
+    )
+    run.add_argument(
+        "--retries",
+        type=int,
+        default=DEFAULT_RETRIES,
+        metavar="N",
+        help="tries after the first for a transient failure, with backoff, same key",
+    )
     run.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, metavar="S", help="per attempt"
     )
@@ -114,8 +139,15 @@ _SWITCHES = {
 
 def _add_status(status: argparse.ArgumentParser) -> None:
     status.add_argument("results", type=Path, metavar="RESULTS.jsonl")
-    status.add_argument("--input", type=Path, metavar="INPUT.jsonl")
-    status.add_argument("--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME")
+    status.add_argument(
+        "--input",
+        type=Path,
+        metavar="INPUT.jsonl",
+        help="the input file: also count pending and changed items",
+    )
+    status.add_argument(
+        "--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME", help="the key's header"
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--prices", type=Path, metavar="FILE", help="price table (YAML or JSON)")
     status.set_defaults(run=_status)
@@ -123,12 +155,17 @@ def _add_status(status: argparse.ArgumentParser) -> None:
 
 def _add_export(export: argparse.ArgumentParser) -> None:
     export.add_argument("results", type=Path, metavar="RESULTS.jsonl")
-    export.add_argument("--input", required=True, type=Path, metavar="INPUT.jsonl")
+    export.add_argument(
+        "--input", required=True, type=Path, metavar="INPUT.jsonl",
+        help="the input file the results answer: its lines are written out as they are",
+    )  # fmt: skip
     export.add_argument(
         "--failed", required=True, action="store_true",
         help="items whose result is failed or unknown (omitted ones are left out)",
     )  # fmt: skip
-    export.add_argument("--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME")
+    export.add_argument(
+        "--key-header", default=DEFAULT_KEY_HEADER, metavar="NAME", help="the key's header"
+    )
     export.set_defaults(run=_export)
 
 

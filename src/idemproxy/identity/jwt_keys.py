@@ -34,6 +34,7 @@ PublicKey = RSAPublicKey | EllipticCurvePublicKey | Ed25519PublicKey | Ed448Publ
 Key = bytes | PublicKey
 
 KEY_FIELD = "owner.jwt.key"
+SECRET_FILE_FIELD = "owner.jwt.secret_file"
 ALGORITHMS_FIELD = "owner.jwt.algorithms"
 ENV_PREFIX = "env:"
 
@@ -73,10 +74,15 @@ class KeyRing:
         return self.by_kid.get(kid) if isinstance(kid, str) else None
 
 
-def load_keys(source: str, algorithms: Sequence[str], environ: Mapping[str, str]) -> KeyRing:
-    """The key ring for `owner.jwt.key`; raises `ConfigError` naming the field."""
+def load_keys(
+    source: str, algorithms: Sequence[str], environ: Mapping[str, str], secret: str | None = None
+) -> KeyRing:
+    """The key ring for `owner.jwt.key`, or for the HMAC `secret` read from
+    `owner.jwt.secret_file`; raises `ConfigError` naming the field."""
     if not algorithms:
         raise ConfigError(f"{ALGORITHMS_FIELD}: at least one algorithm is required")
+    if secret is not None:
+        return KeyRing({}, _shared_secret(secret, algorithms, SECRET_FILE_FIELD))
     if source.startswith(ENV_PREFIX):
         return KeyRing({}, _secret(source.removeprefix(ENV_PREFIX), algorithms, environ))
     hmac = sorted(set(algorithms) & set(c.JWT_HMAC_ALGORITHMS))
@@ -108,16 +114,25 @@ def fitting_algorithms(key: Key) -> frozenset[str]:
 
 
 def _secret(name: str, algorithms: Sequence[str], environ: Mapping[str, str]) -> VerificationKey:
-    other = sorted(set(algorithms) - set(c.JWT_HMAC_ALGORITHMS))
-    if other:
-        raise ConfigError(
-            f"{ALGORITHMS_FIELD}: a shared secret (env:NAME) verifies HS256/HS384/HS512 only,"
-            f" not {', '.join(other)}"
-        )
+    _check_hmac_only(algorithms, "env:NAME")
     value = environ.get(name)
     if not value:
         raise ConfigError(f"{KEY_FIELD}: environment variable {name} is not set or empty")
     return _bound(value.encode("utf-8"), algorithms, KEY_FIELD)
+
+
+def _shared_secret(value: str, algorithms: Sequence[str], where: str) -> VerificationKey:
+    _check_hmac_only(algorithms, where)
+    return _bound(value.encode("utf-8"), algorithms, where)
+
+
+def _check_hmac_only(algorithms: Sequence[str], given_as: str) -> None:
+    other = sorted(set(algorithms) - set(c.JWT_HMAC_ALGORITHMS))
+    if other:
+        raise ConfigError(
+            f"{ALGORITHMS_FIELD}: a shared secret ({given_as}) verifies HS256/HS384/HS512 only,"
+            f" not {', '.join(other)}"
+        )
 
 
 def _bound(key: Key, algorithms: Iterable[str], where: str) -> VerificationKey:

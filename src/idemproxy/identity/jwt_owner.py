@@ -26,7 +26,8 @@ import jwt
 
 from idemproxy.config import JwtSettings
 from idemproxy.errors import OwnerMissing
-from idemproxy.identity.jwt_keys import KeyRing, load_keys
+from idemproxy.identity.jwt_keys import SECRET_FILE_FIELD, KeyRing, load_keys
+from idemproxy.secret_files import read_secret
 
 log = logging.getLogger("idemproxy.identity.owner")
 
@@ -64,8 +65,14 @@ class JwtVerifier:
         cls, settings: JwtSettings, environ: Mapping[str, str] | None = None
     ) -> JwtVerifier:
         """Load the keys once (start-up); raises `ConfigError` naming the field at fault."""
+        secret = None
+        if settings.secret_file is not None:
+            secret = read_secret(settings.secret_file, SECRET_FILE_FIELD)
         keys = load_keys(
-            settings.key or "", settings.algorithms, os.environ if environ is None else environ
+            settings.key or "",
+            settings.algorithms,
+            os.environ if environ is None else environ,
+            secret,
         )
         return cls(
             keys=keys,

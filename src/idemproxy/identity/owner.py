@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -13,6 +14,22 @@ from idemproxy.config import OwnerSettings, check_strategy
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, HeaderInvalid, OwnerMissing
 from idemproxy.identity.jwt_owner import JwtVerifier
+
+log = logging.getLogger("idemproxy.owner")
+
+# SPEC §5: the default scope is a hash of the whole header, so a new token is a new scope.
+AUTHORIZATION_OWNER_HINT = (
+    "owner.strategy is authorization: jobs are scoped by a hash of the whole Authorization"
+    " header, so a client whose token is refreshed between a request and its retry lands in a"
+    " new scope and the retry executes again; with rotating tokens (OAuth, OIDC) use"
+    " owner.strategy jwt or header:<NAME> set by a gateway"
+)
+
+
+def log_owner_hint(settings: OwnerSettings) -> None:
+    """Once at start-up (SPEC §5): what the default owner strategy means for rotating tokens."""
+    if settings.strategy == "authorization":
+        log.info("%s", AUTHORIZATION_OWNER_HINT)
 
 
 class OwnerVerifier(Protocol):

@@ -15,9 +15,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from idemproxy.cli_help import describe_setting_flags
 from idemproxy.config import Settings, load_settings
 from idemproxy.core.types import JobState
-from idemproxy.errors import ConfigError, InvalidRequest, OperatorError, StoreUnavailable
+from idemproxy.errors import (
+    ConfigError,
+    InvalidRequest,
+    OperatorError,
+    StoreUnavailable,
+    StoreUnreachable,
+)
 from idemproxy.ops import service
 from idemproxy.ops.resolution import (
     Resolution,
@@ -51,12 +58,12 @@ def add_jobs_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def _store_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--store", metavar="DSN", help="default: IDEMPROXY_STORE or --config")
+    parser.add_argument("--store", metavar="DSN", help="the store, else the one in --config")
     parser.add_argument(
         "--redis",
         metavar="URL",
-        help="the proxies' Redis, if any (default: IDEMPROXY_REDIS or --config): a delete or"
-        " resolution then also invalidates its replay cache",
+        help="the proxies' Redis, if any, else the one in --config: a delete or resolution then"
+        " also invalidates its replay cache",
     )
     parser.add_argument(
         "--config",
@@ -65,11 +72,12 @@ def _store_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=os.environ.get("IDEMPROXY_CONFIG"),
         help="YAML settings file",
     )
+    describe_setting_flags(parser, {"store": "store", "redis": "redis.url"})
     return parser
 
 
 def _add_list(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--state", choices=[s.value for s in JobState])
+    parser.add_argument("--state", choices=[s.value for s in JobState], help="only jobs in it")
     parser.add_argument("--owner", metavar="OWNER", help="the owner hash, as shown by show")
     parser.add_argument("--limit", type=_limit, default=100, metavar="N", help="default 100")
     parser.add_argument("--json", action="store_true", help="an array of jobs (SPEC §13)")
@@ -89,10 +97,22 @@ def _add_show(parser: argparse.ArgumentParser) -> None:
 
 def _add_resolve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job_id", metavar="JOB_ID")
-    parser.add_argument("--as", dest="as_", required=True, choices=["released", "completed"])
-    parser.add_argument("--status", type=int, metavar="N", help="with --as completed")
     parser.add_argument(
-        "--header", action="append", default=[], metavar="'Name: value'", help="repeatable"
+        "--as",
+        dest="as_",
+        required=True,
+        choices=["released", "completed"],
+        help="released: a retry executes again; completed: retries get the given response",
+    )
+    parser.add_argument(
+        "--status", type=int, metavar="N", help="the response's status, with --as completed"
+    )
+    parser.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="'Name: value'",
+        help="a response header, with --as completed (repeatable)",
     )
     parser.add_argument("--body-file", metavar="FILE", help="the response body; - for stdin")
     parser.add_argument(
@@ -183,6 +203,9 @@ def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
         except InvalidRequest as exc:
             print(f"idemproxy: {exc.detail}", file=sys.stderr)
             return EXIT_USAGE
+        except StoreUnreachable as exc:
+            print(f"idemproxy: {exc.reason}", file=sys.stderr)
+            return EXIT_FAILED
         except StoreUnavailable as exc:
             cause = f": {exc.__cause__}" if exc.__cause__ else ""
             print(f"idemproxy: store unavailable{cause}", file=sys.stderr)
@@ -214,7 +237,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         path = sqlite_path(settings.store)
         # Opening a missing file would create an empty database and hide a typo.
         if path != ":memory:" and not Path(path).is_file():
-            raise ConfigError(f"store: no SQLite database at {path}")
+            raise ConfigError(f"store: no SQLite database at {Path(path).resolve()}")
     return settings
 
 

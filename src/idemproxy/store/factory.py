@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
 from idemproxy.errors import ConfigError
+from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
 
 if TYPE_CHECKING:
@@ -105,3 +107,12 @@ def sqlite_path(dsn: str) -> str:
     if path in {":memory:", "/:memory:"}:
         return ":memory:"
     return path.removeprefix("/")
+
+
+def shown_store(dsn: str) -> str:
+    """The store as a log line shows it: a SQLite file by its absolute path (a relative one
+    depends on the working directory), a URL without its secrets."""
+    if dsn.startswith("sqlite://"):
+        path = sqlite_path(dsn)
+        return dsn if path == ":memory:" else f"sqlite:///{Path(path).resolve()}"
+    return redact_url(dsn)

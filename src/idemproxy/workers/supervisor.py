@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from idemproxy.config import Settings, log_renamed_keys
+from idemproxy.identity.owner import log_owner_hint
 from idemproxy.logs import configure_logging
 from idemproxy.store.factory import create_store
 from idemproxy.workers.listen import claim_listen
@@ -69,6 +70,7 @@ def supervise(settings: Settings, serve_argv: Sequence[str]) -> int:
     """Run `settings.server.workers` workers of `idemproxy <serve_argv>`; the exit status."""
     configure_logging(settings.log_level, settings.log_format)
     log_renamed_keys(settings)
+    log_owner_hint(settings.owner)
     # A taken port fails here, as it does for a single process (workers/listen.py).
     lock = claim_listen(settings.listen)
     try:

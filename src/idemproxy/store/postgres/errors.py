@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 
 from idemproxy.errors import ConfigError, StoreRefused, StoreUnavailable
+from idemproxy.store.reach import postgres_unreachable
 
 log = logging.getLogger("idemproxy.store")
 
@@ -48,10 +49,11 @@ async def translate_errors(what: str) -> AsyncIterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def translate_connect_errors() -> AsyncIterator[None]:
+async def translate_connect_errors(dsn: str) -> AsyncIterator[None]:
     """As `translate_errors("connect")`, but a DSN asyncpg cannot use is a configuration error
-    (one line at start-up, cli.main), not an outage to retry nor a traceback. Neither message
-    carries the DSN: it may hold a password."""
+    and a server that cannot be reached is `StoreUnreachable` naming it: one line at start-up
+    (cli.main), not an outage to retry nor a traceback. Neither message carries the DSN: it may
+    hold a password."""
     try:
         yield
     except asyncpg.ClientConfigurationError as exc:  # e.g. an unknown sslmode
@@ -61,4 +63,4 @@ async def translate_connect_errors() -> AsyncIterator[None]:
             "store: the PostgreSQL DSN cannot be parsed (check its hosts, ports and parameters)"
         ) from exc
     except DRIVER_ERRORS as exc:
-        raise unavailable("connect", exc) from exc
+        raise postgres_unreachable(dsn, exc) from exc

@@ -103,7 +103,7 @@ class PostgresStore(Store):
         )
 
     async def open(self) -> None:
-        async with translate_connect_errors():
+        async with translate_connect_errors(self._dsn):
             self._pool = await asyncpg.create_pool(
                 self._dsn,
                 min_size=self._pool_size[0],

@@ -26,6 +26,7 @@ from idemproxy.core.types import (
 from idemproxy.errors import StoreRefused, StoreUnavailable
 from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.queries import load_migrations, load_queries
+from idemproxy.store.reach import sqlite_unopenable
 from idemproxy.store.rows import (
     attempt_from_row,
     encode_headers,
@@ -34,6 +35,13 @@ from idemproxy.store.rows import (
 )
 
 Params = dict[str, Any]
+
+
+def _check_directory(path: str) -> None:
+    # A missing directory is a typo or a volume that is not mounted: creating it would hide that
+    # (the default, idemproxy.db in the working directory, always has one).
+    if not Path(path).resolve().parent.is_dir():
+        raise sqlite_unopenable(path, "its directory does not exist")
 
 
 class SqliteStore(Store):
@@ -52,7 +60,7 @@ class SqliteStore(Store):
 
     async def open(self) -> None:
         if self._path != ":memory:":
-            Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+            _check_directory(self._path)
         try:
             self._db = await aiosqlite.connect(self._path, isolation_level=None)
             self._db.row_factory = sqlite3.Row
@@ -62,7 +70,7 @@ class SqliteStore(Store):
             await self._db.execute("PRAGMA synchronous = FULL")
             await self._db.execute("PRAGMA foreign_keys = ON")
         except sqlite3.Error as exc:
-            raise StoreUnavailable(f"Cannot open the SQLite store: {exc}") from exc
+            raise sqlite_unopenable(self._path, str(exc)) from exc
 
     async def close(self) -> None:
         if self._db is not None:

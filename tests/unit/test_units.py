@@ -1,0 +1,144 @@
+"""Durations and sizes as people write them (`30s`, `10MiB`), bare numbers still accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from idemproxy.cli import main
+from idemproxy.config import load_settings
+from idemproxy.units import parse_duration, parse_size
+
+UPSTREAM = "http://127.0.0.1:9"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("250ms", 0.25),
+        ("30s", 30.0),
+        ("5m", 300.0),
+        ("1h", 3600.0),
+        ("1d", 86400.0),
+        ("1h30m", 5400.0),
+        ("1.5s", 1.5),
+        ("30", 30.0),
+        ("0.05", 0.05),
+    ],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("512KiB", 512 * 1024),
+        ("10MiB", 10 * 1024**2),
+        ("1GiB", 1024**3),
+        ("10Mi", 10 * 1024**2),
+        ("1GB", 10**9),
+        ("64kB", 64_000),
+        ("1k", 1000),
+        ("1.5KiB", 1536),
+        ("1 MiB", 1024**2),
+        ("100B", 100),
+        ("1048576", 1048576),
+    ],
+)
+def test_sizes(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["abc", "5x", "m", "1m5", "30 s", "-1s"])
+def test_not_a_duration(text: str) -> None:
+    with pytest.raises(ValueError, match=r"is not a duration: give seconds, or e\.g\. 250ms"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize("text", ["abc", "5x", "10MB/s", "-5", "1e6"])
+def test_not_a_size(text: str) -> None:
+    with pytest.raises(ValueError, match=r"is not a size: give bytes, or e\.g\. 512KiB"):
+        parse_size(text)
+
+
+def test_a_fraction_of_a_byte_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a whole number of bytes"):
+        parse_size("1.1B")
+
+
+@given(st.integers(min_value=0, max_value=10**7), st.sampled_from(["ms", "s", "m", "h", "d"]))
+def test_a_duration_round_trips(number: int, unit: str) -> None:
+    factor = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+    assert parse_duration(f"{number}{unit}") == pytest.approx(number * factor)
+
+
+@given(
+    st.integers(min_value=0, max_value=2**20),
+    st.sampled_from(["KiB", "MiB", "GiB", "Ki", "Mi", "kB", "MB", "GB", "B", ""]),
+)
+def test_a_size_round_trips(number: int, unit: str) -> None:
+    factor = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "Ki": 2**10, "Mi": 2**20}.get(unit)
+    factor = factor or {"kB": 10**3, "MB": 10**6, "GB": 10**9}.get(unit, 1)
+    assert parse_size(f"{number}{unit}") == number * factor
+    assert parse_size(f"{number}{unit.lower()}") == number * factor
+
+
+def test_every_source_takes_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "idemproxy.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": UPSTREAM,
+                "ttl": "7d",
+                "server": {"spool_threshold": "2MiB", "shutdown_timeout": "1m"},
+                "redis": {"timeout": "50ms"},
+                "replay_cache": {"max_bytes": "64MiB"},
+            }
+        )
+    )
+    monkeypatch.setenv("IDEMPROXY_LIMITS__RESPONSE_BUFFER", "128MiB")
+    monkeypatch.setenv("IDEMPROXY_UPSTREAM_TIMEOUT", "45s")
+    settings = load_settings(config, max_request_body="20MiB", lease="15s")
+    assert settings.ttl == 7 * 86400
+    assert settings.server.spool_threshold == 2 * 1024**2
+    assert settings.server.shutdown_timeout == 60
+    assert settings.redis.timeout == 0.05
+    assert settings.replay_cache.max_bytes == 64 * 1024**2
+    assert settings.limits.response_buffer == 128 * 1024**2
+    assert settings.upstream_timeout == 45
+    assert settings.max_request_body == 20 * 1024**2
+    assert settings.lease == 15
+    assert settings.effective_max_wait == 50
+
+
+def test_bare_numbers_still_read() -> None:
+    settings = load_settings(upstream=UPSTREAM, ttl=60, max_stored_body=1024, lease="12.5")
+    assert (settings.ttl, settings.max_stored_body, settings.lease) == (60, 1024, 12.5)
+
+
+def test_the_error_names_the_field() -> None:
+    with pytest.raises(ValidationError) as caught:
+        load_settings(upstream=UPSTREAM, server={"spool_threshold": "10 parsecs"})
+    [error] = caught.value.errors()
+    assert error["loc"] == ("server", "spool_threshold")
+    assert "'10 parsecs' is not a size" in error["msg"]
+
+
+def test_the_field_constraint_still_applies_after_the_unit() -> None:
+    with pytest.raises(ValidationError, match="greater than 0"):
+        load_settings(upstream=UPSTREAM, lease="0s")
+
+
+def test_the_flags_take_units(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["serve", "--upstream", UPSTREAM, "--ttl", "soon", "--max-stored-body", "1MiB"])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "idemproxy: invalid configuration: ttl: Value error, 'soon' is not a duration:"
+        " give seconds, or e.g. 250ms, 30s, 5m, 1h\n"
+    )
