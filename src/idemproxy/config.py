@@ -388,6 +388,10 @@ class Settings(BaseSettings):
     log_format: Literal["plain", "json"] = "plain"
     # One log line per governed request: outcome, job id, attempt, owner hash prefix, status.
     log_requests: bool = True
+    # One line per pass-through request too, with the same fields (docs/operations.md, Logs).
+    access_log: bool = False
+    # The query string in the `path` field, with secret-looking parameters masked (redact.py).
+    log_query: bool = False
 
     @classmethod
     def settings_customise_sources(

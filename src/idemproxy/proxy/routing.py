@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
+from yarl import URL
+
 from idemproxy.config import RouteSettings, Settings
 from idemproxy.errors import PathInvalid
 from idemproxy.proxy.upstream.contract import Contract, ContractGate
@@ -47,6 +49,13 @@ def host_name(host: str) -> str:
     else:
         name = host.rpartition(":")[0] if ":" in host else host
     return unquote(name).lower().removesuffix(".")
+
+
+@functools.lru_cache(maxsize=256)
+def upstream_origin(upstream: str) -> str:
+    """`scheme://host:port` of a configured upstream URL: the `upstream` log field and metric
+    label, bounded by the configuration and without its path or credentials (SPEC §13)."""
+    return str(URL(upstream).origin())
 
 
 @dataclass(frozen=True, slots=True)

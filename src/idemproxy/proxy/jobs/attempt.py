@@ -42,6 +42,8 @@ from idemproxy.metrics import AttemptOutcome, UpstreamOutcome
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.lease import KeptLease
 from idemproxy.proxy.jobs.request import GovernedRequest
+from idemproxy.proxy.reasons import FailureReason, upstream_reason
+from idemproxy.proxy.routing import upstream_origin
 from idemproxy.proxy.server.capture import Captured, answer, capture, tee
 from idemproxy.proxy.server.sink import ClientSink
 from idemproxy.proxy.server.whole import AsSentStreamResponse
@@ -91,6 +93,7 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
     headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
     headers[ATTEMPT_HEADER] = str(attempt.number)
     url = upstream_url(attempt.upstream, request)
+    governed.trace.upstream = attempt.upstream
     started = time.perf_counter()
     try:
         async with (
@@ -113,6 +116,7 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
     except UpstreamFailure as failure:
         outcome, problem = classify_failure(failure.failure)
         _observe_upstream(ctx, started, UpstreamOutcome(outcome.value))
+        _log_failure(governed, attempt, failure)
         return await _fail(ctx, attempt, Failed(outcome, None, failure.reason, problem))
     except asyncio.CancelledError:
         # Cut off by shutdown: the request may have reached the upstream (SPEC §3.2).
@@ -156,6 +160,7 @@ async def _finish_captured(
             content = await captured.content() if captured.whole else None
             broken = gate.contract.violations(upstream.status, content)
             if broken:
+                governed.trace.failed(attempt.upstream, FailureReason.CONTRACT)
                 captured.close()
                 return await _fail(ctx, attempt, _breach(attempt, upstream.status, broken))
         if captured.whole:
@@ -174,6 +179,19 @@ async def _capture(ctx: ProxyContext, upstream: UpstreamResponse) -> Captured:
     if declared is not None and declared > limit and upstream.method != "HEAD":
         return Captured(ctx.budget)
     return await capture(upstream, limit, ctx.budget)
+
+
+def _log_failure(governed: GovernedRequest, attempt: AttemptRun, failure: UpstreamFailure) -> None:
+    reason = upstream_reason(failure)
+    governed.trace.failed(attempt.upstream, reason)
+    log.warning(
+        "job %s attempt %d on %s failed (%s): %s",
+        attempt.job.id,
+        attempt.number,
+        upstream_origin(attempt.upstream),
+        reason,
+        failure.reason,
+    )
 
 
 def _breach(attempt: AttemptRun, status: int, broken: list[str]) -> Failed:
