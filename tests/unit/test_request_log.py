@@ -141,12 +141,20 @@ def test_pre_bound_children_move_the_labelled_series() -> None:
     metrics = Metrics()
     metrics.request_outcome[RequestOutcome.NEW].inc()
     metrics.attempt_outcome[AttemptOutcome.DISCARDED].inc()
-    metrics.upstream_outcome[UpstreamOutcome.ANSWERED].observe(0.01)
+    metrics.upstream_call["http://pay:8080"][UpstreamOutcome.ANSWERED].observe(0.01)
     metrics.observe_store("claim", 0.002, False)
     metrics.observe_store("claim", 0.003, True)
     assert _value(metrics, "idemproxy_requests_total", outcome="new") == 1
     assert _value(metrics, "idemproxy_attempts_total", outcome="discarded") == 1
-    assert _value(metrics, "idemproxy_upstream_seconds_count", outcome="answered") == 1
+    assert (
+        _value(
+            metrics,
+            "idemproxy_upstream_seconds_count",
+            outcome="answered",
+            upstream="http://pay:8080",
+        )
+        == 1
+    )
     assert _value(metrics, "idemproxy_store_seconds_count", operation="claim") == 2
     assert _value(metrics, "idemproxy_store_errors_total", operation="claim") == 1
     assert _value(metrics, "idemproxy_store_errors_total", operation="get") is None

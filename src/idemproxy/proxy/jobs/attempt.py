@@ -108,6 +108,7 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
             ended = upstream.finished_at or time.perf_counter()
             _observe_upstream(
                 ctx,
+                attempt,
                 started,
                 UpstreamOutcome.FAILED if isinstance(step, Failed) else UpstreamOutcome.ANSWERED,
                 ended,
@@ -115,7 +116,7 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
             return step
     except UpstreamFailure as failure:
         outcome, problem = classify_failure(failure.failure)
-        _observe_upstream(ctx, started, UpstreamOutcome(outcome.value))
+        _observe_upstream(ctx, attempt, started, UpstreamOutcome(outcome.value))
         _log_failure(governed, attempt, failure)
         return await _fail(ctx, attempt, Failed(outcome, None, failure.reason, problem))
     except asyncio.CancelledError:
@@ -385,10 +386,15 @@ def count_failed(ctx: ProxyContext, failed: Failed) -> None:
 
 
 def _observe_upstream(
-    ctx: ProxyContext, started: float, outcome: UpstreamOutcome, ended: float | None = None
+    ctx: ProxyContext,
+    attempt: AttemptRun,
+    started: float,
+    outcome: UpstreamOutcome,
+    ended: float | None = None,
 ) -> None:
     finished = time.perf_counter() if ended is None else ended
-    ctx.metrics.upstream_outcome[outcome].observe(finished - started)
+    by_outcome = ctx.metrics.upstream_call[upstream_origin(attempt.upstream)]
+    by_outcome[outcome].observe(finished - started)
 
 
 async def settle(ctx: ProxyContext, attempt: AttemptRun, failed: Failed) -> None:

@@ -35,7 +35,7 @@ from idemproxy.errors import (
     StoreUnavailable,
     TooManyWaiters,
 )
-from idemproxy.metrics import Metrics, RequestOutcome
+from idemproxy.metrics import UNROUTED, Metrics, RequestOutcome
 from idemproxy.proxy.reasons import FailureReason
 from idemproxy.proxy.routing import upstream_origin
 from idemproxy.redact import redact_query
@@ -119,6 +119,8 @@ def record(
     elapsed = time.perf_counter() - trace.started
     outcome = trace.outcome
     metrics.request_outcome[outcome].inc()
+    route = trace.route
+    metrics.request_route[UNROUTED if route is None else route.prefix][outcome].observe(elapsed)
     if not (access_log if outcome == _PASSTHROUGH else log_requests):
         return
     if not log.isEnabledFor(logging.INFO):
