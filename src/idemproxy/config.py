@@ -201,6 +201,9 @@ class ServerSettings(BaseModel):
     # Proxy processes sharing `listen` (SO_REUSEPORT) under one supervisor: the proxy is
     # CPU-bound in one event loop, so this is how one host uses more than one core.
     workers: int = Field(default=1, ge=1, le=c.MAX_WORKERS)
+    # The Server field of the proxy's own answers (problems, admin); empty: none. An upstream's
+    # answer, first or replayed, carries the upstream's Server field, or none (SPEC §10).
+    server_token: str = Field(default="idemproxy", max_length=256, pattern=r"^[!-~]*( [!-~]+)*$")
 
 
 class PoolSettings(BaseModel):
