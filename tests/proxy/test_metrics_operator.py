@@ -3,8 +3,11 @@ upstream duration by upstream, HELP texts for operators."""
 
 from __future__ import annotations
 
+import json
 import platform
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -14,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import idemproxy
 from idemproxy.admin.app import Readiness, create_admin_app
+from idemproxy.admin.peers import merge_metrics
 from idemproxy.config import load_settings
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.app import create_app
@@ -22,6 +26,9 @@ from tests.support.backend import Ledger, backend_app
 from tests.support.ports import free_port
 
 Client = TestClient[web.Request, web.Application]
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+_METRIC_NAME = re.compile(r"\b(?:idemproxy|process|python)_[a-z_]+\b")
+_PROMQL_BLOCK = re.compile(r"```promql\n(.*?)```", re.DOTALL)
 
 
 @pytest.fixture
@@ -120,3 +127,33 @@ def test_help_texts_name_no_source_file(scraped: str) -> None:
     helps = [line for line in scraped.splitlines() if line.startswith("# HELP ")]
     assert len(helps) > 30
     assert [line for line in helps if ".py" in line] == []
+
+
+def _dashboard_expressions() -> list[str]:
+    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    assert dashboard["panels"], "a dashboard without panels"
+    expressions = []
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        expressions += [target["expr"] for target in panel["targets"]]
+    return expressions
+
+
+def _documented_expressions() -> list[str]:
+    blocks = _PROMQL_BLOCK.findall((DOCS / "operations.md").read_text())
+    assert blocks, "docs/operations.md shows no PromQL"
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("source", [_dashboard_expressions, _documented_expressions])
+def test_every_graphed_metric_is_in_the_scrape(scraped: str, source: object) -> None:
+    """The Grafana dashboard and the PromQL of docs/operations.md name only series a real
+    proxy exposes (a renamed metric would leave a panel empty without a word)."""
+    assert callable(source)
+    # Worker 0's merged exposition under --workers (admin/peers.py) adds idemproxy_worker_up.
+    merged = merge_metrics([scraped, scraped]).decode()
+    names = {name for name, _ in _samples(scraped)} | {name for name, _ in _samples(merged)}
+    expressions = source()
+    named = [name for expression in expressions for name in _METRIC_NAME.findall(expression)]
+    assert named
+    assert sorted({name for name in named if name not in names}) == []
