@@ -70,7 +70,9 @@ def time_split(before: dict[str, float], after: dict[str, float]) -> TimeSplit |
             split.store_ms[match[1]] = 1000 * delta(name) / requests
             count = name.replace("_sum{", "_count{")
             split.store_calls += delta(count) / requests
-        match = re.fullmatch(r'idemproxy_upstream_seconds_sum\{outcome="(\w+)"\}', name)
+        match = re.fullmatch(
+            r'idemproxy_upstream_seconds_sum\{outcome="(\w+)",upstream="[^"]*"\}', name
+        )
         if match and delta(name):
             split.upstream_ms += 1000 * delta(name) / requests
             split.upstream_calls += delta(name.replace("_sum{", "_count{")) / requests

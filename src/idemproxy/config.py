@@ -231,6 +231,9 @@ class ServerSettings(BaseModel):
     # Proxy processes sharing `listen` (SO_REUSEPORT) under one supervisor: the proxy is
     # CPU-bound in one event loop, so this is how one host uses more than one core.
     workers: int = Field(default=1, ge=1, le=c.MAX_WORKERS)
+    # The Server field of the proxy's own answers (problems, admin); empty: none. An upstream's
+    # answer, first or replayed, carries the upstream's Server field, or none (SPEC §10).
+    server_token: str = Field(default="idemproxy", max_length=256, pattern=r"^[!-~]*( [!-~]+)*$")
 
 
 class PoolSettings(BaseModel):
@@ -448,6 +451,10 @@ class Settings(BaseSettings):
     log_format: Literal["plain", "json"] = "plain"
     # One log line per governed request: outcome, job id, attempt, owner hash prefix, status.
     log_requests: bool = True
+    # One line per pass-through request too, with the same fields (docs/operations.md, Logs).
+    access_log: bool = False
+    # The query string in the `path` field, with secret-looking parameters masked (redact.py).
+    log_query: bool = False
 
     @classmethod
     def settings_customise_sources(

@@ -64,7 +64,23 @@ class PlainFormatter(_SecondCache):
         return f"{record.asctime} {record.levelname} {record.name}: {record.message}"
 
 
-class JsonFormatter(_SecondCache):
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; `time` in RFC 3339 UTC with milliseconds
+    (`2026-12-01T19:29:08.305Z`), the form log pipelines parse without a pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # As _SecondCache: one tuple, the date and time up to the second made once per second.
+        self._second: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        second, stamp = self._second
+        if int(record.created) != second:
+            second = int(record.created)
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = (second, stamp)
+        return f"{stamp}.{int(record.msecs):03d}Z"
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
             "time": self.formatTime(record),

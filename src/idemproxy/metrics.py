@@ -10,9 +10,11 @@ import asyncio
 import contextlib
 import enum
 import logging
+import platform
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+import aiohttp
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import (
@@ -20,13 +22,17 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
+from idemproxy import __version__
 from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
 from idemproxy.logs import dropped_log_lines
@@ -39,6 +45,9 @@ C = TypeVar("C", bound=MetricWrapperBase)
 L = TypeVar("L", bound=str)  # a label value: one of the enums below, or a store operation
 # How often the unknown-jobs gauge is refreshed at most (one cheap COUNT on the store).
 _GAUGE_REFRESH_SECONDS = 15.0
+# The `route` label of a request that matched no route: with the configured prefixes, the
+# label's whole set of values (never a raw path: one series per client-chosen URL).
+UNROUTED = "unrouted"
 
 
 class RequestOutcome(enum.StrEnum):
@@ -147,6 +156,21 @@ class Children(dict[L, C]):
         return child
 
 
+class ByOutcome(dict[str, Children[L, Histogram]]):
+    """A histogram labelled `outcome` and one other label: its children by that label's value
+    (a route prefix, an upstream origin), then by outcome, each bound on first use."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        super().__init__()
+        self._histogram = histogram
+
+    def __missing__(self, value: str) -> Children[L, Histogram]:
+        histogram = self._histogram
+        children = Children[L, Histogram](lambda outcome: histogram.labels(outcome, value))
+        self[value] = children
+        return children
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -163,26 +187,25 @@ class Metrics:
         )
         self.unsent_claims = self._counter(
             "unsent_claims",
-            "Claims that failed at the proxy (503, nothing forwarded), by what became of them "
-            "(proxy/background/unsent.py).",
+            "Claims that failed at the proxy (503, nothing forwarded), by what became of them.",
             ["outcome"],
         )
         self.unwritten_outcomes = self._counter(
             "unwritten_outcomes",
             "Attempt outcomes the store could not take (503 after forwarding), by what became "
-            "of them (proxy/background/unwritten.py).",
+            "of them.",
             ["outcome"],
         )
         self.second_responses = self._counter(
             "second_responses_refused",
             "Responses returned after another had started on the same request, not written: "
-            "the connection was closed instead (proxy/server/one_response.py). Always a bug.",
+            "the connection was closed instead. Always a bug.",
             [],
         )
         self.orphans_taken_over = self._counter(
             "orphans_taken_over",
             "Jobs in flight whose lease ran out (their proxy died) that this process took over "
-            "as unknown in the background (proxy/background/orphans.py).",
+            "as unknown in the background.",
             [],
         )
         self.client_disconnects = self._counter(
@@ -202,11 +225,27 @@ class Metrics:
         )
         self.upstream_seconds = Histogram(
             f"{METRIC_PREFIX}_upstream_seconds",
-            "Upstream call duration by attempt outcome.",
-            ["outcome"],
+            "Upstream call duration of governed attempts, from sending the request until the "
+            "answer arrived whole, by outcome and upstream (the configured URL's origin).",
+            ["outcome", "upstream"],
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.request_seconds = Histogram(
+            f"{METRIC_PREFIX}_request_duration_seconds",
+            "Time from the request head to the proxy's answer, upstream included, by outcome "
+            "and route (the configured prefix, or unrouted).",
+            ["outcome", "route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.build_info = Gauge(
+            f"{METRIC_PREFIX}_build_info",
+            "Always 1; the labels say which idemproxy, Python and aiohttp this process runs.",
+            ["version", "python", "aiohttp"],
+            registry=self.registry,
+        )
+        self.build_info.labels(__version__, platform.python_version(), aiohttp.__version__).set(1)
         self.store_seconds = Histogram(
             f"{METRIC_PREFIX}_store_seconds",
             "Store call duration by operation.",
@@ -240,6 +279,12 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_LogDropsCollector())
+        # process_* (memory, CPU, file descriptors, start time) and python_* (version, garbage
+        # collections) of this process; with several workers each one's are its own, labelled
+        # with its worker (admin/peers.py).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         # The hot path's children, bound once. Request, attempt, unsent-claim and
         # unwritten-outcome outcomes: every series exists from the start; the others appear
         # when first observed.
@@ -255,7 +300,10 @@ class Metrics:
         self.unwritten_outcome = Children[UnwrittenOutcome, Counter](
             self.unwritten_outcomes.labels, UnwrittenOutcome
         )
-        self.upstream_outcome = Children[UpstreamOutcome, Histogram](self.upstream_seconds.labels)
+        # By upstream origin, then outcome: the origins are the configured upstreams'.
+        self.upstream_call = ByOutcome[UpstreamOutcome](self.upstream_seconds)
+        # By route prefix, then outcome: the prefix's children are looked up once per request.
+        self.request_route = ByOutcome[RequestOutcome](self.request_seconds)
         # The store's operations are its method names (store/base.py), not an enum of ours.
         self._store_seconds = Children[str, Histogram](self.store_seconds.labels)
         self._store_errors = Children[str, Counter](self.store_errors.labels)
@@ -287,7 +335,7 @@ class _LogDropsCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         yield CounterMetricFamily(
             f"{METRIC_PREFIX}_log_lines_dropped",
-            "Log lines dropped because stderr did not take them fast enough (logs.py).",
+            "Log lines dropped because stderr did not take them fast enough.",
             dropped_log_lines(),
         )
 

@@ -41,7 +41,7 @@ def redact_url(url: str) -> str:
     userinfo, at, host = netloc.rpartition("@")
     if at and ":" in userinfo:
         netloc = f"{userinfo.split(':', 1)[0]}:{MASK}@{host}"
-    query = _redact_query(parts.query)
+    query = redact_query(parts.query)
     if netloc == parts.netloc and query == parts.query:
         return url
     # Rebuilt by hand: geturl() drops an empty authority (sqlite:///path -> sqlite:/path).
@@ -50,7 +50,8 @@ def redact_url(url: str) -> str:
     return rebuilt + (f"#{parts.fragment}" if parts.fragment else "")
 
 
-def _redact_query(query: str) -> str:
+def redact_query(query: str) -> str:
+    """A URL's query with the value of every secret-looking parameter masked."""
     if not query:
         return query
     pairs = parse_qsl(query, keep_blank_values=True)

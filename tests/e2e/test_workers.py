@@ -184,6 +184,9 @@ async def test_two_workers_answer_on_one_port_and_one_admin_endpoint(
     assert up == {(("worker", "0"),): 1, (("worker", "1"),): 1}
     # A store-wide gauge is reported once, not per worker.
     assert list(await series(proxy, "idemproxy_unknown_jobs")) == [()]
+    # Each worker's process series are its own, under its label, never summed into one.
+    for name in ("process_resident_memory_bytes", "process_start_time_seconds"):
+        assert set(await series(proxy, name)) == {(("worker", "0"),), (("worker", "1"),)}, name
 
 
 async def test_readyz_waits_for_every_worker(

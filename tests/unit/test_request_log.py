@@ -6,10 +6,14 @@ import json
 import logging
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 from prometheus_client import generate_latest
 
+from idemproxy.constants import ANONYMOUS_OWNER
 from idemproxy.logs import JsonFormatter, PlainFormatter
 from idemproxy.metrics import AttemptOutcome, Metrics, RequestOutcome, UpstreamOutcome
+from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.trace import Trace, record
 
 STOCK_PLAIN = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -27,9 +31,49 @@ def test_the_plain_line_is_the_stock_formatters_across_seconds() -> None:
         assert formatter.format(_at(created)) == STOCK_PLAIN.format(_at(created))
 
 
-def test_json_time_is_the_stock_time() -> None:
-    entry = _at(1_700_000_000.25)
-    assert json.loads(JsonFormatter().format(entry))["time"] == STOCK_PLAIN.formatTime(entry)
+def test_json_time_is_rfc3339_utc_with_milliseconds() -> None:
+    formatter = JsonFormatter()
+    assert json.loads(formatter.format(_at(1_700_000_000.25)))["time"] == (
+        "2023-11-14T22:13:20.250Z"
+    )
+    assert formatter.formatTime(_at(1_700_000_001.0005)) == "2023-11-14T22:13:21.000Z"
+    assert formatter.formatTime(_at(1_699_999_999.999)) == "2023-11-14T22:13:19.999Z"
+
+
+def test_the_anonymous_owner_prints_whole(captured: pytest.LogCaptureFixture) -> None:
+    trace = Trace(outcome=RequestOutcome.NEW, owner=ANONYMOUS_OWNER, job_id="j-1", attempt=1)
+    record(Metrics(), trace, 201, log_requests=True)
+    [entry] = captured.records
+    assert entry.fields["owner"] == "anonymous"  # type: ignore[attr-defined]
+
+
+def _request(target: str) -> web.BaseRequest:
+    return make_mocked_request("POST", target)
+
+
+def test_the_path_leaves_the_query_string_out(captured: pytest.LogCaptureFixture) -> None:
+    trace = Trace(outcome=RequestOutcome.NEW, request=_request("/pay/a%2Fb?token=s3cret&a=1"))
+    record(Metrics(), trace, 201, log_requests=True)
+    [entry] = captured.records
+    assert entry.fields["path"] == "/pay/a%2Fb" and entry.fields["method"] == "POST"  # type: ignore[attr-defined]
+
+
+def test_log_query_masks_secret_parameters(captured: pytest.LogCaptureFixture) -> None:
+    trace = Trace(outcome=RequestOutcome.NEW, request=_request("/pay?token=s3cret&a=1"))
+    record(Metrics(), trace, 201, log_requests=True, log_query=True)
+    [entry] = captured.records
+    assert entry.fields["path"] == "/pay?token=***&a=1"  # type: ignore[attr-defined]
+
+
+def test_pass_through_is_logged_with_the_access_log(captured: pytest.LogCaptureFixture) -> None:
+    route = Route("/api", None, "http://user:pw@backend:8080/base", False, 60.0)
+    trace = Trace(request=make_mocked_request("GET", "/api/balance"), route=route)
+    record(Metrics(), trace, 200, log_requests=False, access_log=True)
+    [entry] = captured.records
+    assert entry.getMessage().startswith(
+        "passthrough outcome=passthrough status=200 method=GET path=/api/balance route=/api "
+        "upstream=http://backend:8080 ms="
+    )
 
 
 @pytest.fixture
@@ -97,12 +141,20 @@ def test_pre_bound_children_move_the_labelled_series() -> None:
     metrics = Metrics()
     metrics.request_outcome[RequestOutcome.NEW].inc()
     metrics.attempt_outcome[AttemptOutcome.DISCARDED].inc()
-    metrics.upstream_outcome[UpstreamOutcome.ANSWERED].observe(0.01)
+    metrics.upstream_call["http://pay:8080"][UpstreamOutcome.ANSWERED].observe(0.01)
     metrics.observe_store("claim", 0.002, False)
     metrics.observe_store("claim", 0.003, True)
     assert _value(metrics, "idemproxy_requests_total", outcome="new") == 1
     assert _value(metrics, "idemproxy_attempts_total", outcome="discarded") == 1
-    assert _value(metrics, "idemproxy_upstream_seconds_count", outcome="answered") == 1
+    assert (
+        _value(
+            metrics,
+            "idemproxy_upstream_seconds_count",
+            outcome="answered",
+            upstream="http://pay:8080",
+        )
+        == 1
+    )
     assert _value(metrics, "idemproxy_store_seconds_count", operation="claim") == 2
     assert _value(metrics, "idemproxy_store_errors_total", operation="claim") == 1
     assert _value(metrics, "idemproxy_store_errors_total", operation="get") is None

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 from aiohttp import HttpVersion, HttpVersion10, HttpVersion11, web
 from aiohttp.base_protocol import BaseProtocol
+from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.http_writer import StreamWriter
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
@@ -122,7 +123,7 @@ async def test_the_bytes_and_persistence_are_aiohttps(kind: str, client: str) ->
     await _by_aiohttp(theirs, expected)
 
     ours, _ = _request(version=version, headers=headers)
-    whole = serialise_whole(ours, RESPONSES[kind]())
+    whole = serialise_whole(ours, RESPONSES[kind](), server_token=SERVER_SOFTWARE)
 
     assert whole is not None
     assert _DATE.sub(b"", whole.data) == _DATE.sub(b"", bytes(transport.written))
@@ -131,7 +132,7 @@ async def test_the_bytes_and_persistence_are_aiohttps(kind: str, client: str) ->
 
 async def test_a_fresh_date_unless_the_response_has_one() -> None:
     request, _ = _request()
-    whole = serialise_whole(request, _plain())
+    whole = serialise_whole(request, _plain(), server_token=SERVER_SOFTWARE)
     assert whole is not None
     assert re.search(rb"\r\nDate: \w{3}, \d\d \w{3} \d{4} \d\d:\d\d:\d\d GMT\r\n", whole.data)
 
@@ -140,7 +141,7 @@ async def test_a_header_with_a_line_break_is_refused_as_aiohttp_refuses_it() -> 
     request, _ = _request()
     response = web.Response(body=b"x", headers={"X-Evil": "a\r\nSet-Cookie: b"})
     with pytest.raises(ValueError, match="control character"):
-        serialise_whole(request, response)
+        serialise_whole(request, response, server_token=SERVER_SOFTWARE)
 
 
 def _streamed() -> web.StreamResponse:
@@ -186,23 +187,25 @@ LEFT_TO_AIOHTTP: dict[str, Callable[[], web.StreamResponse]] = {
 @pytest.mark.parametrize("kind", LEFT_TO_AIOHTTP)
 async def test_what_needs_more_goes_aiohttps_way(kind: str) -> None:
     request, _ = _request()
-    assert serialise_whole(request, LEFT_TO_AIOHTTP[kind]()) is None
+    assert serialise_whole(request, LEFT_TO_AIOHTTP[kind](), server_token=SERVER_SOFTWARE) is None
 
 
 async def test_head_and_other_versions_go_aiohttps_way() -> None:
     head, _ = _request(method="HEAD")
-    assert serialise_whole(head, _plain()) is None
+    assert serialise_whole(head, _plain(), server_token=SERVER_SOFTWARE) is None
     ancient, _ = _request(version=HttpVersion(0, 9))
-    assert serialise_whole(ancient, _plain()) is None
+    assert serialise_whole(ancient, _plain(), server_token=SERVER_SOFTWARE) is None
 
 
 async def test_a_sent_response_reads_as_prepared_finished_and_decided() -> None:
     request, _ = _request()
     response = _plain()
-    whole = serialise_whole(request, response)
+    whole = serialise_whole(request, response, server_token=SERVER_SOFTWARE)
     assert whole is not None
     mark_sent(response, whole.keep_alive)
     assert response.prepared
     assert response.keep_alive is True
-    assert serialise_whole(request, response) is None  # never written twice
+    assert (
+        serialise_whole(request, response, server_token=SERVER_SOFTWARE) is None
+    )  # never written twice
     await response.write_eof()  # a no-op, as for a response aiohttp finished

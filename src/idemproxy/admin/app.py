@@ -16,6 +16,7 @@ from idemproxy.config import Settings
 from idemproxy.errors import StoreUnavailable, Unauthorized
 from idemproxy.http.problems import problem_response
 from idemproxy.metrics import Metrics, metrics_handler
+from idemproxy.proxy.server.whole import own_server_header
 from idemproxy.store.base import Store
 
 
@@ -51,6 +52,7 @@ def create_admin_app(
     )
     app[STORE] = store
     app[READINESS] = readiness
+    app.on_response_prepare.append(own_server_header(settings.server.server_token))
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     if peers is not None:

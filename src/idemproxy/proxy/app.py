@@ -21,6 +21,7 @@ from idemproxy.proxy.handler import expect_continue, handle
 from idemproxy.proxy.server.any_path import AnyPath
 from idemproxy.proxy.server.listener import close_when_closing
 from idemproxy.proxy.server.one_response import note_started
+from idemproxy.proxy.server.whole import own_server_header
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamHooks
 from idemproxy.proxy.upstream.contract import keep_checking
 from idemproxy.proxy.upstream.dial import Dialing
@@ -53,6 +54,7 @@ def create_app(
     app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics(), owner))
     app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
     app.on_response_prepare.append(close_when_closing)  # SPEC §8: a drain's heads say so
+    app.on_response_prepare.append(own_server_header(settings.server.server_token))
     app.router.register_resource(AnyPath(handle, expect_handler=expect_continue))
     return app
 

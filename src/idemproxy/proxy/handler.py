@@ -36,14 +36,22 @@ from idemproxy.proxy.upstream.h1 import transfer_codings
 async def handle(request: web.Request) -> web.StreamResponse:
     head_read(request)  # SPEC §9: the header-read deadline is over for this request
     ctx = request.app[CONTEXT]
-    trace = Trace()
+    trace = Trace(request=request)
     ctx.requests_in_flight += 1
     try:
         response = await _route(ctx, request, trace)
     finally:
         ctx.requests_in_flight -= 1
     response = only_response(ctx.metrics, request, response)
-    record(ctx.metrics, trace, response.status, log_requests=ctx.settings.log_requests)
+    settings = ctx.settings
+    record(
+        ctx.metrics,
+        trace,
+        response.status,
+        log_requests=settings.log_requests,
+        access_log=settings.access_log,
+        log_query=settings.log_query,
+    )
     return response
 
 
@@ -79,13 +87,14 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         route = ctx.routes.find(routable_path(request.path), request.host)
         if route is None:
             raise NoRoute()
+        trace.route = route
         if request.method not in ctx.governed_methods:
-            return await passthrough(ctx, request, route)  # SPEC §4: keys here are ignored
+            return await passthrough(ctx, request, route, trace=trace)  # SPEC §4: keys ignored
         key = parse_key(request.headers.getall(ctx.settings.key_header, []))
         if key is None:
             if route.require_key:
                 raise KeyMissing()
-            return await passthrough(ctx, request, route)
+            return await passthrough(ctx, request, route, trace=trace)
         _refuse_hidden_identity(ctx, request)
         intent, body = await _identify(ctx, request, key)
         trace.owner = intent.owner
@@ -94,7 +103,7 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         if response is None:
             # The store could not take the claim and `on_store_error: passthrough` forwards the
             # request ungoverned (SPEC §11). A response is a mapping: never test it for truth.
-            return await passthrough(ctx, request, route, body)
+            return await passthrough(ctx, request, route, body, trace=trace)
         return response
     except ProblemError as error:
         if isinstance(error, ClientDisconnected):

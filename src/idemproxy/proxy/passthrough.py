@@ -12,10 +12,12 @@ from idemproxy.http.headers import response_headers_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.routing import Route
+from idemproxy.proxy.reasons import upstream_reason
+from idemproxy.proxy.routing import Route, upstream_origin
 from idemproxy.proxy.server.body import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.sink import abort
+from idemproxy.proxy.server.trace import Trace
 from idemproxy.proxy.server.whole import AsSentResponse, AsSentStreamResponse
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
 from idemproxy.proxy.upstream.target import forwarded_headers, upstream_url
@@ -27,7 +29,12 @@ SMALL_BODY = 64 * 1024
 
 
 async def passthrough(
-    ctx: ProxyContext, request: web.Request, route: Route, body: RequestBody | None = None
+    ctx: ProxyContext,
+    request: web.Request,
+    route: Route,
+    body: RequestBody | None = None,
+    *,
+    trace: Trace,
 ) -> web.StreamResponse:
     """Forward untracked. Small bodies of known length go in one write each way; anything
     else streams, so memory stays bounded whatever the size."""
@@ -68,11 +75,24 @@ async def passthrough(
             await _stream(ctx, request, response, upstream)
             return response
     except UpstreamFailure as failure:
+        reason = upstream_reason(failure)
+        trace.failed(route.upstream, reason)
         if response is not None and response.prepared:
             # Not raised: aiohttp would log a traceback at ERROR for every upstream that cuts off.
-            log.warning("pass-through cut off mid-response: %s", failure.reason)
+            log.warning(
+                "pass-through from %s cut off mid-response (%s): %s",
+                upstream_origin(route.upstream),
+                reason,
+                failure.reason,
+            )
             abort(request, response)
             return response
+        log.warning(
+            "pass-through to %s failed (%s): %s",
+            upstream_origin(route.upstream),
+            reason,
+            failure.reason,
+        )
         _, problem = classify_failure(failure.failure)  # the answer a governed request gets
         return problem_response(problem(), profile=ctx.settings.profile)
 

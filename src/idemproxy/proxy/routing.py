@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from urllib.parse import unquote
 
+from yarl import URL
+
 from idemproxy import constants as c
 from idemproxy.config import RouteSettings, Settings
 from idemproxy.config_upstream import UpstreamHeaderSettings
@@ -52,6 +54,13 @@ def host_name(host: str) -> str:
     else:
         name = host.rpartition(":")[0] if ":" in host else host
     return unquote(name).lower().removesuffix(".")
+
+
+@functools.lru_cache(maxsize=256)
+def upstream_origin(upstream: str) -> str:
+    """`scheme://host:port` of a configured upstream URL: the `upstream` log field and metric
+    label, bounded by the configuration and without its path or credentials (SPEC §13)."""
+    return str(URL(upstream).origin())
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,8 @@ from idemproxy.metrics import AttemptOutcome, UpstreamOutcome
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.lease import KeptLease
 from idemproxy.proxy.jobs.request import GovernedRequest
+from idemproxy.proxy.reasons import FailureReason, upstream_reason
+from idemproxy.proxy.routing import upstream_origin
 from idemproxy.proxy.server.capture import Captured, answer, capture, tee
 from idemproxy.proxy.server.sink import ClientSink
 from idemproxy.proxy.server.whole import AsSentStreamResponse
@@ -94,6 +96,7 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
     headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
     headers[ATTEMPT_HEADER] = str(attempt.number)
     url = upstream_url(attempt.upstream, request)
+    governed.trace.upstream = attempt.upstream
     started = time.perf_counter()
     try:
         async with (
@@ -113,6 +116,7 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
             ended = upstream.finished_at or time.perf_counter()
             _observe_upstream(
                 ctx,
+                attempt,
                 started,
                 UpstreamOutcome.FAILED if isinstance(step, Failed) else UpstreamOutcome.ANSWERED,
                 ended,
@@ -120,7 +124,8 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
             return step
     except UpstreamFailure as failure:
         outcome, problem = classify_failure(failure.failure)
-        _observe_upstream(ctx, started, UpstreamOutcome(outcome.value))
+        _observe_upstream(ctx, attempt, started, UpstreamOutcome(outcome.value))
+        _log_failure(governed, attempt, failure)
         return await _fail(ctx, attempt, Failed(outcome, None, failure.reason, problem))
     except asyncio.CancelledError:
         # Cut off by shutdown: the request may have reached the upstream (SPEC §3.2).
@@ -164,6 +169,7 @@ async def _finish_captured(
             content = await captured.content() if captured.whole else None
             broken = gate.contract.violations(upstream.status, content)
             if broken:
+                governed.trace.failed(attempt.upstream, FailureReason.CONTRACT)
                 captured.close()
                 return await _fail(ctx, attempt, _breach(attempt, upstream.status, broken))
         if captured.whole:
@@ -182,6 +188,19 @@ async def _capture(ctx: ProxyContext, upstream: UpstreamResponse) -> Captured:
     if declared is not None and declared > limit and upstream.method != "HEAD":
         return Captured(ctx.budget)
     return await capture(upstream, limit, ctx.budget)
+
+
+def _log_failure(governed: GovernedRequest, attempt: AttemptRun, failure: UpstreamFailure) -> None:
+    reason = upstream_reason(failure)
+    governed.trace.failed(attempt.upstream, reason)
+    log.warning(
+        "job %s attempt %d on %s failed (%s): %s",
+        attempt.job.id,
+        attempt.number,
+        upstream_origin(attempt.upstream),
+        reason,
+        failure.reason,
+    )
 
 
 def _breach(attempt: AttemptRun, status: int, broken: list[str]) -> Failed:
@@ -375,10 +394,15 @@ def count_failed(ctx: ProxyContext, failed: Failed) -> None:
 
 
 def _observe_upstream(
-    ctx: ProxyContext, started: float, outcome: UpstreamOutcome, ended: float | None = None
+    ctx: ProxyContext,
+    attempt: AttemptRun,
+    started: float,
+    outcome: UpstreamOutcome,
+    ended: float | None = None,
 ) -> None:
     finished = time.perf_counter() if ended is None else ended
-    ctx.metrics.upstream_outcome[outcome].observe(finished - started)
+    by_outcome = ctx.metrics.upstream_call[upstream_origin(attempt.upstream)]
+    by_outcome[outcome].observe(finished - started)
 
 
 async def settle(ctx: ProxyContext, attempt: AttemptRun, failed: Failed) -> None:

@@ -55,6 +55,7 @@ class GuardedHandler(web.RequestHandler):
         *,
         loop: asyncio.AbstractEventLoop,
         header_timeout: float,
+        server_token: str,
         request_handler: RequestHandler | None = None,
         on_closed: Callable[[], None] | None = None,
         **kwargs: Any,
@@ -66,6 +67,7 @@ class GuardedHandler(web.RequestHandler):
         self._make_request = self._request_factory
         self._request_factory = self._with_head_writer
         self._header_timeout = header_timeout
+        self._server_token = server_token  # the Server field of the proxy's own answers
         self._head_deadline = Deadline(loop, self._head_timed_out)  # one timer (deadline.py)
         self._serving = False  # the head of the current request was read; its handler runs
         self._head_started = False  # bytes of the next head arrived since the last response
@@ -133,7 +135,11 @@ class GuardedHandler(web.RequestHandler):
             # so that the client sends its next request elsewhere (RFC 9112 §9.6).
             resp.force_close()
         try:
-            whole = None if self._upgraded else serialise_whole(request, resp)
+            whole = (
+                None
+                if self._upgraded
+                else serialise_whole(request, resp, server_token=self._server_token)
+            )
             if whole is None:
                 return await super().finish_response(request, resp, start_time)
             return await self._write_whole(request, resp, start_time, whole)
@@ -343,6 +349,7 @@ class GuardedSite(web.BaseSite):
         # arguments and the app's handler_args), plus the deadline and the header-count bound.
         kwargs = {**server._kwargs, "max_headers": self._settings.max_headers}
         header_timeout = self._settings.header_read_timeout
+        server_token = self._settings.server_token
         app = self._app_runner.app
         handler = direct_handler(app)
         limits = self._limits
@@ -352,6 +359,7 @@ class GuardedSite(web.BaseSite):
                 server,
                 loop=loop,
                 header_timeout=header_timeout,
+                server_token=server_token,
                 request_handler=handler,
                 on_closed=closed,
                 **kwargs,

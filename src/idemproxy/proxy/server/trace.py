@@ -1,7 +1,10 @@
-"""One record per request: its outcome for the metrics and its log line (SPEC §13).
+"""One record per request: its outcome and duration for the metrics and its log line (SPEC §13).
 
-The log line carries the job id, the attempt number, a prefix of the owner hash and the
-outcome; never a body, a key's credential or a header value.
+The log line carries the method, the path (its query string only when `log_query` is set, and
+then with secret-looking values masked), the route's prefix, the upstream's origin, the job id,
+the attempt number, a prefix of the owner hash, the outcome and, for a failure, a `reason` of a
+closed set (proxy/reasons.py); never a body, a key's credential or a header value. The field
+names are stable: docs/operations.md, Logs, lists them.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from idemproxy.constants import ANONYMOUS_OWNER
 from idemproxy.errors import (
     BodyTooLarge,
     ClientDisconnected,
@@ -30,7 +35,15 @@ from idemproxy.errors import (
     StoreUnavailable,
     TooManyWaiters,
 )
-from idemproxy.metrics import Metrics, RequestOutcome
+from idemproxy.metrics import UNROUTED, Metrics, RequestOutcome
+from idemproxy.proxy.reasons import FailureReason
+from idemproxy.proxy.routing import upstream_origin
+from idemproxy.redact import redact_query
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from idemproxy.proxy.routing import Route
 
 log = logging.getLogger("idemproxy.requests")
 # Read on every request, so bound once: a member read off its enum class costs CPython 3.11
@@ -38,6 +51,10 @@ log = logging.getLogger("idemproxy.requests")
 _NEW, _HELD, _REPLAYED = RequestOutcome.NEW, RequestOutcome.HELD, RequestOutcome.REPLAYED
 _PASSTHROUGH, _REJECTED = RequestOutcome.PASSTHROUGH, RequestOutcome.REJECTED
 _OWNER_PREFIX = 8
+_STORE = FailureReason.STORE
+# A reason is logged with an answer that reports a failure: a failed attempt that a fallback
+# made good is no failure of the request.
+_FAILED_STATUS = 500
 _PROBLEM_OUTCOMES: dict[type[ProblemError], RequestOutcome] = {
     PayloadMismatch: RequestOutcome.MISMATCH,
     RequestInFlight: RequestOutcome.IN_FLIGHT_CONFLICT,
@@ -65,6 +82,13 @@ class Trace:
     attempt: int | None = None
     held: bool = False
     started: float = field(default_factory=time.perf_counter)
+    request: web.BaseRequest | None = None
+    route: Route | None = None
+    upstream: str | None = None  # the configured URL of the last upstream called
+    reason: FailureReason | None = None
+
+    def failed(self, upstream: str, reason: FailureReason) -> None:
+        self.upstream, self.reason = upstream, reason
 
     def ran(self, job_id: str, attempt: int) -> None:
         self.outcome, self.job_id, self.attempt = _NEW, job_id, attempt
@@ -75,26 +99,38 @@ class Trace:
             self.outcome = _HELD if self.held else _REPLAYED
 
     def problem(self, error: ProblemError) -> None:
+        if isinstance(error, StoreUnavailable):
+            self.reason = _STORE
         if self.outcome != _NEW:
             self.outcome = _PROBLEM_OUTCOMES.get(type(error), _REJECTED)
 
 
-def record(metrics: Metrics, trace: Trace, status: int, *, log_requests: bool) -> None:
-    metrics.request_outcome[trace.outcome].inc()
-    if not log_requests or trace.outcome == _PASSTHROUGH or not log.isEnabledFor(logging.INFO):
+def record(
+    metrics: Metrics,
+    trace: Trace,
+    status: int,
+    *,
+    log_requests: bool,
+    access_log: bool = False,
+    log_query: bool = False,
+) -> None:
+    """Count the request, observe its duration and log its line: `log_requests` for governed
+    requests, `access_log` for pass-through ones."""
+    elapsed = time.perf_counter() - trace.started
+    outcome = trace.outcome
+    metrics.request_outcome[outcome].inc()
+    route = trace.route
+    metrics.request_route[UNROUTED if route is None else route.prefix][outcome].observe(elapsed)
+    if not (access_log if outcome == _PASSTHROUGH else log_requests):
         return
-    fields = {
-        "outcome": trace.outcome,
-        "status": status,
-        "job": trace.job_id,
-        "attempt": trace.attempt,
-        "owner": trace.owner[:_OWNER_PREFIX] if trace.owner else None,
-        "ms": round((time.perf_counter() - trace.started) * 1000, 2),
-    }
+    if not log.isEnabledFor(logging.INFO):
+        return
+    fields = _fields(trace, status, elapsed, log_query)
     # What `log.info` does, minus its walk up the stack for the caller: it is always this
     # function. The message is joined when a handler formats it, once, not here.
+    line = _Line(fields, "passthrough" if outcome == _PASSTHROUGH else "governed")
     if logging.getLogRecordFactory() is logging.LogRecord:
-        log.handle(_RequestRecord(_Line(fields), fields))
+        log.handle(_RequestRecord(line, fields))
     else:  # a factory of someone else's (OpenTelemetry's, say) must see every record
         log.handle(
             log.makeRecord(
@@ -102,13 +138,46 @@ def record(metrics: Metrics, trace: Trace, status: int, *, log_requests: bool) -
                 logging.INFO,
                 __file__,
                 _LINE,
-                _Line(fields),
+                line,
                 (),
                 None,
                 "record",
                 {"fields": fields},
             )
         )
+
+
+def _fields(trace: Trace, status: int, elapsed: float, log_query: bool) -> dict[str, object]:
+    request, route, owner = trace.request, trace.route, trace.owner
+    upstream = trace.upstream
+    if upstream is None and route is not None and trace.outcome == _PASSTHROUGH:
+        upstream = route.upstream
+    return {
+        "outcome": trace.outcome,
+        "status": status,
+        "method": None if request is None else request.method,
+        "path": None if request is None else _path(request, log_query),
+        "route": None if route is None else route.prefix,
+        "upstream": None if upstream is None else upstream_origin(upstream),
+        "job": trace.job_id,
+        "attempt": trace.attempt,
+        "owner": _owner(owner) if owner else None,
+        "ms": round(elapsed * 1000, 2),
+        "reason": trace.reason if status >= _FAILED_STATUS else None,
+    }
+
+
+def _path(request: web.BaseRequest, log_query: bool) -> str:
+    url = request.rel_url
+    query = url.raw_query_string
+    if not log_query or not query:
+        return url.raw_path
+    return f"{url.raw_path}?{redact_query(query)}"
+
+
+def _owner(owner: str) -> str:
+    """A prefix of the owner hash: enough to correlate, not enough to identify (SPEC §5)."""
+    return owner if owner == ANONYMOUS_OWNER else owner[:_OWNER_PREFIX]
 
 
 class _RequestRecord(logging.LogRecord):
@@ -137,16 +206,17 @@ class _RequestRecord(logging.LogRecord):
 class _Line:
     """The plain message, `governed outcome=new status=201 …` (docs/operations.md, Logs)."""
 
-    __slots__ = ("_fields", "_text")
+    __slots__ = ("_fields", "_kind", "_text")
 
-    def __init__(self, fields: dict[str, object]) -> None:
+    def __init__(self, fields: dict[str, object], kind: str) -> None:
         self._fields = fields
+        self._kind = kind
         self._text: str | None = None
 
     def __str__(self) -> str:
         if self._text is None:  # every handler's formatter asks for it
             pairs = [f"{name}={value}" for name, value in self._fields.items() if value is not None]
-            self._text = "governed " + " ".join(pairs)
+            self._text = f"{self._kind} " + " ".join(pairs)
         return self._text
 
 

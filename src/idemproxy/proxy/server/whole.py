@@ -20,9 +20,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import HttpVersion10, HttpVersion11, hdrs, web
+from aiohttp import HttpVersion, HttpVersion10, HttpVersion11, hdrs, web
 from aiohttp.helpers import rfc822_formatted_time
-from aiohttp.http import SERVER_SOFTWARE
 from multidict import CIMultiDict
 
 from idemproxy.proxy.server.head import serialise_head
@@ -50,14 +49,17 @@ class WholeResponse:
         return [view[start : start + _PIECE] for start in range(0, len(view), _PIECE)]
 
 
-def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> WholeResponse | None:
+def serialise_whole(
+    request: web.BaseRequest, response: web.StreamResponse, *, server_token: str
+) -> WholeResponse | None:
     """The bytes aiohttp would send for `response`, or None where its usual path must run.
 
     Adds, as aiohttp does (`Response._start`, `StreamResponse._prepare_headers`):
     Content-Length, Content-Type `application/octet-stream` for a non-empty body without one
-    (RFC 9110 §8.3) unless the fields are an upstream's (`AsSentResponse`), Date, Server, and
+    (RFC 9110 §8.3) unless the fields are an upstream's (`AsSentResponse`), Date, and
     `Connection: keep-alive` (HTTP/1.0) or `close` (HTTP/1.1) where the connection's persistence
-    differs from the version's default (RFC 9112 §9.3).
+    differs from the version's default (RFC 9112 §9.3). Server is `server_token` on the proxy's
+    own answers (none when empty), and on an upstream's only what the upstream sent.
     """
     if not isinstance(response, web.Response) or type(response) not in _WHOLE or response.prepared:
         return None
@@ -82,21 +84,28 @@ def serialise_whole(request: web.BaseRequest, response: web.StreamResponse) -> W
     if keep_alive is None:
         keep_alive = request.keep_alive
     headers[hdrs.CONTENT_LENGTH] = str(len(body))
-    if body and not isinstance(response, AsSentResponse):
+    own = not isinstance(response, AsSentResponse)
+    if body and own:
         headers.setdefault(hdrs.CONTENT_TYPE, "application/octet-stream")
     if hdrs.DATE not in headers:
         headers[hdrs.DATE] = rfc822_formatted_time()
-    headers.setdefault(hdrs.SERVER, SERVER_SOFTWARE)
-    if keep_alive:
-        if version == HttpVersion10:
-            headers[hdrs.CONNECTION] = "keep-alive"
-    elif version == HttpVersion11:
-        headers[hdrs.CONNECTION] = "close"
+    if server_token and own:
+        headers.setdefault(hdrs.SERVER, server_token)
+    _persistence(headers, version, keep_alive)
     status_line = f"HTTP/{version.major}.{version.minor} {response.status} {response.reason}"
     head = serialise_head(status_line, headers)
     if len(body) > ONE_WRITE_BODY:
         return WholeResponse(head, keep_alive, body)
     return WholeResponse(head + body, keep_alive)
+
+
+def _persistence(headers: CIMultiDict[str], version: HttpVersion, keep_alive: bool) -> None:
+    """RFC 9112 §9.3: say so where the connection's persistence is not the version's default."""
+    if keep_alive:
+        if version == HttpVersion10:
+            headers[hdrs.CONNECTION] = "keep-alive"
+    elif version == HttpVersion11:
+        headers[hdrs.CONNECTION] = "close"
 
 
 def _framed(headers: CIMultiDict[str]) -> bool:
@@ -120,11 +129,35 @@ async def _prepare_as_sent(
 ) -> None:
     """aiohttp's header preparation, without the Content-Type it invents for a body that has
     none: an upstream's answer without one reaches the client without one (RFC 9110 §8.3: the
-    recipient may then inspect the body; `application/octet-stream` would tell it not to)."""
-    invented = hdrs.CONTENT_TYPE not in response.headers
+    recipient may then inspect the body; `application/octet-stream` would tell it not to).
+    Nor the Server it invents: the upstream's, or none (`Python/3.11 aiohttp/3.14.5` would
+    advertise the proxy's versions as the upstream's)."""
+    headers = response.headers
+    invented = hdrs.CONTENT_TYPE not in headers
+    unnamed = hdrs.SERVER not in headers
     await prepare()
     if invented:
-        response.headers.popall(hdrs.CONTENT_TYPE, None)
+        headers.popall(hdrs.CONTENT_TYPE, None)
+    if unnamed:
+        headers.popall(hdrs.SERVER, None)
+
+
+def own_server_header(
+    server_token: str,
+) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """`on_response_prepare`: the proxy's own answers that take aiohttp's path (not
+    `serialise_whole`'s) name the server `server_token`, or nothing when it is empty, instead
+    of aiohttp's `Python/x aiohttp/y`. An upstream's answer keeps what it sent."""
+
+    async def name_server(_request: web.Request, response: web.StreamResponse) -> None:
+        if isinstance(response, AsSentResponse | AsSentStreamResponse):
+            return
+        if server_token:
+            response.headers[hdrs.SERVER] = server_token
+        else:
+            response.headers.popall(hdrs.SERVER, None)
+
+    return name_server
 
 
 class AsSentStreamResponse(web.StreamResponse):
