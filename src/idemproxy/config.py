@@ -308,6 +308,17 @@ class LimitsSettings(BaseModel):
     backlog: int = Field(default=c.DEFAULT_BACKLOG, gt=0)
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry traces (`pip install 'idemproxy[otel]'`, docs/operations.md, Tracing). The
+    exporter, its endpoint, the sampler and the resource come from the standard `OTEL_*`
+    environment variables, as for any other OpenTelemetry SDK."""
+
+    model_config = _STRICT
+    enabled: bool = False
+    # Seconds the shutdown waits, after the drain, for the spans still queued to be exported.
+    flush_timeout: float = Field(default=5.0, ge=0)
+
+
 class SweeperSettings(BaseModel):
     model_config = _STRICT
     interval: float = Field(default=60.0, gt=0)
@@ -388,6 +399,7 @@ class Settings(BaseSettings):
     log_format: Literal["plain", "json"] = "plain"
     # One log line per governed request: outcome, job id, attempt, owner hash prefix, status.
     log_requests: bool = True
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -21,6 +21,9 @@ from idemproxy.proxy.server.budget import ResponseBudget
 from idemproxy.proxy.server.replay import SharedBodies
 from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.store.base import Store
+
+if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
+    from idemproxy.proxy.tracing import Tracing
 
 
 @dataclass(slots=True)
@@ -51,6 +54,8 @@ class ProxyContext:
     # A graceful shutdown began: no new claims, held duplicates answer (proxy/drain.py).
     draining: bool = False
     drained: bool = False
+    # OpenTelemetry spans (proxy/tracing.py); None when `tracing.enabled` is off.
+    tracing: Tracing | None = None
 
     @classmethod
     def build(
@@ -61,6 +66,7 @@ class ProxyContext:
         failpoints: Failpoints | None = None,
         metrics: Metrics | None = None,
         owner: OwnerPolicy | None = None,
+        tracing: Tracing | None = None,
     ) -> ProxyContext:
         """`owner` is built from `settings.owner` when not given (identity/owner.py)."""
         failpoints = failpoints or Failpoints(None)
@@ -84,6 +90,7 @@ class ProxyContext:
             unwritten=UnwrittenOutcomes(store, metrics.unwritten_outcome),
             budget=budget,
             replays=_replays(budget, metrics),
+            tracing=tracing,
         )
 
 

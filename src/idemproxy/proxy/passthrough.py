@@ -6,6 +6,8 @@ import logging
 from collections.abc import AsyncIterable
 
 from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
 
 from idemproxy.core.attempts import classify_failure
 from idemproxy.http.headers import response_headers_for_client
@@ -45,14 +47,26 @@ async def passthrough(
     else:
         data = request.content.iter_any() if request.body_exists else None
         length = request.content_length
+    url = upstream_url(route.upstream, request)
+    headers = forwarded_headers(request, ctx.settings.trusted_proxies)
+    forwarding = _forward(ctx, request, url, headers, data, length)
+    if ctx.tracing is not None:  # its traceparent joins `headers` before they are sent
+        return await ctx.tracing.forward(request.method, url, headers, forwarding)
+    return await forwarding
+
+
+async def _forward(
+    ctx: ProxyContext,
+    request: web.Request,
+    url: URL,
+    headers: CIMultiDict[str],
+    data: bytes | AsyncIterable[bytes] | None,
+    length: int | None,
+) -> web.StreamResponse:
     response: web.StreamResponse | None = None  # only a streamed answer needs one
     try:
         async with ctx.upstream.request(
-            request.method,
-            upstream_url(route.upstream, request),
-            forwarded_headers(request, ctx.settings.trusted_proxies),
-            data,
-            content_length=length,
+            request.method, url, headers, data, content_length=length
         ) as upstream:
             # Only a body that arrived whole with its head goes out in one write; one still on
             # its way streams, so the client gets the head and what came at once, as it would
