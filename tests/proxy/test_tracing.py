@@ -80,12 +80,12 @@ def children(exporter: InMemorySpanExporter, parent: ReadableSpan) -> list[Reada
 
 def span_id(span: ReadableSpan) -> int:
     assert span.context is not None
-    return span.context.span_id
+    return int(span.context.span_id)
 
 
 def trace_id(span: ReadableSpan) -> int:
     assert span.context is not None
-    return span.context.trace_id
+    return int(span.context.trace_id)
 
 
 def attributes(span: ReadableSpan) -> dict[str, Any]:
