@@ -5,13 +5,17 @@ upstream gets. All tests run on SQLite and PostgreSQL (`store_dsn`)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -313,3 +317,32 @@ async def test_with_tracing_off_the_upstream_gets_no_trace_header_of_the_proxy(
     first, second = raw_upstream.heads
     assert b"traceparent" not in first.lower()
     assert f"traceparent: {CLIENT_TRACEPARENT}\r\n".encode() in second
+
+
+class _StuckExporter(SpanExporter):
+    """A collector that never answers: each export waits until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.release.wait(10)
+        return SpanExportResult.SUCCESS
+
+
+async def test_the_flush_at_shutdown_waits_no_longer_than_its_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    exporter = _StuckExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    tracing = Tracing(provider, flush_timeout=0.2)
+    provider.get_tracer("test").start_span("queued").end()
+    began = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="idemproxy.proxy.tracing"):
+            await tracing.shutdown()
+        assert time.monotonic() - began < 2.0
+        assert "unexported after 0.2s" in caplog.text
+    finally:
+        exporter.release.set()
