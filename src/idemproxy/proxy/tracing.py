@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -49,13 +49,32 @@ from yarl import URL
 
 from idemproxy import __version__
 from idemproxy.constants import ANONYMOUS_OWNER, ERROR_HEADER
+from idemproxy.core.attempts import Outcome
 from idemproxy.core.types import Claimed, ClaimResult, JobState
 from idemproxy.errors import ConfigError, ProblemError
-from idemproxy.proxy.jobs.attempt import Failed, Step
 from idemproxy.proxy.server.trace import Trace
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class HandedBack(Protocol):
+    """An attempt that ended without a result and left its job to the next one (`Failed`,
+    proxy/jobs/attempt.py)."""
+
+    @property
+    def outcome(self) -> Outcome: ...
+    @property
+    def status(self) -> int | None: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def problem(self) -> type[ProblemError]: ...
+
+
+# What an attempt ends with (`Step`, proxy/jobs/attempt.py): the client's response, a hand-back,
+# or None when another attempt completed the job first.
+Attempted = TypeVar("Attempted", bound="web.StreamResponse | HandedBack | None")
 Attributes = dict[str, AttributeValue]
 
 SERVICE = "idemproxy"
@@ -171,8 +190,8 @@ class Tracing:
         url: URL,
         headers: CIMultiDict[str],
         ids: tuple[str, int],
-        forwarding: Awaitable[Step],
-    ) -> Step:
+        forwarding: Awaitable[Attempted],
+    ) -> Attempted:
         """The client span of one upstream attempt; its `traceparent` goes upstream in `headers`
         (not yet sent: `forwarding` has not started)."""
         job_id, number = ids
@@ -325,22 +344,23 @@ def _client_attributes(method: str, url: URL) -> Attributes:
     return attributes
 
 
-def _attempted(span: Span, step: Step) -> None:
+def _attempted(span: Span, step: web.StreamResponse | HandedBack | None) -> None:
     if step is None:  # another attempt completed the job first: this result was discarded
         span.set_attribute("idemproxy.won", False)
         return
-    if isinstance(step, Failed):  # handed back: the next upstream, or another racer, answers
-        span.set_attribute(OUTCOME, step.outcome.value)
-        if step.status is not None:
-            span.set_attribute("http.response.status_code", step.status)
-            _errored(span, str(step.status))
-        else:
-            span.set_attribute(PROBLEM, step.problem.code)
-            _errored(span, step.problem.code)
-        if step.error is not None:
-            span.set_attribute("idemproxy.error", step.error)
+    if isinstance(step, web.StreamResponse):
+        _client_answered(span, step)
         return
-    _client_answered(span, step)
+    # Handed back: the next upstream, or another racer, answers.
+    span.set_attribute(OUTCOME, step.outcome.value)
+    if step.status is not None:
+        span.set_attribute("http.response.status_code", step.status)
+        _errored(span, str(step.status))
+    else:
+        span.set_attribute(PROBLEM, step.problem.code)
+        _errored(span, step.problem.code)
+    if step.error is not None:
+        span.set_attribute("idemproxy.error", step.error)
 
 
 def _client_answered(span: Span, response: web.StreamResponse) -> None:
