@@ -24,6 +24,7 @@ problem code. Never a body, a header value, a query string or a key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -230,7 +231,9 @@ class Tracing:
             try:
                 self._provider.shutdown()
             finally:
-                loop.call_soon_threadsafe(_resolve, done)
+                # The loop may have gone on without it (the bound passed) and closed since.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(_resolve, done)
 
         threading.Thread(target=shut_down, name="idemproxy-tracing-shutdown", daemon=True).start()
         try:
