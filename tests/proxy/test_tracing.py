@@ -291,6 +291,8 @@ async def test_a_problem_answer_carries_its_code(
     claim, attempt = children(exporter, server)
     assert claim.name == "idemproxy.claim"
     assert attributes(attempt)["idemproxy.problem"] == "upstream-unavailable"
+    assert str(attributes(attempt)["idemproxy.error"]).startswith("connect failed")
+    assert attributes(attempt)["idemproxy.outcome"] == "release"
     assert attempt.status.status_code is StatusCode.ERROR
     [settle] = children(exporter, attempt)
     assert settle.name == "idemproxy.settle"
@@ -346,3 +348,18 @@ async def test_the_flush_at_shutdown_waits_no_longer_than_its_timeout(
         assert "unexported after 0.2s" in caplog.text
     finally:
         exporter.release.set()
+
+
+async def test_a_pass_through_to_an_upstream_that_refuses_says_why(
+    traced: Traced, exporter: InMemorySpanExporter
+) -> None:
+    client = await traced(upstream=f"http://127.0.0.1:{closed_port()}")
+    async with client.get("/items") as response:
+        assert response.status == 502
+    await finished(exporter, 1)
+
+    [server] = servers(exporter)
+    [forwarded] = children(exporter, server)
+    assert str(attributes(forwarded)["idemproxy.error"]).startswith("connect failed")
+    assert attributes(forwarded)["idemproxy.problem"] == "upstream-unavailable"
+    assert forwarded.status.status_code is StatusCode.ERROR

@@ -79,6 +79,8 @@ async def _forward(
             await _stream(ctx, request, response, upstream)
             return response
     except UpstreamFailure as failure:
+        if ctx.tracing is not None:
+            ctx.tracing.upstream_failed(failure.reason)
         if response is not None and response.prepared:
             # Not raised: aiohttp would log a traceback at ERROR for every upstream that cuts off.
             log.warning("pass-through cut off mid-response: %s", failure.reason)

@@ -218,6 +218,14 @@ class Tracing:
             _client_answered(span, response)
             return response
 
+    def upstream_failed(self, reason: str, outcome: Outcome | None = None) -> None:
+        """On the client span: why the upstream gave no (whole) answer (connect failed,
+        timeout, reset), and what that makes of a governed attempt."""
+        span = trace.get_current_span()
+        span.set_attribute("idemproxy.error", reason)
+        if outcome is not None:
+            span.set_attribute(OUTCOME, outcome.value)
+
     async def shutdown(self) -> None:
         """Export what is still queued, waiting at most `flush_timeout` (after the drain).
 

@@ -126,6 +126,8 @@ async def _forward(
     except UpstreamFailure as failure:
         outcome, problem = classify_failure(failure.failure)
         _observe_upstream(ctx, started, UpstreamOutcome(outcome.value))
+        if ctx.tracing is not None:
+            ctx.tracing.upstream_failed(failure.reason, outcome)
         return await _fail(ctx, attempt, Failed(outcome, None, failure.reason, problem))
     except asyncio.CancelledError:
         # Cut off by shutdown: the request may have reached the upstream (SPEC §3.2).
