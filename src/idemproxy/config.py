@@ -354,6 +354,17 @@ class LimitsSettings(BaseModel):
     backlog: int = Field(default=c.DEFAULT_BACKLOG, gt=0)
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry traces (`pip install 'idemproxy[otel]'`, docs/operations.md, Tracing). The
+    exporter, its endpoint, the sampler and the resource come from the standard `OTEL_*`
+    environment variables, as for any other OpenTelemetry SDK."""
+
+    model_config = _STRICT
+    enabled: bool = False
+    # Seconds the shutdown waits, after the drain, for the spans still queued to be exported.
+    flush_timeout: Duration = Field(default=5.0, ge=0)
+
+
 class SweeperSettings(BaseModel):
     model_config = _STRICT
     interval: Duration = Field(default=60.0, gt=0)
@@ -455,6 +466,7 @@ class Settings(BaseSettings):
     access_log: bool = False
     # The query string in the `path` field, with secret-looking parameters masked (redact.py).
     log_query: bool = False
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 
@@ -29,13 +29,16 @@ from idemproxy.errors import ListenFailed
 from idemproxy.identity.owner import OwnerPolicy, log_owner_hint
 from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
-from idemproxy.proxy.app import create_app
+from idemproxy.proxy.app import create_app, tracing_from_settings
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import close_connections, drain, start_draining
 from idemproxy.proxy.server.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store, shown_store
 from idemproxy.workers.role import WorkerRole
+
+if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
+    from idemproxy.proxy.tracing import Tracing
 
 log = logging.getLogger("idemproxy")
 T = TypeVar("T")
@@ -60,23 +63,29 @@ def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = No
 async def run_server(
     settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = None
 ) -> None:
+    # Before the store is opened: tracing asked for without its packages stops the start.
+    tracing = tracing_from_settings(settings)
     store = serving_store(settings)  # SPEC §11: with Redis and the in-process replay cache
     await store.open()
     try:
         if settings.migrate:
             await store.migrate()
-        await _serve_until_signalled(settings, owner, store, worker)
+        await _serve_until_signalled(settings, owner, store, worker, tracing)
     finally:
         await store.close()
 
 
 async def _serve_until_signalled(
-    settings: Settings, owner: OwnerPolicy, store: Store, worker: WorkerRole | None
+    settings: Settings,
+    owner: OwnerPolicy,
+    store: Store,
+    worker: WorkerRole | None,
+    tracing: Tracing | None,
 ) -> None:
     readiness = Readiness()
     metrics = Metrics()
     proxy = web.AppRunner(
-        create_app(settings, store=store, metrics=metrics, owner=owner),
+        create_app(settings, store=store, metrics=metrics, owner=owner, tracing=tracing),
         access_log=None,  # one log line per request costs more than the proxy itself
         handler_cancellation=False,  # SPEC §2: a client hanging up cancels nothing
         keepalive_timeout=settings.server.keepalive_timeout,

@@ -6,15 +6,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from idemproxy.config import Settings
+from idemproxy.errors import ConfigError
 from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.metrics import Metrics, refresh_gauges, watch_store
 from idemproxy.proxy.background.orphans import take_over_forever
 from idemproxy.proxy.background.sweeper import sweep_forever
-from idemproxy.proxy.context import CONTEXT, ProxyContext
+from idemproxy.proxy.context import CONTEXT, ProxyContext, Services
 from idemproxy.proxy.drain import drain
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.handler import expect_continue, handle
@@ -28,6 +30,9 @@ from idemproxy.proxy.upstream.dial import Dialing
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
 
+if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
+    from idemproxy.proxy.tracing import Tracing
+
 log = logging.getLogger(__name__)
 
 
@@ -37,10 +42,12 @@ def create_app(
     store: Store | None = None,
     metrics: Metrics | None = None,
     owner: OwnerPolicy | None = None,
+    tracing: Tracing | None = None,
 ) -> web.Application:
     """The proxy app. An injected `store` is owned (opened, migrated, closed) by the caller;
     `metrics` are shared with the admin listener that serves them; `owner`, when not given, is
-    built from `settings.owner` as the app starts."""
+    built from `settings.owner` as the app starts, and so is `tracing` from `settings.tracing`
+    (`tracing_from_settings`). The app shuts its tracing down after the drain."""
     app = web.Application(
         handler_args={
             "max_line_size": settings.server.max_line_size,
@@ -51,7 +58,7 @@ def create_app(
             "auto_decompress": False,
         },
     )
-    app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics(), owner))
+    app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics(), owner, tracing))
     app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
     app.on_response_prepare.append(close_when_closing)  # SPEC §8: a drain's heads say so
     app.on_response_prepare.append(own_server_header(settings.server.server_token))
@@ -59,8 +66,29 @@ def create_app(
     return app
 
 
+def tracing_from_settings(settings: Settings) -> Tracing | None:
+    """OpenTelemetry tracing when `tracing.enabled` is set, else None; only then is anything of
+    opentelemetry imported. Without the extra installed that is a start-up error."""
+    if not settings.tracing.enabled:
+        return None
+    try:
+        from idemproxy.proxy.tracing import Tracing
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] != "opentelemetry":
+            raise
+        raise ConfigError(
+            "tracing: tracing.enabled needs the OpenTelemetry packages: "
+            "pip install 'idemproxy[otel]'"
+        ) from exc
+    return Tracing.from_environment(flush_timeout=settings.tracing.flush_timeout)
+
+
 def _lifecycle(
-    settings: Settings, injected: Store | None, metrics: Metrics, owner: OwnerPolicy | None
+    settings: Settings,
+    injected: Store | None,
+    metrics: Metrics,
+    owner: OwnerPolicy | None,
+    tracing: Tracing | None,
 ) -> Callable[[web.Application], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -72,7 +100,11 @@ def _lifecycle(
             upstream = _upstream_client(settings, failpoints, metrics)
             await upstream.open()
             stack.push_async_callback(upstream.close)
-            ctx = ProxyContext.build(settings, store, upstream, failpoints, metrics, owner)
+            spans = tracing if tracing is not None else tracing_from_settings(settings)
+            if spans is not None:
+                stack.push_async_callback(spans.shutdown)  # after the drain: its last spans
+            services = Services(failpoints, metrics, owner, spans)
+            ctx = ProxyContext.build(settings, store, upstream, services)
             # After the drain, before the store.
             stack.push_async_callback(ctx.unsent.close)
             stack.push_async_callback(ctx.unwritten.close)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -21,6 +21,21 @@ from idemproxy.proxy.server.budget import ResponseBudget
 from idemproxy.proxy.server.replay import SharedBodies
 from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.store.base import Store
+
+if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
+    from idemproxy.proxy.tracing import Tracing
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """What the process gives every context it builds, injected so that tests pass their own:
+    the owner policy, when not given, is built from `settings.owner` (identity/owner.py), and
+    no tracing means none."""
+
+    failpoints: Failpoints | None = None
+    metrics: Metrics | None = None
+    owner: OwnerPolicy | None = None
+    tracing: Tracing | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +66,8 @@ class ProxyContext:
     # A graceful shutdown began: no new claims, held duplicates answer (proxy/drain.py).
     draining: bool = False
     drained: bool = False
+    # OpenTelemetry spans (proxy/tracing.py); None when `tracing.enabled` is off.
+    tracing: Tracing | None = None
 
     @classmethod
     def build(
@@ -58,13 +75,13 @@ class ProxyContext:
         settings: Settings,
         store: Store,
         upstream: UpstreamClient,
-        failpoints: Failpoints | None = None,
-        metrics: Metrics | None = None,
-        owner: OwnerPolicy | None = None,
+        services: Services | None = None,
     ) -> ProxyContext:
-        """`owner` is built from `settings.owner` when not given (identity/owner.py)."""
-        failpoints = failpoints or Failpoints(None)
-        metrics = metrics or Metrics()
+        """The context of one process; what `services` leaves out is made here."""
+        services = services or Services()
+        failpoints = services.failpoints or Failpoints(None)
+        metrics = services.metrics or Metrics()
+        owner, tracing = services.owner, services.tracing
         budget = _budget(settings, metrics)
         return cls(
             settings=settings,
@@ -84,6 +101,7 @@ class ProxyContext:
             unwritten=UnwrittenOutcomes(store, metrics.unwritten_outcome),
             budget=budget,
             replays=_replays(budget, metrics),
+            tracing=tracing,
         )
 
 

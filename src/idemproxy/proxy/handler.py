@@ -39,7 +39,10 @@ async def handle(request: web.Request) -> web.StreamResponse:
     trace = Trace(request=request)
     ctx.requests_in_flight += 1
     try:
-        response = await _route(ctx, request, trace)
+        routing = _route(ctx, request, trace)
+        if ctx.tracing is not None:
+            routing = ctx.tracing.serve(request, trace, routing)
+        response = await routing
     finally:
         ctx.requests_in_flight -= 1
     response = only_response(ctx.metrics, request, response)

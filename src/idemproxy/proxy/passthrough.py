@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterable
+from dataclasses import dataclass
 
 from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
 
 from idemproxy.core.attempts import classify_failure
 from idemproxy.http.headers import response_headers_for_client
@@ -52,16 +55,37 @@ async def passthrough(
     else:
         data = request.content.iter_any() if request.body_exists else None
         length = request.content_length
+    url = upstream_url(route.upstream, request)
+    edits = route.header_edits.get(route.upstream, ())
+    headers = forwarded_headers(request, ctx.settings.trusted_proxies, edits)
+    forwarding = _forward(ctx, request, route, trace, _Outgoing(url, headers, data, length))
+    if ctx.tracing is not None:  # its traceparent joins `headers` before they are sent
+        return await ctx.tracing.forward(request.method, url, headers, forwarding)
+    return await forwarding
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    """What goes upstream: where, with which headers (a traceparent may still join them) and
+    which body."""
+
+    url: URL
+    headers: CIMultiDict[str]
+    data: bytes | AsyncIterable[bytes] | None
+    length: int | None
+
+
+async def _forward(
+    ctx: ProxyContext, request: web.Request, route: Route, trace: Trace, outgoing: _Outgoing
+) -> web.StreamResponse:
     response: web.StreamResponse | None = None  # only a streamed answer needs one
     try:
         async with ctx.upstream.request(
             request.method,
-            upstream_url(route.upstream, request),
-            forwarded_headers(
-                request, ctx.settings.trusted_proxies, route.header_edits.get(route.upstream, ())
-            ),
-            data,
-            content_length=length,
+            outgoing.url,
+            outgoing.headers,
+            outgoing.data,
+            content_length=outgoing.length,
             timeout=route.upstream_timeout,
         ) as upstream:
             # Only a body that arrived whole with its head goes out in one write; one still on
@@ -77,6 +101,8 @@ async def passthrough(
     except UpstreamFailure as failure:
         reason = upstream_reason(failure)
         trace.failed(route.upstream, reason)
+        if ctx.tracing is not None:
+            ctx.tracing.upstream_failed(failure.reason)
         if response is not None and response.prepared:
             # Not raised: aiohttp would log a traceback at ERROR for every upstream that cuts off.
             log.warning(

@@ -18,6 +18,7 @@ from typing import assert_never
 
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
+from yarl import URL
 
 from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, STREAMING_MEDIA_TYPES
 from idemproxy.core.attempts import (
@@ -87,7 +88,7 @@ Step = web.StreamResponse | Failed | None
 
 
 async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
-    ctx, request, body = governed.ctx, governed.request, governed.body
+    ctx, request = governed.ctx, governed.request
     job = attempt.job
     route = governed.route
     headers = forwarded_headers(
@@ -97,6 +98,18 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
     headers[ATTEMPT_HEADER] = str(attempt.number)
     url = upstream_url(attempt.upstream, request)
     governed.trace.upstream = attempt.upstream
+    forwarding = _forward(governed, attempt, url, headers)
+    if ctx.tracing is not None:  # its traceparent joins `headers` before they are sent
+        ids = (job.id, attempt.number)
+        return await ctx.tracing.attempt(request.method, url, headers, ids, forwarding)
+    return await forwarding
+
+
+async def _forward(
+    governed: GovernedRequest, attempt: AttemptRun, url: URL, headers: CIMultiDict[str]
+) -> Step:
+    ctx, request, body = governed.ctx, governed.request, governed.body
+    job = attempt.job
     started = time.perf_counter()
     try:
         async with (
@@ -107,7 +120,7 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
                 headers,
                 body.payload(),
                 content_length=body.size,
-                timeout=route.upstream_timeout,
+                timeout=governed.route.upstream_timeout,
             ) as upstream,
         ):
             step = await _on_response(governed, attempt, upstream)
@@ -126,6 +139,8 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
         outcome, problem = classify_failure(failure.failure)
         _observe_upstream(ctx, attempt, started, UpstreamOutcome(outcome.value))
         _log_failure(governed, attempt, failure)
+        if ctx.tracing is not None:
+            ctx.tracing.upstream_failed(failure.reason, outcome)
         return await _fail(ctx, attempt, Failed(outcome, None, failure.reason, problem))
     except asyncio.CancelledError:
         # Cut off by shutdown: the request may have reached the upstream (SPEC §3.2).
@@ -375,8 +390,11 @@ async def completed(
     ctx: ProxyContext, attempt: AttemptRun, stored: StoredResponse, ttl: float
 ) -> bool:
     """The completion CAS (SPEC §1); a losing result is discarded, counted and logged."""
+    completing = ctx.store.complete(attempt.job, attempt.number, stored, ttl=ttl)
+    if ctx.tracing is not None:
+        completing = ctx.tracing.complete(attempt.job.id, attempt.number, completing)
     try:
-        won = await ctx.store.complete(attempt.job, attempt.number, stored, ttl=ttl)
+        won = await completing
     except StoreUnavailable as exc:
         ctx.unwritten.completion(attempt.job, attempt.number, stored, ttl)
         raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
@@ -408,10 +426,13 @@ def _observe_upstream(
 async def settle(ctx: ProxyContext, attempt: AttemptRun, failed: Failed) -> None:
     count_failed(ctx, failed)
     state = settled_state(failed.outcome)
+    settling = ctx.store.settle(
+        attempt.job, attempt.number, state, status=failed.status, error=failed.error
+    )
+    if ctx.tracing is not None:
+        settling = ctx.tracing.settle(attempt.job.id, attempt.number, state, settling)
     try:
-        won = await ctx.store.settle(
-            attempt.job, attempt.number, state, status=failed.status, error=failed.error
-        )
+        won = await settling
     except StoreUnavailable as exc:
         ctx.unwritten.settlement(attempt.job, attempt.number, state, failed.status, failed.error)
         raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc

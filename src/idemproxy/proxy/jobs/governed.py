@@ -86,6 +86,8 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
         match decision:
             case Replay(stored):
                 governed.trace.replayed(job.id)
+                if ctx.tracing is not None:
+                    ctx.tracing.replay(job.id, stored.status)
                 return replay_response(job.id, stored, ctx.replays)
             case Reject(problem):
                 raise problem()
@@ -108,7 +110,10 @@ async def _act(
     match decision:
         case Hold():
             governed.trace.held = True
-            return await _hold(governed, job, deadline, ran)
+            holding = _hold(governed, job, deadline, ran)
+            if ctx.tracing is not None:
+                holding = ctx.tracing.hold(job.id, holding)
+            return await holding
         case TakeOver():
             await ctx.store.take_over(job)  # winners and losers alike re-read the job
             return await _reread(governed, ran)
@@ -186,10 +191,13 @@ async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False
     ctx, route, intent = governed.ctx, governed.route, governed.intent
     _refuse_if_draining(ctx)
     job_id = new_job_id()
+    claiming = ctx.store.claim(
+        intent, job_id, route.upstream, ttl=route.ttl, lease=ctx.settings.lease
+    )
+    if ctx.tracing is not None:
+        claiming = ctx.tracing.claim(claiming)
     try:
-        return await ctx.store.claim(
-            intent, job_id, route.upstream, ttl=route.ttl, lease=ctx.settings.lease
-        )
+        return await claiming
     except StoreUnavailable:
         # The store may still commit it (a stalled server): a job nobody runs. Unless the
         # request goes upstream anyway, nothing was forwarded under it, so it may be released.
