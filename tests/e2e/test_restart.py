@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 async def test_double_click_executes_once_and_survives_a_restart(
     tmp_path: Path, backend: Backend, start_proxy: StartProxy
 ) -> None:
-    store = f"sqlite:///{tmp_path}/data/idemproxy.db"  # an absolute path; data/ does not exist yet
+    # An absolute path, in a directory of its own (a missing one is a start-up error).
+    (tmp_path / "data").mkdir()
+    store = f"sqlite:///{tmp_path}/data/idemproxy.db"
     args = ("--upstream", backend.url, "--store", store)
     proxy = await start_proxy(*args)
     key = "checkout-7"

@@ -444,8 +444,10 @@ async def test_the_last_racers_own_response_reaches_the_client(
 async def test_hedging_brings_in_one_more_upstream_per_hedge_after(
     proxy: ProxyFactory, start_upstream: StartUpstream, jobs: Store
 ) -> None:
-    first = await start_upstream("first", delay=1.0)
-    second = await start_upstream("second", delay=1.0)
+    # The third answers at about 0.35 s; the first two not before 2 s, a margin a loaded CI
+    # machine needs for the third to start in time.
+    first = await start_upstream("first", delay=2.0)
+    second = await start_upstream("second", delay=2.0)
     third = await start_upstream("third", delay=0.05)
     client = await proxy(upstream=first.url, fallbacks=[second.url, third.url], hedge_after=0.15)
 

@@ -5,7 +5,7 @@ Each test starts its own `redis-server` on a free loopback port, with persistenc
 (`--save "" --appendonly no`) and its files in the test's `tmp_path`, so that it can be
 stopped, restarted and paused (SIGSTOP) freely; the shared server on 6379 is never touched.
 Without `redis-server` on PATH these tests are skipped, saying so, except where every test must
-run (IDEMPROXY_REQUIRE_ALL_TESTS=1, as CI sets it): there they fail.
+run (IDEMPROXY_TEST_REQUIRE_ALL=1, as CI sets it): there they fail.
 
 No `__init__.py` here on purpose: a `redis` package under tests/ would shadow redis-py.
 """

@@ -1,6 +1,6 @@
 """What to do when a tool or server a test needs is missing: skip, saying what is missing and
 how to get it, so that a contributor with a bare clone can run the rest; or, where everything
-is meant to run (CI sets IDEMPROXY_REQUIRE_ALL_TESTS=1), fail."""
+is meant to run (CI sets IDEMPROXY_TEST_REQUIRE_ALL=1), fail."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import NoReturn
 
 import pytest
 
-REQUIRE_ALL = "IDEMPROXY_REQUIRE_ALL_TESTS"
+REQUIRE_ALL = "IDEMPROXY_TEST_REQUIRE_ALL"
 
 
 def required_everywhere() -> bool:
