@@ -363,3 +363,21 @@ async def test_a_pass_through_to_an_upstream_that_refuses_says_why(
     assert str(attributes(forwarded)["idemproxy.error"]).startswith("connect failed")
     assert attributes(forwarded)["idemproxy.problem"] == "upstream-unavailable"
     assert forwarded.status.status_code is StatusCode.ERROR
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    # A non-ASCII Host is the proxy's own 400 (header-invalid), not a failure of the span.
+    [("shop:\u00b2", 400), ("shop:99999999999999999999", 201), ("shop:65536", 201)],
+)
+async def test_a_host_whose_port_is_no_port_is_answered_and_spanned_without_it(
+    traced: Traced, exporter: InMemorySpanExporter, host: str, status: int
+) -> None:
+    client = await traced()
+    async with client.get("/items", headers={"Host": host}) as response:
+        assert response.status == status
+    await finished(exporter, 1)
+
+    [server] = servers(exporter)
+    assert attributes(server)["server.address"] == host
+    assert "server.port" not in attributes(server)

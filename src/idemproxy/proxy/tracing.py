@@ -91,6 +91,8 @@ _KNOWN_METHODS = frozenset(
     ("CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE")
 )
 _PROTOCOLS = ("http/protobuf", "grpc")
+_MAX_PORT = 65535
+_PORT_DIGITS = 5
 
 
 class Tracing:
@@ -313,13 +315,24 @@ def _server_attributes(request: web.Request) -> Attributes:
         "network.protocol.version": f"{request.version.major}.{request.version.minor}",
     }
     host, _, port = request.host.rpartition(":")
-    if host and port.isdigit() and not request.host.endswith("]"):
+    # The Host header is the client's: only an ASCII port within RFC 793's range is a port
+    # (`"²".isdigit()` holds but int() refuses it; a huge one overflows OTLP's int64).
+    if host and _is_port(port) and not request.host.endswith("]"):
         attributes["server.address"], attributes["server.port"] = host.strip("[]"), int(port)
     else:
         attributes["server.address"] = request.host.strip("[]")
     if request.remote:
         attributes["client.address"] = request.remote
     return attributes
+
+
+def _is_port(text: str) -> bool:
+    return (
+        0 < len(text) <= _PORT_DIGITS
+        and text.isascii()
+        and text.isdigit()
+        and int(text) <= _MAX_PORT
+    )
 
 
 def _answered(span: Span, record: Trace, response: web.StreamResponse) -> None:
