@@ -381,3 +381,46 @@ async def test_a_host_whose_port_is_no_port_is_answered_and_spanned_without_it(
     [server] = servers(exporter)
     assert attributes(server)["server.address"] == host
     assert "server.port" not in attributes(server)
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "garbage",
+        f"00-{CLIENT_TRACE.upper()}-{CLIENT_SPAN.upper()}-01",
+        f"00-{'0' * 32}-{CLIENT_SPAN}-01",
+    ],
+)
+@pytest.mark.parametrize("method", ["POST", "GET"])
+async def test_an_unparseable_traceparent_restarts_the_trace_without_the_clients_tracestate(
+    traced: Traced,
+    exporter: InMemorySpanExporter,
+    ledger: Ledger,
+    traceparent: str,
+    method: str,
+) -> None:
+    client = await traced()
+    headers = {KEY: "restarted", "traceparent": traceparent, "tracestate": "vendor=theirs"}
+    async with client.request(method, "/payments", data=b"pay", headers=headers) as response:
+        assert response.status == 201
+    await finished(exporter, 1)
+
+    [server] = servers(exporter)
+    assert server.parent is None  # a new trace, not the client's
+    [execution] = ledger.executions
+    forwarded = next(s for s in exporter.get_finished_spans() if s.kind is SpanKind.CLIENT)
+    assert execution.header("traceparent") == traceparent_of(forwarded)
+    assert [k for k, _ in execution.headers if k.lower() == "tracestate"] == []
+
+
+async def test_a_continued_trace_sends_its_tracestate_once(
+    traced: Traced, exporter: InMemorySpanExporter, ledger: Ledger
+) -> None:
+    client = await traced()
+    headers = {KEY: "joined", "traceparent": CLIENT_TRACEPARENT, "tracestate": "vendor=theirs"}
+    async with client.post("/payments", data=b"pay", headers=headers) as response:
+        assert response.status == 201
+    await finished(exporter, 1)
+
+    [execution] = ledger.executions
+    assert [v for k, v in execution.headers if k.lower() == "tracestate"] == ["vendor=theirs"]

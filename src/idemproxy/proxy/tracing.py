@@ -91,6 +91,8 @@ _KNOWN_METHODS = frozenset(
     ("CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE")
 )
 _PROTOCOLS = ("http/protobuf", "grpc")
+# The W3C Trace Context fields (`traceparent`, `tracestate`): the proxy's, once it traces.
+_TRACE_CONTEXT_FIELDS = frozenset(("traceparent", "tracestate"))
 _MAX_PORT = 65535
 _PORT_DIGITS = 5
 
@@ -201,7 +203,7 @@ class Tracing:
         attributes = _client_attributes(method, url)
         attributes[JOB_ID], attributes[ATTEMPT] = job_id, number
         with self._client(method, attributes) as span:
-            self._propagator.inject(headers)
+            self._send_context(headers)
             step = await _failing(span, forwarding)
             _attempted(span, step)
             return step
@@ -215,7 +217,7 @@ class Tracing:
     ) -> web.StreamResponse:
         """The client span of a pass-through request (SPEC §2.5)."""
         with self._client(method, _client_attributes(method, url)) as span:
-            self._propagator.inject(headers)
+            self._send_context(headers)
             response = await _failing(span, forwarding)
             _client_answered(span, response)
             return response
@@ -253,6 +255,16 @@ class Tracing:
                 "tracing: spans still unexported after %.1fs at shutdown are dropped",
                 self._flush_timeout,
             )
+
+    def _send_context(self, headers: CIMultiDict[str]) -> None:
+        """The current span's context into the headers going upstream, in place of the client's.
+
+        The client's `tracestate` belongs to the client's `traceparent`: continued, the
+        propagator writes it again; unparseable, the trace restarts here and W3C Trace Context
+        §4.3 has it deleted, not sent along with a trace it never described."""
+        for name in _TRACE_CONTEXT_FIELDS & self._propagator.fields:
+            headers.popall(name, None)
+        self._propagator.inject(headers)
 
     def _step(self, name: str, attributes: Attributes | None = None) -> _SpanScope:
         return _SpanScope(
