@@ -7,7 +7,8 @@ store DSN, a Redis URL or an upstream URL goes through `redact_url`.
 
 from __future__ import annotations
 
-from urllib.parse import parse_qsl, urlencode, urlsplit
+import re
+from urllib.parse import unquote_plus, urlsplit
 
 MASK = "***"
 # Query parameters whose value is a credential (compared lower-cased). `sslkey` and `sslcert`
@@ -27,8 +28,28 @@ SECRET_PARAMETERS = frozenset(
         "authorization",
         "api_key",
         "apikey",
+        "sig",
+        "key",
+        "code",
     }
 )
+# Fragments of a secret parameter's name (compared lower-cased, `-` and `.` read as `_`).
+_SECRET_FRAGMENTS = (
+    "pass",
+    "pwd",
+    "secret",
+    "token",
+    "auth",
+    "signature",
+    "credential",
+    "session",
+    "api_key",
+    "apikey",
+    "private",
+)
+# Names of files, not secrets (libpq's): readable though they hold a fragment above or "key".
+_READABLE_PARAMETERS = frozenset({"sslkey", "sslcert", "sslrootcert", "sslcrl", "sslcrldir"})
+_QUERY_SEPARATORS = re.compile("[&;]")
 
 
 def redact_url(url: str) -> str:
@@ -51,14 +72,38 @@ def redact_url(url: str) -> str:
 
 
 def redact_query(query: str) -> str:
-    """A URL's query with the value of every secret-looking parameter masked."""
+    """A URL's query with the value of every secret-looking parameter masked.
+
+    Pairs are split at `&` and at `;` (servers that still take the HTML 4 separator read
+    `a=1;token=x` as two pairs), a name is compared percent-decoded, and every other byte of the
+    query is kept as it came."""
     if not query:
         return query
-    pairs = parse_qsl(query, keep_blank_values=True)
-    if not any(name.lower() in SECRET_PARAMETERS for name, _ in pairs):
+    pieces = _QUERY_SEPARATORS.split(query)
+    masked = [_masked(piece) for piece in pieces]
+    if masked == pieces:
         return query
-    masked = [(n, MASK if n.lower() in SECRET_PARAMETERS else v) for n, v in pairs]
-    return urlencode(masked, safe="*/:")
+    separators = _QUERY_SEPARATORS.findall(query)
+    out = [masked[0]]
+    for separator, piece in zip(separators, masked[1:], strict=True):
+        out += (separator, piece)
+    return "".join(out)
+
+
+def is_secret_parameter(name: str) -> bool:
+    """A parameter whose value is a credential: a known name, or one containing a fragment of
+    one (`client_secret`, `refresh_token`, `X-Amz-Signature`, `x-api-key`, `sig`)."""
+    folded = name.strip().lower().replace("-", "_").replace(".", "_")
+    if folded in _READABLE_PARAMETERS:
+        return False
+    return folded in SECRET_PARAMETERS or any(f in folded for f in _SECRET_FRAGMENTS)
+
+
+def _masked(piece: str) -> str:
+    raw_name, equals, _ = piece.partition("=")
+    if not is_secret_parameter(unquote_plus(raw_name)):
+        return piece
+    return f"{raw_name}={MASK}" if equals else piece
 
 
 def _scheme_only(url: str) -> str:

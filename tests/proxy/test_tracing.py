@@ -363,3 +363,64 @@ async def test_a_pass_through_to_an_upstream_that_refuses_says_why(
     assert str(attributes(forwarded)["idemproxy.error"]).startswith("connect failed")
     assert attributes(forwarded)["idemproxy.problem"] == "upstream-unavailable"
     assert forwarded.status.status_code is StatusCode.ERROR
+
+
+@pytest.mark.parametrize(
+    ("host", "status"),
+    # A non-ASCII Host is the proxy's own 400 (header-invalid), not a failure of the span.
+    [("shop:\u00b2", 400), ("shop:99999999999999999999", 201), ("shop:65536", 201)],
+)
+async def test_a_host_whose_port_is_no_port_is_answered_and_spanned_without_it(
+    traced: Traced, exporter: InMemorySpanExporter, host: str, status: int
+) -> None:
+    client = await traced()
+    async with client.get("/items", headers={"Host": host}) as response:
+        assert response.status == status
+    await finished(exporter, 1)
+
+    [server] = servers(exporter)
+    assert attributes(server)["server.address"] == host
+    assert "server.port" not in attributes(server)
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        "garbage",
+        f"00-{CLIENT_TRACE.upper()}-{CLIENT_SPAN.upper()}-01",
+        f"00-{'0' * 32}-{CLIENT_SPAN}-01",
+    ],
+)
+@pytest.mark.parametrize("method", ["POST", "GET"])
+async def test_an_unparseable_traceparent_restarts_the_trace_without_the_clients_tracestate(
+    traced: Traced,
+    exporter: InMemorySpanExporter,
+    ledger: Ledger,
+    traceparent: str,
+    method: str,
+) -> None:
+    client = await traced()
+    headers = {KEY: "restarted", "traceparent": traceparent, "tracestate": "vendor=theirs"}
+    async with client.request(method, "/payments", data=b"pay", headers=headers) as response:
+        assert response.status == 201
+    await finished(exporter, 1)
+
+    [server] = servers(exporter)
+    assert server.parent is None  # a new trace, not the client's
+    [execution] = ledger.executions
+    forwarded = next(s for s in exporter.get_finished_spans() if s.kind is SpanKind.CLIENT)
+    assert execution.header("traceparent") == traceparent_of(forwarded)
+    assert [k for k, _ in execution.headers if k.lower() == "tracestate"] == []
+
+
+async def test_a_continued_trace_sends_its_tracestate_once(
+    traced: Traced, exporter: InMemorySpanExporter, ledger: Ledger
+) -> None:
+    client = await traced()
+    headers = {KEY: "joined", "traceparent": CLIENT_TRACEPARENT, "tracestate": "vendor=theirs"}
+    async with client.post("/payments", data=b"pay", headers=headers) as response:
+        assert response.status == 201
+    await finished(exporter, 1)
+
+    [execution] = ledger.executions
+    assert [v for k, v in execution.headers if k.lower() == "tracestate"] == ["vendor=theirs"]

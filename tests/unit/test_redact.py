@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from idemproxy.redact import redact_url
+from idemproxy.redact import redact_query, redact_url
 
 CASES = [
     ("postgresql://app:s3cret@db:5432/idem", "postgresql://app:***@db:5432/idem"),
@@ -29,3 +29,25 @@ CASES = [
 @pytest.mark.parametrize(("url", "shown"), CASES)
 def test_every_credential_is_masked_and_the_rest_kept(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+QUERIES = [
+    # Names a signed URL, OAuth or an API gateway uses for a credential.
+    (
+        "sig=S&client_secret=C&X-Amz-Signature=A&refresh_token=R&x-api-key=K&key=K2&page=2",
+        "sig=***&client_secret=***&X-Amz-Signature=***&refresh_token=***&x-api-key=***"
+        "&key=***&page=2",
+    ),
+    # `;` separates pairs for servers that take the HTML 4 separator.
+    ("a=1;token=T&b=2", "a=1;token=***&b=2"),
+    # A percent-encoded or repeated name is still the name.
+    ("%74oken=E&token=1&token=2", "%74oken=***&token=***&token=***"),
+    # Everything else is kept byte for byte, undecodable escapes included.
+    ("y=%zz&q=a+b&flag", "y=%zz&q=a+b&flag"),
+    ("sslkey=/k.pem&sslcert=/c.pem", "sslkey=/k.pem&sslcert=/c.pem"),
+]
+
+
+@pytest.mark.parametrize(("query", "shown"), QUERIES)
+def test_every_secret_looking_query_value_is_masked(query: str, shown: str) -> None:
+    assert redact_query(query) == shown

@@ -91,6 +91,10 @@ _KNOWN_METHODS = frozenset(
     ("CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "TRACE")
 )
 _PROTOCOLS = ("http/protobuf", "grpc")
+# The W3C Trace Context fields (`traceparent`, `tracestate`): the proxy's, once it traces.
+_TRACE_CONTEXT_FIELDS = frozenset(("traceparent", "tracestate"))
+_MAX_PORT = 65535
+_PORT_DIGITS = 5
 
 
 class Tracing:
@@ -199,7 +203,7 @@ class Tracing:
         attributes = _client_attributes(method, url)
         attributes[JOB_ID], attributes[ATTEMPT] = job_id, number
         with self._client(method, attributes) as span:
-            self._propagator.inject(headers)
+            self._send_context(headers)
             step = await _failing(span, forwarding)
             _attempted(span, step)
             return step
@@ -213,7 +217,7 @@ class Tracing:
     ) -> web.StreamResponse:
         """The client span of a pass-through request (SPEC §2.5)."""
         with self._client(method, _client_attributes(method, url)) as span:
-            self._propagator.inject(headers)
+            self._send_context(headers)
             response = await _failing(span, forwarding)
             _client_answered(span, response)
             return response
@@ -251,6 +255,16 @@ class Tracing:
                 "tracing: spans still unexported after %.1fs at shutdown are dropped",
                 self._flush_timeout,
             )
+
+    def _send_context(self, headers: CIMultiDict[str]) -> None:
+        """The current span's context into the headers going upstream, in place of the client's.
+
+        The client's `tracestate` belongs to the client's `traceparent`: continued, the
+        propagator writes it again; unparseable, the trace restarts here and W3C Trace Context
+        §4.3 has it deleted, not sent along with a trace it never described."""
+        for name in _TRACE_CONTEXT_FIELDS & self._propagator.fields:
+            headers.popall(name, None)
+        self._propagator.inject(headers)
 
     def _step(self, name: str, attributes: Attributes | None = None) -> _SpanScope:
         return _SpanScope(
@@ -313,13 +327,24 @@ def _server_attributes(request: web.Request) -> Attributes:
         "network.protocol.version": f"{request.version.major}.{request.version.minor}",
     }
     host, _, port = request.host.rpartition(":")
-    if host and port.isdigit() and not request.host.endswith("]"):
+    # The Host header is the client's: only an ASCII port within RFC 793's range is a port
+    # (`"²".isdigit()` holds but int() refuses it; a huge one overflows OTLP's int64).
+    if host and _is_port(port) and not request.host.endswith("]"):
         attributes["server.address"], attributes["server.port"] = host.strip("[]"), int(port)
     else:
         attributes["server.address"] = request.host.strip("[]")
     if request.remote:
         attributes["client.address"] = request.remote
     return attributes
+
+
+def _is_port(text: str) -> bool:
+    return (
+        0 < len(text) <= _PORT_DIGITS
+        and text.isascii()
+        and text.isdigit()
+        and int(text) <= _MAX_PORT
+    )
 
 
 def _answered(span: Span, record: Trace, response: web.StreamResponse) -> None:
