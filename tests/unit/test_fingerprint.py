@@ -23,7 +23,17 @@ from idemproxy.identity.fingerprint import (
     parse_pointer,
 )
 
-H = FingerprintedHead
+
+def H(
+    method: str,
+    path: str,
+    query: str,
+    content_type: str | None = None,
+    content_encoding: str | None = None,
+) -> FingerprintedHead:
+    return (method, path, query, content_type, content_encoding)
+
+
 JSON = "application/json"
 BODY = b'{"amount": 100, "currency": "EUR", "meta": {"nonce": "n-1", "at": "2024-01-01"}}'
 
@@ -38,9 +48,7 @@ def fp(
     exclude: tuple[str, ...] = (),
     encoding: str | None = None,
 ) -> str:
-    return fingerprint(
-        FingerprintedHead(method, path, query, content_type, encoding), body, exclude
-    )
+    return fingerprint(H(method, path, query, content_type, encoding), body, exclude)
 
 
 def test_fingerprint_is_a_sha256_hex_digest_and_deterministic() -> None:

@@ -7,7 +7,7 @@ import json
 import re
 from collections.abc import Iterator, Sequence
 from json.encoder import encode_basestring
-from typing import Any, NamedTuple
+from typing import Any
 
 from idemproxy.errors import ConfigError
 
@@ -17,15 +17,10 @@ _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-class FingerprintedHead(NamedTuple):
-    """What of a request's head the fingerprint hashes (SPEC §6): its method, target and the
-    two headers that say what its body is."""
-
-    method: str
-    path: str
-    query: str
-    content_type: str | None = None
-    content_encoding: str | None = None
+# What of a request's head the fingerprint hashes (SPEC §6): its method, path and query, and the
+# two headers that say what its body is, `Content-Type` and `Content-Encoding`. A plain tuple,
+# built on every governed request: a NamedTuple's constructor is a Python call of its own.
+FingerprintedHead = tuple[str, str, str, str | None, str | None]
 
 
 def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence[str] = ()) -> str:
@@ -35,7 +30,7 @@ def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence
     JSON pointers removed, so that semantically equal JSON matches. Every field is length-prefixed
     so that no two different requests can produce the same hashed byte stream.
     """
-    return fingerprint_of_digest(head, body_digest(head.content_type, body, exclude_pointers))
+    return fingerprint_of_digest(head, body_digest(head[3], body, exclude_pointers))
 
 
 def body_digest(
@@ -54,9 +49,9 @@ def fingerprint_of_digest(head: FingerprintedHead, body_sha256: bytes) -> str:
     are to the backend (`gzip` is decoded, no coding is taken as it is): hashed as one more
     field, only when there is one, so that a request without it fingerprints as it always did.
     """
-    media_type = fingerprinted_media_type(head.content_type)
-    fields = [head.method.upper(), head.path, head.query, media_type]
-    if codings := _codings(head.content_encoding):
+    method, path, query, content_type, content_encoding = head
+    fields = [method.upper(), path, query, fingerprinted_media_type(content_type)]
+    if codings := _codings(content_encoding):
         fields.append(codings)
     stream = bytearray()  # hashed in one call: the same bytes as one update per part
     for text in fields:

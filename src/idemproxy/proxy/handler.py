@@ -167,8 +167,12 @@ async def _identify(
     content_type = request.headers.get(hdrs.CONTENT_TYPE)
     # Every field, in order (RFC 9110 §5.3: a list may be split over several).
     content_encoding = ",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
-    head = FingerprintedHead(
-        request.method, url.raw_path, url.raw_query_string, content_type, content_encoding
+    head: FingerprintedHead = (
+        request.method,
+        url.raw_path,
+        url.raw_query_string,
+        content_type,
+        content_encoding,
     )
     if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
         digest = fingerprint_of_digest(head, body.raw_sha256)

@@ -84,13 +84,16 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
         decision = decide(job, fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
         # The answers are given here, without a coroutine of their own: a replay is the hot path.
         match decision:
-            case Replay(stored):
+            # Class patterns without captures: a capture makes CPython build a set of the
+            # attribute names (match_class), on every replay.
+            case Replay():
+                stored = decision.response
                 governed.trace.replayed(job.id)
                 if ctx.tracing is not None:
                     ctx.tracing.replay(job.id, stored.status)
                 return replay_response(job.id, stored, ctx.replays)
-            case Reject(problem):
-                raise problem()
+            case Reject():
+                raise decision.problem()
             case _:
                 result = await _act(governed, job, decision, deadline=deadline, ran=ran)
     raise RequestInFlight()
