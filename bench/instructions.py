@@ -40,7 +40,8 @@ import common
 import registry
 import tools
 
-DATABASE = "idemproxy_bench_instructions"
+# One per run: two runs at once must not drop each other's database under their proxies.
+DATABASE = f"idemproxy_bench_instructions_{os.getpid()}"
 # The names of --only, and the scenarios of bench/run whose wrk scripts they send (registry.py).
 _MEASURED = {"passthrough": "passthrough", "new": "new-pg", "replay": "replay-pg"}
 SCENARIOS = {name: registry.SCENARIOS[scenario].script for name, scenario in _MEASURED.items()}
