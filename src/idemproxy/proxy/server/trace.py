@@ -23,6 +23,7 @@ from idemproxy.errors import (
     HeaderInvalid,
     KeyInvalid,
     KeyMissing,
+    KeyNotFound,
     NoRoute,
     OutcomeUnknown,
     OwnerMissing,
@@ -71,6 +72,7 @@ _PROBLEM_OUTCOMES: dict[type[ProblemError], RequestOutcome] = {
     RequestTimeout: RequestOutcome.REJECTED,
     ClientDisconnected: RequestOutcome.REJECTED,
     NoRoute: RequestOutcome.REJECTED,
+    KeyNotFound: RequestOutcome.STATUS_LOOKUP,
 }
 
 
