@@ -40,11 +40,18 @@ async def fulfil(request: web.Request) -> web.Response:
     return web.json_response({"shipped": event["id"], "execution": len(ledger)})
 
 
-def sample_receiver() -> web.Application:
+async def show_ledger(request: web.Request) -> web.Response:
+    return web.json_response(request.app[LEDGER])
+
+
+def sample_receiver(_argv: list[str] | None = None) -> web.Application:
+    """Also runnable on its own, for docs/webhooks.md:
+    `python -m aiohttp.web -H 127.0.0.1 -P 3000 idemproxy.demo_webhooks:sample_receiver`."""
     app = web.Application()
     app[LEDGER] = []
     app.router.add_post("/hooks/stripe", fulfil)
     app.router.add_post("/hooks/acme", fulfil)
+    app.router.add_get("/ledger", show_ledger)
     return app
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
 from typing import Any
 
@@ -266,3 +267,21 @@ async def test_a_webhook_route_answers_no_status_lookup(
     ) as response:
         await assert_problem(response, "key-not-found", 404)
     assert ledger.count() == 1
+
+
+async def test_log_lines_name_the_sender_and_count_refusals_as_rejected(
+    proxy: ProxyFactory, backend_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="idemproxy.requests")
+    client = await receiver(proxy, backend_url)
+    body = stripe_event("evt_logged")
+    assert (await deliver(client, "/hooks/stripe", body, stripe_headers(STRIPE_SECRET, body)))[
+        0
+    ] == 201
+    assert (await deliver(client, "/hooks/stripe", body, {}))[0] == 401
+    fields = [r.fields for r in caplog.records if r.name == "idemproxy.requests"]  # type: ignore[attr-defined]
+    assert [(f["outcome"], f["owner"]) for f in fields] == [
+        ("new", "webhook:stripe"),
+        ("rejected", None),
+    ]
+    assert STRIPE_SECRET not in caplog.text
