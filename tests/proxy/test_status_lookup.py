@@ -142,3 +142,14 @@ async def test_a_route_with_a_key_source_looks_the_value_up_with_its_prefix(
         document = await response.json()
     assert (document["key"], document["state"]) == ("order:A-9", "completed")
     assert ledger.count() == 1
+
+
+async def test_an_expired_job_is_not_found(proxy: ProxyFactory, ledger: Ledger) -> None:
+    """Past its ttl the key is free again (SPEC §11): the lookup says so, not its old state."""
+    client = await proxy(status_header=STATUS, ttl=0.5)
+    async with client.post("/payments", data=b"pay", headers={KEY: "k7", **ALICE}) as response:
+        assert response.status == 201
+    assert (await lookup(client, "k7", **ALICE))[0] == 200
+    await asyncio.sleep(1.2)
+    assert (await lookup(client, "k7", **ALICE))[0] == 404
+    assert ledger.count() == 1
