@@ -18,12 +18,12 @@ from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owner
 from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
-from idemproxy.proxy.intent import governed_body, intent_of
+from idemproxy.proxy.intent import intent_of
 from idemproxy.proxy.jobs.governed import handle_governed
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route, routable_path
-from idemproxy.proxy.server.body import RequestBody
+from idemproxy.proxy.server.body import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.host import valid_host
 from idemproxy.proxy.server.listener import head_read
@@ -168,5 +168,11 @@ async def _identify(
 ) -> tuple[Intent, RequestBody]:
     """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call."""
     owner = derive_owner(ctx.owner, request.headers)
-    body = await governed_body(ctx, request)
+    # read_body itself, not governed_body: one coroutine less on every governed request.
+    body = await read_body(
+        request,
+        limit=ctx.settings.max_request_body,
+        timeout=ctx.settings.server.body_read_timeout,
+        spool_threshold=ctx.settings.server.spool_threshold,
+    )
     return intent_of(ctx, request, owner, key, body), body
