@@ -117,3 +117,23 @@ async def test_a_prefix_alone_keeps_the_key_header(
     await post(client, "/v2/pay", b"{}", **{KEY: "k1"})
     await post(client, "/v1/pay", b"{}", **{KEY: "k1"})  # the default route: no prefix
     assert sorted(j.key for j in await jobs.list_jobs()) == ["k1", "v2:k1"]
+
+
+async def test_a_body_larger_than_the_spool_threshold_still_names_its_key(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    client = await proxy(
+        server={"spool_threshold": 1024},
+        routes=[
+            {
+                "prefix": "/orders",
+                "upstream": backend_url,
+                "key": {"pointer": "/order_id", "prefix": "order:"},
+            }
+        ],
+    )
+    body = json.dumps({"order_id": "L-1", "lines": ["x" * 100] * 100}).encode()
+    assert await post(client, "/orders", body) == (201, False)
+    assert await post(client, "/orders", body) == (201, True)
+    assert ledger.count() == 1
+    assert [j.key for j in await jobs.list_jobs()] == ["order:L-1"]

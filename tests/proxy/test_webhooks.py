@@ -8,6 +8,7 @@ import base64
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -285,3 +286,24 @@ async def test_log_lines_name_the_sender_and_count_refusals_as_rejected(
         ("rejected", None),
     ]
     assert STRIPE_SECRET not in caplog.text
+
+
+async def test_a_large_chunked_delivery_is_verified_whole_and_replayed(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger
+) -> None:
+    """Beyond `server.spool_threshold` a body would go to a spool file; a webhook route keeps it
+    in memory to verify it, and a chunked one is verified over its decoded bytes."""
+    client = await receiver(proxy, backend_url, server={"spool_threshold": 1024})
+    body = json.dumps({"id": "evt_large", "data": {"object": {"note": "x" * 20_000}}}).encode()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(body), 4096):
+            yield body[start : start + 4096]
+
+    answers = []
+    for _ in range(2):
+        sent = stripe_headers(STRIPE_SECRET, body)
+        async with client.post("/hooks/stripe", data=chunks(), headers=sent) as response:
+            answers.append((response.status, REPLAYED in response.headers))
+    assert answers == [(201, False), (201, True)]
+    assert [e.body for e in ledger.executions] == [body]
