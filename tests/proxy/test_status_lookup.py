@@ -7,6 +7,7 @@ import asyncio
 import json
 from typing import Any
 
+from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyClient
@@ -153,3 +154,15 @@ async def test_an_expired_job_is_not_found(proxy: ProxyFactory, ledger: Ledger) 
     await asyncio.sleep(1.2)
     assert (await lookup(client, "k7", **ALICE))[0] == 404
     assert ledger.count() == 1
+
+
+async def test_lookups_are_counted_as_their_own_outcome(proxy: ProxyFactory) -> None:
+    client = await proxy(status_header=STATUS)
+    async with client.post("/payments", data=b"pay", headers={KEY: "k8", **ALICE}) as response:
+        assert response.status == 201
+    assert (await lookup(client, "k8", **ALICE))[0] == 200
+    assert (await lookup(client, "k8", **MALLORY))[0] == 404
+    registry = client.app[CONTEXT].metrics.registry
+    counted = registry.get_sample_value("idemproxy_requests_total", {"outcome": "status_lookup"})
+    assert counted == 2
+    assert registry.get_sample_value("idemproxy_requests_total", {"outcome": "new"}) == 1
