@@ -164,6 +164,12 @@ def _parser() -> argparse.ArgumentParser:
     migrate.set_defaults(run=_migrate)
 
     demo = commands.add_parser("demo", help="show a double click becoming one execution")
+    demo.add_argument(
+        "--webhooks",
+        action="store_true",
+        help="instead: a webhook receiver under Stripe- and Standard-Webhooks-style redelivery"
+        " storms (docs/webhooks.md)",
+    )
     demo.set_defaults(run=_demo)
 
     from idemproxy.batch.cli import add_batch_commands
@@ -256,8 +262,12 @@ def _migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(_args: argparse.Namespace) -> int:
+def _demo(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    if args.webhooks:
+        from idemproxy.demo_webhooks import run_webhooks_demo
+
+        return asyncio.run(run_webhooks_demo())
     from idemproxy.demo import run_demo
 
-    logging.basicConfig(level=logging.WARNING)
     return asyncio.run(run_demo())

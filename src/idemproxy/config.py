@@ -39,6 +39,7 @@ from pydantic_settings import (
 )
 
 from idemproxy import constants as c
+from idemproxy.config_keys import KeySourceSettings, WebhookSettings
 from idemproxy.config_upstream import (
     UpstreamHeaderSettings,
     UpstreamSettings,
@@ -95,6 +96,10 @@ class RouteSettings(BaseModel):
     upstream_timeout: float | None = Field(default=None, gt=0)
     # Headers set (a provider's API key, from env:NAME or file:PATH) or removed upstream.
     upstream_headers: UpstreamHeaderSettings = Field(default_factory=UpstreamHeaderSettings)
+    # SPEC §4.1: the key from another header or the JSON body; unset: `key_header`.
+    key: KeySourceSettings | None = None
+    # SPEC §4.2: a webhook receiver, its deliveries verified and owned by their sender.
+    webhook: WebhookSettings | None = None
 
     @field_validator("fallbacks")
     @classmethod
@@ -399,6 +404,9 @@ class Settings(BaseSettings):
     replay_cache: ReplayCacheSettings = Field(default_factory=ReplayCacheSettings)
     profile: Literal["default", "ietf"] = "default"
     key_header: str = c.DEFAULT_KEY_HEADER
+    # SPEC §7.1: a GET with this header (e.g. Idempotency-Status: <key>) is answered with the
+    # key's job state by the proxy, never forwarded. Unset (the default): no status lookup.
+    status_header: str | None = None
     # NoDecode: IDEMPROXY_METHODS=POST,PUT is a comma list, not JSON (also for the lists below).
     methods: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(c.DEFAULT_METHODS))
     require_key: bool = False
@@ -453,6 +461,14 @@ class Settings(BaseSettings):
             raise ValueError(f"trusted_proxies: {exc} (give CIDRs like 10.0.0.0/8)") from exc
 
     # --- end trusted_proxies ---------------------------------------------------------------
+
+    @field_validator("status_header")
+    @classmethod
+    def _status_header_name(cls, name: str | None) -> str | None:
+        if name is not None and not _TOKEN.fullmatch(name):
+            raise ValueError(f"{name!r} is not a header name")
+        return name
+
     server: ServerSettings = Field(default_factory=ServerSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sweeper: SweeperSettings = Field(default_factory=SweeperSettings)

@@ -177,6 +177,12 @@ def _check_name(name: str) -> None:
         raise ValueError(f"{name} is framed or stripped by the proxy itself (SPEC §10)")
 
 
+def read_value(name: str, setting: str) -> str:
+    """The value `setting` (`env:NAME`, `file:PATH` or the value itself) stands for, as for
+    `upstream_headers`; the error names `name` and the source, never the value read."""
+    return _header_value(name, setting)
+
+
 def _header_value(name: str, setting: str) -> str:
     """The value `setting` stands for; the error names the header and the source, never the
     value read."""

@@ -84,6 +84,18 @@ RESOLUTION_UNKNOWN_TTL: Final = "unknown_ttl"
 # Owner scopes that are not hashes of a credential (SPEC §5).
 ANONYMOUS_OWNER: Final = "anonymous"
 GLOBAL_OWNER: Final = "global"
+# A webhook route's jobs belong to its sender (SPEC §4.2): `webhook:<sender>`, never a hash.
+WEBHOOK_OWNER_PREFIX: Final = "webhook:"
+
+# Webhook senders' headers (SPEC §4.2): Standard Webhooks, GitHub, Stripe.
+STANDARD_WEBHOOK_ID: Final = "webhook-id"
+STANDARD_WEBHOOK_TIMESTAMP: Final = "webhook-timestamp"
+STANDARD_WEBHOOK_SIGNATURE: Final = "webhook-signature"
+GITHUB_DELIVERY: Final = "X-GitHub-Delivery"
+GITHUB_SIGNATURE: Final = "X-Hub-Signature-256"
+STRIPE_SIGNATURE: Final = "Stripe-Signature"
+# Both Standard Webhooks and Stripe's libraries default to five minutes.
+DEFAULT_WEBHOOK_TOLERANCE_SECONDS: Final = 300.0
 
 # The `jwt` owner strategy (SPEC §5). "none" is never an algorithm: tokens must be signed.
 DEFAULT_JWT_CLAIM: Final = "sub"

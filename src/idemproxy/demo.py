@@ -42,7 +42,7 @@ def sample_backend() -> web.Application:
     return app
 
 
-async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
+async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -66,10 +66,10 @@ async def _post(
 
 
 async def run_demo() -> int:
-    backend_runner, backend_url = await _start(backend := sample_backend())
+    backend_runner, backend_url = await start_app(backend := sample_backend())
     with tempfile.TemporaryDirectory() as folder:
         settings = demo_settings(backend_url, Path(folder) / "idemproxy.db")
-        proxy_runner, proxy_url = await _start(create_app(settings))
+        proxy_runner, proxy_url = await start_app(create_app(settings))
         try:
             await _scenarios(proxy_url)
         finally:

@@ -7,6 +7,8 @@
     │   ├── HeaderInvalid           400 header-invalid
     │   ├── PathInvalid             400 path-invalid
     │   ├── OwnerMissing            401 owner-missing
+    │   ├── SignatureInvalid        401 signature-invalid (a webhook route, SPEC §4.2)
+    │   ├── KeyNotFound             404 key-not-found (the status lookup, SPEC §7.1)
     │   ├── PayloadMismatch         409 payload-mismatch (422 in the ietf profile)
     │   ├── RequestInFlight         409 request-in-flight + Retry-After
     │   ├── OutcomeUnknown          409 outcome-unknown
@@ -104,6 +106,19 @@ class OwnerMissing(ProblemError):
     """This route requires a credential that identifies the owner of the key."""
 
     code, status, title = "owner-missing", 401, "Owner missing"
+
+
+class SignatureInvalid(ProblemError):
+    """The webhook delivery is not signed with this route's secret, or its timestamp is
+    stale."""
+
+    code, status, title = "signature-invalid", 401, "Signature invalid"
+
+
+class KeyNotFound(ProblemError):
+    """No job of yours has this idempotency key."""
+
+    code, status, title = "key-not-found", 404, "Key not found"
 
 
 class PayloadMismatch(ProblemError):

@@ -63,6 +63,7 @@ class RequestOutcome(enum.StrEnum):
     PASSTHROUGH = "passthrough"  # not governed: no key, or a method that is not governed
     REJECTED = "rejected"  # refused before any storage call (bad key, no owner, body too large)
     UNAVAILABLE = "unavailable"  # the store (or the waiter limit, or a shutdown) could not take it
+    STATUS_LOOKUP = "status_lookup"  # a status lookup, answered by the proxy (SPEC §7.1)
 
 
 class AttemptOutcome(enum.StrEnum):

@@ -114,3 +114,11 @@ def test_demo_shows_one_execution_per_intent(run_cli: RunCli) -> None:
     done = run_cli("demo")
     assert done.returncode == 0, done
     assert "The backend charged 2 time(s) for 2 intents" in done.stdout, done.stdout
+
+
+def test_webhooks_demo_shows_one_execution_per_event(run_cli: RunCli) -> None:
+    done = run_cli("demo", "--webhooks")
+    assert done.returncode == 0, done
+    assert "The receiver executed 3 time(s) for 3 events" in done.stdout, done.stdout
+    assert "401 signature-invalid" in done.stdout, done.stdout
+    assert done.stdout.count("(replayed)") == 7, done.stdout

@@ -37,7 +37,8 @@ def test_config_file_loads(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if "IDEMPROXY_ADMIN__TOKEN" in text:
         monkeypatch.setenv("IDEMPROXY_ADMIN__TOKEN", "from-a-secret")
     for variable in _READ_FROM_ENV.findall(text):
-        monkeypatch.setenv(variable, "from-a-secret")
+        # As a Standard Webhooks secret is written (whsec_ and base64), and an API key may be.
+        monkeypatch.setenv(variable, "whsec_ZnJvbS1hLXNlY3JldA==")
     settings = load_settings(path)
     assert settings.all_routes
 

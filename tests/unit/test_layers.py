@@ -193,10 +193,21 @@ RULES = {
     ),
     "settings are data: config imports only errors, constants and its value parsers": Rule(
         "config",
-        only=("config", "config_upstream", "errors", "constants", "units", "secret_files"),
+        only=(
+            "config",
+            "config_upstream",
+            "config_keys",
+            "errors",
+            "constants",
+            "units",
+            "secret_files",
+        ),
     ),
     "so are the upstream leg's settings": Rule(
         "config_upstream", only=("config_upstream", "errors", "constants", "units", "secret_files")
+    ),
+    "and the key sources' and webhooks' settings": Rule(
+        "config_keys", only=("config_keys", "config_upstream", "errors", "constants")
     ),
     "a request's identity comes from the request and the settings alone": Rule(
         "identity", only=("identity", "config", "errors", "constants", "secret_files")

@@ -23,7 +23,7 @@ def parse_key(values: Sequence[str]) -> str | None:
         raise KeyInvalid("Send exactly one Idempotency-Key header.")
     raw = values[0].strip(" \t")
     key = _unquote(raw) if raw.startswith('"') else _bare(raw)
-    _check_characters(key)
+    check_characters(key)
     return key
 
 
@@ -54,7 +54,7 @@ def _bare(raw: str) -> str:
     return raw
 
 
-def _check_characters(key: str) -> None:
+def check_characters(key: str) -> None:
     if not 1 <= len(key) <= KEY_MAX_LENGTH:
         raise KeyInvalid(f"The key must be 1-{KEY_MAX_LENGTH} characters long.")
     if _VISIBLE_ASCII.fullmatch(key) is None:

@@ -68,6 +68,8 @@ class ProxyContext:
     drained: bool = False
     # OpenTelemetry spans (proxy/tracing.py); None when `tracing.enabled` is off.
     tracing: Tracing | None = None
+    # SPEC §7.1: the status lookup's header; None when it is off.
+    status_header: str | None = None
 
     @classmethod
     def build(
@@ -102,6 +104,7 @@ class ProxyContext:
             budget=budget,
             replays=_replays(budget, metrics),
             tracing=tracing,
+            status_header=settings.status_header,
         )
 
 

@@ -13,23 +13,24 @@ from idemproxy.errors import (
     NoRoute,
     ProblemError,
 )
-from idemproxy.http.headers import hop_by_hop
 from idemproxy.http.problems import problem_response
-from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
 from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owner
 from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
+from idemproxy.proxy.intent import intent_of
 from idemproxy.proxy.jobs.governed import handle_governed
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.passthrough import passthrough
-from idemproxy.proxy.routing import routable_path
+from idemproxy.proxy.routing import Route, routable_path
 from idemproxy.proxy.server.body import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.host import valid_host
 from idemproxy.proxy.server.listener import head_read
 from idemproxy.proxy.server.one_response import only_response
 from idemproxy.proxy.server.trace import Trace, record
+from idemproxy.proxy.sourced import identify_sourced, refuse_hidden_identity
+from idemproxy.proxy.status import answer_status
 from idemproxy.proxy.upstream.h1 import transfer_codings
 
 
@@ -92,13 +93,17 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
             raise NoRoute()
         trace.route = route
         if request.method not in ctx.governed_methods:
+            if ctx.status_header is not None and _asks_status(ctx.status_header, request):
+                return await answer_status(ctx, request, route, trace)  # SPEC §7.1
             return await passthrough(ctx, request, route, trace=trace)  # SPEC §4: keys ignored
+        if route.key_source is not None:  # SPEC §4.1, §4.2: off the default path
+            return await _govern_sourced(ctx, request, route, trace)
         key = parse_key(request.headers.getall(ctx.settings.key_header, []))
         if key is None:
             if route.require_key:
                 raise KeyMissing()
             return await passthrough(ctx, request, route, trace=trace)
-        _refuse_hidden_identity(ctx, request)
+        refuse_hidden_identity(ctx, request, ctx.settings.key_header)
         intent, body = await _identify(ctx, request, key)
         trace.owner = intent.owner
         # Positional: a dataclass's keyword call costs twice as much, on every governed request.
@@ -113,6 +118,25 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
             client_gone(ctx.metrics, request, DisconnectStage.REQUEST_BODY)
         trace.problem(error)
         return problem_response(error, profile=ctx.settings.profile)
+
+
+def _asks_status(header: str, request: web.Request) -> bool:
+    return request.method == hdrs.METH_GET and header in request.headers
+
+
+async def _govern_sourced(
+    ctx: ProxyContext, request: web.Request, route: Route, trace: Trace
+) -> web.StreamResponse:
+    """A governed request on a route with a key source or a webhook (proxy/sourced.py)."""
+    assert route.key_source is not None  # the caller's test, for mypy
+    intent, body = await identify_sourced(ctx, request, route, route.key_source)
+    if intent is None:
+        return await passthrough(ctx, request, route, body, trace=trace)
+    trace.owner = intent.owner
+    response = await handle_governed(GovernedRequest(ctx, request, route, intent, body, trace))
+    if response is None:  # SPEC §11, as in `_route`
+        return await passthrough(ctx, request, route, body, trace=trace)
+    return response
 
 
 def _refuse_transfer_coding(ctx: ProxyContext, trace: Trace) -> web.StreamResponse:
@@ -139,46 +163,16 @@ def _refuse_host(ctx: ProxyContext, trace: Trace) -> web.StreamResponse:
     return response
 
 
-def _refuse_hidden_identity(ctx: ProxyContext, request: web.Request) -> None:
-    """RFC 9110 §7.6.1 lets a client list any header in `Connection` to have it stripped. The
-    job is scoped by the owner header and keyed by the key header before that stripping, so a
-    client listing them would make the backend see another identity than the job's (with a
-    gateway-set `header:X-User`, the trusted header would vanish): refuse it."""
-    named = hop_by_hop(request.headers)
-    identity = {ctx.settings.key_header.lower()}
-    if ctx.owner.header is not None:
-        identity.add(ctx.owner.header.lower())
-    if named & identity:
-        raise HeaderInvalid()
-
-
 async def _identify(
     ctx: ProxyContext, request: web.Request, key: str
 ) -> tuple[Intent, RequestBody]:
     """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call."""
     owner = derive_owner(ctx.owner, request.headers)
+    # read_body itself, not governed_body: one coroutine less on every governed request.
     body = await read_body(
         request,
         limit=ctx.settings.max_request_body,
         timeout=ctx.settings.server.body_read_timeout,
         spool_threshold=ctx.settings.server.spool_threshold,
     )
-    url = request.rel_url
-    content_type = request.headers.get(hdrs.CONTENT_TYPE)
-    # Every field, in order (RFC 9110 §5.3: a list may be split over several).
-    content_encoding = ",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
-    head: FingerprintedHead = (
-        request.method,
-        url.raw_path,
-        url.raw_query_string,
-        content_type,
-        content_encoding,
-    )
-    if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
-        digest = fingerprint_of_digest(head, body.raw_sha256)
-    else:
-        digest = fingerprint(head, body.memory, ctx.settings.fingerprint_exclude)
-    intent = Intent(
-        owner=owner, key=key, fingerprint=digest, method=request.method, path=url.raw_path
-    )
-    return intent, body
+    return intent_of(ctx, request, owner, key, body), body

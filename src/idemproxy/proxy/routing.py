@@ -13,8 +13,11 @@ from yarl import URL
 
 from idemproxy import constants as c
 from idemproxy.config import RouteSettings, Settings
+from idemproxy.config_keys import WebhookSettings
 from idemproxy.config_upstream import UpstreamHeaderSettings
 from idemproxy.errors import PathInvalid
+from idemproxy.identity.key_source import KeySource
+from idemproxy.identity.webhooks import WebhookVerifier
 from idemproxy.proxy.upstream.contract import Contract, ContractGate
 from idemproxy.proxy.upstream.target import Edits, HeaderEdits
 
@@ -83,6 +86,10 @@ class Route:
     header_edits: Mapping[str, Edits] = field(
         default_factory=lambda: MappingProxyType({}), compare=False, hash=False, repr=False
     )
+    # SPEC §4.1: where the key comes from; None is `key_header`, the fast path.
+    key_source: KeySource | None = None
+    # SPEC §4.2: a webhook route's signature check and owner; implies a `key_source`.
+    webhook: WebhookVerifier | None = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def upstreams(self) -> tuple[str, ...]:
@@ -142,7 +149,23 @@ def _route(route: RouteSettings, settings: Settings) -> Route:
         if timeout is None or settings.max_wait is not None
         else timeout + c.MAX_WAIT_MARGIN_SECONDS,
         header_edits=edits,
+        key_source=_key_source(route, settings.key_header),
+        webhook=None if route.webhook is None else _verifier(route.webhook),
     )
+
+
+def _key_source(route: RouteSettings, key_header: str) -> KeySource | None:
+    source = route.key
+    if source is None and route.webhook is not None:
+        source = route.webhook.default_key_source
+    if source is None:
+        return None
+    header = source.header if source.header or source.pointer else key_header
+    return KeySource.of(header, source.pointer, source.prefix)
+
+
+def _verifier(webhook: WebhookSettings) -> WebhookVerifier:
+    return WebhookVerifier(webhook.scheme, webhook.sender, webhook.keys, webhook.tolerance)
 
 
 def _header_edits(route: RouteSettings, settings: Settings) -> Mapping[str, Edits]:

@@ -16,13 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from idemproxy.constants import ANONYMOUS_OWNER
+from idemproxy.constants import ANONYMOUS_OWNER, WEBHOOK_OWNER_PREFIX
 from idemproxy.errors import (
     BodyTooLarge,
     ClientDisconnected,
     HeaderInvalid,
     KeyInvalid,
     KeyMissing,
+    KeyNotFound,
     NoRoute,
     OutcomeUnknown,
     OwnerMissing,
@@ -71,6 +72,7 @@ _PROBLEM_OUTCOMES: dict[type[ProblemError], RequestOutcome] = {
     RequestTimeout: RequestOutcome.REJECTED,
     ClientDisconnected: RequestOutcome.REJECTED,
     NoRoute: RequestOutcome.REJECTED,
+    KeyNotFound: RequestOutcome.STATUS_LOOKUP,
 }
 
 
@@ -176,8 +178,11 @@ def _path(request: web.BaseRequest, log_query: bool) -> str:
 
 
 def _owner(owner: str) -> str:
-    """A prefix of the owner hash: enough to correlate, not enough to identify (SPEC §5)."""
-    return owner if owner == ANONYMOUS_OWNER else owner[:_OWNER_PREFIX]
+    """A prefix of the owner hash: enough to correlate, not enough to identify (SPEC §5). A
+    webhook sender's scope is a configured name, not a credential: shown whole (SPEC §4.2)."""
+    if owner == ANONYMOUS_OWNER or owner.startswith(WEBHOOK_OWNER_PREFIX):
+        return owner
+    return owner[:_OWNER_PREFIX]
 
 
 class _RequestRecord(logging.LogRecord):

@@ -1,0 +1,86 @@
+"""Where a route finds its key when it is not the `Idempotency-Key` header (SPEC §4.1): another
+named header, or a JSON Pointer (RFC 6901) into the JSON body, with an optional prefix."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from multidict import CIMultiDictProxy
+
+from idemproxy.errors import KeyInvalid
+from idemproxy.identity.key import check_characters, parse_key
+
+
+@dataclass(frozen=True, slots=True)
+class KeySource:
+    """`header` or `pointer` (its reference tokens, unescaped), and `prefix`."""
+
+    header: str | None = None
+    pointer: tuple[str, ...] | None = None
+    prefix: str = ""
+
+    @classmethod
+    def of(cls, header: str | None, pointer: str | None, prefix: str) -> KeySource:
+        return cls(header, None if pointer is None else pointer_tokens(pointer), prefix)
+
+    @property
+    def needs_body(self) -> bool:
+        return self.pointer is not None
+
+    def key(self, headers: CIMultiDictProxy[str], body: bytes) -> str | None:
+        """The key, or None when the source is absent; `KeyInvalid` when it is not a key."""
+        if self.pointer is not None:
+            value = _pointed(body, self.pointer)
+        else:
+            value = parse_key(headers.getall(self.header or "", []))
+        return None if value is None else self.prefixed(value)
+
+    def prefixed(self, value: str) -> str:
+        key = self.prefix + value
+        check_characters(key)
+        return key
+
+
+def pointer_tokens(pointer: str) -> tuple[str, ...]:
+    """RFC 6901 §4: `~1` is `/` and `~0` is `~`, in that order."""
+    return tuple(t.replace("~1", "/").replace("~0", "~") for t in pointer.split("/")[1:])
+
+
+def _pointed(body: bytes, tokens: Sequence[str]) -> str | None:
+    """The string (or integer, as Shopify's ids are) at `tokens`; None when the body is not
+    JSON or nothing is there; `KeyInvalid` for any other value or a repeated member name."""
+    try:
+        node: Any = json.loads(body, object_pairs_hook=_unique_members)
+    except (ValueError, RecursionError):
+        return None
+    for token in tokens:
+        if isinstance(node, dict):
+            if token not in node:
+                return None
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and (token == "0" or token[0] != "0"):
+            index = int(token)
+            if index >= len(node):
+                return None
+            node = node[index]
+        else:
+            return None
+    if isinstance(node, str):
+        return node
+    if isinstance(node, int) and not isinstance(node, bool):
+        return str(node)
+    if node is None:
+        return None
+    raise KeyInvalid("The key's field in the body is not a string or an integer.")
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """RFC 8259 §4 leaves a repeated member name to the parser: which value would be the key
+    cannot be told, so the body names none (SPEC §6 hashes such a body's raw bytes)."""
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        raise KeyInvalid("The body repeats a member name.")
+    return members

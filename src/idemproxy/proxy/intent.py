@@ -1,0 +1,49 @@
+"""A governed request's body and intent, before any storage call (SPEC §2.1, §6)."""
+
+from __future__ import annotations
+
+from aiohttp import hdrs, web
+
+from idemproxy.core.types import Intent
+from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
+from idemproxy.proxy.context import ProxyContext
+from idemproxy.proxy.server.body import RequestBody, read_body
+
+
+async def governed_body(
+    ctx: ProxyContext, request: web.Request, *, in_memory: bool = False
+) -> RequestBody:
+    """The whole body, bounded (SPEC §9); `in_memory` keeps it out of the spool file, for the
+    routes that read it before the claim (a JSON Pointer key, a webhook's signature)."""
+    settings = ctx.settings
+    limit = settings.max_request_body
+    return await read_body(
+        request,
+        limit=limit,
+        timeout=settings.server.body_read_timeout,
+        spool_threshold=limit if in_memory else settings.server.spool_threshold,
+    )
+
+
+def intent_of(
+    ctx: ProxyContext, request: web.Request, owner: str, key: str, body: RequestBody
+) -> Intent:
+    """SPEC §6: the fingerprint over the request as it arrived, whatever the key's source."""
+    url = request.rel_url
+    content_type = request.headers.get(hdrs.CONTENT_TYPE)
+    # Every field, in order (RFC 9110 §5.3: a list may be split over several).
+    content_encoding = ",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
+    head: FingerprintedHead = (
+        request.method,
+        url.raw_path,
+        url.raw_query_string,
+        content_type,
+        content_encoding,
+    )
+    if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
+        digest = fingerprint_of_digest(head, body.raw_sha256)
+    else:
+        digest = fingerprint(head, body.memory, ctx.settings.fingerprint_exclude)
+    return Intent(
+        owner=owner, key=key, fingerprint=digest, method=request.method, path=url.raw_path
+    )
