@@ -65,8 +65,9 @@ class ContractSettings(BaseModel):
     # JSONL file of sample requests: {"method", "path", "headers"?, "body"?} per line.
     samples_file: Path
     # Seconds between re-checks of the fallbacks; 0 checks only at start-up.
-    interval: float = Field(default=300.0, ge=0)
-    timeout: float = Field(default=10.0, gt=0)
+    interval: Duration = Field(default=300.0, ge=0)
+    # Longest a check of one sample may take, its upstream timeout included.
+    timeout: Duration = Field(default=10.0, gt=0)
 
     @field_validator("schema_file", "samples_file")
     @classmethod
@@ -87,12 +88,12 @@ class RouteSettings(BaseModel):
     fallbacks: list[str] = Field(default_factory=list)
     # Start one more attempt on the next upstream after this many seconds without a response.
     # Only for side-effect-free upstreams (LLM inference): both attempts may execute.
-    hedge_after: float | None = Field(default=None, gt=0)
+    hedge_after: Duration | None = Field(default=None, gt=0)
     contract: ContractSettings | None = None
     require_key: bool | None = None  # overrides the global setting for this route
-    ttl: float | None = Field(default=None, gt=0)
+    ttl: Duration | None = Field(default=None, gt=0)
     # Overrides the global `upstream_timeout` for this route's upstreams.
-    upstream_timeout: float | None = Field(default=None, gt=0)
+    upstream_timeout: Duration | None = Field(default=None, gt=0)
     # Headers set (a provider's API key, from env:NAME or file:PATH) or removed upstream.
     upstream_headers: UpstreamHeaderSettings = Field(default_factory=UpstreamHeaderSettings)
 
