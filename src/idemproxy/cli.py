@@ -212,14 +212,14 @@ def _settings(args: argparse.Namespace, flags: dict[str, str], **extra: Any) -> 
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from idemproxy.identity.owner import owner_policy
+    from idemproxy.proxy.idp.policy import build_owner_policy
     from idemproxy.proxy.upstream.dial import Dialing
     from idemproxy.server import serve
 
     settings = _settings(args, _SERVE_FLAGS)
     parse_listen(settings.listen)
     # With JWT owners this loads the keys: a bad one stops the start before the store is opened.
-    owner = owner_policy(settings.owner)
+    owner = build_owner_policy(settings.owner)
     Dialing.check(settings)  # so do TLS files that do not load and an unusable HTTPS_PROXY
     if args.worker_role is not None:
         from idemproxy.workers.role import WorkerRole

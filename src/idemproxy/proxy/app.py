@@ -109,6 +109,9 @@ def _lifecycle(
             stack.push_async_callback(ctx.unsent.close)
             stack.push_async_callback(ctx.unwritten.close)
             app[CONTEXT] = ctx
+            # SPEC §5: an identity provider's keys are fetched (once, bounded) before serving.
+            await ctx.owner.start()
+            stack.push_async_callback(ctx.owner.close)
             watch_store(metrics, store)
             await _start_housekeeping(ctx, stack)
             # A no-op after `idemproxy serve` drained; tests and the demo stop here.

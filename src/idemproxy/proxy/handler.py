@@ -11,11 +11,13 @@ from idemproxy.errors import (
     HeaderInvalid,
     KeyMissing,
     NoRoute,
+    OwnerMissing,
     ProblemError,
 )
 from idemproxy.http.headers import hop_by_hop
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
+from idemproxy.identity.jwt_owner import UNVERIFIED, KeyNotLoaded
 from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owner
 from idemproxy.metrics import DisconnectStage
@@ -152,11 +154,27 @@ def _refuse_hidden_identity(ctx: ProxyContext, request: web.Request) -> None:
         raise HeaderInvalid()
 
 
+async def _owner_after_refresh(
+    ctx: ProxyContext, request: web.Request, missing: KeyNotLoaded
+) -> str:
+    """SPEC §5: a token with a kid none of the identity provider's keys held has: wait (at most
+    owner.jwt.idp.timeout) for them to be fetched again, then verify once more. The key still
+    missing then is `401 owner-missing`; no key set fetched is `503 identity-unavailable`."""
+    await missing.wait()
+    try:
+        return derive_owner(ctx.owner, request.headers)
+    except KeyNotLoaded as again:
+        raise OwnerMissing(UNVERIFIED) from again
+
+
 async def _identify(
     ctx: ProxyContext, request: web.Request, key: str
 ) -> tuple[Intent, RequestBody]:
     """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call."""
-    owner = derive_owner(ctx.owner, request.headers)
+    try:
+        owner = derive_owner(ctx.owner, request.headers)
+    except KeyNotLoaded as missing:
+        owner = await _owner_after_refresh(ctx, request, missing)
     body = await read_body(
         request,
         limit=ctx.settings.max_request_body,
