@@ -62,7 +62,8 @@ class RequestOutcome(enum.StrEnum):
     UNKNOWN = "unknown"  # the key's outcome is unknown (409 outcome-unknown)
     PASSTHROUGH = "passthrough"  # not governed: no key, or a method that is not governed
     REJECTED = "rejected"  # refused before any storage call (bad key, no owner, body too large)
-    UNAVAILABLE = "unavailable"  # the store (or the waiter limit, or a shutdown) could not take it
+    # The store (or the waiter limit, a shutdown, the identity provider's keys) could not take it.
+    UNAVAILABLE = "unavailable"
 
 
 class AttemptOutcome(enum.StrEnum):

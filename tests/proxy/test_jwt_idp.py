@@ -15,6 +15,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from idemproxy.identity.jwt_owner import hash_claim
+from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.idp import IdentityProvider
@@ -122,6 +123,8 @@ async def test_with_the_provider_down_known_keys_verify_and_unknown_kids_fail_cl
         ) as response:
             await assert_problem(response, "identity-unavailable", 503)
     assert ledger.count() == 1
+    metrics = client.app[CONTEXT].metrics.registry
+    assert metrics.get_sample_value("idemproxy_requests_total", {"outcome": "unavailable"}) == 2
     (warning,) = [r.getMessage() for r in caplog.records if "refreshing the keys" in r.getMessage()]
     assert "keeping the 1 key(s)" in warning
     await idp.start()  # back: the rotated key is found on the next refresh
