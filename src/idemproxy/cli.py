@@ -29,6 +29,7 @@ _SERVE_FLAGS = {
     "methods": "methods",
     "owner": "owner.strategy",
     "jwt_key": "owner.jwt.key",
+    "jwt_jwks_uri": "owner.jwt.jwks_uri",
     "jwt_algorithms": "owner.jwt.algorithms",
     "jwt_audience": "owner.jwt.audience",
     "jwt_claim": "owner.jwt.claim",
@@ -114,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--jwt-key", metavar="FILE|env:NAME", help="PEM or JWKS file, or env:NAME (HMAC secret)"
+    )
+    serve.add_argument(
+        "--jwt-jwks-uri",
+        metavar="URL",
+        help="or the https:// JWKS URL of an identity provider, fetched and refreshed",
     )
     serve.add_argument("--jwt-algorithms", metavar="LIST", help="e.g. RS256,ES256 (required)")
     serve.add_argument("--jwt-audience", metavar="LIST", help="accepted aud values (required)")

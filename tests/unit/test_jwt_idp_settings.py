@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from idemproxy.cli import main
 from idemproxy.config import load_settings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.idp.fetch import max_age
@@ -101,3 +102,10 @@ def test_a_ca_file_that_is_no_pem_stops_the_start_naming_the_field(tmp_path: Pat
 )
 def test_max_age_is_read_from_cache_control(fields: tuple[str, ...], seconds: float | None) -> None:
     assert max_age(fields) == seconds
+
+
+def test_the_flag_sets_the_jwks_uri(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["serve", "--upstream", UPSTREAM, "--owner", "jwt", "--jwt-algorithms", "RS256"]
+    code = main([*args, "--jwt-audience", "api", "--jwt-jwks-uri", "http://idp.example.test/c"])
+    assert code == 2
+    assert "owner.jwt.jwks_uri: Value error, must be an https:// URL" in capsys.readouterr().err
