@@ -44,6 +44,8 @@ class RemoteKeys:
         self._next_refresh = 0.0
         self._inflight: asyncio.Task[bool] | None = None
         self._background: asyncio.Task[None] | None = None
+        self._starting = False  # the first fetch: its failure is start()'s one warning
+        self._last_error = ""
 
     # KeySource
 
@@ -59,11 +61,18 @@ class RemoteKeys:
 
     async def start(self) -> None:
         await self._client.open()
-        if not await self._fetch_task():
+        self._starting = True
+        try:
+            fetched = await self._fetch_task()
+        finally:
+            self._starting = False
+        if not fetched:
             log.warning(
-                "owner.jwt: no keys yet from %s; tokens are answered 503 identity-unavailable"
-                " and /readyz is not ready until a fetch succeeds (retried every %gs)",
+                "owner.jwt: no keys yet from %s: %s; tokens are answered 503"
+                " identity-unavailable and /readyz is not ready until a fetch succeeds (retried"
+                " every %gs)",
                 self._client.source,
+                self._last_error,
                 self._min_refresh,
             )
         self._background = asyncio.get_running_loop().create_task(self._keep_fresh())
@@ -134,18 +143,23 @@ class RemoteKeys:
     def _failed(self, started: float, error: BaseException) -> None:
         self._fetched_ok = False
         self._next_refresh = started + self._min_refresh
+        self._last_error = describe(error)
+        if self._starting:
+            return
         if self._ring is None or self._fetched_at is None:
             log.warning(
-                "owner.jwt: fetching the keys from %s failed: %s",
+                "owner.jwt: fetching the keys from %s failed: %s; still no keys (retried every"
+                " %gs)",
                 self._client.source,
-                describe(error),
+                self._last_error,
+                self._min_refresh,
             )
             return
         log.warning(
             "owner.jwt: refreshing the keys from %s failed: %s; keeping the %d key(s) fetched"
             " %.0fs ago",
             self._client.source,
-            describe(error),
+            self._last_error,
             self._ring.size,
             started - self._fetched_at,
         )
