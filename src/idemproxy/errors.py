@@ -200,8 +200,8 @@ class StoreRefused(StoreUnavailable):
 
 
 class IdentityUnavailable(ProblemError):
-    """The bearer token names a key the identity provider's key set could not be fetched for;
-    nothing was forwarded. Retry later."""
+    """The bearer token could not be verified: the identity provider's keys could not be
+    fetched. Nothing was forwarded; retry later."""
 
     # SPEC §5, §8: fail closed. The token may be good (signed with a key just rotated in), so
     # this is no 401 telling the client its credential is bad; nor is it forwarded unscoped.

@@ -40,7 +40,7 @@ def owner(idp: IdentityProvider, *, discovery: bool = False, **options: Any) -> 
     source: dict[str, Any] = (
         {"discovery": True, "issuer": idp.issuer} if discovery else {"jwks_uri": idp.jwks_uri}
     )
-    tls = {"ca_file": str(options.pop("ca_file", idp.ca_file))}
+    tls = {"ca_file": str(options.pop("ca_file", idp.ca_file)), **options.pop("tls", {})}
     jwt = {
         **source,
         "algorithms": ["RS256"],
@@ -210,6 +210,25 @@ async def test_a_provider_whose_certificate_another_ca_signed_is_refused(
     assert idp.jwks_fetches == 0  # refused in the handshake: no request reached it
     status, _ = await pay(client, signed("k1", 0))
     assert status == 503
+
+
+async def test_a_provider_requiring_a_client_certificate_gets_the_configured_one(
+    make_proxy: ProxyFactory, sqlite_dsn: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """owner.jwt.idp.tls is the upstream TLS settings' shape: a client certificate (mTLS)."""
+    async with IdentityProvider(tmp_path, client_certificates=True) as idp:
+        idp.publish((rsa_key(0), "k1"))
+        cert = {"cert_file": str(idp.client_cert_file), "key_file": str(idp.client_key_file)}
+        client = await make_proxy(store=sqlite_dsn, owner=owner(idp, tls=cert))
+        status, _ = await pay(client, signed("k1", 0))
+        assert status == 201
+        assert idp.jwks_fetches == 1
+        with caplog.at_level(logging.WARNING, "idemproxy.owner"):
+            without = await make_proxy(store=sqlite_dsn, owner=owner(idp))
+        status, _ = await pay(without, signed("k1", 0), key="other")
+        assert status == 503
+        assert idp.jwks_fetches == 1  # refused in the handshake
+        assert any("no keys yet" in r.getMessage() for r in caplog.records)
 
 
 async def test_cache_control_brings_a_refresh_forward_within_bounds(

@@ -20,9 +20,18 @@ JWKS = "/realms/test/protocol/openid-connect/certs"
 class IdentityProvider:
     """`publish` sets the key set served; `delay` holds each JWKS answer that long; `status`
     answers the JWKS with that status instead; `issuer_named` is the discovery document's
-    `issuer` (by default the right one); `cache_control` is sent with the JWKS."""
+    `issuer` (by default the right one); `cache_control` is sent with the JWKS. With
+    `client_certificates`, every client must present a certificate issued by `client_ca`
+    (mTLS); `client_cert_file` and `client_key_file` hold one."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, client_certificates: bool = False) -> None:
+        self.client_certificates = client_certificates
+        self.client_ca = trustme.CA()
+        client = self.client_ca.issue_cert("proxy.test")
+        self.client_cert_file = folder / "idp-client.pem"
+        self.client_cert_file.write_bytes(client.cert_chain_pems[0].bytes())
+        self.client_key_file = folder / "idp-client.key"
+        self.client_key_file.write_bytes(client.private_key_pem.bytes())
         self.ca = trustme.CA()
         self.ca_file = folder / "idp-ca.pem"
         self.ca_file.write_bytes(self.ca.cert_pem.bytes())
@@ -74,6 +83,9 @@ class IdentityProvider:
     def _context(self) -> ssl.SSLContext:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         self.ca.issue_cert("127.0.0.1").configure_cert(context)
+        if self.client_certificates:
+            context.verify_mode = ssl.CERT_REQUIRED
+            self.client_ca.configure_trust(context)
         return context
 
     async def start(self) -> None:

@@ -32,6 +32,8 @@ log = logging.getLogger("idemproxy.owner")
 
 
 class RemoteKeys:
+    """The key set of one identity provider, as the module docstring says it is kept."""
+
     def __init__(self, client: JwksClient, settings: IdpSettings) -> None:
         self._client = client
         self._refresh = settings.refresh_interval
