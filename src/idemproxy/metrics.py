@@ -108,6 +108,14 @@ class UnwrittenOutcome(enum.StrEnum):
     REFUSED = "refused"  # the store refused the write for its data: final
 
 
+class KeyFetchResult(enum.StrEnum):
+    """`idemproxy_identity_provider_fetches_total{result}`: how a fetch of the identity
+    provider's keys ended (proxy/idp/keys.py)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # the keys fetched before stay in use
+
+
 class DisconnectStage(enum.StrEnum):
     """`idemproxy_client_disconnects_total{stage}`: where a client hung up
     (proxy/server/hangups.py)."""
@@ -182,6 +190,11 @@ class Metrics:
             "Response bodies taken over limits.response_buffer after waiting "
             "limits.response_buffer_wait for room.",
             [],
+        )
+        self.identity_provider_fetches = self._counter(
+            "identity_provider_fetches",
+            "Fetches of the JWT owner keys from the identity provider, by result.",
+            ["result"],
         )
         self.late_results = self._counter(
             "late_results_discarded", "Attempt results that lost the completion CAS.", []
@@ -286,9 +299,9 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        # The hot path's children, bound once. Request, attempt, unsent-claim and
-        # unwritten-outcome outcomes: every series exists from the start; the others appear
-        # when first observed.
+        # The hot path's children, bound once. Request, attempt, unsent-claim,
+        # unwritten-outcome and key-fetch outcomes: every series exists from the start; the
+        # others appear when first observed.
         self.request_outcome = Children[RequestOutcome, Counter](
             self.requests.labels, RequestOutcome
         )
@@ -297,6 +310,9 @@ class Metrics:
         )
         self.unsent_outcome = Children[UnsentOutcome, Counter](
             self.unsent_claims.labels, UnsentOutcome
+        )
+        self.key_fetch_result = Children[KeyFetchResult, Counter](
+            self.identity_provider_fetches.labels, KeyFetchResult
         )
         self.unwritten_outcome = Children[UnwrittenOutcome, Counter](
             self.unwritten_outcomes.labels, UnwrittenOutcome

@@ -125,6 +125,9 @@ async def test_with_the_provider_down_known_keys_verify_and_unknown_kids_fail_cl
     assert ledger.count() == 1
     metrics = client.app[CONTEXT].metrics.registry
     assert metrics.get_sample_value("idemproxy_requests_total", {"outcome": "unavailable"}) == 2
+    fetches = "idemproxy_identity_provider_fetches_total"
+    assert metrics.get_sample_value(fetches, {"result": "succeeded"}) == 1  # at start-up
+    assert metrics.get_sample_value(fetches, {"result": "failed"}) == 1  # the one refresh
     (warning,) = [r.getMessage() for r in caplog.records if "refreshing the keys" in r.getMessage()]
     assert "keeping the 1 key(s)" in warning
     await idp.start()  # back: the rotated key is found on the next refresh

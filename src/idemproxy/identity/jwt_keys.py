@@ -65,6 +65,13 @@ class VerificationKey:
 
 
 Refresh = Callable[[], Awaitable[None]]
+# Told how each fetch of a fetched key set ended (True: a new key set): the metrics.
+FetchObserver = Callable[[bool], None]
+
+
+def unobserved(fetched: bool) -> None:
+    """The `FetchObserver` that does nothing."""
+    del fetched
 
 
 class KeySource(Protocol):
@@ -80,8 +87,8 @@ class KeySource(Protocol):
         current and the kid is simply unknown."""
         ...
 
-    async def start(self) -> None:
-        """Once, in the event loop, before the first request."""
+    async def start(self, observe: FetchObserver = unobserved) -> None:
+        """Once, in the event loop, before the first request; `observe` hears of each fetch."""
         ...
 
     async def close(self) -> None: ...
@@ -108,8 +115,8 @@ class KeyRing:
         del kid
         return None
 
-    async def start(self) -> None:
-        return None
+    async def start(self, observe: FetchObserver = unobserved) -> None:
+        del observe  # read once, never fetched
 
     async def close(self) -> None:
         return None

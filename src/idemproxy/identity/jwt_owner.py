@@ -31,7 +31,14 @@ import jwt
 
 from idemproxy.config import JwtSettings
 from idemproxy.errors import ConfigError, OwnerMissing
-from idemproxy.identity.jwt_keys import SECRET_FILE_FIELD, KeySource, Refresh, load_keys
+from idemproxy.identity.jwt_keys import (
+    SECRET_FILE_FIELD,
+    FetchObserver,
+    KeySource,
+    Refresh,
+    load_keys,
+    unobserved,
+)
 from idemproxy.secret_files import read_secret
 
 log = logging.getLogger("idemproxy.identity.owner")
@@ -99,8 +106,8 @@ class JwtVerifier:
             raise OwnerMissing(_NO_OWNER)
         return hash_claim(claims.get("iss"), self.claim, value)
 
-    async def start(self) -> None:
-        await self.keys.start()
+    async def start(self, observe: FetchObserver = unobserved) -> None:
+        await self.keys.start(observe)
 
     async def close(self) -> None:
         await self.keys.close()

@@ -13,7 +13,7 @@ from multidict import MultiMapping
 from idemproxy.config import OwnerSettings, check_strategy
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, HeaderInvalid, OwnerMissing
-from idemproxy.identity.jwt_keys import KeySource
+from idemproxy.identity.jwt_keys import FetchObserver, KeySource, unobserved
 from idemproxy.identity.jwt_owner import JwtVerifier
 
 log = logging.getLogger("idemproxy.owner")
@@ -39,7 +39,7 @@ class OwnerVerifier(Protocol):
         (and `KeyNotLoaded` when its key may be fetched yet)."""
         ...
 
-    async def start(self) -> None: ...
+    async def start(self, observe: FetchObserver = unobserved) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -70,11 +70,11 @@ class OwnerPolicy:
     def validate(self) -> None:
         check_strategy(self.strategy)
 
-    async def start(self) -> None:
+    async def start(self, observe: FetchObserver = unobserved) -> None:
         """In the event loop, before the first request: an identity provider's keys are
-        fetched (SPEC §5)."""
+        fetched (SPEC §5); `observe` hears how each fetch ended."""
         if self.verifier is not None:
-            await self.verifier.start()
+            await self.verifier.start(observe)
 
     async def close(self) -> None:
         if self.verifier is not None:

@@ -25,7 +25,13 @@ import logging
 
 from idemproxy.config import IdpSettings
 from idemproxy.errors import IdentityUnavailable
-from idemproxy.identity.jwt_keys import KeyRing, Refresh, VerificationKey
+from idemproxy.identity.jwt_keys import (
+    FetchObserver,
+    KeyRing,
+    Refresh,
+    VerificationKey,
+    unobserved,
+)
 from idemproxy.proxy.idp.fetch import JwksClient, describe
 
 log = logging.getLogger("idemproxy.owner")
@@ -48,6 +54,7 @@ class RemoteKeys:
         self._background: asyncio.Task[None] | None = None
         self._starting = False  # the first fetch: its failure is start()'s one warning
         self._last_error = ""
+        self._observe: FetchObserver = unobserved
 
     # KeySource
 
@@ -61,7 +68,8 @@ class RemoteKeys:
             return None  # the keys held are the provider's of moments ago: the kid is unknown
         return self._wait_for_keys
 
-    async def start(self) -> None:
+    async def start(self, observe: FetchObserver = unobserved) -> None:
+        self._observe = observe
         await self._client.open()
         self._starting = True
         try:
@@ -131,6 +139,7 @@ class RemoteKeys:
             raise
         except Exception as exc:  # any failure keeps the keys held (SPEC §5)
             self._failed(started, exc)
+            self._observe(False)
             return False
         finally:
             self._inflight = None
@@ -140,6 +149,7 @@ class RemoteKeys:
         self._next_refresh = started + min(max(fresh_for, self._min_refresh), self._refresh)
         if first:
             log.info("owner.jwt: %d key(s) loaded from %s", fetched.keys.size, self._client.source)
+        self._observe(True)
         return True
 
     def _failed(self, started: float, error: BaseException) -> None:
