@@ -19,7 +19,7 @@ from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.idp import IdentityProvider
-from tests.support.jwtkit import AUDIENCE, bearer, claims, rsa_key, token
+from tests.support.jwtkit import AUDIENCE, bearer, claims, ec_key, rsa_key, token
 from tests.support.proxychecks import KEY, REPLAYED, assert_problem, only_job
 
 from .conftest import ProxyFactory
@@ -92,6 +92,12 @@ async def test_a_flood_of_unknown_kids_fetches_at_most_once_per_interval(
         )
         assert {status for status, _ in answers} == {401}
     # The start-up fetch and one refresh: 120 requests with unknown kids, 1 fetch for all.
+    assert idp.jwks_fetches == 2
+    # A token for an algorithm no configured key takes asks for no fetch at all.
+    await asyncio.sleep(3.1)
+    other = bearer(token(claims("alice"), ec_key(), "ES256", kid="forged-ec"))
+    status, _ = await pay(client, other, key="ec")
+    assert status == 401
     assert idp.jwks_fetches == 2
     assert ledger.count() == 0
     status, _ = await pay(client, signed("k1", 0))

@@ -79,6 +79,8 @@ class JwtVerifier:
     issuer: str | None = None
     claim: str = "sub"
     leeway: float = 0.0
+    # The configured algorithms: a token asking for another is refused without a key refresh.
+    algorithms: tuple[str, ...] = ()
 
     @classmethod
     def from_settings(
@@ -97,6 +99,7 @@ class JwtVerifier:
             issuer=settings.issuer,
             claim=settings.claim,
             leeway=settings.leeway,
+            algorithms=tuple(settings.algorithms),
         )
 
     def owner(self, authorization: str) -> str:
@@ -119,10 +122,13 @@ class JwtVerifier:
         """The claims of a token that verifies; raises `OwnerMissing` for any other, and
         `KeyNotLoaded` when its key may be fetched yet."""
         try:
-            kid = jwt.get_unverified_header(token).get("kid")
+            header = jwt.get_unverified_header(token)
+            kid = header.get("kid")
             key = self.keys.select(kid)
             if key is None:
-                refresh = self.keys.refresh_for(kid)
+                # No fetch for a token no key of the provider's could verify anyway.
+                fits = header.get("alg") in self.algorithms
+                refresh = self.keys.refresh_for(kid) if fits else None
                 if refresh is not None:
                     raise KeyNotLoaded(refresh)
                 raise jwt.InvalidKeyError("no key for this kid")
