@@ -29,6 +29,7 @@ _SERVE_FLAGS = {
     "methods": "methods",
     "owner": "owner.strategy",
     "jwt_key": "owner.jwt.key",
+    "jwt_jwks_uri": "owner.jwt.jwks_uri",
     "jwt_algorithms": "owner.jwt.algorithms",
     "jwt_audience": "owner.jwt.audience",
     "jwt_claim": "owner.jwt.claim",
@@ -114,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--jwt-key", metavar="FILE|env:NAME", help="PEM or JWKS file, or env:NAME (HMAC secret)"
+    )
+    serve.add_argument(
+        "--jwt-jwks-uri",
+        metavar="URL",
+        help="or the https:// JWKS URL of an identity provider, fetched and refreshed",
     )
     serve.add_argument("--jwt-algorithms", metavar="LIST", help="e.g. RS256,ES256 (required)")
     serve.add_argument("--jwt-audience", metavar="LIST", help="accepted aud values (required)")
@@ -218,14 +224,14 @@ def _settings(args: argparse.Namespace, flags: dict[str, str], **extra: Any) -> 
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from idemproxy.identity.owner import owner_policy
+    from idemproxy.proxy.idp.policy import build_owner_policy
     from idemproxy.proxy.upstream.dial import Dialing
     from idemproxy.server import serve
 
     settings = _settings(args, _SERVE_FLAGS)
     parse_listen(settings.listen)
     # With JWT owners this loads the keys: a bad one stops the start before the store is opened.
-    owner = owner_policy(settings.owner)
+    owner = build_owner_policy(settings.owner)
     Dialing.check(settings)  # so do TLS files that do not load and an unusable HTTPS_PROXY
     if args.worker_role is not None:
         from idemproxy.workers.role import WorkerRole

@@ -43,6 +43,7 @@ from idemproxy.config_keys import KeySourceSettings, WebhookSettings
 from idemproxy.config_upstream import (
     UpstreamHeaderSettings,
     UpstreamSettings,
+    UpstreamTlsSettings,
     check_proxy_url,
     origin_of,
 )
@@ -66,8 +67,9 @@ class ContractSettings(BaseModel):
     # JSONL file of sample requests: {"method", "path", "headers"?, "body"?} per line.
     samples_file: Path
     # Seconds between re-checks of the fallbacks; 0 checks only at start-up.
-    interval: float = Field(default=300.0, ge=0)
-    timeout: float = Field(default=10.0, gt=0)
+    interval: Duration = Field(default=300.0, ge=0)
+    # Longest a check of one sample may take, its upstream timeout included.
+    timeout: Duration = Field(default=10.0, gt=0)
 
     @field_validator("schema_file", "samples_file")
     @classmethod
@@ -88,12 +90,12 @@ class RouteSettings(BaseModel):
     fallbacks: list[str] = Field(default_factory=list)
     # Start one more attempt on the next upstream after this many seconds without a response.
     # Only for side-effect-free upstreams (LLM inference): both attempts may execute.
-    hedge_after: float | None = Field(default=None, gt=0)
+    hedge_after: Duration | None = Field(default=None, gt=0)
     contract: ContractSettings | None = None
     require_key: bool | None = None  # overrides the global setting for this route
-    ttl: float | None = Field(default=None, gt=0)
+    ttl: Duration | None = Field(default=None, gt=0)
     # Overrides the global `upstream_timeout` for this route's upstreams.
-    upstream_timeout: float | None = Field(default=None, gt=0)
+    upstream_timeout: Duration | None = Field(default=None, gt=0)
     # Headers set (a provider's API key, from env:NAME or file:PATH) or removed upstream.
     upstream_headers: UpstreamHeaderSettings = Field(default_factory=UpstreamHeaderSettings)
     # SPEC §4.1: the key from another header or the JSON body; unset: `key_header`.
@@ -125,8 +127,30 @@ class RouteSettings(BaseModel):
         return check_upstream_url(url)
 
 
+class IdpSettings(BaseModel):
+    """How the keys of `owner.jwt.jwks_uri` or `discovery` are fetched (SPEC §5)."""
+
+    model_config = _STRICT
+    # Fetched again at least this often; a shorter Cache-Control max-age brings it forward.
+    refresh_interval: Duration = Field(default=c.DEFAULT_JWKS_REFRESH_SECONDS, gt=0)
+    # Never fetched more often than this, whatever asks (a token's unknown kid, max-age 0): a
+    # flood of forged kids makes one fetch per interval at most.
+    min_refresh_interval: Duration = Field(default=c.DEFAULT_JWKS_MIN_REFRESH_SECONDS, gt=0)
+    # Longest one fetch (discovery and JWKS) may take, and so a request waiting for it.
+    timeout: Duration = Field(default=c.DEFAULT_JWKS_TIMEOUT_SECONDS, gt=0)
+    # TLS to the identity provider, as to an upstream: a CA bundle, a client certificate.
+    tls: UpstreamTlsSettings = Field(default_factory=UpstreamTlsSettings)
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> IdpSettings:
+        if self.min_refresh_interval > self.refresh_interval:
+            raise ValueError("min_refresh_interval must not be longer than refresh_interval")
+        return self
+
+
 class JwtSettings(BaseModel):
-    """SPEC §5, strategy `jwt`: the owner is a claim of a bearer JWT verified with `key`."""
+    """SPEC §5, strategy `jwt`: the owner is a claim of a bearer JWT verified with `key`, or
+    with the keys an identity provider publishes (`jwks_uri`, or `discovery` from `issuer`)."""
 
     model_config = _STRICT
     # A PEM public key or certificate file, a JWKS file, or env:NAME (an HMAC secret).
@@ -134,6 +158,12 @@ class JwtSettings(BaseModel):
     # Or, instead of key, a file holding an HMAC secret (a mounted Secret). Never the secret
     # itself in the settings.
     secret_file: Path | None = None
+    # Or the https:// URL of the identity provider's JWKS, fetched at start-up and refreshed.
+    jwks_uri: str | None = None
+    # Or true: the JWKS named by `issuer`'s OpenID Connect discovery document
+    # (<issuer>/.well-known/openid-configuration), whose `issuer` must be `issuer` exactly.
+    discovery: bool = False
+    idp: IdpSettings = Field(default_factory=IdpSettings)
     # Never taken from the token; "none" is refused.
     algorithms: Annotated[list[str], NoDecode] = Field(default_factory=list)
     audience: Annotated[list[str], NoDecode] = Field(default_factory=list)
@@ -143,13 +173,51 @@ class JwtSettings(BaseModel):
         default=c.DEFAULT_JWT_LEEWAY_SECONDS, ge=0, le=c.MAX_JWT_LEEWAY_SECONDS
     )
 
+    @property
+    def remote(self) -> bool:
+        """Whether the keys come from an identity provider (fetched, not read at start-up)."""
+        return self.jwks_uri is not None or self.discovery
+
+    @property
+    def key_sources(self) -> list[str]:
+        """The settings that give keys, by name (one is needed)."""
+        given = {
+            "owner.jwt.key": self.key is not None,
+            "owner.jwt.secret_file": self.secret_file is not None,
+            "owner.jwt.jwks_uri": self.jwks_uri is not None,
+            "owner.jwt.discovery": self.discovery,
+        }
+        return [name for name, present in given.items() if present]
+
     @model_validator(mode="after")
     def _one_key(self) -> JwtSettings:
-        if self.key is not None and self.secret_file is not None:
+        sources = self.key_sources
+        if len(sources) > 1:
+            both = "both" if len(sources) == 2 else "all"
+            raise ConfigError(f"{' and '.join(sources)} are {both} given: give only one")
+        return self
+
+    @model_validator(mode="after")
+    def _remote_keys(self) -> JwtSettings:
+        if self.discovery and not (self.issuer or "").startswith("https://"):
             raise ConfigError(
-                "owner.jwt.key and owner.jwt.secret_file are both given: give only one"
+                "owner.jwt.discovery needs owner.jwt.issuer, an https:// URL (the discovery"
+                " document is <issuer>/.well-known/openid-configuration)"
+            )
+        hmac = sorted(set(self.algorithms) & set(c.JWT_HMAC_ALGORITHMS))
+        if self.remote and hmac:
+            raise ConfigError(
+                f"owner.jwt.algorithms: {', '.join(hmac)} needs a shared secret; an identity"
+                " provider's JWKS holds public keys"
             )
         return self
+
+    @field_validator("jwks_uri")
+    @classmethod
+    def _https(cls, url: str | None) -> str | None:
+        if url is not None:
+            check_https_url(url)
+        return url
 
     @field_validator("algorithms", "audience", mode="before")
     @classmethod
@@ -199,8 +267,7 @@ class OwnerSettings(BaseModel):
             missing = [
                 f"owner.jwt.{name}"
                 for name in ("key", "algorithms", "audience")
-                if not getattr(self.jwt, name)
-                and not (name == "key" and self.jwt.secret_file is not None)
+                if not getattr(self.jwt, name) and not (name == "key" and self.jwt.key_sources)
             ]
             if missing:
                 raise ValueError(f"strategy jwt needs {', '.join(missing)}")
@@ -645,6 +712,14 @@ def check_strategy(strategy: str) -> None:
     # " X-Tenant", never find it, and put every request in the shared anonymous scope.
     if not strategy.startswith("header:") or not _TOKEN.fullmatch(strategy[7:]):
         raise ConfigError("owner.strategy must be authorization, header:<NAME>, jwt or none")
+
+
+def check_https_url(url: str) -> str:
+    """An https:// URL with a host: keys fetched in the clear could be replaced on the way."""
+    if not url.startswith("https://"):
+        raise ValueError("must be an https:// URL")
+    _check_authority(url)
+    return url
 
 
 def check_upstream_url(url: str) -> str:

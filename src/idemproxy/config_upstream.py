@@ -14,24 +14,34 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from idemproxy import constants as c
+
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 # RFC 9110 §5.1: a field name is a token.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # RFC 9110 §5.5: visible ASCII, SP, HTAB and obs-text; nothing that could end the line.
 _FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
-# Headers the proxy frames or strips itself (SPEC §10): a route may neither set nor remove them.
-_FRAMING_HEADERS = frozenset(
+# Headers the proxy frames, answers or speaks itself (SPEC §10, §4): a route may neither set nor
+# remove them. Hop-by-hop headers never cross the proxy (RFC 9110 §7.6.1); `Expect` was answered
+# by this proxy; the `Idempotency-*` headers it adds carry its own job and attempt, and one set
+# by a route would give the backend another job's id, or a replay marker it never made.
+_PROXY_HEADERS = frozenset(
     {
+        *c.HOP_BY_HOP_HEADERS,
         "host",
         "content-length",
-        "transfer-encoding",
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "upgrade",
+        "expect",
+        *(
+            name.lower()
+            for name in (
+                c.JOB_HEADER,
+                c.ATTEMPT_HEADER,
+                c.REPLAYED_HEADER,
+                c.REPLAY_OMITTED_HEADER,
+                c.ERROR_HEADER,
+            )
+        ),
     }
 )
 # `env:NAME` or `file:PATH`, after words kept as they are (an auth scheme: `Bearer env:KEY`).
@@ -173,8 +183,11 @@ def _check_readable(path: Path) -> None:
 def _check_name(name: str) -> None:
     if not _TOKEN.fullmatch(name):
         raise ValueError(f"{name!r} is not a header name")
-    if name.lower() in _FRAMING_HEADERS:
-        raise ValueError(f"{name} is framed or stripped by the proxy itself (SPEC §10)")
+    if name.lower() in _PROXY_HEADERS:
+        raise ValueError(
+            f"{name} is framed, answered or set by the proxy itself: a route may not change it"
+            " (SPEC §10)"
+        )
 
 
 def read_value(name: str, setting: str) -> str:

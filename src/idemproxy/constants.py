@@ -99,6 +99,13 @@ DEFAULT_WEBHOOK_TOLERANCE_SECONDS: Final = 300.0
 
 # The `jwt` owner strategy (SPEC §5). "none" is never an algorithm: tokens must be signed.
 DEFAULT_JWT_CLAIM: Final = "sub"
+# Keys from an identity provider (`owner.jwt.jwks_uri`, `discovery`): how often they are
+# fetched again, how often at most (whatever asks: an unknown kid, a short max-age), and how long
+# one fetch, and so a request waiting for it, may take.
+DEFAULT_JWKS_REFRESH_SECONDS: Final = 300.0
+DEFAULT_JWKS_MIN_REFRESH_SECONDS: Final = 30.0
+DEFAULT_JWKS_TIMEOUT_SECONDS: Final = 5.0
+MAX_JWKS_BYTES: Final = 1024 * 1024  # a JWKS or discovery document larger than this is refused
 DEFAULT_JWT_LEEWAY_SECONDS: Final = 30.0
 MAX_JWT_LEEWAY_SECONDS: Final = 300.0
 JWT_HMAC_ALGORITHMS: Final = ("HS256", "HS384", "HS512")

@@ -60,7 +60,9 @@ async def _check_routes(client: UpstreamClient, routes: list[Route]) -> int:
             print(f"route {route.prefix} ({len(route.gate.contract.samples)} samples)")
             for upstream in (route.upstream, *route.fallbacks):
                 edits = route.header_edits.get(upstream, ())
-                problems = await check_upstream(client, upstream, route.gate.contract, edits)
+                problems = await check_upstream(
+                    client, upstream, route.gate.contract, edits, route.upstream_timeout
+                )
                 failed += bool(problems)
                 print(f"  {'FAIL' if problems else 'ok  '} {redact_url(upstream)}")
                 for problem in problems:

@@ -21,6 +21,7 @@
     │   ├── ContractViolation       502 contract-violation
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
     │   │   └── StoreRefused        the same answer; the store refused this write's data
+    │   ├── IdentityUnavailable     503 identity-unavailable + Retry-After
     │   ├── TooManyWaiters          503 too-many-waiters + Retry-After
     │   ├── ShuttingDown            503 shutting-down + Retry-After (and Connection: close)
     │   ├── UpstreamTimeout         504 upstream-timeout
@@ -211,6 +212,16 @@ class StoreRefused(StoreUnavailable):
     # DataError for a value it cannot encode; SQLite's DataError and IntegrityError, a text
     # that is not UTF-8). Trying it again gets the same refusal, and says nothing about the
     # store's health.
+
+
+class IdentityUnavailable(ProblemError):
+    """The bearer token could not be verified: the identity provider's keys could not be
+    fetched. Nothing was forwarded; retry later."""
+
+    # SPEC §5, §8: fail closed. The token may be good (signed with a key just rotated in), so
+    # this is no 401 telling the client its credential is bad; nor is it forwarded unscoped.
+    code, status, title = "identity-unavailable", 503, "Identity provider unavailable"
+    retry_after = 5
 
 
 class TooManyWaiters(ProblemError):

@@ -62,7 +62,8 @@ class RequestOutcome(enum.StrEnum):
     UNKNOWN = "unknown"  # the key's outcome is unknown (409 outcome-unknown)
     PASSTHROUGH = "passthrough"  # not governed: no key, or a method that is not governed
     REJECTED = "rejected"  # refused before any storage call (bad key, no owner, body too large)
-    UNAVAILABLE = "unavailable"  # the store (or the waiter limit, or a shutdown) could not take it
+    # The store (or the waiter limit, a shutdown, the identity provider's keys) could not take it.
+    UNAVAILABLE = "unavailable"
     STATUS_LOOKUP = "status_lookup"  # a status lookup, answered by the proxy (SPEC §7.1)
 
 
@@ -106,6 +107,14 @@ class UnwrittenOutcome(enum.StrEnum):
     MOVED_ON = "moved_on"  # the job moved on meanwhile: nothing written
     DROPPED = "dropped"  # one more than the process holds
     REFUSED = "refused"  # the store refused the write for its data: final
+
+
+class KeyFetchResult(enum.StrEnum):
+    """`idemproxy_identity_provider_fetches_total{result}`: how a fetch of the identity
+    provider's keys ended (proxy/idp/keys.py)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # the keys fetched before stay in use
 
 
 class DisconnectStage(enum.StrEnum):
@@ -182,6 +191,11 @@ class Metrics:
             "Response bodies taken over limits.response_buffer after waiting "
             "limits.response_buffer_wait for room.",
             [],
+        )
+        self.identity_provider_fetches = self._counter(
+            "identity_provider_fetches",
+            "Fetches of the JWT owner keys from the identity provider, by result.",
+            ["result"],
         )
         self.late_results = self._counter(
             "late_results_discarded", "Attempt results that lost the completion CAS.", []
@@ -286,9 +300,9 @@ class Metrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        # The hot path's children, bound once. Request, attempt, unsent-claim and
-        # unwritten-outcome outcomes: every series exists from the start; the others appear
-        # when first observed.
+        # The hot path's children, bound once. Request, attempt, unsent-claim,
+        # unwritten-outcome and key-fetch outcomes: every series exists from the start; the
+        # others appear when first observed.
         self.request_outcome = Children[RequestOutcome, Counter](
             self.requests.labels, RequestOutcome
         )
@@ -297,6 +311,9 @@ class Metrics:
         )
         self.unsent_outcome = Children[UnsentOutcome, Counter](
             self.unsent_claims.labels, UnsentOutcome
+        )
+        self.key_fetch_result = Children[KeyFetchResult, Counter](
+            self.identity_provider_fetches.labels, KeyFetchResult
         )
         self.unwritten_outcome = Children[UnwrittenOutcome, Counter](
             self.unwritten_outcomes.labels, UnwrittenOutcome

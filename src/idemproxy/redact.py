@@ -109,3 +109,11 @@ def _masked(piece: str) -> str:
 def _scheme_only(url: str) -> str:
     scheme, sep, _ = url.partition("://")
     return f"{scheme}{sep}{MASK}" if sep else MASK
+
+
+def escaped(text: str) -> str:
+    """`text` on one printable line: a control character or lone surrogate a peer sent (an
+    upstream's or egress proxy's words) is written as Python writes it in a string literal
+    (`\\r`, `\\x1b`, `\\udce9`), so it can neither forge a log line nor move a terminal's
+    cursor, nor reach a store that refuses it (PostgreSQL text and NUL)."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)

@@ -82,7 +82,7 @@ async def _serve_until_signalled(
     worker: WorkerRole | None,
     tracing: Tracing | None,
 ) -> None:
-    readiness = Readiness()
+    readiness = Readiness(owner_not_ready=owner.not_ready)
     metrics = Metrics()
     proxy = web.AppRunner(
         create_app(settings, store=store, metrics=metrics, owner=owner, tracing=tracing),

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from idemproxy.config import Settings, load_settings, parse_listen
-from idemproxy.identity.owner import owner_policy
+from idemproxy.proxy.idp.policy import build_owner_policy
 
 from .chart import (
     CHART,
@@ -109,17 +109,19 @@ def test_config_map_is_a_valid_settings_file(
     manifests: list[Manifest], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The rendered file, plus the pod's variables and mounts, loads through the real settings
-    model, and the owner's keys (a mounted JWKS, an HMAC secret from a Secret) load too."""
+    model, and the owner's keys (a mounted JWKS, an HMAC secret from a Secret, the CA of an
+    identity provider) load too."""
     settings = _load_as_the_pod_would(manifests, tmp_path, monkeypatch)
     proxy = proxy_container(manifests)
     assert parse_listen(settings.listen)[1] == container_port(proxy, "http")
     assert parse_listen(settings.admin.listen)[1] == container_port(proxy, "admin")
-    owner_policy(settings.owner)
+    build_owner_policy(settings.owner)
 
 
 # What the ConfigMaps the scenarios mount (made outside the chart) hold in these tests.
 MOUNTED_SOURCES = {
     "idemproxy-jwks": Path(__file__).parent / "files" / "jwks",
+    "idemproxy-idp-ca": Path(__file__).parent / "files" / "idp-ca",
     "idemproxy-contracts": CHART.parents[1] / "config" / "contracts",
 }
 CHART_VARIABLES = {

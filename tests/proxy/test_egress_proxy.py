@@ -99,6 +99,30 @@ async def test_a_refused_tunnel_is_a_connect_failure(
     assert (egress.tunnels, upstream.executed) == (0, 0)
 
 
+async def test_a_refusal_reason_is_escaped_where_it_is_logged_and_stored(
+    proxy: ProxyFactory, certs: Certificates, jobs: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The egress proxy's reason phrase is a peer's bytes: a control character in it (an ANSI
+    escape, a bare CR, a NUL that PostgreSQL text refuses) is written escaped, as other text
+    from an upstream is, in the attempt's error and in the log."""
+    reason = "403 Go\x1b[2J\rAway\x00"
+    async with (
+        ConnectProxy(refuse=reason) as egress,
+        Upstream(certs.server_context()) as upstream,
+    ):
+        client = await proxy(**through(upstream, certs, upstream_proxy=egress.url))
+        with caplog.at_level("DEBUG"):
+            response = await client.post("/pay", json={}, headers={KEY: "k1"})
+        await assert_problem(response, "upstream-unavailable", 502)
+        error = (await only_job(jobs)).attempts[0].error or ""
+    assert "refused CONNECT" in error
+    assert "403 Go\\x1b[2J\\rAway\\x00" in error, error
+    logged = [r.getMessage() for r in caplog.records if "refused CONNECT" in r.getMessage()]
+    assert logged, "the refusal is logged"
+    for text in (error, *logged):
+        assert all(ch.isprintable() for ch in text), repr(text)
+
+
 async def test_an_upstream_with_proxy_none_is_reached_directly(proxy: ProxyFactory) -> None:
     async with ConnectProxy() as egress, Upstream() as upstream:
         client = await proxy(

@@ -151,17 +151,45 @@ def test_a_duplicate_waits_as_long_as_its_routes_attempt_may_take() -> None:
     assert RouteTable.from_settings(fixed).routes[0].max_wait == 7
 
 
+OWNED = "framed, answered or set by the proxy itself"
+
+
 @pytest.mark.parametrize(
     ("headers", "message"),
     [
         ({"set": {"X-Key": "env:IDEMPROXY_TEST_UNSET"}}, "IDEMPROXY_TEST_UNSET is not set"),
         ({"set": {"X-Key": "file:/nonexistent/key"}}, "cannot read /nonexistent/key"),
-        ({"set": {"Host": "a"}}, "framed or stripped by the proxy"),
+        ({"set": {"Host": "a"}}, OWNED),
         ({"set": {"Bad Name": "a"}}, "is not a header name"),
-        ({"remove": ["Content-Length"]}, "framed or stripped by the proxy"),
+        ({"remove": ["Content-Length"]}, OWNED),
         ({"set": {"X-Key": "line\nbreak"}}, "not a header value"),
+        ({"set": {"Expect": "100-continue"}}, OWNED),
+        ({"set": {"idempotency-job": "0" * 32}}, OWNED),
+        ({"set": {"Idempotency-Attempt": "2"}}, OWNED),
+        ({"remove": ["Idempotency-Attempt"]}, OWNED),
+        ({"set": {"Idempotent-Replayed": "?1"}}, OWNED),
+        ({"set": {"Idempotency-Error": "x"}}, OWNED),
+        ({"set": {"Proxy-Authorization": "Basic eDp5"}}, OWNED),
+        ({"remove": ["TE"]}, OWNED),
+        ({"set": {"Keep-Alive": "timeout=5"}}, OWNED),
     ],
-    ids=["env", "file", "host", "name", "framing", "line-break"],
+    ids=[
+        "env",
+        "file",
+        "host",
+        "name",
+        "framing",
+        "line-break",
+        "expect",
+        "job",
+        "attempt",
+        "remove-attempt",
+        "replayed",
+        "error",
+        "proxy-authorization",
+        "te",
+        "keep-alive",
+    ],
 )
 def test_unusable_header_settings_stop_the_start(headers: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError) as raised:
@@ -213,3 +241,46 @@ async def test_contract_samples_are_sent_with_the_headers_set_upstream(
     assert route.gate.eligible == (fallback.url,)
     (seen,) = fallback.headers
     assert (seen["Authorization"], seen["X-Sample"]) == (SECRET, "1")
+
+
+async def test_contract_samples_wait_the_routes_upstream_timeout(tmp_path: Path) -> None:
+    """A route whose backend is slower than the global `upstream_timeout` says so with its own;
+    its samples must wait that long too, or a fallback that answers every request in time
+    would fail every check (SPEC §3.4, §10)."""
+    schema, samples = tmp_path / "schema.json", tmp_path / "samples.jsonl"
+    schema.write_text('{"type": "object", "required": ["executed"]}')
+    samples.write_text('{"method": "POST", "path": "/pay"}\n')
+    async with Upstream() as primary, Upstream(delay=1.0) as fallback:
+        settings = load_settings(
+            upstream_timeout=0.3,
+            routes=[
+                {
+                    "prefix": "/slow",
+                    "upstream": primary.url,
+                    "fallbacks": [fallback.url],
+                    "upstream_timeout": 10,
+                    "contract": {"schema_file": str(schema), "samples_file": str(samples)},
+                },
+                {
+                    "prefix": "/",
+                    "upstream": primary.url,
+                    "fallbacks": [fallback.url],
+                    "contract": {"schema_file": str(schema), "samples_file": str(samples)},
+                },
+            ],
+        )
+        slow, default = (RouteTable.from_settings(settings).find(p, None) for p in ("/slow", "/"))
+        assert slow is not None and slow.gate is not None
+        assert default is not None and default.gate is not None
+        client = UpstreamClient(
+            timeout=settings.upstream_timeout, connect_timeout=2, connections=2, keepalive=5
+        )
+        await client.open()
+        try:
+            await slow.gate.check(client)
+            await default.gate.check(client)
+        finally:
+            await client.close()
+    assert slow.gate.eligible == (fallback.url,), slow.gate.reports
+    # The global timeout still applies to a route without its own.
+    assert default.gate.eligible == (), default.gate.reports

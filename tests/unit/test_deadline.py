@@ -59,3 +59,15 @@ async def test_started_again_after_a_stop_it_expires_from_the_new_start() -> Non
     deadline.start(0.1)  # the last one, from about 0.12 s
     await asyncio.sleep(0.35)
     assert len(expiries.at) == 1 and 0.21 <= expiries.at[0] < 0.4
+
+
+async def test_a_shorter_timeout_after_a_longer_one_expires_on_time() -> None:
+    """A pooled upstream connection serves routes with different `upstream_timeout`s: the
+    timer set for a long wait must not hold back a shorter one started after it."""
+    expiries = _Expiries()
+    deadline = Deadline(asyncio.get_running_loop(), expiries)
+    deadline.start(10.0)
+    deadline.stop()
+    deadline.start(0.1)
+    await asyncio.sleep(0.4)
+    assert len(expiries.at) == 1 and 0.09 <= expiries.at[0] < 0.35

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from idemproxy.cli import main
-from idemproxy.config import load_settings
+from idemproxy.config import Settings, load_settings
 from idemproxy.units import parse_duration, parse_size
 
 UPSTREAM = "http://127.0.0.1:9"
@@ -115,6 +117,64 @@ def test_every_source_takes_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert settings.max_request_body == 20 * 1024**2
     assert settings.lease == 15
     assert settings.effective_max_wait == 50
+
+
+def test_route_durations_take_units(tmp_path: Path) -> None:
+    schema, samples = tmp_path / "schema.json", tmp_path / "samples.jsonl"
+    schema.write_text("{}")
+    samples.write_text('{"path": "/"}\n')
+    config = tmp_path / "idemproxy.yaml"
+    route = {
+        "prefix": "/",
+        "upstream": UPSTREAM,
+        "fallbacks": ["http://127.0.0.1:10"],
+        "ttl": "2h",
+        "hedge_after": "1500ms",
+        "upstream_timeout": "2m",
+        "contract": {
+            "schema_file": str(schema),
+            "samples_file": str(samples),
+            "interval": "5m",
+            "timeout": "30s",
+        },
+    }
+    config.write_text(yaml.safe_dump({"routes": [route, {**route, "prefix": "/bare", "ttl": 90}]}))
+    first, bare = load_settings(config).routes
+    assert (first.ttl, first.hedge_after, first.upstream_timeout) == (7200, 1.5, 120)
+    assert first.contract is not None
+    assert (first.contract.interval, first.contract.timeout) == (300, 30)
+    assert bare.ttl == 90
+
+
+def _parts(annotation: object) -> Iterator[object]:
+    """The annotation and everything it is made of (Optional, list, dict, Annotated)."""
+    yield annotation
+    for part in get_args(annotation):
+        yield from _parts(part)
+
+
+def _second_fields(model: type[BaseModel]) -> Iterator[tuple[str, list[object]]]:
+    """Every float field of `model` and the settings models below it (all of them are seconds),
+    with everything its type is annotated with."""
+    for name, info in model.model_fields.items():
+        parts = list(_parts(info.annotation))
+        for kind in parts:
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                yield from ((f"{name}.{inner}", found) for inner, found in _second_fields(kind))
+        if float in parts:
+            yield name, [*info.metadata, *parts]
+
+
+def test_every_seconds_setting_is_a_duration() -> None:
+    """A float setting without the Duration type would refuse `30s`: none is left."""
+    fields = dict(_second_fields(Settings))
+    assert {"routes.ttl", "routes.contract.timeout", "lease", "owner.jwt.leeway"} <= set(fields)
+    plain = [
+        name
+        for name, found in fields.items()
+        if not any(getattr(m, "func", None) is parse_duration for m in found)
+    ]
+    assert plain == []
 
 
 def test_bare_numbers_still_read() -> None:

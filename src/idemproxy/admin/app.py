@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -20,12 +20,18 @@ from idemproxy.proxy.server.whole import own_server_header
 from idemproxy.store.base import Store
 
 
+def _nothing_missing() -> str | None:
+    return None
+
+
 @dataclass(slots=True)
 class Readiness:
     """Ready once started, not ready while draining (so load balancers stop sending)."""
 
     draining: bool = False
     reasons: list[str] = field(default_factory=list)
+    # Why requests with a credential cannot be scoped yet: no identity provider's keys (SPEC §5).
+    owner_not_ready: Callable[[], str | None] = _nothing_missing
 
 
 STORE = web.AppKey("idemproxy.admin.store", Store)
@@ -99,9 +105,13 @@ async def _healthz(_request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    """Readiness: the store answers and the process is not draining."""
-    if request.app[READINESS].draining:
+    """Readiness: the store answers, the owner's keys are loaded and the process is not
+    draining."""
+    readiness = request.app[READINESS]
+    if readiness.draining:
         return web.json_response({"status": "draining"}, status=503)
+    if readiness.owner_not_ready() is not None:
+        return web.json_response({"status": "identity-unavailable"}, status=503)
     try:
         await request.app[STORE].ping()
     except StoreUnavailable:

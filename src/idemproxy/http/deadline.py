@@ -25,6 +25,7 @@ class Deadline:
         self._on_expiry = on_expiry
         self._due: float | None = None  # loop time; None while no deadline runs
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0  # when the timer fires, while there is one
 
     @property
     def running(self) -> bool:
@@ -35,7 +36,13 @@ class Deadline:
         due = self._loop.time() + timeout
         self._due = due
         if self._timer is None:
-            self._timer = self._loop.call_at(due, self._check)
+            self._arm(due)
+        elif self._timer_due > due + _SLACK_SECONDS:
+            # A shorter timeout than the one the timer was set for (a route's own
+            # `upstream_timeout` on a connection another route used before): firing later
+            # would let this wait run past its deadline.
+            self._timer.cancel()
+            self._arm(due)
 
     def stop(self) -> None:
         self._due = None  # the timer, if any, finds nothing to do
@@ -47,13 +54,17 @@ class Deadline:
             self._timer.cancel()
             self._timer = None
 
+    def _arm(self, due: float) -> None:
+        self._timer = self._loop.call_at(due, self._check)
+        self._timer_due = due
+
     def _check(self) -> None:
         self._timer = None
         due = self._due
         if due is None:
             return
         if self._loop.time() + _SLACK_SECONDS < due:  # started again since: wait for that
-            self._timer = self._loop.call_at(due, self._check)
+            self._arm(due)
             return
         self._due = None
         self._on_expiry()

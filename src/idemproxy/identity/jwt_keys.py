@@ -2,7 +2,10 @@
 
 `owner.jwt.key` is a PEM public key or certificate file, a JWKS file (keys chosen by `kid`), or
 `env:NAME`: an HMAC secret in that environment variable, so that it never sits on a command
-line. Each key is bound to the configured algorithms that fit its type, and a token can only be
+line. Keys an identity provider publishes (`owner.jwt.jwks_uri`, `discovery`) are fetched by
+proxy/idp/ and parsed here (`parse_jwks`), as a JWKS file is; both are a `KeySource`.
+
+Each key is bound to the configured algorithms that fit its type, and a token can only be
 verified with one of those: an HS256 token "signed" with an RSA public key's PEM bytes
 (algorithm confusion) finds no key that accepts HS256.
 
@@ -12,10 +15,10 @@ Every error names the setting at fault and never echoes a value that might be a 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jwt
 from cryptography import x509
@@ -61,9 +64,44 @@ class VerificationKey:
     algorithms: tuple[str, ...]
 
 
+Refresh = Callable[[], Awaitable[None]]
+# Told how each fetch of a fetched key set ended (True: a new key set): the metrics.
+FetchObserver = Callable[[bool], None]
+
+
+def unobserved(fetched: bool) -> None:
+    """The `FetchObserver` that does nothing."""
+    del fetched
+
+
+class KeySource(Protocol):
+    """Where a verifier finds the key for a token's `kid`."""
+
+    def select(self, kid: object) -> VerificationKey | None:
+        """The key for `kid` (None: the token names no key of this source)."""
+        ...
+
+    def refresh_for(self, kid: object) -> Refresh | None:
+        """For a `kid` that `select` found no key for: a wait for the keys to be fetched again
+        (it raises `IdentityUnavailable` when they cannot be), or None when the keys held are
+        current and the kid is simply unknown."""
+        ...
+
+    async def start(self, observe: FetchObserver = unobserved) -> None:
+        """Once, in the event loop, before the first request; `observe` hears of each fetch."""
+        ...
+
+    async def close(self) -> None: ...
+
+    def not_ready(self) -> str | None:
+        """Why no token can be verified yet (for /readyz); None once it can."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class KeyRing:
-    """Keys by `kid`, and the key for a token that names none (or for a single PEM/secret key)."""
+    """Keys by `kid`, and the key for a token that names none (or for a single PEM/secret key).
+    Read once at start-up: a `KeySource` that is never refreshed."""
 
     by_kid: Mapping[str, VerificationKey]
     default: VerificationKey | None
@@ -72,6 +110,23 @@ class KeyRing:
         if not self.by_kid or kid is None:
             return self.default
         return self.by_kid.get(kid) if isinstance(kid, str) else None
+
+    def refresh_for(self, kid: object) -> Refresh | None:
+        del kid
+        return None
+
+    async def start(self, observe: FetchObserver = unobserved) -> None:
+        del observe  # read once, never fetched
+
+    async def close(self) -> None:
+        return None
+
+    def not_ready(self) -> str | None:
+        return None
+
+    @property
+    def size(self) -> int:
+        return len(self.by_kid) or int(self.default is not None)
 
 
 def load_keys(
@@ -93,7 +148,7 @@ def load_keys(
         )
     data = _read(Path(source))
     if data.lstrip().startswith(b"{"):
-        return _jwks(data, algorithms)
+        return parse_jwks(data, algorithms, KEY_FIELD)
     key = _pem(data)
     unfit = sorted(set(algorithms) - fitting_algorithms(key))
     if unfit:
@@ -205,20 +260,22 @@ def _kind(key: Key) -> str:
     return "EdDSA public key"
 
 
-def _jwks(data: bytes, algorithms: Sequence[str]) -> KeyRing:
+def parse_jwks(data: bytes, algorithms: Sequence[str], where: str) -> KeyRing:
+    """The key ring of a JWKS document (RFC 7517 §5): from the file of `owner.jwt.key`, or as
+    an identity provider served it; `ConfigError` naming `where` when it is unusable."""
     try:
         document = json.loads(data)
     except ValueError as exc:
-        raise ConfigError(f"{KEY_FIELD}: the JWKS file is not valid JSON") from exc
+        raise ConfigError(f"{where}: the JWKS is not valid JSON") from exc
     entries = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
-        raise ConfigError(f'{KEY_FIELD}: a JWKS file needs a non-empty "keys" list')
+        raise ConfigError(f'{where}: a JWKS needs a non-empty "keys" list')
     usable = [
         bound
         for index, entry in enumerate(entries)
-        if (bound := _jwk(entry, algorithms, f"{KEY_FIELD} keys[{index}]")) is not None
+        if (bound := _jwk(entry, algorithms, f"{where} keys[{index}]")) is not None
     ]
-    return _ring(usable)
+    return _ring(usable, where)
 
 
 def _jwk(
@@ -230,7 +287,7 @@ def _jwk(
         raise ConfigError(f"{where}: not a JSON object")
     if entry.get("kty") == "oct" or _PRIVATE_JWK_MEMBERS & entry.keys():
         raise ConfigError(
-            f"{where}: a private or symmetric key; a JWKS file holds public keys (a shared"
+            f"{where}: a private or symmetric key; a JWKS holds public keys (a shared"
             " secret goes in env:NAME)"
         )
     kid = entry.get("kid")
@@ -248,13 +305,13 @@ def _jwk(
     return (kid, _bound(key, usable, where)) if usable else None
 
 
-def _ring(usable: list[tuple[str | None, VerificationKey]]) -> KeyRing:
+def _ring(usable: list[tuple[str | None, VerificationKey]], where: str) -> KeyRing:
     if not usable:
-        raise ConfigError(f"{KEY_FIELD}: no signing key in the JWKS file fits {ALGORITHMS_FIELD}")
+        raise ConfigError(f"{where}: no signing key in the JWKS fits {ALGORITHMS_FIELD}")
     by_kid: dict[str, VerificationKey] = {}
     for kid, key in usable:
         if kid is None and len(usable) > 1:
-            raise ConfigError(f"{KEY_FIELD}: every key needs a kid when the JWKS holds several")
+            raise ConfigError(f"{where}: every key needs a kid when the JWKS holds several")
         if kid is not None and by_kid.setdefault(kid, key) is not key:
-            raise ConfigError(f"{KEY_FIELD}: kid {kid!r} appears twice in the JWKS file")
+            raise ConfigError(f"{where}: kid {kid!r} appears twice in the JWKS")
     return KeyRing(by_kid, usable[0][1] if len(usable) == 1 else None)

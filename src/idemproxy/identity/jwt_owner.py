@@ -9,6 +9,11 @@ same subject keeps its jobs, while the token itself is never stored.
 A credential that is present but does not verify is always `401 owner-missing`, even when
 `owner.required` is false: in the shared anonymous scope a forged token would read anonymous
 responses and seem to work. Only a request with no Authorization header at all is anonymous.
+
+With keys from an identity provider, a token whose `kid` is in none of the keys held may be
+signed with a key rotated in since they were fetched: verifying raises `KeyNotLoaded`, whose
+wait the request handler awaits (a refresh, rate-limited and bounded) before verifying again.
+Only that path awaits; a token with a known kid is verified at once, without I/O.
 """
 
 from __future__ import annotations
@@ -25,8 +30,15 @@ from typing import Any
 import jwt
 
 from idemproxy.config import JwtSettings
-from idemproxy.errors import OwnerMissing
-from idemproxy.identity.jwt_keys import SECRET_FILE_FIELD, KeyRing, load_keys
+from idemproxy.errors import ConfigError, OwnerMissing
+from idemproxy.identity.jwt_keys import (
+    SECRET_FILE_FIELD,
+    FetchObserver,
+    KeySource,
+    Refresh,
+    load_keys,
+    unobserved,
+)
 from idemproxy.secret_files import read_secret
 
 log = logging.getLogger("idemproxy.identity.owner")
@@ -38,7 +50,7 @@ _B64TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 _CLAIM_NAMESPACE = "\0idemproxy:jwt\0"
 
 _NOT_BEARER = "The Authorization header must carry a bearer JWT (Authorization: Bearer <token>)."
-_UNVERIFIED = "The bearer token could not be verified."
+UNVERIFIED = "The bearer token could not be verified."
 _NO_OWNER = "The bearer token does not carry the owner claim as a non-empty string."
 # Fixed details by failure, never PyJWT's message or any byte of the token (SPEC §8).
 _REASONS: tuple[tuple[type[jwt.PyJWTError], str], ...] = (
@@ -50,36 +62,44 @@ _REASONS: tuple[tuple[type[jwt.PyJWTError], str], ...] = (
 )
 
 
+class KeyNotLoaded(Exception):  # a signal to the request handler, never an answer
+    """The token's kid is in none of the keys held, and fetching them again may find it."""
+
+    def __init__(self, wait: Refresh) -> None:
+        super().__init__("the token's key is not loaded")
+        self.wait = wait
+
+
 @dataclass(frozen=True, slots=True)
 class JwtVerifier:
     """Verifies bearer JWTs and turns the owner claim into an owner scope (an `OwnerVerifier`)."""
 
-    keys: KeyRing
+    keys: KeySource
     audience: tuple[str, ...]
     issuer: str | None = None
     claim: str = "sub"
     leeway: float = 0.0
+    # The configured algorithms: a token asking for another is refused without a key refresh.
+    algorithms: tuple[str, ...] = ()
 
     @classmethod
     def from_settings(
-        cls, settings: JwtSettings, environ: Mapping[str, str] | None = None
+        cls,
+        settings: JwtSettings,
+        environ: Mapping[str, str] | None = None,
+        keys: KeySource | None = None,
     ) -> JwtVerifier:
-        """Load the keys once (start-up); raises `ConfigError` naming the field at fault."""
-        secret = None
-        if settings.secret_file is not None:
-            secret = read_secret(settings.secret_file, SECRET_FILE_FIELD)
-        keys = load_keys(
-            settings.key or "",
-            settings.algorithms,
-            os.environ if environ is None else environ,
-            secret,
-        )
+        """Load the keys once (start-up), or use `keys` (an identity provider's, fetched by
+        proxy/idp/); raises `ConfigError` naming the field at fault."""
+        if keys is None:
+            keys = _local_keys(settings, os.environ if environ is None else environ)
         return cls(
             keys=keys,
             audience=tuple(settings.audience),
             issuer=settings.issuer,
             claim=settings.claim,
             leeway=settings.leeway,
+            algorithms=tuple(settings.algorithms),
         )
 
     def owner(self, authorization: str) -> str:
@@ -89,11 +109,28 @@ class JwtVerifier:
             raise OwnerMissing(_NO_OWNER)
         return hash_claim(claims.get("iss"), self.claim, value)
 
+    async def start(self, observe: FetchObserver = unobserved) -> None:
+        await self.keys.start(observe)
+
+    async def close(self) -> None:
+        await self.keys.close()
+
+    def not_ready(self) -> str | None:
+        return self.keys.not_ready()
+
     def verify(self, token: str) -> dict[str, Any]:
-        """The claims of a token that verifies; raises `OwnerMissing` for any other."""
+        """The claims of a token that verifies; raises `OwnerMissing` for any other, and
+        `KeyNotLoaded` when its key may be fetched yet."""
         try:
-            key = self.keys.select(jwt.get_unverified_header(token).get("kid"))
+            header = jwt.get_unverified_header(token)
+            kid = header.get("kid")
+            key = self.keys.select(kid)
             if key is None:
+                # No fetch for a token no key of the provider's could verify anyway.
+                fits = header.get("alg") in self.algorithms
+                refresh = self.keys.refresh_for(kid) if fits else None
+                if refresh is not None:
+                    raise KeyNotLoaded(refresh)
                 raise jwt.InvalidKeyError("no key for this kid")
             claims: dict[str, Any] = jwt.decode(
                 token,
@@ -108,6 +145,16 @@ class JwtVerifier:
             log.debug("bearer token rejected: %s", type(exc).__name__)
             raise OwnerMissing(_reason(exc)) from exc
         return claims
+
+
+def _local_keys(settings: JwtSettings, environ: Mapping[str, str]) -> KeySource:
+    if settings.remote:
+        # proxy/idp/ builds the fetching key source; identity does no I/O of its own.
+        raise ConfigError("owner.jwt.jwks_uri and discovery need the identity provider's client")
+    secret = None
+    if settings.secret_file is not None:
+        secret = read_secret(settings.secret_file, SECRET_FILE_FIELD)
+    return load_keys(settings.key or "", settings.algorithms, environ, secret)
 
 
 def hash_claim(issuer: object, claim: str, value: str) -> str:
@@ -133,4 +180,4 @@ def _reason(error: jwt.PyJWTError) -> str:
     for kind, reason in _REASONS:
         if isinstance(error, kind):
             return reason
-    return _UNVERIFIED
+    return UNVERIFIED

@@ -13,6 +13,7 @@ from multidict import MultiMapping
 from idemproxy.config import OwnerSettings, check_strategy
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, HeaderInvalid, OwnerMissing
+from idemproxy.identity.jwt_keys import FetchObserver, KeySource, unobserved
 from idemproxy.identity.jwt_owner import JwtVerifier
 
 log = logging.getLogger("idemproxy.owner")
@@ -34,8 +35,15 @@ def log_owner_hint(settings: OwnerSettings) -> None:
 
 class OwnerVerifier(Protocol):
     def owner(self, authorization: str) -> str:
-        """The owner of a present credential; raises `OwnerMissing` when it does not verify."""
+        """The owner of a present credential; raises `OwnerMissing` when it does not verify
+        (and `KeyNotLoaded` when its key may be fetched yet)."""
         ...
+
+    async def start(self, observe: FetchObserver = unobserved) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def not_ready(self) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +70,29 @@ class OwnerPolicy:
     def validate(self) -> None:
         check_strategy(self.strategy)
 
+    async def start(self, observe: FetchObserver = unobserved) -> None:
+        """In the event loop, before the first request: an identity provider's keys are
+        fetched (SPEC §5); `observe` hears how each fetch ended."""
+        if self.verifier is not None:
+            await self.verifier.start(observe)
 
-def owner_policy(settings: OwnerSettings) -> OwnerPolicy:
-    """The policy `settings` describe, built once at start-up: with `jwt`, this loads the keys
-    (`ConfigError` naming the field at fault)."""
+    async def close(self) -> None:
+        if self.verifier is not None:
+            await self.verifier.close()
+
+    def not_ready(self) -> str | None:
+        """Why requests with a credential cannot be scoped yet (for /readyz); None when they
+        can."""
+        return None if self.verifier is None else self.verifier.not_ready()
+
+
+def owner_policy(settings: OwnerSettings, keys: KeySource | None = None) -> OwnerPolicy:
+    """The policy `settings` describe, built once at start-up: with `jwt`, this loads the keys,
+    or takes `keys` (an identity provider's, proxy/idp/); `ConfigError` naming the field at
+    fault."""
     verifier = None
     if settings.strategy == "jwt":
-        verifier = JwtVerifier.from_settings(settings.jwt)
+        verifier = JwtVerifier.from_settings(settings.jwt, keys=keys)
     return OwnerPolicy(settings.strategy, settings.required, verifier)
 
 

@@ -13,7 +13,7 @@ from aiohttp import web
 from idemproxy.config import Settings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.owner import OwnerPolicy
-from idemproxy.metrics import Metrics, refresh_gauges, watch_store
+from idemproxy.metrics import KeyFetchResult, Metrics, refresh_gauges, watch_store
 from idemproxy.proxy.background.orphans import take_over_forever
 from idemproxy.proxy.background.sweeper import sweep_forever
 from idemproxy.proxy.context import CONTEXT, ProxyContext, Services
@@ -109,6 +109,9 @@ def _lifecycle(
             stack.push_async_callback(ctx.unsent.close)
             stack.push_async_callback(ctx.unwritten.close)
             app[CONTEXT] = ctx
+            # SPEC §5: an identity provider's keys are fetched (once, bounded) before serving.
+            await ctx.owner.start(_fetch_counter(metrics))
+            stack.push_async_callback(ctx.owner.close)
             watch_store(metrics, store)
             await _start_housekeeping(ctx, stack)
             # A no-op after `idemproxy serve` drained; tests and the demo stop here.
@@ -116,6 +119,14 @@ def _lifecycle(
             yield
 
     return lifecycle
+
+
+def _fetch_counter(metrics: Metrics) -> Callable[[bool], None]:
+    def count(fetched: bool) -> None:
+        result = KeyFetchResult.SUCCEEDED if fetched else KeyFetchResult.FAILED
+        metrics.key_fetch_result[result].inc()
+
+    return count
 
 
 async def _own_store(settings: Settings, stack: contextlib.AsyncExitStack) -> Store:

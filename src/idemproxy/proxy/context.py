@@ -11,11 +11,12 @@ from aiohttp import web
 from idemproxy.config import Settings
 from idemproxy.core.attempts import StatusPolicy
 from idemproxy.core.decision import Policy
-from idemproxy.identity.owner import OwnerPolicy, owner_policy
+from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.proxy.failpoints import Failpoints
+from idemproxy.proxy.idp.policy import build_owner_policy
 from idemproxy.proxy.routing import RouteTable
 from idemproxy.proxy.server.budget import ResponseBudget
 from idemproxy.proxy.server.replay import SharedBodies
@@ -95,7 +96,7 @@ class ProxyContext:
                 frozenset(settings.outcomes.release_statuses),
                 frozenset(settings.outcomes.unknown_statuses),
             ),
-            owner=owner if owner is not None else owner_policy(settings.owner),
+            owner=owner if owner is not None else build_owner_policy(settings.owner),
             governed_methods=frozenset(settings.methods),
             failpoints=failpoints,
             metrics=metrics,

@@ -14,11 +14,12 @@ from idemproxy.errors import (
     ProblemError,
 )
 from idemproxy.http.problems import problem_response
+from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owner
 from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
-from idemproxy.proxy.intent import intent_of
+from idemproxy.proxy.intent import intent_of, owner_after_refresh
 from idemproxy.proxy.jobs.governed import handle_governed
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.passthrough import passthrough
@@ -167,7 +168,10 @@ async def _identify(
     ctx: ProxyContext, request: web.Request, key: str
 ) -> tuple[Intent, RequestBody]:
     """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call."""
-    owner = derive_owner(ctx.owner, request.headers)
+    try:
+        owner = derive_owner(ctx.owner, request.headers)
+    except KeyNotLoaded as missing:
+        owner = await owner_after_refresh(ctx, request, missing)
     # read_body itself, not governed_body: one coroutine less on every governed request.
     body = await read_body(
         request,

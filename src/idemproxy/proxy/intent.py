@@ -5,7 +5,10 @@ from __future__ import annotations
 from aiohttp import hdrs, web
 
 from idemproxy.core.types import Intent
+from idemproxy.errors import OwnerMissing
 from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
+from idemproxy.identity.jwt_owner import UNVERIFIED, KeyNotLoaded
+from idemproxy.identity.owner import derive_owner
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.server.body import RequestBody, read_body
 
@@ -23,6 +26,28 @@ async def governed_body(
         timeout=settings.server.body_read_timeout,
         spool_threshold=limit if in_memory else settings.server.spool_threshold,
     )
+
+
+async def request_owner(ctx: ProxyContext, request: web.Request) -> str:
+    """SPEC §5: the request's owner, waiting for the identity provider's keys when its token
+    names a key none of them held."""
+    try:
+        return derive_owner(ctx.owner, request.headers)
+    except KeyNotLoaded as missing:
+        return await owner_after_refresh(ctx, request, missing)
+
+
+async def owner_after_refresh(
+    ctx: ProxyContext, request: web.Request, missing: KeyNotLoaded
+) -> str:
+    """SPEC §5: a token with a kid none of the identity provider's keys held has: wait (at most
+    owner.jwt.idp.timeout) for them to be fetched again, then verify once more. The key still
+    missing then is `401 owner-missing`; no key set fetched is `503 identity-unavailable`."""
+    await missing.wait()
+    try:
+        return derive_owner(ctx.owner, request.headers)
+    except KeyNotLoaded as again:
+        raise OwnerMissing(UNVERIFIED) from again
 
 
 def intent_of(

@@ -143,7 +143,9 @@ def _route(route: RouteSettings, settings: Settings) -> Route:
         hedge_after=route.hedge_after,
         gate=None
         if route.contract is None
-        else ContractGate(Contract(route.contract), tuple(route.fallbacks), edits=edits),
+        else ContractGate(
+            Contract(route.contract), tuple(route.fallbacks), edits=edits, upstream_timeout=timeout
+        ),
         upstream_timeout=timeout,
         max_wait=settings.effective_max_wait
         if timeout is None or settings.max_wait is not None

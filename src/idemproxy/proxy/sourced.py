@@ -9,9 +9,8 @@ from idemproxy.core.types import Intent
 from idemproxy.errors import HeaderInvalid, KeyInvalid, KeyMissing
 from idemproxy.http.headers import hop_by_hop
 from idemproxy.identity.key_source import KeySource
-from idemproxy.identity.owner import derive_owner
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.intent import governed_body, intent_of
+from idemproxy.proxy.intent import governed_body, intent_of, request_owner
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody
 
@@ -23,7 +22,7 @@ async def identify_sourced(
     passes such requests through (`require_key`, SPEC §4.1)."""
     webhook = route.webhook
     if webhook is None:
-        owner = derive_owner(ctx.owner, request.headers)  # SPEC §5, as for key_header
+        owner = await request_owner(ctx, request)  # SPEC §5, as for key_header
         body = await governed_body(ctx, request, in_memory=source.needs_body)
     else:
         body = await governed_body(ctx, request, in_memory=True)

@@ -14,9 +14,9 @@ from aiohttp import web
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import KeyNotFound
 from idemproxy.identity.key import parse_key
-from idemproxy.identity.owner import derive_owner
 from idemproxy.metrics import RequestOutcome
 from idemproxy.proxy.context import ProxyContext
+from idemproxy.proxy.intent import request_owner
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.trace import Trace
 
@@ -35,7 +35,7 @@ async def answer_status(
         # SPEC §4.2: a webhook route's jobs belong to its sender, whom no lookup can prove
         # to be; operators see them with `idemproxy jobs list --owner webhook:<sender>`.
         raise KeyNotFound()
-    owner = derive_owner(ctx.owner, request.headers)
+    owner = await request_owner(ctx, request)
     trace.owner = owner
     job = await ctx.store.get(owner, key)
     if job is None or job.expired:

@@ -25,7 +25,7 @@ from idemproxy.config import ContractSettings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
 from idemproxy.proxy.upstream.target import Edits
-from idemproxy.redact import redact_url
+from idemproxy.redact import escaped, redact_url
 
 log = logging.getLogger(__name__)
 _MAX_REPORTED = 5
@@ -78,11 +78,15 @@ class ContractGate:
     reports: dict[str, list[str]] = field(default_factory=dict)
     # The headers the route sets upstream (its API key): samples are sent as requests are.
     edits: Mapping[str, Edits] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    # The route's `upstream_timeout` (None: the global one): a sample waits as requests do.
+    upstream_timeout: float | None = None
 
     async def check(self, client: UpstreamClient) -> None:
         results = await asyncio.gather(
             *(
-                check_upstream(client, url, self.contract, self.edits.get(url, ()))
+                check_upstream(
+                    client, url, self.contract, self.edits.get(url, ()), self.upstream_timeout
+                )
                 for url in self.fallbacks
             )
         )
@@ -94,15 +98,19 @@ class ContractGate:
 
 
 async def check_upstream(
-    client: UpstreamClient, base: str, contract: Contract, edits: Edits = ()
+    client: UpstreamClient,
+    base: str,
+    contract: Contract,
+    edits: Edits = (),
+    upstream_timeout: float | None = None,
 ) -> list[str]:
-    """Send every sample to `base`, with the route's header edits; the violations found, each
-    prefixed with its sample."""
+    """Send every sample to `base`, with the route's header edits and upstream timeout; the
+    violations found, each prefixed with its sample."""
     problems: list[str] = []
     for number, sample in enumerate(contract.samples, start=1):
         try:
             async with asyncio.timeout(contract.settings.timeout):
-                status, body = await _send(client, base, sample, edits)
+                status, body = await _send(client, base, sample, edits, upstream_timeout)
         except (UpstreamFailure, TimeoutError) as exc:
             problems.append(f"sample {number}: no answer ({exc})")
             continue
@@ -115,13 +123,14 @@ async def check_upstream(
 
 
 async def _send(
-    client: UpstreamClient, base: str, sample: Sample, edits: Edits
+    client: UpstreamClient, base: str, sample: Sample, edits: Edits, timeout: float | None
 ) -> tuple[int, bytes | None]:
     url = URL(base + sample.path, encoded=True)
     headers = CIMultiDict(sample.headers)
     for edit in edits:
         edit.apply(headers)
-    async with client.request(sample.method, url, headers, sample.body) as response:
+    request = client.request(sample.method, url, headers, sample.body, timeout=timeout)
+    async with request as response:
         body, whole = await UpstreamClient.read_body(response, 1024 * 1024)
         return response.status, body if whole else None
 
@@ -155,11 +164,7 @@ def _describe(error: Any) -> str:
     # `error` column: a NUL (PostgreSQL text refuses it) or a lone surrogate (`"\udce9"` in the
     # JSON; no UTF-8 holds it) is written escaped, as jsonschema's message writes values (repr).
     where = "/" + "/".join(str(part) for part in error.absolute_path)
-    return f"{_escaped(where)}: {error.message}"
-
-
-def _escaped(text: str) -> str:
-    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return f"{escaped(where)}: {error.message}"
 
 
 async def keep_checking(gates: list[ContractGate], client: UpstreamClient) -> None:

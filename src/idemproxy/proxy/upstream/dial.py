@@ -29,7 +29,7 @@ from idemproxy.config_upstream import NO_PROXY, UpstreamSettings, check_proxy_ur
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.h1 import Connection, Origin
 from idemproxy.proxy.upstream.tls import tls_context
-from idemproxy.redact import redact_url
+from idemproxy.redact import escaped, redact_url
 
 if TYPE_CHECKING:
     from idemproxy.config import Settings
@@ -326,5 +326,6 @@ def _check_tunnel(head: bytes, proxy: EgressProxy, authority: str) -> None:
         raise TunnelRefused(f"egress proxy {proxy.host}:{proxy.port} answered no HTTP status")
     if not 200 <= int(status) < 300:
         raise TunnelRefused(
-            f"egress proxy {proxy.host}:{proxy.port} refused CONNECT {authority}: {rest.strip()}"
+            f"egress proxy {proxy.host}:{proxy.port} refused CONNECT {authority}:"
+            f" {escaped(rest.strip())}"
         )

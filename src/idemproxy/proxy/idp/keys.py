@@ -1,0 +1,189 @@
+"""An identity provider's keys, held for the `jwt` owner strategy (SPEC §5): a `KeySource`.
+
+Fetched once at start-up, then in the background every `refresh_interval` (sooner when the
+provider's Cache-Control max-age says so), and when a token names a kid none of the keys held
+has: a key rotated in since. Every fetch, whatever asks for it, is at most one per
+`min_refresh_interval`, so a flood of tokens with forged kids costs the provider one request
+per interval; one fetch runs at a time and every request waiting for keys shares it.
+
+Nothing here blocks the event loop: a fetch is asynchronous, bounded by `timeout`, and a token
+whose key is held is verified without waiting for anything. A request waits only for a kid it
+does not know, and at most `timeout`.
+
+When a fetch fails, the keys fetched before stay in use (a token with a known kid verifies as
+before); a token with an unknown kid is then `503 identity-unavailable` (fail closed: it may be
+good, so no 401, and it is never forwarded unscoped). A failure at start-up is one warning:
+the proxy serves, tokens are refused 503 and /readyz reports not ready until a fetch succeeds,
+retried every `min_refresh_interval`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from idemproxy.config import IdpSettings
+from idemproxy.errors import IdentityUnavailable
+from idemproxy.identity.jwt_keys import (
+    FetchObserver,
+    KeyRing,
+    Refresh,
+    VerificationKey,
+    unobserved,
+)
+from idemproxy.proxy.idp.fetch import JwksClient, describe
+
+log = logging.getLogger("idemproxy.owner")
+
+
+class RemoteKeys:
+    """The key set of one identity provider, as the module docstring says it is kept."""
+
+    def __init__(self, client: JwksClient, settings: IdpSettings) -> None:
+        self._client = client
+        self._refresh = settings.refresh_interval
+        self._min_refresh = settings.min_refresh_interval
+        self._timeout = settings.timeout
+        self._ring: KeyRing | None = None
+        self._fetched_ok = False  # whether the last fetch succeeded
+        self._fetched_at: float | None = None  # loop time the last good key set came
+        self._last_attempt: float | None = None  # loop time the last fetch started
+        self._next_refresh = 0.0
+        self._inflight: asyncio.Task[bool] | None = None
+        self._background: asyncio.Task[None] | None = None
+        self._starting = False  # the first fetch: its failure is start()'s one warning
+        self._last_error = ""
+        self._observe: FetchObserver = unobserved
+
+    # KeySource
+
+    def select(self, kid: object) -> VerificationKey | None:
+        return None if self._ring is None else self._ring.select(kid)
+
+    def refresh_for(self, kid: object) -> Refresh | None:
+        if kid is not None and not isinstance(kid, str):
+            return None  # no JWKS names a key that way (RFC 7517 §4.5)
+        if self._fetched_ok and self._inflight is None and not self._may_fetch():
+            return None  # the keys held are the provider's of moments ago: the kid is unknown
+        return self._wait_for_keys
+
+    async def start(self, observe: FetchObserver = unobserved) -> None:
+        self._observe = observe
+        await self._client.open()
+        self._starting = True
+        try:
+            fetched = await self._fetch_task()
+        finally:
+            self._starting = False
+        if not fetched:
+            log.warning(
+                "owner.jwt: no keys yet from %s: %s; tokens are answered 503"
+                " identity-unavailable and /readyz is not ready until a fetch succeeds (retried"
+                " every %gs)",
+                self._client.source,
+                self._last_error,
+                self._min_refresh,
+            )
+        self._background = asyncio.get_running_loop().create_task(self._keep_fresh())
+
+    async def close(self) -> None:
+        for task in (self._background, self._inflight):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self._client.close()
+
+    def not_ready(self) -> str | None:
+        if self._ring is not None:
+            return None
+        return f"owner.jwt: no keys fetched yet from {self._client.source}"
+
+    # The fetches
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _may_fetch(self) -> bool:
+        last = self._last_attempt
+        return last is None or self._now() - last >= self._min_refresh
+
+    def _fetch_task(self) -> asyncio.Task[bool]:
+        """The fetch in flight, or a new one: never two at once."""
+        if self._inflight is None:
+            self._last_attempt = self._now()
+            self._inflight = asyncio.get_running_loop().create_task(self._fetch())
+        return self._inflight
+
+    async def _wait_for_keys(self) -> None:
+        """A request's wait for keys it lacks: at most `timeout`, at most one new fetch per
+        `min_refresh_interval`; `IdentityUnavailable` when no new key set came."""
+        if self._inflight is None and not self._may_fetch():
+            raise IdentityUnavailable()  # the last fetch, moments ago, failed
+        task = self._fetch_task()
+        try:
+            async with asyncio.timeout(self._timeout):
+                fetched = await asyncio.shield(task)  # others may be waiting for it too
+        except TimeoutError as exc:
+            raise IdentityUnavailable() from exc
+        if not fetched:
+            raise IdentityUnavailable()
+
+    async def _fetch(self) -> bool:
+        started = self._now()
+        try:
+            async with asyncio.timeout(self._timeout):
+                fetched = await self._client.fetch()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure keeps the keys held (SPEC §5)
+            self._failed(started, exc)
+            self._observe(False)
+            return False
+        finally:
+            self._inflight = None
+        first = self._ring is None or not self._fetched_ok
+        self._ring, self._fetched_ok, self._fetched_at = fetched.keys, True, started
+        fresh_for = self._refresh if fetched.max_age is None else fetched.max_age
+        self._next_refresh = started + min(max(fresh_for, self._min_refresh), self._refresh)
+        if first:
+            log.info("owner.jwt: %d key(s) loaded from %s", fetched.keys.size, self._client.source)
+        self._observe(True)
+        return True
+
+    def _failed(self, started: float, error: BaseException) -> None:
+        self._fetched_ok = False
+        self._next_refresh = started + self._min_refresh
+        self._last_error = describe(error)
+        if self._starting:
+            return
+        if self._ring is None or self._fetched_at is None:
+            log.warning(
+                "owner.jwt: fetching the keys from %s failed: %s; still no keys (retried every"
+                " %gs)",
+                self._client.source,
+                self._last_error,
+                self._min_refresh,
+            )
+            return
+        log.warning(
+            "owner.jwt: refreshing the keys from %s failed: %s; keeping the %d key(s) fetched"
+            " %.0fs ago",
+            self._client.source,
+            self._last_error,
+            self._ring.size,
+            started - self._fetched_at,
+        )
+
+    async def _keep_fresh(self) -> None:
+        while True:
+            delay = self._next_refresh - self._now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+                continue
+            if self._inflight is None and not self._may_fetch():
+                assert self._last_attempt is not None
+                self._next_refresh = self._last_attempt + self._min_refresh
+                continue
+            await asyncio.shield(self._fetch_task())
