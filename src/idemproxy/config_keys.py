@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from idemproxy import constants as c
 from idemproxy.config_upstream import read_value
+from idemproxy.units import Duration
 
 _STRICT = ConfigDict(extra="forbid")
 # RFC 9110 §5.1: a field name is a token.
@@ -80,7 +81,7 @@ class WebhookSettings(BaseModel):
     sender: str
     secrets: list[str] = Field(min_length=1)
     # How far a signed timestamp may be from the proxy's clock (standard, stripe), seconds.
-    tolerance: float = Field(default=c.DEFAULT_WEBHOOK_TOLERANCE_SECONDS, gt=0)
+    tolerance: Duration = Field(default=c.DEFAULT_WEBHOOK_TOLERANCE_SECONDS, gt=0)
     _keys: tuple[bytes, ...] = PrivateAttr(default=())
 
     @field_validator("sender")

@@ -80,6 +80,31 @@ async def test_a_key_rotated_in_is_fetched_once_and_its_tokens_keep_the_owner(
     assert job.owner == hash_claim(claims()["iss"], "sub", "alice")
 
 
+async def test_a_key_rotated_in_is_fetched_for_a_body_keyed_route_and_a_status_lookup(
+    proxy: ProxyFactory, idp: IdentityProvider, backend_url: str, ledger: Ledger
+) -> None:
+    """The routes whose key has another source (SPEC §4.1) and the status lookup (§7.1) name
+    the owner as the default path does: a token signed with a key rotated in waits for it."""
+    client = await proxy(
+        owner=owner(idp, min_refresh_interval=0.5),
+        status_header="Idempotency-Status",
+        routes=[{"prefix": "/orders", "upstream": backend_url, "key": {"pointer": "/id"}}],
+    )
+    idp.publish((rsa_key(0), "k1"), (rsa_key(1), "k2"))
+    await asyncio.sleep(0.6)
+    async with client.post("/orders", json={"id": "o-1"}, headers=signed("k2", 1)) as response:
+        assert response.status == 201, await response.text()
+    assert idp.jwks_fetches == 2
+    idp.publish((rsa_key(0), "k1"), (rsa_key(1), "k2"), (rsa_key(2), "k3"))
+    await asyncio.sleep(0.6)
+    lookup = {"Idempotency-Status": "o-1", **signed("k3", 2)}
+    async with client.get("/orders", headers=lookup) as response:
+        assert response.status == 200, await response.text()
+        assert (await response.json())["state"] == "completed"
+    assert idp.jwks_fetches == 3
+    assert ledger.count() == 1
+
+
 async def test_a_flood_of_unknown_kids_fetches_at_most_once_per_interval(
     make_proxy: ProxyFactory, sqlite_dsn: str, idp: IdentityProvider, ledger: Ledger
 ) -> None:

@@ -207,7 +207,7 @@ RULES = {
         "config_upstream", only=("config_upstream", "errors", "constants", "units", "secret_files")
     ),
     "and the key sources' and webhooks' settings": Rule(
-        "config_keys", only=("config_keys", "config_upstream", "errors", "constants")
+        "config_keys", only=("config_keys", "config_upstream", "errors", "constants", "units")
     ),
     "a request's identity comes from the request and the settings alone": Rule(
         "identity", only=("identity", "config", "errors", "constants", "secret_files")
