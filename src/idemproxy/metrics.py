@@ -319,7 +319,9 @@ class Metrics:
         # The store's operations are its method names (store/base.py), not an enum of ours.
         self._store_seconds = Children[str, Histogram](self.store_seconds.labels)
         self._store_errors = Children[str, Counter](self.store_errors.labels)
-        self._store_batch_rows = Children[str, Histogram](self.store_batch_rows.labels)
+        self._store_batch_rows = Children[str, Histogram](
+            self.store_batch_rows.labels, ("claim", "complete")
+        )
         self.client_disconnect = Children[DisconnectStage, Counter](
             self.client_disconnects.labels, DisconnectStage
         )
