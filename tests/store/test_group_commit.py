@@ -125,14 +125,16 @@ async def test_mixed_outcomes_in_one_batch_each_caller_gets_its_own(
     assert isinstance(orphan, Claimed)
     batches.clear()
 
-    new, same, other, expired, new2 = await asyncio.gather(
+    # The first goes out alone at once; the five behind it in one statement.
+    _lead, new, same, other, expired, new2 = await asyncio.gather(
+        _claim(store, _intent("lead")),
         _claim(store, _intent("fresh")),
         _claim(store, _intent("done")),
         _claim(store, _intent("mismatch", fingerprint="another body")),
         _claim(store, _intent("orphan")),
         _claim(store, _intent("fresh-2")),
     )
-    assert batches == [("claim", 5)], "all five in one statement"
+    assert batches == [("claim", 1), ("claim", 5)], "all five in one statement"
     assert isinstance(new, Claimed) and new.job.key == "fresh" and new.attempt == 1
     assert isinstance(new2, Claimed) and new2.job.key == "fresh-2"
     assert new.job.id != new2.job.id
@@ -160,7 +162,9 @@ async def test_one_refused_claim_fails_only_its_caller(
     store: Store, batches: list[tuple[str, int]]
 ) -> None:
     keys = [f"good-{i}" for i in range(4)]
-    results = await asyncio.gather(
+    lead = _claim(store, _intent("lead"))  # alone at once; the five behind it together
+    _lead, *results = await asyncio.gather(
+        lead,
         *(_claim(store, _intent(key)) for key in [*keys[:2], UNSTORABLE_KEY, *keys[2:]]),
         return_exceptions=True,
     )
@@ -168,7 +172,7 @@ async def test_one_refused_claim_fails_only_its_caller(
     good = [r for i, r in enumerate(results) if i != 2]
     assert all(isinstance(r, Claimed) for r in good), good
     assert [r.job.key for r in good if isinstance(r, Claimed)] == keys
-    assert batches[0] == ("claim", 5), "they were batched"
+    assert batches == [("claim", 1), ("claim", 5)], "they were batched"
     for key in keys:
         assert await store.get("alice", key) is not None
 
@@ -178,6 +182,8 @@ async def test_one_refused_completion_fails_only_its_caller(pg_dsn: str) -> None
     async with opened(create_store(pg_dsn)) as store:
         claims = [await _claimed(store, f"job-{i}") for i in range(4)]
         responses = [FINE, REFUSED, FINE, FINE]
+        sizes: list[int] = []
+        store.group_commits()[1].observer = lambda _kind, rows: sizes.append(rows)
         results = await asyncio.gather(
             *(
                 store.complete(c.job, c.attempt, response, ttl=3600.0)
@@ -187,6 +193,7 @@ async def test_one_refused_completion_fails_only_its_caller(pg_dsn: str) -> None
         )
         assert isinstance(results[1], StoreRefused), results
         assert [results[0], results[2], results[3]] == [True, True, True]
+        assert sizes == [1, 3], "the first alone, the refused one in a batch behind it"
         for claim, response in zip(claims, responses, strict=True):
             job = await store.get("alice", claim.job.key)
             assert job is not None
@@ -260,17 +267,22 @@ async def test_a_caller_cancelled_while_queued_never_reaches_the_store(
 
 
 async def test_a_caller_cancelled_in_flight_leaves_the_batch_to_the_others(
-    store: Store, dsn: str, batches: list[tuple[str, int]]
+    store: Store, batches: list[tuple[str, int]]
 ) -> None:
-    async with _writes_blocked(dsn):
-        tasks = [asyncio.create_task(_claim(store, _intent(f"batch-{i}"))) for i in range(3)]
-        await _settle_loop()  # all three went out in one statement, waiting for the lock
-        tasks[1].cancel()
-        await _settle_loop()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    assert isinstance(results[1], asyncio.CancelledError)
-    assert isinstance(results[0], Claimed) and isinstance(results[2], Claimed)
-    assert batches == [("claim", 3)]
+    lead = asyncio.create_task(_claim(store, _intent("lead")))
+    tasks = [asyncio.create_task(_claim(store, _intent(f"batch-{i}"))) for i in range(3)]
+    (claims, _completions) = store.group_commits()
+
+    def cancel_one_once_sent(kind: str, rows: int) -> None:
+        batches.append((kind, rows))
+        if rows == 3:  # called as the batch goes out: its statement is in flight now
+            tasks[1].cancel()
+
+    claims.observer = cancel_one_once_sent
+    results = await asyncio.gather(lead, *tasks, return_exceptions=True)
+    assert isinstance(results[2], asyncio.CancelledError)
+    assert [type(r) for r in (results[0], results[1], results[3])] == [Claimed] * 3
+    assert batches == [("claim", 1), ("claim", 3)], "the lead alone, the others behind it"
     # The statement ran to its end: the cancelled caller's claim is committed, a job nobody
     # runs, which the proxy releases as a claim it never forwarded (proxy/background/unsent.py).
     job = await store.get("alice", "batch-1")

@@ -1,9 +1,10 @@
 """Group commit: concurrent writes of one kind go out as one statement and one durable commit.
 
-A request's claim (or completion) is queued; while no batch of its group is in flight it goes
-out at once, alone. Requests that arrive while a batch is in flight wait for it and then go out
-together, up to `limit` of them: nothing waits for a batch to fill, so a lone request's latency
-is unchanged, and under load each commit (each WAL flush or fsync) serves many requests.
+A request's claim (or completion) that finds no statement of its group in flight goes out at
+once, alone, in its caller's task. Requests that arrive while one is in flight are queued, and
+go out together as the next statement once it ends, up to `limit` of them: nothing waits for a
+batch to fill, so a lone request's latency is unchanged, and under load each commit (each WAL
+flush or fsync) serves many requests.
 
 A group is one owner: every row of a batch has the same owner, so that the statement still names
 `owner` as a parameter and is routed to one shard (SPEC §11). Two requests for the same job or
@@ -13,8 +14,8 @@ commit, as it would have alone.
 `run` gets the batch and returns one result or exception per request, in order; an exception
 it raises is every caller's. Each caller gets exactly its own entry. A caller cancelled while
 its request is still queued takes it out of the queue (it never reaches the store); once its
-batch is in flight the statement runs to its end for the others, and the cancelled caller's
-result is dropped, as a single statement's would be when its caller is cancelled.
+batch of several is in flight the statement runs to its end for the others, and the cancelled
+caller's result is dropped (its claim may be committed: proxy/background/unsent.py releases it).
 """
 
 from __future__ import annotations
@@ -63,19 +64,36 @@ class GroupCommit(Generic[Request, Result]):
         self._drainers: set[asyncio.Task[None]] = set()
 
     async def submit(self, request: Request) -> Result:
-        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         group = self._group(request)
         queue = self._queues.get(group)
         if queue is None:
-            # No batch of this group in flight: this one starts the group's drainer.
-            queue = self._queues[group] = []
-            drainer = asyncio.create_task(self._drain(group, queue), name=f"store-{self.kind}")
-            self._drainers.add(drainer)
-            drainer.add_done_callback(self._drainers.discard)
+            return await self._lead(group, request)
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         queue.append(_Entry(request, future))
         # A cancelled caller cancels its future: still queued, it is skipped; in flight, its
         # result is dropped. The statement itself is never cancelled for the others' sake.
         return await future
+
+    async def _lead(self, group: Hashable, request: Request) -> Result:
+        """Nothing of the group in flight: this request goes out at once, in the caller's own
+        task (a lone request costs no task switch), and whatever queues meanwhile follows in
+        one batch. Cancelling this caller cancels its statement, as without batching."""
+        queue: list[_Entry[Request, Result]] = []
+        self._queues[group] = queue
+        try:
+            if self.observer is not None:
+                self.observer(self.kind, 1)
+            [outcome] = await self._run([request])
+        finally:
+            if queue:
+                drainer = asyncio.create_task(self._drain(group, queue), name=f"store-{self.kind}")
+                self._drainers.add(drainer)
+                drainer.add_done_callback(self._drainers.discard)
+            else:
+                del self._queues[group]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     async def close(self) -> None:
         """Wait for the batches in flight (their callers are waiting for them)."""
