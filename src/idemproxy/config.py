@@ -319,6 +319,10 @@ class PoolSettings(BaseModel):
     # PostgreSQL connections of each proxy process reserved for lease renewals (SPEC §3.5), on
     # top of store_connections: a renewal never waits behind request traffic for a connection.
     lease_connections: int = Field(default=2, ge=1, le=c.MAX_LEASE_CONNECTIONS)
+    # Group commit (store/batching.py): claims (and completions) that arrive while one of their
+    # statements is in flight go out together, at most this many in one statement and commit;
+    # 1 sends each alone.
+    store_batch: int = Field(default=64, ge=1, le=1000)
 
 
 class AdminSettings(BaseModel):

@@ -125,6 +125,8 @@ class DisconnectStage(enum.StrEnum):
     RESPONSE = "response"
 
 
+# Rows per group-committed statement, up to pool.store_batch's bound.
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1000)
 # Sub-millisecond store calls up to upstream timeouts.
 _LATENCY_BUCKETS = (
     0.0005,
@@ -268,6 +270,16 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # Group commit (store/batching.py): rows per batched statement, by its kind (claim,
+        # complete). Mostly 1 when idle; under load it grows with the requests that queued
+        # while the previous statement was in flight, up to `pool.store_batch`.
+        self.store_batch_rows = Histogram(
+            f"{METRIC_PREFIX}_store_batch_rows",
+            "Rows per group-committed store statement (one transaction, one commit), by kind.",
+            ["kind"],
+            registry=self.registry,
+            buckets=_BATCH_BUCKETS,
+        )
         self.waiters = Gauge(
             f"{METRIC_PREFIX}_waiters",
             "Duplicates held right now, waiting for a job in flight.",
@@ -325,6 +337,9 @@ class Metrics:
         # The store's operations are its method names (store/base.py), not an enum of ours.
         self._store_seconds = Children[str, Histogram](self.store_seconds.labels)
         self._store_errors = Children[str, Counter](self.store_errors.labels)
+        self._store_batch_rows = Children[str, Histogram](
+            self.store_batch_rows.labels, ("claim", "complete")
+        )
         self.client_disconnect = Children[DisconnectStage, Counter](
             self.client_disconnects.labels, DisconnectStage
         )
@@ -338,11 +353,17 @@ class Metrics:
         if failed:
             self._store_errors[operation].inc()
 
+    def observe_batch(self, kind: str, rows: int) -> None:
+        """`GroupCommit.observer`: one batched statement of `rows` rows."""
+        self._store_batch_rows[kind].observe(rows)
+
 
 def watch_store(metrics: Metrics, store: Store) -> None:
-    """Store call latency and errors, and the waiters gauge, straight from the store; the
-    in-process replay cache's counts when it is there."""
+    """Store call latency and errors, batch sizes and the waiters gauge, straight from the
+    store; the in-process replay cache's counts when it is there."""
     store.observer = metrics.observe_store
+    for batcher in store.group_commits():
+        batcher.observer = metrics.observe_batch
     metrics.waiters.set_function(lambda: store.watch.waiting)
     cache = store.layer(MemoryReplayCache) if isinstance(store, DelegatingStore) else None
     if isinstance(cache, MemoryReplayCache):

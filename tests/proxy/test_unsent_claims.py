@@ -9,12 +9,14 @@ to a claim whose timeout ran out (tests/faults/test_db_faults.py shows it with a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
@@ -89,6 +91,33 @@ async def test_a_claim_that_committed_after_its_503_is_released_and_its_retry_ru
     assert await _post(client, "late") == (201, None)  # the retry runs it, once
     assert await _post(client, "late") == (201, "true")
     assert ledger.count("late") == 1
+
+
+async def test_a_claim_committed_after_its_caller_was_cancelled_is_released(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    """A caller cancelled while its group-committed batch is in flight (store/batching.py): the
+    statement runs to its end for the others, so the claim commits with nobody to run it."""
+    client = await proxy(lease=30.0)
+    store = client.app[CONTEXT].store
+    real: Claim = store.claim
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        await real(*args, **kwargs)
+        raise asyncio.CancelledError
+
+    store.claim = claim  # type: ignore[method-assign]
+    with contextlib.suppress(aiohttp.ClientError):
+        await _post(client, "cancelled")
+    _restore_claims(store)
+    unsent = client.app[CONTEXT].unsent
+    await eventually(lambda: _unsent(client, "released") == 1)
+    job = await job_with_attempts(store, "cancelled")
+    assert job.state is JobState.RELEASED
+    assert [(a.state, a.error) for a in job.attempts] == [(AttemptState.FAILED, NEVER_FORWARDED)]
+    assert len(unsent) == 0 and ledger.count() == 0
+    assert await _post(client, "cancelled") == (201, None)  # the retry runs it, once
+    assert ledger.count("cancelled") == 1
 
 
 async def test_a_duplicate_held_behind_it_runs_once_it_is_released(

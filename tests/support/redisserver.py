@@ -101,9 +101,9 @@ class SpyStore(PostgresStore):
         super().__init__(dsn, **kwargs)
         self.calls: Counter[str] = Counter()
 
-    async def _call(self, what: str, call: Any) -> Any:  # one statement (the hot path)
+    async def _call(self, what: str, call: Any, observe: bool = True) -> Any:  # one statement
         self.calls[what] += 1
-        return await super()._call(what, call)
+        return await super()._call(what, call, observe)
 
     @contextlib.asynccontextmanager
     async def _connection(self, what: str) -> AsyncIterator[Any]:  # several (operators' reads)

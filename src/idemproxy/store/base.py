@@ -13,10 +13,11 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 from idemproxy.errors import StoreUnavailable
+from idemproxy.store.batching import GroupCommit
 from idemproxy.store.watch import JobWatch
 
 
@@ -183,6 +184,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def ping(self) -> None:
         """Raise `StoreUnavailable` unless the store answers."""
+
+    def group_commits(self) -> tuple[GroupCommit[Any, Any], ...]:
+        """The store's batchers (store/batching.py), for their metrics hook; none by default."""
+        return ()
 
     def watching(self, job_id: str) -> AbstractAsyncContextManager[JobWatch.Subscription]:
         """Subscribe to changes of one job (SPEC §2.3: held duplicates)."""

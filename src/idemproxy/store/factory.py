@@ -9,6 +9,7 @@ from idemproxy.constants import DEFAULT_MAX_STORED_BODY
 from idemproxy.errors import ConfigError
 from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
+from idemproxy.store.batching import DEFAULT_BATCH
 
 if TYPE_CHECKING:
     from idemproxy.config import Settings
@@ -21,12 +22,15 @@ def create_store(
     command_timeout: float = 5.0,
     late_bytes: int = DEFAULT_MAX_STORED_BODY,
     lease_connections: int = 0,
+    batch: int = DEFAULT_BATCH,
 ) -> Store:
     """`sqlite:///relative.db`, `sqlite:////absolute.db`, `sqlite://:memory:` or `postgresql://…`.
 
     `late_bytes`: bytes of late responses kept per job in all (`max_stored_body`, SPEC §3.3).
     `lease_connections`: PostgreSQL connections reserved for lease renewals (a proxy's, SPEC
     §3.5); the operator tools run no attempts and need none.
+    `batch`: at most this many concurrent claims (or completions) share one statement and one
+    commit (store/batching.py); 1 sends each alone.
     """
     if _is_postgres(dsn):
         from idemproxy.store.postgres.store import Connections, PostgresStore
@@ -36,11 +40,14 @@ def create_store(
             connections=Connections(maximum=max_connections, lease=lease_connections),
             command_timeout=command_timeout,
             late_bytes=late_bytes,
+            batch=batch,
         )
     if dsn.startswith("sqlite://"):
         from idemproxy.store.sqlite.store import SqliteStore
 
-        return SqliteStore(sqlite_path(dsn), busy_timeout=command_timeout, late_bytes=late_bytes)
+        return SqliteStore(
+            sqlite_path(dsn), busy_timeout=command_timeout, late_bytes=late_bytes, batch=batch
+        )
     raise ConfigError(f"store: unsupported DSN scheme in {dsn.split(':', 1)[0]!r}")
 
 
@@ -54,6 +61,7 @@ def serving_store(settings: Settings) -> Store:
         command_timeout=settings.pool.store_timeout,
         late_bytes=settings.max_stored_body,
         lease_connections=settings.pool.lease_connections,
+        batch=settings.pool.store_batch,
     )
     store = wrap_with_cache(store, settings)
     options = settings.replay_cache

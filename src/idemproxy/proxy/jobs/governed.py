@@ -201,8 +201,9 @@ async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False
         claiming = ctx.tracing.claim(claiming)
     try:
         return await claiming
-    except StoreUnavailable:
-        # The store may still commit it (a stalled server): a job nobody runs. Unless the
+    except (StoreUnavailable, asyncio.CancelledError):
+        # The store may still commit it (a stalled server; or a cancelled caller's batch, which
+        # runs to its end for the others: store/batching.py): a job nobody runs. Unless the
         # request goes upstream anyway, nothing was forwarded under it, so it may be released.
         if not forwarded_if_failed:
             ctx.unsent.note(intent.owner, intent.key, job_id)

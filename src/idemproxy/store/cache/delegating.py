@@ -15,10 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Any
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
 from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 from idemproxy.store.base import AttemptFailure, Store
+from idemproxy.store.batching import GroupCommit
 
 Observer = Callable[[str, float, bool], None]
 # A cache entry that would live less than this (seconds) is not worth writing.
@@ -172,6 +174,9 @@ class DelegatingStore(Store):
 
     async def ping(self) -> None:
         await self.inner.ping()  # readiness is the source of truth's, not a cache's
+
+    def group_commits(self) -> tuple[GroupCommit[Any, Any], ...]:
+        return self.inner.group_commits()
 
 
 class ReplayCache(DelegatingStore):

@@ -24,8 +24,18 @@ from idemproxy.core.types import (
     JobState,
     StoredResponse,
 )
-from idemproxy.errors import StoreUnavailable
+from idemproxy.errors import StoreRefused, StoreUnavailable
 from idemproxy.store.base import AttemptFailure, Store
+from idemproxy.store.batching import (
+    DEFAULT_BATCH,
+    ClaimRequest,
+    CompleteRequest,
+    GroupCommit,
+    claim_distinct,
+    claim_group,
+    complete_distinct,
+    complete_group,
+)
 from idemproxy.store.feed import stop_feed
 from idemproxy.store.postgres.errors import (
     DRIVER_ERRORS,
@@ -82,6 +92,7 @@ class PostgresStore(Store):
         command_timeout: float = 5.0,
         listen: bool = True,
         late_bytes: int = DEFAULT_MAX_STORED_BODY,
+        batch: int = DEFAULT_BATCH,
     ) -> None:
         super().__init__()
         self._late_bytes = late_bytes  # kept late bodies per job in all (SPEC §3.3)
@@ -100,6 +111,17 @@ class PostgresStore(Store):
             )
             if connections.lease > 0
             else None
+        )
+        # Group commit (store/batching.py): one statement and one commit for concurrent calls.
+        self.claims = GroupCommit[ClaimRequest, ClaimResult](
+            "claim", self._claim_batch, group=claim_group, distinct=claim_distinct, limit=batch
+        )
+        self.completions = GroupCommit[CompleteRequest, bool](
+            "complete",
+            self._complete_batch,
+            group=complete_group,
+            distinct=complete_distinct,
+            limit=batch,
         )
 
     async def open(self) -> None:
@@ -128,6 +150,8 @@ class PostgresStore(Store):
             )
 
     async def close(self) -> None:
+        await self.claims.close()
+        await self.completions.close()
         if self._listener is not None:
             await stop_feed(self._listener)
         if self._renewals is not None:
@@ -143,6 +167,9 @@ class PostgresStore(Store):
                 await asyncio.wait_for(self._pool.close(), timeout=self._command_timeout)
             except TimeoutError:
                 log.warning("store: the pool did not close in time; connections aborted")
+
+    def group_commits(self) -> tuple[GroupCommit[Any, Any], ...]:
+        return self.claims, self.completions
 
     async def migrate(self) -> list[str]:
         applied: list[str] = []
@@ -167,16 +194,55 @@ class PostgresStore(Store):
     async def claim(
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
-        args = (intent.owner, intent.key, job_id, intent.fingerprint, intent.method, intent.path)
+        request = ClaimRequest(intent, job_id, upstream, float(ttl), float(lease))
+        with self.observed("claim"):
+            return await self.claims.submit(request)
+
+    async def _claim_batch(self, batch: list[ClaimRequest]) -> list[ClaimResult | BaseException]:
+        """`claims`' statement: a lone claim alone, several in one `claim_batch`."""
+        if len(batch) == 1:
+            return await _each(self._claim_alone, batch)
+        first = batch[0].intent
+        columns = _claim_columns(batch)
+        try:
+            rows = await self._run(
+                "claim", lambda c: c.fetch(self._sql["claim_batch"], first.owner, *columns), False
+            )
+        except StoreRefused:
+            # One row's data was refused (SQLSTATE 22/23/54): each alone, so that only its
+            # own caller gets the refusal.
+            return await _each(self._claim_alone, batch)
+        by_key = {row["key"]: row for row in rows}
+        results: list[ClaimResult | BaseException] = []
+        for request in batch:
+            row = by_key.get(request.intent.key)
+            if row is None:  # a concurrent claim committed it while this one waited
+                results.extend(await _each(self._claim_alone, [request]))
+            else:
+                results.append(_claim_result(row))
+        return results
+
+    async def _claim_alone(self, request: ClaimRequest) -> ClaimResult:
+        intent = request.intent
+        args = (
+            intent.owner,
+            intent.key,
+            request.job_id,
+            intent.fingerprint,
+            intent.method,
+            intent.path,
+            request.ttl,
+            request.upstream,
+            request.lease,
+        )
         for _ in range(_CLAIM_RETRIES):
-            row = await self._fetchrow("claim", *args, float(ttl), upstream, float(lease))
+            row = await self._fetchrow("claim", *args, observe=False)
             if row is None:
                 # A concurrent claim committed while this one waited: read it afresh.
-                row = await self._fetchrow("get_job", intent.owner, intent.key)
+                row = await self._fetchrow("get_job", intent.owner, intent.key, observe=False)
             if row is None:
                 continue  # it was deleted in between (expiry); claim again
-            job = job_from_row(row)
-            return Claimed(job, 1) if row.get("created", False) else Existing(job)
+            return _claim_result(row)
         raise StoreUnavailable("The claim did not settle; retry.")
 
     async def get(self, owner: str, key: str) -> Job | None:
@@ -190,16 +256,38 @@ class PostgresStore(Store):
     async def complete(
         self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
     ) -> bool:
+        with self.observed("complete"):
+            return await self.completions.submit(CompleteRequest(job, attempt, response, ttl))
+
+    async def _complete_batch(self, batch: list[CompleteRequest]) -> list[bool | BaseException]:
+        """`completions`' statement: a lone one alone, several in one `complete_batch`."""
+        if len(batch) == 1:
+            return await _each(self._complete_alone, batch)
+        columns = _complete_columns(batch)
+        owner = batch[0].job.owner
+        sql = self._sql["complete_batch"]
+        try:
+            rows = await self._run(
+                "complete", lambda c: c.fetch(sql, owner, *columns, self._late_bytes), False
+            )
+        except StoreRefused:  # as in _claim_batch: only the refused row's caller fails
+            return await _each(self._complete_alone, batch)
+        won = {str(row["id"]) for row in rows}
+        return [request.job.id in won for request in batch]
+
+    async def _complete_alone(self, request: CompleteRequest) -> bool:
+        job, response = request.job, request.response
         row = await self._fetchrow(
             "complete",
             *_cas(job),
-            attempt,
+            request.attempt,
             response.status,
             encode_headers(response.headers),
             response.body,
             response.omitted,
-            float(ttl),
+            float(request.ttl),
             self._late_bytes,
+            observe=False,
         )
         return row is not None
 
@@ -345,24 +433,29 @@ class PostgresStore(Store):
     async def ping(self) -> None:
         await self._fetchrow("ping")
 
-    async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
-        return await self._run(name, lambda c: c.fetchrow(self._sql[name], *args))
+    async def _fetchrow(self, name: str, *args: Any, observe: bool = True) -> asyncpg.Record | None:
+        return await self._run(name, lambda c: c.fetchrow(self._sql[name], *args), observe)
 
     async def _execute(self, name: str, *args: Any) -> str:
         return await self._run(name, lambda c: c.execute(self._sql[name], *args))
 
-    async def _run(self, what: str, call: Callable[[Pooled], Awaitable[T]]) -> T:
+    async def _run(
+        self, what: str, call: Callable[[Pooled], Awaitable[T]], observe: bool = True
+    ) -> T:
+        """`observe=False`: a statement of a batch, timed by its callers (`claim`, `complete`)."""
         try:
-            return await self._call(what, call)
+            return await self._call(what, call, observe)
         except StoreUnavailable as exc:
             # A pooled session the server had just ended, handed out before asyncpg noticed:
             # asyncpg refuses the statement before sending it, so one retry on a fresh
             # connection cannot run anything twice (and every write here is a CAS anyway).
             if not isinstance(exc.__cause__, asyncpg.InternalClientError):
                 raise
-        return await self._call(what, call)
+        return await self._call(what, call, observe)
 
-    async def _call(self, what: str, call: Callable[[Pooled], Awaitable[T]]) -> T:
+    async def _call(
+        self, what: str, call: Callable[[Pooled], Awaitable[T]], observe: bool = True
+    ) -> T:
         """One statement on a pooled connection: timed for the metrics (SPEC §13), its driver
         errors translated (SPEC §11). What `_connection` and `KeptConnections.lend` do, flattened
         into one frame: the hot path makes two or three of these per request."""
@@ -385,7 +478,7 @@ class PostgresStore(Store):
             failed = True
             raise unavailable(what, exc) from exc
         finally:
-            if self.observer is not None:
+            if observe and self.observer is not None:
                 self.observer(what, time.perf_counter() - started, failed)
 
     @contextlib.asynccontextmanager
@@ -402,6 +495,54 @@ class PostgresStore(Store):
 def _cas(job: Job) -> tuple[str, str, int]:
     """(owner, id, version): every hot-path statement names the owner (SPEC §11)."""
     return job.owner, job.id, job.version
+
+
+R = TypeVar("R")
+Q = TypeVar("Q")
+
+
+async def _each(alone: Callable[[Q], Awaitable[R]], batch: list[Q]) -> list[R | BaseException]:
+    """Each request of `batch` in its own statement, concurrently: each caller's own result or
+    error, as it would have had without the batch."""
+    if len(batch) == 1:
+        try:
+            return [await alone(batch[0])]
+        except Exception as exc:
+            return [exc]
+    return await asyncio.gather(*(alone(request) for request in batch), return_exceptions=True)
+
+
+def _claim_result(row: asyncpg.Record) -> ClaimResult:
+    job = job_from_row(row)
+    return Claimed(job, 1) if row.get("created", False) else Existing(job)
+
+
+def _claim_columns(batch: list[ClaimRequest]) -> tuple[list[Any], ...]:
+    """`claim_batch`'s arrays $2..$9, one element per claim."""
+    return (
+        [r.intent.key for r in batch],
+        [r.job_id for r in batch],
+        [r.intent.fingerprint for r in batch],
+        [r.intent.method for r in batch],
+        [r.intent.path for r in batch],
+        [r.ttl for r in batch],
+        [r.upstream for r in batch],
+        [r.lease for r in batch],
+    )
+
+
+def _complete_columns(batch: list[CompleteRequest]) -> tuple[list[Any], ...]:
+    """`complete_batch`'s arrays $2..$9, one element per completion."""
+    return (
+        [r.job.id for r in batch],
+        [r.job.version for r in batch],
+        [r.attempt for r in batch],
+        [r.response.status for r in batch],
+        [encode_headers(r.response.headers) for r in batch],
+        [r.response.body for r in batch],
+        [r.response.omitted for r in batch],
+        [float(r.ttl) for r in batch],
+    )
 
 
 def _claimed(row: asyncpg.Record | None) -> Claimed | None:

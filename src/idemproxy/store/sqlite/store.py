@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiosqlite
 
@@ -25,6 +25,13 @@ from idemproxy.core.types import (
 )
 from idemproxy.errors import StoreRefused, StoreUnavailable
 from idemproxy.store.base import AttemptFailure, Store
+from idemproxy.store.batching import (
+    DEFAULT_BATCH,
+    ClaimRequest,
+    CompleteRequest,
+    GroupCommit,
+    complete_distinct,
+)
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.reach import sqlite_unopenable
 from idemproxy.store.rows import (
@@ -35,6 +42,10 @@ from idemproxy.store.rows import (
 )
 
 Params = dict[str, Any]
+Request = TypeVar("Request")
+Result = TypeVar("Result")
+# One row of a batch, run inside the batch's transaction.
+RowWrite = Callable[[aiosqlite.Connection, Request], Awaitable[Result]]
 
 
 def _check_directory(path: str) -> None:
@@ -45,10 +56,20 @@ def _check_directory(path: str) -> None:
 
 
 class SqliteStore(Store):
-    """One connection; transactions are serialised by an asyncio lock and `BEGIN IMMEDIATE`."""
+    """One connection; transactions are serialised by an asyncio lock and `BEGIN IMMEDIATE`.
+
+    Claims and completions are group-committed (store/batching.py): those that queue while the
+    connection is busy share one transaction and one fsync (`synchronous = FULL` stays), each
+    row in a savepoint of its own, so that one row's error is only its caller's.
+    """
 
     def __init__(
-        self, path: str, *, busy_timeout: float = 5.0, late_bytes: int = DEFAULT_MAX_STORED_BODY
+        self,
+        path: str,
+        *,
+        busy_timeout: float = 5.0,
+        late_bytes: int = DEFAULT_MAX_STORED_BODY,
+        batch: int = DEFAULT_BATCH,
     ) -> None:
         super().__init__()
         self._late_bytes = late_bytes  # kept late bodies per job in all (SPEC §3.3)
@@ -57,6 +78,17 @@ class SqliteStore(Store):
         self._sql = load_queries("sqlite")
         self._db: aiosqlite.Connection | None = None
         self._lock = asyncio.Lock()
+        # One process, one connection: no routing to keep, so every owner shares the batches.
+        self.claims = GroupCommit[ClaimRequest, ClaimResult](
+            "claim", self._claim_batch, group=_one_group, distinct=_claim_key, limit=batch
+        )
+        self.completions = GroupCommit[CompleteRequest, bool](
+            "complete",
+            self._complete_batch,
+            group=_one_group,
+            distinct=complete_distinct,
+            limit=batch,
+        )
 
     async def open(self) -> None:
         if self._path != ":memory:":
@@ -73,9 +105,14 @@ class SqliteStore(Store):
             raise sqlite_unopenable(self._path, str(exc)) from exc
 
     async def close(self) -> None:
+        await self.claims.close()
+        await self.completions.close()
         if self._db is not None:
             await self._db.close()
             self._db = None
+
+    def group_commits(self) -> tuple[GroupCommit[Any, Any], ...]:
+        return self.claims, self.completions
 
     async def migrate(self) -> list[str]:
         applied: list[str] = []
@@ -99,26 +136,54 @@ class SqliteStore(Store):
     async def claim(
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
+        request = ClaimRequest(intent, job_id, upstream, float(ttl), float(lease))
+        with self.observed("claim"):
+            return await self.claims.submit(request)
+
+    async def _claim_batch(self, batch: list[ClaimRequest]) -> list[ClaimResult | BaseException]:
+        return await self._batch(batch, self._claim_row)
+
+    async def _claim_row(self, db: aiosqlite.Connection, request: ClaimRequest) -> ClaimResult:
+        intent = request.intent
         job_args = {
             "owner": intent.owner,
             "key": intent.key,
-            "id": job_id,
+            "id": request.job_id,
             "fingerprint": intent.fingerprint,
             "method": intent.method,
             "path": intent.path,
-            "ttl": float(ttl),
-            "lease": float(lease),
+            "ttl": request.ttl,
+            "lease": request.lease,
         }
-        async with self._transaction("claim") as db:
-            created = await self._changed(db, "insert_job", job_args)
-            if created:
-                await self._insert_attempt(
-                    db, _new_attempt(intent.owner, job_id, 1, upstream, lease)
-                )
-            row = await self._one(db, "get_job", {"owner": intent.owner, "key": intent.key})
+        created = await self._changed(db, "insert_job", job_args)
+        if created:
+            await self._insert_attempt(
+                db, _new_attempt(intent.owner, request.job_id, 1, request.upstream, request.lease)
+            )
+        row = await self._one(db, "get_job", {"owner": intent.owner, "key": intent.key})
         assert row is not None, "the job exists inside the claim's transaction"
         job = job_from_row(row)
         return Claimed(job, 1) if created else Existing(job)
+
+    async def _batch(
+        self, batch: list[Request], write: RowWrite[Request, Result]
+    ) -> list[Result | BaseException]:
+        """One transaction and one commit for the whole batch; each row in a savepoint, so
+        that a row the database refuses fails only its own caller (SPEC §11)."""
+        results: list[Result | BaseException] = []
+        async with self._transaction_unobserved() as db:
+            if len(batch) == 1:
+                return [await write(db, batch[0])]
+            for request in batch:
+                await db.execute("SAVEPOINT batch_row")
+                try:
+                    async with _translate():
+                        results.append(await write(db, request))
+                except StoreUnavailable as exc:
+                    await db.execute("ROLLBACK TO batch_row")
+                    results.append(exc)
+                await db.execute("RELEASE batch_row")
+        return results
 
     async def get(self, owner: str, key: str) -> Job | None:
         async with self._reading("get_job") as db:
@@ -131,24 +196,32 @@ class SqliteStore(Store):
     async def complete(
         self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
     ) -> bool:
+        with self.observed("complete"):
+            won = await self.completions.submit(CompleteRequest(job, attempt, response, ttl))
+        return self._notify_if(won, job)
+
+    async def _complete_batch(self, batch: list[CompleteRequest]) -> list[bool | BaseException]:
+        return await self._batch(batch, self._complete_row)
+
+    async def _complete_row(self, db: aiosqlite.Connection, request: CompleteRequest) -> bool:
+        job, response = request.job, request.response
         params = _cas(job) | {
-            "attempt": attempt,
+            "attempt": request.attempt,
             "status": response.status,
-            "ttl": float(ttl),
+            "ttl": float(request.ttl),
             "headers": encode_headers(response.headers),
             "body": response.body,
             "omitted": response.omitted,
         }
-        async with self._transaction("complete") as db:
-            won = await self._changed(db, "complete_job", params)
-            attempt_row = {"owner": job.owner, "job_id": job.id, "attempt": attempt}
-            if won:
-                await db.execute(
-                    self._sql["succeed_attempt"], attempt_row | {"status": response.status}
-                )
-            else:
-                await self._discard(db, attempt_row, response)
-        return self._notify_if(won, job)
+        won = await self._changed(db, "complete_job", params)
+        attempt_row = {"owner": job.owner, "job_id": job.id, "attempt": request.attempt}
+        if won:
+            await db.execute(
+                self._sql["succeed_attempt"], attempt_row | {"status": response.status}
+            )
+        else:
+            await self._discard(db, attempt_row, response)
+        return won
 
     async def _discard(
         self, db: aiosqlite.Connection, attempt_row: Params, response: StoredResponse
@@ -400,6 +473,14 @@ class SqliteStore(Store):
         if self._db is None:
             raise StoreUnavailable("The store is not open.")
         return self._db
+
+
+def _one_group(_request: object) -> None:
+    return None
+
+
+def _claim_key(request: ClaimRequest) -> tuple[str, str]:
+    return request.intent.owner, request.intent.key
 
 
 def _cas(job: Job) -> Params:

@@ -31,6 +31,40 @@ UNION ALL
 SELECT false, *, expires_at <= now(), state = 'in_flight' AND lease_expires_at <= now()
 FROM existing;
 
+-- name: claim_batch
+-- Group commit (store/batching.py): the claims of one owner that queued while the previous
+-- claim statement was in flight, as one statement and one durable commit. `claim`, row by row:
+-- $2.. are arrays with one element per claim, one claim per key. The new jobs are inserted in
+-- key order, so that two replicas' batches over overlapping keys wait for each other in the same
+-- order and cannot deadlock. A key absent from the result was committed by a concurrent claim
+-- while this one waited on the unique index: the caller claims it again alone.
+WITH input AS (
+    SELECT * FROM unnest($2::text[], $3::uuid[], $4::text[], $5::text[], $6::text[],
+                         $7::float8[], $8::text[], $9::float8[])
+        AS t(key, id, fingerprint, method, path, ttl, upstream, lease)
+), existing AS (
+    SELECT * FROM idemproxy.jobs WHERE owner = $1 AND key = ANY($2::text[])
+), new_job AS (
+    INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
+                                lease_expires_at)
+    SELECT $1, key, id, fingerprint, method, path, now() + make_interval(secs => ttl),
+           now() + make_interval(secs => lease)
+    FROM input
+    WHERE NOT EXISTS (SELECT 1 FROM existing WHERE existing.key = input.key)
+    ORDER BY key
+    ON CONFLICT (owner, key) DO NOTHING
+    RETURNING *
+), first_attempt AS (
+    INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
+    SELECT $1, new_job.id, 1, input.upstream, new_job.lease_expires_at
+    FROM new_job JOIN input ON input.key = new_job.key
+)
+SELECT true AS created, *, false AS expired, false AS lease_expired
+FROM new_job
+UNION ALL
+SELECT false, *, expires_at <= now(), state = 'in_flight' AND lease_expires_at <= now()
+FROM existing;
+
 -- name: get_job
 SELECT *, expires_at <= now() AS expired,
        state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
@@ -96,6 +130,52 @@ WITH won AS (
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state IN ('started', 'unknown')
 )
 SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
+
+-- name: complete_batch
+-- Group commit (store/batching.py): the completions of one owner that queued while the previous
+-- one was in flight, as one statement and one durable commit. `complete`, row by row: $2.. are
+-- arrays with one element per completion, one per job; $10 bounds the kept late bodies per job.
+-- The jobs are locked in id order first (`locked`), so that batches from several replicas, and
+-- the single-row statements, which lock a job before its attempt, cannot deadlock. Returns the
+-- ids of the jobs whose completion won.
+WITH input AS (
+    SELECT * FROM unnest($2::uuid[], $3::integer[], $4::integer[], $5::integer[], $6::text[],
+                         $7::bytea[], $8::boolean[], $9::float8[])
+        AS t(id, version, attempt, status, headers, body, omitted, ttl)
+), locked AS (
+    SELECT id FROM idemproxy.jobs WHERE owner = $1 AND id = ANY($2::uuid[])
+    ORDER BY id
+    FOR UPDATE
+), won AS (
+    UPDATE idemproxy.jobs
+    SET state = 'completed', version = jobs.version + 1, completed_by = input.attempt,
+        response_status = input.status, response_headers = input.headers::jsonb,
+        response_body = input.body, response_omitted = input.omitted,
+        lease_expires_at = NULL, updated_at = now(),
+        expires_at = now() + make_interval(secs => input.ttl)
+    FROM input
+    WHERE jobs.owner = $1 AND jobs.id = input.id AND jobs.version = input.version
+      AND jobs.completed_by IS NULL AND jobs.state = 'in_flight'
+      AND jobs.id IN (SELECT id FROM locked)
+    RETURNING jobs.owner, jobs.id, jobs.watched
+), keep AS (
+    SELECT input.id FROM input
+    WHERE input.id NOT IN (SELECT id FROM won) AND input.body IS NOT NULL
+      AND EXISTS (SELECT 1 FROM idemproxy.jobs
+                  WHERE owner = $1 AND id = input.id AND state = 'unknown')
+      AND (SELECT coalesce(sum(octet_length(late_body)), 0) FROM idemproxy.attempts
+           WHERE owner = $1 AND job_id = input.id) + octet_length(input.body) <= $10
+), attempt AS (
+    UPDATE idemproxy.attempts
+    SET state = CASE WHEN input.id IN (SELECT id FROM won) THEN 'succeeded' ELSE 'discarded' END,
+        status = input.status, finished_at = now(), lease_expires_at = NULL,
+        late_headers = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.headers::jsonb END,
+        late_body = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.body END
+    FROM input
+    WHERE attempts.owner = $1 AND attempts.job_id = input.id AND attempts.number = input.attempt
+      AND attempts.state IN ('started', 'unknown')
+)
+SELECT id, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
 
 -- name: settle
 -- Release (nothing executed) or mark unknown (may have executed): $5 is the new job state and

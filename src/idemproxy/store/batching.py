@@ -1,0 +1,182 @@
+"""Group commit: concurrent writes of one kind go out as one statement and one durable commit.
+
+A request's claim (or completion) that finds no statement of its group in flight goes out at
+once, alone, in its caller's task. Requests that arrive while one is in flight are queued, and
+go out together as the next statement once it ends, up to `limit` of them: nothing waits for a
+batch to fill, so a lone request's latency is unchanged, and under load each commit (each WAL
+flush or fsync) serves many requests.
+
+A group is one owner: every row of a batch has the same owner, so that the statement still names
+`owner` as a parameter and is routed to one shard (SPEC §11). Two requests for the same job or
+key never share a batch (`distinct`): the second goes out in the next one and sees the first's
+commit, as it would have alone.
+
+`run` gets the batch and returns one result or exception per request, in order; an exception
+it raises is every caller's. Each caller gets exactly its own entry. A caller cancelled while
+its request is still queued takes it out of the queue (it never reaches the store); once its
+batch of several is in flight the statement runs to its end for the others, and the cancelled
+caller's result is dropped (its claim may be committed: proxy/background/unsent.py releases it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Generic, NamedTuple, TypeVar
+
+from idemproxy.core.types import Intent, Job, StoredResponse
+
+Request = TypeVar("Request")
+Result = TypeVar("Result")
+# Rows per batched claim or completion statement; 1 sends each alone (`pool.store_batch`).
+DEFAULT_BATCH = 64
+# The metrics hook: (kind, rows in the statement), for every batch sent (SPEC §13).
+BatchObserver = Callable[[str, int], None]
+
+
+class _Entry(Generic[Request, Result]):
+    __slots__ = ("future", "request")
+
+    def __init__(self, request: Request, future: asyncio.Future[Result]) -> None:
+        self.request = request
+        self.future = future
+
+
+class GroupCommit(Generic[Request, Result]):
+    """One kind of write (`claim`, `complete`) of one store, batched per group."""
+
+    def __init__(
+        self,
+        kind: str,
+        run: Callable[[list[Request]], Awaitable[Sequence[Result | BaseException]]],
+        *,
+        group: Callable[[Request], Hashable],
+        distinct: Callable[[Request], Hashable],
+        limit: int,
+    ) -> None:
+        self.kind = kind
+        self.limit = max(1, limit)
+        self.observer: BatchObserver | None = None
+        self._run = run
+        self._group = group
+        self._distinct = distinct
+        self._queues: dict[Hashable, list[_Entry[Request, Result]]] = {}
+        self._drainers: set[asyncio.Task[None]] = set()
+
+    async def submit(self, request: Request) -> Result:
+        group = self._group(request)
+        queue = self._queues.get(group)
+        if queue is None:
+            return await self._lead(group, request)
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        queue.append(_Entry(request, future))
+        # A cancelled caller cancels its future: still queued, it is skipped; in flight, its
+        # result is dropped. The statement itself is never cancelled for the others' sake.
+        return await future
+
+    async def _lead(self, group: Hashable, request: Request) -> Result:
+        """Nothing of the group in flight: this request goes out at once, in the caller's own
+        task (a lone request costs no task switch), and whatever queues meanwhile follows in
+        one batch. Cancelling this caller cancels its statement, as without batching."""
+        queue: list[_Entry[Request, Result]] = []
+        self._queues[group] = queue
+        try:
+            if self.observer is not None:
+                self.observer(self.kind, 1)
+            [outcome] = await self._run([request])
+        finally:
+            if queue:
+                drainer = asyncio.create_task(self._drain(group, queue), name=f"store-{self.kind}")
+                self._drainers.add(drainer)
+                drainer.add_done_callback(self._drainers.discard)
+            else:
+                del self._queues[group]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def close(self) -> None:
+        """Wait for the batches in flight (their callers are waiting for them)."""
+        while self._drainers:
+            await asyncio.gather(*self._drainers, return_exceptions=True)
+
+    async def _drain(self, group: Hashable, queue: list[_Entry[Request, Result]]) -> None:
+        try:
+            while batch := self._take(queue):
+                await self._send(batch)
+        finally:
+            del self._queues[group]
+            for entry in queue:  # only when the drainer itself was cancelled (loop shutdown)
+                if not entry.future.done():
+                    entry.future.cancel()
+
+    def _take(self, queue: list[_Entry[Request, Result]]) -> list[_Entry[Request, Result]]:
+        """Up to `limit` waiting entries, one per distinct job; the rest stay queued, in order."""
+        batch: list[_Entry[Request, Result]] = []
+        seen: set[Hashable] = set()
+        left: list[_Entry[Request, Result]] = []
+        for entry in queue:
+            if entry.future.done():
+                continue  # its caller was cancelled before it was sent
+            distinct = self._distinct(entry.request)
+            if len(batch) >= self.limit or distinct in seen:
+                left.append(entry)
+                continue
+            seen.add(distinct)
+            batch.append(entry)
+        queue[:] = left
+        return batch
+
+    async def _send(self, batch: list[_Entry[Request, Result]]) -> None:
+        if self.observer is not None:
+            self.observer(self.kind, len(batch))
+        try:
+            outcomes = await self._run([entry.request for entry in batch])
+        except Exception as exc:  # every caller's error, as it would have been alone
+            outcomes = [exc] * len(batch)
+        except BaseException:  # the drainer itself cancelled (loop shutdown): so are they
+            for entry in batch:
+                entry.future.cancel()
+            raise
+        for entry, outcome in zip(batch, outcomes, strict=True):
+            if entry.future.done():
+                continue
+            if isinstance(outcome, BaseException):
+                entry.future.set_exception(outcome)
+            else:
+                entry.future.set_result(outcome)
+
+
+class ClaimRequest(NamedTuple):
+    """One caller's `Store.claim`, as a batch row."""
+
+    intent: Intent
+    job_id: str
+    upstream: str
+    ttl: float
+    lease: float
+
+
+class CompleteRequest(NamedTuple):
+    """One caller's `Store.complete`, as a batch row."""
+
+    job: Job
+    attempt: int
+    response: StoredResponse
+    ttl: float
+
+
+def claim_group(request: ClaimRequest) -> str:
+    return request.intent.owner
+
+
+def claim_distinct(request: ClaimRequest) -> str:
+    return request.intent.key
+
+
+def complete_group(request: CompleteRequest) -> str:
+    return request.job.owner
+
+
+def complete_distinct(request: CompleteRequest) -> str:
+    return request.job.id
