@@ -21,7 +21,7 @@ from idemproxy.core.decision import (
     TakeOver,
     decide,
 )
-from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState
+from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState, StoredResponse
 from idemproxy.errors import (
     JobLost,
     RequestInFlight,
@@ -85,6 +85,10 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
         # The answers are given here, without a coroutine of their own: a replay is the hot path.
         match decision:
             case Replay(stored):
+                if not isinstance(stored, StoredResponse):
+                    # SPEC §11: sealed at rest, opened after the fingerprint matched; one that
+                    # does not open is refused (500 response-unreadable), never forwarded.
+                    stored = ctx.store.opened(job, stored)
                 governed.trace.replayed(job.id)
                 if ctx.tracing is not None:
                     ctx.tracing.replay(job.id, stored.status)

@@ -17,8 +17,17 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
-from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
-from idemproxy.store.base import AttemptFailure, Store
+from idemproxy.core.types import (
+    Claimed,
+    ClaimResult,
+    Intent,
+    Job,
+    JobState,
+    KeptResponse,
+    SealedResponse,
+    StoredResponse,
+)
+from idemproxy.store.base import AttemptFailure, LateResponse, Store
 
 Observer = Callable[[str, float, bool], None]
 # A cache entry that would live less than this (seconds) is not worth writing.
@@ -76,9 +85,7 @@ class DelegatingStore(Store):
     async def watch_job(self, owner: str, key: str) -> Job | None:
         return await self.inner.watch_job(owner, key)
 
-    async def complete(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
-    ) -> bool:
+    async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
         return await self.inner.complete(job, attempt, response, ttl=ttl)
 
     async def settle(
@@ -134,7 +141,7 @@ class DelegatingStore(Store):
     async def get_by_id(self, job_id: str) -> Job | None:
         return await self.inner.get_by_id(job_id)
 
-    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+    async def late_response(self, job: Job, attempt: int) -> KeptResponse | None:
         return await self.inner.late_response(job, attempt)
 
     async def resolve(
@@ -142,7 +149,7 @@ class DelegatingStore(Store):
         job: Job,
         state: JobState,
         *,
-        response: StoredResponse | None = None,
+        response: KeptResponse | None = None,
         ttl: float = 0.0,
         resolution: str = "operator",
     ) -> bool:
@@ -172,6 +179,25 @@ class DelegatingStore(Store):
 
     async def ping(self) -> None:
         await self.inner.ping()  # readiness is the source of truth's, not a cache's
+
+    # --- encryption at rest ---------------------------------------------------------------------
+
+    def opened(self, job: Job, response: KeptResponse) -> StoredResponse:
+        return self.inner.opened(job, response)
+
+    async def to_reseal(self, primary: str | None, after: Job | None, limit: int) -> list[Job]:
+        return await self.inner.to_reseal(primary, after, limit)
+
+    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
+        return await self.inner.reseal(job, sealed)
+
+    async def late_to_reseal(
+        self, primary: str | None, after: LateResponse | None, limit: int
+    ) -> list[LateResponse]:
+        return await self.inner.late_to_reseal(primary, after, limit)
+
+    async def reseal_late(self, late: LateResponse, sealed: SealedResponse) -> bool:
+        return await self.inner.reseal_late(late, sealed)
 
 
 class ReplayCache(DelegatingStore):
@@ -206,7 +232,7 @@ class ReplayCache(DelegatingStore):
         return await self.inner.settle(job, attempt, state, status=status, error=error)
 
     async def complete_in_store(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+        self, job: Job, attempt: int, response: KeptResponse, *, ttl: float
     ) -> tuple[Job, float] | None:
         """The inner store's completion; when it won, the job as it wrote it and the seconds it
         may be kept (measured from before the store call, whose `now() + ttl` comes later: an
@@ -224,7 +250,7 @@ class ReplayCache(DelegatingStore):
         return done, ttl - (time.monotonic() - started)
 
     def _completed_job(
-        self, job: Job, attempt: int, response: StoredResponse, *, expires_at: float
+        self, job: Job, attempt: int, response: KeptResponse, *, expires_at: float
     ) -> Job:
         """The job as the completion by `attempt` that just won wrote it (queries.sql
         `complete`); `expires_at` a time.time() no later than the store's."""
@@ -251,6 +277,14 @@ class ReplayCache(DelegatingStore):
             job.resolution,
             job.attempts,
         )
+
+
+def body_bytes(response: KeptResponse) -> int:
+    """The bytes of a response's body as a cache bounds it: the whole box when it is sealed
+    (its body cannot be told from its headers without opening it)."""
+    if isinstance(response, SealedResponse):
+        return len(response.sealed)
+    return len(response.body or b"")
 
 
 def seconds_left(job: Job, clock_offset: float = 0.0) -> float:
