@@ -26,7 +26,6 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.errors import ResponseUnreadable, StoreUnavailable
-from idemproxy.store.seal.codec import missing_key
 from idemproxy.store.watch import JobWatch
 
 
@@ -52,6 +51,14 @@ class LateResponse(NamedTuple):
     def job(self) -> Job:
         """The identity the seal binds (store/seal/codec.py), as a job."""
         return Job(self.job_id, self.owner, self.key, "", JobState.UNKNOWN, 0, 0)
+
+
+def missing_key(job: Job, key_id: str) -> str:
+    """The detail of a response sealed with a key the ring does not hold (SPEC §11)."""
+    return (
+        f"The stored response of job {job.id} is sealed with key {key_id!r}, which is not in "
+        "the proxy's key ring; the request was not forwarded."
+    )
 
 
 def key_of(response: KeptResponse | None) -> str | None:

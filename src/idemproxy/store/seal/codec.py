@@ -16,6 +16,7 @@ from cryptography.exceptions import InvalidTag
 
 from idemproxy.core.types import Job, KeptResponse, SealedResponse, StoredResponse
 from idemproxy.errors import ResponseUnreadable
+from idemproxy.store.base import missing_key
 from idemproxy.store.header_json import pairs_from_json, pairs_to_json
 from idemproxy.store.seal.keyring import KeyRing
 
@@ -84,13 +85,6 @@ def associated_data(job: Job, status: int, omitted: bool) -> bytes:
     # JSON: an unambiguous encoding of the fields (a key may hold any visible character).
     identity = json.dumps([job.owner, job.key, job.id, status, omitted], separators=(",", ":"))
     return _AAD_PREFIX + identity.encode()
-
-
-def missing_key(job: Job, key_id: str) -> str:
-    return (
-        f"The stored response of job {job.id} is sealed with key {key_id!r}, which is not in "
-        "the proxy's key ring; the request was not forwarded."
-    )
 
 
 def _altered(job: Job) -> str:
