@@ -17,7 +17,7 @@ from idemproxy.http.headers import hop_by_hop
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
 from idemproxy.identity.key import parse_key
-from idemproxy.identity.owner import derive_owner
+from idemproxy.identity.owner import derive_owners
 from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.jobs.governed import handle_governed
@@ -99,10 +99,12 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
                 raise KeyMissing()
             return await passthrough(ctx, request, route, trace=trace)
         _refuse_hidden_identity(ctx, request)
-        intent, body = await _identify(ctx, request, key)
+        intent, body, legacy = await _identify(ctx, request, key)
         trace.owner = intent.owner
         # Positional: a dataclass's keyword call costs twice as much, on every governed request.
-        response = await handle_governed(GovernedRequest(ctx, request, route, intent, body, trace))
+        response = await handle_governed(
+            GovernedRequest(ctx, request, route, intent, body, trace, legacy)
+        )
         if response is None:
             # The store could not take the claim and `on_store_error: passthrough` forwards the
             # request ungoverned (SPEC §11). A response is a mapping: never test it for truth.
@@ -154,9 +156,10 @@ def _refuse_hidden_identity(ctx: ProxyContext, request: web.Request) -> None:
 
 async def _identify(
     ctx: ProxyContext, request: web.Request, key: str
-) -> tuple[Intent, RequestBody]:
-    """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call."""
-    owner = derive_owner(ctx.owner, request.headers)
+) -> tuple[Intent, RequestBody, str | None]:
+    """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call; and,
+    in the transition to `owner.pepper`, the owner the credential had before it (SPEC §5)."""
+    owner, legacy = derive_owners(ctx.owner, request.headers)
     body = await read_body(
         request,
         limit=ctx.settings.max_request_body,
@@ -177,4 +180,4 @@ async def _identify(
     intent = Intent(
         owner=owner, key=key, fingerprint=digest, method=request.method, path=url.raw_path
     )
-    return intent, body
+    return intent, body, legacy

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import assert_never
 
 from aiohttp import web
@@ -57,7 +58,10 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
     ctx = governed.ctx
     passes_through = ctx.settings.on_store_error == "passthrough"  # SPEC §11: explicit opt-out
     try:
-        result = await _claim(governed, forwarded_if_failed=passes_through)
+        if governed.legacy_owner is None:
+            result = await _claim(governed, forwarded_if_failed=passes_through)
+        else:
+            governed, result = await _claim_in_transition(governed, passes_through)
     except StoreUnavailable:
         if passes_through:
             return None
@@ -208,6 +212,30 @@ async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False
         if not forwarded_if_failed:
             ctx.unsent.note(intent.owner, intent.key, job_id)
         raise
+
+
+async def _claim_in_transition(
+    governed: GovernedRequest, forwarded_if_failed: bool
+) -> tuple[GovernedRequest, ClaimResult]:
+    """SPEC §5, `owner.legacy_owners`: a job the credential's owner had before the pepper is
+    this request's job (replayed, held, retried under that owner), never claimed afresh beside
+    it. Looked for before the claim, and again after a claim that created a job: a proxy
+    without the pepper may have claimed the legacy owner's key in between. Then the new job,
+    forwarded nowhere yet, is deleted, and the request follows the legacy one."""
+    legacy = governed.legacy_owner
+    assert legacy is not None
+    store, key = governed.ctx.store, governed.intent.key
+    found = await store.get(legacy, key)
+    if found is None:
+        result = await _claim(governed, forwarded_if_failed=forwarded_if_failed)
+        if isinstance(result, Existing):
+            return governed, result
+        found = await store.get(legacy, key)
+        if found is None:
+            return governed, result
+        await store.delete(result.job, force=True)
+    following = replace(governed, intent=replace(governed.intent, owner=legacy))
+    return following, Existing(found)
 
 
 async def _reread(governed: GovernedRequest, ran: str | None = None) -> ClaimResult:

@@ -29,3 +29,6 @@ class GovernedRequest:
     intent: Intent
     body: RequestBody
     trace: Trace
+    # SPEC §5, `owner.legacy_owners`: the owner the credential had before `owner.pepper`; a
+    # job under it is this request's job (proxy/jobs/governed.py). None outside the transition.
+    legacy_owner: str | None = None
