@@ -1,5 +1,6 @@
 """`idemproxy store reseal` (SPEC §11) on a real store, its key ring from the environment:
-counts reported, run again it does nothing, a row whose key is gone is exit status 1."""
+counts reported, run again it does nothing, a row whose key is gone is exit status 1; and what
+`jobs show --include-response` makes of a sealed response."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from idemproxy import cli
 from idemproxy.core.types import SealedResponse
+from idemproxy.ops import service
+from idemproxy.ops.view import job_to_json
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 from idemproxy.store.seal.store import SealingStore
@@ -70,3 +73,14 @@ async def test_reseal_without_a_ring_is_refused(
         pass
     code = await asyncio.to_thread(cli.main, ["store", "reseal", "--store", store_dsn])
     assert code == 2 and "needs encryption.keys" in capsys.readouterr().err
+
+
+async def test_show_opens_a_sealed_response_or_says_which_key_it_needs(store: Store) -> None:
+    job_id = await _complete(SealingStore(store, codec(OLD)), "shown")
+    job = await job_of(store, job_id)
+    with_key = job_to_json(
+        service.shown(SealingStore(store, codec(OLD)), job), include_response=True
+    )
+    assert with_key["response"]["body"] == PRIVATE.body.decode()  # type: ignore[union-attr]
+    without = job_to_json(service.shown(store, job), include_response=True)
+    assert without["response"] == {"status": 201, "omitted": False, "sealed_with": "k1"}
