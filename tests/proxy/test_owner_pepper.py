@@ -104,3 +104,16 @@ async def test_a_legacy_claim_that_lands_after_the_lookup_wins_and_the_new_job_g
     assert ledger.count() == 0
     [job] = await jobs.list_jobs()
     assert job.owner == PLAIN_OWNER
+
+
+async def test_an_expired_legacy_job_is_gone_and_the_new_one_is_peppered(
+    proxy: ProxyFactory, ledger: Ledger, jobs: Store
+) -> None:
+    assert (await send(await proxy(ttl=0.2)))[0] == 201
+    await asyncio.sleep(0.6)
+
+    status, headers, _ = await send(await proxy(**TRANSITION))
+
+    assert status == 201 and REPLAYED not in headers  # SPEC §3.1: an expired job is gone
+    assert ledger.count() == 2
+    assert [job.owner for job in await jobs.list_jobs()] == [HMAC_OWNER]

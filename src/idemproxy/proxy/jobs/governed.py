@@ -22,6 +22,7 @@ from idemproxy.core.decision import (
     TakeOver,
     decide,
 )
+from idemproxy.core.states import EXPIRABLE
 from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState, StoredResponse
 from idemproxy.errors import (
     JobLost,
@@ -224,18 +225,28 @@ async def _claim_in_transition(
     forwarded nowhere yet, is deleted, and the request follows the legacy one."""
     legacy = governed.legacy_owner
     assert legacy is not None
-    store, key = governed.ctx.store, governed.intent.key
-    found = await store.get(legacy, key)
+    found = await _live_legacy_job(governed, legacy)
     if found is None:
         result = await _claim(governed, forwarded_if_failed=forwarded_if_failed)
         if isinstance(result, Existing):
             return governed, result
-        found = await store.get(legacy, key)
+        found = await _live_legacy_job(governed, legacy)
         if found is None:
             return governed, result
-        await store.delete(result.job, force=True)
+        await governed.ctx.store.delete(result.job, force=True)
     following = replace(governed, intent=replace(governed.intent, owner=legacy))
     return following, Existing(found)
+
+
+async def _live_legacy_job(governed: GovernedRequest, legacy: str) -> Job | None:
+    """The job under the legacy owner, unless it expired (SPEC §3.1: then it is gone, and is
+    forgotten here, so that a new job is claimed under the peppered owner, not the legacy one)."""
+    store = governed.ctx.store
+    found = await store.get(legacy, governed.intent.key)
+    if found is not None and found.expired and found.state in EXPIRABLE:
+        await store.forget(found)
+        return None
+    return found
 
 
 async def _reread(governed: GovernedRequest, ran: str | None = None) -> ClaimResult:
