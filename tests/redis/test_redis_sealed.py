@@ -10,9 +10,10 @@ from aiohttp.test_utils import TestClient
 from redis.asyncio import Redis
 
 from idemproxy.constants import REDIS_JOB_PREFIX
+from idemproxy.ops.reseal import reseal_store
 from idemproxy.store.seal.store import SealingStore
 from tests.support.backend import Ledger
-from tests.support.keyring import OLD, OTHER, codec
+from tests.support.keyring import NEW, OLD, OTHER, codec
 from tests.support.redisserver import CachedStoreFactory, ProxyFactory, wait_for
 
 pytestmark = pytest.mark.postgres
@@ -96,3 +97,17 @@ async def test_a_payload_mismatch_is_answered_before_any_decryption(
     assert (await _post(other, b'{"card": "other"}'))[:2] == (409, "payload-mismatch")
     assert (await _post(other))[:2] == (500, "response-unreadable")
     assert ledger.count("k1") == 1
+
+
+async def test_reseal_drops_the_entry_that_holds_the_old_box(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis
+) -> None:
+    store, _, _ = await _sealed_and_cached(make_store, make_proxy, redis_client)
+    ring = codec(NEW, OLD)
+    report = await reseal_store(SealingStore(store.inner, ring), ring, batch_size=10)
+    assert report.responses.resealed == 1
+    await wait_for(lambda: _no_entry(redis_client))  # the old key may be retired next
+
+
+async def _no_entry(redis_client: Redis) -> bool:
+    return not await _entries(redis_client)
