@@ -9,7 +9,6 @@ check, so a row that does not open is refused (`ResponseUnreadable`), never repl
 
 from __future__ import annotations
 
-import json
 import os
 
 from cryptography.exceptions import InvalidTag
@@ -17,7 +16,7 @@ from cryptography.exceptions import InvalidTag
 from idemproxy.core.types import Job, KeptResponse, SealedResponse, StoredResponse
 from idemproxy.errors import ResponseUnreadable
 from idemproxy.store.base import missing_key
-from idemproxy.store.header_json import pairs_from_json, pairs_to_json
+from idemproxy.store.rows import decode_headers, encode_headers
 from idemproxy.store.seal.keyring import KeyRing
 
 NONCE_BYTES = 12  # NIST SP 800-38D §8.2.2: random 96-bit nonces, far below 2^32 per key
@@ -44,14 +43,8 @@ class ResponseCodec:
         ring = self._ring
         if ring is None or isinstance(response, SealedResponse):
             return response
-        plain = b"".join(
-            (
-                _PLAIN_FORMAT,
-                json.dumps(pairs_to_json(response.headers), separators=(",", ":")).encode(),
-                b"\n",
-                response.body or b"",
-            )
-        )
+        headers = encode_headers(response.headers).encode("ascii")  # ASCII JSON, no newline
+        plain = b"".join((_PLAIN_FORMAT, headers, b"\n", response.body or b""))
         nonce = os.urandom(NONCE_BYTES)
         aad = associated_data(job, response.status, response.omitted)
         box = nonce + ring.ciphers[ring.primary].encrypt(nonce, plain, aad)
@@ -82,9 +75,12 @@ class ResponseCodec:
 
 
 def associated_data(job: Job, status: int, omitted: bool) -> bytes:
-    # JSON: an unambiguous encoding of the fields (a key may hold any visible character).
-    identity = json.dumps([job.owner, job.key, job.id, status, omitted], separators=(",", ":"))
-    return _AAD_PREFIX + identity.encode()
+    # Length-prefixed, so that no two identities give the same bytes (a key may hold any
+    # visible character, `|` and `:` included); an f-string costs a fraction of json.dumps on
+    # every replay.
+    owner, key, job_id = job.owner, job.key, job.id
+    identity = f"{len(owner)}:{owner}|{len(key)}:{key}|{len(job_id)}:{job_id}|{status}|{omitted:d}"
+    return _AAD_PREFIX + identity.encode("utf-8", "surrogateescape")
 
 
 def _altered(job: Job) -> str:
@@ -98,5 +94,6 @@ def _response(job: Job, sealed: SealedResponse, plain: bytes) -> StoredResponse:
     head, sep, body = plain[len(_PLAIN_FORMAT) :].partition(b"\n")
     if not plain.startswith(_PLAIN_FORMAT) or not sep:
         raise ResponseUnreadable(_altered(job))
-    headers = pairs_from_json(json.loads(head))
+    # Parsed through the rows' cache of header lists: every replay of a job opens the same ones.
+    headers = decode_headers(head.decode("ascii"))
     return StoredResponse(sealed.status, headers, None if sealed.omitted else body)
