@@ -79,14 +79,14 @@ def add_store_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
         )
     )
     reseal.add_argument(
-        "--batch-size", type=_limit, default=100, metavar="N", help="rows per batch (100)"
+        "--batch-size", type=_limit, default=100, metavar="N", help="rows per batch"
     )
     reseal.add_argument(
         "--pause",
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="wait between batches, to leave the store to the proxies (0)",
+        help="seconds to wait between batches, leaving the store to the proxies",
     )
     reseal.set_defaults(run=_runner(_reseal))
 
