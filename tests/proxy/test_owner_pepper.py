@@ -117,3 +117,42 @@ async def test_an_expired_legacy_job_is_gone_and_the_new_one_is_peppered(
     assert status == 201 and REPLAYED not in headers  # SPEC §3.1: an expired job is gone
     assert ledger.count() == 2
     assert [job.owner for job in await jobs.list_jobs()] == [HMAC_OWNER]
+
+
+async def test_a_duplicate_held_on_a_job_that_gives_way_to_a_legacy_one_never_runs_it(
+    proxy: ProxyFactory, ledger: Ledger, jobs: Store
+) -> None:
+    # A claims under the peppered owner; B, a duplicate, is held on A's new job; then a replica
+    # without the pepper claims the legacy owner's key, A finds it and deletes its own job. B
+    # wakes to no job: it must look under the legacy owner again, not claim and run afresh.
+    after = await proxy(max_wait=1.0, **TRANSITION)
+    store = after.app[CONTEXT].store
+    original_get, legacy_lookups = store.get, 0
+    duplicate: list[asyncio.Task[tuple[int, dict[str, str], bytes]]] = []
+
+    async def get_with_a_race(owner: str, key: str) -> Any:
+        nonlocal legacy_lookups
+        if owner == PLAIN_OWNER:
+            legacy_lookups += 1
+            if legacy_lookups == 2:  # A's look after its claim: its job exists now
+                duplicate.append(asyncio.create_task(send(after)))
+                await _until(lambda: store.watch.waiting >= 1)  # B is held on A's job
+                intent = Intent(PLAIN_OWNER, key, "elsewhere", "POST", "/payments")
+                job_id = "00000000-0000-7000-8000-000000000002"
+                await jobs.claim(intent, job_id, "x", ttl=60, lease=30)
+        return await original_get(owner, key)
+
+    store.get = get_with_a_race  # type: ignore[method-assign]
+    first = await send(after)
+    second = await duplicate[0]
+
+    assert ledger.count() == 0, "nothing ran: the legacy job is another replica's"
+    assert {first[1]["Idempotency-Error"], second[1]["Idempotency-Error"]} == {"payload-mismatch"}
+    assert [job.owner for job in await jobs.list_jobs()] == [PLAIN_OWNER]
+
+
+async def _until(condition: Any, seconds: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not reached in time"
+        await asyncio.sleep(0.01)

@@ -21,7 +21,7 @@ from idemproxy.identity.owner import derive_owners
 from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.jobs.governed import handle_governed
-from idemproxy.proxy.jobs.request import GovernedRequest
+from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import routable_path
 from idemproxy.proxy.server.body import RequestBody, read_body
@@ -99,11 +99,11 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
                 raise KeyMissing()
             return await passthrough(ctx, request, route, trace=trace)
         _refuse_hidden_identity(ctx, request)
-        intent, body, legacy = await _identify(ctx, request, key)
+        intent, body, transition = await _identify(ctx, request, key)
         trace.owner = intent.owner
         # Positional: a dataclass's keyword call costs twice as much, on every governed request.
         response = await handle_governed(
-            GovernedRequest(ctx, request, route, intent, body, trace, legacy)
+            GovernedRequest(ctx, request, route, intent, body, trace, transition)
         )
         if response is None:
             # The store could not take the claim and `on_store_error: passthrough` forwards the
@@ -156,7 +156,7 @@ def _refuse_hidden_identity(ctx: ProxyContext, request: web.Request) -> None:
 
 async def _identify(
     ctx: ProxyContext, request: web.Request, key: str
-) -> tuple[Intent, RequestBody, str | None]:
+) -> tuple[Intent, RequestBody, OwnerTransition | None]:
     """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call; and,
     in the transition to `owner.pepper`, the owner the credential had before it (SPEC §5)."""
     owner, legacy = derive_owners(ctx.owner, request.headers)
@@ -180,4 +180,5 @@ async def _identify(
     intent = Intent(
         owner=owner, key=key, fingerprint=digest, method=request.method, path=url.raw_path
     )
-    return intent, body, legacy
+    transition = None if legacy is None else OwnerTransition(owner, legacy)
+    return intent, body, transition

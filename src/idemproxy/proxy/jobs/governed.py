@@ -59,10 +59,7 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
     ctx = governed.ctx
     passes_through = ctx.settings.on_store_error == "passthrough"  # SPEC §11: explicit opt-out
     try:
-        if governed.legacy_owner is None:
-            result = await _claim(governed, forwarded_if_failed=passes_through)
-        else:
-            governed, result = await _claim_in_transition(governed, passes_through)
+        result = await _claim(governed, forwarded_if_failed=passes_through)
     except StoreUnavailable:
         if passes_through:
             return None
@@ -74,6 +71,8 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
     # request, at most one execution).
     ran: str | None = None
     for _ in range(_MAX_TURNS):
+        if governed.transition is not None:  # SPEC §5: the job may be under the legacy owner
+            governed = _in_scope(governed, result.job.owner)
         if isinstance(result, Claimed):
             governed.trace.ran(result.job.id, result.attempt)
             ctx.failpoints.hit("after_claim")
@@ -197,6 +196,12 @@ def _refuse_if_draining(ctx: ProxyContext) -> None:
 
 
 async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False) -> ClaimResult:
+    if governed.transition is not None:
+        return await _claim_in_transition(governed, forwarded_if_failed)
+    return await _claim_in_scope(governed, forwarded_if_failed)
+
+
+async def _claim_in_scope(governed: GovernedRequest, forwarded_if_failed: bool) -> ClaimResult:
     ctx, route, intent = governed.ctx, governed.route, governed.intent
     _refuse_if_draining(ctx)
     job_id = new_job_id()
@@ -215,27 +220,33 @@ async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False
         raise
 
 
-async def _claim_in_transition(
-    governed: GovernedRequest, forwarded_if_failed: bool
-) -> tuple[GovernedRequest, ClaimResult]:
+async def _claim_in_transition(governed: GovernedRequest, forwarded_if_failed: bool) -> ClaimResult:
     """SPEC §5, `owner.legacy_owners`: a job the credential's owner had before the pepper is
-    this request's job (replayed, held, retried under that owner), never claimed afresh beside
-    it. Looked for before the claim, and again after a claim that created a job: a proxy
-    without the pepper may have claimed the legacy owner's key in between. Then the new job,
-    forwarded nowhere yet, is deleted, and the request follows the legacy one."""
-    legacy = governed.legacy_owner
-    assert legacy is not None
-    found = await _live_legacy_job(governed, legacy)
+    this request's job (replayed, held, retried under that owner; the loop follows its owner),
+    never claimed afresh beside it. Looked for before every claim, and again after a claim that
+    created a job: a proxy without the pepper may have claimed the legacy owner's key in
+    between. Then the new job, forwarded nowhere yet, is deleted (a duplicate held on it wakes,
+    claims again and finds the legacy job too), and the request follows the legacy one."""
+    transition = governed.transition
+    assert transition is not None
+    found = await _live_legacy_job(governed, transition.legacy)
+    if found is not None:
+        return Existing(found)
+    result = await _claim_in_scope(_in_scope(governed, transition.owner), forwarded_if_failed)
+    if isinstance(result, Existing):
+        return result
+    found = await _live_legacy_job(governed, transition.legacy)
     if found is None:
-        result = await _claim(governed, forwarded_if_failed=forwarded_if_failed)
-        if isinstance(result, Existing):
-            return governed, result
-        found = await _live_legacy_job(governed, legacy)
-        if found is None:
-            return governed, result
-        await governed.ctx.store.delete(result.job, force=True)
-    following = replace(governed, intent=replace(governed.intent, owner=legacy))
-    return following, Existing(found)
+        return result
+    await governed.ctx.store.delete(result.job, force=True)
+    return Existing(found)
+
+
+def _in_scope(governed: GovernedRequest, owner: str) -> GovernedRequest:
+    """`governed` reading and claiming under `owner` (the peppered or the legacy one)."""
+    if governed.intent.owner == owner:
+        return governed
+    return replace(governed, intent=replace(governed.intent, owner=owner))
 
 
 async def _live_legacy_job(governed: GovernedRequest, legacy: str) -> Job | None:
