@@ -196,12 +196,8 @@ def _refuse_if_draining(ctx: ProxyContext) -> None:
 
 
 async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False) -> ClaimResult:
-    if governed.transition is not None:
+    if governed.transition is not None:  # not a coroutine more on every claim without it
         return await _claim_in_transition(governed, forwarded_if_failed)
-    return await _claim_in_scope(governed, forwarded_if_failed)
-
-
-async def _claim_in_scope(governed: GovernedRequest, forwarded_if_failed: bool) -> ClaimResult:
     ctx, route, intent = governed.ctx, governed.route, governed.intent
     _refuse_if_draining(ctx)
     job_id = new_job_id()
@@ -232,7 +228,10 @@ async def _claim_in_transition(governed: GovernedRequest, forwarded_if_failed: b
     found = await _live_legacy_job(governed, transition.legacy)
     if found is not None:
         return Existing(found)
-    result = await _claim_in_scope(_in_scope(governed, transition.owner), forwarded_if_failed)
+    peppered = replace(governed, intent=replace(governed.intent, owner=transition.owner))
+    result = await _claim(
+        replace(peppered, transition=None), forwarded_if_failed=forwarded_if_failed
+    )
     if isinstance(result, Existing):
         return result
     found = await _live_legacy_job(governed, transition.legacy)
