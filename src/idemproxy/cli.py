@@ -186,9 +186,10 @@ def _parser() -> argparse.ArgumentParser:
 
     add_contract_commands(commands)
 
-    from idemproxy.ops.cli import add_jobs_commands
+    from idemproxy.ops.cli import add_jobs_commands, add_store_commands
 
     add_jobs_commands(commands)
+    add_store_commands(commands)
     describe_defaults(parser)
     return parser
 

@@ -251,6 +251,25 @@ class OwnerSettings(BaseModel):
     strategy: str = "authorization"
     required: bool = False
     jwt: JwtSettings = Field(default_factory=JwtSettings)
+    # SPEC §5: owners are HMAC-SHA256 of the credential under this secret, not its plain
+    # SHA-256, so a database dump does not let a short credential be guessed offline.
+    pepper: SecretStr | None = None
+    pepper_file: Path | None = None  # or read from this file (a mounted Secret)
+    # The transition window from plain SHA-256 owners (docs/operations.md, Owner pepper): a
+    # job under the owner the credential had before the pepper is found, replayed or held, and
+    # never claimed afresh beside it.
+    legacy_owners: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pepper_file(cls, data: Any) -> Any:
+        return read_secret_files(data, ("pepper",), "owner.")
+
+    @model_validator(mode="after")
+    def _legacy_needs_pepper(self) -> OwnerSettings:
+        if self.legacy_owners and self.pepper is None:
+            raise ValueError("owner.legacy_owners is the transition to owner.pepper: set both")
+        return self
 
     @field_validator("strategy")
     @classmethod
@@ -351,6 +370,21 @@ class AdminSettings(BaseModel):
         if self.token is None and not is_loopback(host):
             raise ValueError("admin.token is required when admin.listen is not a loopback address")
         return self
+
+
+class EncryptionSettings(BaseModel):
+    """SPEC §11: stored responses sealed at rest (AES-256-GCM); off unless `keys` is given."""
+
+    model_config = _STRICT
+    # `id:base64` entries (32-byte keys), separated by commas or line breaks: the first seals
+    # new responses, every one opens those sealed before (store/seal/keyring.py).
+    keys: SecretStr | None = None
+    keys_file: Path | None = None  # or read from this file (a mounted Secret)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_file(cls, data: Any) -> Any:
+        return read_secret_files(data, ("keys",), "encryption.")
 
 
 class RedisSettings(BaseModel):
@@ -473,6 +507,7 @@ class Settings(BaseSettings):
     _renamed_keys: tuple[str, ...] = PrivateAttr(default=())
     _unknown_variables: tuple[str, ...] = PrivateAttr(default=())
     replay_cache: ReplayCacheSettings = Field(default_factory=ReplayCacheSettings)
+    encryption: EncryptionSettings = Field(default_factory=EncryptionSettings)
     profile: Literal["default", "ietf"] = "default"
     key_header: str = c.DEFAULT_KEY_HEADER
     # SPEC §7.1: a GET with this header (e.g. Idempotency-Status: <key>) is answered with the

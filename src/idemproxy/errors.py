@@ -25,6 +25,7 @@
     │   ├── TooManyWaiters          503 too-many-waiters + Retry-After
     │   ├── ShuttingDown            503 shutting-down + Retry-After (and Connection: close)
     │   ├── UpstreamTimeout         504 upstream-timeout
+    │   ├── ResponseUnreadable      500 response-unreadable (sealed, and its key is gone)
     │   └── OperatorError           the admin jobs API and `idemproxy jobs` (SPEC §3.3, §13)
     │       ├── InvalidRequest      400 invalid-request
     │       ├── Unauthorized        401 unauthorized
@@ -243,6 +244,15 @@ class UpstreamTimeout(ProblemError):
     """The upstream did not answer in time; the outcome of the request is unknown."""
 
     code, status, title = "upstream-timeout", 504, "Upstream timeout"
+
+
+class ResponseUnreadable(ProblemError):
+    """The stored response of this job cannot be opened; the request was not forwarded."""
+
+    # SPEC §8, §11: the job completed, so forwarding the request would execute it a second
+    # time, and the sealed bytes are no answer: refused until an operator restores the key.
+    # Not a StoreUnavailable: `on_store_error: passthrough` must not forward it either.
+    code, status, title = "response-unreadable", 500, "Stored response unreadable"
 
 
 class OperatorError(ProblemError):

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from idemproxy.core.types import AttemptState, Job, JobState
+from idemproxy.core.types import AttemptState, Job, JobState, StoredResponse
 from idemproxy.errors import InvalidRequest
 from idemproxy.ops.cli import _resolution
 from idemproxy.ops.resolution import ResponseRules
@@ -54,7 +54,7 @@ async def test_a_late_response_is_kept_shown_and_resolves_the_job(
     assert (attempt.state, attempt.status) == (AttemptState.DISCARDED, 201)
     assert attempt.late_bytes is not None and attempt.late_bytes > 0
     kept = await store.late_response(job, 1)
-    assert kept is not None and json.loads(kept.body or b"")["execution"] == 1
+    assert isinstance(kept, StoredResponse) and json.loads(kept.body or b"")["execution"] == 1
 
     plain = await get_json(admin, f"/jobs/{job.id}")
     assert plain["attempts"][0]["late_response_bytes"] == attempt.late_bytes

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 import pytest
 
-from idemproxy.core.types import AttemptState, Job, JobState
+from idemproxy.core.types import AttemptState, Job, JobState, StoredResponse
 from idemproxy.identity.owner import hash_credential
 from idemproxy.proxy.failpoints import ENV as FAILPOINT_ENV
 from idemproxy.store.base import Store
@@ -107,7 +107,7 @@ async def test_crash_then_retry_never_executes_twice(
             retry, restarted
         )
         assert json.loads(retry.body)["execution"] == 1
-        assert crashed.response is not None and retry.body == crashed.response.body
+        assert isinstance(crashed.response, StoredResponse) and retry.body == crashed.response.body
         assert (again.status, again.body, again.replayed) == (201, retry.body, True)
         final = await job_in(dsn)
         assert (final.state, final.version) == (JobState.COMPLETED, crashed.version)

@@ -7,6 +7,7 @@ never stored (so never replayed), and dropped in pass-through, on both stores.
 
 from __future__ import annotations
 
+from idemproxy.core.types import StoredResponse
 from idemproxy.store.base import Store
 from tests.support.faultproxy import FaultProxy, replace
 from tests.support.proxyapp import ProxyFactory
@@ -28,7 +29,7 @@ async def test_an_upstreams_idempotency_error_never_reaches_the_client(
         assert "Idempotency-Error" not in first.headers
         assert first.headers["X-Kept"] == "yes"
     [job] = await wait_for_jobs(jobs)
-    assert job.response is not None
+    assert isinstance(job.response, StoredResponse)
     assert [n for n, _ in job.response.headers if n.lower() == "idempotency-error"] == []
     async with client.post("/pay", data=b"x", headers={KEY: "err"}) as replay:
         assert replay.headers[REPLAYED] == "true"

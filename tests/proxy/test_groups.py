@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from idemproxy.core.types import AttemptState, Job, JobState
+from idemproxy.core.types import AttemptState, Job, JobState, StoredResponse
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from tests.support.named_upstream import WRONG_SHAPE, NamedUpstream, write_contract
@@ -151,7 +151,7 @@ async def test_release_status_of_the_primary_fails_over(
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 2)
     assert states(job) == [(1, primary.url, S.FAILED), (2, fallback.url, S.SUCCEEDED)]
     assert [a.status for a in job.attempts] == [status, 200]
-    assert job.response is not None and job.response.body == answer.body
+    assert isinstance(job.response, StoredResponse) and job.response.body == answer.body
     assert (primary.count("busy"), fallback.count("busy")) == (1, 1)
     assert [e.header(ATTEMPT) for e in primary.received + fallback.received] == ["1", "2"]
 
@@ -299,7 +299,7 @@ async def test_hedge_on_a_slow_primary_the_first_to_finish_wins(
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 2)
     assert states(job) == [(1, primary.url, S.DISCARDED), (2, fallback.url, S.SUCCEEDED)]
     assert job.attempts[0].status == 200  # the late result is recorded, never stored
-    assert job.response is not None and job.response.body == answer.body
+    assert isinstance(job.response, StoredResponse) and job.response.body == answer.body
 
     late = await post(client, "hedged")
     assert (late.status, late.body, late.replayed) == (200, answer.body, True)
@@ -408,7 +408,7 @@ async def test_a_losing_racer_that_fails_after_the_winner_is_recorded(
     job = await attempts_settle(jobs, answer.headers[JOB])
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 2)
     assert states(job) == [(1, primary.url, S(outcome)), (2, fallback.url, S.SUCCEEDED)]
-    assert job.response is not None and job.response.body == answer.body
+    assert isinstance(job.response, StoredResponse) and job.response.body == answer.body
 
 
 async def test_an_unknown_status_under_hedging_never_fails_over(
@@ -674,7 +674,10 @@ async def test_a_racer_violating_the_contract_loses_to_a_compliant_one(
     answer = await post(client, "racer-shape")
     assert (answer.status, answer.json["upstream"]) == (200, "primary")
     job = await only_job(jobs)
-    assert (job.completed_by, job.response and job.response.body) == (1, answer.body)
+    assert (job.completed_by, isinstance(job.response, StoredResponse) and job.response.body) == (
+        1,
+        answer.body,
+    )
     assert states(job) == [(1, primary.url, S.SUCCEEDED), (2, fallback.url, S.UNKNOWN)]
     assert (job.attempts[1].error or "").startswith("contract: ")
 

@@ -6,6 +6,7 @@ import gzip
 import json
 from typing import Any
 
+from idemproxy.core.types import StoredResponse
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.proxychecks import ATTEMPT, JOB, KEY, REPLAYED, http_date_age, only_job
@@ -38,7 +39,7 @@ async def test_replay_keeps_status_body_and_end_to_end_headers(
         assert len(replay.headers.getall("Date")) == 1
         assert http_date_age(replay.headers["Date"]) < 5
     stored = (await only_job(jobs)).response
-    assert stored is not None
+    assert isinstance(stored, StoredResponse)
     # Date and Content-Length are made fresh for every replay, so they are never kept.
     assert not {name.lower() for name, _ in stored.headers} & {"date", "content-length"}
     assert ledger.count() == 1
@@ -83,7 +84,7 @@ async def test_set_cookie_reaches_the_first_client_but_is_never_replayed(
         assert replay.headers[REPLAYED] == "true"
         assert "Set-Cookie" not in replay.headers
     stored = (await only_job(jobs)).response
-    assert stored is not None
+    assert isinstance(stored, StoredResponse)
     assert "set-cookie" not in {name.lower() for name, _ in stored.headers}
 
 

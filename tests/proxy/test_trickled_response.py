@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from idemproxy.core.types import JobState
+from idemproxy.core.types import JobState, StoredResponse
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from tests.support.proxychecks import KEY, REPLAYED, only_job, wait_for_state
@@ -147,7 +147,7 @@ async def test_governed_event_stream_reaches_its_client_as_it_arrives_and_is_sto
     assert first_at < EVENT_SECONDS, f"the first event took {first_at:.2f}s"
     assert first + rest == b"".join(EVENTS)
     job = await wait_for_state(jobs, (await only_job(jobs)).id, JobState.COMPLETED)
-    assert job.response is not None and job.response.body == b"".join(EVENTS)
+    assert isinstance(job.response, StoredResponse) and job.response.body == b"".join(EVENTS)
     async with client.post("/chat", data=b"{}", headers={KEY: "s1"}) as replay:
         assert replay.headers[REPLAYED] == "true"
         assert await replay.read() == b"".join(EVENTS)

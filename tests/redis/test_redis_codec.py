@@ -8,8 +8,9 @@ import pytest
 
 from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX
 from idemproxy.core.decision import Policy, Reject, Replay, decide
-from idemproxy.core.types import Job, JobState, StoredResponse
+from idemproxy.core.types import Job, JobState, SealedResponse, StoredResponse
 from idemproxy.store.redis.codec import decode, encode, entry_name, tombstone_name
+from tests.support.keyring import OLD, codec
 
 OWNER = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 BODY = b"\x00\xff\n\r\n not utf-8 \x80\xc3\x28\n"
@@ -69,3 +70,24 @@ def test_names_hash_owner_and_key_and_keep_tombstones_in_the_entry_slot() -> Non
     assert tombstone.startswith(REDIS_GONE_PREFIX) and tombstone.endswith(":job-1")
     slot = name[name.index("{") : name.index("}") + 1]
     assert slot in tombstone  # one hash slot: the write script may read both
+
+
+# --- encryption at rest (SPEC §11) ------------------------------------------------------------
+
+
+def test_a_sealed_entry_holds_the_box_only_and_reads_back_sealed() -> None:
+    ring = codec(OLD)
+    job = _job()
+    sealed = job._replace(response=ring.seal(job, job.response))  # type: ignore[arg-type]
+    payload = encode(sealed)
+    assert payload.startswith(b"2") and BODY not in payload and b"octet-stream" not in payload
+    read = decode(payload, job.owner, job.key)
+    assert read is not None and isinstance(read.response, SealedResponse)
+    assert ring.open(read, read.response) == job.response
+
+
+def test_a_sealed_entry_is_never_read_as_a_clear_one() -> None:
+    job = _job()
+    sealed = job._replace(response=codec(OLD).seal(job, job.response))  # type: ignore[arg-type]
+    as_format_1 = b"1" + encode(sealed)[1:]  # an older proxy's format byte on a sealed entry
+    assert decode(as_format_1, job.owner, job.key) is None  # no "h": a miss, not garbage

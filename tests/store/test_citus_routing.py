@@ -59,6 +59,9 @@ CROSS_OWNER = {
         "list_jobs",
         "count_unknown",
         "ping",
+        # `idemproxy store reseal` walks every owner's responses (SPEC §11).
+        "responses_to_reseal",
+        "late_responses_to_reseal",
     },
     "sqlite": {
         "get_job_by_id",
@@ -67,6 +70,8 @@ CROSS_OWNER = {
         "sweep_expired",
         "list_jobs",
         "count_unknown",
+        "responses_to_reseal",
+        "late_responses_to_reseal",
     },
 }
 HOT_PATH = {"postgres": POSTGRES_HOT_PATH, "sqlite": SQLITE_HOT_PATH}

@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import string
+from pathlib import Path
 
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
+from pydantic import ValidationError
 
+from idemproxy.config import load_settings
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, OwnerMissing
-from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential
+from idemproxy.identity.owner import (
+    OwnerPolicy,
+    derive_owner,
+    derive_owners,
+    hash_credential,
+    owner_of_credential,
+    owner_policy,
+)
 
 TOKEN = "Bearer sk-live-4f9a1c2e7b"
 OTHER_TOKEN = "Bearer sk-live-4f9a1c2e7c"
@@ -182,3 +193,38 @@ def test_validate_accepts_good_strategies(strategy: str) -> None:
 def test_validate_rejects_bad_strategies(strategy: str) -> None:
     with pytest.raises(ConfigError):
         OwnerPolicy(strategy).validate()
+
+
+# --- owner.pepper (SPEC §5) ----------------------------------------------------------------
+
+
+def test_a_pepper_makes_the_owner_an_hmac_of_the_plain_hash() -> None:
+    pepper = b"pepper"
+    owner = derive_owner(OwnerPolicy(pepper=pepper), {"Authorization": TOKEN})
+    plain = sha256_hex(TOKEN)
+    assert owner == hmac.new(pepper, plain.encode(), hashlib.sha256).hexdigest() != plain
+    assert owner != derive_owner(OwnerPolicy(pepper=b"another"), {"Authorization": TOKEN})
+
+
+def test_the_transition_also_names_the_plain_owner() -> None:
+    policy = OwnerPolicy(pepper=b"pepper", legacy_owners=True)
+    owner, legacy = derive_owners(policy, {"Authorization": TOKEN})
+    assert legacy == sha256_hex(TOKEN) and owner == derive_owner(policy, {"Authorization": TOKEN})
+    assert derive_owners(OwnerPolicy(pepper=b"pepper"), {"Authorization": TOKEN})[1] is None
+    assert derive_owners(policy, {}) == (ANONYMOUS_OWNER, None)  # shared scopes stay as they are
+
+
+def test_the_pepper_comes_from_a_file_and_the_transition_needs_it(tmp_path: Path) -> None:
+    secret = tmp_path / "pepper"
+    secret.write_text("from a file\n")
+    settings = load_settings(upstream="http://x:1", owner={"pepper_file": str(secret)})
+    assert owner_policy(settings.owner).pepper == b"from a file"
+    with pytest.raises(ValidationError, match="legacy_owners is the transition"):
+        load_settings(upstream="http://x:1", owner={"legacy_owners": True})
+    with pytest.raises(ConfigError, match="legacy_owners"):
+        OwnerPolicy(legacy_owners=True)
+
+
+def test_an_operator_names_an_owner_by_its_credential() -> None:
+    policy = OwnerPolicy(pepper=b"pepper")
+    assert owner_of_credential(policy, TOKEN) == derive_owner(policy, {"Authorization": TOKEN})

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from idemproxy.core.types import JobState
+from idemproxy.core.types import JobState, StoredResponse
 from idemproxy.store.rows import decode_headers, encode_headers, job_from_row
 
 HEADERS = (("Content-Type", "application/json"), ("Link", "<a>"), ("Link", "<b>"))
@@ -28,6 +28,7 @@ def _row(**changes: Any) -> dict[str, Any]:
         "response_headers": encode_headers(HEADERS),
         "response_body": b"{}",
         "response_omitted": False,
+        "response_key": None,
         "created_at": 1_700_000_000.0,
         "updated_at": 1_700_000_001.0,
         "expires_at": 1_700_086_400.0,
@@ -59,6 +60,6 @@ def test_an_unknown_state_is_an_error() -> None:
 def test_a_row_becomes_a_job() -> None:
     job = job_from_row(_row())
     assert (job.id, job.version, job.expired, job.lease_expired) == (_row()["id"], 2, False, False)
-    assert job.response is not None and job.response.headers == HEADERS
+    assert isinstance(job.response, StoredResponse) and job.response.headers == HEADERS
     assert job.response.body == b"{}"
     assert job.created_at is not None and job.created_at.timestamp() == 1_700_000_000.0

@@ -85,7 +85,7 @@ async def _show(request: web.Request) -> web.Response:
     if include != "response":
         return _json(job_to_json(job))
     late = await service.late_responses(store, job)
-    return _json(job_to_json(job, include_response=True, late=late))
+    return _json(job_to_json(service.shown(store, job), include_response=True, late=late))
 
 
 async def _resolve(request: web.Request) -> web.Response:

@@ -13,15 +13,16 @@ from dataclasses import dataclass
 from typing import assert_never
 
 from idemproxy.core.states import EXPIRABLE
-from idemproxy.core.types import Job, JobState, StoredResponse
+from idemproxy.core.types import Job, JobState, KeptResponse
 from idemproxy.errors import OutcomeUnknown, PayloadMismatch, ProblemError, RequestInFlight
 
 
 @dataclass(frozen=True, slots=True)
 class Replay:
-    """Answer with the stored response (SPEC §7)."""
+    """Answer with the stored response (SPEC §7), opened first when it is sealed (§11): the
+    fingerprint was compared before, so a payload mismatch never costs a decryption."""
 
-    response: StoredResponse
+    response: KeptResponse
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,22 @@ class StoredResponse:
 
 
 @dataclass(frozen=True, slots=True)
+class SealedResponse:
+    """A stored response sealed at rest (SPEC §11, encryption): its status and whether its
+    body was omitted in the clear, its headers and body in `sealed`, an AEAD box under the key
+    ring's key `key_id` bound to its job. Opened only to be replayed or shown."""
+
+    status: int
+    omitted: bool
+    key_id: str
+    sealed: bytes
+
+
+# As a job holds it: in the clear, or sealed (encryption at rest).
+KeptResponse = StoredResponse | SealedResponse
+
+
+@dataclass(frozen=True, slots=True)
 class Intent:
     """What a request asks for: its scope and fingerprint (SPEC §4-§6)."""
 
@@ -85,7 +101,7 @@ class Job(NamedTuple):
     method: str = ""
     path: str = ""
     completed_by: int | None = None
-    response: StoredResponse | None = None
+    response: KeptResponse | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
     expires_at: datetime | None = None

@@ -1,11 +1,14 @@
-"""Deriving the owner scope of a request (SPEC §5). Only a hash of a credential is kept."""
+"""Deriving the owner scope of a request (SPEC §5). Only a hash of a credential is kept: its
+SHA-256 (or, for a JWT, of its verified claim), and with `owner.pepper` set, the HMAC-SHA256 of
+that under the pepper, which a database dump alone does not let anyone recompute."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from multidict import MultiMapping
@@ -48,16 +51,28 @@ class OwnerVerifier(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class OwnerPolicy:
-    """`strategy` is "authorization", "header:<name>", "jwt" (with its `verifier`) or "none"."""
+    """`strategy` is "authorization", "header:<name>", "jwt" (with its `verifier`) or "none".
+
+    `pepper`: owners are the HMAC-SHA256 of the credential's hash under it (SPEC §5).
+    `legacy_owners`: the transition window to the pepper, when a job may still be under the
+    owner the credential had without it (`derive_owners`)."""
 
     strategy: str = "authorization"
     required: bool = False
     verifier: OwnerVerifier | None = None
+    pepper: bytes | None = None
+    legacy_owners: bool = False
+    # HMAC keyed once with the pepper, copied per request: a third of `hmac.new`'s cost.
+    _keyed: hmac.HMAC | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # An unverified "jwt" policy would hash whatever token is sent: never build one.
         if (self.strategy == "jwt") != (self.verifier is not None):
             raise ConfigError("owner.strategy jwt goes with a verifier, and only it")
+        if self.legacy_owners and self.pepper is None:
+            raise ConfigError("owner.legacy_owners is the transition to owner.pepper: set both")
+        if self.pepper is not None:
+            object.__setattr__(self, "_keyed", hmac.new(self.pepper, digestmod=hashlib.sha256))
 
     @property
     def header(self) -> str | None:
@@ -93,7 +108,12 @@ def owner_policy(settings: OwnerSettings, keys: KeySource | None = None) -> Owne
     verifier = None
     if settings.strategy == "jwt":
         verifier = JwtVerifier.from_settings(settings.jwt, keys=keys)
-    return OwnerPolicy(settings.strategy, settings.required, verifier)
+    pepper = None
+    if settings.pepper is not None:
+        pepper = settings.pepper.get_secret_value().encode("utf-8", "surrogateescape")
+    return OwnerPolicy(
+        settings.strategy, settings.required, verifier, pepper, settings.legacy_owners
+    )
 
 
 def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str]) -> str:
@@ -103,17 +123,32 @@ def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str]) -> str:
     the owner is optional: it must never fall into the shared anonymous scope. The credential
     header sent more than once is `HeaderInvalid`, as the key is (SPEC §5).
     """
+    return derive_owners(policy, headers)[0]
+
+
+def derive_owners(policy: OwnerPolicy, headers: Mapping[str, str]) -> tuple[str, str | None]:
+    """`derive_owner`'s owner, and with `legacy_owners` the owner the same credential had
+    before the pepper (plain SHA-256), under which a job may still be (SPEC §5); else None.
+    The shared scopes (anonymous, global) are the same with and without a pepper."""
     header = policy.header
     if header is None:
-        return GLOBAL_OWNER
+        return GLOBAL_OWNER, None
     credential = single_value(headers, header)
     if not credential:
         if policy.required:
             raise OwnerMissing()
-        return ANONYMOUS_OWNER
+        return ANONYMOUS_OWNER, None
     if policy.verifier is not None:
-        return policy.verifier.owner(credential)
-    return hash_credential(credential)
+        plain = policy.verifier.owner(credential)
+    else:
+        plain = hash_credential(credential)
+    keyed = policy._keyed
+    if keyed is None:
+        return plain, None
+    # RFC 2104: HMAC-SHA256 of the plain owner under the pepper, hex like it.
+    mac = keyed.copy()
+    mac.update(plain.encode("ascii"))
+    return mac.hexdigest(), plain if policy.legacy_owners else None
 
 
 def single_value(headers: Mapping[str, str], name: str) -> str | None:
@@ -131,4 +166,12 @@ def single_value(headers: Mapping[str, str], name: str) -> str | None:
 
 
 def hash_credential(credential: str) -> str:
+    """The plain SHA-256 owner of a credential: the owner without a pepper."""
     return hashlib.sha256(credential.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def owner_of_credential(policy: OwnerPolicy, credential: str) -> str:
+    """The owner a request sending `credential` in the policy's header is scoped by (for an
+    operator naming an owner by its credential)."""
+    header = policy.header or "Authorization"
+    return derive_owner(policy, {header: credential})

@@ -1,4 +1,5 @@
-"""`idemproxy jobs list|show|resolve|delete`: operators working directly on the store (SPEC §13).
+"""`idemproxy jobs list|show|resolve|delete` and `idemproxy store reseal`: operators working
+directly on the store (SPEC §11, §13).
 
 Exit status: 0 done; 1 the job was not found or the change lost (not unknown, changed, resolved
 by someone else first, in flight), or the store failed; 2 bad usage.
@@ -26,6 +27,7 @@ from idemproxy.errors import (
     StoreUnreachable,
 )
 from idemproxy.ops import service
+from idemproxy.ops.reseal import report_lines, reseal_store
 from idemproxy.ops.resolution import (
     Resolution,
     ResponseRules,
@@ -37,7 +39,9 @@ from idemproxy.ops.resolution import (
 from idemproxy.ops.table import job_details, jobs_table
 from idemproxy.ops.view import job_to_json
 from idemproxy.store.base import Store
-from idemproxy.store.factory import create_store, sqlite_path, wrap_with_cache
+from idemproxy.store.cache.delegating import DelegatingStore
+from idemproxy.store.factory import create_store, sqlite_path, wrap_with_cache, wrap_with_seal
+from idemproxy.store.seal.store import SealingStore
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _MAX_LIMIT = 1000
@@ -45,6 +49,10 @@ _MAX_LIMIT = 1000
 _NO_UPSTREAM = "http://jobs.invalid"
 
 Action = Callable[[argparse.Namespace, Store, Settings], Awaitable[None]]
+
+
+class ResealIncomplete(Exception):
+    """Some responses could not be resealed (printed already)."""
 
 
 def add_jobs_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,6 +63,32 @@ def add_jobs_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     _add_show(_store_flags(actions.add_parser("show", help="one job and its attempts")))
     _add_resolve(_store_flags(actions.add_parser("resolve", help="settle an unknown job")))
     _add_delete(_store_flags(actions.add_parser("delete", help="delete a job")))
+
+
+def add_store_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `store reseal` (SPEC §11, encryption at rest) on the top-level subparsers."""
+    store = commands.add_parser("store", help="maintain what the store holds")
+    actions = store.add_subparsers(required=True, metavar="ACTION")
+    reseal = _store_flags(
+        actions.add_parser(
+            "reseal",
+            help="seal every stored response with the primary key of encryption.keys",
+            description="Seals every stored response (and late response) that is in the clear"
+            " or under an older key with the first key of encryption.keys, in batches, while"
+            " the proxies serve. Exit status 1 when some response's key is not in the ring.",
+        )
+    )
+    reseal.add_argument(
+        "--batch-size", type=_limit, default=100, metavar="N", help="rows per batch"
+    )
+    reseal.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds to wait between batches, leaving the store to the proxies",
+    )
+    reseal.set_defaults(run=_runner(_reseal))
 
 
 def _store_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -149,7 +183,9 @@ async def _list(args: argparse.Namespace, store: Store, _settings: Settings) -> 
 
 async def _show(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
     job = await service.find_job(store, args.job_id)
-    late = await service.late_responses(store, job) if args.include_response else None
+    late = None
+    if args.include_response:
+        job, late = service.shown(store, job), await service.late_responses(store, job)
     view = job_to_json(job, include_response=args.include_response, late=late)
     _print(view if args.json else job_details(view), as_json=args.json)
 
@@ -167,6 +203,18 @@ async def _delete(args: argparse.Namespace, store: Store, _settings: Settings) -
         store, args.job_id, force=args.force, version=args.expect_version
     )
     print(f"job {job.id}: deleted (it was {job.state.value})")
+
+
+async def _reseal(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
+    sealing = store.layer(SealingStore) if isinstance(store, DelegatingStore) else None
+    if not isinstance(sealing, SealingStore):
+        raise InvalidRequest("store reseal needs encryption.keys (the key ring) to be set")
+    report = await reseal_store(
+        store, sealing.codec, batch_size=args.batch_size, pause=max(0.0, args.pause)
+    )
+    print("\n".join(report_lines(report)))
+    if report.responses.unreadable or report.late.unreadable:
+        raise ResealIncomplete()
 
 
 def _resolution(args: argparse.Namespace, rules: ResponseRules) -> Resolution:
@@ -210,6 +258,8 @@ def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
             cause = f": {exc.__cause__}" if exc.__cause__ else ""
             print(f"idemproxy: store unavailable{cause}", file=sys.stderr)
             return EXIT_FAILED
+        except ResealIncomplete:
+            return EXIT_FAILED
         except OperatorError as exc:  # not found, or the change lost: say which
             print(f"idemproxy: {exc.detail}", file=sys.stderr)
             return EXIT_FAILED
@@ -219,7 +269,9 @@ def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
 
 
 async def _with_store(settings: Settings, args: argparse.Namespace, action: Action) -> None:
-    store = wrap_with_cache(create_store(settings.store, max_connections=2), settings)
+    store = wrap_with_seal(
+        wrap_with_cache(create_store(settings.store, max_connections=2), settings), settings
+    )
     await store.open()
     try:
         await action(args, store, settings)

@@ -10,7 +10,7 @@ import logging
 import re
 
 from idemproxy.constants import OWNER_FILTER_MAX_LENGTH, RESOLUTION_OPERATOR
-from idemproxy.core.types import Job, JobState, StoredResponse
+from idemproxy.core.types import Job, JobState, KeptResponse
 from idemproxy.errors import (
     DeletionLost,
     InvalidRequest,
@@ -19,6 +19,7 @@ from idemproxy.errors import (
     JobNotUnknown,
     NoLateResponse,
     ResolutionLost,
+    ResponseUnreadable,
     VersionMismatch,
 )
 from idemproxy.ops.resolution import Resolution
@@ -68,7 +69,7 @@ async def resolve_job(
             f"job {job.id} is {job.state.value}; only an unknown job can be resolved; "
             "nothing was changed"
         )
-    response = resolution.response
+    response: KeptResponse | None = resolution.response
     if resolution.from_attempt is not None:
         response = await _late_response(store, job, resolution.from_attempt)
     won = await store.resolve(
@@ -135,7 +136,7 @@ def _in_flight(job: Job) -> JobInFlight:
     )
 
 
-async def _late_response(store: Store, job: Job, number: int) -> StoredResponse:
+async def _late_response(store: Store, job: Job, number: int) -> KeptResponse:
     if not any(a.number == number for a in job.attempts):
         raise InvalidRequest(f"job {job.id} has no attempt {number}")
     kept = await store.late_response(job, number)
@@ -148,15 +149,32 @@ async def _late_response(store: Store, job: Job, number: int) -> StoredResponse:
     return kept
 
 
-async def late_responses(store: Store, job: Job) -> dict[int, StoredResponse]:
-    """The late responses kept on the job's attempts, by attempt number (for `show`)."""
+async def late_responses(store: Store, job: Job) -> dict[int, KeptResponse]:
+    """The late responses kept on the job's attempts, by attempt number (for `show`), opened
+    when they are sealed and their key is in the ring (SPEC §11)."""
     kept = {}
     for attempt in job.attempts:
         if attempt.late_bytes is not None:
             response = await store.late_response(job, attempt.number)
             if response is not None:
-                kept[attempt.number] = response
+                kept[attempt.number] = readable(store, job, response)
     return kept
+
+
+def shown(store: Store, job: Job) -> Job:
+    """`job` with its response opened for an operator who asked to see it (SPEC §11); one that
+    does not open stays sealed, and is shown as such."""
+    if job.response is None:
+        return job
+    return job._replace(response=readable(store, job, job.response))
+
+
+def readable(store: Store, job: Job, response: KeptResponse) -> KeptResponse:
+    try:
+        return store.opened(job, response)
+    except ResponseUnreadable as exc:
+        log.warning("job %s: %s", job.id, exc.detail)
+        return response
 
 
 def resolution_ttl(job: Job, default: float) -> float:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from idemproxy.core.types import Attempt, Job, StoredResponse
+from idemproxy.core.types import Attempt, Job, KeptResponse, SealedResponse
 from idemproxy.redact import redact_url
 from idemproxy.store.header_json import pairs_to_json
 
@@ -19,7 +19,7 @@ JsonObject = dict[str, Any]
 
 
 def job_to_json(
-    job: Job, *, include_response: bool = False, late: Mapping[int, StoredResponse] | None = None
+    job: Job, *, include_response: bool = False, late: Mapping[int, KeptResponse] | None = None
 ) -> JsonObject:
     """SPEC §13: at least id, owner, key, state, version, created_at, expires_at, attempts.
 
@@ -66,10 +66,17 @@ def attempt_to_json(attempt: Attempt) -> JsonObject:
     }
 
 
-def response_to_json(response: StoredResponse | None) -> JsonObject | None:
-    """Text bodies as `body`, anything else as `body_base64`: the same fields `resolve` takes."""
+def response_to_json(response: KeptResponse | None) -> JsonObject | None:
+    """Text bodies as `body`, anything else as `body_base64`: the same fields `resolve` takes.
+    A sealed response that could not be opened (SPEC §11) shows its status and key id only."""
     if response is None:
         return None
+    if isinstance(response, SealedResponse):
+        return {
+            "status": response.status,
+            "omitted": response.omitted,
+            "sealed_with": response.key_id,
+        }
     view: JsonObject = {
         "status": response.status,
         # A pair with bytes that are not UTF-8 (obs-text) comes as [name, value, "latin-1"]:

@@ -16,12 +16,12 @@ from idemproxy.errors import (
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.key import parse_key
-from idemproxy.identity.owner import derive_owner
+from idemproxy.identity.owner import derive_owners
 from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
-from idemproxy.proxy.intent import intent_of, owner_after_refresh
+from idemproxy.proxy.intent import intent_of, owners_after_refresh
 from idemproxy.proxy.jobs.governed import handle_governed
-from idemproxy.proxy.jobs.request import GovernedRequest
+from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route, routable_path
 from idemproxy.proxy.server.body import RequestBody, read_body
@@ -105,10 +105,12 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
                 raise KeyMissing()
             return await passthrough(ctx, request, route, trace=trace)
         refuse_hidden_identity(ctx, request, ctx.settings.key_header)
-        intent, body = await _identify(ctx, request, key)
+        intent, body, transition = await _identify(ctx, request, key)
         trace.owner = intent.owner
         # Positional: a dataclass's keyword call costs twice as much, on every governed request.
-        response = await handle_governed(GovernedRequest(ctx, request, route, intent, body, trace))
+        response = await handle_governed(
+            GovernedRequest(ctx, request, route, intent, body, trace, transition)
+        )
         if response is None:
             # The store could not take the claim and `on_store_error: passthrough` forwards the
             # request ungoverned (SPEC §11). A response is a mapping: never test it for truth.
@@ -130,11 +132,13 @@ async def _govern_sourced(
 ) -> web.StreamResponse:
     """A governed request on a route with a key source or a webhook (proxy/sourced.py)."""
     assert route.key_source is not None  # the caller's test, for mypy
-    intent, body = await identify_sourced(ctx, request, route, route.key_source)
+    intent, body, transition = await identify_sourced(ctx, request, route, route.key_source)
     if intent is None:
         return await passthrough(ctx, request, route, body, trace=trace)
     trace.owner = intent.owner
-    response = await handle_governed(GovernedRequest(ctx, request, route, intent, body, trace))
+    response = await handle_governed(
+        GovernedRequest(ctx, request, route, intent, body, trace, transition)
+    )
     if response is None:  # SPEC §11, as in `_route`
         return await passthrough(ctx, request, route, body, trace=trace)
     return response
@@ -166,12 +170,13 @@ def _refuse_host(ctx: ProxyContext, trace: Trace) -> web.StreamResponse:
 
 async def _identify(
     ctx: ProxyContext, request: web.Request, key: str
-) -> tuple[Intent, RequestBody]:
-    """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call."""
+) -> tuple[Intent, RequestBody, OwnerTransition | None]:
+    """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call; and,
+    in the transition to `owner.pepper`, the owner the credential had before it (SPEC §5)."""
     try:
-        owner = derive_owner(ctx.owner, request.headers)
+        owner, legacy = derive_owners(ctx.owner, request.headers)
     except KeyNotLoaded as missing:
-        owner = await owner_after_refresh(ctx, request, missing)
+        owner, legacy = await owners_after_refresh(ctx, request, missing)
     # read_body itself, not governed_body: one coroutine less on every governed request.
     body = await read_body(
         request,
@@ -179,4 +184,5 @@ async def _identify(
         timeout=ctx.settings.server.body_read_timeout,
         spool_threshold=ctx.settings.server.spool_threshold,
     )
-    return intent_of(ctx, request, owner, key, body), body
+    transition = None if legacy is None else OwnerTransition(owner, legacy)
+    return intent_of(ctx, request, owner, key, body), body, transition

@@ -8,7 +8,7 @@ from idemproxy.core.types import Intent
 from idemproxy.errors import OwnerMissing
 from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
 from idemproxy.identity.jwt_owner import UNVERIFIED, KeyNotLoaded
-from idemproxy.identity.owner import derive_owner
+from idemproxy.identity.owner import derive_owners
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.server.body import RequestBody, read_body
 
@@ -28,24 +28,25 @@ async def governed_body(
     )
 
 
-async def request_owner(ctx: ProxyContext, request: web.Request) -> str:
-    """SPEC §5: the request's owner, waiting for the identity provider's keys when its token
-    names a key none of them held."""
+async def request_owners(ctx: ProxyContext, request: web.Request) -> tuple[str, str | None]:
+    """SPEC §5: the request's owner, and in the transition to `owner.pepper` the one its
+    credential had before (`derive_owners`), waiting for the identity provider's keys when its
+    token names a key none of them held."""
     try:
-        return derive_owner(ctx.owner, request.headers)
+        return derive_owners(ctx.owner, request.headers)
     except KeyNotLoaded as missing:
-        return await owner_after_refresh(ctx, request, missing)
+        return await owners_after_refresh(ctx, request, missing)
 
 
-async def owner_after_refresh(
+async def owners_after_refresh(
     ctx: ProxyContext, request: web.Request, missing: KeyNotLoaded
-) -> str:
+) -> tuple[str, str | None]:
     """SPEC §5: a token with a kid none of the identity provider's keys held has: wait (at most
     owner.jwt.idp.timeout) for them to be fetched again, then verify once more. The key still
     missing then is `401 owner-missing`; no key set fetched is `503 identity-unavailable`."""
     await missing.wait()
     try:
-        return derive_owner(ctx.owner, request.headers)
+        return derive_owners(ctx.owner, request.headers)
     except KeyNotLoaded as again:
         raise OwnerMissing(UNVERIFIED) from again
 

@@ -10,19 +10,22 @@ from idemproxy.errors import HeaderInvalid, KeyInvalid, KeyMissing
 from idemproxy.http.headers import hop_by_hop
 from idemproxy.identity.key_source import KeySource
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.intent import governed_body, intent_of, request_owner
+from idemproxy.proxy.intent import governed_body, intent_of, request_owners
+from idemproxy.proxy.jobs.request import OwnerTransition
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody
 
 
 async def identify_sourced(
     ctx: ProxyContext, request: web.Request, route: Route, source: KeySource
-) -> tuple[Intent | None, RequestBody]:
-    """The intent and the body; the intent is None when the source gives no key and the route
-    passes such requests through (`require_key`, SPEC §4.1)."""
+) -> tuple[Intent | None, RequestBody, OwnerTransition | None]:
+    """The intent, the body and the owner transition (SPEC §5, as `handler._identify`'s); the
+    intent is None when the source gives no key and the route passes such requests through
+    (`require_key`, SPEC §4.1)."""
     webhook = route.webhook
+    legacy = None  # a webhook's owner is its sender's name, never peppered
     if webhook is None:
-        owner = await request_owner(ctx, request)  # SPEC §5, as for key_header
+        owner, legacy = await request_owners(ctx, request)  # SPEC §5, as for key_header
         body = await governed_body(ctx, request, in_memory=source.needs_body)
     else:
         body = await governed_body(ctx, request, in_memory=True)
@@ -31,10 +34,11 @@ async def identify_sourced(
         owner = webhook.owner
     key = _key(route, source, request, body)
     if key is None:
-        return None, body
+        return None, body, None
     if source.header is not None:
         refuse_hidden_identity(ctx, request, source.header)
-    return intent_of(ctx, request, owner, key, body), body
+    transition = None if legacy is None else OwnerTransition(owner, legacy)
+    return intent_of(ctx, request, owner, key, body), body, transition
 
 
 def _key(route: Route, source: KeySource, request: web.Request, body: RequestBody) -> str | None:

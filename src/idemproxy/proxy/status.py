@@ -16,7 +16,7 @@ from idemproxy.errors import KeyNotFound
 from idemproxy.identity.key import parse_key
 from idemproxy.metrics import RequestOutcome
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.intent import request_owner
+from idemproxy.proxy.intent import request_owners
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.trace import Trace
 
@@ -35,9 +35,11 @@ async def answer_status(
         # SPEC §4.2: a webhook route's jobs belong to its sender, whom no lookup can prove
         # to be; operators see them with `idemproxy jobs list --owner webhook:<sender>`.
         raise KeyNotFound()
-    owner = await request_owner(ctx, request)
+    owner, legacy = await request_owners(ctx, request)
     trace.owner = owner
     job = await ctx.store.get(owner, key)
+    if job is None and legacy is not None:  # SPEC §5: a job from before `owner.pepper`
+        job = await ctx.store.get(legacy, key)
     if job is None or job.expired:
         raise KeyNotFound()
     trace.job_id = job.id

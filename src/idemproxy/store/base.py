@@ -15,8 +15,17 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
 from typing import Any, NamedTuple
 
-from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
-from idemproxy.errors import StoreUnavailable
+from idemproxy.core.types import (
+    Claimed,
+    ClaimResult,
+    Intent,
+    Job,
+    JobState,
+    KeptResponse,
+    SealedResponse,
+    StoredResponse,
+)
+from idemproxy.errors import ResponseUnreadable, StoreUnavailable
 from idemproxy.store.batching import GroupCommit
 from idemproxy.store.watch import JobWatch
 
@@ -27,6 +36,35 @@ class AttemptFailure(NamedTuple):
 
     status: int | None = None
     error: str | None = None
+
+
+class LateResponse(NamedTuple):
+    """A late response kept on attempt `number` of a job (SPEC §3.3), as `idemproxy store
+    reseal` reads it: with its job's owner, id and key, which its seal is bound to."""
+
+    owner: str
+    job_id: str
+    key: str
+    number: int
+    response: KeptResponse
+
+    @property
+    def job(self) -> Job:
+        """The identity the seal binds (store/seal/codec.py), as a job."""
+        return Job(self.job_id, self.owner, self.key, "", JobState.UNKNOWN, 0, 0)
+
+
+def missing_key(job: Job, key_id: str) -> str:
+    """The detail of a response sealed with a key the ring does not hold (SPEC §11)."""
+    return (
+        f"The stored response of job {job.id} is sealed with key {key_id!r}, which is not in "
+        "the proxy's key ring; the request was not forwarded."
+    )
+
+
+def key_of(response: KeptResponse | None) -> str | None:
+    """The id of the key `response` is sealed with; None in the clear."""
+    return response.key_id if isinstance(response, SealedResponse) else None
 
 
 class Store(abc.ABC):
@@ -69,9 +107,7 @@ class Store(abc.ABC):
         changes announced to every replica (SPEC §2.3: held duplicates)."""
 
     @abc.abstractmethod
-    async def complete(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
-    ) -> bool:
+    async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
         """CAS the job to `completed` with this attempt's response; False if another won."""
 
     @abc.abstractmethod
@@ -139,7 +175,7 @@ class Store(abc.ABC):
         """The job with all its attempts."""
 
     @abc.abstractmethod
-    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+    async def late_response(self, job: Job, attempt: int) -> KeptResponse | None:
         """The response attempt `attempt` really had, kept when its completion lost the CAS
         to a takeover (SPEC §3.3); None if none was kept."""
 
@@ -149,7 +185,7 @@ class Store(abc.ABC):
         job: Job,
         state: JobState,
         *,
-        response: StoredResponse | None = None,
+        response: KeptResponse | None = None,
         ttl: float = 0.0,
         resolution: str = "operator",
     ) -> bool:
@@ -188,6 +224,35 @@ class Store(abc.ABC):
     def group_commits(self) -> tuple[GroupCommit[Any, Any], ...]:
         """The store's batchers (store/batching.py), for their metrics hook; none by default."""
         return ()
+
+    # --- encryption at rest (SPEC §11, `idemproxy store reseal`) --------------------------------
+
+    def opened(self, job: Job, response: KeptResponse) -> StoredResponse:
+        """`response` of `job` in the clear. A store with no key ring refuses a sealed one
+        (store/seal/store.py has the ring)."""
+        if isinstance(response, StoredResponse):
+            return response
+        raise ResponseUnreadable(missing_key(job, response.key_id))
+
+    @abc.abstractmethod
+    async def to_reseal(self, primary: str | None, after: Job | None, limit: int) -> list[Job]:
+        """Up to `limit` completed jobs whose response is not sealed with key `primary` (in the
+        clear, or under another key), after `after` in the store's order: one batch."""
+
+    @abc.abstractmethod
+    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
+        """Replace the response of `job` as read with `sealed` (CAS on its version and the key
+        it was read with); False if the job changed, went, or was resealed meanwhile."""
+
+    @abc.abstractmethod
+    async def late_to_reseal(
+        self, primary: str | None, after: LateResponse | None, limit: int
+    ) -> list[LateResponse]:
+        """As `to_reseal`, for the late responses kept on attempts (SPEC §3.3)."""
+
+    @abc.abstractmethod
+    async def reseal_late(self, late: LateResponse, sealed: SealedResponse) -> bool:
+        """As `reseal`, for one late response (CAS on the key it was read with)."""
 
     def watching(self, job_id: str) -> AbstractAsyncContextManager[JobWatch.Subscription]:
         """Subscribe to changes of one job (SPEC §2.3: held duplicates)."""

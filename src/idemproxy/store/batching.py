@@ -24,7 +24,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
-from idemproxy.core.types import Intent, Job, StoredResponse
+from idemproxy.core.types import Intent, Job, KeptResponse
 
 Request = TypeVar("Request")
 Result = TypeVar("Result")
@@ -162,7 +162,7 @@ class CompleteRequest(NamedTuple):
 
     job: Job
     attempt: int
-    response: StoredResponse
+    response: KeptResponse
     ttl: float
 
 

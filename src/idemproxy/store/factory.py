@@ -66,13 +66,27 @@ def serving_store(settings: Settings) -> Store:
     store = wrap_with_cache(store, settings)
     options = settings.replay_cache
     # Only PostgreSQL announces every deletion to every process (its change feed).
-    if not _is_postgres(settings.store) or options.max_bytes == 0:
-        return store
-    from idemproxy.store.cache.memory import MemoryReplayCache
+    if _is_postgres(settings.store) and options.max_bytes > 0:
+        from idemproxy.store.cache.memory import MemoryReplayCache
 
-    return MemoryReplayCache(
-        store, max_bytes=options.max_bytes, max_body=options.max_body, ttl=options.ttl
-    )
+        store = MemoryReplayCache(
+            store, max_bytes=options.max_bytes, max_body=options.max_body, ttl=options.ttl
+        )
+    return wrap_with_seal(store, settings)
+
+
+def wrap_with_seal(store: Store, settings: Settings) -> Store:
+    """`store` behind the sealing of responses when `encryption.keys` is set (SPEC §11), else
+    `store`: outermost, so that no cache below ever sees a response in the clear. A key ring
+    that does not parse is a `ConfigError` at start-up."""
+    keys = settings.encryption.keys
+    if keys is None:
+        return store
+    from idemproxy.store.seal.codec import ResponseCodec
+    from idemproxy.store.seal.keyring import parse_key_ring
+    from idemproxy.store.seal.store import SealingStore
+
+    return SealingStore(store, ResponseCodec(parse_key_ring(keys.get_secret_value())))
 
 
 def _is_postgres(dsn: str) -> bool:

@@ -5,10 +5,20 @@ from __future__ import annotations
 import functools
 import json
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from idemproxy.core.states import ATTEMPT_STATE_OF, JOB_STATE_OF
-from idemproxy.core.types import Attempt, AttemptState, HeaderPairs, Job, JobState, StoredResponse
+from idemproxy.core.types import (
+    Attempt,
+    AttemptState,
+    HeaderPairs,
+    Job,
+    JobState,
+    KeptResponse,
+    SealedResponse,
+    StoredResponse,
+)
+from idemproxy.store.base import LateResponse
 from idemproxy.store.header_json import pairs_from_json, pairs_to_json
 
 # Distinct stored header lists kept parsed (see `decode_headers`); each is a few hundred bytes.
@@ -57,11 +67,34 @@ def attempt_from_row(row: Row) -> Attempt:
     )
 
 
-def late_response_from_row(row: Row) -> StoredResponse:
+def late_response_from_row(row: Row) -> KeptResponse:
     """A late response kept on its attempt (queries.sql `get_late_response`)."""
-    return StoredResponse(
-        row["status"], decode_headers(row["late_headers"]), bytes(row["late_body"])
-    )
+    body = bytes(row["late_body"])
+    key_id = row["late_key"]
+    if key_id is not None:
+        return SealedResponse(row["status"], False, key_id, body)
+    return StoredResponse(row["status"], decode_headers(row["late_headers"]), body)
+
+
+def late_from_row(row: Row) -> LateResponse:
+    """A late response with its job's identity (queries.sql `late_responses_to_reseal`)."""
+    response = late_response_from_row(row)
+    return LateResponse(row["owner"], str(row["job_id"]), row["key"], row["number"], response)
+
+
+class ResponseColumns(NamedTuple):
+    """A response as its columns hold it: headers as JSON text (None when sealed), the body
+    or the sealed box, and the id of the key it is sealed with (None in the clear)."""
+
+    headers: str | None
+    body: bytes | None
+    key_id: str | None
+
+
+def response_columns(response: KeptResponse) -> ResponseColumns:
+    if isinstance(response, SealedResponse):
+        return ResponseColumns(None, response.sealed, response.key_id)
+    return ResponseColumns(encode_headers(response.headers), response.body, None)
 
 
 def _job_state(value: str) -> JobState:
@@ -74,9 +107,17 @@ def _attempt_state(value: str) -> AttemptState:
     return AttemptState(value) if state is None else state
 
 
-def _response(row: Row) -> StoredResponse | None:
+def _response(row: Row) -> KeptResponse | None:
     if row["response_status"] is None:
         return None
+    key_id = row["response_key"]
+    if key_id is not None:  # SPEC §11: sealed, opened only to be replayed or shown
+        return SealedResponse(
+            row["response_status"],
+            bool(row["response_omitted"]),
+            key_id,
+            bytes(row["response_body"]),
+        )
     body = None if row["response_omitted"] else bytes(row["response_body"] or b"")
     return StoredResponse(row["response_status"], decode_headers(row["response_headers"]), body)
 

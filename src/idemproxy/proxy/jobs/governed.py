@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import assert_never
 
 from aiohttp import web
@@ -21,7 +22,8 @@ from idemproxy.core.decision import (
     TakeOver,
     decide,
 )
-from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState
+from idemproxy.core.states import EXPIRABLE
+from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState, StoredResponse
 from idemproxy.errors import (
     JobLost,
     RequestInFlight,
@@ -69,6 +71,8 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
     # request, at most one execution).
     ran: str | None = None
     for _ in range(_MAX_TURNS):
+        if governed.transition is not None:  # SPEC §5: the job may be under the legacy owner
+            governed = _in_scope(governed, result.job.owner)
         if isinstance(result, Claimed):
             governed.trace.ran(result.job.id, result.attempt)
             ctx.failpoints.hit("after_claim")
@@ -88,6 +92,10 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
             # attribute names (match_class), on every replay.
             case Replay():
                 stored = decision.response
+                if not isinstance(stored, StoredResponse):
+                    # SPEC §11: sealed at rest, opened after the fingerprint matched; one that
+                    # does not open is refused (500 response-unreadable), never forwarded.
+                    stored = ctx.store.opened(job, stored)
                 governed.trace.replayed(job.id)
                 if ctx.tracing is not None:
                     ctx.tracing.replay(job.id, stored.status)
@@ -191,6 +199,8 @@ def _refuse_if_draining(ctx: ProxyContext) -> None:
 
 
 async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False) -> ClaimResult:
+    if governed.transition is not None:  # not a coroutine more on every claim without it
+        return await _claim_in_transition(governed, forwarded_if_failed)
     ctx, route, intent = governed.ctx, governed.route, governed.intent
     _refuse_if_draining(ctx)
     job_id = new_job_id()
@@ -208,6 +218,49 @@ async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False
         if not forwarded_if_failed:
             ctx.unsent.note(intent.owner, intent.key, job_id)
         raise
+
+
+async def _claim_in_transition(governed: GovernedRequest, forwarded_if_failed: bool) -> ClaimResult:
+    """SPEC §5, `owner.legacy_owners`: a job the credential's owner had before the pepper is
+    this request's job (replayed, held, retried under that owner; the loop follows its owner),
+    never claimed afresh beside it. Looked for before every claim, and again after a claim that
+    created a job: a proxy without the pepper may have claimed the legacy owner's key in
+    between. Then the new job, forwarded nowhere yet, is deleted (a duplicate held on it wakes,
+    claims again and finds the legacy job too), and the request follows the legacy one."""
+    transition = governed.transition
+    assert transition is not None
+    found = await _live_legacy_job(governed, transition.legacy)
+    if found is not None:
+        return Existing(found)
+    peppered = replace(governed, intent=replace(governed.intent, owner=transition.owner))
+    result = await _claim(
+        replace(peppered, transition=None), forwarded_if_failed=forwarded_if_failed
+    )
+    if isinstance(result, Existing):
+        return result
+    found = await _live_legacy_job(governed, transition.legacy)
+    if found is None:
+        return result
+    await governed.ctx.store.delete(result.job, force=True)
+    return Existing(found)
+
+
+def _in_scope(governed: GovernedRequest, owner: str) -> GovernedRequest:
+    """`governed` reading and claiming under `owner` (the peppered or the legacy one)."""
+    if governed.intent.owner == owner:
+        return governed
+    return replace(governed, intent=replace(governed.intent, owner=owner))
+
+
+async def _live_legacy_job(governed: GovernedRequest, legacy: str) -> Job | None:
+    """The job under the legacy owner, unless it expired (SPEC §3.1: then it is gone, and is
+    forgotten here, so that a new job is claimed under the peppered owner, not the legacy one)."""
+    store = governed.ctx.store
+    found = await store.get(legacy, governed.intent.key)
+    if found is not None and found.expired and found.state in EXPIRABLE:
+        await store.forget(found)
+        return None
+    return found
 
 
 async def _reread(governed: GovernedRequest, ran: str | None = None) -> ClaimResult:

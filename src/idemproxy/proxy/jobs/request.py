@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -11,6 +12,13 @@ from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody
 from idemproxy.proxy.server.trace import Trace
+
+
+class OwnerTransition(NamedTuple):
+    """The two owners of a request in the transition to a pepper (SPEC §5)."""
+
+    owner: str  # peppered: new jobs are claimed under it
+    legacy: str  # plain SHA-256: a job under it is the request's job
 
 
 @dataclass(slots=True)
@@ -29,3 +37,7 @@ class GovernedRequest:
     intent: Intent
     body: RequestBody
     trace: Trace
+    # SPEC §5, `owner.legacy_owners`: the request's peppered owner and the one its credential
+    # had before `owner.pepper`, under which its job may be (proxy/jobs/governed.py). None
+    # outside the transition.
+    transition: OwnerTransition | None = None

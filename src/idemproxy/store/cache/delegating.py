@@ -18,8 +18,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
-from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
-from idemproxy.store.base import AttemptFailure, Store
+from idemproxy.core.types import (
+    Claimed,
+    ClaimResult,
+    Intent,
+    Job,
+    JobState,
+    KeptResponse,
+    SealedResponse,
+    StoredResponse,
+)
+from idemproxy.store.base import AttemptFailure, LateResponse, Store
 from idemproxy.store.batching import GroupCommit
 
 Observer = Callable[[str, float, bool], None]
@@ -78,9 +87,7 @@ class DelegatingStore(Store):
     async def watch_job(self, owner: str, key: str) -> Job | None:
         return await self.inner.watch_job(owner, key)
 
-    async def complete(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
-    ) -> bool:
+    async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
         return await self.inner.complete(job, attempt, response, ttl=ttl)
 
     async def settle(
@@ -136,7 +143,7 @@ class DelegatingStore(Store):
     async def get_by_id(self, job_id: str) -> Job | None:
         return await self.inner.get_by_id(job_id)
 
-    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+    async def late_response(self, job: Job, attempt: int) -> KeptResponse | None:
         return await self.inner.late_response(job, attempt)
 
     async def resolve(
@@ -144,7 +151,7 @@ class DelegatingStore(Store):
         job: Job,
         state: JobState,
         *,
-        response: StoredResponse | None = None,
+        response: KeptResponse | None = None,
         ttl: float = 0.0,
         resolution: str = "operator",
     ) -> bool:
@@ -177,6 +184,25 @@ class DelegatingStore(Store):
 
     def group_commits(self) -> tuple[GroupCommit[Any, Any], ...]:
         return self.inner.group_commits()
+
+    # --- encryption at rest ---------------------------------------------------------------------
+
+    def opened(self, job: Job, response: KeptResponse) -> StoredResponse:
+        return self.inner.opened(job, response)
+
+    async def to_reseal(self, primary: str | None, after: Job | None, limit: int) -> list[Job]:
+        return await self.inner.to_reseal(primary, after, limit)
+
+    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
+        return await self.inner.reseal(job, sealed)
+
+    async def late_to_reseal(
+        self, primary: str | None, after: LateResponse | None, limit: int
+    ) -> list[LateResponse]:
+        return await self.inner.late_to_reseal(primary, after, limit)
+
+    async def reseal_late(self, late: LateResponse, sealed: SealedResponse) -> bool:
+        return await self.inner.reseal_late(late, sealed)
 
 
 class ReplayCache(DelegatingStore):
@@ -211,7 +237,7 @@ class ReplayCache(DelegatingStore):
         return await self.inner.settle(job, attempt, state, status=status, error=error)
 
     async def complete_in_store(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
+        self, job: Job, attempt: int, response: KeptResponse, *, ttl: float
     ) -> tuple[Job, float] | None:
         """The inner store's completion; when it won, the job as it wrote it and the seconds it
         may be kept (measured from before the store call, whose `now() + ttl` comes later: an
@@ -229,7 +255,7 @@ class ReplayCache(DelegatingStore):
         return done, ttl - (time.monotonic() - started)
 
     def _completed_job(
-        self, job: Job, attempt: int, response: StoredResponse, *, expires_at: float
+        self, job: Job, attempt: int, response: KeptResponse, *, expires_at: float
     ) -> Job:
         """The job as the completion by `attempt` that just won wrote it (queries.sql
         `complete`); `expires_at` a time.time() no later than the store's."""
@@ -256,6 +282,14 @@ class ReplayCache(DelegatingStore):
             job.resolution,
             job.attempts,
         )
+
+
+def body_bytes(response: KeptResponse) -> int:
+    """The bytes of a response's body as a cache bounds it: the whole box when it is sealed
+    (its body cannot be told from its headers without opening it)."""
+    if isinstance(response, SealedResponse):
+        return len(response.sealed)
+    return len(response.body or b"")
 
 
 def seconds_left(job: Job, clock_offset: float = 0.0) -> float:

@@ -33,9 +33,22 @@ from collections import OrderedDict
 from itertools import chain
 from typing import NamedTuple
 
-from idemproxy.core.types import ClaimResult, Existing, Intent, Job, JobState, StoredResponse
+from idemproxy.core.types import (
+    ClaimResult,
+    Existing,
+    Intent,
+    Job,
+    JobState,
+    KeptResponse,
+    SealedResponse,
+)
 from idemproxy.store.base import Store
-from idemproxy.store.cache.delegating import MIN_ENTRY_SECONDS, ReplayCache, seconds_left
+from idemproxy.store.cache.delegating import (
+    MIN_ENTRY_SECONDS,
+    ReplayCache,
+    body_bytes,
+    seconds_left,
+)
 
 log = logging.getLogger(__name__)
 # Bytes counted for an entry besides its body and headers' text: the entry, job, Existing and
@@ -113,9 +126,7 @@ class MemoryReplayCache(ReplayCache):
             self._remember(job, seconds_left(job, self.watch.clock_offset), mark)
         return job
 
-    async def complete(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
-    ) -> bool:
+    async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
         mark = self._sequence
         completed = await self.complete_in_store(job, attempt, response, ttl=ttl)
         if completed is None:
@@ -162,7 +173,7 @@ class MemoryReplayCache(ReplayCache):
             and job.state is JobState.COMPLETED
             and not job.expired
             and response is not None
-            and len(response.body or b"") <= self._max_body
+            and body_bytes(response) <= self._max_body
         )
 
     def _unchanged_since(self, job_id: str, mark: int) -> bool:
@@ -200,7 +211,9 @@ class MemoryReplayCache(ReplayCache):
 def _size(job: Job) -> int:
     response = job.response
     stored = 0
-    if response is not None:
+    if isinstance(response, SealedResponse):
+        stored = len(response.sealed)  # headers and body, sealed (SPEC §11)
+    elif response is not None:
         headers = sum(map(len, chain.from_iterable(response.headers)))
         stored = len(response.body or b"") + headers
     return ENTRY_OVERHEAD_BYTES + stored + len(job.key)

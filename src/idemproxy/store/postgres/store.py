@@ -22,10 +22,11 @@ from idemproxy.core.types import (
     Intent,
     Job,
     JobState,
-    StoredResponse,
+    KeptResponse,
+    SealedResponse,
 )
 from idemproxy.errors import StoreRefused, StoreUnavailable
-from idemproxy.store.base import AttemptFailure, Store
+from idemproxy.store.base import AttemptFailure, LateResponse, Store, key_of
 from idemproxy.store.batching import (
     DEFAULT_BATCH,
     ClaimRequest,
@@ -49,9 +50,10 @@ from idemproxy.store.postgres.renewals import RenewalConnections
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
     attempt_from_row,
-    encode_headers,
     job_from_row,
+    late_from_row,
     late_response_from_row,
+    response_columns,
 )
 
 if TYPE_CHECKING:  # PoolConnectionProxy is generic only in asyncpg-stubs, not at runtime
@@ -67,6 +69,7 @@ _CLAIM_RETRIES = 5
 # Seconds a connection may stay idle before it is closed (asyncpg's default): kept ones are
 # first released to the pool (store/postgres/kept.py), whose own timer then closes them.
 _IDLE_LIFETIME = 300.0
+_NIL_UUID = uuid.UUID(int=0)  # before every job id: where a reseal starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,9 +256,7 @@ class PostgresStore(Store):
         row = await self._fetchrow("watch_job", owner, key)
         return job_from_row(row) if row is not None else await self.get(owner, key)
 
-    async def complete(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
-    ) -> bool:
+    async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
         with self.observed("complete"):
             return await self.completions.submit(CompleteRequest(job, attempt, response, ttl))
 
@@ -277,16 +278,18 @@ class PostgresStore(Store):
 
     async def _complete_alone(self, request: CompleteRequest) -> bool:
         job, response = request.job, request.response
+        headers, body, key_id = response_columns(response)
         row = await self._fetchrow(
             "complete",
             *_cas(job),
             request.attempt,
             response.status,
-            encode_headers(response.headers),
-            response.body,
+            headers,
+            body,
             response.omitted,
             float(request.ttl),
             self._late_bytes,
+            key_id,
             observe=False,
         )
         return row is not None
@@ -369,7 +372,7 @@ class PostgresStore(Store):
             attempts = await conn.fetch(self._sql["get_attempts"], row["owner"], job_uuid)
         return job_from_row(row, tuple(attempt_from_row(a) for a in attempts))
 
-    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+    async def late_response(self, job: Job, attempt: int) -> KeptResponse | None:
         row = await self._fetchrow("get_late_response", job.owner, uuid.UUID(job.id), attempt)
         return None if row is None else late_response_from_row(row)
 
@@ -378,24 +381,67 @@ class PostgresStore(Store):
         job: Job,
         state: JobState,
         *,
-        response: StoredResponse | None = None,
+        response: KeptResponse | None = None,
         ttl: float = 0.0,
         resolution: str = "operator",
     ) -> bool:
         if state is JobState.RELEASED:
             return await self._fetchrow("resolve_released", *_cas(job), resolution) is not None
-        if state is not JobState.COMPLETED or response is None or response.body is None:
+        if state is not JobState.COMPLETED or response is None or response.omitted:
             raise ValueError("resolve as completed needs a response with a body")
+        headers, body, key_id = response_columns(response)
         row = await self._fetchrow(
             "resolve_completed",
             *_cas(job),
             resolution,
             response.status,
-            encode_headers(response.headers),
-            response.body,
+            headers,
+            body,
             float(ttl),
+            key_id,
         )
         return row is not None
+
+    async def to_reseal(self, primary: str | None, after: Job | None, limit: int) -> list[Job]:
+        start = ("", _NIL_UUID) if after is None else (after.owner, uuid.UUID(after.id))
+        rows = await self._run(
+            "to_reseal",
+            lambda c: c.fetch(self._sql["responses_to_reseal"], primary, *start, limit),
+        )
+        return [job_from_row(row) for row in rows]
+
+    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
+        read_with = key_of(job.response)
+        row = await self._fetchrow(
+            "reseal_response", *_cas(job), read_with, sealed.sealed, sealed.key_id
+        )
+        return row is not None
+
+    async def late_to_reseal(
+        self, primary: str | None, after: LateResponse | None, limit: int
+    ) -> list[LateResponse]:
+        start = (
+            ("", _NIL_UUID, 0)
+            if after is None
+            else (after.owner, uuid.UUID(after.job_id), after.number)
+        )
+        rows = await self._run(
+            "late_to_reseal",
+            lambda c: c.fetch(self._sql["late_responses_to_reseal"], primary, *start, limit),
+        )
+        return [late_from_row(row) for row in rows]
+
+    async def reseal_late(self, late: LateResponse, sealed: SealedResponse) -> bool:
+        status = await self._execute(
+            "reseal_late_response",
+            late.owner,
+            uuid.UUID(late.job_id),
+            late.number,
+            key_of(late.response),
+            sealed.sealed,
+            sealed.key_id,
+        )
+        return status == "UPDATE 1"
 
     async def delete(self, job: Job, *, force: bool = False) -> bool:
         return await self._fetchrow("delete_job", *_cas(job), force) is not None
@@ -532,16 +578,18 @@ def _claim_columns(batch: list[ClaimRequest]) -> tuple[list[Any], ...]:
 
 
 def _complete_columns(batch: list[CompleteRequest]) -> tuple[list[Any], ...]:
-    """`complete_batch`'s arrays $2..$9, one element per completion."""
+    """`complete_batch`'s arrays $2..$10, one element per completion."""
+    stored = [response_columns(r.response) for r in batch]
     return (
         [r.job.id for r in batch],
         [r.job.version for r in batch],
         [r.attempt for r in batch],
         [r.response.status for r in batch],
-        [encode_headers(r.response.headers) for r in batch],
-        [r.response.body for r in batch],
+        [headers for headers, _, _ in stored],
+        [body for _, body, _ in stored],
         [r.response.omitted for r in batch],
         [float(r.ttl) for r in batch],
+        [key_id for _, _, key_id in stored],
     )
 
 

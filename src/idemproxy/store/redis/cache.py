@@ -30,9 +30,22 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
-from idemproxy.core.types import ClaimResult, Existing, Intent, Job, JobState, StoredResponse
+from idemproxy.core.types import (
+    ClaimResult,
+    Existing,
+    Intent,
+    Job,
+    JobState,
+    KeptResponse,
+    SealedResponse,
+)
 from idemproxy.store.base import Store
-from idemproxy.store.cache.delegating import MIN_ENTRY_SECONDS, ReplayCache, seconds_left
+from idemproxy.store.cache.delegating import (
+    MIN_ENTRY_SECONDS,
+    ReplayCache,
+    body_bytes,
+    seconds_left,
+)
 from idemproxy.store.feed import stop_feed
 from idemproxy.store.redis.client import EntryKeys, RedisCache, connect
 from idemproxy.store.redis.codec import decode, encode, entry_name, tombstone_name, watch_name
@@ -124,9 +137,7 @@ class RedisCachedStore(ReplayCache):
         await self.cache.watching(watch_name(entry_name(owner, key)))
         return await self.inner.watch_job(owner, key)
 
-    async def complete(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
-    ) -> bool:
+    async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
         completed = await self.complete_in_store(job, attempt, response, ttl=ttl)
         if completed is None:
             return False
@@ -167,7 +178,7 @@ class RedisCachedStore(ReplayCache):
         job: Job,
         state: JobState,
         *,
-        response: StoredResponse | None = None,
+        response: KeptResponse | None = None,
         ttl: float = 0.0,
         resolution: str = "operator",
     ) -> bool:
@@ -190,6 +201,13 @@ class RedisCachedStore(ReplayCache):
         if deleted:
             self._announce(job)
         return deleted
+
+    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
+        # SPEC §11: the entry holds the box under the old key, which may be retired next.
+        won = await self.inner.reseal(job, sealed)
+        if won:
+            self._drop_soon(job)
+        return won
 
     # --- the cache ------------------------------------------------------------------------------
 
@@ -216,7 +234,7 @@ class RedisCachedStore(ReplayCache):
             and not job.expired
             and job.expires_at is not None
             and response is not None
-            and len(response.body or b"") <= self._max_body
+            and body_bytes(response) <= self._max_body
         )
 
     def _drop_soon(self, job: Job) -> None:

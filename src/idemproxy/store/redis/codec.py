@@ -3,8 +3,11 @@
 An entry holds everything a replay needs, so that a hit is answered without the store: the
 job's id, version, fingerprint and expiry, and its stored response (status, header pairs in
 order, body bytes, omitted flag). Layout: one format byte, a JSON line of metadata, then the
-body bytes as they are (no base64). Entries are named by a hash of (owner, key): the owner is
-already a hash of the credential (SPEC §5), and neither appears in Redis in the clear.
+body bytes as they are (no base64). With encryption at rest (SPEC §11) the entry holds the
+sealed box instead of the headers and body, under format `2`, which an older proxy reads as
+a miss: Redis then holds no response in the clear. Entries are named by a hash of (owner,
+key): the owner is already a hash of the credential (SPEC §5), and neither appears in Redis in
+the clear.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX, REDIS_WATCH_PREFIX
-from idemproxy.core.types import Job, JobState, StoredResponse
+from idemproxy.core.types import Job, JobState, KeptResponse, SealedResponse, StoredResponse
 from idemproxy.store.header_json import pairs_from_json, pairs_to_json
 
 _FORMAT = b"1"  # an entry of any other format is a miss, never an error
+_SEALED_FORMAT = b"2"
 
 
 def entry_name(owner: str, key: str) -> str:
@@ -51,30 +55,41 @@ def encode(job: Job) -> bytes:
         "p": job.path,
         "exp": job.expires_at.timestamp(),
         "s": response.status,
-        "h": pairs_to_json(response.headers),  # no lone surrogate (store/header_json.py)
         "omit": response.omitted,
     }
+    if isinstance(response, SealedResponse):
+        meta["k"] = response.key_id
+        form, body = _SEALED_FORMAT, response.sealed
+    else:
+        meta["h"] = pairs_to_json(response.headers)  # no lone surrogate (store/header_json.py)
+        form, body = _FORMAT, response.body or b""
     head = json.dumps(meta, separators=(",", ":")).encode()  # ASCII: never holds a newline
-    return b"".join((_FORMAT, head, b"\n", response.body or b""))
+    return b"".join((form, head, b"\n", body))
 
 
 def decode(payload: bytes, owner: str, key: str) -> Job | None:
     """The job in an entry, or None for an entry this version cannot read."""
-    if not payload.startswith(_FORMAT):
+    if not payload.startswith((_FORMAT, _SEALED_FORMAT)):
         return None
-    head, sep, body = payload[len(_FORMAT) :].partition(b"\n")
+    sealed = payload.startswith(_SEALED_FORMAT)
+    head, sep, body = payload[1:].partition(b"\n")
     if not sep:
         return None
     try:
         meta = json.loads(head)
-        return _job(meta, owner, key, body)
+        return _job(meta, (owner, key), body, sealed=sealed)
     except (ValueError, KeyError, TypeError):
         return None
 
 
-def _job(meta: dict[str, Any], owner: str, key: str, body: bytes) -> Job:
-    headers = pairs_from_json(meta["h"])
-    response = StoredResponse(int(meta["s"]), headers, None if meta["omit"] else body)
+def _job(meta: dict[str, Any], scope: tuple[str, str], body: bytes, *, sealed: bool) -> Job:
+    owner, key = scope
+    response: KeptResponse
+    if sealed:
+        response = SealedResponse(int(meta["s"]), bool(meta["omit"]), str(meta["k"]), body)
+    else:
+        headers = pairs_from_json(meta["h"])
+        response = StoredResponse(int(meta["s"]), headers, None if meta["omit"] else body)
     return Job(
         id=str(meta["id"]),
         owner=owner,

@@ -21,10 +21,11 @@ from idemproxy.core.types import (
     Intent,
     Job,
     JobState,
-    StoredResponse,
+    KeptResponse,
+    SealedResponse,
 )
 from idemproxy.errors import StoreRefused, StoreUnavailable
-from idemproxy.store.base import AttemptFailure, Store
+from idemproxy.store.base import AttemptFailure, LateResponse, Store, key_of
 from idemproxy.store.batching import (
     DEFAULT_BATCH,
     ClaimRequest,
@@ -36,9 +37,10 @@ from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.reach import sqlite_unopenable
 from idemproxy.store.rows import (
     attempt_from_row,
-    encode_headers,
     job_from_row,
+    late_from_row,
     late_response_from_row,
+    response_columns,
 )
 
 Params = dict[str, Any]
@@ -193,9 +195,7 @@ class SqliteStore(Store):
     async def watch_job(self, owner: str, key: str) -> Job | None:
         return await self.get(owner, key)  # every change is announced in-process anyway
 
-    async def complete(
-        self, job: Job, attempt: int, response: StoredResponse, *, ttl: float
-    ) -> bool:
+    async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
         with self.observed("complete"):
             won = await self.completions.submit(CompleteRequest(job, attempt, response, ttl))
         return self._notify_if(won, job)
@@ -205,13 +205,15 @@ class SqliteStore(Store):
 
     async def _complete_row(self, db: aiosqlite.Connection, request: CompleteRequest) -> bool:
         job, response = request.job, request.response
+        headers, body, key_id = response_columns(response)
         params = _cas(job) | {
             "attempt": request.attempt,
             "status": response.status,
             "ttl": float(request.ttl),
-            "headers": encode_headers(response.headers),
-            "body": response.body,
+            "headers": headers,
+            "body": body,
             "omitted": response.omitted,
+            "key_id": key_id,
         }
         won = await self._changed(db, "complete_job", params)
         attempt_row = {"owner": job.owner, "job_id": job.id, "attempt": request.attempt}
@@ -224,20 +226,22 @@ class SqliteStore(Store):
         return won
 
     async def _discard(
-        self, db: aiosqlite.Connection, attempt_row: Params, response: StoredResponse
+        self, db: aiosqlite.Connection, attempt_row: Params, response: KeptResponse
     ) -> None:
         """A late result: the attempt is `discarded`; its response is kept on it when the job
         was taken over, within the bound (queries.sql `discard_attempt`)."""
         keep = False
-        if response.body is not None:
-            bound = {"body_bytes": len(response.body), "kept_limit": self._late_bytes}
+        headers, body, key_id = response_columns(response)
+        if body is not None and not response.omitted:
+            bound = {"body_bytes": len(body), "kept_limit": self._late_bytes}
             row = await self._one(db, "may_keep_late", attempt_row | bound)
             keep = bool(row["keep"])
         params = attempt_row | {
             "status": response.status,
             "keep": keep,
-            "headers": encode_headers(response.headers),
-            "body": response.body,
+            "headers": headers,
+            "body": body,
+            "key_id": key_id,
         }
         await db.execute(self._sql["discard_attempt"], params)
 
@@ -325,7 +329,7 @@ class SqliteStore(Store):
             )
         return job_from_row(row, tuple(attempt_from_row(a) for a in attempts))
 
-    async def late_response(self, job: Job, attempt: int) -> StoredResponse | None:
+    async def late_response(self, job: Job, attempt: int) -> KeptResponse | None:
         params = {"owner": job.owner, "job_id": job.id, "number": attempt}
         async with self._reading("late_response") as db:
             row = await self._one(db, "get_late_response", params)
@@ -336,19 +340,21 @@ class SqliteStore(Store):
         job: Job,
         state: JobState,
         *,
-        response: StoredResponse | None = None,
+        response: KeptResponse | None = None,
         ttl: float = 0.0,
         resolution: str = "operator",
     ) -> bool:
         params = _cas(job) | {"resolution": resolution}
         if state is JobState.RELEASED:
             query = "resolve_released"
-        elif state is JobState.COMPLETED and response is not None and response.body is not None:
+        elif state is JobState.COMPLETED and response is not None and not response.omitted:
             query = "resolve_completed"
+            headers, body, key_id = response_columns(response)
             params |= {
                 "status": response.status,
-                "headers": encode_headers(response.headers),
-                "body": response.body,
+                "headers": headers,
+                "body": body,
+                "key_id": key_id,
                 "ttl": float(ttl),
             }
         else:
@@ -356,6 +362,45 @@ class SqliteStore(Store):
         async with self._transaction() as db:
             won = await self._changed(db, query, params)
         return self._notify_if(won, job)
+
+    async def to_reseal(self, primary: str | None, after: Job | None, limit: int) -> list[Job]:
+        params = {"primary": primary, "limit": limit, "owner": "", "id": ""}
+        if after is not None:
+            params |= {"owner": after.owner, "id": after.id}
+        async with self._reading("to_reseal") as db:
+            rows = await db.execute_fetchall(self._sql["responses_to_reseal"], params)
+        return [job_from_row(row) for row in rows]
+
+    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
+        params = _cas(job) | {
+            "read_with": key_of(job.response),
+            "box": sealed.sealed,
+            "key_id": sealed.key_id,
+        }
+        async with self._transaction("reseal") as db:
+            return await self._changed(db, "reseal_response", params)
+
+    async def late_to_reseal(
+        self, primary: str | None, after: LateResponse | None, limit: int
+    ) -> list[LateResponse]:
+        params: Params = {"primary": primary, "limit": limit, "owner": "", "id": "", "number": 0}
+        if after is not None:
+            params |= {"owner": after.owner, "id": after.job_id, "number": after.number}
+        async with self._reading("late_to_reseal") as db:
+            rows = await db.execute_fetchall(self._sql["late_responses_to_reseal"], params)
+        return [late_from_row(row) for row in rows]
+
+    async def reseal_late(self, late: LateResponse, sealed: SealedResponse) -> bool:
+        params = {
+            "owner": late.owner,
+            "job_id": late.job_id,
+            "number": late.number,
+            "read_with": key_of(late.response),
+            "box": sealed.sealed,
+            "key_id": sealed.key_id,
+        }
+        async with self._transaction("reseal") as db:
+            return await self._changed(db, "reseal_late_response", params)
 
     async def delete(self, job: Job, *, force: bool = False) -> bool:
         async with self._transaction() as db:

@@ -96,7 +96,7 @@ ORDER BY number;
 
 -- name: get_late_response
 -- SPEC §3.3: the response a late attempt really had, kept when its completion lost the CAS.
-SELECT status, late_headers, late_body
+SELECT status, late_headers, late_body, late_key
 FROM idemproxy.attempts
 WHERE owner = $1 AND job_id = $2 AND number = $3 AND late_body IS NOT NULL;
 
@@ -105,11 +105,13 @@ WHERE owner = $1 AND job_id = $2 AND number = $3 AND late_body IS NOT NULL;
 -- `discarded`; its response is never replayed. When it lost because the job had been taken
 -- over as `unknown` (SPEC §3.5), the response is kept on the attempt for the operator who
 -- resolves the job (SPEC §3.3), within $10 bytes of kept bodies per job in all; a hedging
--- loser's (the job completed) is not needed by anyone and is not kept.
+-- loser's (the job completed) is not needed by anyone and is not kept. $11: the key a sealed
+-- response is sealed with (SPEC §11; then $6 is NULL and $7 the box), NULL in the clear.
 WITH won AS (
     UPDATE idemproxy.jobs
     SET state = 'completed', version = version + 1, completed_by = $4,
         response_status = $5, response_headers = $6, response_body = $7, response_omitted = $8,
+        response_key = $11,
         lease_expires_at = NULL, updated_at = now(),
         expires_at = now() + make_interval(secs => $9)
     WHERE owner = $1 AND id = $2 AND version = $3 AND completed_by IS NULL
@@ -117,7 +119,7 @@ WITH won AS (
     RETURNING owner, id, watched
 ), keep AS (
     SELECT true AS late
-    WHERE NOT EXISTS (SELECT 1 FROM won) AND $7::bytea IS NOT NULL
+    WHERE NOT EXISTS (SELECT 1 FROM won) AND $7::bytea IS NOT NULL AND NOT $8
       AND EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND id = $2 AND state = 'unknown')
       AND (SELECT coalesce(sum(octet_length(late_body)), 0) FROM idemproxy.attempts
            WHERE owner = $1 AND job_id = $2) + octet_length($7::bytea) <= $10
@@ -126,7 +128,8 @@ WITH won AS (
     SET state = CASE WHEN EXISTS (SELECT 1 FROM won) THEN 'succeeded' ELSE 'discarded' END,
         status = $5, finished_at = now(), lease_expires_at = NULL,
         late_headers = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $6::jsonb END,
-        late_body = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $7::bytea END
+        late_body = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $7::bytea END,
+        late_key = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $11::text END
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state IN ('started', 'unknown')
 )
 SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
@@ -134,14 +137,15 @@ SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won
 -- name: complete_batch
 -- Group commit (store/batching.py): the completions of one owner that queued while the previous
 -- one was in flight, as one statement and one durable commit. `complete`, row by row: $2.. are
--- arrays with one element per completion, one per job; $10 bounds the kept late bodies per job.
+-- arrays with one element per completion, one per job ($10: the key each is sealed with, SPEC §11);
+-- $11 bounds the kept late bodies per job.
 -- The jobs are locked in id order first (`locked`), so that batches from several replicas, and
 -- the single-row statements, which lock a job before its attempt, cannot deadlock. Returns the
 -- ids of the jobs whose completion won.
 WITH input AS (
     SELECT * FROM unnest($2::uuid[], $3::integer[], $4::integer[], $5::integer[], $6::text[],
-                         $7::bytea[], $8::boolean[], $9::float8[])
-        AS t(id, version, attempt, status, headers, body, omitted, ttl)
+                         $7::bytea[], $8::boolean[], $9::float8[], $10::text[])
+        AS t(id, version, attempt, status, headers, body, omitted, ttl, response_key)
 ), locked AS (
     SELECT id FROM idemproxy.jobs WHERE owner = $1 AND id = ANY($2::uuid[])
     ORDER BY id
@@ -151,6 +155,7 @@ WITH input AS (
     SET state = 'completed', version = jobs.version + 1, completed_by = input.attempt,
         response_status = input.status, response_headers = input.headers::jsonb,
         response_body = input.body, response_omitted = input.omitted,
+        response_key = input.response_key,
         lease_expires_at = NULL, updated_at = now(),
         expires_at = now() + make_interval(secs => input.ttl)
     FROM input
@@ -160,17 +165,18 @@ WITH input AS (
     RETURNING jobs.owner, jobs.id, jobs.watched
 ), keep AS (
     SELECT input.id FROM input
-    WHERE input.id NOT IN (SELECT id FROM won) AND input.body IS NOT NULL
+    WHERE input.id NOT IN (SELECT id FROM won) AND input.body IS NOT NULL AND NOT input.omitted
       AND EXISTS (SELECT 1 FROM idemproxy.jobs
                   WHERE owner = $1 AND id = input.id AND state = 'unknown')
       AND (SELECT coalesce(sum(octet_length(late_body)), 0) FROM idemproxy.attempts
-           WHERE owner = $1 AND job_id = input.id) + octet_length(input.body) <= $10
+           WHERE owner = $1 AND job_id = input.id) + octet_length(input.body) <= $11
 ), attempt AS (
     UPDATE idemproxy.attempts
     SET state = CASE WHEN input.id IN (SELECT id FROM won) THEN 'succeeded' ELSE 'discarded' END,
         status = input.status, finished_at = now(), lease_expires_at = NULL,
         late_headers = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.headers::jsonb END,
-        late_body = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.body END
+        late_body = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.body END,
+        late_key = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.response_key END
     FROM input
     WHERE attempts.owner = $1 AND attempts.job_id = input.id AND attempts.number = input.attempt
       AND attempts.state IN ('started', 'unknown')
@@ -292,12 +298,13 @@ ORDER BY lease_expires_at
 LIMIT $2;
 
 -- name: resolve_completed
--- SPEC §3.3: an operator settles an `unknown` job with the response it really had.
+-- SPEC §3.3: an operator settles an `unknown` job with the response it really had ($9: the
+-- key it is sealed with, SPEC §11, NULL in the clear).
 WITH job AS (
     UPDATE idemproxy.jobs
     SET state = 'completed', version = version + 1, completed_by = 0, resolution = $4,
         response_status = $5, response_headers = $6, response_body = $7,
-        response_omitted = false, updated_at = now(),
+        response_omitted = false, response_key = $9, updated_at = now(),
         expires_at = now() + make_interval(secs => $8)
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'unknown'
     RETURNING owner, id
@@ -365,3 +372,43 @@ SELECT count(*) AS unknown FROM idemproxy.jobs WHERE state = 'unknown';
 
 -- name: ping
 SELECT 1;
+
+-- name: responses_to_reseal
+-- SPEC §11, `idemproxy store reseal`: completed jobs whose response is not sealed with the
+-- primary key $1 (in the clear, or under an older key), after ($2, $3) in (owner, id) order,
+-- $4 at most: one bounded batch, resumed after its last row.
+SELECT *, expires_at <= now() AS expired, false AS lease_expired
+FROM idemproxy.jobs
+WHERE state = 'completed' AND response_key IS DISTINCT FROM $1 AND (owner, id) > ($2, $3)
+ORDER BY owner, id
+LIMIT $4;
+
+-- name: reseal_response
+-- One response resealed: a compare-and-swap on the version and the key it was read with ($4),
+-- so that a concurrent reseal, deletion or expiry wins and nothing else of the job changes.
+-- Announced on the change feed: the in-process replay caches drop the old box.
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET response_headers = NULL, response_body = $5, response_key = $6
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'completed'
+      AND response_key IS NOT DISTINCT FROM $4
+    RETURNING owner, id
+)
+SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
+
+-- name: late_responses_to_reseal
+-- The late responses kept on attempts (SPEC §3.3) not sealed with $1, after ($2, $3, $4) in
+-- (owner, job id, number) order, $5 at most, with their job's key (bound in the seal).
+SELECT a.owner, a.job_id, a.number, a.status, a.late_headers, a.late_body, a.late_key, j.key
+FROM idemproxy.attempts a
+JOIN idemproxy.jobs j ON j.owner = a.owner AND j.id = a.job_id
+WHERE a.late_body IS NOT NULL AND a.late_key IS DISTINCT FROM $1
+  AND (a.owner, a.job_id, a.number) > ($2, $3, $4)
+ORDER BY a.owner, a.job_id, a.number
+LIMIT $5;
+
+-- name: reseal_late_response
+UPDATE idemproxy.attempts
+SET late_headers = NULL, late_body = $5, late_key = $6
+WHERE owner = $1 AND job_id = $2 AND number = $3 AND late_body IS NOT NULL
+  AND late_key IS NOT DISTINCT FROM $4;

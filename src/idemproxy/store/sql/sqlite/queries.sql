@@ -41,7 +41,7 @@ WHERE owner = :owner AND job_id = :job_id
 ORDER BY number;
 
 -- name: get_late_response
-SELECT status, late_headers, late_body
+SELECT status, late_headers, late_body, late_key
 FROM attempts
 WHERE owner = :owner AND job_id = :job_id AND number = :number AND late_body IS NOT NULL;
 
@@ -50,7 +50,7 @@ WHERE owner = :owner AND job_id = :job_id AND number = :number AND late_body IS 
 UPDATE jobs
 SET state = 'completed', version = version + 1, completed_by = :attempt,
     response_status = :status, response_headers = :headers, response_body = :body,
-    response_omitted = :omitted, lease_expires_at = NULL,
+    response_omitted = :omitted, response_key = :key_id, lease_expires_at = NULL,
     updated_at = (julianday('now') - 2440587.5) * 86400.0,
     expires_at = (julianday('now') - 2440587.5) * 86400.0 + :ttl
 WHERE owner = :owner AND id = :id AND version = :version AND completed_by IS NULL
@@ -78,7 +78,8 @@ UPDATE attempts
 SET state = 'discarded', status = :status,
     finished_at = (julianday('now') - 2440587.5) * 86400.0, lease_expires_at = NULL,
     late_headers = CASE WHEN :keep THEN :headers END,
-    late_body = CASE WHEN :keep THEN :body END
+    late_body = CASE WHEN :keep THEN :body END,
+    late_key = CASE WHEN :keep THEN :key_id END
 WHERE owner = :owner AND job_id = :job_id AND number = :attempt
   AND state IN ('started', 'unknown');
 
@@ -159,7 +160,8 @@ LIMIT :limit;
 UPDATE jobs
 SET state = 'completed', version = version + 1, completed_by = 0, resolution = :resolution,
     response_status = :status, response_headers = :headers, response_body = :body,
-    response_omitted = 0, updated_at = (julianday('now') - 2440587.5) * 86400.0,
+    response_omitted = 0, response_key = :key_id,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0,
     expires_at = (julianday('now') - 2440587.5) * 86400.0 + :ttl
 WHERE owner = :owner AND id = :id AND version = :version AND state = 'unknown';
 
@@ -212,3 +214,33 @@ LIMIT :limit;
 
 -- name: count_unknown
 SELECT count(*) AS unknown FROM jobs WHERE state = 'unknown';
+
+-- name: responses_to_reseal
+-- SPEC §11, `idemproxy store reseal`: see the PostgreSQL query `responses_to_reseal`.
+SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       0 AS lease_expired
+FROM jobs
+WHERE state = 'completed' AND response_key IS NOT :primary AND (owner, id) > (:owner, :id)
+ORDER BY owner, id
+LIMIT :limit;
+
+-- name: reseal_response
+UPDATE jobs
+SET response_headers = NULL, response_body = :box, response_key = :key_id
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'completed'
+  AND response_key IS :read_with;
+
+-- name: late_responses_to_reseal
+SELECT a.owner, a.job_id, a.number, a.status, a.late_headers, a.late_body, a.late_key, j.key
+FROM attempts a
+JOIN jobs j ON j.owner = a.owner AND j.id = a.job_id
+WHERE a.late_body IS NOT NULL AND a.late_key IS NOT :primary
+  AND (a.owner, a.job_id, a.number) > (:owner, :id, :number)
+ORDER BY a.owner, a.job_id, a.number
+LIMIT :limit;
+
+-- name: reseal_late_response
+UPDATE attempts
+SET late_headers = NULL, late_body = :box, late_key = :key_id
+WHERE owner = :owner AND job_id = :job_id AND number = :number AND late_body IS NOT NULL
+  AND late_key IS :read_with;

@@ -1,0 +1,111 @@
+"""`idemproxy store reseal`: every stored response sealed with the primary key (SPEC §11).
+
+Walks the completed jobs, then the late responses kept on attempts (SPEC §3.3), in bounded
+batches in the store's order, resuming after the last row of each batch: a response in the
+clear or under an older key of the ring is opened, sealed with the primary and written back by
+a compare-and-swap on the key it was read with, so a proxy serving meanwhile, a second reseal
+running at once, or a job deleted or expired under it change nothing and are only counted.
+Run again, it finds nothing left to do. A response whose key is no longer in the ring is
+counted as unreadable and left as it is: the operator decides (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from idemproxy.errors import ResponseUnreadable
+from idemproxy.store.base import LateResponse, Store
+from idemproxy.store.seal.codec import ResponseCodec
+
+
+@dataclass(slots=True)
+class ResealCounts:
+    """What one walk did: `resealed` written, `changed` lost their CAS (changed or gone
+    meanwhile), `unreadable` (job ids) left as they are."""
+
+    resealed: int = 0
+    changed: int = 0
+    unreadable: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ResealReport:
+    responses: ResealCounts
+    late: ResealCounts
+    key_id: str
+
+
+async def reseal_store(
+    store: Store, codec: ResponseCodec, *, batch_size: int, pause: float = 0.0
+) -> ResealReport:
+    """Reseal every response and late response not sealed with the primary key."""
+    primary = codec.primary
+    if primary is None:
+        raise ValueError("reseal needs a key ring")
+    responses = await _reseal_responses(store, codec, batch_size, pause)
+    late = await _reseal_late(store, codec, batch_size, pause)
+    return ResealReport(responses, late, primary)
+
+
+async def _reseal_responses(
+    store: Store, codec: ResponseCodec, batch_size: int, pause: float
+) -> ResealCounts:
+    counts = ResealCounts()
+    jobs = await store.to_reseal(codec.primary, None, batch_size)
+    while jobs:
+        for job in jobs:
+            assert job.response is not None, "a completed job always has a response"
+            try:
+                sealed = codec.reseal(job, job.response)
+            except ResponseUnreadable:
+                counts.unreadable.append(job.id)
+                continue
+            if sealed is not None:
+                _count(counts, await store.reseal(job, sealed))
+        await asyncio.sleep(pause)  # a batch at a time: the serving proxies go first
+        jobs = await store.to_reseal(codec.primary, jobs[-1], batch_size)
+    return counts
+
+
+async def _reseal_late(
+    store: Store, codec: ResponseCodec, batch_size: int, pause: float
+) -> ResealCounts:
+    counts = ResealCounts()
+    batch: list[LateResponse] = await store.late_to_reseal(codec.primary, None, batch_size)
+    while batch:
+        for late in batch:
+            try:
+                sealed = codec.reseal(late.job, late.response)
+            except ResponseUnreadable:
+                counts.unreadable.append(f"{late.job_id} attempt {late.number}")
+                continue
+            if sealed is not None:
+                _count(counts, await store.reseal_late(late, sealed))
+        await asyncio.sleep(pause)
+        batch = await store.late_to_reseal(codec.primary, batch[-1], batch_size)
+    return counts
+
+
+def _count(counts: ResealCounts, won: bool) -> None:
+    if won:
+        counts.resealed += 1
+    else:
+        counts.changed += 1
+
+
+def report_lines(report: ResealReport) -> list[str]:
+    """What `idemproxy store reseal` prints."""
+    lines = [
+        f"resealed {report.responses.resealed} response(s) and {report.late.resealed} late"
+        f" response(s) with key {report.key_id!r}",
+        f"{report.responses.changed + report.late.changed} changed meanwhile (left to the"
+        " proxies; run again to be sure)",
+    ]
+    unreadable = report.responses.unreadable + report.late.unreadable
+    if unreadable:
+        lines.append(
+            f"{len(unreadable)} unreadable (sealed with a key not in the ring), left as they"
+            f" are: {', '.join(unreadable[:20])}" + (" …" if len(unreadable) > 20 else "")
+        )
+    return lines

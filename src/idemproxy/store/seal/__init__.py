@@ -1,0 +1,1 @@
+"""Encryption at rest of stored responses (SPEC §11): the key ring, the codec, the store."""

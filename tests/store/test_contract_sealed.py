@@ -1,0 +1,201 @@
+"""Encryption at rest on every store (SPEC §11): SQLite, PostgreSQL, and PostgreSQL behind the
+in-process replay cache. What the rows hold is read with plain SQL, as a dump shows it, and
+tampered with as someone with write access to the database could."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from idemproxy.core.types import JobState, SealedResponse, StoredResponse
+from idemproxy.errors import ResponseUnreadable
+from idemproxy.ops.reseal import reseal_store
+from idemproxy.store.base import Store
+from idemproxy.store.seal.codec import ResponseCodec
+from idemproxy.store.seal.store import SealingStore
+from tests.support.keyring import NEW, OLD, OTHER, codec
+from tests.support.rawrows import RawRows
+
+from .test_contract import RESPONSE, TTL, claim, job_of
+from .test_contract_attempts import claim as claim_leased
+from .test_contract_attempts import current
+
+SECRET = b"card 4242 4242 4242 4242"
+PRIVATE = StoredResponse(201, (("X-Customer", "Ada Lovelace"),), b'{"pan": "' + SECRET + b'"}')
+
+
+@pytest.fixture
+def rows(store_dsn: str) -> RawRows:
+    return RawRows(store_dsn)
+
+
+def sealing(store: Store, ring: ResponseCodec) -> SealingStore:
+    return SealingStore(store, ring)
+
+
+async def sealed_job(store: Store, key: str = "k1", owner: str = "alice") -> str:
+    claimed = await claim(store, key, owner)
+    assert await store.complete(claimed.job, 1, PRIVATE, ttl=TTL)
+    return claimed.job.id
+
+
+def in_the_clear(row: dict[str, object]) -> bytes:
+    """Every column of `row` as bytes, to look for a secret in any of them."""
+    return b"".join(v if isinstance(v, bytes) else str(v).encode() for v in row.values())
+
+
+async def test_a_response_is_kept_only_as_a_box_and_opens_as_it_was(
+    store: Store, rows: RawRows
+) -> None:
+    sealed = sealing(store, codec(OLD))
+    job_id = await sealed_job(sealed)
+
+    row = await rows.job(job_id)
+    assert row["response_key"] == "k1" and row["response_headers"] is None
+    assert SECRET not in bytes(row["response_body"]) and b"Lovelace" not in in_the_clear(row)
+    for read in (await sealed.get("alice", "k1"), await job_of(sealed, job_id)):
+        assert read is not None and isinstance(read.response, SealedResponse)
+        assert sealed.opened(read, read.response) == PRIVATE
+
+
+async def test_a_flipped_byte_is_refused(store: Store, rows: RawRows) -> None:
+    sealed = sealing(store, codec(OLD))
+    job_id = await sealed_job(sealed)
+    box = bytearray((await rows.job(job_id))["response_body"])
+    box[len(box) // 2] ^= 0x01
+    await rows.set_job(job_id, "response_body", bytes(box))
+
+    job = await job_of(sealed, job_id)
+    assert job.response is not None
+    with pytest.raises(ResponseUnreadable, match="altered"):
+        sealed.opened(job, job.response)
+
+
+@pytest.mark.parametrize("other_owner", ["alice", "mallory"])
+async def test_a_box_moved_to_another_job_is_refused(
+    store: Store, rows: RawRows, other_owner: str
+) -> None:
+    sealed = sealing(store, codec(OLD))
+    victim = await sealed_job(sealed, "k1", "alice")
+    thief = await claim(sealed, "k2", other_owner)
+    assert await sealed.complete(thief.job, 1, StoredResponse(201, (), b"mine"), ttl=TTL)
+    await rows.set_job(thief.job.id, "response_body", (await rows.job(victim))["response_body"])
+
+    job = await job_of(sealed, thief.job.id)
+    assert job.response is not None
+    with pytest.raises(ResponseUnreadable):
+        sealed.opened(job, job.response)
+
+
+async def test_a_status_changed_beside_its_box_is_refused(store: Store, rows: RawRows) -> None:
+    sealed = sealing(store, codec(OLD))
+    job_id = await sealed_job(sealed)
+    await rows.set_job(job_id, "response_status", 200)
+    job = await job_of(sealed, job_id)
+    assert job.response is not None
+    with pytest.raises(ResponseUnreadable):
+        sealed.opened(job, job.response)
+
+
+async def test_a_key_missing_from_the_ring_is_refused_by_its_id(store: Store) -> None:
+    job_id = await sealed_job(sealing(store, codec(OLD)))
+    job = await job_of(store, job_id)
+    assert job.response is not None
+    for reader in (sealing(store, codec(OTHER)), store):  # another ring; no ring at all
+        with pytest.raises(ResponseUnreadable, match="'k1', which is not in"):
+            reader.opened(job, job.response)
+
+
+async def test_a_new_primary_seals_new_rows_and_old_ones_stay_readable(
+    store: Store, rows: RawRows
+) -> None:
+    before = await sealed_job(sealing(store, codec(OLD)), "k1")
+    rotated = sealing(store, codec(NEW, OLD))
+    after = await sealed_job(rotated, "k2")
+    assert [(await rows.job(i))["response_key"] for i in (before, after)] == ["k1", "k2"]
+    for job_id in (before, after):
+        job = await job_of(rotated, job_id)
+        assert job.response is not None and rotated.opened(job, job.response) == PRIVATE
+
+
+async def test_reseal_seals_clear_and_old_rows_in_batches_once(store: Store, rows: RawRows) -> None:
+    clear = [await sealed_job(store, f"clear-{n}") for n in range(2)]  # before encryption
+    old = [await sealed_job(sealing(store, codec(OLD)), f"old-{n}") for n in range(3)]
+    ring = codec(NEW, OLD)
+
+    report = await reseal_store(sealing(store, ring), ring, batch_size=2)
+
+    assert (report.responses.resealed, report.responses.changed) == (5, 0)
+    assert report.responses.unreadable == []
+    retired = sealing(store, codec(NEW))  # the old key can go now
+    for job_id in clear + old:
+        row = await rows.job(job_id)
+        assert (row["response_key"], row["response_headers"]) == ("k2", None)
+        job = await job_of(retired, job_id)
+        assert job.response is not None and retired.opened(job, job.response) == PRIVATE
+    again = await reseal_store(sealing(store, ring), ring, batch_size=2)
+    assert (again.responses.resealed, again.late.resealed) == (0, 0)
+
+
+async def test_reseal_lists_rows_whose_key_is_gone_and_leaves_them(store: Store) -> None:
+    lost = await sealed_job(sealing(store, codec(OTHER)), "lost")
+    fine = await sealed_job(sealing(store, codec(OLD)), "fine")
+    ring = codec(NEW, OLD)
+    report = await reseal_store(sealing(store, ring), ring, batch_size=10)
+    assert (report.responses.resealed, report.responses.unreadable) == (1, [lost])
+    kept = (await job_of(store, lost)).response
+    assert isinstance(kept, SealedResponse) and kept.key_id == "k9"
+    moved = (await job_of(store, fine)).response
+    assert isinstance(moved, SealedResponse) and moved.key_id == "k2"
+
+
+async def test_a_reseal_loses_to_a_deletion_and_to_another_reseal(store: Store) -> None:
+    ring = codec(NEW, OLD)
+    resealing = sealing(store, ring)
+    job = await job_of(store, await sealed_job(sealing(store, codec(OLD))))
+    assert job.response is not None
+    box = ring.reseal(job, job.response)
+    assert box is not None
+    assert await resealing.reseal(job, box)
+    assert not await resealing.reseal(job, box)  # read under k1, k2 now: another won
+    gone = await job_of(store, await sealed_job(sealing(store, codec(OLD)), "k2"))
+    assert gone.response is not None
+    assert await store.delete(gone)
+    stale = ring.reseal(gone, gone.response)
+    assert stale is not None and not await resealing.reseal(gone, stale)
+
+
+async def test_a_late_response_is_sealed_and_resealed(store: Store, rows: RawRows) -> None:
+    sealed = sealing(store, codec(OLD))
+    claimed = await claim_leased(sealed, lease=0.05)
+    await asyncio.sleep(0.2)
+    assert await sealed.take_over(await current(sealed, claimed.job))
+    assert not await sealed.complete(claimed.job, 1, PRIVATE, ttl=TTL)
+
+    late_row = await rows.late(claimed.job.id, 1)
+    assert (late_row["late_key"], late_row["late_headers"]) == ("k1", None)
+    assert SECRET not in bytes(late_row["late_body"])
+    unknown = await job_of(sealed, claimed.job.id)
+    kept = await sealed.late_response(unknown, 1)
+    assert kept is not None and sealed.opened(unknown, kept) == PRIVATE
+
+    ring = codec(NEW, OLD)
+    report = await reseal_store(sealing(store, ring), ring, batch_size=1)
+    assert (report.late.resealed, report.late.unreadable) == (1, [])
+    assert (await rows.late(claimed.job.id, 1))["late_key"] == "k2"
+    retired = sealing(store, codec(NEW))
+    kept = await retired.late_response(unknown, 1)
+    assert kept is not None and retired.opened(unknown, kept) == PRIVATE
+    # An operator resolves the job with it: the job's response is sealed too.
+    assert await retired.resolve(unknown, JobState.COMPLETED, response=kept, ttl=TTL)
+    resolved = await job_of(retired, unknown.id)
+    assert resolved.response is not None and retired.opened(resolved, resolved.response) == PRIVATE
+    assert (await rows.job(unknown.id))["response_key"] == "k2"
+
+
+async def test_without_a_ring_responses_stay_in_the_clear(store: Store, rows: RawRows) -> None:
+    claimed = await claim(store)
+    assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    row = await rows.job(claimed.job.id)
+    assert row["response_key"] is None and bytes(row["response_body"]) == RESPONSE.body
