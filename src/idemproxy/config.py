@@ -398,6 +398,9 @@ class Settings(BaseSettings):
     _unknown_variables: tuple[str, ...] = PrivateAttr(default=())
     replay_cache: ReplayCacheSettings = Field(default_factory=ReplayCacheSettings)
     profile: Literal["default", "ietf"] = "default"
+    # SPEC §8: where docs/problems.md is published (https://…/problems.html); each problem's
+    # `type` is then its anchor there. Unset: `urn:idemproxy:problem:<code>`.
+    problem_types: str | None = None
     key_header: str = c.DEFAULT_KEY_HEADER
     # NoDecode: IDEMPROXY_METHODS=POST,PUT is a comma list, not JSON (also for the lists below).
     methods: Annotated[list[str], NoDecode] = Field(default_factory=lambda: list(c.DEFAULT_METHODS))

@@ -24,6 +24,7 @@ from idemproxy.core.decision import (
 from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState
 from idemproxy.errors import (
     JobLost,
+    ProblemError,
     RequestInFlight,
     ShuttingDown,
     StoreUnavailable,
@@ -64,22 +65,45 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
         raise
     loop = asyncio.get_running_loop()
     deadline = loop.time() + governed.route.max_wait
-    # The job this request ran an attempt of, once that attempt lost its CAS: from then on the
-    # request only answers from that job, and never claims or starts an attempt again (one
-    # request, at most one execution).
-    ran: str | None = None
+    seen = _Seen(result.job)
+    try:
+        return await _turns(governed, result, deadline, seen)
+    except ProblemError as problem:
+        # SPEC §8: the answer names the job it is about and the state it was last read in.
+        problem.about(seen.ran or seen.job.id, seen.job.state.value)
+        raise
+
+
+class _Seen:
+    """The job a governed request last read, and the one it ran an attempt of once that
+    attempt lost its CAS: from then on the request only answers from that job, and never claims
+    or starts an attempt again (one request, at most one execution)."""
+
+    __slots__ = ("job", "ran")
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.ran: str | None = None
+
+
+async def _turns(
+    governed: GovernedRequest, result: ClaimResult, deadline: float, seen: _Seen
+) -> web.StreamResponse:
+    ctx = governed.ctx
+    loop = asyncio.get_running_loop()
     for _ in range(_MAX_TURNS):
+        seen.job = result.job
         if isinstance(result, Claimed):
             governed.trace.ran(result.job.id, result.attempt)
             ctx.failpoints.hit("after_claim")
             response = await run_shielded(governed, result)
             if response is not None:
                 return response
-            ran = result.job.id
-            result = await _reread(governed, ran)  # lost the CAS: the winner's answer
+            seen.ran = result.job.id
+            result = await _reread(governed, seen.ran)  # lost the CAS: the winner's answer
             continue
         job = result.job
-        _check_own(job, ran)
+        _check_own(job, seen.ran)
         fingerprint = governed.intent.fingerprint
         decision = decide(job, fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
         # The answers are given here, without a coroutine of their own: a replay is the hot path.
@@ -92,7 +116,7 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
             case Reject(problem):
                 raise problem()
             case _:
-                result = await _act(governed, job, decision, deadline=deadline, ran=ran)
+                result = await _act(governed, job, decision, deadline=deadline, ran=seen.ran)
     raise RequestInFlight()
 
 
