@@ -178,6 +178,11 @@ class Store(abc.ABC):
     ) -> list[Job]: ...
 
     @abc.abstractmethod
+    async def owner_jobs(self, owner: str, *, after: str, before: str, limit: int) -> list[Job]:
+        """Up to `limit` jobs of `owner` with ids between `after` and `before` (exclusive), in
+        id order: a batch of an erasure (SPEC §11), without their attempts."""
+
+    @abc.abstractmethod
     async def count_unknown(self) -> int: ...
 
     @abc.abstractmethod

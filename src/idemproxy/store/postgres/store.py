@@ -338,6 +338,13 @@ class PostgresStore(Store):
         )
         return [job_from_row(row) for row in rows]
 
+    async def owner_jobs(self, owner: str, *, after: str, before: str, limit: int) -> list[Job]:
+        rows = await self._run(
+            "owner_jobs",
+            lambda c: c.fetch(self._sql["owner_jobs"], owner, after, before, limit),
+        )
+        return [job_from_row(row) for row in rows]
+
     async def count_unknown(self) -> int:
         row = await self._fetchrow("count_unknown")
         return 0 if row is None else int(row["unknown"])

@@ -316,6 +316,12 @@ class SqliteStore(Store):
             rows = await db.execute_fetchall(self._sql["list_jobs"], params)
         return [job_from_row(row) for row in rows]
 
+    async def owner_jobs(self, owner: str, *, after: str, before: str, limit: int) -> list[Job]:
+        params = {"owner": owner, "after": after, "before": before, "limit": limit}
+        async with self._reading() as db:
+            rows = await db.execute_fetchall(self._sql["owner_jobs"], params)
+        return [job_from_row(row) for row in rows]
+
     async def count_unknown(self) -> int:
         async with self._reading() as db:
             row = await self._one(db, "count_unknown", {})

@@ -210,5 +210,16 @@ WHERE (:state IS NULL OR state = :state) AND (:owner IS NULL OR owner = :owner)
 ORDER BY created_at DESC
 LIMIT :limit;
 
+-- name: owner_jobs
+-- Erasure (SPEC §11): one owner's jobs in id order (time order: ids are UUIDv7), a batch after
+-- the cursor, below the bound.
+SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       state = 'in_flight' AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0
+           AS lease_expired
+FROM jobs
+WHERE owner = :owner AND id > :after AND id < :before
+ORDER BY id
+LIMIT :limit;
+
 -- name: count_unknown
 SELECT count(*) AS unknown FROM jobs WHERE state = 'unknown';
