@@ -7,8 +7,9 @@ the Redis channel) tells every replica's in-process cache to forget it.
 
 A job in flight or `unknown` may have executed, or be executing: deleting it lets a retry run
 again. Such jobs are left and listed unless the operator asks for them too
-(`include_in_flight`). Jobs claimed after the purge began are not touched: their ids (UUIDv7)
-are above the bound taken at the start, so a busy owner cannot keep a purge running for ever.
+(`include_in_flight`). Jobs claimed after the purge began (by this host's clock, plus a margin
+for its skew against the database's) are not touched, so a busy owner cannot keep a purge
+running for ever.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
 from idemproxy.config import OwnerSettings
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import InvalidRequest, OwnerMissing
-from idemproxy.identity.ids import new_job_id
 from idemproxy.identity.owner import derive_owner, owner_policy
 from idemproxy.ops.service import check_owner_filter
 from idemproxy.store.base import Store
@@ -28,6 +29,10 @@ from idemproxy.store.base import Store
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 100
 MAX_BATCH_SIZE = 1000
+# Seconds past the purge's start by this host's clock that still count as before it: the
+# database's clock (which stamps `created_at`) may run ahead, and no job claimed before the
+# purge may be missed.
+CLOCK_SKEW_MARGIN = 60.0
 # Below every job id: the cursor before the first batch.
 _FIRST_ID = "00000000-0000-0000-0000-000000000000"
 _RISKY = (JobState.IN_FLIGHT, JobState.UNKNOWN)
@@ -89,7 +94,7 @@ async def purge_owner(
     if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise InvalidRequest(f"batch size must be from 1 to {MAX_BATCH_SIZE}")
     report = PurgeReport(owner)
-    before, after = new_job_id(), _FIRST_ID
+    before, after = datetime.now(UTC) + timedelta(seconds=CLOCK_SKEW_MARGIN), _FIRST_ID
     while batch := await store.owner_jobs(owner, after=after, before=before, limit=batch_size):
         report.batches += 1
         for job in batch:

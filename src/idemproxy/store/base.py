@@ -12,6 +12,7 @@ import abc
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from datetime import datetime
 from types import TracebackType
 from typing import NamedTuple
 
@@ -178,9 +179,11 @@ class Store(abc.ABC):
     ) -> list[Job]: ...
 
     @abc.abstractmethod
-    async def owner_jobs(self, owner: str, *, after: str, before: str, limit: int) -> list[Job]:
-        """Up to `limit` jobs of `owner` with ids between `after` and `before` (exclusive), in
-        id order: a batch of an erasure (SPEC §11), without their attempts."""
+    async def owner_jobs(
+        self, owner: str, *, after: str, before: datetime, limit: int
+    ) -> list[Job]:
+        """Up to `limit` jobs of `owner` created before `before` with ids above `after`, in id
+        order: a batch of an erasure (SPEC §11), without their attempts."""
 
     @abc.abstractmethod
     async def count_unknown(self) -> int: ...

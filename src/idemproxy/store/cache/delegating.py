@@ -167,7 +167,9 @@ class DelegatingStore(Store):
     ) -> list[Job]:
         return await self.inner.list_jobs(state=state, owner=owner, limit=limit)
 
-    async def owner_jobs(self, owner: str, *, after: str, before: str, limit: int) -> list[Job]:
+    async def owner_jobs(
+        self, owner: str, *, after: str, before: datetime, limit: int
+    ) -> list[Job]:
         return await self.inner.owner_jobs(owner, after=after, before=before, limit=limit)
 
     async def count_unknown(self) -> int:

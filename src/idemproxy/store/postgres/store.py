@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
@@ -338,7 +339,9 @@ class PostgresStore(Store):
         )
         return [job_from_row(row) for row in rows]
 
-    async def owner_jobs(self, owner: str, *, after: str, before: str, limit: int) -> list[Job]:
+    async def owner_jobs(
+        self, owner: str, *, after: str, before: datetime, limit: int
+    ) -> list[Job]:
         rows = await self._run(
             "owner_jobs",
             lambda c: c.fetch(self._sql["owner_jobs"], owner, after, before, limit),

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import sqlite3
 from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -316,8 +317,10 @@ class SqliteStore(Store):
             rows = await db.execute_fetchall(self._sql["list_jobs"], params)
         return [job_from_row(row) for row in rows]
 
-    async def owner_jobs(self, owner: str, *, after: str, before: str, limit: int) -> list[Job]:
-        params = {"owner": owner, "after": after, "before": before, "limit": limit}
+    async def owner_jobs(
+        self, owner: str, *, after: str, before: datetime, limit: int
+    ) -> list[Job]:
+        params = {"owner": owner, "after": after, "before": before.timestamp(), "limit": limit}
         async with self._reading() as db:
             rows = await db.execute_fetchall(self._sql["owner_jobs"], params)
         return [job_from_row(row) for row in rows]

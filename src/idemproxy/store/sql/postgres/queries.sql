@@ -281,12 +281,12 @@ ORDER BY created_at DESC
 LIMIT $3;
 
 -- name: owner_jobs
--- Erasure (SPEC §11): one owner's jobs in id order (time order: ids are UUIDv7), a batch after
--- the cursor $2, below the bound $3; the (owner, id) unique index serves it.
+-- Erasure (SPEC §11): one owner's jobs created before $3, in id order, a batch after the cursor
+-- $2; the (owner, id) unique index serves it.
 SELECT *, expires_at <= now() AS expired,
        state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
 FROM idemproxy.jobs
-WHERE owner = $1 AND id > $2::uuid AND id < $3::uuid
+WHERE owner = $1 AND id > $2::uuid AND created_at < $3
 ORDER BY id
 LIMIT $4;
 

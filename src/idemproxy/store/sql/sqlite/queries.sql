@@ -211,13 +211,13 @@ ORDER BY created_at DESC
 LIMIT :limit;
 
 -- name: owner_jobs
--- Erasure (SPEC §11): one owner's jobs in id order (time order: ids are UUIDv7), a batch after
--- the cursor, below the bound.
+-- Erasure (SPEC §11): one owner's jobs created before :before, in id order, a batch after the
+-- cursor.
 SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
        state = 'in_flight' AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0
            AS lease_expired
 FROM jobs
-WHERE owner = :owner AND id > :after AND id < :before
+WHERE owner = :owner AND id > :after AND created_at < :before
 ORDER BY id
 LIMIT :limit;
 
