@@ -39,6 +39,7 @@ from pydantic_settings import (
 )
 
 from idemproxy import constants as c
+from idemproxy.config_quotas import QuotaSettings
 from idemproxy.config_upstream import (
     UpstreamHeaderSettings,
     UpstreamSettings,
@@ -460,6 +461,7 @@ class Settings(BaseSettings):
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sweeper: SweeperSettings = Field(default_factory=SweeperSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    quotas: QuotaSettings = Field(default_factory=QuotaSettings)  # SPEC §9, per owner
     admin: AdminSettings = Field(default_factory=AdminSettings)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["plain", "json"] = "plain"

@@ -220,6 +220,11 @@ class Metrics:
             "(SPEC §10).",
             [],
         )
+        self.quota_refusals = self._counter(
+            "quota_refusals",
+            "New jobs refused because their owner was over a quota (SPEC §9), by limit.",
+            ["limit"],
+        )
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]
         )

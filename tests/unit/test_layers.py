@@ -193,8 +193,17 @@ RULES = {
     ),
     "settings are data: config imports only errors, constants and its value parsers": Rule(
         "config",
-        only=("config", "config_upstream", "errors", "constants", "units", "secret_files"),
+        only=(
+            "config",
+            "config_upstream",
+            "config_quotas",
+            "errors",
+            "constants",
+            "units",
+            "secret_files",
+        ),
     ),
+    "so are the quotas' settings": Rule("config_quotas", only=("config_quotas", "units")),
     "so are the upstream leg's settings": Rule(
         "config_upstream", only=("config_upstream", "errors", "constants", "units", "secret_files")
     ),

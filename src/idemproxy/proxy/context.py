@@ -11,6 +11,7 @@ from aiohttp import web
 from idemproxy.config import Settings
 from idemproxy.core.attempts import StatusPolicy
 from idemproxy.core.decision import Policy
+from idemproxy.core.quota import QuotaLimits
 from idemproxy.identity.owner import OwnerPolicy, owner_policy
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
@@ -68,6 +69,8 @@ class ProxyContext:
     drained: bool = False
     # OpenTelemetry spans (proxy/tracing.py); None when `tracing.enabled` is off.
     tracing: Tracing | None = None
+    # SPEC §9: the limits per owner; None when no quota is set (claims stay one statement).
+    quotas: QuotaLimits | None = None
 
     @classmethod
     def build(
@@ -102,7 +105,14 @@ class ProxyContext:
             budget=budget,
             replays=_replays(budget, metrics),
             tracing=tracing,
+            quotas=_quotas(settings),
         )
+
+
+def _quotas(settings: Settings) -> QuotaLimits | None:
+    quotas = settings.quotas
+    limits = QuotaLimits(quotas.max_in_flight, quotas.max_new_per_second, quotas.max_stored_bytes)
+    return limits if limits.any else None
 
 
 def _budget(settings: Settings, metrics: Metrics) -> ResponseBudget:

@@ -16,6 +16,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import NamedTuple
 
+from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.watch import JobWatch
@@ -59,6 +60,20 @@ class Store(abc.ABC):
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
         """Create the job and its first attempt atomically, or return the job that exists."""
+
+    @abc.abstractmethod
+    async def claim_within(
+        self,
+        intent: Intent,
+        job_id: str,
+        upstream: str,
+        *,
+        ttl: float,
+        lease: float,
+        limits: QuotaLimits,
+    ) -> ClaimResult | str:
+        """`claim`, unless a new job would take its owner beyond `limits` (SPEC §9): then the
+        name of that limit, and nothing is claimed. An existing key is never refused."""
 
     @abc.abstractmethod
     async def get(self, owner: str, key: str) -> Job | None: ...

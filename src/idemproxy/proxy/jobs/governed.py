@@ -21,10 +21,12 @@ from idemproxy.core.decision import (
     TakeOver,
     decide,
 )
+from idemproxy.core.quota import IN_FLIGHT, RATE, STORED_BYTES, QuotaLimits, retry_after
 from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState
 from idemproxy.errors import (
     JobLost,
     ProblemError,
+    QuotaExceeded,
     RequestInFlight,
     ShuttingDown,
     StoreUnavailable,
@@ -47,6 +49,14 @@ _HELD_AT_SHUTDOWN = (
     "The proxy is shutting down; the request with this key is still in flight. Retry with the "
     "same Idempotency-Key to get its result."
 )
+_QUOTA_DETAIL = {
+    IN_FLIGHT: "This owner has as many requests in flight as its quota allows; nothing was "
+    "claimed or forwarded. Retry with the same Idempotency-Key after Retry-After.",
+    RATE: "This owner started as many new requests this second as its quota allows; nothing "
+    "was claimed or forwarded. Retry with the same Idempotency-Key after Retry-After.",
+    STORED_BYTES: "This owner's stored responses fill its quota; nothing was claimed or "
+    "forwarded. Retry with the same Idempotency-Key after Retry-After.",
+}
 # Every turn makes progress (a state changed or time passed); this only guards against a bug.
 _MAX_TURNS = 32
 
@@ -215,6 +225,8 @@ async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False
     ctx, route, intent = governed.ctx, governed.route, governed.intent
     _refuse_if_draining(ctx)
     job_id = new_job_id()
+    if ctx.quotas is not None:
+        return await _claim_within(governed, ctx.quotas, job_id, forwarded_if_failed)
     claiming = ctx.store.claim(
         intent, job_id, route.upstream, ttl=route.ttl, lease=ctx.settings.lease
     )
@@ -228,6 +240,30 @@ async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False
         if not forwarded_if_failed:
             ctx.unsent.note(intent.owner, intent.key, job_id)
         raise
+
+
+async def _claim_within(
+    governed: GovernedRequest, limits: QuotaLimits, job_id: str, forwarded_if_failed: bool
+) -> ClaimResult:
+    """SPEC §9: a key that has a job is a duplicate, read as a claim would read it (from a
+    replay cache, if any) and never refused; only a new job is counted against the quotas,
+    before anything is claimed or forwarded."""
+    ctx, route, intent = governed.ctx, governed.route, governed.intent
+    existing = await ctx.store.get(intent.owner, intent.key)
+    if existing is not None:
+        return Existing(existing)
+    try:
+        result = await ctx.store.claim_within(
+            intent, job_id, route.upstream, ttl=route.ttl, lease=ctx.settings.lease, limits=limits
+        )
+    except StoreUnavailable:
+        if not forwarded_if_failed:
+            ctx.unsent.note(intent.owner, intent.key, job_id)
+        raise
+    if isinstance(result, str):
+        ctx.metrics.quota_refusals.labels(result).inc()
+        raise QuotaExceeded(_QUOTA_DETAIL[result], retry_after=retry_after(result))
+    return result
 
 
 async def _reread(governed: GovernedRequest, ran: str | None = None) -> ClaimResult:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
+from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import Claimed, ClaimResult, Intent, Job, JobState, StoredResponse
 from idemproxy.store.base import AttemptFailure, Store
 
@@ -69,6 +70,20 @@ class DelegatingStore(Store):
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
         return await self.inner.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
+
+    async def claim_within(
+        self,
+        intent: Intent,
+        job_id: str,
+        upstream: str,
+        *,
+        ttl: float,
+        lease: float,
+        limits: QuotaLimits,
+    ) -> ClaimResult | str:
+        return await self.inner.claim_within(
+            intent, job_id, upstream, ttl=ttl, lease=lease, limits=limits
+        )
 
     async def get(self, owner: str, key: str) -> Job | None:
         return await self.inner.get(owner, key)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncpg
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     Claimed,
@@ -36,6 +37,7 @@ from idemproxy.store.postgres.errors import (
 )
 from idemproxy.store.postgres.kept import KeptConnections
 from idemproxy.store.postgres.listen import listen_forever
+from idemproxy.store.postgres.quota import claim_row_within
 from idemproxy.store.postgres.renewals import RenewalConnections
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
@@ -179,6 +181,27 @@ class PostgresStore(Store):
             job = job_from_row(row)
             return Claimed(job, 1) if row.get("created", False) else Existing(job)
         raise StoreUnavailable("The claim did not settle; retry.")
+
+    async def claim_within(
+        self,
+        intent: Intent,
+        job_id: str,
+        upstream: str,
+        *,
+        ttl: float,
+        lease: float,
+        limits: QuotaLimits,
+    ) -> ClaimResult | str:
+        args = (intent.owner, intent.key, job_id, intent.fingerprint, intent.method, intent.path)
+        claim_args = (*args, float(ttl), upstream, float(lease))
+        row = await self._run(
+            "claim_quota", lambda c: claim_row_within(c, self._sql, claim_args, limits)
+        )
+        if isinstance(row, str):
+            return row
+        if row is None:  # a concurrent claim of the key committed first: a duplicate
+            return await self.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
+        return Claimed(job_from_row(row), 1) if row["created"] else Existing(job_from_row(row))
 
     async def get(self, owner: str, key: str) -> Job | None:
         row = await self._fetchrow("get_job", owner, key)

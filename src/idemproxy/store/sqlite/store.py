@@ -13,6 +13,7 @@ from typing import Any
 import aiosqlite
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.core.quota import QuotaLimits, QuotaUsage, exceeded, window_start_id
 from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     AttemptState,
@@ -120,6 +121,34 @@ class SqliteStore(Store):
         assert row is not None, "the job exists inside the claim's transaction"
         job = job_from_row(row)
         return Claimed(job, 1) if created else Existing(job)
+
+    async def claim_within(
+        self,
+        intent: Intent,
+        job_id: str,
+        upstream: str,
+        *,
+        ttl: float,
+        lease: float,
+        limits: QuotaLimits,
+    ) -> ClaimResult | str:
+        # SPEC §9: BEGIN IMMEDIATE makes this the only writer, so the count holds until the
+        # insert (the SQLite store serves one process; its claims queue on one connection).
+        async with self._transaction("claim_quota") as db:
+            params = {
+                "owner": intent.owner,
+                "key": intent.key,
+                "since": window_start_id(),
+                "bytes": limits.stored_bytes is not None,
+            }
+            usage = await self._one(db, "quota_usage", params)
+            limit = None
+            if not usage["taken"]:
+                counted = QuotaUsage(usage["in_flight"], usage["recent"], usage["stored_bytes"])
+                limit = exceeded(limits, counted)
+        if limit is not None:
+            return limit
+        return await self.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
 
     async def get(self, owner: str, key: str) -> Job | None:
         async with self._reading("get_job") as db:
