@@ -109,3 +109,22 @@ async def test_quota_settings(proxy: ProxyFactory, quotas: dict[str, int]) -> No
         return
     with pytest.raises(ValueError, match="quotas"):
         await proxy(quotas=quotas)
+
+
+@pytest.mark.postgres
+async def test_replays_under_a_quota_come_from_the_in_process_cache(
+    make_proxy: ProxyFactory, pg_dsn: str, ledger: Ledger
+) -> None:
+    """A duplicate is looked up as a claim would look it up (the replay cache first), so a
+    quota costs replays nothing beyond what they cost without one."""
+    client: Any = await make_proxy(store=pg_dsn, quotas={"max_in_flight": 5})
+    async with await _post(client, "c1") as first:
+        assert first.status == 201
+    cache = client.server.app[CONTEXT].store
+    for _ in range(3):
+        async with await _post(client, "c1") as replay:
+            assert replay.headers[REPLAYED] == "true"
+    registry = client.server.app[CONTEXT].metrics.registry
+    hits = registry.get_sample_value("idemproxy_replay_cache_hits_total")
+    assert hits is not None and hits >= 2, (hits, type(cache).__name__)
+    assert ledger.count("c1") == 1

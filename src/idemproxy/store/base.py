@@ -78,6 +78,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def get(self, owner: str, key: str) -> Job | None: ...
 
+    async def lookup(self, owner: str, key: str) -> Job | None:
+        """The job as a claim would find it: from a replay cache in front when it has it, else
+        this store's (quotas, SPEC §9: a duplicate is found before anything is counted)."""
+        return await self.get(owner, key)
+
     @abc.abstractmethod
     async def watch_job(self, owner: str, key: str) -> Job | None:
         """The job, re-read after the caller subscribed to its changes, with its future state

@@ -249,7 +249,7 @@ async def _claim_within(
     replay cache, if any) and never refused; only a new job is counted against the quotas,
     before anything is claimed or forwarded."""
     ctx, route, intent = governed.ctx, governed.route, governed.intent
-    existing = await ctx.store.get(intent.owner, intent.key)
+    existing = await ctx.store.lookup(intent.owner, intent.key)
     if existing is not None:
         return Existing(existing)
     try:

@@ -88,6 +88,9 @@ class DelegatingStore(Store):
     async def get(self, owner: str, key: str) -> Job | None:
         return await self.inner.get(owner, key)
 
+    async def lookup(self, owner: str, key: str) -> Job | None:
+        return await self.inner.lookup(owner, key)
+
     async def watch_job(self, owner: str, key: str) -> Job | None:
         return await self.inner.watch_job(owner, key)
 
