@@ -71,7 +71,8 @@ async def test_owner_jobs_pages_one_owners_jobs_in_id_order(store: Store) -> Non
         Claimed,
     )
     later = datetime.now(UTC) + timedelta(minutes=1)
-    seen, after = [], FIRST
+    seen: list[str] = []
+    after = FIRST
     while batch := await store.owner_jobs("alice", after=after, before=later, limit=2):
         assert len(batch) <= 2 and all(job.owner == "alice" for job in batch)
         seen.extend(job.id for job in batch)
