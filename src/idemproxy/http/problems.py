@@ -56,7 +56,7 @@ def problem_response(
 
 def _where_the_client_stands(body: dict[str, object], error: ProblemError) -> None:
     """SPEC §8: the job the answer is about, its state, and what the client may do next."""
-    state = error.job_state or error.fixed_state or NO_JOB
+    state = error.job_state or NO_JOB  # a pass-through request's problem is about no job
     if error.job_id is not None:
         body["instance"] = JOB_INSTANCE_PREFIX + error.job_id
     body["job_state"] = state
