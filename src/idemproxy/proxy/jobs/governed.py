@@ -248,18 +248,29 @@ async def _claim_within(
     """SPEC §9: a key that has a job is a duplicate, read as a claim would read it (from a
     replay cache, if any) and never refused; only a new job is counted against the quotas,
     before anything is claimed or forwarded."""
-    ctx, route, intent = governed.ctx, governed.route, governed.intent
+    ctx, intent = governed.ctx, governed.intent
     existing = await ctx.store.lookup(intent.owner, intent.key)
     if existing is not None:
         return Existing(existing)
+    claiming = _counted_claim(governed, limits, job_id)
+    if ctx.tracing is not None:
+        claiming = ctx.tracing.claim(claiming)
     try:
-        result = await ctx.store.claim_within(
-            intent, job_id, route.upstream, ttl=route.ttl, lease=ctx.settings.lease, limits=limits
-        )
+        return await claiming
     except StoreUnavailable:
         if not forwarded_if_failed:
             ctx.unsent.note(intent.owner, intent.key, job_id)
         raise
+
+
+async def _counted_claim(
+    governed: GovernedRequest, limits: QuotaLimits, job_id: str
+) -> ClaimResult:
+    ctx, route = governed.ctx, governed.route
+    result = await ctx.store.claim_within(
+        governed.intent, job_id, route.upstream, ttl=route.ttl, lease=ctx.settings.lease,
+        limits=limits,
+    )  # fmt: skip
     if isinstance(result, str):
         ctx.metrics.quota_refusals.labels(result).inc()
         raise QuotaExceeded(_QUOTA_DETAIL[result], retry_after=retry_after(result))
