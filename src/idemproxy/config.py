@@ -40,6 +40,7 @@ from pydantic_settings import (
 
 from idemproxy import constants as c
 from idemproxy.config_keys import KeySourceSettings, WebhookSettings
+from idemproxy.config_quotas import QuotaSettings
 from idemproxy.config_upstream import (
     UpstreamHeaderSettings,
     UpstreamSettings,
@@ -509,6 +510,9 @@ class Settings(BaseSettings):
     replay_cache: ReplayCacheSettings = Field(default_factory=ReplayCacheSettings)
     encryption: EncryptionSettings = Field(default_factory=EncryptionSettings)
     profile: Literal["default", "ietf"] = "default"
+    # SPEC §8: where docs/problems.md is published (https://…/problems.html); each problem's
+    # `type` is then its anchor there. Unset: `urn:idemproxy:problem:<code>`.
+    problem_types: str | None = None
     key_header: str = c.DEFAULT_KEY_HEADER
     # SPEC §7.1: a GET with this header (e.g. Idempotency-Status: <key>) is answered with the
     # key's job state by the proxy, never forwarded. Unset (the default): no status lookup.
@@ -579,6 +583,7 @@ class Settings(BaseSettings):
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sweeper: SweeperSettings = Field(default_factory=SweeperSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    quotas: QuotaSettings = Field(default_factory=QuotaSettings)  # SPEC §9, per owner
     admin: AdminSettings = Field(default_factory=AdminSettings)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["plain", "json"] = "plain"

@@ -14,6 +14,8 @@ REPLAYED_HEADER: Final = "Idempotent-Replayed"
 REPLAY_OMITTED_HEADER: Final = "Idempotency-Replay"
 ERROR_HEADER: Final = "Idempotency-Error"
 PROBLEM_TYPE_PREFIX: Final = "urn:idemproxy:problem:"
+# SPEC §8: a problem about a job names it as its `instance` (RFC 9457 §3.1.5).
+JOB_INSTANCE_PREFIX: Final = "urn:idemproxy:job:"
 PROBLEM_CONTENT_TYPE: Final = "application/problem+json"
 
 # RFC 9110 §7.6.1: hop-by-hop headers never cross the proxy in either direction.

@@ -24,6 +24,7 @@
     │   ├── IdentityUnavailable     503 identity-unavailable + Retry-After
     │   ├── TooManyWaiters          503 too-many-waiters + Retry-After
     │   ├── ShuttingDown            503 shutting-down + Retry-After (and Connection: close)
+    │   ├── QuotaExceeded           429 quota-exceeded + Retry-After (SPEC §9)
     │   ├── UpstreamTimeout         504 upstream-timeout
     │   ├── ResponseUnreadable      500 response-unreadable (sealed, and its key is gone)
     │   └── OperatorError           the admin jobs API and `idemproxy jobs` (SPEC §3.3, §13)
@@ -46,7 +47,7 @@ explanation).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Final
 
 
 def one_line(text: str) -> str:
@@ -71,43 +72,72 @@ class ListenFailed(IdemproxyError):
     """A configured address cannot be listened on."""
 
 
+# SPEC §8: what a client may do next, in every problem document of a governed request.
+SAME_KEY: Final = "same-key"  # retry the same request with the same key (after Retry-After)
+NEW_KEY_SAFE: Final = (
+    "new-key-safe"  # nothing of it ran: a (corrected) request under a new key is safe
+)
+NEVER: Final = "never"  # it may have executed: no retry, with this key or another one
+NO_JOB: Final = "none"  # the `job_state` of a request that has no job
+
+
 class ProblemError(IdemproxyError):
     """The proxy could not process the request."""
 
     code: ClassVar[str] = "internal-error"
     status: ClassVar[int] = 500
     title: ClassVar[str] = "Internal error"
-    retry_after: ClassVar[int | None] = None
+    retry_after: int | None = None  # seconds; an instance may name its own
+    # The SPEC §8 rule of this code. An instance may say otherwise (a pass-through request that
+    # may have reached its upstream), and a job whose state is `unknown` always makes it `never`.
+    retry: str = SAME_KEY
+    # The state a job is in whenever this problem is answered, whatever state it was last read in.
+    fixed_state: ClassVar[str | None] = None
+    # The job this answer is about and its state, once known (http/problems.py writes them).
+    job_id: str | None = None
+    job_state: str | None = None
+
+    def about(self, job_id: str, state: str) -> ProblemError:
+        """This problem, about job `job_id` in `state`, unless it already names a job."""
+        if self.job_id is None:
+            self.job_id = job_id
+            self.job_state = self.fixed_state or state
+        return self
 
 
 class KeyMissing(ProblemError):
     """This route requires an Idempotency-Key header."""
 
     code, status, title = "key-missing", 400, "Idempotency key missing"
+    retry = NEW_KEY_SAFE
 
 
 class KeyInvalid(ProblemError):
     """The Idempotency-Key header must be one value of 1-255 visible ASCII characters."""
 
     code, status, title = "key-invalid", 400, "Idempotency key invalid"
+    retry = NEW_KEY_SAFE
 
 
 class HeaderInvalid(ProblemError):
     """A header that identifies or routes the request is repeated, malformed or in Connection."""
 
     code, status, title = "header-invalid", 400, "Header invalid"
+    retry = NEW_KEY_SAFE
 
 
 class PathInvalid(ProblemError):
     """The request path may not contain dot segments or empty segments, encoded or not."""
 
     code, status, title = "path-invalid", 400, "Path invalid"
+    retry = NEW_KEY_SAFE
 
 
 class OwnerMissing(ProblemError):
     """This route requires a credential that identifies the owner of the key."""
 
     code, status, title = "owner-missing", 401, "Owner missing"
+    retry = NEW_KEY_SAFE
 
 
 class SignatureInvalid(ProblemError):
@@ -127,6 +157,7 @@ class PayloadMismatch(ProblemError):
     """This Idempotency-Key was already used with a different request payload."""
 
     code, status, title = "payload-mismatch", 409, "Idempotency key reused with another payload"
+    retry = NEW_KEY_SAFE
 
 
 class RequestInFlight(ProblemError):
@@ -140,6 +171,8 @@ class OutcomeUnknown(ProblemError):
     """The outcome of the earlier request with this key is unknown; an operator must resolve it."""
 
     code, status, title = "outcome-unknown", 409, "Outcome unknown"
+    retry = NEVER
+    fixed_state = "unknown"
 
 
 class JobLost(OutcomeUnknown):
@@ -152,6 +185,7 @@ class NoRoute(ProblemError):
     """No upstream is configured for this host and path."""
 
     code, status, title = "no-route", 404, "No route"
+    retry = NEW_KEY_SAFE
 
 
 class RequestTimeout(ProblemError):
@@ -171,6 +205,7 @@ class BodyTooLarge(ProblemError):
     """The request body exceeds the configured limit."""
 
     code, status, title = "body-too-large", 413, "Request body too large"
+    retry = NEW_KEY_SAFE
 
 
 class UpstreamUnavailable(ProblemError):
@@ -185,6 +220,8 @@ class ContractViolation(ProblemError):
     is unknown until an operator resolves it."""
 
     code, status, title = "contract-violation", 502, "Upstream response breaks the contract"
+    retry = NEVER
+    fixed_state = "unknown"
 
 
 class StoreUnavailable(ProblemError):
@@ -240,10 +277,24 @@ class ShuttingDown(ProblemError):
     retry_after = 1
 
 
+class QuotaExceeded(ProblemError):
+    """This owner is over one of its quotas; nothing was claimed or forwarded. Retry with the
+    same Idempotency-Key after Retry-After."""
+
+    code, status, title = "quota-exceeded", 429, "Quota exceeded"
+    retry_after = 1
+
+    def __init__(self, detail: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(detail)
+        self.retry_after = retry_after
+
+
 class UpstreamTimeout(ProblemError):
     """The upstream did not answer in time; the outcome of the request is unknown."""
 
     code, status, title = "upstream-timeout", 504, "Upstream timeout"
+    retry = NEVER
+    fixed_state = "unknown"
 
 
 class ResponseUnreadable(ProblemError):

@@ -237,6 +237,13 @@ class Metrics:
             "(SPEC §10).",
             [],
         )
+        self.quota_refusals = self._counter(
+            "quota_refusals",
+            "New jobs refused because their owner was over a quota (SPEC §9), by limit.",
+            ["limit"],
+        )
+        for limit in ("in_flight", "new_per_second", "stored_bytes"):  # core/quota.py
+            self.quota_refusals.labels(limit)  # every series from the start
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]
         )

@@ -280,3 +280,22 @@ async def test_a_409_the_proxy_stored_is_final(
     assert summary.retryable == 0
     again = await run_batch(items, out, _options(url))
     assert again.sent == 0 and upstream.executions == {"/taken": 1}
+
+
+async def test_the_proxys_retry_advice_decides_not_the_status(tmp_path: Path) -> None:
+    """SPEC §8: a 504 upstream-timeout says `retry: never`; the runner records the item
+    `unknown` at once instead of retrying it as a 504 would be (and being told so)."""
+    async with raw_upstream(RawUpstream()) as (upstream, upstream_url):
+        upstream.answers["/slow"] = RawAnswer(201, (JSON,), b"{}", delay=3.0)
+        env = {"IDEMPROXY_UPSTREAM_TIMEOUT": "0.3"}
+        process, url = await start_proxy(upstream_url, tmp_path, env)
+        try:
+            items = [{"id": "slow", "method": "POST", "path": "/slow"}]
+            out = tmp_path / "out.jsonl"
+            summary = await run_batch(items, out, _options(url))
+        finally:
+            await stop_process(process)
+    [result] = read_results(out)
+    assert result["outcome"] == "unknown" and result["status"] == 504, result
+    assert result["attempts"] == 1, result
+    assert summary.unknown == 1

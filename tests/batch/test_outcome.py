@@ -15,6 +15,7 @@ from idemproxy.batch.outcome import (
     backoff_seconds,
     classify,
     next_delay,
+    problem_advice,
     retry_after_seconds,
 )
 from idemproxy.batch.progress import PlainReporter, RichReporter, describe_problem
@@ -47,6 +48,45 @@ from .factory import record
 )
 def test_classify(status: int, code: str | None, verdict: Verdict) -> None:
     assert classify(status, code) is verdict
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "advice", "verdict"),
+    [
+        (504, "upstream-timeout", "never", Verdict.UNKNOWN),  # the status alone says retry
+        (502, "upstream-unavailable", "never", Verdict.UNKNOWN),
+        (502, "upstream-unavailable", "same-key", Verdict.RETRY),
+        (429, "quota-exceeded", "same-key", Verdict.RETRY),
+        (409, "payload-mismatch", "new-key-safe", Verdict.FAILED),
+        (400, "key-invalid", "new-key-safe", Verdict.FAILED),
+        (409, "outcome-unknown", "never", Verdict.UNKNOWN),
+        # An upstream's own answer (no Idempotency-Error) is never taken for the proxy's.
+        (503, None, "never", Verdict.RETRY),
+        # An advice nobody defined is ignored: the status decides, as before.
+        (503, "store-unavailable", "maybe", Verdict.RETRY),
+    ],
+)
+def test_the_problems_retry_advice_decides(
+    status: int, code: str | None, advice: str, verdict: Verdict
+) -> None:
+    assert classify(status, code, advice=advice) is verdict
+
+
+@pytest.mark.parametrize(
+    ("body", "advice"),
+    [
+        (b'{"code": "x", "retry": "never"}', "never"),
+        (b'{"retry": "same-key"}', "same-key"),
+        (b'{"retry": "soon"}', None),
+        (b'{"retry": 1}', None),
+        (b"[1]", None),
+        (b"not json", None),
+        (b'{"retry": "\xff', None),
+        (b"\xff\xfe", None),
+    ],
+)
+def test_problem_advice(body: bytes, advice: str | None) -> None:
+    assert problem_advice(body) == advice
 
 
 def test_retry_after_in_seconds_and_as_a_date() -> None:

@@ -275,3 +275,28 @@ async def test_an_operator_resolves_a_real_unknown_job(
         assert (replay.status, replay.body, replay.replayed) == (201, body.read_bytes(), True)
         assert replay.headers["Content-Type"] == "application/json"
     assert backend.ledger.count("k-1") == 1  # executed once, never again
+
+
+def test_purge_lists_what_it_leaves_then_erases_it_when_told(
+    dsn: str, run_cli: RunCli, tmp_path: Path
+) -> None:
+    jobs = run(_prepare(dsn))
+    credential = tmp_path / "alice.credential"
+    credential.write_text("Bearer alice\n")  # as a Secret is mounted: one trailing line break
+    left = run_cli("jobs", "purge", "--store", dsn, "--credential-file", str(credential))
+    assert left.returncode == 1, left  # something was left: the operator must decide
+    assert f"owner {ALICE}: removed 1 jobs (1 completed) and 1 attempts" in left.stdout
+    assert f"{jobs['lost'].id}  unknown" in left.stdout and "--include-in-flight" in left.stdout
+    assert run(_load(dsn, jobs["done"].id)) is None
+    assert run(_load(dsn, jobs["lost"].id)) is not None
+
+    done = ok(run_cli("jobs", "purge", "--store", dsn, "--owner", ALICE, "--include-in-flight",
+                      "--json"))  # fmt: skip
+    report = json.loads(done.stdout)
+    assert (report["removed_jobs"], report["removed_by_state"], report["left"]) == (
+        1, {"unknown": 1}, []
+    )  # fmt: skip
+    assert run(_load(dsn, jobs["lost"].id)) is None
+    assert run(_load(dsn, jobs["bobs"].id)) is not None  # another owner's job is untouched
+    usage = run_cli("jobs", "purge", "--store", dsn)
+    assert usage.returncode == 2 and "--owner" in usage.stderr

@@ -45,7 +45,10 @@ async def test_same_key_other_request_is_payload_mismatch(
     before = await only_job(jobs)
 
     async with client.request(method, path, data=body, headers=original["headers"]) as reuse:
-        await assert_problem(reuse, "payload-mismatch", status)
+        problem = await assert_problem(
+            reuse, "payload-mismatch", status, retry="new-key-safe", job_state="completed"
+        )
+        assert problem["instance"] == f"urn:idemproxy:job:{before.id}"
 
     assert ledger.count() == 1
     assert await only_job(jobs) == before  # the stored job is untouched

@@ -32,14 +32,14 @@ async def test_upstream_timeout_is_504_then_outcome_unknown_without_forwarding(
     client = await proxy(upstream_timeout=0.15)
     request: dict[str, Any] = {"data": b"charge", "headers": {KEY: "slow"}}
     async with client.post("/charge?delay=0.4", **request) as first:
-        await assert_problem(first, "upstream-timeout", 504)
+        await assert_problem(first, "upstream-timeout", 504, retry="never", job_state="unknown")
     job = await only_job(jobs)
     assert job.state is JobState.UNKNOWN
     assert [a.state for a in job.attempts] == [AttemptState.UNKNOWN]
 
     await eventually(lambda: ledger.count("slow") == 1)  # it did execute: that is why "unknown"
     async with client.post("/charge?delay=0.4", **request) as retry:
-        await assert_problem(retry, "outcome-unknown", 409)
+        await assert_problem(retry, "outcome-unknown", 409, retry="never", job_state="unknown")
     await settle_quietly()
     assert ledger.count("slow") == 1
     after = await only_job(jobs)
@@ -110,7 +110,7 @@ async def test_gateway_error_status_makes_the_job_unknown(
     assert [a.state for a in job.attempts] == [AttemptState.UNKNOWN]
 
     async with client.post(url, data=b"charge", headers={KEY: "gw"}) as retry:
-        await assert_problem(retry, "outcome-unknown", 409)
+        await assert_problem(retry, "outcome-unknown", 409, retry="never", job_state="unknown")
     assert ledger.count("gw") == 1
 
 
@@ -121,7 +121,9 @@ async def test_connection_refused_is_502_and_releases_the_job(
     client = await proxy(routes=[{"prefix": "/dead", "upstream": dead}])
     for attempt in (1, 2):
         async with client.post("/dead/charge", data=b"x", headers={KEY: "refused"}) as response:
-            await assert_problem(response, "upstream-unavailable", 502)
+            await assert_problem(
+                response, "upstream-unavailable", 502, retry="same-key", job_state="released"
+            )
         job = await only_job(jobs)
         assert (job.state, job.attempt_count) == (JobState.RELEASED, attempt)
     assert [a.state for a in job.attempts] == [AttemptState.FAILED] * 2
@@ -162,7 +164,7 @@ async def test_broken_response_after_the_request_was_sent_makes_the_job_unknown(
     job = await only_job(jobs)
     assert job.state is JobState.UNKNOWN
     async with client.post("/charge", data=b"x", headers={KEY: "broken"}) as retry:
-        await assert_problem(retry, "outcome-unknown", 409)
+        await assert_problem(retry, "outcome-unknown", 409, retry="never", job_state="unknown")
     assert len(raw_upstream.heads) == 1
 
 
@@ -178,5 +180,5 @@ async def test_large_body_cut_off_mid_stream_aborts_the_client_and_makes_the_job
     job = await only_job(jobs)
     assert job.state is JobState.UNKNOWN
     async with client.post("/charge", data=b"x", headers={KEY: "cut"}) as retry:
-        await assert_problem(retry, "outcome-unknown", 409)
+        await assert_problem(retry, "outcome-unknown", 409, retry="never", job_state="unknown")
     assert len(raw_upstream.heads) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -22,10 +23,20 @@ ATTEMPT = "Idempotency-Attempt"
 REPLAYED = "Idempotent-Replayed"
 
 
+_RETRY_ADVICE = frozenset({"same-key", "new-key-safe", "never"})
+_JOB_STATES = frozenset({"none", "in_flight", "completed", "released", "unknown"})
+
+
 async def assert_problem(
-    response: aiohttp.ClientResponse, code: str, status: int
+    response: aiohttp.ClientResponse,
+    code: str,
+    status: int,
+    *,
+    retry: str | None = None,
+    job_state: str | None = None,
 ) -> dict[str, Any]:
-    """SPEC §8: an RFC 9457 problem with our type URN and the Idempotency-Error header."""
+    """SPEC §8: an RFC 9457 problem with our type URN and the Idempotency-Error header, saying
+    where the client stands (`job_state`, `retry`, and `instance` naming its job if it has one)."""
     body = await response.read()
     assert response.status == status, (response.status, body[:300])
     assert response.headers["Content-Type"].startswith("application/problem+json")
@@ -37,6 +48,18 @@ async def assert_problem(
     assert problem["title"]
     assert problem["detail"]
     assert REPLAYED not in response.headers
+    assert problem["retry"] in _RETRY_ADVICE, problem
+    assert problem["job_state"] in _JOB_STATES, problem
+    if problem["job_state"] == "none":
+        assert "instance" not in problem, problem
+    else:
+        assert re.fullmatch(r"urn:idemproxy:job:[0-9a-f-]{36}", problem["instance"]), problem
+    if problem["job_state"] == "unknown":
+        assert problem["retry"] == "never", problem
+    if retry is not None:
+        assert problem["retry"] == retry, problem
+    if job_state is not None:
+        assert problem["job_state"] == job_state, problem
     return problem
 
 

@@ -197,12 +197,14 @@ RULES = {
             "config",
             "config_upstream",
             "config_keys",
+            "config_quotas",
             "errors",
             "constants",
             "units",
             "secret_files",
         ),
     ),
+    "so are the quotas' settings": Rule("config_quotas", only=("config_quotas", "units")),
     "so are the upstream leg's settings": Rule(
         "config_upstream", only=("config_upstream", "errors", "constants", "units", "secret_files")
     ),

@@ -5,6 +5,8 @@
     POST   /jobs/{id}/resolve             {"as": "released"} or {"as": "completed", "status": …}
                                           or {"as": "completed", "from_attempt": N}
     DELETE /jobs/{id}[?force=true][&version=N]  204 (a CAS on the version read, or N)
+    POST   /owners/purge                  {"owner": …} or {"credential": …}, optionally
+                                          "include_in_flight", "batch_size": the report
 
 Every route sits behind the admin bearer token (`admin.app`); errors are RFC 9457 problems.
 """
@@ -21,7 +23,7 @@ from idemproxy.config import Settings
 from idemproxy.core.types import JobState
 from idemproxy.errors import InvalidRequest, ProblemError
 from idemproxy.http.problems import problem_response
-from idemproxy.ops import service
+from idemproxy.ops import purge, service
 from idemproxy.ops.resolution import ResponseRules, resolution_from_json
 from idemproxy.ops.view import job_to_json
 from idemproxy.store.base import Store
@@ -48,6 +50,7 @@ def add_jobs_routes(app: web.Application, settings: Settings, store: Store) -> N
     app.router.add_get("/jobs/{id}", _problems(_show))
     app.router.add_post("/jobs/{id}/resolve", _problems(_resolve))
     app.router.add_delete("/jobs/{id}", _problems(_delete))
+    app.router.add_post("/owners/purge", _problems(_purge))
 
 
 def client_max_size(settings: Settings) -> int:
@@ -110,6 +113,40 @@ async def _delete(request: web.Request) -> web.Response:
         version=_version(query.get("version")),
     )
     return web.Response(status=204)
+
+
+_PURGE_FIELDS = frozenset({"owner", "credential", "include_in_flight", "batch_size"})
+
+
+async def _purge(request: web.Request) -> web.Response:
+    """SPEC §11: erase one owner's jobs. 200 with the report; `left` lists what stayed."""
+    body = await _json_body(request)
+    if not isinstance(body, dict) or set(body) - _PURGE_FIELDS:
+        raise InvalidRequest(f"the body must be an object of {', '.join(sorted(_PURGE_FIELDS))}")
+    owner, credential = body.get("owner"), body.get("credential")
+    if (owner is None) == (credential is None):
+        raise InvalidRequest("give one of owner (the hash) or credential")
+    legacy = None
+    if credential is not None:
+        if not isinstance(credential, str):
+            raise InvalidRequest("credential must be a string")
+        owner, legacy = purge.owners_of_credential(credential, request.app[JOBS_SETTINGS].owner)
+    include, size = body.get("include_in_flight", False), body.get("batch_size")
+    if not isinstance(owner, str) or not isinstance(include, bool):
+        raise InvalidRequest("owner must be a string and include_in_flight a boolean")
+    if size is None:
+        size = purge.DEFAULT_BATCH_SIZE
+    if not isinstance(size, int) or isinstance(size, bool):
+        raise InvalidRequest("batch_size must be an integer")
+    store = request.app[JOBS_STORE]
+    report = await purge.purge_owner(store, owner, include_in_flight=include, batch_size=size)
+    answer = report.to_json()
+    if legacy is not None:  # SPEC §5: the owner the credential had before `owner.pepper`
+        legacy_report = await purge.purge_owner(
+            store, legacy, include_in_flight=include, batch_size=size
+        )
+        answer["legacy"] = legacy_report.to_json()
+    return _json(answer)
 
 
 def _state(value: str | None) -> JobState | None:

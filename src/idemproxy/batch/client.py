@@ -16,7 +16,13 @@ from multidict import CIMultiDict
 
 from idemproxy.batch.input import Item
 from idemproxy.batch.keys import Identity
-from idemproxy.batch.outcome import Verdict, classify, next_delay, retry_after_seconds
+from idemproxy.batch.outcome import (
+    Verdict,
+    classify,
+    next_delay,
+    problem_advice,
+    retry_after_seconds,
+)
 from idemproxy.batch.ratelimit import RATE_LIMITED_STATUSES, pause_seconds
 from idemproxy.batch.records import Outcome, ResultRecord, encode_body, utc_now, valid_text
 from idemproxy.constants import ERROR_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
@@ -55,6 +61,8 @@ class Answer:
     body: bytes
     # A 429 or 503: how long the answer asks every client to wait (ratelimit.py), else None.
     rate_limit_pause: float | None = None
+    # The `retry` member of the proxy's own problem document (SPEC §8), else None.
+    advice: str | None = None
 
     @property
     def rate_limited(self) -> bool:
@@ -154,7 +162,11 @@ async def _try_once(
         return Verdict.RETRY
     tries.answer, tries.error = answer, None
     return classify(
-        answer.status, answer.error_code, replayed=answer.replayed, omitted=answer.omitted
+        answer.status,
+        answer.error_code,
+        replayed=answer.replayed,
+        omitted=answer.omitted,
+        advice=answer.advice,
     )
 
 
@@ -170,17 +182,19 @@ async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: f
         body = await response.read()
         headers = response.headers
         limited = response.status in RATE_LIMITED_STATUSES
+        error_code = valid_text(headers.get(ERROR_HEADER))
         # aiohttp keeps undecodable header bytes as lone surrogates: made valid text here, so
         # that whatever the upstream sent, the record can be written (records.py).
         return Answer(
             status=response.status,
-            error_code=valid_text(headers.get(ERROR_HEADER)),
+            error_code=error_code,
             replayed=headers.get(REPLAYED_HEADER, "").strip().lower() == "true",
             omitted=headers.get(REPLAY_OMITTED_HEADER, "").strip().lower() == "omitted",
             retry_after=retry_after_seconds(headers.get("Retry-After")),
             content_type=valid_text(headers.get("Content-Type")),
             body=body,
             rate_limit_pause=pause_seconds(headers) if limited else None,
+            advice=problem_advice(body) if error_code is not None else None,
         )
 
 

@@ -7,13 +7,21 @@ proxy: it is held while the first attempt runs, replayed once it completed, or t
 
 from __future__ import annotations
 
+import json
 import random
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from enum import Enum
 
 from idemproxy.batch.constants import RETRY_AFTER_CAP_SECONDS, TRANSIENT_STATUSES
-from idemproxy.errors import OutcomeUnknown, PayloadMismatch, RequestInFlight
+from idemproxy.errors import (
+    NEVER,
+    NEW_KEY_SAFE,
+    SAME_KEY,
+    OutcomeUnknown,
+    PayloadMismatch,
+    RequestInFlight,
+)
 
 _RNG = random.Random()
 
@@ -26,14 +34,29 @@ class Verdict(Enum):
     RETRY = "retry"
 
 
+# SPEC §8: what the proxy's own problem says the client may do next.
+_ADVICE = {SAME_KEY: Verdict.RETRY, NEW_KEY_SAFE: Verdict.FAILED, NEVER: Verdict.UNKNOWN}
+
+
 def classify(
-    status: int, error_code: str | None, *, replayed: bool = False, omitted: bool = False
+    status: int,
+    error_code: str | None,
+    *,
+    replayed: bool = False,
+    omitted: bool = False,
+    advice: str | None = None,
 ) -> Verdict:
     """What an answer means for the item.
 
     `error_code` is the `Idempotency-Error` header, `replayed` the `Idempotent-Replayed` one,
-    `omitted` says `Idempotency-Replay: omitted`.
+    `omitted` says `Idempotency-Replay: omitted`, `advice` the `retry` member of the proxy's
+    problem document (SPEC §8). The advice decides where there is one: `same-key` is retried
+    under the same key, `new-key-safe` is final (this key will never succeed; nothing ran),
+    `never` is `unknown` (it may have executed). The rules below are the fallback for answers
+    without it: an older proxy's, or another API's that honours `Idempotency-Key`.
     """
+    if error_code is not None and advice in _ADVICE:
+        return _ADVICE[advice]
     if error_code == OutcomeUnknown.code:
         # SPEC §3.2: it may have executed; only an operator can say (§3.3). Never retried.
         return Verdict.UNKNOWN
@@ -49,6 +72,16 @@ def classify(
         # A plain 409 is how APIs that honour Idempotency-Key say "this key is in use".
         return Verdict.RETRY
     return _final(status)
+
+
+def problem_advice(body: bytes) -> str | None:
+    """The `retry` member of a problem document (SPEC §8); None if the body has none."""
+    try:
+        document = json.loads(body)
+    except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
+        return None
+    advice = document.get("retry") if isinstance(document, dict) else None
+    return advice if advice in _ADVICE else None
 
 
 def _final(status: int, *, omitted: bool = False) -> Verdict:

@@ -1,8 +1,8 @@
-"""`idemproxy jobs list|show|resolve|delete` and `idemproxy store reseal`: operators working
-directly on the store (SPEC §11, §13).
+"""`idemproxy jobs list|show|resolve|delete|purge` and `idemproxy store reseal`: operators
+working directly on the store (SPEC §11, §13).
 
 Exit status: 0 done; 1 the job was not found or the change lost (not unknown, changed, resolved
-by someone else first, in flight), or the store failed; 2 bad usage.
+by someone else first, in flight), a purge left jobs (listed), or the store failed; 2 bad usage.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from idemproxy.errors import (
     StoreUnavailable,
     StoreUnreachable,
 )
-from idemproxy.ops import service
+from idemproxy.ops import purge, service
 from idemproxy.ops.reseal import report_lines, reseal_store
 from idemproxy.ops.resolution import (
     Resolution,
@@ -63,6 +63,7 @@ def add_jobs_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     _add_show(_store_flags(actions.add_parser("show", help="one job and its attempts")))
     _add_resolve(_store_flags(actions.add_parser("resolve", help="settle an unknown job")))
     _add_delete(_store_flags(actions.add_parser("delete", help="delete a job")))
+    _add_purge(_store_flags(actions.add_parser("purge", help="erase every job of one owner")))
 
 
 def add_store_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -174,6 +175,64 @@ def _add_delete(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_runner(_delete))
 
 
+def _add_purge(parser: argparse.ArgumentParser) -> None:
+    who = parser.add_mutually_exclusive_group(required=True)
+    who.add_argument("--owner", metavar="OWNER", help="the owner hash, as shown by show")
+    who.add_argument(
+        "--credential-file",
+        metavar="FILE",
+        help="the owner's credential (its Authorization or owner header value), hashed as the"
+        " proxy hashes it under owner.* of --config; - for stdin",
+    )
+    parser.add_argument(
+        "--include-in-flight",
+        action="store_true",
+        help="also delete jobs in flight or unknown (a retry of one may then run again);"
+        " without it they are left and listed",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=purge.DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"jobs read per batch, default {purge.DEFAULT_BATCH_SIZE}",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(run=_runner(_purge))
+
+
+async def _purge(args: argparse.Namespace, store: Store, settings: Settings) -> None:
+    owners: tuple[str, str | None] = (args.owner, None)
+    if args.owner is None:
+        credential = _body(args.credential_file).decode("utf-8", "surrogateescape")
+        owners = purge.owners_of_credential(credential.removesuffix("\n"), settings.owner)
+    left = False
+    for owner in filter(None, owners):  # SPEC §5: the legacy owner's jobs are the same customer's
+        report = await purge.purge_owner(
+            store, owner, include_in_flight=args.include_in_flight, batch_size=args.batch_size
+        )
+        _print(report.to_json() if args.json else _purge_summary(report), as_json=args.json)
+        left = left or bool(report.left)
+    if left:
+        raise _PurgeLeftJobs()
+
+
+def _purge_summary(report: purge.PurgeReport) -> str:
+    states = ", ".join(f"{n} {state}" for state, n in sorted(report.removed_by_state.items()))
+    lines = [
+        f"owner {report.owner}: removed {report.removed_jobs} jobs ({states or 'none'}) and "
+        f"{report.removed_attempts} attempts in {report.batches} batches"
+    ]
+    if report.left:
+        lines.append(f"left {len(report.left)} jobs (--include-in-flight deletes them too):")
+        lines.extend(f"  {job.id}  {job.state}  {job.reason}" for job in report.left)
+    return "\n".join(lines)
+
+
+class _PurgeLeftJobs(Exception):
+    """A purge that left jobs: exit status 1, its report printed already."""
+
+
 async def _list(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
     state = JobState(args.state) if args.state else None
     jobs = await service.list_jobs(store, state=state, owner=args.owner, limit=args.limit)
@@ -262,6 +321,8 @@ def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
             return EXIT_FAILED
         except OperatorError as exc:  # not found, or the change lost: say which
             print(f"idemproxy: {exc.detail}", file=sys.stderr)
+            return EXIT_FAILED
+        except _PurgeLeftJobs:
             return EXIT_FAILED
         return EXIT_OK
 

@@ -11,6 +11,7 @@ from aiohttp import web
 from idemproxy.config import Settings
 from idemproxy.core.attempts import StatusPolicy
 from idemproxy.core.decision import Policy
+from idemproxy.core.quota import QuotaLimits
 from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
@@ -71,6 +72,8 @@ class ProxyContext:
     tracing: Tracing | None = None
     # SPEC §7.1: the status lookup's header; None when it is off.
     status_header: str | None = None
+    # SPEC §9: the limits per owner; None when no quota is set (claims stay one statement).
+    quotas: QuotaLimits | None = None
 
     @classmethod
     def build(
@@ -106,7 +109,14 @@ class ProxyContext:
             replays=_replays(budget, metrics),
             tracing=tracing,
             status_header=settings.status_header,
+            quotas=_quotas(settings),
         )
+
+
+def _quotas(settings: Settings) -> QuotaLimits | None:
+    quotas = settings.quotas
+    limits = QuotaLimits(quotas.max_in_flight, quotas.max_new_per_second, quotas.max_stored_bytes)
+    return limits if limits.any else None
 
 
 def _budget(settings: Settings, metrics: Metrics) -> ResponseBudget:

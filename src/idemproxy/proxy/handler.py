@@ -75,7 +75,9 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         and declared is not None
         and declared > ctx.settings.max_request_body
     ):
-        return problem_response(BodyTooLarge(), profile=ctx.settings.profile)
+        return problem_response(
+            BodyTooLarge(), profile=ctx.settings.profile, types=ctx.settings.problem_types
+        )
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the body's size
     return None
@@ -120,7 +122,9 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         if isinstance(error, ClientDisconnected):
             client_gone(ctx.metrics, request, DisconnectStage.REQUEST_BODY)
         trace.problem(error)
-        return problem_response(error, profile=ctx.settings.profile)
+        return problem_response(
+            error, profile=ctx.settings.profile, types=ctx.settings.problem_types
+        )
 
 
 def _asks_status(header: str, request: web.Request) -> bool:
@@ -153,7 +157,9 @@ def _refuse_transfer_coding(ctx: ProxyContext, trace: Trace) -> web.StreamRespon
         "The proxy decodes no transfer coding but a single chunked (RFC 9112 §6.1)."
     )
     trace.problem(error)
-    response = problem_response(error, profile=ctx.settings.profile)
+    response = problem_response(
+        error, profile=ctx.settings.profile, types=ctx.settings.problem_types
+    )
     response.force_close()
     return response
 
@@ -163,7 +169,9 @@ def _refuse_host(ctx: ProxyContext, trace: Trace) -> web.StreamResponse:
     framing errors aiohttp's parser refuses (docs/reliability.md, Hostile HTTP)."""
     error = HeaderInvalid("The Host header is not a valid host[:port] (RFC 9112 §3.2).")
     trace.problem(error)
-    response = problem_response(error, profile=ctx.settings.profile)
+    response = problem_response(
+        error, profile=ctx.settings.profile, types=ctx.settings.problem_types
+    )
     response.force_close()
     return response
 

@@ -10,7 +10,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from idemproxy.core.attempts import classify_failure
+from idemproxy.core.attempts import Outcome, classify_failure
+from idemproxy.errors import NEVER
 from idemproxy.http.headers import response_headers_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.metrics import DisconnectStage
@@ -119,8 +120,13 @@ async def _forward(
             reason,
             failure.reason,
         )
-        _, problem = classify_failure(failure.failure)  # the answer a governed request gets
-        return problem_response(problem(), profile=ctx.settings.profile)
+        outcome, problem = classify_failure(failure.failure)  # a governed request's answer
+        error = problem()
+        if outcome is not Outcome.RELEASE:  # SPEC §8: no job, and it may have executed
+            error.retry = NEVER
+        return problem_response(
+            error, profile=ctx.settings.profile, types=ctx.settings.problem_types
+        )
 
 
 def _small(length: int | None) -> bool:

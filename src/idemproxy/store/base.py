@@ -12,9 +12,11 @@ import abc
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from datetime import datetime
 from types import TracebackType
 from typing import Any, NamedTuple
 
+from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
@@ -99,7 +101,26 @@ class Store(abc.ABC):
         """Create the job and its first attempt atomically, or return the job that exists."""
 
     @abc.abstractmethod
+    async def claim_within(
+        self,
+        intent: Intent,
+        job_id: str,
+        upstream: str,
+        *,
+        ttl: float,
+        lease: float,
+        limits: QuotaLimits,
+    ) -> ClaimResult | str:
+        """`claim`, unless a new job would take its owner beyond `limits` (SPEC §9): then the
+        name of that limit, and nothing is claimed. An existing key is never refused."""
+
+    @abc.abstractmethod
     async def get(self, owner: str, key: str) -> Job | None: ...
+
+    async def lookup(self, owner: str, key: str) -> Job | None:
+        """The job as a claim would find it: from a replay cache in front when it has it, else
+        this store's (quotas, SPEC §9: a duplicate is found before anything is counted)."""
+        return await self.get(owner, key)
 
     @abc.abstractmethod
     async def watch_job(self, owner: str, key: str) -> Job | None:
@@ -213,6 +234,13 @@ class Store(abc.ABC):
     async def list_jobs(
         self, *, state: JobState | None = None, owner: str | None = None, limit: int = 100
     ) -> list[Job]: ...
+
+    @abc.abstractmethod
+    async def owner_jobs(
+        self, owner: str, *, after: str, before: datetime, limit: int
+    ) -> list[Job]:
+        """Up to `limit` jobs of `owner` created before `before` with ids above `after`, in id
+        order: a batch of an erasure (SPEC §11), without their attempts."""
 
     @abc.abstractmethod
     async def count_unknown(self) -> int: ...

@@ -383,7 +383,8 @@ async def _fail(ctx: ProxyContext, attempt: AttemptRun, failed: Failed) -> Step:
     if handed_back(failed.outcome, attempt.mode):
         return failed
     await settle(ctx, attempt, failed)
-    return problem_response(failed.problem(), profile=ctx.settings.profile)
+    problem = failed.problem().about(attempt.job.id, settled_state(failed.outcome).value)
+    return problem_response(problem, profile=ctx.settings.profile, types=ctx.settings.problem_types)
 
 
 async def completed(

@@ -22,10 +22,13 @@ from idemproxy.core.decision import (
     TakeOver,
     decide,
 )
+from idemproxy.core.quota import IN_FLIGHT, RATE, STORED_BYTES, QuotaLimits, retry_after
 from idemproxy.core.states import EXPIRABLE
 from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState, StoredResponse
 from idemproxy.errors import (
     JobLost,
+    ProblemError,
+    QuotaExceeded,
     RequestInFlight,
     ShuttingDown,
     StoreUnavailable,
@@ -48,6 +51,14 @@ _HELD_AT_SHUTDOWN = (
     "The proxy is shutting down; the request with this key is still in flight. Retry with the "
     "same Idempotency-Key to get its result."
 )
+_QUOTA_DETAIL = {
+    IN_FLIGHT: "This owner has as many requests in flight as its quota allows; nothing was "
+    "claimed or forwarded. Retry with the same Idempotency-Key after Retry-After.",
+    RATE: "This owner started as many new requests this second as its quota allows; nothing "
+    "was claimed or forwarded. Retry with the same Idempotency-Key after Retry-After.",
+    STORED_BYTES: "This owner's stored responses fill its quota; nothing was claimed or "
+    "forwarded. Retry with the same Idempotency-Key after Retry-After.",
+}
 # Every turn makes progress (a state changed or time passed); this only guards against a bug.
 _MAX_TURNS = 32
 
@@ -66,11 +77,34 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
         raise
     loop = asyncio.get_running_loop()
     deadline = loop.time() + governed.route.max_wait
-    # The job this request ran an attempt of, once that attempt lost its CAS: from then on the
-    # request only answers from that job, and never claims or starts an attempt again (one
-    # request, at most one execution).
-    ran: str | None = None
+    seen = _Seen(result.job)
+    try:
+        return await _turns(governed, result, deadline, seen)
+    except ProblemError as problem:
+        # SPEC §8: the answer names the job it is about and the state it was last read in.
+        problem.about(seen.ran or seen.job.id, seen.job.state.value)
+        raise
+
+
+class _Seen:
+    """The job a governed request last read, and the one it ran an attempt of once that
+    attempt lost its CAS: from then on the request only answers from that job, and never claims
+    or starts an attempt again (one request, at most one execution)."""
+
+    __slots__ = ("job", "ran")
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.ran: str | None = None
+
+
+async def _turns(
+    governed: GovernedRequest, result: ClaimResult, deadline: float, seen: _Seen
+) -> web.StreamResponse:
+    ctx = governed.ctx
+    loop = asyncio.get_running_loop()
     for _ in range(_MAX_TURNS):
+        seen.job = result.job
         if governed.transition is not None:  # SPEC §5: the job may be under the legacy owner
             governed = _in_scope(governed, result.job.owner)
         if isinstance(result, Claimed):
@@ -79,11 +113,11 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
             response = await run_shielded(governed, result)
             if response is not None:
                 return response
-            ran = result.job.id
-            result = await _reread(governed, ran)  # lost the CAS: the winner's answer
+            seen.ran = result.job.id
+            result = await _reread(governed, seen.ran)  # lost the CAS: the winner's answer
             continue
         job = result.job
-        _check_own(job, ran)
+        _check_own(job, seen.ran)
         fingerprint = governed.intent.fingerprint
         decision = decide(job, fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
         # The answers are given here, without a coroutine of their own: a replay is the hot path.
@@ -103,7 +137,7 @@ async def handle_governed(governed: GovernedRequest) -> web.StreamResponse | Non
             case Reject():
                 raise decision.problem()
             case _:
-                result = await _act(governed, job, decision, deadline=deadline, ran=ran)
+                result = await _act(governed, job, decision, deadline=deadline, ran=seen.ran)
     raise RequestInFlight()
 
 
@@ -204,6 +238,8 @@ async def _claim(governed: GovernedRequest, *, forwarded_if_failed: bool = False
     ctx, route, intent = governed.ctx, governed.route, governed.intent
     _refuse_if_draining(ctx)
     job_id = new_job_id()
+    if ctx.quotas is not None:
+        return await _claim_within(governed, ctx.quotas, job_id, forwarded_if_failed)
     claiming = ctx.store.claim(
         intent, job_id, route.upstream, ttl=route.ttl, lease=ctx.settings.lease
     )
@@ -261,6 +297,41 @@ async def _live_legacy_job(governed: GovernedRequest, legacy: str) -> Job | None
         await store.forget(found)
         return None
     return found
+
+
+async def _claim_within(
+    governed: GovernedRequest, limits: QuotaLimits, job_id: str, forwarded_if_failed: bool
+) -> ClaimResult:
+    """SPEC §9: a key that has a job is a duplicate, read as a claim would read it (from a
+    replay cache, if any) and never refused; only a new job is counted against the quotas,
+    before anything is claimed or forwarded."""
+    ctx, intent = governed.ctx, governed.intent
+    existing = await ctx.store.lookup(intent.owner, intent.key)
+    if existing is not None:
+        return Existing(existing)
+    claiming = _counted_claim(governed, limits, job_id)
+    if ctx.tracing is not None:
+        claiming = ctx.tracing.claim(claiming)
+    try:
+        return await claiming
+    except (StoreUnavailable, asyncio.CancelledError):  # as in `_claim`
+        if not forwarded_if_failed:
+            ctx.unsent.note(intent.owner, intent.key, job_id)
+        raise
+
+
+async def _counted_claim(
+    governed: GovernedRequest, limits: QuotaLimits, job_id: str
+) -> ClaimResult:
+    ctx, route = governed.ctx, governed.route
+    result = await ctx.store.claim_within(
+        governed.intent, job_id, route.upstream, ttl=route.ttl, lease=ctx.settings.lease,
+        limits=limits,
+    )  # fmt: skip
+    if isinstance(result, str):
+        ctx.metrics.quota_refusals.labels(result).inc()
+        raise QuotaExceeded(_QUOTA_DETAIL[result], retry_after=retry_after(result))
+    return result
 
 
 async def _reread(governed: GovernedRequest, ran: str | None = None) -> ClaimResult:

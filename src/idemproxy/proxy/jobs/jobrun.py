@@ -253,4 +253,5 @@ async def _all_failed(
             drop_unsent(other.reply)
     if failed.reply is not None:  # SPEC §3.2: the upstream's own answer, e.g. its 503
         return failed.reply
-    return problem_response(failed.problem(), profile=ctx.settings.profile)
+    problem = failed.problem().about(attempt.job.id, settled_state(failed.outcome).value)
+    return problem_response(problem, profile=ctx.settings.profile, types=ctx.settings.problem_types)

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from idemproxy.constants import CLOCK_MARGIN_SECONDS
+from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
@@ -81,8 +82,25 @@ class DelegatingStore(Store):
     ) -> ClaimResult:
         return await self.inner.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
 
+    async def claim_within(
+        self,
+        intent: Intent,
+        job_id: str,
+        upstream: str,
+        *,
+        ttl: float,
+        lease: float,
+        limits: QuotaLimits,
+    ) -> ClaimResult | str:
+        return await self.inner.claim_within(
+            intent, job_id, upstream, ttl=ttl, lease=lease, limits=limits
+        )
+
     async def get(self, owner: str, key: str) -> Job | None:
         return await self.inner.get(owner, key)
+
+    async def lookup(self, owner: str, key: str) -> Job | None:
+        return await self.inner.lookup(owner, key)
 
     async def watch_job(self, owner: str, key: str) -> Job | None:
         return await self.inner.watch_job(owner, key)
@@ -175,6 +193,11 @@ class DelegatingStore(Store):
         self, *, state: JobState | None = None, owner: str | None = None, limit: int = 100
     ) -> list[Job]:
         return await self.inner.list_jobs(state=state, owner=owner, limit=limit)
+
+    async def owner_jobs(
+        self, owner: str, *, after: str, before: datetime, limit: int
+    ) -> list[Job]:
+        return await self.inner.owner_jobs(owner, after=after, before=before, limit=limit)
 
     async def count_unknown(self) -> int:
         return await self.inner.count_unknown()

@@ -119,6 +119,19 @@ class MemoryReplayCache(ReplayCache):
             self._remember(result.job, seconds_left(result.job, self.watch.clock_offset), mark)
         return result
 
+    async def lookup(self, owner: str, key: str) -> Job | None:
+        scope = (owner, key)
+        entry = self._entries.get(scope)
+        if entry is not None and self.watch.live and entry.deadline > time.monotonic():
+            self._entries.move_to_end(scope)
+            self.hits += 1
+            return entry.found.job
+        mark = self._sequence
+        job = await self.inner.lookup(owner, key)
+        if job is not None:
+            self._remember(job, seconds_left(job, self.watch.clock_offset), mark)
+        return job
+
     async def get(self, owner: str, key: str) -> Job | None:
         mark = self._sequence
         job = await self.inner.get(owner, key)

@@ -9,11 +9,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     Claimed,
@@ -46,6 +48,7 @@ from idemproxy.store.postgres.errors import (
 )
 from idemproxy.store.postgres.kept import KeptConnections
 from idemproxy.store.postgres.listen import listen_forever
+from idemproxy.store.postgres.quota import claim_row_within
 from idemproxy.store.postgres.renewals import RenewalConnections
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
@@ -247,6 +250,27 @@ class PostgresStore(Store):
                 continue  # it was deleted in between (expiry); claim again
             return _claim_result(row)
         raise StoreUnavailable("The claim did not settle; retry.")
+
+    async def claim_within(
+        self,
+        intent: Intent,
+        job_id: str,
+        upstream: str,
+        *,
+        ttl: float,
+        lease: float,
+        limits: QuotaLimits,
+    ) -> ClaimResult | str:
+        args = (intent.owner, intent.key, job_id, intent.fingerprint, intent.method, intent.path)
+        claim_args = (*args, float(ttl), upstream, float(lease))
+        row = await self._run(
+            "claim_quota", lambda c: claim_row_within(c, self._sql, claim_args, limits)
+        )
+        if isinstance(row, str):
+            return row
+        if row is None:  # a concurrent claim of the key committed first: a duplicate
+            return await self.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
+        return Claimed(job_from_row(row), 1) if row["created"] else Existing(job_from_row(row))
 
     async def get(self, owner: str, key: str) -> Job | None:
         row = await self._fetchrow("get_job", owner, key)
@@ -469,6 +493,15 @@ class PostgresStore(Store):
         rows = await self._run(
             "list_jobs",
             lambda c: c.fetch(self._sql["list_jobs"], state and state.value, owner, limit),
+        )
+        return [job_from_row(row) for row in rows]
+
+    async def owner_jobs(
+        self, owner: str, *, after: str, before: datetime, limit: int
+    ) -> list[Job]:
+        rows = await self._run(
+            "owner_jobs",
+            lambda c: c.fetch(self._sql["owner_jobs"], owner, after, before, limit),
         )
         return [job_from_row(row) for row in rows]
 

@@ -125,6 +125,15 @@ class RedisCachedStore(ReplayCache):
             self.observer(outcome, time.perf_counter() - started, False)
         return job
 
+    async def lookup(self, owner: str, key: str) -> Job | None:
+        job = await self.cached(owner, key)
+        if job is not None:
+            return job
+        job = await self.inner.lookup(owner, key)
+        if job is not None:
+            self._remember(job)
+        return job
+
     async def get(self, owner: str, key: str) -> Job | None:
         job = await self.inner.get(owner, key)
         if job is not None:

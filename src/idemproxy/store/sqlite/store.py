@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aiosqlite
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.core.quota import QuotaLimits, QuotaUsage, exceeded, window_start_id
 from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     AttemptState,
@@ -186,6 +188,34 @@ class SqliteStore(Store):
                     results.append(exc)
                 await db.execute("RELEASE batch_row")
         return results
+
+    async def claim_within(
+        self,
+        intent: Intent,
+        job_id: str,
+        upstream: str,
+        *,
+        ttl: float,
+        lease: float,
+        limits: QuotaLimits,
+    ) -> ClaimResult | str:
+        # SPEC §9: BEGIN IMMEDIATE makes this the only writer, so the count holds until the
+        # insert (the SQLite store serves one process; its claims queue on one connection).
+        async with self._transaction("claim_quota") as db:
+            params = {
+                "owner": intent.owner,
+                "key": intent.key,
+                "since": window_start_id(),
+                "bytes": limits.stored_bytes is not None,
+            }
+            usage = await self._one(db, "quota_usage", params)
+            limit = None
+            if not usage["taken"]:
+                counted = QuotaUsage(usage["in_flight"], usage["recent"], usage["stored_bytes"])
+                limit = exceeded(limits, counted)
+        if limit is not None:
+            return limit
+        return await self.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
 
     async def get(self, owner: str, key: str) -> Job | None:
         async with self._reading("get_job") as db:
@@ -432,6 +462,14 @@ class SqliteStore(Store):
         params = {"state": state and state.value, "owner": owner, "limit": limit}
         async with self._reading() as db:
             rows = await db.execute_fetchall(self._sql["list_jobs"], params)
+        return [job_from_row(row) for row in rows]
+
+    async def owner_jobs(
+        self, owner: str, *, after: str, before: datetime, limit: int
+    ) -> list[Job]:
+        params = {"owner": owner, "after": after, "before": before.timestamp(), "limit": limit}
+        async with self._reading() as db:
+            rows = await db.execute_fetchall(self._sql["owner_jobs"], params)
         return [job_from_row(row) for row in rows]
 
     async def count_unknown(self) -> int:

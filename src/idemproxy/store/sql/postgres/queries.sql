@@ -65,6 +65,26 @@ UNION ALL
 SELECT false, *, expires_at <= now(), state = 'in_flight' AND lease_expires_at <= now()
 FROM existing;
 
+-- name: lock_owner
+-- SPEC §9: quotas. New jobs of one owner are claimed one at a time across every replica (the
+-- lock ends with the transaction), so that each counts what the ones before it claimed.
+SELECT pg_advisory_xact_lock(hashtextextended($1, 7320417));
+
+-- name: quota_usage
+-- Under `lock_owner`, in the claim's transaction. In flight: live leases only (a dead
+-- replica's jobs do not hold the owner back). Recent: from the (owner, id) index, ids being
+-- time-ordered ($3, core/quota.py), checked on created_at too (older ids are random). Stored
+-- bytes only when that limit is set ($4): it reads every completed job of the owner.
+SELECT EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND key = $2) AS taken,
+       (SELECT count(*) FROM idemproxy.jobs
+        WHERE owner = $1 AND state = 'in_flight' AND lease_expires_at > now()) AS in_flight,
+       (SELECT count(*) FROM idemproxy.jobs
+        WHERE owner = $1 AND id >= $3::uuid AND created_at > now() - interval '1 second')
+           AS recent,
+       CASE WHEN $4 THEN (SELECT coalesce(sum(octet_length(response_body)), 0)
+                          FROM idemproxy.jobs WHERE owner = $1 AND state = 'completed')
+            ELSE 0 END AS stored_bytes;
+
 -- name: get_job
 SELECT *, expires_at <= now() AS expired,
        state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
@@ -366,6 +386,16 @@ FROM idemproxy.jobs
 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR owner = $2)
 ORDER BY created_at DESC
 LIMIT $3;
+
+-- name: owner_jobs
+-- Erasure (SPEC §11): one owner's jobs created before $3, in id order, a batch after the cursor
+-- $2; the (owner, id) unique index serves it.
+SELECT *, expires_at <= now() AS expired,
+       state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
+FROM idemproxy.jobs
+WHERE owner = $1 AND id > $2::uuid AND created_at < $3
+ORDER BY id
+LIMIT $4;
 
 -- name: count_unknown
 SELECT count(*) AS unknown FROM idemproxy.jobs WHERE state = 'unknown';

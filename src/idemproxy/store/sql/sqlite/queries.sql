@@ -19,6 +19,20 @@ VALUES (:owner, :job_id, :number, :upstream,
         (julianday('now') - 2440587.5) * 86400.0,
         (julianday('now') - 2440587.5) * 86400.0 + :lease);
 
+-- name: quota_usage
+-- SPEC §9: quotas, in the claim's transaction (BEGIN IMMEDIATE: one writer at a time). As the
+-- PostgreSQL query: live leases in flight, jobs of the last second, stored bytes when asked.
+SELECT EXISTS (SELECT 1 FROM jobs WHERE owner = :owner AND key = :key) AS taken,
+       (SELECT count(*) FROM jobs
+        WHERE owner = :owner AND state = 'in_flight'
+          AND lease_expires_at > (julianday('now') - 2440587.5) * 86400.0) AS in_flight,
+       (SELECT count(*) FROM jobs
+        WHERE owner = :owner AND id >= :since
+          AND created_at > (julianday('now') - 2440587.5) * 86400.0 - 1.0) AS recent,
+       CASE WHEN :bytes THEN (SELECT coalesce(sum(length(response_body)), 0)
+                              FROM jobs WHERE owner = :owner AND state = 'completed')
+            ELSE 0 END AS stored_bytes;
+
 -- name: get_job
 SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
        state = 'in_flight' AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0
@@ -210,6 +224,17 @@ SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
 FROM jobs
 WHERE (:state IS NULL OR state = :state) AND (:owner IS NULL OR owner = :owner)
 ORDER BY created_at DESC
+LIMIT :limit;
+
+-- name: owner_jobs
+-- Erasure (SPEC §11): one owner's jobs created before :before, in id order, a batch after the
+-- cursor.
+SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       state = 'in_flight' AND lease_expires_at <= (julianday('now') - 2440587.5) * 86400.0
+           AS lease_expired
+FROM jobs
+WHERE owner = :owner AND id > :after AND created_at < :before
+ORDER BY id
 LIMIT :limit;
 
 -- name: count_unknown

@@ -1,0 +1,84 @@
+"""The store contract for quotas and erasure (SPEC §9, §11), on every store (and the cache)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+
+from idemproxy.core.quota import QuotaLimits
+from idemproxy.core.types import Claimed, Existing, Intent, JobState, StoredResponse
+from idemproxy.identity.ids import new_job_id
+from idemproxy.store.base import Store
+
+TTL, LEASE = 600.0, 30.0
+UPSTREAM = "http://upstream:3000"
+FIRST = "00000000-0000-0000-0000-000000000000"
+
+
+def _intent(key: str, owner: str = "alice") -> Intent:
+    return Intent(owner, key, "fp", "POST", "/charges")
+
+
+async def _claim_within(
+    store: Store, key: str, limits: QuotaLimits, owner: str = "alice"
+) -> object:
+    return await store.claim_within(
+        _intent(key, owner), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE, limits=limits
+    )
+
+
+async def test_in_flight_cap_counts_live_jobs_and_never_refuses_an_existing_key(
+    store: Store,
+) -> None:
+    limits = QuotaLimits(in_flight=1)
+    first = await _claim_within(store, "a", limits)
+    assert isinstance(first, Claimed)
+    assert await _claim_within(store, "b", limits) == "in_flight"
+    assert await store.get("alice", "b") is None  # nothing claimed
+    assert isinstance(await _claim_within(store, "a", limits), Existing)  # a duplicate
+    assert isinstance(await _claim_within(store, "b", limits, owner="bob"), Claimed)
+    done = StoredResponse(201, (), b"ok")
+    assert await store.complete(first.job, 1, done, ttl=TTL)
+    assert isinstance(await _claim_within(store, "b", limits), Claimed)
+
+
+async def test_rate_and_stored_bytes(store: Store) -> None:
+    assert isinstance(await _claim_within(store, "r1", QuotaLimits(new_per_second=1)), Claimed)
+    assert await _claim_within(store, "r2", QuotaLimits(new_per_second=1)) == "new_per_second"
+    claimed = await _claim_within(store, "s1", QuotaLimits(stored_bytes=4), owner="carol")
+    assert isinstance(claimed, Claimed)
+    assert await store.complete(claimed.job, 1, StoredResponse(200, (), b"12345"), ttl=TTL)
+    assert await _claim_within(store, "s2", QuotaLimits(stored_bytes=4), owner="carol") == (
+        "stored_bytes"
+    )
+    assert isinstance(
+        await _claim_within(store, "s2", QuotaLimits(stored_bytes=6), owner="carol"), Claimed
+    )
+
+
+async def test_owner_jobs_pages_one_owners_jobs_in_id_order(store: Store) -> None:
+    ids = []
+    for key in ("k1", "k2", "k3"):
+        claimed = await store.claim(_intent(key), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE)
+        assert isinstance(claimed, Claimed)
+        ids.append(claimed.job.id)
+    legacy = str(uuid.uuid4())  # an id of the versions before UUIDv7 ids
+    assert isinstance(
+        await store.claim(_intent("old"), legacy, UPSTREAM, ttl=TTL, lease=LEASE), Claimed
+    )
+    assert isinstance(
+        await store.claim(_intent("k1", "bob"), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE),
+        Claimed,
+    )
+    later = datetime.now(UTC) + timedelta(minutes=1)
+    seen: list[str] = []
+    after = FIRST
+    while batch := await store.owner_jobs("alice", after=after, before=later, limit=2):
+        assert len(batch) <= 2 and all(job.owner == "alice" for job in batch)
+        seen.extend(job.id for job in batch)
+        after = batch[-1].id
+    assert seen == sorted([*ids, legacy])
+    every = await store.owner_jobs("alice", after=FIRST, before=later, limit=10)
+    assert {job.state for job in every} == {JobState.IN_FLIGHT}
+    earlier = datetime.now(UTC) - timedelta(minutes=1)
+    assert await store.owner_jobs("alice", after=FIRST, before=earlier, limit=10) == []
