@@ -145,12 +145,14 @@ class SignatureInvalid(ProblemError):
     stale."""
 
     code, status, title = "signature-invalid", 401, "Signature invalid"
+    retry = NEW_KEY_SAFE  # nothing was claimed: a delivery signed right may go under any key
 
 
 class KeyNotFound(ProblemError):
     """No job of yours has this idempotency key."""
 
     code, status, title = "key-not-found", 404, "Key not found"
+    retry = NEW_KEY_SAFE  # no job of this owner has the key: nothing of it executed
 
 
 class PayloadMismatch(ProblemError):
