@@ -30,8 +30,8 @@ async def identify_sourced(
         if key is None:
             return None, body
     else:
-        # A header names the key: absent, the request passes through with its body unread,
-        # bounded by nothing, as on a route keyed by `key_header` (SPEC §4, §9).
+        # SPEC §4, §9: without its key header the request is not governed and passes through
+        # with its body unread (and not bounded), as on a route keyed by `key_header`.
         key = _key(route, source, request, b"")
         if key is None:
             return None, None
