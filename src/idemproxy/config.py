@@ -39,7 +39,7 @@ from pydantic_settings import (
 )
 
 from idemproxy import constants as c
-from idemproxy.config_keys import KeySourceSettings, WebhookSettings
+from idemproxy.config_keys import KeySourceSettings, WebhookSettings, check_one_route_per_sender
 from idemproxy.config_quotas import QuotaSettings
 from idemproxy.config_upstream import (
     UpstreamHeaderSettings,
@@ -687,6 +687,11 @@ class Settings(BaseSettings):
         for url in self.upstreams:
             if url not in routed:  # a typo would otherwise leave TLS settings unused in silence
                 raise ValueError(f"upstreams: {url} is no route's upstream or fallback")
+        return self
+
+    @model_validator(mode="after")
+    def _one_route_per_sender(self) -> Settings:
+        check_one_route_per_sender([(route.prefix, route.webhook) for route in self.routes])
         return self
 
     @model_validator(mode="after")

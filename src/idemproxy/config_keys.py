@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -121,6 +122,24 @@ class WebhookSettings(BaseModel):
         if self.scheme == "github":
             return KeySourceSettings(header=c.GITHUB_DELIVERY)
         return KeySourceSettings(pointer="/id")
+
+
+def check_one_route_per_sender(routes: Sequence[tuple[str, WebhookSettings | None]]) -> None:
+    """SPEC §4.2: a sender's jobs are the scope `webhook:<sender>`. Stripe sends one event to
+    every endpoint subscribed to it, under one id: two routes of one sender would share its
+    jobs, and the second route's deliveries would be `409 payload-mismatch` for ever (the
+    fingerprint covers the path). `routes` is each route's prefix and webhook, in order."""
+    first: dict[str, int] = {}
+    for n, (prefix, webhook) in enumerate(routes):
+        if webhook is None:
+            continue
+        seen = first.setdefault(webhook.sender, n)
+        if seen != n:
+            raise ValueError(
+                f"routes[{seen}] ({routes[seen][0]}) and routes[{n}] ({prefix}) both have"
+                f" webhook sender {webhook.sender!r}: give each webhook route a sender of its"
+                " own (the sender is the scope of the route's jobs)"
+            )
 
 
 def _key(scheme: WebhookScheme, secret: str) -> bytes:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
+
+import pytest
 
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyClient
-from tests.support.proxychecks import KEY, REPLAYED, assert_problem
+from tests.support.proxychecks import KEY, REPLAYED, assert_problem, raw_exchange
 
 from .conftest import ProxyFactory
 
@@ -137,3 +140,148 @@ async def test_a_body_larger_than_the_spool_threshold_still_names_its_key(
     assert await post(client, "/orders", body) == (201, True)
     assert ledger.count() == 1
     assert [j.key for j in await jobs.list_jobs()] == ["order:L-1"]
+
+
+def hiding_authorization(body: bytes) -> bytes:
+    return (
+        b"POST /orders HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer alice\r\n"
+        b"Content-Type: application/json\r\nConnection: close, Authorization\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+async def test_an_owner_header_named_in_connection_is_refused_on_a_body_keyed_route(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    """SPEC §5: the job would be scoped by the Authorization the backend never sees."""
+    client = await orders(proxy, backend_url)
+    status, headers, _ = await raw_exchange(client, hiding_authorization(order("A-1")))
+    assert (status, ("Idempotency-Error", "header-invalid") in headers) == (400, True)
+    # Without a key in the body the request is not governed, and goes through as it would
+    # on a route keyed by Idempotency-Key without the header.
+    assert (await raw_exchange(client, hiding_authorization(b'{"amount": 1}')))[0] == 201
+    assert ledger.count() == 1
+    assert ledger.executions[0].header("Authorization") is None
+    assert await jobs.list_jobs() == []
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # RFC 8259 §6 sets no limit on digits; Python's int() stops at 4300 by default.
+        b'{"n": %s, "order_id": "A-3"}' % (b"9" * 5000),
+        b'{"order_id": "A-3", "n": -%s}' % (b"1" * 4301),
+    ],
+    ids=["5000-digits", "negative-4301-digits"],
+)
+async def test_a_huge_integer_elsewhere_in_the_body_does_not_hide_the_key(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store, body: bytes
+) -> None:
+    client = await orders(proxy, backend_url)
+    assert await post(client, "/orders", body) == (201, False)
+    assert await post(client, "/orders", body) == (201, True)
+    assert ledger.count() == 1
+    assert [j.key for j in await jobs.list_jobs()] == ["order:A-3"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"order_id": "N-1", "amount": NaN}',
+        b'{"order_id": "N-1", "amount": -Infinity}',
+        '{"order_id": "N-1"}'.encode("utf-16"),
+        '{"order_id": "N-1"}'.encode("utf-16-le"),
+        '{"order_id": "N-1"}'.encode("utf-32-be"),
+        b'\xef\xbb\xbf{"order_id": "N-1"}',  # RFC 8259 §8.1: no byte order mark
+    ],
+    ids=["nan", "infinity", "utf-16-bom", "utf-16-le", "utf-32-be", "utf-8-bom"],
+)
+async def test_a_body_that_is_not_rfc_8259_json_names_no_key(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store, body: bytes
+) -> None:
+    client = await orders(proxy, backend_url)
+    for _ in range(2):
+        assert await post(client, "/orders", body) == (201, False)
+    assert ledger.count() == 2
+    assert await jobs.list_jobs() == []
+    strict = await orders(proxy, backend_url, require_key=True)
+    async with strict.post("/orders", data=body) as response:
+        await assert_problem(response, "key-missing", 400)
+    assert ledger.count() == 2
+
+
+async def test_array_indexes_are_ascii_digits_only(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    """RFC 6901 §4: `²` and `१` are digits to Python, no array index: a member name only."""
+    routes = [
+        {"prefix": "/sup", "upstream": backend_url, "key": {"pointer": "/items/\u00b2/id"}},
+        {"prefix": "/deva", "upstream": backend_url, "key": {"pointer": "/items/\u0967"}},
+    ]
+    client = await proxy(routes=routes)
+    array = b'{"items": [{"id": "zero"}, {"id": "one"}, {"id": "two"}]}'
+    assert await post(client, "/sup", array) == (201, False)
+    assert await post(client, "/deva", b'{"items": ["zero", "one"]}') == (201, False)
+    assert await jobs.list_jobs() == []
+    named = '{"items": {"\u00b2": {"id": "sq"}}}'.encode()
+    assert await post(client, "/sup", named) == (201, False)
+    assert await post(client, "/sup", named) == (201, True)
+    assert ledger.count() == 3
+    assert [j.key for j in await jobs.list_jobs()] == ["sq"]
+
+
+async def first_status_line(client: ProxyClient, head: bytes) -> bytes:
+    """What the proxy answers to a request head that expects 100-continue, no body sent."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)
+    finally:
+        writer.close()
+
+
+def expecting(path: str, *lines: bytes) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nHost: proxy\r\n%sContent-Length: 1000000\r\n"
+        b"Expect: 100-continue\r\n\r\n" % (path.encode(), b"".join(x + b"\r\n" for x in lines))
+    )
+
+
+async def test_expect_continue_is_413_at_once_where_the_body_is_read_bounded(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    """RFC 9110 §10.1.1, SPEC §9: a body-keyed route reads every governed body up to
+    max_request_body, whatever the headers; a header-keyed one only with its header."""
+    routes = [
+        {"prefix": "/orders", "upstream": backend_url, "key": {"pointer": "/order_id"}},
+        {"prefix": "/shopify", "upstream": backend_url, "key": {"header": SHOPIFY_ID}},
+    ]
+    client = await proxy(max_request_body=100, routes=routes)
+    refused = [
+        expecting("/orders"),
+        expecting("/shopify", SHOPIFY_ID.encode() + b": b54557e4"),
+        expecting("/anything", KEY.encode() + b": k"),
+    ]
+    for head in refused:
+        assert (await first_status_line(client, head)).startswith(b"HTTP/1.1 413 ")
+    invited = [expecting("/shopify", KEY.encode() + b": k"), expecting("/anything")]
+    for head in invited:
+        assert await first_status_line(client, head) == b"HTTP/1.1 100 Continue\r\n"
+    assert ledger.count() == 0
+    assert await jobs.list_jobs() == []
+
+
+async def test_a_header_keyed_route_passes_a_large_keyless_body_through(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    """SPEC §9: max_request_body bounds governed bodies; without its key header the request
+    is not governed, as on a route keyed by Idempotency-Key."""
+    route = {"prefix": "/shopify", "upstream": backend_url, "key": {"header": SHOPIFY_ID}}
+    client = await proxy(max_request_body=100, routes=[route])
+    large = b"x" * 1000
+    assert await post(client, "/shopify", large) == (201, False)
+    async with client.post("/shopify", data=large, headers={SHOPIFY_ID: "big"}) as response:
+        await assert_problem(response, "body-too-large", 413)
+    assert [e.body for e in ledger.executions] == [large]
+    assert await jobs.list_jobs() == []

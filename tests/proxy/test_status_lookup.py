@@ -110,6 +110,21 @@ async def test_an_invalid_key_is_400_and_a_repeated_owner_header_too(proxy: Prox
         await assert_problem(response, "header-invalid", 400)
 
 
+async def test_an_owner_header_named_in_connection_is_400(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    """SPEC §5, §7.1: the same answer as for a governed request, whose owner header would
+    otherwise be stripped before the backend saw it."""
+    client = await proxy(status_header=STATUS)
+    async with client.post("/payments", data=b"pay", headers={KEY: "k9", **ALICE}) as response:
+        assert response.status == 201
+    hiding = {STATUS: "k9", **ALICE, "Connection": "Authorization"}
+    async with client.get("/payments", headers=hiding) as response:
+        await assert_problem(response, "header-invalid", 400)
+    assert (await lookup(client, "k9", **ALICE))[0] == 200
+    assert ledger.count() == 1
+
+
 async def test_off_by_default_the_header_is_the_backends(
     proxy: ProxyFactory, ledger: Ledger
 ) -> None:

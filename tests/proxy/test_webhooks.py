@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -16,7 +18,7 @@ import pytest
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyClient
-from tests.support.proxychecks import REPLAYED, assert_problem, settle_quietly
+from tests.support.proxychecks import REPLAYED, assert_problem, raw_exchange, settle_quietly
 from tests.support.webhooks import github_headers, standard_headers, stripe_event, stripe_headers
 
 from .conftest import ProxyFactory
@@ -307,3 +309,117 @@ async def test_a_large_chunked_delivery_is_verified_whole_and_replayed(
             answers.append((response.status, REPLAYED in response.headers))
     assert answers == [(201, False), (201, True)]
     assert [e.body for e in ledger.executions] == [body]
+
+
+def raw_standard_delivery(msg_id: bytes, body: bytes, secret: str | None) -> bytes:
+    """A Standard Webhooks delivery whose `webhook-id` is exact bytes, signed over those bytes
+    as the scheme says (or with a made-up signature when `secret` is None)."""
+    stamp = str(int(time.time())).encode()
+    if secret is None:
+        signature = base64.b64encode(b"\x00" * 32)
+    else:
+        key = base64.b64decode(secret.removeprefix("whsec_"))
+        mac = hmac.digest(key, msg_id + b"." + stamp + b"." + body, hashlib.sha256)
+        signature = base64.b64encode(mac)
+    return (
+        b"POST /hooks/acme HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        b"webhook-id: " + msg_id + b"\r\nwebhook-timestamp: " + stamp + b"\r\n"
+        b"webhook-signature: v1," + signature + b"\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+async def test_a_webhook_id_that_is_not_utf8_is_refused_as_unsigned(
+    proxy: ProxyFactory,
+    backend_url: str,
+    ledger: Ledger,
+    jobs: Store,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """aiohttp hands on a byte 0xFF as a surrogate; the signature is checked over the bytes that
+    arrived: a forged one is 401, a signed one is no key (SPEC §4.1), and neither is an error."""
+    caplog.set_level(logging.WARNING)
+    client = await receiver(proxy, backend_url)
+    body = b'{"type": "invoice.paid"}'
+    status, headers, _ = await raw_exchange(client, raw_standard_delivery(b"msg_\xff", body, None))
+    assert (status, ("Idempotency-Error", "signature-invalid") in headers) == (401, True)
+    signed = raw_standard_delivery(b"msg_\xff", body, ACME_SECRET)
+    assert (await raw_exchange(client, signed))[0] == 201  # verified; no valid key: untracked
+    assert [e.body for e in ledger.executions] == [body]
+    assert await jobs.list_jobs() == []
+    strict = await proxy(
+        routes=[
+            {
+                **hook("/hooks/acme", backend_url, "standard", "acme", "TEST_ACME_SECRET"),
+                "require_key": True,
+            }
+        ]
+    )
+    status, headers, _ = await raw_exchange(strict, signed)
+    assert (status, ("Idempotency-Error", "key-invalid") in headers) == (400, True)
+    assert ledger.count() == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_a_prefix_alone_keeps_the_schemes_event_id(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    """SPEC §4.1, §4.2: senders send no Idempotency-Key; the prefix goes before their id."""
+    routes = [
+        {
+            **hook("/hooks/stripe", backend_url, "stripe", "stripe", "TEST_STRIPE_SECRET"),
+            "key": {"prefix": "evt:"},
+        },
+        {
+            **hook("/hooks/github", backend_url, "github", "github", "TEST_GITHUB_SECRET"),
+            "key": {"prefix": "gh:"},
+        },
+    ]
+    client = await proxy(routes=routes)
+    body = stripe_event("evt_prefixed")
+    push = b'{"ref": "refs/heads/main"}'
+    for _ in range(2):
+        sent = stripe_headers(STRIPE_SECRET, body)
+        assert (await deliver(client, "/hooks/stripe", body, sent))[0] == 201
+        sent = github_headers(GITHUB_SECRET, "d-prefixed", push)
+        assert (await deliver(client, "/hooks/github", push, sent))[0] == 201
+    assert ledger.count() == 2
+    keys = sorted((j.owner, j.key) for j in await jobs.list_jobs())
+    assert keys == [("webhook:github", "gh:d-prefixed"), ("webhook:stripe", "evt:evt_prefixed")]
+
+
+async def test_a_github_delivery_resent_under_a_new_delivery_id_executes_again(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    """The limitation docs/webhooks.md states: GitHub does not sign X-GitHub-Delivery, so a
+    captured delivery re-sent with another one is a new event. A key in the payload, which
+    the signature covers, closes it where the payload has a stable id."""
+    body = b'{"hook_id": 42, "event": {"id": "ev-7"}}'
+    resent = [github_headers(GITHUB_SECRET, f"d-{n}", body) for n in range(2)]
+    client = await receiver(proxy, backend_url)
+    assert [(await deliver(client, "/hooks/github", body, h))[2] for h in resent] == [False] * 2
+    assert ledger.count() == 2
+    route = hook("/hooks/github", backend_url, "github", "github", "TEST_GITHUB_SECRET")
+    keyed = await proxy(routes=[{**route, "prefix": "/hooks/gh2", "key": {"pointer": "/event/id"}}])
+    assert [(await deliver(keyed, "/hooks/gh2", body, h))[2] for h in resent] == [False, True]
+    assert ledger.count() == 3
+    assert sorted(j.key for j in await jobs.list_jobs()) == ["d-0", "d-1", "ev-7"]
+
+
+async def test_the_owner_header_is_no_part_of_a_delivery_but_its_key_header_is(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger
+) -> None:
+    """SPEC §4.2, §5: a delivery's owner is its sender, on every scheme alike; the key header
+    named in `Connection` would reach the receiver stripped, and is refused."""
+    client = await receiver(proxy, backend_url)
+    body = stripe_event("evt_connection")
+    msg = b'{"event": "msg_connection"}'
+    hiding = {"Authorization": "Bearer x", "Connection": "Authorization"}
+    sent = {**stripe_headers(STRIPE_SECRET, body), **hiding}
+    assert (await deliver(client, "/hooks/stripe", body, sent))[0] == 201
+    sent = {**standard_headers(ACME_SECRET, "msg_connection", msg), **hiding}
+    assert (await deliver(client, "/hooks/acme", msg, sent))[0] == 201
+    sent = {**standard_headers(ACME_SECRET, "msg_hidden", msg), "Connection": "webhook-id"}
+    async with client.post("/hooks/acme", data=msg, headers=sent) as response:
+        await assert_problem(response, "header-invalid", 400)
+    assert ledger.count() == 2

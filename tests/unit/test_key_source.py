@@ -33,6 +33,18 @@ def pointed(pointer: str, body: bytes, prefix: str = "") -> str | None:
         ("/items/5", b'{"items": ["a"]}', None),
         ("/id/x", b'{"id": "s"}', None),
         ("/id", b"[" * 100_000, None),
+        ("/n", b'{"n": %s}' % (b"7" * 200), "7" * 200),
+        ("/id", b'{"big": %s, "id": "k"}' % (b"9" * 5000), "k"),
+        ("/n", b'{"n": -0}', "-0"),
+        ("/id", b'{"id": "k", "x": NaN}', None),
+        ("/id", b'{"id": "k", "x": [Infinity]}', None),
+        ("/id", '{"id": "k"}'.encode("utf-16"), None),
+        ("/id", '{"id": "k"}'.encode("utf-32-le"), None),
+        ("/id", b'\xef\xbb\xbf{"id": "k"}', None),
+        ("/id", b'{"id": "k", "s": "\xff"}', None),
+        ("/items/\u00b2", b'{"items": ["a", "b", "c"]}', None),
+        ("/items/\u0967", b'{"items": ["a", "b"]}', None),
+        ("/items/\u00b2", '{"items": {"\u00b2": "sq"}}'.encode(), "sq"),
     ],
 )
 def test_pointer_finds_the_value_or_nothing(pointer: str, body: bytes, key: str | None) -> None:
@@ -50,6 +62,8 @@ def test_pointer_finds_the_value_or_nothing(pointer: str, body: bytes, key: str 
         b'{"id": "a b"}',
         b'{"id": "x", "id": "y"}',
         b'{"id": "x", "n": {"m": 1, "m": 2}}',
+        b'{"id": %s}' % (b"1" * 256),
+        b'{"id": 1e3}',
     ],
 )
 def test_pointer_refuses_what_is_no_key(body: bytes) -> None:

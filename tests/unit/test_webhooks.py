@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 from multidict import CIMultiDict, CIMultiDictProxy
 from pydantic import ValidationError
 
+from idemproxy.cli import main
+from idemproxy.config import load_settings
 from idemproxy.config_keys import WebhookSettings
 from idemproxy.errors import SignatureInvalid
 from idemproxy.identity.webhooks import (
@@ -198,3 +203,49 @@ def test_settings_refuse(
     monkeypatch.setenv("X_SET", STANDARD_SECRET)
     with pytest.raises(ValidationError, match=message):
         WebhookSettings.model_validate({**given, **fields})
+
+
+def test_a_non_utf8_webhook_id_is_signed_as_its_bytes() -> None:
+    """aiohttp decodes a header's bytes that are not UTF-8 as surrogates (surrogateescape)."""
+    key = b"k" * 24
+    body = b"{}"
+    content = b"msg_\xff.1614265330." + body
+    sent = "v1," + base64.b64encode(hmac.digest(key, content, hashlib.sha256)).decode()
+    assert standard_signature(key, "msg_\udcff", "1614265330", body) == sent
+    delivery = {
+        "webhook-id": "msg_\udcff",
+        "webhook-timestamp": "1614265330",
+        "webhook-signature": sent,
+    }
+    verifier("standard", key, now=1614265330).verify(headers(delivery), body)
+    with pytest.raises(SignatureInvalid):
+        verifier("standard", b"another key", now=1614265330).verify(headers(delivery), body)
+
+
+def webhook_routes(*senders: str) -> list[dict[str, object]]:
+    return [
+        {
+            "prefix": f"/hooks/{n}",
+            "upstream": "http://127.0.0.1:3000",
+            "webhook": {"scheme": "stripe", "sender": sender, "secrets": [f"env:SECRET_{n}"]},
+        }
+        for n, sender in enumerate(senders)
+    ]
+
+
+def test_two_routes_of_one_sender_are_refused_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SPEC §4.2: Stripe sends one event, one id, to every endpoint subscribed to it; in one
+    scope the second endpoint's deliveries would be 409 payload-mismatch for ever."""
+    for n in range(3):
+        monkeypatch.setenv(f"SECRET_{n}", f"whsec_endpoint_{n}")
+    settings = load_settings(upstream="http://127.0.0.1:3000", routes=webhook_routes("a", "b", "c"))
+    assert [r.webhook.sender for r in settings.routes if r.webhook] == ["a", "b", "c"]
+    message = r"routes\[0\] \(/hooks/0\) and routes\[2\] \(/hooks/2\) both have webhook sender 'a'"
+    with pytest.raises(ValidationError, match=message):
+        load_settings(upstream="http://127.0.0.1:3000", routes=webhook_routes("a", "b", "a"))
+    config = tmp_path / "idemproxy.yaml"
+    config.write_text(yaml.safe_dump({"routes": webhook_routes("stripe", "stripe")}))
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "routes[0] (/hooks/0) and routes[1] (/hooks/1)" in capsys.readouterr().err

@@ -4,6 +4,7 @@ named header, or a JSON Pointer (RFC 6901) into the JSON body, with an optional 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,10 @@ from multidict import CIMultiDictProxy
 
 from idemproxy.errors import KeyInvalid
 from idemproxy.identity.key import check_characters, parse_key
+
+# RFC 6901 §4: an array index is "0" or ASCII digits without a leading zero (`²` and `१` are
+# digits to `str.isdigit`, and no index).
+_ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +57,15 @@ def pointer_tokens(pointer: str) -> tuple[str, ...]:
 def _pointed(body: bytes, tokens: Sequence[str]) -> str | None:
     """The string (or integer, as Shopify's ids are) at `tokens`; None when the body is not
     JSON or nothing is there; `KeyInvalid` for any other value or a repeated member name."""
-    try:
-        node: Any = json.loads(body, object_pairs_hook=_unique_members)
-    except (ValueError, RecursionError):
+    node = _document(body)
+    if node is _NOT_JSON:
         return None
     for token in tokens:
         if isinstance(node, dict):
             if token not in node:
                 return None
             node = node[token]
-        elif isinstance(node, list) and token.isdigit() and (token == "0" or token[0] != "0"):
+        elif isinstance(node, list) and _ARRAY_INDEX.fullmatch(token):
             index = int(token)
             if index >= len(node):
                 return None
@@ -69,12 +73,21 @@ def _pointed(body: bytes, tokens: Sequence[str]) -> str | None:
         else:
             return None
     if isinstance(node, str):
-        return node
-    if isinstance(node, int) and not isinstance(node, bool):
         return str(node)
     if node is None:
         return None
     raise KeyInvalid("The key's field in the body is not a string or an integer.")
+
+
+class _IntegerText(str):
+    """An integer token as it was written: never converted, so that a body with a number
+    beyond `int`'s digit limit elsewhere still names its key (RFC 8259 §6 sets no limit)."""
+
+    __slots__ = ()
+
+
+def _refuse_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")  # RFC 8259 §6: no NaN or Infinity
 
 
 def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -84,3 +97,19 @@ def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(members) != len(pairs):
         raise KeyInvalid("The body repeats a member name.")
     return members
+
+
+# Strict RFC 8259: an integer stays its text, a float is parsed (it is never a key anyway).
+_DECODER = json.JSONDecoder(
+    parse_int=_IntegerText, parse_constant=_refuse_constant, object_pairs_hook=_unique_members
+)
+_NOT_JSON = object()
+
+
+def _document(body: bytes) -> Any:
+    """The JSON text of the body, or `_NOT_JSON`. RFC 8259 §8.1: JSON exchanged between systems
+    is UTF-8 without a byte order mark; a body in UTF-16 or UTF-32 names no key."""
+    try:
+        return _DECODER.decode(body.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return _NOT_JSON

@@ -65,8 +65,10 @@ Signed = Callable[[bytes], bool]
 
 
 def standard_signature(key: bytes, msg_id: str, timestamp: str, body: bytes) -> str:
-    """`v1,<base64>` as a Standard Webhooks sender computes it."""
-    content = f"{msg_id}.{timestamp}.".encode() + body
+    """`v1,<base64>` as a Standard Webhooks sender computes it. A header value holds the bytes
+    that arrived, any that are not UTF-8 as surrogates (aiohttp's decoding): signed as those
+    bytes, so that a `webhook-id` no sender signed is refused, never an error."""
+    content = f"{msg_id}.{timestamp}.".encode("utf-8", "surrogateescape") + body
     return "v1," + base64.b64encode(hmac.digest(key, content, hashlib.sha256)).decode()
 
 

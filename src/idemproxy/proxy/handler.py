@@ -11,6 +11,7 @@ from idemproxy.errors import (
     HeaderInvalid,
     KeyMissing,
     NoRoute,
+    PathInvalid,
     ProblemError,
 )
 from idemproxy.http.problems import problem_response
@@ -71,9 +72,9 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     declared = request.content_length
     if (
         request.method in ctx.governed_methods
-        and ctx.settings.key_header in request.headers
         and declared is not None
         and declared > ctx.settings.max_request_body
+        and _reads_bounded(ctx, request)
     ):
         return problem_response(
             BodyTooLarge(), profile=ctx.settings.profile, types=ctx.settings.problem_types
@@ -81,6 +82,22 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim response is not part of the body's size
     return None
+
+
+def _reads_bounded(ctx: ProxyContext, request: web.Request) -> bool:
+    """Whether `_route` would read this governed request's body up to `max_request_body`: with
+    a key on a default route; always on a webhook or body-keyed route (the body is read before
+    anything is known, SPEC §4.1, §4.2); with its key header on a header-keyed route."""
+    try:
+        route = ctx.routes.find(routable_path(request.path), request.host)
+    except PathInvalid:  # `_route` answers 400; refused at once as before it knew the route
+        route = None
+    if route is None or route.key_source is None:
+        return ctx.settings.key_header in request.headers
+    source = route.key_source
+    if route.webhook is not None or source.header is None:
+        return True
+    return source.header in request.headers
 
 
 async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.StreamResponse:
@@ -137,7 +154,7 @@ async def _govern_sourced(
     """A governed request on a route with a key source or a webhook (proxy/sourced.py)."""
     assert route.key_source is not None  # the caller's test, for mypy
     intent, body, transition = await identify_sourced(ctx, request, route, route.key_source)
-    if intent is None:
+    if intent is None or body is None:
         return await passthrough(ctx, request, route, body, trace=trace)
     trace.owner = intent.owner
     response = await handle_governed(

@@ -157,13 +157,20 @@ def _route(route: RouteSettings, settings: Settings) -> Route:
 
 
 def _key_source(route: RouteSettings, key_header: str) -> KeySource | None:
+    """SPEC §4.1, §4.2: `prefix` alone keeps the route's own source: the scheme's event id on a
+    webhook route (whose senders send no `key_header`), `key_header` elsewhere."""
     source = route.key
-    if source is None and route.webhook is not None:
-        source = route.webhook.default_key_source
+    default = None if route.webhook is None else route.webhook.default_key_source
+    if source is None:
+        source = default
     if source is None:
         return None
-    header = source.header if source.header or source.pointer else key_header
-    return KeySource.of(header, source.pointer, source.prefix)
+    header, pointer = source.header, source.pointer
+    if header is None and pointer is None:
+        header, pointer = (
+            (key_header, None) if default is None else (default.header, default.pointer)
+        )
+    return KeySource.of(header, pointer, source.prefix)
 
 
 def _verifier(webhook: WebhookSettings) -> WebhookVerifier:

@@ -9,6 +9,7 @@ from idemproxy.core.types import Intent
 from idemproxy.errors import HeaderInvalid, KeyInvalid, KeyMissing
 from idemproxy.http.headers import hop_by_hop
 from idemproxy.identity.key_source import KeySource
+from idemproxy.identity.webhooks import WebhookVerifier
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.intent import governed_body, intent_of, request_owners
 from idemproxy.proxy.jobs.request import OwnerTransition
@@ -18,33 +19,56 @@ from idemproxy.proxy.server.body import RequestBody
 
 async def identify_sourced(
     ctx: ProxyContext, request: web.Request, route: Route, source: KeySource
-) -> tuple[Intent | None, RequestBody, OwnerTransition | None]:
-    """The intent, the body and the owner transition (SPEC §5, as `handler._identify`'s); the
-    intent is None when the source gives no key and the route passes such requests through
-    (`require_key`, SPEC §4.1)."""
-    webhook = route.webhook
-    legacy = None  # a webhook's owner is its sender's name, never peppered
-    if webhook is None:
+) -> tuple[Intent | None, RequestBody | None, OwnerTransition | None]:
+    """The intent, the body (None: not read) and the owner transition (SPEC §5, as
+    `handler._identify`'s); the intent is None when the source gives no key and the route
+    passes such requests through (`require_key`, SPEC §4.1)."""
+    if route.webhook is not None:  # its owner is the sender's name, never peppered
+        intent, body = await _identify_delivery(ctx, request, route, source, route.webhook)
+        return intent, body, None
+    if source.needs_body:
         owner, legacy = await request_owners(ctx, request)  # SPEC §5, as for key_header
-        body = await governed_body(ctx, request, in_memory=source.needs_body)
-    else:
         body = await governed_body(ctx, request, in_memory=True)
-        # SPEC §4.2: nothing is claimed, stored or forwarded for a delivery that is not signed.
-        webhook.verify(request.headers, body.memory)
-        owner = webhook.owner
-    key = _key(route, source, request, body)
-    if key is None:
-        return None, body, None
-    if source.header is not None:
-        refuse_hidden_identity(ctx, request, source.header)
+        key = _key(route, source, request, b"" if body.spooled else body.memory)
+        if key is None:
+            return None, body, None
+    else:
+        # SPEC §4, §9: without its key header the request is not governed and passes through
+        # with its body unread (and not bounded), as on a route keyed by `key_header`.
+        key = _key(route, source, request, b"")
+        if key is None:
+            return None, None, None
+        refuse_hidden(request, source.header)
+        owner, legacy = await request_owners(ctx, request)
+        body = await governed_body(ctx, request)
+    # SPEC §5: the owner header named in `Connection` is refused whatever gives the key.
+    refuse_hidden(request, ctx.owner.header)
     transition = None if legacy is None else OwnerTransition(owner, legacy)
     return intent_of(ctx, request, owner, key, body), body, transition
 
 
-def _key(route: Route, source: KeySource, request: web.Request, body: RequestBody) -> str | None:
+async def _identify_delivery(
+    ctx: ProxyContext,
+    request: web.Request,
+    route: Route,
+    source: KeySource,
+    webhook: WebhookVerifier,
+) -> tuple[Intent | None, RequestBody]:
+    """SPEC §4.2: nothing is claimed, stored or forwarded for a delivery that is not signed.
+    The owner is the sender, so the owner header is no part of the delivery's identity."""
+    body = await governed_body(ctx, request, in_memory=True)
+    webhook.verify(request.headers, body.memory)
+    key = _key(route, source, request, body.memory)
+    if key is None:
+        return None, body
+    refuse_hidden(request, source.header)
+    return intent_of(ctx, request, webhook.owner, key, body), body
+
+
+def _key(route: Route, source: KeySource, request: web.Request, body: bytes) -> str | None:
     """SPEC §4.1: a source that is absent or not a valid key is `require_key`'s to decide."""
     try:
-        key = source.key(request.headers, b"" if body.spooled else body.memory)
+        key = source.key(request.headers, body)
     except KeyInvalid:
         if route.require_key:
             raise
@@ -52,6 +76,12 @@ def _key(route: Route, source: KeySource, request: web.Request, body: RequestBod
     if key is None and route.require_key:
         raise KeyMissing()
     return key
+
+
+def refuse_hidden(request: web.Request, name: str | None) -> None:
+    """`refuse_hidden_identity` for one header (None: none to check), off the default path."""
+    if name is not None and name.lower() in hop_by_hop(request.headers):
+        raise HeaderInvalid()
 
 
 def refuse_hidden_identity(ctx: ProxyContext, request: web.Request, key_header: str) -> None:

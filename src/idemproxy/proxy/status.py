@@ -19,6 +19,7 @@ from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.intent import request_owners
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.trace import Trace
+from idemproxy.proxy.sourced import refuse_hidden
 
 
 async def answer_status(
@@ -35,6 +36,8 @@ async def answer_status(
         # SPEC §4.2: a webhook route's jobs belong to its sender, whom no lookup can prove
         # to be; operators see them with `idemproxy jobs list --owner webhook:<sender>`.
         raise KeyNotFound()
+    # SPEC §5, §7.1: the owner header named in `Connection` is refused as on a governed request.
+    refuse_hidden(request, ctx.owner.header)
     owner, legacy = await request_owners(ctx, request)
     trace.owner = owner
     job = await ctx.store.get(owner, key)
