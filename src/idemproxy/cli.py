@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from idemproxy import __version__
 from idemproxy.cli_help import describe_defaults, describe_setting_flags
 from idemproxy.config import Settings, load_settings, parse_listen
-from idemproxy.errors import ConfigError, IdemproxyError, StoreUnreachable
+from idemproxy.errors import ConfigError, IdemproxyError, NotDistributable, StoreUnreachable
 from idemproxy.units import DURATION_HELP, SIZE_HELP
 
 # Flag name → settings field (dotted for nested settings).
@@ -160,6 +160,12 @@ def _parser() -> argparse.ArgumentParser:
     migrate = commands.add_parser("migrate", help="apply the store's SQL migrations")
     _config_flag(migrate)
     migrate.add_argument("--store", metavar="DSN", help="the store to migrate")
+    migrate.add_argument(
+        "--distribute",
+        action="store_true",
+        help="then distribute both tables by owner, co-located (a Citus coordinator only;"
+        " idempotent)",
+    )
     describe_setting_flags(migrate, {"store": "store"})
     migrate.set_defaults(run=_migrate)
 
@@ -239,20 +245,33 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     from idemproxy.store.factory import create_store
+    from idemproxy.store.postgres.store import PostgresStore
 
     # Only the store matters here: an upstream is not required to migrate.
     settings = _settings(args, {"store": "store"}, upstream="http://migrate.invalid")
 
-    async def run() -> list[str]:
+    async def run() -> tuple[list[str], list[str] | None]:
         store = create_store(settings.store)
+        if args.distribute and not isinstance(store, PostgresStore):
+            raise NotDistributable(
+                "store: --distribute needs a PostgreSQL store on a Citus coordinator"
+            )
         await store.open()
         try:
-            return await store.migrate()
+            applied = await store.migrate()
+            if args.distribute and isinstance(store, PostgresStore):
+                return applied, await store.distribute()
+            return applied, None
         finally:
             await store.close()
 
-    applied = asyncio.run(run())
+    applied, distributed = asyncio.run(run())
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
+    if distributed is not None:
+        print(
+            f"distributed {len(distributed)} table(s) by owner"
+            + (f": {', '.join(distributed)}" if distributed else " (both already were)")
+        )
     return 0
 
 

@@ -27,6 +27,7 @@ from idemproxy.core.types import (
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.feed import stop_feed
+from idemproxy.store.postgres.citus import citus_version, distribute
 from idemproxy.store.postgres.errors import (
     DRIVER_ERRORS,
     translate_connect_errors,
@@ -94,6 +95,9 @@ class PostgresStore(Store):
         self._pool: asyncpg.Pool | None = None
         self._kept: KeptConnections | None = None
         self._listener: asyncio.Task[None] | None = None
+        # The Citus version when the database is a Citus coordinator (read at open): job
+        # changes are then announced from the coordinator and the sweep takes its variant.
+        self.citus: str | None = None
         self._renewals = (
             RenewalConnections(
                 dsn, size=connections.lease, timeout=command_timeout, init=_init_connection
@@ -121,6 +125,8 @@ class PostgresStore(Store):
             )
             if self._renewals is not None:
                 await self._renewals.open()
+            async with self._pool.acquire() as conn:
+                self.citus = await citus_version(conn, self._sql)
         if self._listen:
             self._listener = asyncio.create_task(
                 listen_forever(self._dsn, self.watch, timeout=self._command_timeout),
@@ -164,6 +170,13 @@ class PostgresStore(Store):
                     applied.append(version)
         return applied
 
+    async def distribute(self) -> list[str]:
+        """Distribute both tables by owner, co-located (Citus only; idempotent): the tables it
+        distributed. Under the migration lock, so that it never races a migration."""
+        async with self._connection("distribute") as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            return await distribute(conn, self._sql)
+
     async def claim(
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
@@ -201,7 +214,7 @@ class PostgresStore(Store):
             float(ttl),
             self._late_bytes,
         )
-        return row is not None
+        return await self._announced(job, row, watched_only=True)
 
     async def settle(
         self,
@@ -216,7 +229,7 @@ class PostgresStore(Store):
         row = await self._fetchrow(
             "settle", *_cas(job), attempt, job_state.value, attempt_state.value, status, error
         )
-        return row is not None
+        return await self._announced(job, row, watched_only=True)
 
     async def finish_attempt(
         self,
@@ -264,7 +277,7 @@ class PostgresStore(Store):
                 return bool(await renewals.fetch(sql, *args))
 
     async def take_over(self, job: Job) -> bool:
-        return await self._fetchrow("take_over", *_cas(job)) is not None
+        return await self._announced(job, await self._fetchrow("take_over", *_cas(job)))
 
     async def forget(self, job: Job) -> bool:
         return await self._execute("forget", *_cas(job)) == "DELETE 1"
@@ -295,7 +308,8 @@ class PostgresStore(Store):
         resolution: str = "operator",
     ) -> bool:
         if state is JobState.RELEASED:
-            return await self._fetchrow("resolve_released", *_cas(job), resolution) is not None
+            row = await self._fetchrow("resolve_released", *_cas(job), resolution)
+            return await self._announced(job, row)
         if state is not JobState.COMPLETED or response is None or response.body is None:
             raise ValueError("resolve as completed needs a response with a body")
         row = await self._fetchrow(
@@ -307,10 +321,10 @@ class PostgresStore(Store):
             response.body,
             float(ttl),
         )
-        return row is not None
+        return await self._announced(job, row)
 
     async def delete(self, job: Job, *, force: bool = False) -> bool:
-        return await self._fetchrow("delete_job", *_cas(job), force) is not None
+        return await self._announced(job, await self._fetchrow("delete_job", *_cas(job), force))
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
         rows = await self._run(
@@ -326,7 +340,8 @@ class PostgresStore(Store):
         return [job_from_row(row) for row in rows]
 
     async def sweep_expired(self, batch_size: int) -> int:
-        status = await self._execute("sweep_expired", batch_size)
+        name = "sweep_expired" if self.citus is None else "sweep_expired_distributed"
+        status = await self._run("sweep_expired", lambda c: c.execute(self._sql[name], batch_size))
         return int(status.rsplit(" ", 1)[-1])
 
     async def list_jobs(
@@ -344,6 +359,22 @@ class PostgresStore(Store):
 
     async def ping(self) -> None:
         await self._fetchrow("ping")
+
+    async def _announced(
+        self, job: Job, row: asyncpg.Record | None, *, watched_only: bool = False
+    ) -> bool:
+        """Whether the statement changed the job (`row`); on Citus, the change is then announced
+        from the coordinator, where the proxies LISTEN (queries.sql `notify`). After the commit,
+        not in it: a proxy that dies in between leaves waiters to their periodic re-read
+        (WAITER_RECHECK_SECONDS), and a replay cache to its entry's TTL (docs/deploy.md)."""
+        if row is None:
+            return False
+        if self.citus is not None and (not watched_only or row["watched"]):
+            # The change is committed: its caller must hear so even if the announcement fails
+            # (which `_call` logs).
+            with contextlib.suppress(StoreUnavailable):
+                await self._execute("notify", job.id)
+        return True
 
     async def _fetchrow(self, name: str, *args: Any) -> asyncpg.Record | None:
         return await self._run(name, lambda c: c.fetchrow(self._sql[name], *args))

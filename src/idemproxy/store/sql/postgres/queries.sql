@@ -41,10 +41,16 @@ WHERE owner = $1 AND key = $2;
 -- A duplicate is about to wait (SPEC §2.3): from now on every state change of the job is
 -- announced. A row comes back only when this statement marked a job that is still in flight;
 -- otherwise the caller re-reads it (it may have changed while this statement waited).
-UPDATE idemproxy.jobs
-SET watched = true
-WHERE owner = $1 AND key = $2 AND state = 'in_flight' AND NOT watched
-RETURNING *, expires_at <= now() AS expired, lease_expires_at <= now() AS lease_expired;
+-- `now()` is compared outside the UPDATE: Citus refuses functions that are not IMMUTABLE in
+-- the RETURNING clause of a distributed UPDATE, and runs the CTE form on the one shard.
+WITH marked AS (
+    UPDATE idemproxy.jobs
+    SET watched = true
+    WHERE owner = $1 AND key = $2 AND state = 'in_flight' AND NOT watched
+    RETURNING *
+)
+SELECT *, expires_at <= now() AS expired, lease_expires_at <= now() AS lease_expired
+FROM marked;
 
 -- name: get_job_by_id
 -- Operators only know the id; not on the hot path.
@@ -95,7 +101,9 @@ WITH won AS (
         late_body = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $7::bytea END
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state IN ('started', 'unknown')
 )
-SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
+-- `watched` tells a store on Citus to announce the change from the coordinator (`notify`).
+SELECT watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
+FROM won;
 
 -- name: settle
 -- Release (nothing executed) or mark unknown (may have executed): $5 is the new job state and
@@ -110,7 +118,8 @@ WITH settled AS (
     SET state = $6, status = $7, error = $8, finished_at = now(), lease_expires_at = NULL
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state = 'started'
 )
-SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM settled;
+SELECT watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
+FROM settled;
 
 -- name: finish_attempt
 -- One attempt of several (hedging) ended without a result; the job is left to the others.
@@ -272,6 +281,18 @@ WHERE (owner, id) IN (
     FOR UPDATE SKIP LOCKED
 );
 
+-- name: sweep_expired_distributed
+-- The sweep on Citus, which refuses `FOR UPDATE` in a query over several shards: the batch is
+-- read from every shard first (a subplan), then deleted where it is still expired and terminal.
+-- Two sweepers may pick the same rows; the second then deletes fewer, never a live job.
+DELETE FROM idemproxy.jobs
+WHERE expires_at <= now() AND state IN ('completed', 'released') AND (owner, id) IN (
+    SELECT owner, id FROM idemproxy.jobs
+    WHERE expires_at <= now() AND state IN ('completed', 'released')
+    ORDER BY expires_at
+    LIMIT $1
+);
+
 -- name: list_jobs
 SELECT *, expires_at <= now() AS expired,
        state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
@@ -285,3 +306,27 @@ SELECT count(*) AS unknown FROM idemproxy.jobs WHERE state = 'unknown';
 
 -- name: ping
 SELECT 1;
+
+-- name: citus_version
+-- The Citus extension's version in this database, or no row on a plain PostgreSQL. The store
+-- reads it once at start-up to pick the statements and wake-ups a distributed store needs.
+SELECT extversion FROM pg_extension WHERE extname = 'citus';
+
+-- name: notify
+-- A job change announced from the node the proxies LISTEN on. On Citus a statement routed to a
+-- worker raises its `pg_notify` there, where nobody listens; the store then sends this on the
+-- coordinator once the statement has committed (SPEC §11 change feed).
+SELECT pg_notify('idemproxy_jobs', $1);
+
+-- name: distributed_tables
+-- How `jobs` and `attempts` are distributed (`idemproxy migrate --distribute`): one row per
+-- table Citus knows, with its distribution column and co-location group.
+SELECT table_name::text AS table_name, citus_table_type, distribution_column, colocation_id
+FROM citus_tables
+WHERE table_name IN ('idemproxy.jobs'::regclass, 'idemproxy.attempts'::regclass);
+
+-- name: distribute_jobs
+SELECT create_distributed_table('idemproxy.jobs', 'owner');
+
+-- name: distribute_attempts
+SELECT create_distributed_table('idemproxy.attempts', 'owner', colocate_with => 'idemproxy.jobs');
