@@ -8,7 +8,7 @@ any other way, they are an error to resolve by hand, never redistributed behind 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
     Pooled = PoolConnectionProxy[asyncpg.Record]
 
+# A job's row as a claim returns it: read as it is, or inserted (then with `created`).
+ClaimRow = asyncpg.Record | dict[str, Any]
 _TABLES = ("idemproxy.jobs", "idemproxy.attempts")
 _DISTRIBUTION_COLUMN = "owner"
 
@@ -70,3 +72,57 @@ def _check(known: Mapping[str, asyncpg.Record]) -> None:
             "store: idemproxy.jobs and idemproxy.attempts are not co-located: a job and its"
             " attempts must share a shard (docs/deploy.md)"
         )
+
+
+# --- the Citus forms of the statements that insert an attempt (queries.sql, `…_distributed`) --
+
+
+async def claim_distributed(
+    conn: Pooled, sql: Mapping[str, str], job: tuple[Any, ...], upstream: str
+) -> ClaimRow | None:
+    """`claim` as router statements: the job read first (a replay costs that one read); else the
+    job and its first attempt inserted in one transaction. `job` is `claim`'s $1 to $7 and $9 (the
+    lease); None when a concurrent claim won the insert (the caller re-reads)."""
+    existing = await conn.fetchrow(sql["get_job"], job[0], job[1])
+    if existing is not None:
+        return existing
+    async with conn.transaction():
+        row = await conn.fetchrow(sql["claim_job_distributed"], *job)
+        if row is None:
+            return None
+        await _add_attempt_row(conn, sql, job[0], row, upstream)
+    return {**row, "created": True}
+
+
+async def change_then_add_attempt(
+    conn: Pooled,
+    sql: Mapping[str, str],
+    change: tuple[str, tuple[Any, ...]],
+    upstream: str,
+    failed: tuple[Any, ...] | None = None,
+) -> asyncpg.Record | None:
+    """The job's change (a named statement and its arguments), then, when it won, the failed
+    attempt ended (`failed`: `finish_attempt`'s arguments) and the next one inserted; one
+    transaction on the job's shard."""
+    name, args = change
+    async with conn.transaction():
+        row = await conn.fetchrow(sql[name], *args)
+        if row is None:
+            return None
+        if failed is not None:
+            await conn.execute(sql["finish_attempt"], *failed)
+        await _add_attempt_row(conn, sql, args[0], row, upstream)
+    return row
+
+
+async def _add_attempt_row(
+    conn: Pooled, sql: Mapping[str, str], owner: str, job: asyncpg.Record, upstream: str
+) -> None:
+    await conn.execute(
+        sql["add_attempt_row"],
+        owner,
+        job["id"],
+        job["attempt_count"],
+        upstream,
+        job["lease_expires_at"],
+    )

@@ -27,7 +27,13 @@ from idemproxy.core.types import (
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.feed import stop_feed
-from idemproxy.store.postgres.citus import citus_version, distribute
+from idemproxy.store.postgres.citus import (
+    ClaimRow,
+    change_then_add_attempt,
+    citus_version,
+    claim_distributed,
+    distribute,
+)
 from idemproxy.store.postgres.errors import (
     DRIVER_ERRORS,
     translate_connect_errors,
@@ -182,7 +188,7 @@ class PostgresStore(Store):
     ) -> ClaimResult:
         args = (intent.owner, intent.key, job_id, intent.fingerprint, intent.method, intent.path)
         for _ in range(_CLAIM_RETRIES):
-            row = await self._fetchrow("claim", *args, float(ttl), upstream, float(lease))
+            row: ClaimRow | None = await self._claim_row(args, float(ttl), upstream, float(lease))
             if row is None:
                 # A concurrent claim committed while this one waited: read it afresh.
                 row = await self._fetchrow("get_job", intent.owner, intent.key)
@@ -191,6 +197,14 @@ class PostgresStore(Store):
             job = job_from_row(row)
             return Claimed(job, 1) if row.get("created", False) else Existing(job)
         raise StoreUnavailable("The claim did not settle; retry.")
+
+    async def _claim_row(
+        self, args: tuple[str, ...], ttl: float, upstream: str, lease: float
+    ) -> ClaimRow | None:
+        if self.citus is None:
+            return await self._fetchrow("claim", *args, ttl, upstream, lease)
+        job = (*args, ttl, lease)
+        return await self._run("claim", lambda c: claim_distributed(c, self._sql, job, upstream))
 
     async def get(self, owner: str, key: str) -> Job | None:
         row = await self._fetchrow("get_job", owner, key)
@@ -244,7 +258,14 @@ class PostgresStore(Store):
         await self._execute("finish_attempt", job.owner, job.id, attempt, ended, status, error)
 
     async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
-        row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))
+        if self.citus is None:
+            row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))
+        else:
+            change = ("start_next_attempt_distributed", (*_cas(job), float(lease)))
+            row = await self._run(
+                "start_next_attempt",
+                lambda c: change_then_add_attempt(c, self._sql, change, upstream),
+            )
         return _claimed(row)
 
     async def fail_over(
@@ -257,14 +278,28 @@ class PostgresStore(Store):
         lease: float,
     ) -> Claimed | None:
         status, error = failure
-        row = await self._fetchrow(
-            "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
-        )
+        if self.citus is None:
+            row = await self._fetchrow(
+                "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
+            )
+        else:
+            change = ("fail_over_distributed", (*_cas(job), float(lease)))
+            failed = (job.owner, job.id, attempt, "failed", status, error)
+            row = await self._run(
+                "fail_over",
+                lambda c: change_then_add_attempt(c, self._sql, change, upstream, failed),
+            )
         return _claimed(row)
 
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
-        row = await self._fetchrow("add_attempt", *_cas(job), upstream, float(lease))
-        return None if row is None else int(row["number"])
+        if self.citus is None:
+            row = await self._fetchrow("add_attempt", *_cas(job), upstream, float(lease))
+            return None if row is None else int(row["number"])
+        change = ("add_attempt_distributed", (*_cas(job), float(lease)))
+        row = await self._run(
+            "add_attempt", lambda c: change_then_add_attempt(c, self._sql, change, upstream)
+        )
+        return None if row is None else int(row["attempt_count"])
 
     async def renew_lease(self, job: Job, *, lease: float) -> bool:
         sql, args = self._sql["renew_lease"], (*_cas(job), float(lease))

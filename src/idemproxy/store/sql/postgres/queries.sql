@@ -307,6 +307,52 @@ SELECT count(*) AS unknown FROM idemproxy.jobs WHERE state = 'unknown';
 -- name: ping
 SELECT 1;
 
+-- The statements below are the Citus forms of `claim`, `start_next_attempt`, `fail_over` and
+-- `add_attempt`. Citus plans an `INSERT … SELECT … FROM <cte>` in steps through the coordinator
+-- (the CTE's rows become an intermediate result), not as a router query, so on Citus the store
+-- runs the job's change and the attempt's insert as two router statements in one transaction
+-- on the one shard (store/postgres/citus.py). Each mirrors its single-statement form above.
+
+-- name: claim_job_distributed
+-- `claim` without its reads: the caller read the job first (`get_job`) and found none.
+INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
+                            lease_expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7), now() + make_interval(secs => $8))
+ON CONFLICT (owner, key) DO NOTHING
+RETURNING *, false AS expired, false AS lease_expired;
+
+-- name: start_next_attempt_distributed
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'released'
+    RETURNING *
+)
+SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
+
+-- name: fail_over_distributed
+-- The attempt that failed is then ended by `finish_attempt`, the next one added by `add_attempt_row`.
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET version = version + 1, attempt_count = attempt_count + 1,
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+    RETURNING *
+)
+SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
+
+-- name: add_attempt_distributed
+UPDATE idemproxy.jobs
+SET attempt_count = attempt_count + 1,
+    lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+RETURNING id, attempt_count, lease_expires_at;
+
+-- name: add_attempt_row
+INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
+VALUES ($1, $2, $3, $4, $5);
+
 -- name: citus_version
 -- The Citus extension's version in this database, or no row on a plain PostgreSQL. The store
 -- reads it once at start-up to pick the statements and wake-ups a distributed store needs.
