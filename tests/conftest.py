@@ -359,6 +359,19 @@ def citus_dsn(citus_database: str) -> str:
     return citus_database
 
 
+@pytest.fixture(
+    params=[
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("citus", marks=pytest.mark.citus),
+    ]
+)
+def replicated_dsn(request: pytest.FixtureRequest) -> str:
+    """A database that several stores (replicas) share: PostgreSQL, then a Citus cluster's
+    coordinator, where statements routed to a worker must still wake the other replicas."""
+    dsn: str = request.getfixturevalue({"postgres": "pg_dsn", "citus": "citus_dsn"}[request.param])
+    return dsn
+
+
 _DSN_FIXTURES = {"sqlite": "sqlite_dsn", "postgres": "pg_dsn"}
 
 

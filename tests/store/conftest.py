@@ -40,19 +40,6 @@ def store_dsn(request: pytest.FixtureRequest) -> str:
     return dsn
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("postgres", marks=pytest.mark.postgres),
-        pytest.param("citus", marks=pytest.mark.citus),
-    ]
-)
-def replicated_dsn(request: pytest.FixtureRequest) -> str:
-    """A database that several stores (replicas) share: PostgreSQL, then a Citus cluster's
-    coordinator, where statements routed to a worker must still wake the other replicas."""
-    dsn: str = request.getfixturevalue(_DSN_FIXTURES[request.param])
-    return dsn
-
-
 @pytest.fixture
 async def store(store_dsn: str, request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     """An open, migrated store on a fresh database; with the cache, once its feed is live."""
