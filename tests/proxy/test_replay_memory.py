@@ -56,8 +56,9 @@ class Proxy:
 
 @pytest.fixture
 async def proxy(replicated_dsn: str, backend_url: str) -> AsyncIterator[Proxy]:
-    pg_dsn = replicated_dsn  # PostgreSQL, then a Citus cluster (its deletions announced too)
-    """The proxy and its admin listener, on the store `idemproxy serve` would build."""
+    """The proxy and its admin listener, on the store `idemproxy serve` would build: on
+    PostgreSQL, then on a Citus cluster (whose deletions must be announced as well)."""
+    pg_dsn = replicated_dsn
     settings = load_settings(
         upstream=backend_url, store=pg_dsn, owner={"strategy": "header:X-User"}
     )
