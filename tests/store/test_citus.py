@@ -5,6 +5,7 @@ sweep across shards). The store contract itself runs on the cluster too (tests/s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -260,3 +261,29 @@ def test_migrate_distribute_on_sqlite_is_a_clear_error(sqlite_dsn: str) -> None:
     result = migrate_cli(sqlite_dsn, "--distribute")
     assert result.returncode == 1
     assert "--distribute needs a PostgreSQL store on a Citus coordinator" in result.stderr
+
+
+async def test_concurrent_migrations_and_distributions_are_serialised(
+    fresh_citus_database: str,
+) -> None:
+    """The migration runner's advisory lock is the coordinator's: three processes starting at
+    once migrate and distribute once between them, and none fails."""
+    stores = [
+        PostgresStore(fresh_citus_database, connections=Connections(1, 1), listen=False)
+        for _ in range(3)
+    ]
+    for store in stores:
+        await store.open()
+    try:
+
+        async def start(store: PostgresStore) -> tuple[list[str], list[str]]:
+            return await store.migrate(), await store.distribute()
+
+        results = await asyncio.gather(*(start(store) for store in stores))
+    finally:
+        for store in stores:
+            await store.close()
+    applied = sorted(results, key=lambda result: -len(result[0]))
+    assert applied[0][0] == [version for version, _ in load_migrations("postgres")]
+    assert [result[0] for result in applied[1:]] == [[], []]
+    assert sorted(len(result[1]) for result in results) == [0, 0, 2]
