@@ -1,6 +1,6 @@
-"""SPEC §11 on a Citus cluster: a worker whose PostgreSQL is killed mid-run fails closed the
-owners whose shards it holds (503, nothing forwarded), while owners whose shards are on the other
-worker are still served; when it comes back, so do its owners."""
+"""SPEC §11 on a Citus cluster: a worker whose PostgreSQL is killed (or frozen) mid-run fails
+closed the owners whose shards it holds (503, nothing forwarded), while owners whose shards are on
+the other worker are still served; when it comes back, so do its owners."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.citus
 
 USERS = [f"user-{n}" for n in range(12)]
 RECOVERY_SECONDS = 30.0
+STORE_TIMEOUT = 3.0
 
 
 async def owners_by_worker(dsn: str) -> dict[int, list[str]]:
@@ -44,13 +45,20 @@ async def post(client: ProxyClient, user: str, key: str) -> int:
         return response.status
 
 
+@pytest.mark.parametrize("failure", ["killed", "frozen"])
 async def test_a_dead_worker_fails_its_owners_closed_and_spares_the_others(
-    make_proxy: ProxyFactory, citus_cluster: CitusCluster, citus_dsn: str, ledger: Ledger
+    make_proxy: ProxyFactory,
+    citus_cluster: CitusCluster,
+    citus_dsn: str,
+    ledger: Ledger,
+    failure: str,
 ) -> None:
+    """Killed: its PostgreSQL gets SIGKILL (connections refused). Frozen: SIGSTOP (connections
+    open, nothing answers), so that each of its owners' requests waits for the store timeout."""
     # No replay cache: every answer here comes from the store (the cache has tests of its own).
     client = await make_proxy(
         store=citus_dsn,
-        pool={"store_timeout": 5.0},
+        pool={"store_timeout": STORE_TIMEOUT},
         owner={"strategy": "header:X-User"},
         replay_cache={"max_bytes": 0},
     )
@@ -63,7 +71,10 @@ async def test_a_dead_worker_fails_its_owners_closed_and_spares_the_others(
     lost, kept = placed[victim.port][0], placed[spared.port][0]
     executed = ledger.count()
 
-    victim.kill9()
+    if failure == "killed":
+        victim.kill9()
+    else:
+        victim.pause()
     try:
         assert await post(client, lost, "during") == 503
         assert await post(client, lost, f"setup-{lost}") == 503  # a replay needs its shard too
@@ -72,7 +83,10 @@ async def test_a_dead_worker_fails_its_owners_closed_and_spares_the_others(
         assert await post(client, kept, "during") == 201  # its replay
         assert ledger.count("during") == 1
     finally:
-        victim.start()
+        if failure == "killed":
+            victim.start()
+        else:
+            victim.resume()
 
     deadline = time.monotonic() + RECOVERY_SECONDS
     while (status := await post(client, lost, "after")) != 201:
