@@ -12,10 +12,11 @@ creates the extension in each and registers the workers with the coordinator in 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import asyncpg
 
-from tests.support.pgserver import PostgresUnavailable, ThrowawayPostgres
+from tests.support.pgserver import PostgresUnavailable, ThrowawayPostgres, find_bindir
 
 WORKERS = 2
 HOST = "127.0.0.1"
@@ -38,23 +39,24 @@ class CitusUnavailable(RuntimeError):
     """Citus is not installed next to the PostgreSQL binaries, or the cluster did not start."""
 
 
-def citus_installed(server: ThrowawayPostgres) -> bool:
+def citus_installed(bindir: Path) -> bool:
     """Whether `citus.so` sits in the server's library directory (Debian's layout: `lib` next
     to `bin`, which is where ../shared/citus/install puts it)."""
-    return (server.bindir.parent / "lib" / "citus.so").is_file()
+    return (bindir.parent / "lib" / "citus.so").is_file()
 
 
 class CitusCluster:
     """`start()` the three servers, `create_database(name)`, `destroy()`."""
 
     def __init__(self) -> None:
-        self.coordinator = ThrowawayPostgres(settings=_CITUS_SETTINGS)
-        self.workers = [ThrowawayPostgres(settings=_CITUS_SETTINGS) for _ in range(WORKERS)]
-        if not citus_installed(self.coordinator):
+        bindir = find_bindir()
+        if not citus_installed(bindir):
             raise CitusUnavailable(
-                f"Citus is not installed for the PostgreSQL in {self.coordinator.bindir}"
+                f"Citus is not installed for the PostgreSQL in {bindir}"
                 " (run ../shared/citus/install as root)"
             )
+        self.coordinator = ThrowawayPostgres(settings=_CITUS_SETTINGS)
+        self.workers = [ThrowawayPostgres(settings=_CITUS_SETTINGS) for _ in range(WORKERS)]
 
     @property
     def nodes(self) -> list[ThrowawayPostgres]:
@@ -99,17 +101,3 @@ class CitusCluster:
         for node in reversed(self.nodes):
             with contextlib.suppress(asyncpg.PostgresError, OSError):
                 await node.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-    async def worker_of(self, database: str, owner: str) -> ThrowawayPostgres:
-        """The worker holding `owner`'s shard of `idemproxy.jobs`."""
-        conn = await asyncpg.connect(self.dsn(database))
-        try:
-            port = await conn.fetchval(
-                "SELECT nodeport FROM pg_dist_shard_placement WHERE shardid ="
-                " get_shard_id_for_distribution_column('idemproxy.jobs', $1)",
-                owner,
-            )
-        finally:
-            await conn.close()
-        [worker] = [w for w in self.workers if w.port == port]
-        return worker
