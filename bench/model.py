@@ -16,7 +16,8 @@ class Scenario:
     title: str
     # What wrk talks to: "backend", "nginx", "proxy-pg", "proxy-pg-w2" (2 workers),
     # "proxy-pg-store" and "proxy-pg-redis" (no in-process replay cache), "proxy-sqlite", "peer"
-    # (the in-process middleware) or "pgbench" (no HTTP: the database alone).
+    # (the in-process middleware), "proxy-citus" (a Citus coordinator) or "pgbench" (no HTTP:
+    # the database alone).
     target: str
     script: str  # a Lua file in bench/ ("" for pgbench)
     store: str | None = None  # the store whose jobs a keyed run should have written

@@ -11,6 +11,7 @@ from model import Scenario
 from runner import Bench, Step
 from scenarios import (
     big_store,
+    citus,
     direct,
     memory_hwm,
     nginx_hop,
@@ -33,6 +34,7 @@ STEPS: tuple[Step, ...] = (
     workers.STEP,
     sqlite.STEP,
     pg_redis.STEP,
+    citus.STEP,
     peer.STEP,
     pgbench.STEP,
     memory_hwm.STEP,
@@ -56,6 +58,8 @@ ROWS = (
     "replay-pg-w2",
     "new-pg-redis",
     "replay-pg-redis",
+    "new-citus",
+    "replay-citus",
     "peer-plain",
     "peer-new",
     "peer-replay",

@@ -24,9 +24,11 @@ from hypothesis import settings
 from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
+from tests.support.citus import CitusCluster, CitusUnavailable
 from tests.support.loop import run_private
+from tests.support.pgserver import PostgresUnavailable
 from tests.support.prerequisites import missing
-from tests.support.stores import migrate_postgres, opened
+from tests.support.stores import distribute_postgres, empty_jobs, migrate_postgres, opened
 
 # Property-based tests draw the same examples on every run by default ("repeatable"): a failure
 # in one run is a failure in every run, never a draw of luck in CI. A search for new failures
@@ -325,6 +327,49 @@ def pg_dsn(pg_clones: TemplateClones) -> Iterator[str]:
 def sqlite_dsn(tmp_path: Path) -> str:
     """A new SQLite database file for one test."""
     return f"sqlite:///{tmp_path}/idemproxy.db"
+
+
+@pytest.fixture(scope="session")
+def citus_cluster() -> Iterator[CitusCluster]:
+    """A real Citus cluster, a coordinator and two workers (tests/support/citus.py), for the
+    whole session: starting one costs seconds, emptying its tables milliseconds."""
+    try:
+        cluster = CitusCluster()
+    except (CitusUnavailable, PostgresUnavailable) as exc:
+        missing(str(exc))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def citus_database(citus_cluster: CitusCluster) -> str:
+    """The session's database on the cluster: migrated, both tables distributed by owner."""
+    dsn = run_private(citus_cluster.create_database("idemproxy_test"))
+    run_private(distribute_postgres(dsn))
+    return dsn
+
+
+@pytest.fixture
+def citus_dsn(citus_database: str) -> str:
+    """The cluster's database, emptied for one test (its shards on both workers)."""
+    run_private(empty_jobs(citus_database))
+    return citus_database
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("citus", marks=pytest.mark.citus),
+    ]
+)
+def replicated_dsn(request: pytest.FixtureRequest) -> str:
+    """A database that several stores (replicas) share: PostgreSQL, then a Citus cluster's
+    coordinator, where statements routed to a worker must still wake the other replicas."""
+    dsn: str = request.getfixturevalue({"postgres": "pg_dsn", "citus": "citus_dsn"}[request.param])
+    return dsn
 
 
 _DSN_FIXTURES = {"sqlite": "sqlite_dsn", "postgres": "pg_dsn"}

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from idemproxy import __version__
 from idemproxy.cli_help import describe_defaults, describe_setting_flags
 from idemproxy.config import Settings, load_settings, parse_listen
-from idemproxy.errors import ConfigError, IdemproxyError, StoreUnreachable
+from idemproxy.errors import ConfigError, IdemproxyError, NotDistributable, StoreUnreachable
 from idemproxy.units import DURATION_HELP, SIZE_HELP
 
 # Flag name → settings field (dotted for nested settings).
@@ -77,6 +77,47 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"idemproxy {__version__}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
+    _add_serve(commands)
+
+    migrate = commands.add_parser("migrate", help="apply the store's SQL migrations")
+    _config_flag(migrate)
+    migrate.add_argument("--store", metavar="DSN", help="the store to migrate")
+    migrate.add_argument(
+        "--distribute",
+        action="store_true",
+        help="then distribute both tables by owner, co-located (a Citus coordinator only;"
+        " idempotent)",
+    )
+    describe_setting_flags(migrate, {"store": "store"})
+    migrate.set_defaults(run=_migrate)
+
+    demo = commands.add_parser("demo", help="show a double click becoming one execution")
+    demo.add_argument(
+        "--webhooks",
+        action="store_true",
+        help="instead: a webhook receiver under Stripe- and Standard-Webhooks-style redelivery"
+        " storms (docs/webhooks.md)",
+    )
+    demo.set_defaults(run=_demo)
+
+    from idemproxy.batch.cli import add_batch_commands
+
+    add_batch_commands(commands)
+
+    from idemproxy.contract_cli import add_contract_commands
+
+    add_contract_commands(commands)
+
+    from idemproxy.ops.cli import add_jobs_commands, add_store_commands
+
+    add_jobs_commands(commands)
+    add_store_commands(commands)
+    describe_defaults(parser)
+    return parser
+
+
+def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`idemproxy serve` and its flags (each described in --help with its variable)."""
     serve = commands.add_parser("serve", help="run the proxy")
     _config_flag(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="the proxy's address")
@@ -163,36 +204,6 @@ def _parser() -> argparse.ArgumentParser:
     describe_setting_flags(serve, {**_SERVE_FLAGS, "require_key": "require_key"})
     serve.set_defaults(run=_serve)
 
-    migrate = commands.add_parser("migrate", help="apply the store's SQL migrations")
-    _config_flag(migrate)
-    migrate.add_argument("--store", metavar="DSN", help="the store to migrate")
-    describe_setting_flags(migrate, {"store": "store"})
-    migrate.set_defaults(run=_migrate)
-
-    demo = commands.add_parser("demo", help="show a double click becoming one execution")
-    demo.add_argument(
-        "--webhooks",
-        action="store_true",
-        help="instead: a webhook receiver under Stripe- and Standard-Webhooks-style redelivery"
-        " storms (docs/webhooks.md)",
-    )
-    demo.set_defaults(run=_demo)
-
-    from idemproxy.batch.cli import add_batch_commands
-
-    add_batch_commands(commands)
-
-    from idemproxy.contract_cli import add_contract_commands
-
-    add_contract_commands(commands)
-
-    from idemproxy.ops.cli import add_jobs_commands, add_store_commands
-
-    add_jobs_commands(commands)
-    add_store_commands(commands)
-    describe_defaults(parser)
-    return parser
-
 
 def _config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -252,20 +263,33 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     from idemproxy.store.factory import create_store
+    from idemproxy.store.postgres.store import PostgresStore
 
     # Only the store matters here: an upstream is not required to migrate.
     settings = _settings(args, {"store": "store"}, upstream="http://migrate.invalid")
 
-    async def run() -> list[str]:
+    async def run() -> tuple[list[str], list[str] | None]:
         store = create_store(settings.store)
+        if args.distribute and not isinstance(store, PostgresStore):
+            raise NotDistributable(
+                "store: --distribute needs a PostgreSQL store on a Citus coordinator"
+            )
         await store.open()
         try:
-            return await store.migrate()
+            applied = await store.migrate()
+            if args.distribute and isinstance(store, PostgresStore):
+                return applied, await store.distribute()
+            return applied, None
         finally:
             await store.close()
 
-    applied = asyncio.run(run())
+    applied, distributed = asyncio.run(run())
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied else ""))
+    if distributed is not None:
+        print(
+            f"distributed {len(distributed)} table(s) by owner"
+            + (f": {', '.join(distributed)}" if distributed else " (both already were)")
+        )
     return 0
 
 

@@ -68,6 +68,10 @@ class ConfigError(IdemproxyError):
     """Invalid configuration."""
 
 
+class NotDistributable(IdemproxyError):
+    """`idemproxy migrate --distribute` cannot distribute the store's tables as SPEC §11 needs."""
+
+
 class ListenFailed(IdemproxyError):
     """A configured address cannot be listened on."""
 

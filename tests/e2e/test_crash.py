@@ -72,7 +72,7 @@ CASES = [
 
 @pytest.fixture
 def store_of(request: pytest.FixtureRequest) -> str:
-    fixture = {"postgres": "pg_dsn", "sqlite": "sqlite_store"}[request.param]
+    fixture = {"postgres": "pg_dsn", "citus": "citus_dsn", "sqlite": "sqlite_store"}[request.param]
     dsn: str = request.getfixturevalue(fixture)
     return dsn
 
@@ -168,7 +168,13 @@ TAKEOVER_BOUND = 2 * LEASE + 0.2
 
 
 @pytest.mark.parametrize(
-    "store_of", [pytest.param("postgres", marks=pytest.mark.postgres), "sqlite"], indirect=True
+    "store_of",
+    [
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("citus", marks=pytest.mark.citus),
+        "sqlite",
+    ],
+    indirect=True,
 )
 async def test_a_killed_proxys_job_becomes_unknown_with_no_retry(
     store_of: str, backend: Backend, start_proxy: StartProxy, run_cli: RunCli

@@ -28,11 +28,17 @@ BOB = hashlib.sha256(b"Bearer bob").hexdigest()
 SECRET = b'{"card": "4242-secret"}'
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param("postgres", marks=pytest.mark.postgres),
+        pytest.param("citus", marks=pytest.mark.citus),
+    ]
+)
 def dsn(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/jobs.db"
-    pg: str = request.getfixturevalue("pg_dsn")
+    pg: str = request.getfixturevalue("citus_dsn" if request.param == "citus" else "pg_dsn")
     return pg
 
 

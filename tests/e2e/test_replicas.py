@@ -24,8 +24,10 @@ WAKE_BUDGET = 1.0
 
 
 async def test_duplicates_split_across_two_processes_execute_once(
-    pg_dsn: str, backend: Backend, start_proxy: StartProxy
+    replicated_dsn: str, backend: Backend, start_proxy: StartProxy
 ) -> None:
+    """On PostgreSQL and on a Citus cluster's coordinator alike (whose workers hold the job)."""
+    pg_dsn = replicated_dsn
     assert WAKE_BUDGET < WAITER_RECHECK_SECONDS - UPSTREAM_DELAY
     proxies = await asyncio.gather(
         start_proxy("--upstream", backend.url, "--store", pg_dsn, name="replica-a"),

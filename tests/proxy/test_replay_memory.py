@@ -55,8 +55,10 @@ class Proxy:
 
 
 @pytest.fixture
-async def proxy(pg_dsn: str, backend_url: str) -> AsyncIterator[Proxy]:
-    """The proxy and its admin listener, on the store `idemproxy serve` would build."""
+async def proxy(replicated_dsn: str, backend_url: str) -> AsyncIterator[Proxy]:
+    """The proxy and its admin listener, on the store `idemproxy serve` would build: on
+    PostgreSQL, then on a Citus cluster (whose deletions must be announced as well)."""
+    pg_dsn = replicated_dsn
     settings = load_settings(
         upstream=backend_url, store=pg_dsn, owner={"strategy": "header:X-User"}
     )
@@ -116,8 +118,9 @@ async def test_a_job_deleted_on_the_admin_api_is_never_replayed(
 
 
 async def test_a_job_deleted_by_the_jobs_cli_in_another_process_is_not_replayed(
-    proxy: Proxy, ledger: Ledger, pg_dsn: str
+    proxy: Proxy, ledger: Ledger, replicated_dsn: str
 ) -> None:
+    pg_dsn = replicated_dsn
     _, headers, _ = await proxy.post("k1", user="alice")
     assert (await proxy.post("k1", user="alice"))[1][REPLAYED] == "true"
     cli = await asyncio.create_subprocess_exec(

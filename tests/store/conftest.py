@@ -1,5 +1,6 @@
-"""The store contract runs on a third store besides SQLite and PostgreSQL: PostgreSQL behind
-the in-process replay cache, as `idemproxy serve` runs it (store/cache/memory.py)."""
+"""The store contract runs on four stores: SQLite, PostgreSQL, PostgreSQL behind the in-process
+replay cache, as `idemproxy serve` runs it (store/cache/memory.py), and a Citus cluster (a
+coordinator and two workers, tests/support/citus.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from idemproxy.store.factory import create_store
 from tests.support.stores import CacheBounds, opened
 
 _CACHED = "postgres+memory"
-_DSN_FIXTURES = {"sqlite": "sqlite_dsn", "postgres": "pg_dsn", _CACHED: "pg_dsn"}
+_DSN_FIXTURES = {
+    "sqlite": "sqlite_dsn",
+    "postgres": "pg_dsn",
+    _CACHED: "pg_dsn",
+    "citus": "citus_dsn",
+}
 # A cache that keeps anything a test makes: its bounds have tests of their own.
 _UNBOUNDED: CacheBounds = {"max_bytes": 1 << 30, "max_body": 1 << 30, "ttl": 3600.0}
 
@@ -25,6 +31,8 @@ _UNBOUNDED: CacheBounds = {"max_bytes": 1 << 30, "max_body": 1 << 30, "ttl": 360
         "sqlite",
         pytest.param("postgres", marks=pytest.mark.postgres),
         pytest.param(_CACHED, marks=pytest.mark.postgres),
+        # A coordinator and two workers of the tests' own, both tables distributed by owner.
+        pytest.param("citus", marks=pytest.mark.citus),
     ]
 )
 def store_dsn(request: pytest.FixtureRequest) -> str:

@@ -1,6 +1,9 @@
 """Every hot-path statement can be routed to one shard when the tables are distributed by owner
 (SPEC §11: `owner` leads every key, so that Citus can shard both tables by it).
 
+This is the static check, which runs everywhere; tests/store/test_citus.py asks a real Citus
+cluster with EXPLAIN that each of these statements is planned as a router query on one shard.
+
 A statement is routable when every reference to `jobs` or `attempts` in it is pinned to one
 owner: an INSERT lists `owner` among its columns (and in its conflict target) and takes its
 value from the parameter, and an UPDATE, DELETE or SELECT names `owner = <the parameter>` in its
@@ -56,6 +59,7 @@ CROSS_OWNER = {
         "stale_unknown",
         "expired_leases",
         "sweep_expired",
+        "sweep_expired_distributed",
         "list_jobs",
         "count_unknown",
         "ping",

@@ -421,9 +421,8 @@ async def test_settle_wakes_watchers(store: Store, state: JobState) -> None:
         assert await sub.wait(WAKE_TIMEOUT)
 
 
-@pytest.mark.postgres
-async def test_a_second_replica_is_woken_through_notify(pg_dsn: str) -> None:
-    async with open_store(pg_dsn) as first, open_store(pg_dsn) as second:
+async def test_a_second_replica_is_woken_through_notify(replicated_dsn: str) -> None:
+    async with open_store(replicated_dsn) as first, open_store(replicated_dsn) as second:
         await wait_until_listening(second)
         claimed = await claim(first)
         async with second.watching(claimed.job.id) as sub:
@@ -443,10 +442,9 @@ async def test_watch_job_of_a_finished_job_returns_it_as_it_is(store: Store) -> 
     assert await store.watch_job(claimed.job.owner, "no-such-key") is None
 
 
-@pytest.mark.postgres
-async def test_changes_of_unwatched_jobs_cost_no_notification(pg_dsn: str) -> None:
+async def test_changes_of_unwatched_jobs_cost_no_notification(replicated_dsn: str) -> None:
     """SPEC §2.3 + performance: NOTIFY is serialised server-wide; only held duplicates pay it."""
-    async with open_store(pg_dsn) as first, open_store(pg_dsn) as second:
+    async with open_store(replicated_dsn) as first, open_store(replicated_dsn) as second:
         await wait_until_listening(second)
         claimed = await claim(first)
         async with second.watching(claimed.job.id) as sub:  # subscribed, but never announced

@@ -672,6 +672,9 @@ async def test_delete_wakes_waiters(store: Store) -> None:
 
 
 async def test_stale_unknown_lists_old_unknown_jobs_oldest_first(store: Store) -> None:
+    # "young" must stay younger than `stale_after` through the checks below, which on a loaded
+    # machine (a Citus cluster's multi-shard reads included) take a good part of a second.
+    stale_after, aged = 1.5, 1.8
     old = []
     for i in range(3):
         old.append(await unknown_job(store, f"old-{i}"))
@@ -684,22 +687,23 @@ async def test_stale_unknown_lists_old_unknown_jobs_oldest_first(store: Store) -
     assert await store.settle(released.job, 1, JobState.RELEASED, status=503)
     resolved = await unknown_job(store, "resolved")
     assert await store.resolve(resolved, JobState.RELEASED)
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(aged)
     young = await unknown_job(store, "young")
 
-    stale = await store.stale_unknown(0.3, 10)
+    stale = await store.stale_unknown(stale_after, 10)
     assert [job.id for job in stale] == [job.id for job in old]
     assert all(job.state is JobState.UNKNOWN for job in stale)
-    assert [job.id for job in await store.stale_unknown(0.3, 2)] == [job.id for job in old[:2]]
+    first_two = await store.stale_unknown(stale_after, 2)
+    assert [job.id for job in first_two] == [job.id for job in old[:2]]
     assert young.id in {job.id for job in await store.stale_unknown(0, 10)}
     assert await store.stale_unknown(60, 10) == []
 
     # A job becomes stale when it last changed, not when it was created.
-    assert await store.stale_unknown(0.3, 10) == stale
+    assert await store.stale_unknown(stale_after, 10) == stale
     settled_late = await claim(store, "settled-late")
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(aged)
     assert await store.settle(settled_late.job, 1, JobState.UNKNOWN, error="timeout")
-    assert settled_late.job.id not in {job.id for job in await store.stale_unknown(0.3, 10)}
+    assert settled_late.job.id not in {job.id for job in await store.stale_unknown(stale_after, 10)}
 
 
 async def test_stale_unknown_jobs_can_be_released_by_their_version(store: Store) -> None:

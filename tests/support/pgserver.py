@@ -24,7 +24,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +86,15 @@ def _version(path: Path) -> tuple[int, ...]:
 class ThrowawayPostgres:
     """One private PostgreSQL server: `start()`, break it in various ways, `destroy()`."""
 
-    def __init__(self, root: Path | None = None, *, port: int | None = None) -> None:
+    def __init__(
+        self,
+        root: Path | None = None,
+        *,
+        port: int | None = None,
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
         self.bindir = find_bindir()
+        self._settings = {**_SERVER_SETTINGS, **(settings or {})}
         self.root = Path(root or tempfile.mkdtemp(prefix="idemproxy-pg-"))
         self.data = self.root / "data"
         self.log_path = self.root / "postgres.log"
@@ -261,7 +268,7 @@ class ThrowawayPostgres:
             )
 
     def _flags(self) -> list[str]:
-        settings = {**_SERVER_SETTINGS, "unix_socket_directories": str(self.root)}
+        settings = {**self._settings, "unix_socket_directories": str(self.root)}
         return [arg for name, value in settings.items() for arg in ("-c", f"{name}={value}")]
 
     def _command(self, program: str, *args: str) -> list[str]:

@@ -6,6 +6,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import TypedDict, TypeVar
 
+import asyncpg
+
 from idemproxy.store.base import Store
 from idemproxy.store.postgres.store import Connections, PostgresStore
 
@@ -35,3 +37,19 @@ async def migrate_postgres(dsn: str) -> None:
     """Apply every migration to the PostgreSQL database at `dsn` (for a template database)."""
     async with opened(PostgresStore(dsn, connections=Connections(1, 1), listen=False)):
         pass
+
+
+async def distribute_postgres(dsn: str) -> None:
+    """Migrate the Citus coordinator's database at `dsn` and distribute both tables by owner."""
+    store = PostgresStore(dsn, connections=Connections(1, 1), listen=False)
+    async with opened(store):
+        await store.distribute()
+
+
+async def empty_jobs(dsn: str) -> None:
+    """Delete every job and attempt at `dsn` (on Citus, from every shard)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("TRUNCATE idemproxy.jobs, idemproxy.attempts")
+    finally:
+        await conn.close()

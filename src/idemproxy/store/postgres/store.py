@@ -40,6 +40,13 @@ from idemproxy.store.batching import (
     complete_group,
 )
 from idemproxy.store.feed import stop_feed
+from idemproxy.store.postgres.citus import (
+    ClaimRow,
+    change_then_add_attempt,
+    citus_version,
+    claim_distributed,
+    distribute,
+)
 from idemproxy.store.postgres.errors import (
     DRIVER_ERRORS,
     translate_connect_errors,
@@ -111,6 +118,9 @@ class PostgresStore(Store):
         self._pool: asyncpg.Pool | None = None
         self._kept: KeptConnections | None = None
         self._listener: asyncio.Task[None] | None = None
+        # The Citus version when the database is a Citus coordinator (read at open): job
+        # changes are then announced from the coordinator and the sweep takes its variant.
+        self.citus: str | None = None
         self._renewals = (
             RenewalConnections(
                 dsn, size=connections.lease, timeout=command_timeout, init=_init_connection
@@ -149,6 +159,8 @@ class PostgresStore(Store):
             )
             if self._renewals is not None:
                 await self._renewals.open()
+            async with self._pool.acquire() as conn:
+                self.citus = await citus_version(conn, self._sql)
         if self._listen:
             self._listener = asyncio.create_task(
                 listen_forever(self._dsn, self.watch, timeout=self._command_timeout),
@@ -197,6 +209,13 @@ class PostgresStore(Store):
                     applied.append(version)
         return applied
 
+    async def distribute(self) -> list[str]:
+        """Distribute both tables by owner, co-located (Citus only; idempotent): the tables it
+        distributed. Under the migration lock, so that it never races a migration."""
+        async with self._connection("distribute") as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _MIGRATION_LOCK)
+            return await distribute(conn, self._sql)
+
     async def claim(
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
@@ -205,8 +224,10 @@ class PostgresStore(Store):
             return await self.claims.submit(request)
 
     async def _claim_batch(self, batch: list[ClaimRequest]) -> list[ClaimResult | BaseException]:
-        """`claims`' statement: a lone claim alone, several in one `claim_batch`."""
-        if len(batch) == 1:
+        """`claims`' statement: a lone claim alone, several in one `claim_batch`. On Citus each
+        alone: it plans `INSERT … SELECT … FROM unnest` through the coordinator, not as a router
+        query on the owner's shard (queries.sql, the distributed forms)."""
+        if len(batch) == 1 or self.citus is not None:
             return await _each(self._claim_alone, batch)
         first = batch[0].intent
         columns = _claim_columns(batch)
@@ -237,12 +258,9 @@ class PostgresStore(Store):
             intent.fingerprint,
             intent.method,
             intent.path,
-            request.ttl,
-            request.upstream,
-            request.lease,
         )
         for _ in range(_CLAIM_RETRIES):
-            row = await self._fetchrow("claim", *args, observe=False)
+            row = await self._claim_row(args, request.ttl, request.upstream, request.lease)
             if row is None:
                 # A concurrent claim committed while this one waited: read it afresh.
                 row = await self._fetchrow("get_job", intent.owner, intent.key, observe=False)
@@ -272,6 +290,16 @@ class PostgresStore(Store):
             return await self.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
         return Claimed(job_from_row(row), 1) if row["created"] else Existing(job_from_row(row))
 
+    async def _claim_row(
+        self, args: tuple[str, ...], ttl: float, upstream: str, lease: float
+    ) -> ClaimRow | None:
+        if self.citus is None:
+            return await self._fetchrow("claim", *args, ttl, upstream, lease, observe=False)
+        job = (*args, ttl, lease)
+        return await self._run(
+            "claim", lambda c: claim_distributed(c, self._sql, job, upstream), False
+        )
+
     async def get(self, owner: str, key: str) -> Job | None:
         row = await self._fetchrow("get_job", owner, key)
         return None if row is None else job_from_row(row)
@@ -285,8 +313,9 @@ class PostgresStore(Store):
             return await self.completions.submit(CompleteRequest(job, attempt, response, ttl))
 
     async def _complete_batch(self, batch: list[CompleteRequest]) -> list[bool | BaseException]:
-        """`completions`' statement: a lone one alone, several in one `complete_batch`."""
-        if len(batch) == 1:
+        """`completions`' statement: a lone one alone, several in one `complete_batch` (on
+        Citus each alone, as in `_claim_batch`)."""
+        if len(batch) == 1 or self.citus is not None:
             return await _each(self._complete_alone, batch)
         columns = _complete_columns(batch)
         owner = batch[0].job.owner
@@ -316,7 +345,7 @@ class PostgresStore(Store):
             key_id,
             observe=False,
         )
-        return row is not None
+        return await self._announced(job, row, watched_only=True)
 
     async def settle(
         self,
@@ -331,7 +360,7 @@ class PostgresStore(Store):
         row = await self._fetchrow(
             "settle", *_cas(job), attempt, job_state.value, attempt_state.value, status, error
         )
-        return row is not None
+        return await self._announced(job, row, watched_only=True)
 
     async def finish_attempt(
         self,
@@ -346,7 +375,14 @@ class PostgresStore(Store):
         await self._execute("finish_attempt", job.owner, job.id, attempt, ended, status, error)
 
     async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
-        row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))
+        if self.citus is None:
+            row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))
+        else:
+            change = ("start_next_attempt_distributed", (*_cas(job), float(lease)))
+            row = await self._run(
+                "start_next_attempt",
+                lambda c: change_then_add_attempt(c, self._sql, change, upstream),
+            )
         return _claimed(row)
 
     async def fail_over(
@@ -359,14 +395,28 @@ class PostgresStore(Store):
         lease: float,
     ) -> Claimed | None:
         status, error = failure
-        row = await self._fetchrow(
-            "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
-        )
+        if self.citus is None:
+            row = await self._fetchrow(
+                "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
+            )
+        else:
+            change = ("fail_over_distributed", (*_cas(job), float(lease)))
+            failed = (job.owner, job.id, attempt, "failed", status, error)
+            row = await self._run(
+                "fail_over",
+                lambda c: change_then_add_attempt(c, self._sql, change, upstream, failed),
+            )
         return _claimed(row)
 
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
-        row = await self._fetchrow("add_attempt", *_cas(job), upstream, float(lease))
-        return None if row is None else int(row["number"])
+        if self.citus is None:
+            row = await self._fetchrow("add_attempt", *_cas(job), upstream, float(lease))
+            return None if row is None else int(row["number"])
+        change = ("add_attempt_distributed", (*_cas(job), float(lease)))
+        row = await self._run(
+            "add_attempt", lambda c: change_then_add_attempt(c, self._sql, change, upstream)
+        )
+        return None if row is None else int(row["attempt_count"])
 
     async def renew_lease(self, job: Job, *, lease: float) -> bool:
         sql, args = self._sql["renew_lease"], (*_cas(job), float(lease))
@@ -379,7 +429,7 @@ class PostgresStore(Store):
                 return bool(await renewals.fetch(sql, *args))
 
     async def take_over(self, job: Job) -> bool:
-        return await self._fetchrow("take_over", *_cas(job)) is not None
+        return await self._announced(job, await self._fetchrow("take_over", *_cas(job)))
 
     async def forget(self, job: Job) -> bool:
         return await self._execute("forget", *_cas(job)) == "DELETE 1"
@@ -410,7 +460,8 @@ class PostgresStore(Store):
         resolution: str = "operator",
     ) -> bool:
         if state is JobState.RELEASED:
-            return await self._fetchrow("resolve_released", *_cas(job), resolution) is not None
+            row = await self._fetchrow("resolve_released", *_cas(job), resolution)
+            return await self._announced(job, row)
         if state is not JobState.COMPLETED or response is None or response.omitted:
             raise ValueError("resolve as completed needs a response with a body")
         headers, body, key_id = response_columns(response)
@@ -424,7 +475,7 @@ class PostgresStore(Store):
             float(ttl),
             key_id,
         )
-        return row is not None
+        return await self._announced(job, row)
 
     async def to_reseal(self, primary: str | None, after: Job | None, limit: int) -> list[Job]:
         start = ("", _NIL_UUID) if after is None else (after.owner, uuid.UUID(after.id))
@@ -439,7 +490,7 @@ class PostgresStore(Store):
         row = await self._fetchrow(
             "reseal_response", *_cas(job), read_with, sealed.sealed, sealed.key_id
         )
-        return row is not None
+        return await self._announced(job, row)  # the replay caches drop the old box
 
     async def late_to_reseal(
         self, primary: str | None, after: LateResponse | None, limit: int
@@ -468,7 +519,7 @@ class PostgresStore(Store):
         return status == "UPDATE 1"
 
     async def delete(self, job: Job, *, force: bool = False) -> bool:
-        return await self._fetchrow("delete_job", *_cas(job), force) is not None
+        return await self._announced(job, await self._fetchrow("delete_job", *_cas(job), force))
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:
         rows = await self._run(
@@ -484,7 +535,8 @@ class PostgresStore(Store):
         return [job_from_row(row) for row in rows]
 
     async def sweep_expired(self, batch_size: int) -> int:
-        status = await self._execute("sweep_expired", batch_size)
+        name = "sweep_expired" if self.citus is None else "sweep_expired_distributed"
+        status = await self._run("sweep_expired", lambda c: c.execute(self._sql[name], batch_size))
         return int(status.rsplit(" ", 1)[-1])
 
     async def list_jobs(
@@ -511,6 +563,22 @@ class PostgresStore(Store):
 
     async def ping(self) -> None:
         await self._fetchrow("ping")
+
+    async def _announced(
+        self, job: Job, row: asyncpg.Record | None, *, watched_only: bool = False
+    ) -> bool:
+        """Whether the statement changed the job (`row`); on Citus, the change is then announced
+        from the coordinator, where the proxies LISTEN (queries.sql `notify`). After the commit,
+        not in it: a proxy that dies in between leaves waiters to their periodic re-read
+        (WAITER_RECHECK_SECONDS), and a replay cache to its entry's TTL (docs/deploy.md)."""
+        if row is None:
+            return False
+        if self.citus is not None and (not watched_only or row["watched"]):
+            # The change is committed: its caller must hear so even if the announcement fails
+            # (which `_call` logs).
+            with contextlib.suppress(StoreUnavailable):
+                await self._execute("notify", job.id)
+        return True
 
     async def _fetchrow(self, name: str, *args: Any, observe: bool = True) -> asyncpg.Record | None:
         return await self._run(name, lambda c: c.fetchrow(self._sql[name], *args), observe)
@@ -591,7 +659,7 @@ async def _each(alone: Callable[[Q], Awaitable[R]], batch: list[Q]) -> list[R | 
     return await asyncio.gather(*(alone(request) for request in batch), return_exceptions=True)
 
 
-def _claim_result(row: asyncpg.Record) -> ClaimResult:
+def _claim_result(row: ClaimRow) -> ClaimResult:
     job = job_from_row(row)
     return Claimed(job, 1) if row.get("created", False) else Existing(job)
 

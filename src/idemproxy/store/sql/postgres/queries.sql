@@ -95,10 +95,16 @@ WHERE owner = $1 AND key = $2;
 -- A duplicate is about to wait (SPEC §2.3): from now on every state change of the job is
 -- announced. A row comes back only when this statement marked a job that is still in flight;
 -- otherwise the caller re-reads it (it may have changed while this statement waited).
-UPDATE idemproxy.jobs
-SET watched = true
-WHERE owner = $1 AND key = $2 AND state = 'in_flight' AND NOT watched
-RETURNING *, expires_at <= now() AS expired, lease_expires_at <= now() AS lease_expired;
+-- `now()` is compared outside the UPDATE: Citus refuses functions that are not IMMUTABLE in
+-- the RETURNING clause of a distributed UPDATE, and runs the CTE form on the one shard.
+WITH marked AS (
+    UPDATE idemproxy.jobs
+    SET watched = true
+    WHERE owner = $1 AND key = $2 AND state = 'in_flight' AND NOT watched
+    RETURNING *
+)
+SELECT *, expires_at <= now() AS expired, lease_expires_at <= now() AS lease_expired
+FROM marked;
 
 -- name: get_job_by_id
 -- Operators only know the id; not on the hot path.
@@ -152,7 +158,9 @@ WITH won AS (
         late_key = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $11::text END
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state IN ('started', 'unknown')
 )
-SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
+-- `watched` tells a store on Citus to announce the change from the coordinator (`notify`).
+SELECT watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
+FROM won;
 
 -- name: complete_batch
 -- Group commit (store/batching.py): the completions of one owner that queued while the previous
@@ -216,7 +224,8 @@ WITH settled AS (
     SET state = $6, status = $7, error = $8, finished_at = now(), lease_expires_at = NULL
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state = 'started'
 )
-SELECT CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM settled;
+SELECT watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
+FROM settled;
 
 -- name: finish_attempt
 -- One attempt of several (hedging) ended without a result; the job is left to the others.
@@ -379,6 +388,18 @@ WHERE (owner, id) IN (
     FOR UPDATE SKIP LOCKED
 );
 
+-- name: sweep_expired_distributed
+-- The sweep on Citus, which refuses `FOR UPDATE` in a query over several shards: the batch is
+-- read from every shard first (a subplan), then deleted where it is still expired and terminal.
+-- Two sweepers may pick the same rows; the second then deletes fewer, never a live job.
+DELETE FROM idemproxy.jobs
+WHERE expires_at <= now() AND state IN ('completed', 'released') AND (owner, id) IN (
+    SELECT owner, id FROM idemproxy.jobs
+    WHERE expires_at <= now() AND state IN ('completed', 'released')
+    ORDER BY expires_at
+    LIMIT $1
+);
+
 -- name: list_jobs
 SELECT *, expires_at <= now() AS expired,
        state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
@@ -442,3 +463,73 @@ UPDATE idemproxy.attempts
 SET late_headers = NULL, late_body = $5, late_key = $6
 WHERE owner = $1 AND job_id = $2 AND number = $3 AND late_body IS NOT NULL
   AND late_key IS NOT DISTINCT FROM $4;
+
+-- The statements below are the Citus forms of `claim`, `start_next_attempt`, `fail_over` and
+-- `add_attempt`. Citus plans an `INSERT … SELECT … FROM <cte>` in steps through the coordinator
+-- (the CTE's rows become an intermediate result), not as a router query, so on Citus the store
+-- runs the job's change and the attempt's insert as two router statements in one transaction
+-- on the one shard (store/postgres/citus.py). Each mirrors its single-statement form above.
+
+-- name: claim_job_distributed
+-- `claim` without its reads: the caller read the job first (`get_job`) and found none.
+INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
+                            lease_expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7), now() + make_interval(secs => $8))
+ON CONFLICT (owner, key) DO NOTHING
+RETURNING *, false AS expired, false AS lease_expired;
+
+-- name: start_next_attempt_distributed
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'released'
+    RETURNING *
+)
+SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
+
+-- name: fail_over_distributed
+-- The attempt that failed is then ended by `finish_attempt`, the next one added by `add_attempt_row`.
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET version = version + 1, attempt_count = attempt_count + 1,
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+    RETURNING *
+)
+SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
+
+-- name: add_attempt_distributed
+UPDATE idemproxy.jobs
+SET attempt_count = attempt_count + 1,
+    lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+RETURNING id, attempt_count, lease_expires_at;
+
+-- name: add_attempt_row
+INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
+VALUES ($1, $2, $3, $4, $5);
+
+-- name: citus_version
+-- The Citus extension's version in this database, or no row on a plain PostgreSQL. The store
+-- reads it once at start-up to pick the statements and wake-ups a distributed store needs.
+SELECT extversion FROM pg_extension WHERE extname = 'citus';
+
+-- name: notify
+-- A job change announced from the node the proxies LISTEN on. On Citus a statement routed to a
+-- worker raises its `pg_notify` there, where nobody listens; the store then sends this on the
+-- coordinator once the statement has committed (SPEC §11 change feed).
+SELECT pg_notify('idemproxy_jobs', $1);
+
+-- name: distributed_tables
+-- How `jobs` and `attempts` are distributed (`idemproxy migrate --distribute`): one row per
+-- table Citus knows, with its distribution column and co-location group.
+SELECT table_name::text AS table_name, citus_table_type, distribution_column, colocation_id
+FROM citus_tables
+WHERE table_name IN ('idemproxy.jobs'::regclass, 'idemproxy.attempts'::regclass);
+
+-- name: distribute_jobs
+SELECT create_distributed_table('idemproxy.jobs', 'owner');
+
+-- name: distribute_attempts
+SELECT create_distributed_table('idemproxy.attempts', 'owner', colocate_with => 'idemproxy.jobs');
