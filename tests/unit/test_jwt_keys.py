@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
+import jwt
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
@@ -17,7 +19,7 @@ from pydantic import ValidationError
 from idemproxy.cli import main
 from idemproxy.config import JwtSettings, OwnerSettings, load_settings
 from idemproxy.errors import ConfigError
-from idemproxy.identity.jwt_keys import load_keys
+from idemproxy.identity.jwt_keys import load_keys, parse_jwks
 from idemproxy.identity.jwt_owner import JwtVerifier
 from idemproxy.identity.owner import OwnerPolicy, owner_policy
 from tests.support.jwtkit import (
@@ -276,3 +278,71 @@ class TestJwks:
         assert set(ring.by_kid) == {"sig"}
         assert ring.default is not None and ring.default.algorithms == ("RS256",)
         assert "no signing key" in config_error(str(jwks), ["ES384"])
+
+
+def unusable_entries() -> list[Any]:
+    """JWKS entries the proxy cannot verify a token with, as identity providers publish them
+    beside their signing keys (RFC 7517 §5: ignored, not fatal)."""
+    return [
+        public_jwk(rsa_key(3), "oaep", alg="RSA-OAEP"),  # encryption, named by alg only
+        public_jwk(rsa_key(4, 1024), "weak"),
+        {"kty": "AKP", "kid": "pq", "alg": "ML-DSA-44", "pub": "AAAA"},
+        public_jwk(ec_key(), "ecdh", alg="ECDH-ES"),
+        {"kty": "OKP", "crv": "X25519", "kid": "x25519", "x": "AAAA"},
+        {**public_jwk(rsa_key(5), "enc-private", use="enc"), "d": "AQAB"},
+        {"kty": "EC", "crv": "P-192", "kid": "p192", "x": "AAAA", "y": "AAAA"},
+        {**public_jwk(rsa_key(6)), "kid": 7},
+        public_jwk(rsa_key(7), "none", alg="none"),
+        {"kty": "RSA", "kid": "broken", "n": "!!", "e": "AQAB"},
+        "not a key",
+    ]
+
+
+class TestUnusableJwksEntries:
+    def test_they_are_left_out_logged_and_the_rest_loads(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        good = public_jwk(rsa_key(2), "good", alg="RS256")
+        jwks = write_jwks(tmp_path / "jwks.json", *unusable_entries(), good)
+        with caplog.at_level(logging.WARNING, "idemproxy.owner"):
+            ring = load_keys(str(jwks), ["RS256", "ES256", "EdDSA"], {})
+        assert set(ring.by_kid) == {"good"}
+        assert len(ring.skipped) == len(unusable_entries())
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        # One line each, up to five, then a count: named by position and kid, with the reason.
+        assert "keys[0] (kid 'oaep'): fits none of owner.jwt.algorithms" in logged
+        assert "keys[1] (kid 'weak'): an RSA key of 1024 bits" in logged
+        assert "keys[2] (kid 'pq'): a key type no configured algorithm uses" in logged
+        assert "6 more keys left out" in logged
+        reasons = "\n".join(ring.skipped)
+        assert "keys[7] (kid '7'): kid is not a string" in reasons
+        assert "keys[5] (kid 'enc-private'): a private or symmetric key" in reasons
+        assert "keys[6] (kid 'p192'): an EC curve" in reasons
+        assert "keys[8] (kid 'none'): fits none" in reasons
+        assert "keys[9] (kid 'broken'): not a valid public JWK" in reasons
+        assert "keys[10]: not a JSON object" in reasons
+        assert "AQAB" not in logged  # never a key's bytes
+
+    def test_a_set_of_nothing_usable_is_refused_saying_why(self, tmp_path: Path) -> None:
+        jwks = write_jwks(tmp_path / "jwks.json", *unusable_entries())
+        message = config_error(str(jwks), ["RS256"])
+        assert message.startswith("owner.jwt.key: no signing key in the JWKS fits")
+        assert "keys[0] (kid 'oaep')" in message and "and 6 more" in message
+
+    def test_keys_for_other_curves_are_never_built(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Key type, curve and alg are checked first: a 1 MiB JWKS of keys no configured
+        algorithm takes costs no key construction (each takes about 40 µs)."""
+        built: list[object] = []
+        real = jwt.PyJWK
+
+        def counting(*args: Any) -> jwt.PyJWK:
+            built.append(args)
+            return real(*args)
+
+        monkeypatch.setattr(jwt, "PyJWK", counting)
+        entry = public_jwk(ec_key(0, "P-384"), "p384")
+        keys = [{**entry, "kid": f"k{n}"} for n in range(2000)]
+        data = json.dumps({"keys": [*keys, public_jwk(rsa_key(2), "good")]}).encode()
+        ring = parse_jwks(data, ["RS256"], "the JWKS")
+        assert set(ring.by_kid) == {"good"}
+        assert len(built) == 1
