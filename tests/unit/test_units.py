@@ -223,7 +223,8 @@ def test_only_ascii_digits(text: str) -> None:
 @pytest.mark.parametrize("value", [True, False])
 def test_a_boolean_is_neither_a_duration_nor_a_size(field: str, value: bool) -> None:
     with pytest.raises(ValidationError) as caught:
-        load_settings(upstream=UPSTREAM, **{field: value})
+        overrides: dict[str, object] = {field: value}
+        load_settings(upstream=UPSTREAM, **overrides)
     assert caught.value.errors()[0]["loc"] == (field,)
 
 
