@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import pytest
 import yaml
@@ -223,7 +223,7 @@ def test_only_ascii_digits(text: str) -> None:
 @pytest.mark.parametrize("value", [True, False])
 def test_a_boolean_is_neither_a_duration_nor_a_size(field: str, value: bool) -> None:
     with pytest.raises(ValidationError) as caught:
-        overrides: dict[str, object] = {field: value}
+        overrides: dict[str, Any] = {field: value}
         load_settings(upstream=UPSTREAM, **overrides)
     assert caught.value.errors()[0]["loc"] == (field,)
 
