@@ -19,6 +19,7 @@ from idemproxy import constants as c
 from idemproxy.identity.jwt_keys import parse_jwks
 from idemproxy.identity.jwt_owner import hash_claim
 from idemproxy.proxy.context import CONTEXT
+from idemproxy.proxy.idp import keys as remote_keys
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.idp import IdentityProvider
@@ -206,6 +207,49 @@ async def test_keys_the_proxy_cannot_use_are_left_out_and_a_rotation_still_loads
     assert len(left_out) == 6  # each once, though fetched twice
     assert all(r.levelno == logging.WARNING for r in left_out)
     assert "(kid 'oaep')" in left_out[0].getMessage()
+
+
+async def test_a_key_set_with_no_usable_key_is_a_failed_fetch(
+    make_proxy: ProxyFactory,
+    sqlite_dsn: str,
+    idp: IdentityProvider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    idp.jwks = [
+        public_jwk(rsa_key(3), "oaep", alg="RSA-OAEP"),
+        public_jwk(rsa_key(6), "n", alg="none"),
+    ]
+    with caplog.at_level(logging.WARNING, "idemproxy.owner"):
+        client = await make_proxy(store=sqlite_dsn, owner=owner(idp))
+    (logged,) = [r.getMessage() for r in caplog.records if "no keys yet" in r.getMessage()]
+    assert "no signing key in the JWKS fits owner.jwt.algorithms" in logged
+    assert "keys[0] (kid 'oaep')" in logged
+    assert client.app[CONTEXT].owner.not_ready() is not None
+    status, _ = await pay(client, signed("k1", 0))
+    assert status == 503
+
+
+async def test_keys_kept_through_a_day_of_failed_refreshes_are_an_error(
+    make_proxy: ProxyFactory,
+    sqlite_dsn: str,
+    idp: IdentityProvider,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kept however old (SPEC §5), but loudly: beyond STALE_KEYS_ERROR_SECONDS (a day; here
+    shortened) each failed refresh is logged at error level with the keys' age."""
+    monkeypatch.setattr(remote_keys, "STALE_KEYS_ERROR_SECONDS", 2.0)
+    client = await make_proxy(store=sqlite_dsn, owner=owner(idp, min_refresh_interval=0.6))
+    idp.status = 500
+    with caplog.at_level(logging.WARNING, "idemproxy.owner"):
+        for pause in (0.65, 1.5):  # the keys' age: about 0.7 s, then over 2 s
+            await asyncio.sleep(pause)
+            status, _ = await pay(client, signed("k2", 1))
+            assert status == 503
+    failed = [r for r in caplog.records if "refreshing the keys" in r.getMessage()]
+    assert (failed[0].levelno, failed[-1].levelno) == (logging.WARNING, logging.ERROR), failed
+    status, _ = await pay(client, signed("k1", 0), key="known")
+    assert status == 201  # the keys kept still verify
 
 
 async def test_a_large_jwks_is_parsed_without_stalling_other_requests(

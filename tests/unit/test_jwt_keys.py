@@ -346,3 +346,17 @@ class TestUnusableJwksEntries:
         ring = parse_jwks(data, ["RS256"], "the JWKS")
         assert set(ring.by_kid) == {"good"}
         assert len(built) == 1
+
+
+def test_a_jwks_file_of_unusable_keys_stops_the_start_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`alg: none` raised NotImplementedError out of the parser: a traceback, not a message."""
+    jwks = write_jwks(tmp_path / "jwks.json", public_jwk(rsa_key(7), "none", alg="none"))
+    args = ["serve", "--upstream", "http://127.0.0.1:9", "--store", "sqlite:///nowhere/x.db"]
+    flags = ["--owner", "jwt", "--jwt-key", str(jwks), "--jwt-algorithms", "RS256"]
+    assert main([*args, *flags, "--jwt-audience", AUDIENCE]) == 2
+    err = capsys.readouterr().err
+    assert "owner.jwt.key: no signing key in the JWKS fits owner.jwt.algorithms" in err
+    assert "keys[0] (kid 'none'): fits none of owner.jwt.algorithms" in err
+    assert "Traceback" not in err
