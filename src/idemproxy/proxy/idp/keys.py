@@ -66,7 +66,8 @@ class RemoteKeys:
         self._fetched_ok = False  # whether the last fetch succeeded
         self._fetched_at: float | None = None  # loop time the last good key set came
         self._fetched_wall: float | None = None  # the same, by the wall clock (for `iat`)
-        self._logged_skips: set[str] = set()  # JWKS entries left out, each logged once
+        # JWKS entries left out, logged once while the provider keeps serving them.
+        self._logged_skips: set[str] = set()
         self._last_attempt: float | None = None  # loop time the last fetch started
         self._next_refresh = 0.0
         self._inflight: asyncio.Task[bool] | None = None
@@ -184,6 +185,7 @@ class RemoteKeys:
         self._ring, self._fetched_ok, self._fetched_at = fetched.keys, True, started
         self._fetched_wall = wall
         log_skipped(fetched.keys, f"the keys from {self._client.source}", self._logged_skips)
+        self._logged_skips = set(fetched.keys.skipped)  # those still served: bounded by one set
         fresh_for = self._refresh if fetched.max_age is None else fetched.max_age
         self._next_refresh = started + min(max(fresh_for, self._min_refresh), self._refresh)
         if first:
