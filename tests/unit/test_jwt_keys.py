@@ -258,11 +258,26 @@ class TestJwks:
         private = {**public_jwk(rsa_key(), "p"), "d": "AQAB"}
         assert "keys[0]" in config_error(str(write_jwks(tmp_path / "b", private)), ["RS256"])
 
-    def test_kids_must_be_unique_and_present_among_several(self, tmp_path: Path) -> None:
-        twice = write_jwks(tmp_path / "a", public_jwk(rsa_key(), "a"), public_jwk(rsa_key(1), "a"))
-        assert "twice" in config_error(str(twice), ["RS256"])
-        anonymous = write_jwks(tmp_path / "b", public_jwk(rsa_key()), public_jwk(rsa_key(1), "b"))
-        assert "kid" in config_error(str(anonymous), ["RS256"])
+    def test_keys_a_kid_selects_ambiguously_are_left_out(self, tmp_path: Path) -> None:
+        """Among several keys, one without a kid or two sharing one could verify a token that
+        names another: those are left out, the rest load (RFC 7517 §5)."""
+        twice = write_jwks(
+            tmp_path / "a",
+            public_jwk(rsa_key(), "a"),
+            public_jwk(rsa_key(1), "a"),
+            public_jwk(rsa_key(2), "c"),
+        )
+        ring = load_keys(str(twice), ["RS256"], {})
+        assert set(ring.by_kid) == {"c"} and ring.default is None
+        assert "keys[1] (kid 'a'): the kid appears twice" in ring.skipped
+        only_twice = write_jwks(
+            tmp_path / "b", public_jwk(rsa_key(), "a"), public_jwk(rsa_key(1), "a")
+        )
+        assert "twice" in config_error(str(only_twice), ["RS256"])
+        anonymous = write_jwks(tmp_path / "c", public_jwk(rsa_key()), public_jwk(rsa_key(1), "b"))
+        ring = load_keys(str(anonymous), ["RS256"], {})
+        assert set(ring.by_kid) == {"b"} and ring.default is None
+        assert "keys[0]: no kid, and the JWKS holds several keys" in ring.skipped
 
     def test_encryption_keys_and_keys_for_other_algorithms_are_left_out(
         self, tmp_path: Path

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -294,15 +295,36 @@ def parse_jwks(data: bytes, algorithms: Sequence[str], where: str) -> KeyRing:
     entries = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f'{where}: a JWKS needs a non-empty "keys" list')
-    usable: list[tuple[str | None, VerificationKey]] = []
+    usable: list[tuple[int, str | None, VerificationKey]] = []
     skipped: list[str] = []
     for index, entry in enumerate(entries):
         found = _jwk(entry, algorithms, where)
         if isinstance(found, str):
             skipped.append(f"keys[{index}]{_kid_shown(entry)}: {found}")
         else:
-            usable.append(found)
-    return _ring(usable, tuple(skipped), where)
+            usable.append((index, *found))
+    kept = _unambiguous(usable, skipped)
+    # A token without a kid is verified with the only usable key, never with one left over.
+    default = kept[0][1] if len(usable) == 1 else None
+    return _ring(kept, default, tuple(skipped), where)
+
+
+def _unambiguous(
+    usable: list[tuple[int, str | None, VerificationKey]], skipped: list[str]
+) -> list[tuple[str | None, VerificationKey]]:
+    """The usable keys a token's kid selects one way only: among several, a key without a kid
+    and keys sharing a kid are left out too (added to `skipped`); a kid the provider names
+    twice is no key of its own."""
+    counts = Counter(kid for _, kid, _ in usable)
+    kept: list[tuple[str | None, VerificationKey]] = []
+    for index, kid, key in usable:
+        if kid is None and len(usable) > 1:
+            skipped.append(f"keys[{index}]: no kid, and the JWKS holds several keys")
+        elif kid is not None and counts[kid] > 1:
+            skipped.append(f"keys[{index}] (kid {kid[:_SHOWN_KID]!a}): the kid appears twice")
+        else:
+            kept.append((kid, key))
+    return kept
 
 
 def _kid_shown(entry: Any) -> str:
@@ -365,7 +387,10 @@ def _candidate_algorithms(entry: dict[str, Any], algorithms: Sequence[str]) -> l
 
 
 def _ring(
-    usable: list[tuple[str | None, VerificationKey]], skipped: tuple[str, ...], where: str
+    usable: list[tuple[str | None, VerificationKey]],
+    default: VerificationKey | None,
+    skipped: tuple[str, ...],
+    where: str,
 ) -> KeyRing:
     if not usable:
         shown = "; ".join(skipped[:_SHOWN_SKIPPED])
@@ -375,13 +400,8 @@ def _ring(
         raise ConfigError(
             f"{where}: no signing key in the JWKS fits {ALGORITHMS_FIELD} ({shown}{more})"
         )
-    by_kid: dict[str, VerificationKey] = {}
-    for kid, key in usable:
-        if kid is None and len(usable) > 1:
-            raise ConfigError(f"{where}: every key needs a kid when the JWKS holds several")
-        if kid is not None and by_kid.setdefault(kid, key) is not key:
-            raise ConfigError(f"{where}: kid {kid!r} appears twice in the JWKS")
-    return KeyRing(by_kid, usable[0][1] if len(usable) == 1 else None, skipped)
+    by_kid = {kid: key for kid, key in usable if kid is not None}
+    return KeyRing(by_kid, default, skipped)
 
 
 def log_skipped(ring: KeyRing, source: str, logged: set[str] | None = None) -> None:
