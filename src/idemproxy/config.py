@@ -46,6 +46,7 @@ from idemproxy.config_upstream import (
     UpstreamSettings,
     UpstreamTlsSettings,
     check_proxy_url,
+    key_headers_kept,
     origin_of,
 )
 from idemproxy.errors import ConfigError
@@ -692,6 +693,25 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _one_route_per_sender(self) -> Settings:
         check_one_route_per_sender([(route.prefix, route.webhook) for route in self.routes])
+        return self
+
+    @model_validator(mode="after")
+    def _key_headers_unchanged(self) -> Settings:
+        kept = {self.key_header.lower(): "key_header"}
+        for n, route in enumerate(self.routes):
+            source = route.key or (route.webhook.default_key_source if route.webhook else None)
+            if source is not None and source.header is not None:
+                kept.setdefault(source.header.lower(), f"routes[{n}].key.header")
+        for n, route in enumerate(self.routes):
+            try:
+                key_headers_kept(route.upstream_headers, kept)
+            except ValueError as exc:
+                raise ValueError(f"routes[{n}].upstream_headers: {exc}") from None
+        for url, options in self.upstreams.items():
+            try:
+                key_headers_kept(options.headers, kept)
+            except ValueError as exc:
+                raise ValueError(f"upstreams.{url}.headers: {exc}") from None
         return self
 
     @model_validator(mode="after")

@@ -25,7 +25,9 @@ _FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 # Headers the proxy frames, answers or speaks itself (SPEC §10, §4): a route may neither set nor
 # remove them. Hop-by-hop headers never cross the proxy (RFC 9110 §7.6.1); `Expect` was answered
 # by this proxy; the `Idempotency-*` headers it adds carry its own job and attempt, and one set
-# by a route would give the backend another job's id, or a replay marker it never made.
+# by a route would give the backend another job's id, or a replay marker it never made. The
+# client's `Idempotency-Key` is its intent: one value set for every client would make the owners
+# collide at a backend that deduplicates on it (the configured key headers: `key_headers_kept`).
 _PROXY_HEADERS = frozenset(
     {
         *c.HOP_BY_HOP_HEADERS,
@@ -35,6 +37,7 @@ _PROXY_HEADERS = frozenset(
         *(
             name.lower()
             for name in (
+                c.DEFAULT_KEY_HEADER,
                 c.JOB_HEADER,
                 c.ATTEMPT_HEADER,
                 c.REPLAYED_HEADER,
@@ -46,6 +49,10 @@ _PROXY_HEADERS = frozenset(
 )
 # `env:NAME` or `file:PATH`, after words kept as they are (an auth scheme: `Bearer env:KEY`).
 _READ_FROM = re.compile(r"((?:[^ ]+ )*)((?:env|file):\S.*)")
+# `env:` or `file:` starting a word anywhere else: a value that looks read from a source but is
+# not in the form above (two spaces, a tab, nothing after the colon) is refused, never sent as
+# it is: the literal `file:/run/secrets/key` would go upstream in place of the secret.
+_LOOKS_READ = re.compile(r"(?:^|\s)(?:env|file):")
 NO_PROXY = "none"  # `proxy: none`: this upstream is reached directly, whatever else is set
 
 
@@ -90,8 +97,9 @@ class UpstreamHeaderSettings(BaseModel):
 
     A `set` value is `env:NAME` (an environment variable), `file:PATH` (a file's content, without
     its final line break), or the value itself; words before `env:` or `file:` are kept as they
-    are (`Bearer env:OPENAI_API_KEY`). Secrets belong in the first two: the values read are
-    never logged, stored or part of the fingerprint.
+    are (`Bearer env:OPENAI_API_KEY`), one space apart; a value with a word starting `env:` or
+    `file:` in any other form (two spaces, a tab) is refused. Secrets belong in the first two:
+    the values read are never logged, stored or part of the fingerprint.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -190,6 +198,19 @@ def _check_name(name: str) -> None:
         )
 
 
+def key_headers_kept(headers: UpstreamHeaderSettings, key_headers: dict[str, str]) -> None:
+    """Refuses a header of `headers` that is an idempotency key header (`key_headers`: lower-case
+    name to the setting naming it): set upstream for every client, owners would collide at a
+    backend that deduplicates on it; removed, it could not deduplicate (SPEC §10)."""
+    for name in (*headers.set, *headers.remove):
+        setting = key_headers.get(name.lower())
+        if setting is not None:
+            raise ValueError(
+                f"{name} is the idempotency key header ({setting}): a route may not change it"
+                " upstream (SPEC §10)"
+            )
+
+
 def read_value(name: str, setting: str) -> str:
     """The value `setting` (`env:NAME`, `file:PATH` or the value itself) stands for, as for
     `upstream_headers`; the error names `name` and the source, never the value read."""
@@ -200,6 +221,11 @@ def _header_value(name: str, setting: str) -> str:
     """The value `setting` stands for; the error names the header and the source, never the
     value read."""
     found = _READ_FROM.fullmatch(setting)
+    if found is None and _LOOKS_READ.search(setting):
+        raise ValueError(
+            f"{name}: env:NAME or file:PATH may follow words separated by single spaces"
+            " (Bearer env:NAME), nothing else"
+        )
     prefix, source = (found[1], found[2]) if found else ("", setting)
     if source.startswith("env:"):
         variable = source[4:]

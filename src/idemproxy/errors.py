@@ -91,7 +91,8 @@ class ProblemError(IdemproxyError):
     code: ClassVar[str] = "internal-error"
     status: ClassVar[int] = 500
     title: ClassVar[str] = "Internal error"
-    retry_after: int | None = None  # seconds; an instance may name its own
+    # Seconds for Retry-After: the class's, or one error's own (IdentityUnavailable, QuotaExceeded).
+    retry_after: int | None = None
     # The SPEC §8 rule of this code. An instance may say otherwise (a pass-through request that
     # may have reached its upstream), and a job whose state is `unknown` always makes it `never`.
     retry: str = SAME_KEY
@@ -266,6 +267,11 @@ class IdentityUnavailable(ProblemError):
     # this is no 401 telling the client its credential is bad; nor is it forwarded unscoped.
     code, status, title = "identity-unavailable", 503, "Identity provider unavailable"
     retry_after = 5
+
+    def __init__(self, detail: str | None = None, *, retry_after: int | None = None) -> None:
+        super().__init__(detail)
+        if retry_after is not None:
+            self.retry_after = retry_after  # when the keys may next be fetched (SPEC §5)
 
 
 class TooManyWaiters(ProblemError):

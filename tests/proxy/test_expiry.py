@@ -60,3 +60,20 @@ async def test_sweeper_deletes_expired_terminal_jobs_but_never_in_flight_or_unkn
     assert await slow == 201
     assert {j.key: j.state for j in await jobs.list_jobs()}["in-flight"] is JobState.COMPLETED
     assert ledger.count() == 5
+
+
+async def test_the_longest_ttl_is_stored_and_replayed_on_every_store(
+    proxy: ProxyFactory, ledger: Ledger, jobs: Store, backend_url: str
+) -> None:
+    """SPEC §12: a duration is at most ten years, and that one works: its expiry fits every
+    store's timestamps (a longer one is refused at start-up, tests/unit/test_units.py)."""
+    client = await proxy(
+        ttl="3650d", routes=[{"prefix": "/", "upstream": backend_url, "ttl": "3650d"}]
+    )
+    for replayed in (None, "true"):
+        async with client.post("/payments", data=b"pay", headers={KEY: "long"}) as response:
+            assert response.status == 201, await response.text()
+            assert response.headers.get(REPLAYED) == replayed
+    assert ledger.count("long") == 1
+    [job] = await jobs.list_jobs()
+    assert job.state == JobState.COMPLETED

@@ -6,6 +6,7 @@ refreshes for unknown kids, a provider that is down or slow, a wrong issuer, a w
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -14,12 +15,15 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from idemproxy import constants as c
+from idemproxy.identity.jwt_keys import parse_jwks
 from idemproxy.identity.jwt_owner import hash_claim
 from idemproxy.proxy.context import CONTEXT
+from idemproxy.proxy.idp import keys as remote_keys
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.idp import IdentityProvider
-from tests.support.jwtkit import AUDIENCE, bearer, claims, ec_key, rsa_key, token
+from tests.support.jwtkit import AUDIENCE, bearer, claims, ec_key, public_jwk, rsa_key, token
 from tests.support.proxychecks import KEY, REPLAYED, assert_problem, only_job
 
 from .conftest import ProxyFactory
@@ -115,8 +119,19 @@ async def test_a_flood_of_unknown_kids_fetches_at_most_once_per_interval(
         answers = await asyncio.gather(
             *(pay(client, headers, key=f"w{wave}-{n}") for n, headers in enumerate(forged))
         )
-        assert {status for status, _ in answers} == {401}
+        # Freshly signed: 401 once a fetch after its arrival lacked the kid, else 503 with the
+        # seconds until the next fetch is allowed (SPEC §5).
+        assert {status for status, _ in answers} <= {401, 503}
+        for status, response in answers:
+            if status == 503:
+                assert 1 <= int(response.headers["Retry-After"]) <= 3
     # The start-up fetch and one refresh: 120 requests with unknown kids, 1 fetch for all.
+    assert idp.jwks_fetches == 2
+    # Signed well before the last fetch (more than the leeway): 401 at once, no fetch.
+    old = signed("forged-old", 2, issued=-120)
+    assert [
+        status for status, _ in await asyncio.gather(*(pay(client, old) for _ in range(5)))
+    ] == [401] * 5
     assert idp.jwks_fetches == 2
     # A token for an algorithm no configured key takes asks for no fetch at all.
     await asyncio.sleep(3.1)
@@ -128,6 +143,154 @@ async def test_a_flood_of_unknown_kids_fetches_at_most_once_per_interval(
     status, _ = await pay(client, signed("k1", 0))
     assert status == 201  # the known key still verifies, without a fetch
     assert idp.jwks_fetches == 2
+
+
+async def test_a_token_signed_with_a_key_rotated_in_just_after_a_fetch_is_503_until_the_next(
+    make_proxy: ProxyFactory, sqlite_dsn: str, idp: IdentityProvider, ledger: Ledger
+) -> None:
+    """SPEC §5, §8: the rate limit forbids a refresh for up to min_refresh_interval after any
+    fetch. A token for a key rotated in meanwhile may be good: it is `503 identity-unavailable`
+    with Retry-After saying when the next fetch is allowed (never 401), and its retry then
+    finds the key; the fetches stay one per interval."""
+    client = await make_proxy(store=sqlite_dsn, owner=owner(idp, min_refresh_interval=3))
+    idp.publish((rsa_key(0), "k1"), (rsa_key(1), "k2"))  # rotated in just after start-up
+    answers = await asyncio.gather(*(pay(client, signed("k2", 1)) for _ in range(10)))
+    for status, response in answers:
+        assert status == 503
+        assert response.headers["Idempotency-Error"] == "identity-unavailable"
+        assert 1 <= int(response.headers["Retry-After"]) <= 3
+    assert idp.jwks_fetches == 1  # none allowed yet
+    assert ledger.count() == 0
+    await asyncio.sleep(int(answers[0][1].headers["Retry-After"]) + 0.1)
+    status, _ = await pay(client, signed("k2", 1))
+    assert status == 201  # the retry: one refresh found the key
+    assert idp.jwks_fetches == 2
+    assert ledger.count() == 1
+
+
+async def test_keys_the_proxy_cannot_use_are_left_out_and_a_rotation_still_loads(
+    make_proxy: ProxyFactory,
+    sqlite_dsn: str,
+    idp: IdentityProvider,
+    ledger: Ledger,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """RFC 7517 §5: one entry the proxy cannot use (an encryption key, a weak or unknown one,
+    `alg: none`) is left out and logged once; the provider's signing keys load beside it, so a
+    rotated-in key verifies and a retired one stops verifying."""
+    unusable = [
+        public_jwk(rsa_key(3), "oaep", alg="RSA-OAEP"),
+        public_jwk(rsa_key(4, 1024), "weak"),
+        {"kty": "AKP", "kid": "pq", "alg": "ML-DSA-44", "pub": "AAAA"},
+        {"kty": "OKP", "crv": "X25519", "kid": "x25519", "x": "AAAA"},
+        {**public_jwk(rsa_key(5)), "kid": 7},
+        public_jwk(rsa_key(6), "none", alg="none"),
+    ]
+    with caplog.at_level(logging.WARNING, "idemproxy.owner"):
+        client = await make_proxy(store=sqlite_dsn, owner=owner(idp, min_refresh_interval=0.5))
+        status, _ = await pay(client, signed("k1", 0), key="a")
+        assert status == 201
+        idp.jwks = [*unusable, public_jwk(rsa_key(1), "k2", alg="RS256", use="sig")]
+        await asyncio.sleep(0.6)
+        status, _ = await pay(client, signed("k2", 1), key="b")
+        assert status == 201  # the rotated-in key, beside six it cannot use
+        assert idp.jwks_fetches == 2
+        await asyncio.sleep(0.6)
+        status, _ = await pay(client, signed("k3", 2), key="c")  # another refresh
+        assert status == 401
+        assert idp.jwks_fetches == 3
+    # k1 was retired with that rotation: its tokens no longer verify.
+    status, _ = await pay(client, signed("k1", 0, issued=-120), key="d")
+    assert status == 401
+    assert ledger.count() == 2
+    left_out = [r for r in caplog.records if "left out" in r.getMessage()]
+    assert len(left_out) == 6  # each once, though fetched twice
+    assert all(r.levelno == logging.WARNING for r in left_out)
+    assert "(kid 'oaep')" in left_out[0].getMessage()
+
+
+async def test_a_key_set_with_no_usable_key_is_a_failed_fetch(
+    make_proxy: ProxyFactory,
+    sqlite_dsn: str,
+    idp: IdentityProvider,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    idp.jwks = [
+        public_jwk(rsa_key(3), "oaep", alg="RSA-OAEP"),
+        public_jwk(rsa_key(6), "n", alg="none"),
+    ]
+    with caplog.at_level(logging.WARNING, "idemproxy.owner"):
+        client = await make_proxy(store=sqlite_dsn, owner=owner(idp))
+    (logged,) = [r.getMessage() for r in caplog.records if "no keys yet" in r.getMessage()]
+    assert "no signing key in the JWKS fits owner.jwt.algorithms" in logged
+    assert "keys[0] (kid 'oaep')" in logged
+    assert client.app[CONTEXT].owner.not_ready() is not None
+    status, _ = await pay(client, signed("k1", 0))
+    assert status == 503
+
+
+async def test_keys_kept_through_a_day_of_failed_refreshes_are_an_error(
+    make_proxy: ProxyFactory,
+    sqlite_dsn: str,
+    idp: IdentityProvider,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kept however old (SPEC §5), but loudly: beyond STALE_KEYS_ERROR_SECONDS (a day; here
+    shortened) each failed refresh is logged at error level with the keys' age."""
+    monkeypatch.setattr(remote_keys, "STALE_KEYS_ERROR_SECONDS", 2.0)
+    client = await make_proxy(store=sqlite_dsn, owner=owner(idp, min_refresh_interval=0.6))
+    idp.status = 500
+    with caplog.at_level(logging.WARNING, "idemproxy.owner"):
+        for pause in (0.65, 1.5):  # the keys' age: about 0.7 s, then over 2 s
+            await asyncio.sleep(pause)
+            status, _ = await pay(client, signed("k2", 1))
+            assert status == 503
+    failed = [r for r in caplog.records if "refreshing the keys" in r.getMessage()]
+    assert (failed[0].levelno, failed[-1].levelno) == (logging.WARNING, logging.ERROR), failed
+    status, _ = await pay(client, signed("k1", 0), key="known")
+    assert status == 201  # the keys kept still verify
+
+
+async def test_a_large_jwks_is_parsed_without_stalling_other_requests(
+    make_proxy: ProxyFactory, sqlite_dsn: str, idp: IdentityProvider
+) -> None:
+    """A JWKS of thousands of keys (under the 1 MiB cap) takes a while to parse: it is parsed
+    off the event loop, which meanwhile answers a pass-through request and never stops for
+    more than a fraction of the parse (a generous bound)."""
+    jwk = public_jwk(ec_key(0, "P-521"))
+    idp.jwks = [public_jwk(rsa_key(0), "k1"), *({**jwk, "kid": f"{n}"} for n in range(4000))]
+    document = json.dumps({"keys": idp.jwks}).encode()
+    assert len(document) <= c.MAX_JWKS_BYTES, len(document)
+    settings = owner(idp, min_refresh_interval=0.3)
+    settings["jwt"]["algorithms"] = ["RS256", "ES512"]
+    client = await make_proxy(store=sqlite_dsn, owner=settings)
+    began = time.perf_counter()
+    parse_jwks(document, ["RS256", "ES512"], "the JWKS")
+    blocking = time.perf_counter() - began  # what one parse would stall the loop for
+    await asyncio.sleep(0.35)
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+
+    async def probe() -> None:
+        while True:
+            before = loop.time()
+            await asyncio.sleep(0.002)
+            gaps.append(loop.time() - before)
+
+    probing = asyncio.create_task(probe())
+    refresh = asyncio.create_task(pay(client, signed("k2", 1)))  # an unknown kid: a refresh
+    answered = 0
+    while not refresh.done():
+        async with client.get("/models") as response:
+            assert response.status == 201
+            answered += 1
+    probing.cancel()
+    status, _ = await refresh
+    assert status == 401 and idp.jwks_fetches == 2
+    assert answered >= 1
+    # In the loop, one gap would be the whole parse.
+    assert max(gaps) < max(blocking / 3, 0.1), (max(gaps), blocking)
 
 
 async def test_with_the_provider_down_known_keys_verify_and_unknown_kids_fail_closed(
@@ -147,7 +310,8 @@ async def test_with_the_provider_down_known_keys_verify_and_unknown_kids_fail_cl
             "/payments", json=PAYMENT, headers={KEY: "b", **signed("k2", 1)}
         ) as response:
             await assert_problem(response, "identity-unavailable", 503)
-            assert response.headers["Retry-After"] == "5"
+            # The next fetch is allowed min_refresh_interval after this failed one.
+            assert response.headers["Retry-After"] == "1"
         # At once again (the failed fetch was moments ago): still closed, never forwarded.
         async with client.post(
             "/payments", json=PAYMENT, headers={KEY: "c", **signed("k2", 1)}

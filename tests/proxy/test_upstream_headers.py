@@ -21,6 +21,9 @@ from .conftest import ProxyFactory
 from .upstream_leg import Upstream
 
 SECRET = "sk-test-5f1e0c9b"
+SINGLE_SPACES = "may follow words separated by single spaces"
+SET_X = {"set": {"x-request-key": "proxy-wide-key"}}
+REMOVE_X = {"remove": ["X-Request-Key"]}
 
 
 def route(url: str, **options: Any) -> dict[str, Any]:
@@ -172,6 +175,12 @@ OWNED = "framed, answered or set by the proxy itself"
         ({"set": {"Proxy-Authorization": "Basic eDp5"}}, OWNED),
         ({"remove": ["TE"]}, OWNED),
         ({"set": {"Keep-Alive": "timeout=5"}}, OWNED),
+        ({"set": {"Idempotency-Key": "proxy-wide-key"}}, OWNED),
+        ({"remove": ["idempotency-key"]}, OWNED),
+        ({"set": {"X-A": "Bearer  file:/run/key"}}, SINGLE_SPACES),
+        ({"set": {"X-A": "Bearer\tenv:KEY"}}, SINGLE_SPACES),
+        ({"set": {"X-A": " file:/run/key"}}, SINGLE_SPACES),
+        ({"set": {"X-A": "Bearer env: KEY"}}, SINGLE_SPACES),
     ],
     ids=[
         "env",
@@ -189,6 +198,12 @@ OWNED = "framed, answered or set by the proxy itself"
         "proxy-authorization",
         "te",
         "keep-alive",
+        "idempotency-key",
+        "remove-idempotency-key",
+        "two-spaces",
+        "tab",
+        "leading-space",
+        "nothing-after-the-colon",
     ],
 )
 def test_unusable_header_settings_stop_the_start(headers: dict[str, Any], message: str) -> None:
@@ -197,6 +212,45 @@ def test_unusable_header_settings_stop_the_start(headers: dict[str, Any], messag
     (error,) = raised.value.errors()
     assert error["loc"][:3] == ("routes", 0, "upstream_headers"), error
     assert message in error["msg"], error
+
+
+@pytest.mark.parametrize(
+    ("settings", "refused"),
+    [
+        (
+            {"key_header": "X-Request-Key", **route("http://a:1", upstream_headers=SET_X)},
+            "routes[0].upstream_headers: x-request-key is the idempotency key header (key_header)",
+        ),
+        (
+            {
+                "routes": [
+                    {"prefix": "/o", "upstream": "http://a:1", "key": {"header": "X-Request-Key"}},
+                    {"prefix": "/", "upstream": "http://a:1", "upstream_headers": REMOVE_X},
+                ]
+            },
+            "routes[1].upstream_headers: X-Request-Key is the idempotency key header"
+            " (routes[0].key.header)",
+        ),
+        (
+            {
+                "key_header": "X-Request-Key",
+                **route("http://a:1"),
+                "upstreams": {"http://a:1": {"headers": SET_X}},
+            },
+            "upstreams.http://a:1.headers: x-request-key is the idempotency key header"
+            " (key_header)",
+        ),
+    ],
+    ids=["key-header", "a-routes-key-header", "per-upstream"],
+)
+def test_no_route_changes_an_idempotency_key_header_upstream(
+    settings: dict[str, Any], refused: str
+) -> None:
+    """SPEC §10: one key set upstream for every client makes their requests collide at a
+    backend that deduplicates on it (bob would get alice's response)."""
+    with pytest.raises(ValidationError) as raised:
+        load_settings(**settings)
+    assert refused in str(raised.value), raised.value
 
 
 def test_a_secret_read_is_never_in_the_error(

@@ -50,7 +50,7 @@ def rsa_key(index: int = 0, bits: int = 2048) -> rsa.RSAPrivateKey:
 @functools.cache
 def ec_key(index: int = 0, curve: str = "P-256") -> ec.EllipticCurvePrivateKey:
     del index
-    curves = {"P-256": ec.SECP256R1(), "P-384": ec.SECP384R1()}
+    curves = {"P-256": ec.SECP256R1(), "P-384": ec.SECP384R1(), "P-521": ec.SECP521R1()}
     return ec.generate_private_key(curves[curve])
 
 

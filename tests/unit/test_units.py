@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
 import pytest
 import yaml
@@ -202,3 +202,50 @@ def test_the_flags_take_units(capsys: pytest.CaptureFixture[str]) -> None:
         "idemproxy: invalid configuration: ttl: Value error, 'soon' is not a duration:"
         " give seconds, or e.g. 250ms, 30s, 5m, 1h\n"
     )
+
+
+@pytest.mark.parametrize("text", ["30m1h", "1s1s", "1m1h", "500ms1s", "1h1h30m"])
+def test_units_come_once_and_largest_first(text: str) -> None:
+    with pytest.raises(ValueError, match=r"give each unit once, largest first"):
+        parse_duration(text)
+
+
+# Arabic-Indic and fullwidth digits, which int(), float() and Decimal() all read.
+@pytest.mark.parametrize(
+    "text", ["\u0661\u0662s", "\u0661\u0662", "\uff11\uff12s", "1_000", "\u0663MiB", "\uff11KiB"]
+)
+def test_only_ascii_digits(text: str) -> None:
+    with pytest.raises(ValueError, match=r"is not a (duration|size)"):
+        (parse_size if "B" in text else parse_duration)(text)
+
+
+@pytest.mark.parametrize("field", ["ttl", "max_stored_body"])
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_neither_a_duration_nor_a_size(field: str, value: bool) -> None:
+    with pytest.raises(ValidationError) as caught:
+        overrides: dict[str, Any] = {field: value}
+        load_settings(upstream=UPSTREAM, **overrides)
+    assert caught.value.errors()[0]["loc"] == (field,)
+
+
+@pytest.mark.parametrize("value", ["1e300", 1e300, "3651d", float("inf"), 10**12])
+def test_a_duration_longer_than_ten_years_is_refused(value: object) -> None:
+    """A route ttl of 1e300 s overflowed the job's expiry datetime on every request."""
+    route = {"prefix": "/", "upstream": UPSTREAM, "ttl": value}
+    with pytest.raises(ValidationError) as caught:
+        load_settings(routes=[route])
+    [error] = caught.value.errors()
+    assert error["loc"] == ("routes", 0, "ttl")
+    assert "at most 3650d (ten years)" in error["msg"]
+    with pytest.raises(ValidationError, match="at most 3650d"):
+        load_settings(upstream=UPSTREAM, lease=value)
+
+
+def test_the_longest_duration_and_size_are_accepted() -> None:
+    settings = load_settings(upstream=UPSTREAM, ttl="3650d", max_request_body="1024TiB")
+    assert settings.ttl == 3650 * 86400
+    assert settings.max_request_body == 2**50
+    with pytest.raises(ValidationError, match=r"at most 1125899906842624 bytes"):
+        load_settings(upstream=UPSTREAM, max_request_body="1025TiB")
+    with pytest.raises(ValidationError, match=r"at most 1125899906842624 bytes"):
+        load_settings(upstream=UPSTREAM, max_request_body=10**30)

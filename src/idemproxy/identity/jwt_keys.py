@@ -15,6 +15,8 @@ Every error names the setting at fault and never echoes a value that might be a 
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,8 @@ SECRET_FILE_FIELD = "owner.jwt.secret_file"
 ALGORITHMS_FIELD = "owner.jwt.algorithms"
 ENV_PREFIX = "env:"
 
+log = logging.getLogger("idemproxy.owner")
+
 _RSA_ALGORITHMS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
 # RFC 7518 §3.4: each ES algorithm is bound to one curve.
 _CURVE_ALGORITHMS = {
@@ -52,6 +56,15 @@ _CURVE_ALGORITHMS = {
 # RFC 7518 §3.2: an HMAC key at least as long as the hash output.
 _HMAC_MIN_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 _RSA_MIN_BITS = 2048  # RFC 7518 §3.3
+# RFC 7518 §6.2.1.1: a JWK's crv for each curve of `_CURVE_ALGORITHMS`.
+_JWK_CURVE_ALGORITHMS = {
+    "P-256": "ES256",
+    "P-384": "ES384",
+    "P-521": "ES512",
+    "secp256k1": "ES256K",
+}
+_SHOWN_KID = 64  # characters of a kid shown in a log line
+_SHOWN_SKIPPED = 5  # entries left out shown one by one, in a log or an error
 # RFC 7518 §6: members that only a private (or symmetric) JWK has.
 _PRIVATE_JWK_MEMBERS = frozenset({"d", "p", "q", "dp", "dq", "qi", "oth", "k"})
 
@@ -81,10 +94,11 @@ class KeySource(Protocol):
         """The key for `kid` (None: the token names no key of this source)."""
         ...
 
-    def refresh_for(self, kid: object) -> Refresh | None:
+    def refresh_for(self, kid: object, signed_by: float | None = None) -> Refresh | None:
         """For a `kid` that `select` found no key for: a wait for the keys to be fetched again
-        (it raises `IdentityUnavailable` when they cannot be), or None when the keys held are
-        current and the kid is simply unknown."""
+        (it raises `IdentityUnavailable` when they cannot be), or None when keys fetched after
+        the token was signed (`signed_by`: its iat plus the leeway, wall clock; None when it
+        names no iat) are held and the kid is simply unknown."""
         ...
 
     async def start(self, observe: FetchObserver = unobserved) -> None:
@@ -105,14 +119,16 @@ class KeyRing:
 
     by_kid: Mapping[str, VerificationKey]
     default: VerificationKey | None
+    # The JWKS entries left out, each as `keys[n] (kid '…'): why` (RFC 7517 §5).
+    skipped: tuple[str, ...] = ()
 
     def select(self, kid: object) -> VerificationKey | None:
         if not self.by_kid or kid is None:
             return self.default
         return self.by_kid.get(kid) if isinstance(kid, str) else None
 
-    def refresh_for(self, kid: object) -> Refresh | None:
-        del kid
+    def refresh_for(self, kid: object, signed_by: float | None = None) -> Refresh | None:
+        del kid, signed_by
         return None
 
     async def start(self, observe: FetchObserver = unobserved) -> None:
@@ -148,7 +164,9 @@ def load_keys(
         )
     data = _read(Path(source))
     if data.lstrip().startswith(b"{"):
-        return parse_jwks(data, algorithms, KEY_FIELD)
+        ring = parse_jwks(data, algorithms, KEY_FIELD)
+        log_skipped(ring, f"the JWKS file of {KEY_FIELD}")
+        return ring
     key = _pem(data)
     unfit = sorted(set(algorithms) - fitting_algorithms(key))
     if unfit:
@@ -262,7 +280,14 @@ def _kind(key: Key) -> str:
 
 def parse_jwks(data: bytes, algorithms: Sequence[str], where: str) -> KeyRing:
     """The key ring of a JWKS document (RFC 7517 §5): from the file of `owner.jwt.key`, or as
-    an identity provider served it; `ConfigError` naming `where` when it is unusable."""
+    an identity provider served it; `ConfigError` naming `where` when it is unusable.
+
+    RFC 7517 §5: an entry that is no signing key for a configured algorithm (an encryption key,
+    another key type or curve, a weak RSA key, one holding private members, a malformed one) is
+    left out and named in `KeyRing.skipped`; the rest load. A document with no usable key at
+    all is an error. Key type, curve and `alg` are checked before any key is built, so that a
+    large set of keys for other algorithms costs almost nothing.
+    """
     try:
         document = json.loads(data)
     except ValueError as exc:
@@ -270,48 +295,122 @@ def parse_jwks(data: bytes, algorithms: Sequence[str], where: str) -> KeyRing:
     entries = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f'{where}: a JWKS needs a non-empty "keys" list')
-    usable = [
-        bound
-        for index, entry in enumerate(entries)
-        if (bound := _jwk(entry, algorithms, f"{where} keys[{index}]")) is not None
-    ]
-    return _ring(usable, where)
+    usable: list[tuple[int, str | None, VerificationKey]] = []
+    skipped: list[str] = []
+    for index, entry in enumerate(entries):
+        found = _jwk(entry, algorithms, where)
+        if isinstance(found, str):
+            skipped.append(f"keys[{index}]{_kid_shown(entry)}: {found}")
+        else:
+            usable.append((index, *found))
+    kept = _unambiguous(usable, skipped)
+    # A token without a kid is verified with the only usable key, never with one left over.
+    default = kept[0][1] if len(usable) == 1 else None
+    return _ring(kept, default, tuple(skipped), where)
+
+
+def _unambiguous(
+    usable: list[tuple[int, str | None, VerificationKey]], skipped: list[str]
+) -> list[tuple[str | None, VerificationKey]]:
+    """The usable keys a token's kid selects one way only: among several, a key without a kid
+    and keys sharing a kid are left out too (added to `skipped`); a kid the provider names
+    twice is no key of its own."""
+    counts = Counter(kid for _, kid, _ in usable)
+    kept: list[tuple[str | None, VerificationKey]] = []
+    for index, kid, key in usable:
+        if kid is None and len(usable) > 1:
+            skipped.append(f"keys[{index}]: no kid, and the JWKS holds several keys")
+        elif kid is not None and counts[kid] > 1:
+            skipped.append(f"keys[{index}] (kid {kid[:_SHOWN_KID]!a}): the kid appears twice")
+        else:
+            kept.append((kid, key))
+    return kept
+
+
+def _kid_shown(entry: Any) -> str:
+    kid = entry.get("kid") if isinstance(entry, dict) else None
+    # !a: a kid is the provider's text, shown with no control or non-ASCII character.
+    return "" if kid is None else f" (kid {str(kid)[:_SHOWN_KID]!a})"
 
 
 def _jwk(
     entry: Any, algorithms: Sequence[str], where: str
-) -> tuple[str | None, VerificationKey] | None:
-    """One JWKS entry bound to its algorithms; None for an encryption key or one that no
-    configured algorithm fits (a JWKS may hold keys for other services)."""
+) -> tuple[str | None, VerificationKey] | str:
+    """One JWKS entry bound to its algorithms, or why it is left out (a JWKS may hold keys for
+    other services and other purposes)."""
     if not isinstance(entry, dict):
-        raise ConfigError(f"{where}: not a JSON object")
-    if entry.get("kty") == "oct" or _PRIVATE_JWK_MEMBERS & entry.keys():
-        raise ConfigError(
-            f"{where}: a private or symmetric key; a JWKS holds public keys (a shared"
-            " secret goes in env:NAME)"
-        )
+        return "not a JSON object"
     kid = entry.get("kid")
     if kid is not None and not isinstance(kid, str):
-        raise ConfigError(f"{where}: kid must be a string")
+        return "kid is not a string (RFC 7517 §4.5)"
+    if entry.get("kty") == "oct" or _PRIVATE_JWK_MEMBERS & entry.keys():
+        return "a private or symmetric key: never used (a shared secret goes in env:NAME)"
     if entry.get("use", "sig") != "sig":
-        return None
+        return "not a signing key (use)"
+    candidates = _candidate_algorithms(entry, algorithms)
+    if isinstance(candidates, str):
+        return candidates
     try:
-        key = _public(jwt.PyJWK(entry).key, where)
-    except jwt.PyJWTError as exc:
-        raise ConfigError(f"{where}: not a valid public JWK") from exc
+        key = _public(jwt.PyJWK(entry, candidates[0]).key, where)
+    except (jwt.PyJWTError, ConfigError, ValueError, TypeError, KeyError, NotImplementedError):
+        return "not a valid public JWK"
+    if isinstance(key, RSAPublicKey) and key.key_size < _RSA_MIN_BITS:
+        return f"an RSA key of {key.key_size} bits; at least {_RSA_MIN_BITS} needed"
+    usable = [a for a in candidates if a in fitting_algorithms(key)]
+    if not usable:
+        return f"fits none of {ALGORITHMS_FIELD}"
+    return (kid, _bound(key, usable, where))
+
+
+def _candidate_algorithms(entry: dict[str, Any], algorithms: Sequence[str]) -> list[str] | str:
+    """The configured algorithms this entry's kty, crv and alg allow, without building it."""
+    kty = entry.get("kty")
+    if kty == "RSA":
+        fitting: frozenset[str] = _RSA_ALGORITHMS
+    elif kty == "EC":
+        algorithm = _JWK_CURVE_ALGORITHMS.get(entry.get("crv"))  # type: ignore[arg-type]
+        if algorithm is None:
+            return "an EC curve no algorithm verifies with"
+        fitting = frozenset({algorithm})
+    elif kty == "OKP":
+        if entry.get("crv") not in ("Ed25519", "Ed448"):
+            return "an OKP curve that does not sign (RFC 8037 §3.1)"
+        fitting = frozenset({"EdDSA"})
+    else:
+        return "a key type no configured algorithm uses"
     # RFC 7517 §4.4: a key that names its algorithm is used with that one only.
     named = entry.get("alg")
-    usable = [a for a in algorithms if a in fitting_algorithms(key) and named in (None, a)]
-    return (kid, _bound(key, usable, where)) if usable else None
-
-
-def _ring(usable: list[tuple[str | None, VerificationKey]], where: str) -> KeyRing:
+    usable = [a for a in algorithms if a in fitting and named in (None, a)]
     if not usable:
-        raise ConfigError(f"{where}: no signing key in the JWKS fits {ALGORITHMS_FIELD}")
-    by_kid: dict[str, VerificationKey] = {}
-    for kid, key in usable:
-        if kid is None and len(usable) > 1:
-            raise ConfigError(f"{where}: every key needs a kid when the JWKS holds several")
-        if kid is not None and by_kid.setdefault(kid, key) is not key:
-            raise ConfigError(f"{where}: kid {kid!r} appears twice in the JWKS")
-    return KeyRing(by_kid, usable[0][1] if len(usable) == 1 else None)
+        return f"fits none of {ALGORITHMS_FIELD}"
+    return usable
+
+
+def _ring(
+    usable: list[tuple[str | None, VerificationKey]],
+    default: VerificationKey | None,
+    skipped: tuple[str, ...],
+    where: str,
+) -> KeyRing:
+    if not usable:
+        shown = "; ".join(skipped[:_SHOWN_SKIPPED])
+        more = (
+            f"; and {len(skipped) - _SHOWN_SKIPPED} more" if len(skipped) > _SHOWN_SKIPPED else ""
+        )
+        raise ConfigError(
+            f"{where}: no signing key in the JWKS fits {ALGORITHMS_FIELD} ({shown}{more})"
+        )
+    by_kid = {kid: key for kid, key in usable if kid is not None}
+    return KeyRing(by_kid, default, skipped)
+
+
+def log_skipped(ring: KeyRing, source: str, logged: set[str] | None = None) -> None:
+    """One warning per JWKS entry left out (and not in `logged`, which it is added to), at most
+    `_SHOWN_SKIPPED` lines and then a count, so that a large key set cannot flood the log."""
+    new = [entry for entry in ring.skipped if logged is None or entry not in logged]
+    for entry in new[:_SHOWN_SKIPPED]:
+        log.warning("owner.jwt: %s, %s: left out", source, entry)
+    if len(new) > _SHOWN_SKIPPED:
+        log.warning("owner.jwt: %s: %d more keys left out", source, len(new) - _SHOWN_SKIPPED)
+    if logged is not None:
+        logged.update(new)

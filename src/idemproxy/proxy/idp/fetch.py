@@ -7,6 +7,7 @@ could leave HTTPS); a document must be a 200 answer of at most `MAX_JWKS_BYTES`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import ssl
@@ -70,7 +71,11 @@ class JwksClient:
         """The key set now; `FetchFailed` (or `ConfigError` for an unusable JWKS)."""
         uri = self._settings.jwks_uri or await self._discover()
         body, max_age = await self._get(uri)
-        keys = parse_jwks(body, self._settings.algorithms, f"the JWKS at {redact_url(uri)}")
+        # In a thread: building a few thousand keys (a 1 MiB JWKS) takes long enough to stall
+        # every request the event loop serves meanwhile.
+        keys = await asyncio.to_thread(
+            parse_jwks, body, self._settings.algorithms, f"the JWKS at {redact_url(uri)}"
+        )
         return Fetched(keys, max_age)
 
     async def _discover(self) -> str:

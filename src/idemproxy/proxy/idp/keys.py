@@ -10,11 +10,20 @@ Nothing here blocks the event loop: a fetch is asynchronous, bounded by `timeout
 whose key is held is verified without waiting for anything. A request waits only for a kid it
 does not know, and at most `timeout`.
 
+A token with an unknown kid is `401` only when a key set that lacks it was fetched after the
+token was signed: by a fetch started after the token arrived, or started (by the wall clock)
+after its `iat` plus `owner.jwt.leeway` (the clocks of proxy and provider may differ that
+much). Otherwise it may be good, signed with a key rotated in since: it waits for a fetch, or,
+when the rate limit allows none yet, is `503 identity-unavailable` with `Retry-After` saying
+when one will be (SPEC §5, §8), so that its retry is verified rather than refused.
+
 When a fetch fails, the keys fetched before stay in use (a token with a known kid verifies as
 before); a token with an unknown kid is then `503 identity-unavailable` (fail closed: it may be
-good, so no 401, and it is never forwarded unscoped). A failure at start-up is one warning:
-the proxy serves, tokens are refused 503 and /readyz reports not ready until a fetch succeeds,
-retried every `min_refresh_interval`.
+good, so no 401, and it is never forwarded unscoped). Keys are kept however old they get (a
+provider that is down must not take every owner down with it), but every failed refresh logs
+their age, at error level once they are older than `STALE_KEYS_ERROR_SECONDS`. A failure at
+start-up is one warning: the proxy serves, tokens are refused 503 and /readyz reports not ready
+until a fetch succeeds, retried every `min_refresh_interval`.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 
 from idemproxy.config import IdpSettings
 from idemproxy.errors import IdentityUnavailable
@@ -30,11 +41,17 @@ from idemproxy.identity.jwt_keys import (
     KeyRing,
     Refresh,
     VerificationKey,
+    log_skipped,
     unobserved,
 )
 from idemproxy.proxy.idp.fetch import JwksClient, describe
 
 log = logging.getLogger("idemproxy.owner")
+
+# Keys kept through failed refreshes for longer than this are logged at error level: an
+# identity provider unreachable for a day is an outage to act on, and a retired key still
+# verifies meanwhile.
+STALE_KEYS_ERROR_SECONDS = 24 * 3600.0
 
 
 class RemoteKeys:
@@ -48,6 +65,9 @@ class RemoteKeys:
         self._ring: KeyRing | None = None
         self._fetched_ok = False  # whether the last fetch succeeded
         self._fetched_at: float | None = None  # loop time the last good key set came
+        self._fetched_wall: float | None = None  # the same, by the wall clock (for `iat`)
+        # JWKS entries left out, logged once while the provider keeps serving them.
+        self._logged_skips: set[str] = set()
         self._last_attempt: float | None = None  # loop time the last fetch started
         self._next_refresh = 0.0
         self._inflight: asyncio.Task[bool] | None = None
@@ -61,12 +81,13 @@ class RemoteKeys:
     def select(self, kid: object) -> VerificationKey | None:
         return None if self._ring is None else self._ring.select(kid)
 
-    def refresh_for(self, kid: object) -> Refresh | None:
+    def refresh_for(self, kid: object, signed_by: float | None = None) -> Refresh | None:
         if kid is not None and not isinstance(kid, str):
             return None  # no JWKS names a key that way (RFC 7517 §4.5)
-        if self._fetched_ok and self._inflight is None and not self._may_fetch():
-            return None  # the keys held are the provider's of moments ago: the kid is unknown
-        return self._wait_for_keys
+        if self._covers(signed_by):
+            return None  # keys fetched after the token was signed lack its kid: unknown
+        arrived = self._now()
+        return lambda: self._wait_for_keys(arrived, signed_by)
 
     async def start(self, observe: FetchObserver = unobserved) -> None:
         self._observe = observe
@@ -116,22 +137,39 @@ class RemoteKeys:
             self._inflight = asyncio.get_running_loop().create_task(self._fetch())
         return self._inflight
 
-    async def _wait_for_keys(self) -> None:
-        """A request's wait for keys it lacks: at most `timeout`, at most one new fetch per
-        `min_refresh_interval`; `IdentityUnavailable` when no new key set came."""
-        if self._inflight is None and not self._may_fetch():
-            raise IdentityUnavailable()  # the last fetch, moments ago, failed
-        task = self._fetch_task()
+    def _covers(self, signed_by: float | None, arrived: float | None = None) -> bool:
+        """Whether the key set held was fetched after a token was surely signed: a fetch that
+        started after the token `arrived` (loop time), or, by the wall clock, after
+        `signed_by` (its iat plus the leeway)."""
+        if self._ring is None or self._fetched_at is None or self._fetched_wall is None:
+            return False
+        if arrived is not None and self._fetched_at >= arrived:
+            return True
+        return signed_by is not None and self._fetched_wall >= signed_by
+
+    def _unavailable(self) -> IdentityUnavailable:
+        """503 with Retry-After: the seconds until the rate limit allows the next fetch."""
+        last = self._last_attempt
+        wait = 0.0 if last is None else last + self._min_refresh - self._now()
+        return IdentityUnavailable(retry_after=max(1, math.ceil(wait)))
+
+    async def _wait_for_keys(self, arrived: float, signed_by: float | None) -> None:
+        """A request's wait for keys it lacks, until a key set fetched after it was signed
+        came: at most `timeout`, at most one new fetch per `min_refresh_interval`;
+        `IdentityUnavailable` when none came (the fetch failed, or none is allowed yet)."""
         try:
             async with asyncio.timeout(self._timeout):
-                fetched = await asyncio.shield(task)  # others may be waiting for it too
+                while not self._covers(signed_by, arrived):
+                    if self._inflight is None and not self._may_fetch():
+                        raise self._unavailable()
+                    # Others may be waiting for the same fetch.
+                    if not await asyncio.shield(self._fetch_task()):
+                        raise self._unavailable()
         except TimeoutError as exc:
             raise IdentityUnavailable() from exc
-        if not fetched:
-            raise IdentityUnavailable()
 
     async def _fetch(self) -> bool:
-        started = self._now()
+        started, wall = self._now(), time.time()
         try:
             async with asyncio.timeout(self._timeout):
                 fetched = await self._client.fetch()
@@ -145,6 +183,9 @@ class RemoteKeys:
             self._inflight = None
         first = self._ring is None or not self._fetched_ok
         self._ring, self._fetched_ok, self._fetched_at = fetched.keys, True, started
+        self._fetched_wall = wall
+        log_skipped(fetched.keys, f"the keys from {self._client.source}", self._logged_skips)
+        self._logged_skips = set(fetched.keys.skipped)  # those still served: bounded by one set
         fresh_for = self._refresh if fetched.max_age is None else fetched.max_age
         self._next_refresh = started + min(max(fresh_for, self._min_refresh), self._refresh)
         if first:
@@ -167,13 +208,15 @@ class RemoteKeys:
                 self._min_refresh,
             )
             return
-        log.warning(
+        age = started - self._fetched_at
+        log.log(
+            logging.ERROR if age >= STALE_KEYS_ERROR_SECONDS else logging.WARNING,
             "owner.jwt: refreshing the keys from %s failed: %s; keeping the %d key(s) fetched"
             " %.0fs ago",
             self._client.source,
             self._last_error,
             self._ring.size,
-            started - self._fetched_at,
+            age,
         )
 
     async def _keep_fresh(self) -> None:
