@@ -64,6 +64,10 @@ class GroupCommit(Generic[Request, Result]):
         self._drainers: set[asyncio.Task[None]] = set()
 
     async def submit(self, request: Request) -> Result:
+        if self.limit == 1:
+            # `pool.store_batch: 1`: no batching at all. Each request is its own statement in its
+            # caller's task, concurrently with the others of its group, as without group commit.
+            return await self._alone(request)
         group = self._group(request)
         queue = self._queues.get(group)
         if queue is None:
@@ -91,6 +95,14 @@ class GroupCommit(Generic[Request, Result]):
                 drainer.add_done_callback(self._drainers.discard)
             else:
                 del self._queues[group]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def _alone(self, request: Request) -> Result:
+        if self.observer is not None:
+            self.observer(self.kind, 1)
+        [outcome] = await self._run([request])
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
