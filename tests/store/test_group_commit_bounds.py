@@ -78,3 +78,58 @@ async def test_store_batch_1_sends_every_claim_alone_and_concurrently(pg_dsn: st
             assert all(isinstance(result, Claimed) for result in others), others
             assert not held.done(), "the held key still waits, alone"
         assert isinstance(await held, Claimed), "the other session rolled back: it is new"
+
+
+# --- bytes -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def dsn(request: pytest.FixtureRequest) -> str:
+    value: str = request.getfixturevalue(
+        {"sqlite": "sqlite_dsn", "postgres": "pg_dsn"}[request.param]
+    )
+    return value
+
+
+def _observe(store: Store) -> list[tuple[str, int]]:
+    seen: list[tuple[str, int]] = []
+    for batcher in store.group_commits():
+        batcher.observer = lambda kind, rows: seen.append((kind, rows))
+    return seen
+
+
+async def test_large_completions_are_never_batched(dsn: str) -> None:
+    """Each several MB (an upstream's large answer): each its own statement, as alone, never
+    one statement of them all under one request's timeout."""
+    async with opened(create_store(dsn)) as store:
+        claims = [await _claimed(store, f"large-{i}") for i in range(6)]
+        bodies = [bytes([i]) * (3 * 1024 * 1024) for i in range(6)]
+        batches = _observe(store)
+        won = await asyncio.gather(
+            *(
+                store.complete(c.job, c.attempt, StoredResponse(200, (), body), ttl=3600.0)
+                for c, body in zip(claims, bodies, strict=True)
+            )
+        )
+        assert won == [True] * 6
+        assert batches == [("complete", 1)] * 6, "each alone"
+        for claim, body in zip(claims, bodies, strict=True):
+            job = await store.get("alice", claim.job.key)
+            assert job is not None and job.response == StoredResponse(200, (), body)
+
+
+async def test_a_batch_carries_at_most_a_mebibyte_of_bodies(dsn: str) -> None:
+    async with opened(create_store(dsn)) as store:
+        claims = [await _claimed(store, f"mid-{i}") for i in range(21)]
+        body = b"m" * (60 * 1024)  # below the bound for a request alone: 17 fit in a batch
+        batches = _observe(store)
+        won = await asyncio.gather(
+            *(
+                store.complete(c.job, c.attempt, StoredResponse(200, (), body), ttl=3600.0)
+                for c in claims
+            )
+        )
+        assert won == [True] * 21
+        rows = [count for _kind, count in batches]
+        assert sum(rows) == 21 and rows[0] == 1, rows
+        assert len(rows) >= 3 and max(rows) <= 17, rows

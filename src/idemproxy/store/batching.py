@@ -11,6 +11,12 @@ A group is one owner: every row of a batch has the same owner, so that the state
 key never share a batch (`distinct`): the second goes out in the next one and sees the first's
 commit, as it would have alone.
 
+A batch is bounded by bytes as well as rows, so that no statement carries much more than one
+request would alone (a statement's time grows with its bytes, and it has one request's timeout,
+`pool.store_timeout`): a request of more than `ALONE_BYTES` (a completion's body) is never
+batched, it goes out at once in its caller's task, concurrently, as without batching; and the
+rows of one batch carry at most `BATCH_BYTES` in all.
+
 `run` gets the batch and returns one result or exception per request, in order; an exception
 it raises is every caller's. Each caller gets exactly its own entry. A caller cancelled while
 its request is still queued takes it out of the queue (it never reaches the store); once its
@@ -24,12 +30,15 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
-from idemproxy.core.types import Intent, Job, KeptResponse
+from idemproxy.core.types import Intent, Job, KeptResponse, SealedResponse
 
 Request = TypeVar("Request")
 Result = TypeVar("Result")
 # Rows per batched claim or completion statement; 1 sends each alone (`pool.store_batch`).
 DEFAULT_BATCH = 64
+# A request larger than this goes alone; a batch's requests are at most BATCH_BYTES in all.
+ALONE_BYTES = 64 * 1024
+BATCH_BYTES = 1024 * 1024
 # The metrics hook: (kind, rows in the statement), for every batch sent (SPEC §13).
 BatchObserver = Callable[[str, int], None]
 
@@ -53,6 +62,7 @@ class GroupCommit(Generic[Request, Result]):
         group: Callable[[Request], Hashable],
         distinct: Callable[[Request], Hashable],
         limit: int,
+        size: Callable[[Request], int] = lambda _request: 0,
     ) -> None:
         self.kind = kind
         self.limit = max(1, limit)
@@ -60,13 +70,15 @@ class GroupCommit(Generic[Request, Result]):
         self._run = run
         self._group = group
         self._distinct = distinct
+        self._size = size
         self._queues: dict[Hashable, list[_Entry[Request, Result]]] = {}
         self._drainers: set[asyncio.Task[None]] = set()
 
     async def submit(self, request: Request) -> Result:
-        if self.limit == 1:
-            # `pool.store_batch: 1`: no batching at all. Each request is its own statement in its
-            # caller's task, concurrently with the others of its group, as without group commit.
+        if self.limit == 1 or self._size(request) > ALONE_BYTES:
+            # `pool.store_batch: 1`, or a large request: not batched at all. It is its own
+            # statement in its caller's task, concurrently with the others of its group, as
+            # without group commit.
             return await self._alone(request)
         group = self._group(request)
         queue = self._queues.get(group)
@@ -123,18 +135,22 @@ class GroupCommit(Generic[Request, Result]):
                     entry.future.cancel()
 
     def _take(self, queue: list[_Entry[Request, Result]]) -> list[_Entry[Request, Result]]:
-        """Up to `limit` waiting entries, one per distinct job; the rest stay queued, in order."""
+        """Up to `limit` waiting entries of at most BATCH_BYTES in all (the first whatever its
+        size), one per distinct job; the rest stay queued, in order."""
         batch: list[_Entry[Request, Result]] = []
         seen: set[Hashable] = set()
         left: list[_Entry[Request, Result]] = []
+        room = BATCH_BYTES
         for entry in queue:
             if entry.future.done():
                 continue  # its caller was cancelled before it was sent
             distinct = self._distinct(entry.request)
-            if len(batch) >= self.limit or distinct in seen:
+            size = self._size(entry.request)
+            if len(batch) >= self.limit or distinct in seen or (batch and size > room):
                 left.append(entry)
                 continue
             seen.add(distinct)
+            room -= size
             batch.append(entry)
         queue[:] = left
         return batch
@@ -192,3 +208,12 @@ def complete_group(request: CompleteRequest) -> str:
 
 def complete_distinct(request: CompleteRequest) -> str:
     return request.job.id
+
+
+def complete_size(request: CompleteRequest) -> int:
+    """The bytes a completion's row carries, near enough: its body (or sealed box) and headers."""
+    response = request.response
+    if isinstance(response, SealedResponse):
+        return len(response.sealed)
+    headers = sum(len(name) + len(value) for name, value in response.headers)
+    return headers + (0 if response.body is None else len(response.body))

@@ -38,6 +38,7 @@ from idemproxy.store.batching import (
     claim_group,
     complete_distinct,
     complete_group,
+    complete_size,
 )
 from idemproxy.store.feed import stop_feed
 from idemproxy.store.postgres.errors import (
@@ -128,6 +129,7 @@ class PostgresStore(Store):
             group=complete_group,
             distinct=complete_distinct,
             limit=batch,
+            size=complete_size,
         )
 
     async def open(self) -> None:

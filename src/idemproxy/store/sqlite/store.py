@@ -34,6 +34,7 @@ from idemproxy.store.batching import (
     CompleteRequest,
     GroupCommit,
     complete_distinct,
+    complete_size,
 )
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.reach import sqlite_unopenable
@@ -92,6 +93,7 @@ class SqliteStore(Store):
             group=_one_group,
             distinct=complete_distinct,
             limit=batch,
+            size=complete_size,
         )
 
     async def open(self) -> None:
