@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import asyncpg
 import pytest
 
-from idemproxy.core.types import Claimed, ClaimResult, Intent, StoredResponse
+from idemproxy.core.types import Claimed, ClaimResult, Existing, Intent, StoredResponse
+from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 from tests.support.stores import opened
 
+T = TypeVar("T")
 FINE = StoredResponse(201, (("Content-Type", "text/plain"),), b"stored")
 
 
@@ -133,3 +137,122 @@ async def test_a_batch_carries_at_most_a_mebibyte_of_bodies(dsn: str) -> None:
         rows = [count for _kind, count in batches]
         assert sum(rows) == 21 and rows[0] == 1, rows
         assert len(rows) >= 3 and max(rows) <= 17, rows
+
+
+# --- a batch held up by one row ----------------------------------------------------------------
+
+# The store's per-request timeout in these tests (`pool.store_timeout`), seconds.
+DEADLINE = 2.0
+
+
+@contextlib.asynccontextmanager
+async def _job_locked(dsn: str, job_id: str) -> AsyncIterator[None]:
+    """Another session holds a row lock on the job (`SELECT … FOR UPDATE`)."""
+    conn = await asyncpg.connect(dsn)
+    transaction = conn.transaction()
+    await transaction.start()
+    await conn.execute("SELECT 1 FROM idemproxy.jobs WHERE id = $1 FOR UPDATE", uuid.UUID(job_id))
+    try:
+        yield
+    finally:
+        await transaction.rollback()
+        await conn.close()
+
+
+async def _timed(work: Awaitable[T]) -> tuple[T | BaseException, float]:
+    """`work`'s result (or error) and the seconds it took."""
+    started = time.monotonic()
+    try:
+        result: T | BaseException = await work
+    except Exception as exc:
+        result = exc
+    return result, time.monotonic() - started
+
+
+@pytest.mark.postgres
+async def test_a_claim_held_up_in_a_batch_fails_only_itself(pg_dsn: str) -> None:
+    """19 claims in one batch, one of a key another session is inserting: the other 18 are
+    claimed within their own deadline; the held one fails as it would have alone."""
+    keys = [f"claim-{i}" for i in range(19)]
+    keys[10] = "held"
+    async with (
+        opened(create_store(pg_dsn, command_timeout=DEADLINE)) as store,
+        _key_held(pg_dsn, "held"),
+    ):
+        batches = _observe(store)
+        lead = asyncio.create_task(_claim(store, "lead"))  # alone at once; the 19 behind it
+        timed = list(await asyncio.gather(*(_timed(_claim(store, key)) for key in keys)))
+        assert isinstance(await lead, Claimed)
+    assert ("claim", 19) in batches, "they were batched"
+    held, held_took = timed.pop(10)
+    assert isinstance(held, StoreUnavailable), held
+    assert held_took >= DEADLINE * 0.9, "it waited as long as it would have alone"
+    for result, took in timed:
+        assert isinstance(result, Claimed), result
+        assert took < DEADLINE, took
+
+
+@pytest.mark.postgres
+async def test_a_completion_held_up_in_a_batch_fails_only_itself(pg_dsn: str) -> None:
+    async with opened(create_store(pg_dsn, command_timeout=DEADLINE)) as store:
+        claims = [await _claimed(store, f"job-{i}") for i in range(10)]
+        batches = _observe(store)
+        async with _job_locked(pg_dsn, claims[5].job.id):
+            timed = await asyncio.gather(
+                *(_timed(store.complete(c.job, c.attempt, FINE, ttl=3600.0)) for c in claims)
+            )
+        assert ("complete", 9) in batches, "they were batched"
+        locked, _took = timed.pop(5)
+        assert isinstance(locked, StoreUnavailable), locked
+        for result, took in timed:
+            assert result is True and took < DEADLINE, (result, took)
+        for i, claim in enumerate(claims):
+            job = await store.get("alice", claim.job.key)
+            assert job is not None and job.response == (None if i == 5 else FINE)
+
+
+@pytest.mark.postgres
+async def test_a_held_up_statement_does_not_hold_up_the_requests_behind_it(pg_dsn: str) -> None:
+    async with (
+        opened(create_store(pg_dsn, command_timeout=DEADLINE)) as store,
+        _key_held(pg_dsn, "held"),
+    ):
+        held = asyncio.create_task(_claim(store, "held"))
+        await _settle_loop()  # its statement is out, waiting for the other session
+        behind = await asyncio.wait_for(
+            asyncio.gather(*(_claim(store, f"behind-{i}") for i in range(10))),
+            timeout=DEADLINE * 0.75,
+        )
+        assert all(isinstance(result, Claimed) for result in behind), behind
+        assert not held.done()
+        with pytest.raises(StoreUnavailable):
+            await held
+
+
+@pytest.mark.postgres
+async def test_a_claim_that_finds_its_own_job_is_claimed(pg_dsn: str) -> None:
+    """What a batched claim retried alone finds when its batch committed before its answer was
+    lost (a timeout): its own job, by its id. It is its claim, not a duplicate to hold on."""
+    async with opened(create_store(pg_dsn)) as store:
+        job_id = str(uuid.uuid4())
+        first = await _claim(store, "mine", job_id)
+        again = await _claim(store, "mine", job_id)
+        assert isinstance(first, Claimed) and isinstance(again, Claimed), again
+        assert again.job.id == job_id and again.attempt == 1
+        other = await _claim(store, "mine")
+        assert isinstance(other, Existing), "another request's claim of the key is a duplicate"
+
+
+async def test_a_completion_written_already_loses_and_the_job_holds_it(dsn: str) -> None:
+    """What a batched completion retried alone finds when its batch committed before its answer
+    was lost: its compare-and-swap loses (the caller re-reads and replays), the job holds its
+    response, and its attempt stays the winner."""
+    async with opened(create_store(dsn)) as store:
+        claim = await _claimed(store, "written")
+        assert await store.complete(claim.job, claim.attempt, FINE, ttl=3600.0)
+        assert not await store.complete(claim.job, claim.attempt, FINE, ttl=3600.0)
+        job = await store.get("alice", "written")
+        assert job is not None and job.response == FINE and job.state.value == "completed"
+        full = await store.get_by_id(claim.job.id)
+        assert full is not None
+        assert [a.state.value for a in full.attempts] == ["succeeded"]

@@ -95,6 +95,8 @@ class SqliteStore(Store):
             limit=batch,
             size=complete_size,
         )
+        # One connection: a second statement would only wait for the first one's lock.
+        self.claims.in_flight = self.completions.in_flight = 1
 
     async def open(self) -> None:
         if self._path != ":memory:":
