@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -256,3 +258,156 @@ async def test_a_completion_written_already_loses_and_the_job_holds_it(dsn: str)
         full = await store.get_by_id(claim.job.id)
         assert full is not None
         assert [a.state.value for a in full.attempts] == ["succeeded"]
+
+
+class _SlowReplies:
+    """A TCP relay to PostgreSQL that delivers the server's bytes `delay` seconds after they
+    arrived (in order, per connection): a statement runs and commits at once, and its answer
+    comes after its timeout, as on a congested network."""
+
+    def __init__(self, dsn: str) -> None:
+        self.target = urlsplit(dsn)
+        self.delay = 0.0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        netloc = self.target.netloc.rsplit("@", 1)
+        user = netloc[0] + "@" if len(netloc) == 2 else ""
+        return self.target._replace(netloc=f"{user}127.0.0.1:{port}").geturl()
+
+    async def __aexit__(self, *_exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _relay(
+        self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
+    ) -> None:
+        server_in, server_out = await asyncio.open_connection(
+            self.target.hostname, self.target.port or 5432
+        )
+        replies: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        for work in (
+            self._pump(client_in, server_out),
+            self._hold(server_in, replies),
+            self._deliver(replies, client_out),
+        ):
+            task = asyncio.create_task(work)
+            self._tasks.add(task)
+
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        while chunk := await source.read(65536):
+            sink.write(chunk)
+            await sink.drain()
+        sink.close()
+
+    async def _hold(
+        self, source: asyncio.StreamReader, replies: asyncio.Queue[tuple[float, bytes]]
+    ) -> None:
+        while chunk := await source.read(65536):
+            replies.put_nowait((time.monotonic() + self.delay, chunk))
+        replies.put_nowait((0.0, b""))
+
+    async def _deliver(
+        self, replies: asyncio.Queue[tuple[float, bytes]], sink: asyncio.StreamWriter
+    ) -> None:
+        while True:
+            due, chunk = await replies.get()
+            if not chunk:
+                sink.close()
+                return
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            sink.write(chunk)
+            await sink.drain()
+
+
+@pytest.mark.postgres
+async def test_a_batch_that_committed_but_timed_out_is_answered_from_what_it_wrote(
+    pg_dsn: str,
+) -> None:
+    """The batch's statement commits and its answer comes after the batch's timeout (half the
+    store timeout): each row retried alone finds what the batch wrote. A claim finds its own job
+    and is claimed (never a duplicate that would hold on itself); a completion loses its
+    compare-and-swap and the job holds its response."""
+    relay = _SlowReplies(pg_dsn)
+    async with (
+        relay as slow_dsn,
+        # One connection: every statement runs on the one that has prepared them all.
+        opened(create_store(slow_dsn, command_timeout=DEADLINE, max_connections=1)) as store,
+    ):
+        batches = await _prepare_batches(store, relay)
+
+        lead = asyncio.create_task(_claim(store, "lead"))
+        ids = [str(uuid.uuid4()) for _ in range(3)]
+        results = await asyncio.gather(*(_claim(store, f"ambiguous-{i}", ids[i]) for i in range(3)))
+        lead_claim = await lead
+        assert isinstance(lead_claim, Claimed)
+        assert ("claim", 3) in batches, "the three went out in one batch"
+        for job_id, result in zip(ids, results, strict=True):
+            assert isinstance(result, Claimed), result
+            assert result.job.id == job_id and result.attempt == 1
+        claims = [result for result in results if isinstance(result, Claimed)]
+        keys = [claim.job.key for claim in claims]
+        assert await _xmins(pg_dsn, keys) == 1, "the batch committed them, in one transaction"
+
+        batches = await _prepare_batches(store, relay)  # on the connections in use now
+        lead_done = asyncio.create_task(
+            store.complete(lead_claim.job, lead_claim.attempt, FINE, ttl=3600.0)
+        )
+        won = await asyncio.gather(
+            *(store.complete(c.job, c.attempt, FINE, ttl=3600.0) for c in claims)
+        )
+        assert await lead_done
+        assert ("complete", 3) in batches, "the three went out in one batch"
+        assert await _xmins(pg_dsn, keys) == 1, "the batch completed them"
+        assert won == [False] * 3, "each lost its compare-and-swap to its own batch"
+        for claim in claims:
+            job = await store.get("alice", claim.job.key)
+            assert job is not None and job.state.value == "completed" and job.response == FINE
+            assert job.id == claim.job.id
+
+
+async def _prepare_batches(store: Store, relay: _SlowReplies) -> list[tuple[str, int]]:
+    """A lead and a batch behind it, twice over: the kept connection has prepared each
+    statement, so that a batch's statement is sent (and runs) in one go. Then each batch of
+    several sent is answered late (`_slow_batch_answers`), and listed in the list returned."""
+    for batcher in store.group_commits():
+        batcher.observer = None
+    for round_ in (uuid.uuid4().hex, uuid.uuid4().hex):
+        lead = asyncio.create_task(_claimed(store, f"warm-{round_}-0"))
+        rest = await asyncio.gather(*(_claimed(store, f"warm-{round_}-{i}") for i in (1, 2, 3)))
+        claims = [await lead, *rest]
+        await asyncio.gather(*(store.complete(c.job, c.attempt, FINE, ttl=3600.0) for c in claims))
+    batches: list[tuple[str, int]] = []
+    for batcher in store.group_commits():
+        batcher.observer = functools.partial(_slow_batch_answers, relay, batches)
+    return batches
+
+
+def _slow_batch_answers(
+    relay: _SlowReplies, seen: list[tuple[str, int]], kind: str, rows: int
+) -> None:
+    """As a batch of several goes out: its answer comes after its timeout; the rows it retries
+    alone, a moment later, are answered at once."""
+    seen.append((kind, rows))
+    if rows > 1:
+        relay.delay = DEADLINE * 0.75
+        asyncio.get_running_loop().call_later(DEADLINE * 0.25, setattr, relay, "delay", 0.0)
+
+
+async def _xmins(dsn: str, keys: list[str]) -> int:
+    """How many transactions wrote the jobs under `keys` last."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        value = await conn.fetchval(
+            "SELECT count(DISTINCT xmin::text) FROM idemproxy.jobs WHERE key = ANY($1::text[])",
+            keys,
+        )
+    finally:
+        await conn.close()
+    return int(value)
