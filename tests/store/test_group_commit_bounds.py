@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
-from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -24,6 +23,7 @@ from idemproxy.core.types import Claimed, ClaimResult, Existing, Intent, StoredR
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
+from tests.support.slowreplies import SlowReplies
 from tests.support.stores import opened
 
 T = TypeVar("T")
@@ -260,72 +260,6 @@ async def test_a_completion_written_already_loses_and_the_job_holds_it(dsn: str)
         assert [a.state.value for a in full.attempts] == ["succeeded"]
 
 
-class _SlowReplies:
-    """A TCP relay to PostgreSQL that delivers the server's bytes `delay` seconds after they
-    arrived (in order, per connection): a statement runs and commits at once, and its answer
-    comes after its timeout, as on a congested network."""
-
-    def __init__(self, dsn: str) -> None:
-        self.target = urlsplit(dsn)
-        self.delay = 0.0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def __aenter__(self) -> str:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        netloc = self.target.netloc.rsplit("@", 1)
-        user = netloc[0] + "@" if len(netloc) == 2 else ""
-        return self.target._replace(netloc=f"{user}127.0.0.1:{port}").geturl()
-
-    async def __aexit__(self, *_exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _relay(
-        self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
-    ) -> None:
-        server_in, server_out = await asyncio.open_connection(
-            self.target.hostname, self.target.port or 5432
-        )
-        replies: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-        for work in (
-            self._pump(client_in, server_out),
-            self._hold(server_in, replies),
-            self._deliver(replies, client_out),
-        ):
-            task = asyncio.create_task(work)
-            self._tasks.add(task)
-
-    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        while chunk := await source.read(65536):
-            sink.write(chunk)
-            await sink.drain()
-        sink.close()
-
-    async def _hold(
-        self, source: asyncio.StreamReader, replies: asyncio.Queue[tuple[float, bytes]]
-    ) -> None:
-        while chunk := await source.read(65536):
-            replies.put_nowait((time.monotonic() + self.delay, chunk))
-        replies.put_nowait((0.0, b""))
-
-    async def _deliver(
-        self, replies: asyncio.Queue[tuple[float, bytes]], sink: asyncio.StreamWriter
-    ) -> None:
-        while True:
-            due, chunk = await replies.get()
-            if not chunk:
-                sink.close()
-                return
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            sink.write(chunk)
-            await sink.drain()
-
-
 @pytest.mark.postgres
 async def test_a_batch_that_committed_but_timed_out_is_answered_from_what_it_wrote(
     pg_dsn: str,
@@ -334,7 +268,7 @@ async def test_a_batch_that_committed_but_timed_out_is_answered_from_what_it_wro
     store timeout): each row retried alone finds what the batch wrote. A claim finds its own job
     and is claimed (never a duplicate that would hold on itself); a completion loses its
     compare-and-swap and the job holds its response."""
-    relay = _SlowReplies(pg_dsn)
+    relay = SlowReplies(pg_dsn)
     async with (
         relay as slow_dsn,
         # One connection: every statement runs on the one that has prepared them all.
@@ -372,7 +306,7 @@ async def test_a_batch_that_committed_but_timed_out_is_answered_from_what_it_wro
             assert job.id == claim.job.id
 
 
-async def _prepare_batches(store: Store, relay: _SlowReplies) -> list[tuple[str, int]]:
+async def _prepare_batches(store: Store, relay: SlowReplies) -> list[tuple[str, int]]:
     """A lead and a batch behind it, twice over: the kept connection has prepared each
     statement, so that a batch's statement is sent (and runs) in one go. Then each batch of
     several sent is answered late (`_slow_batch_answers`), and listed in the list returned."""
@@ -390,7 +324,7 @@ async def _prepare_batches(store: Store, relay: _SlowReplies) -> list[tuple[str,
 
 
 def _slow_batch_answers(
-    relay: _SlowReplies, seen: list[tuple[str, int]], kind: str, rows: int
+    relay: SlowReplies, seen: list[tuple[str, int]], kind: str, rows: int
 ) -> None:
     """As a batch of several goes out: its answer comes after its timeout; the rows it retries
     alone, a moment later, are answered at once."""
