@@ -341,8 +341,8 @@ class PoolSettings(BaseModel):
     # top of store_connections: a renewal never waits behind request traffic for a connection.
     lease_connections: int = Field(default=2, ge=1, le=c.MAX_LEASE_CONNECTIONS)
     # Group commit (store/batching.py): claims (and completions) that arrive while one of their
-    # statements is in flight go out together, at most this many in one statement and commit;
-    # 1 sends each alone.
+    # statements is in flight go out together, at most this many (and 1 MiB of bodies) in one
+    # statement and commit; a completion over 64 KiB always goes alone; 1 sends each alone.
     store_batch: int = Field(default=64, ge=1, le=1000)
 
 

@@ -250,20 +250,25 @@ async def _settle_loop() -> None:
 async def test_a_caller_cancelled_while_queued_never_reaches_the_store(
     store: Store, dsn: str, batches: list[tuple[str, int]]
 ) -> None:
+    flights = store.group_commits()[0].in_flight
     async with _writes_blocked(dsn):
-        first = asyncio.create_task(_claim(store, _intent("in-flight")))
-        await _settle_loop()  # its statement is out, waiting for the lock
+        # As many statements out as may be in flight at once, each waiting for the lock (each
+        # goes out alongside the ones before it once they have waited `stall`).
+        first = []
+        for i in range(flights):
+            first.append(asyncio.create_task(_claim(store, _intent(f"in-flight-{i}"))))
+            await _settle_loop()
         queued = asyncio.create_task(_claim(store, _intent("queued")))
         kept = asyncio.create_task(_claim(store, _intent("kept")))
         await _settle_loop()
         queued.cancel()
         await _settle_loop()
-    assert isinstance(await first, Claimed)
+    assert all(isinstance(claim, Claimed) for claim in await asyncio.gather(*first))
     with pytest.raises(asyncio.CancelledError):
         await queued
     assert isinstance(await kept, Claimed)
     assert await store.get("alice", "queued") is None, "a cancelled queued claim is never sent"
-    assert batches == [("claim", 1), ("claim", 1)]
+    assert batches == [("claim", 1)] * (flights + 1)
 
 
 async def test_a_caller_cancelled_in_flight_leaves_the_batch_to_the_others(

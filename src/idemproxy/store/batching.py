@@ -11,6 +11,18 @@ A group is one owner: every row of a batch has the same owner, so that the state
 key never share a batch (`distinct`): the second goes out in the next one and sees the first's
 commit, as it would have alone.
 
+A batch is bounded by bytes as well as rows, so that no statement carries much more than one
+request would alone (a statement's time grows with its bytes, and it has one request's timeout,
+`pool.store_timeout`): a request of more than `ALONE_BYTES` (a completion's body) is never
+batched, it goes out at once in its caller's task, concurrently, as without batching; and the
+rows of one batch carry at most `BATCH_BYTES` in all.
+
+A statement held up (by a lock another session holds, or a slow server) does not hold up its
+group: once the statements in flight have run for `STALL` seconds, the next batch goes out
+alongside them, up to `MAX_IN_FLIGHT` statements of a group at once (a request whose job is in
+a statement in flight still waits for it, and sees its commit). What a batch's rows get when its
+statement fails is the store's: each is retried alone (store/postgres/store.py).
+
 `run` gets the batch and returns one result or exception per request, in order; an exception
 it raises is every caller's. Each caller gets exactly its own entry. A caller cancelled while
 its request is still queued takes it out of the queue (it never reaches the store); once its
@@ -21,17 +33,30 @@ caller's result is dropped (its claim may be committed: proxy/background/unsent.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Sequence
-from typing import Generic, NamedTuple, TypeVar
+import functools
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
+from typing import Any, Generic, NamedTuple, TypeAlias, TypeVar
 
-from idemproxy.core.types import Intent, Job, KeptResponse
+from idemproxy.core.types import Intent, Job, KeptResponse, SealedResponse
 
 Request = TypeVar("Request")
 Result = TypeVar("Result")
 # Rows per batched claim or completion statement; 1 sends each alone (`pool.store_batch`).
 DEFAULT_BATCH = 64
+# A request larger than this goes alone; a batch's requests are at most BATCH_BYTES in all.
+ALONE_BYTES = 64 * 1024
+BATCH_BYTES = 1024 * 1024
+# Seconds a group's statements may run before its next batch goes out alongside them, and the
+# most statements of one group in flight at once (a store with one connection has 1).
+STALL = 0.02
+MAX_IN_FLIGHT = 4
 # The metrics hook: (kind, rows in the statement), for every batch sent (SPEC §13).
 BatchObserver = Callable[[str, int], None]
+
+
+# What `run` gives each request: its result, its error, or a future of either (a row retried
+# alone, whose caller gets its answer as soon as it has it, not when the slowest row ends).
+Outcome: TypeAlias = Result | BaseException | asyncio.Future[Result]
 
 
 class _Entry(Generic[Request, Result]):
@@ -42,89 +67,185 @@ class _Entry(Generic[Request, Result]):
         self.future = future
 
 
+class _Group(Generic[Request, Result]):
+    """One group's requests: those queued, the statements in flight (each a future that ends
+    with it), the jobs they hold (`busy`), and the task that sends the queued ones."""
+
+    __slots__ = ("busy", "drainer", "flights", "queue")
+
+    def __init__(self) -> None:
+        self.queue: list[_Entry[Request, Result]] = []
+        self.flights: set[asyncio.Future[None]] = set()
+        self.busy: set[Hashable] = set()
+        self.drainer: asyncio.Task[None] | None = None
+
+    def idle(self) -> bool:
+        self.queue[:] = [entry for entry in self.queue if not entry.future.done()]
+        return not self.queue and not self.flights and self.drainer is None
+
+
 class GroupCommit(Generic[Request, Result]):
     """One kind of write (`claim`, `complete`) of one store, batched per group."""
 
     def __init__(
         self,
         kind: str,
-        run: Callable[[list[Request]], Awaitable[Sequence[Result | BaseException]]],
+        run: Callable[[list[Request]], Awaitable[Sequence[Outcome[Result]]]],
         *,
         group: Callable[[Request], Hashable],
         distinct: Callable[[Request], Hashable],
         limit: int,
+        size: Callable[[Request], int] = lambda _request: 0,
     ) -> None:
         self.kind = kind
         self.limit = max(1, limit)
+        # Statements of one group in flight at once (a store of one connection sets 1), and
+        # the seconds they run before the next batch goes out alongside them.
+        self.in_flight = MAX_IN_FLIGHT
+        self.stall = STALL
         self.observer: BatchObserver | None = None
         self._run = run
         self._group = group
         self._distinct = distinct
-        self._queues: dict[Hashable, list[_Entry[Request, Result]]] = {}
-        self._drainers: set[asyncio.Task[None]] = set()
+        self._size = size
+        self._groups: dict[Hashable, _Group[Request, Result]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def submit(self, request: Request) -> Result:
-        group = self._group(request)
-        queue = self._queues.get(group)
-        if queue is None:
-            return await self._lead(group, request)
+        if self.limit == 1 or self._size(request) > ALONE_BYTES:
+            # `pool.store_batch: 1`, or a large request: not batched at all. It is its own
+            # statement in its caller's task, concurrently with the others of its group, as
+            # without group commit.
+            return await self._alone(request)
+        key = self._group(request)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group()
+            return await self._lead(key, group, request)
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        queue.append(_Entry(request, future))
+        group.queue.append(_Entry(request, future))
+        if group.drainer is None:
+            group.drainer = self._spawn(self._drain(key, group))
         # A cancelled caller cancels its future: still queued, it is skipped; in flight, its
         # result is dropped. The statement itself is never cancelled for the others' sake.
         return await future
 
-    async def _lead(self, group: Hashable, request: Request) -> Result:
-        """Nothing of the group in flight: this request goes out at once, in the caller's own
-        task (a lone request costs no task switch), and whatever queues meanwhile follows in
-        one batch. Cancelling this caller cancels its statement, as without batching."""
-        queue: list[_Entry[Request, Result]] = []
-        self._queues[group] = queue
-        try:
-            if self.observer is not None:
-                self.observer(self.kind, 1)
-            [outcome] = await self._run([request])
-        finally:
-            if queue:
-                drainer = asyncio.create_task(self._drain(group, queue), name=f"store-{self.kind}")
-                self._drainers.add(drainer)
-                drainer.add_done_callback(self._drainers.discard)
-            else:
-                del self._queues[group]
+    async def _alone(self, request: Request) -> Result:
+        if self.observer is not None:
+            self.observer(self.kind, 1)
+        [outcome] = await self._run([request])
+        if isinstance(outcome, asyncio.Future):
+            return await outcome
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
+    async def _lead(
+        self, key: Hashable, group: _Group[Request, Result], request: Request
+    ) -> Result:
+        """Nothing of the group in flight: this request goes out at once, in the caller's own
+        task (a lone request costs no task switch), and whatever queues meanwhile follows in
+        one batch. Cancelling this caller cancels its statement, as without batching."""
+        flight = self._take_off(group, [request])
+        try:
+            return await self._alone(request)
+        finally:
+            self._land(key, group, flight, [request])
+
     async def close(self) -> None:
         """Wait for the batches in flight (their callers are waiting for them)."""
-        while self._drainers:
-            await asyncio.gather(*self._drainers, return_exceptions=True)
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _drain(self, group: Hashable, queue: list[_Entry[Request, Result]]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(work, name=f"store-{self.kind}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _take_off(
+        self, group: _Group[Request, Result], requests: list[Request]
+    ) -> asyncio.Future[None]:
+        flight: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        group.flights.add(flight)
+        group.busy.update(self._distinct(request) for request in requests)
+        return flight
+
+    def _land(
+        self,
+        key: Hashable,
+        group: _Group[Request, Result],
+        flight: asyncio.Future[None],
+        requests: list[Request],
+    ) -> None:
+        group.flights.discard(flight)
+        group.busy.difference_update(self._distinct(request) for request in requests)
+        flight.set_result(None)
+        if group.idle() and self._groups.get(key) is group:
+            del self._groups[key]
+
+    async def _drain(self, key: Hashable, group: _Group[Request, Result]) -> None:
+        """Sends the queued requests: as the next batch once a statement of the group ends, or
+        alongside those in flight once they have run for `stall` seconds (a statement held up
+        by a lock, or a slow one), up to `in_flight` statements at once, so that a slow one
+        holds up the requests behind it for no more than `stall`."""
         try:
-            while batch := self._take(queue):
-                await self._send(batch)
+            while any(not entry.future.done() for entry in group.queue):
+                if group.flights:
+                    room = len(group.flights) < self.in_flight
+                    await asyncio.wait(
+                        set(group.flights),
+                        timeout=self.stall if room else None,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                batch = self._take(group)
+                if not batch:  # each queued request's job is in a statement in flight
+                    await asyncio.wait(set(group.flights), return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                requests = [entry.request for entry in batch]
+                flight = self._take_off(group, requests)
+                self._spawn(self._fly(key, group, flight, batch))
+        except asyncio.CancelledError:  # the drainer itself cancelled (loop shutdown): so are they
+            for entry in group.queue:
+                entry.future.cancel()
+            raise
         finally:
-            del self._queues[group]
-            for entry in queue:  # only when the drainer itself was cancelled (loop shutdown)
-                if not entry.future.done():
-                    entry.future.cancel()
+            group.drainer = None
+            if group.idle() and self._groups.get(key) is group:
+                del self._groups[key]
 
-    def _take(self, queue: list[_Entry[Request, Result]]) -> list[_Entry[Request, Result]]:
-        """Up to `limit` waiting entries, one per distinct job; the rest stay queued, in order."""
+    async def _fly(
+        self,
+        key: Hashable,
+        group: _Group[Request, Result],
+        flight: asyncio.Future[None],
+        batch: list[_Entry[Request, Result]],
+    ) -> None:
+        try:
+            await self._send(batch)
+        finally:
+            self._land(key, group, flight, [entry.request for entry in batch])
+
+    def _take(self, group: _Group[Request, Result]) -> list[_Entry[Request, Result]]:
+        """Up to `limit` waiting entries of at most BATCH_BYTES in all (the first whatever its
+        size), one per distinct job and none of a job in flight; the rest stay queued, in
+        order."""
         batch: list[_Entry[Request, Result]] = []
-        seen: set[Hashable] = set()
+        seen = set(group.busy)
         left: list[_Entry[Request, Result]] = []
-        for entry in queue:
+        room = BATCH_BYTES
+        for entry in group.queue:
             if entry.future.done():
                 continue  # its caller was cancelled before it was sent
             distinct = self._distinct(entry.request)
-            if len(batch) >= self.limit or distinct in seen:
+            size = self._size(entry.request)
+            if len(batch) >= self.limit or distinct in seen or (batch and size > room):
                 left.append(entry)
                 continue
             seen.add(distinct)
+            room -= size
             batch.append(entry)
-        queue[:] = left
+        group.queue[:] = left
         return batch
 
     async def _send(self, batch: list[_Entry[Request, Result]]) -> None:
@@ -134,17 +255,37 @@ class GroupCommit(Generic[Request, Result]):
             outcomes = await self._run([entry.request for entry in batch])
         except Exception as exc:  # every caller's error, as it would have been alone
             outcomes = [exc] * len(batch)
-        except BaseException:  # the drainer itself cancelled (loop shutdown): so are they
+        except BaseException:  # the task itself cancelled (loop shutdown): so are they
             for entry in batch:
                 entry.future.cancel()
             raise
+        later: list[asyncio.Future[Result]] = []
         for entry, outcome in zip(batch, outcomes, strict=True):
-            if entry.future.done():
-                continue
-            if isinstance(outcome, BaseException):
-                entry.future.set_exception(outcome)
+            if isinstance(outcome, asyncio.Future):
+                outcome.add_done_callback(functools.partial(_answer_from, entry))
+                later.append(outcome)
             else:
-                entry.future.set_result(outcome)
+                _answer(entry, outcome)
+        if later:  # the batch stays in flight (its jobs busy) until its last row is answered
+            await asyncio.wait(later)
+
+
+def _answer(entry: _Entry[Request, Result], outcome: Result | BaseException) -> None:
+    if entry.future.done():
+        return  # its caller was cancelled while the batch was in flight
+    if isinstance(outcome, BaseException):
+        entry.future.set_exception(outcome)
+    else:
+        entry.future.set_result(outcome)
+
+
+def _answer_from(entry: _Entry[Request, Result], done: asyncio.Future[Result]) -> None:
+    if done.cancelled():
+        if not entry.future.done():
+            entry.future.cancel()
+        return
+    error = done.exception()
+    _answer(entry, done.result() if error is None else error)
 
 
 class ClaimRequest(NamedTuple):
@@ -155,6 +296,7 @@ class ClaimRequest(NamedTuple):
     upstream: str
     ttl: float
     lease: float
+    submitted: float = 0.0  # time.monotonic() when its caller asked; its deadline follows
 
 
 class CompleteRequest(NamedTuple):
@@ -164,6 +306,7 @@ class CompleteRequest(NamedTuple):
     attempt: int
     response: KeptResponse
     ttl: float
+    submitted: float = 0.0  # as ClaimRequest's
 
 
 def claim_group(request: ClaimRequest) -> str:
@@ -180,3 +323,12 @@ def complete_group(request: CompleteRequest) -> str:
 
 def complete_distinct(request: CompleteRequest) -> str:
     return request.job.id
+
+
+def complete_size(request: CompleteRequest) -> int:
+    """The bytes a completion's row carries, near enough: its body (or sealed box) and headers."""
+    response = request.response
+    if isinstance(response, SealedResponse):
+        return len(response.sealed)
+    headers = sum(len(name) + len(value) for name, value in response.headers)
+    return headers + (0 if response.body is None else len(response.body))

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,17 +27,19 @@ from idemproxy.core.types import (
     KeptResponse,
     SealedResponse,
 )
-from idemproxy.errors import StoreRefused, StoreUnavailable
+from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import AttemptFailure, LateResponse, Store, key_of
 from idemproxy.store.batching import (
     DEFAULT_BATCH,
     ClaimRequest,
     CompleteRequest,
     GroupCommit,
+    Outcome,
     claim_distinct,
     claim_group,
     complete_distinct,
     complete_group,
+    complete_size,
 )
 from idemproxy.store.feed import stop_feed
 from idemproxy.store.postgres.citus import (
@@ -79,6 +81,9 @@ _CLAIM_RETRIES = 5
 # Seconds a connection may stay idle before it is closed (asyncpg's default): kept ones are
 # first released to the pool (store/postgres/kept.py), whose own timer then closes them.
 _IDLE_LIFETIME = 300.0
+# The shortest timeout a batched row's statement gets, even when its caller's deadline has passed
+# while it was queued: enough for a healthy store to answer.
+_LEAST_TIMEOUT = 0.1
 _NIL_UUID = uuid.UUID(int=0)  # before every job id: where a reseal starts
 
 
@@ -138,6 +143,7 @@ class PostgresStore(Store):
             group=complete_group,
             distinct=complete_distinct,
             limit=batch,
+            size=complete_size,
         )
 
     async def open(self) -> None:
@@ -219,11 +225,11 @@ class PostgresStore(Store):
     async def claim(
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
-        request = ClaimRequest(intent, job_id, upstream, float(ttl), float(lease))
+        request = ClaimRequest(intent, job_id, upstream, float(ttl), float(lease), time.monotonic())
         with self.observed("claim"):
             return await self.claims.submit(request)
 
-    async def _claim_batch(self, batch: list[ClaimRequest]) -> list[ClaimResult | BaseException]:
+    async def _claim_batch(self, batch: list[ClaimRequest]) -> Sequence[Outcome[ClaimResult]]:
         """`claims`' statement: a lone claim alone, several in one `claim_batch`. On Citus each
         alone: it plans `INSERT … SELECT … FROM unnest` through the coordinator, not as a router
         query on the owner's shard (queries.sql, the distributed forms)."""
@@ -231,16 +237,20 @@ class PostgresStore(Store):
             return await _each(self._claim_alone, batch)
         first = batch[0].intent
         columns = _claim_columns(batch)
+        sql, timeout = self._sql["claim_batch"], self._batch_timeout(batch)
         try:
             rows = await self._run(
-                "claim", lambda c: c.fetch(self._sql["claim_batch"], first.owner, *columns), False
+                "claim", lambda c: c.fetch(sql, first.owner, *columns, timeout=timeout), False
             )
-        except StoreRefused:
-            # One row's data was refused (SQLSTATE 22/23/54): each alone, so that only its
-            # own caller gets the refusal.
-            return await _each(self._claim_alone, batch)
+        except StoreUnavailable:
+            # One row's data was refused (SQLSTATE 22/23/54), or the statement failed or timed
+            # out, maybe held up by one row (a lock another session holds): each alone, within
+            # what is left of its caller's deadline, so that each gets what it would have had
+            # alone. The statement may have committed before its answer was lost: a claim alone
+            # then finds its own job (`_claim_result`).
+            return _apart(self._claim_alone, batch)
         by_key = {row["key"]: row for row in rows}
-        results: list[ClaimResult | BaseException] = []
+        results: list[Outcome[ClaimResult]] = []
         for request in batch:
             row = by_key.get(request.intent.key)
             if row is None:  # a concurrent claim committed it while this one waited
@@ -250,7 +260,7 @@ class PostgresStore(Store):
         return results
 
     async def _claim_alone(self, request: ClaimRequest) -> ClaimResult:
-        intent = request.intent
+        intent, timeout = request.intent, self._time_left(request.submitted)
         args = (
             intent.owner,
             intent.key,
@@ -260,13 +270,15 @@ class PostgresStore(Store):
             intent.path,
         )
         for _ in range(_CLAIM_RETRIES):
-            row = await self._claim_row(args, request.ttl, request.upstream, request.lease)
+            row = await self._claim_row(args, request, timeout)
             if row is None:
                 # A concurrent claim committed while this one waited: read it afresh.
-                row = await self._fetchrow("get_job", intent.owner, intent.key, observe=False)
+                row = await self._fetchrow(
+                    "get_job", intent.owner, intent.key, observe=False, timeout=timeout
+                )
             if row is None:
                 continue  # it was deleted in between (expiry); claim again
-            return _claim_result(row)
+            return _claim_result(row, request.job_id)
         raise StoreUnavailable("The claim did not settle; retry.")
 
     async def claim_within(
@@ -291,10 +303,13 @@ class PostgresStore(Store):
         return Claimed(job_from_row(row), 1) if row["created"] else Existing(job_from_row(row))
 
     async def _claim_row(
-        self, args: tuple[str, ...], ttl: float, upstream: str, lease: float
+        self, args: tuple[str, ...], request: ClaimRequest, timeout: float | None
     ) -> ClaimRow | None:
+        ttl, upstream, lease = request.ttl, request.upstream, request.lease
         if self.citus is None:
-            return await self._fetchrow("claim", *args, ttl, upstream, lease, observe=False)
+            return await self._fetchrow(
+                "claim", *args, ttl, upstream, lease, observe=False, timeout=timeout
+            )
         job = (*args, ttl, lease)
         return await self._run(
             "claim", lambda c: claim_distributed(c, self._sql, job, upstream), False
@@ -310,22 +325,28 @@ class PostgresStore(Store):
 
     async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
         with self.observed("complete"):
-            return await self.completions.submit(CompleteRequest(job, attempt, response, ttl))
+            request = CompleteRequest(job, attempt, response, ttl, time.monotonic())
+            return await self.completions.submit(request)
 
-    async def _complete_batch(self, batch: list[CompleteRequest]) -> list[bool | BaseException]:
+    async def _complete_batch(self, batch: list[CompleteRequest]) -> Sequence[Outcome[bool]]:
         """`completions`' statement: a lone one alone, several in one `complete_batch` (on
         Citus each alone, as in `_claim_batch`)."""
         if len(batch) == 1 or self.citus is not None:
             return await _each(self._complete_alone, batch)
         columns = _complete_columns(batch)
         owner = batch[0].job.owner
-        sql = self._sql["complete_batch"]
+        sql, timeout = self._sql["complete_batch"], self._batch_timeout(batch)
         try:
             rows = await self._run(
-                "complete", lambda c: c.fetch(sql, owner, *columns, self._late_bytes), False
+                "complete",
+                lambda c: c.fetch(sql, owner, *columns, self._late_bytes, timeout=timeout),
+                False,
             )
-        except StoreRefused:  # as in _claim_batch: only the refused row's caller fails
-            return await _each(self._complete_alone, batch)
+        except StoreUnavailable:
+            # As in _claim_batch. A completion whose batch committed before its answer was lost
+            # loses its compare-and-swap alone (the job is completed already): its caller
+            # re-reads the job and answers with the response it holds, its own.
+            return _apart(self._complete_alone, batch)
         won = {str(row["id"]) for row in rows}
         return [request.job.id in won for request in batch]
 
@@ -344,6 +365,7 @@ class PostgresStore(Store):
             self._late_bytes,
             key_id,
             observe=False,
+            timeout=self._time_left(request.submitted),
         )
         return await self._announced(job, row, watched_only=True)
 
@@ -580,8 +602,23 @@ class PostgresStore(Store):
                 await self._execute("notify", job.id)
         return True
 
-    async def _fetchrow(self, name: str, *args: Any, observe: bool = True) -> asyncpg.Record | None:
-        return await self._run(name, lambda c: c.fetchrow(self._sql[name], *args), observe)
+    async def _fetchrow(
+        self, name: str, *args: Any, observe: bool = True, timeout: float | None = None
+    ) -> asyncpg.Record | None:
+        """`timeout`: the statement's own (seconds), else `pool.store_timeout`."""
+        sql = self._sql[name]
+        return await self._run(name, lambda c: c.fetchrow(sql, *args, timeout=timeout), observe)
+
+    def _time_left(self, submitted: float) -> float:
+        """What is left of a request's deadline, `pool.store_timeout` after its caller asked
+        (a batched one's own statement retried alone gets no more than that)."""
+        left = submitted + self._command_timeout - time.monotonic()
+        return max(left, _LEAST_TIMEOUT)
+
+    def _batch_timeout(self, batch: list[ClaimRequest] | list[CompleteRequest]) -> float:
+        """Half of what is left to its most urgent row: a batch held up (by a lock on one of
+        its rows, a slow server) leaves its rows the other half to be retried alone."""
+        return max(min(self._time_left(r.submitted) for r in batch) / 2, _LEAST_TIMEOUT)
 
     async def _execute(self, name: str, *args: Any) -> str:
         return await self._run(name, lambda c: c.execute(self._sql[name], *args))
@@ -659,9 +696,27 @@ async def _each(alone: Callable[[Q], Awaitable[R]], batch: list[Q]) -> list[R | 
     return await asyncio.gather(*(alone(request) for request in batch), return_exceptions=True)
 
 
-def _claim_result(row: ClaimRow) -> ClaimResult:
+def _apart(alone: Callable[[Q], Awaitable[R]], batch: list[Q]) -> list[Outcome[R]]:
+    """Each request of `batch` in its own statement, concurrently, each answered as soon as its
+    own ends (store/batching.py): the result or error each would have had alone."""
+    return [asyncio.ensure_future(alone(request)) for request in batch]
+
+
+def _claim_result(row: ClaimRow, job_id: str | None = None) -> ClaimResult:
+    """`job_id`: the claim's own. A job of that id is this very claim's, committed by its batch's
+    statement whose answer was lost (a timeout): claimed, never a job to hold on (it would
+    hold on itself until its lease ran out)."""
     job = job_from_row(row)
-    return Claimed(job, 1) if row.get("created", False) else Existing(job)
+    if row.get("created", False) or (job_id is not None and _same_id(job.id, job_id)):
+        return Claimed(job, 1)
+    return Existing(job)
+
+
+def _same_id(stored: str, job_id: str) -> bool:
+    try:
+        return uuid.UUID(stored) == uuid.UUID(job_id)
+    except ValueError:
+        return False
 
 
 def _claim_columns(batch: list[ClaimRequest]) -> tuple[list[Any], ...]:

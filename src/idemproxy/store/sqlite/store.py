@@ -34,6 +34,7 @@ from idemproxy.store.batching import (
     CompleteRequest,
     GroupCommit,
     complete_distinct,
+    complete_size,
 )
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.reach import sqlite_unopenable
@@ -92,7 +93,10 @@ class SqliteStore(Store):
             group=_one_group,
             distinct=complete_distinct,
             limit=batch,
+            size=complete_size,
         )
+        # One connection: a second statement would only wait for the first one's lock.
+        self.claims.in_flight = self.completions.in_flight = 1
 
     async def open(self) -> None:
         if self._path != ":memory:":
