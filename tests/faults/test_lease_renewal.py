@@ -40,9 +40,13 @@ SLOW = f"{PATH}?delay={UPSTREAM_SECONDS}"
 
 
 def settings(pool_connections: int = 4) -> dict[str, object]:
+    # Each claim its own statement (no group commit), so that blocked claims hold every pooled
+    # connection: the starvation these tests need (group commit would queue them instead).
     return {
         "lease": LEASE,
-        "pool": PoolSettings(store_connections=pool_connections, store_timeout=STORE_TIMEOUT),
+        "pool": PoolSettings(
+            store_connections=pool_connections, store_timeout=STORE_TIMEOUT, store_batch=1
+        ),
         "max_wait": 10.0,
     }
 
