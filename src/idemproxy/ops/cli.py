@@ -272,7 +272,8 @@ async def _reseal(args: argparse.Namespace, store: Store, _settings: Settings) -
         store, sealing.codec, batch_size=args.batch_size, pause=max(0.0, args.pause)
     )
     print("\n".join(report_lines(report)))
-    if report.responses.unreadable or report.late.unreadable:
+    left = (report.responses, report.late)
+    if any(counts.unreadable or counts.unopenable for counts in left):
         raise ResealIncomplete()
 
 
