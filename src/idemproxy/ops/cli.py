@@ -201,7 +201,15 @@ def _add_purge(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_runner(_purge))
 
 
+_PURGE_WITHOUT_REDIS = (
+    "warning: no Redis given (--redis or redis.url): entries of the purged jobs in a Redis the"
+    " proxies use stay there, and are replayed, until their redis.ttl runs out"
+)
+
+
 async def _purge(args: argparse.Namespace, store: Store, settings: Settings) -> None:
+    if settings.redis.url is None:  # SPEC §11, Erasure: it cannot reach the proxies' Redis
+        print(_PURGE_WITHOUT_REDIS, file=sys.stderr)
     owners: tuple[str, str | None] = (args.owner, None)
     if args.owner is None:
         credential = _body(args.credential_file).decode("utf-8", "surrogateescape")
