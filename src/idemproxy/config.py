@@ -382,11 +382,21 @@ class EncryptionSettings(BaseModel):
     # new responses, every one opens those sealed before (store/seal/keyring.py).
     keys: SecretStr | None = None
     keys_file: Path | None = None  # or read from this file (a mounted Secret)
+    # Refuse every stored response in the clear (500 response-unreadable), so that someone
+    # with write access to the database cannot plant one; turn on after a full
+    # `idemproxy store reseal` (docs/operations.md). Needs `keys`.
+    require_sealed: bool = False
 
     @model_validator(mode="before")
     @classmethod
     def _keys_file(cls, data: Any) -> Any:
         return read_secret_files(data, ("keys",), "encryption.")
+
+    @model_validator(mode="after")
+    def _require_sealed_needs_keys(self) -> EncryptionSettings:
+        if self.require_sealed and self.keys is None:
+            raise ValueError("encryption.require_sealed needs encryption.keys")
+        return self
 
 
 class RedisSettings(BaseModel):

@@ -15,7 +15,8 @@ class QuotaSettings(BaseModel):
     max_in_flight: int | None = Field(default=None, gt=0)
     # New jobs (new keys) of one owner per second, across every replica on the store.
     max_new_per_second: int | None = Field(default=None, gt=0)
-    # Bytes of response bodies stored for one owner; at or beyond it no new job is claimed
-    # until some expire. Counting them reads the owner's completed jobs: see
+    # Bytes of response bodies stored for one owner, each job in flight counted as
+    # max_stored_body (SPEC §9); at or beyond it no new job is claimed until some expire.
+    # Counting them reads the owner's jobs: see
     # docs/operations.md, Quotas, before setting it for owners with many jobs.
     max_stored_bytes: ByteSize | None = Field(default=None, gt=0)

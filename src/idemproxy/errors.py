@@ -103,10 +103,19 @@ class ProblemError(IdemproxyError):
     job_state: str | None = None
 
     def about(self, job_id: str, state: str) -> ProblemError:
-        """This problem, about job `job_id` in `state`, unless it already names a job."""
-        if self.job_id is None:
+        """This problem, about job `job_id` in `state`, unless it already names a job or is
+        about none (`about_no_job`, or a code whose `fixed_state` is `none`)."""
+        if self.job_id is None and self.job_state is None and self.fixed_state != NO_JOB:
             self.job_id = job_id
             self.job_state = self.fixed_state or state
+        return self
+
+    def about_no_job(self) -> ProblemError:
+        """This problem, about no job (SPEC §8): raised by a claim that did not take, such as
+        a re-claim after the job under the key was forgotten, it names no job, not the
+        forgotten one."""
+        if self.job_id is None:
+            self.job_state = NO_JOB
         return self
 
 
@@ -295,6 +304,7 @@ class QuotaExceeded(ProblemError):
 
     code, status, title = "quota-exceeded", 429, "Quota exceeded"
     retry_after = 1
+    fixed_state = NO_JOB  # SPEC §8: refused before anything is claimed
 
     def __init__(self, detail: str | None = None, *, retry_after: int = 1) -> None:
         super().__init__(detail)

@@ -291,6 +291,9 @@ def test_purge_lists_what_it_leaves_then_erases_it_when_told(
     credential.write_text("Bearer alice\n")  # as a Secret is mounted: one trailing line break
     left = run_cli("jobs", "purge", "--store", dsn, "--credential-file", str(credential))
     assert left.returncode == 1, left  # something was left: the operator must decide
+    # No Redis was given: the purge cannot reach entries the proxies keep there, and says so.
+    assert "warning: no Redis given (--redis or redis.url)" in left.stderr
+    assert "replayed, until their redis.ttl runs out" in left.stderr
     assert f"owner {ALICE}: removed 1 jobs (1 completed) and 1 attempts" in left.stdout
     assert f"{jobs['lost'].id}  unknown" in left.stdout and "--include-in-flight" in left.stdout
     assert run(_load(dsn, jobs["done"].id)) is None

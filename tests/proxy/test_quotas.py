@@ -128,3 +128,30 @@ async def test_replays_under_a_quota_come_from_the_in_process_cache(
     hits = registry.get_sample_value("idemproxy_replay_cache_hits_total")
     assert hits is not None and hits >= 2, (hits, type(cache).__name__)
     assert ledger.count("c1") == 1
+
+
+async def test_a_refused_reclaim_of_an_expired_key_names_no_job(
+    proxy: ProxyFactory, ledger: Ledger, jobs: Store
+) -> None:
+    """SPEC §8: the expired job is forgotten before the claim afresh is refused, so the problem
+    is about no job (`none`, no instance), not the job that is gone."""
+    client = await proxy(ttl=0.3, quotas={"max_in_flight": 1})
+    async with await _post(client, "old") as first:
+        assert first.status == 201
+    await asyncio.sleep(0.5)  # the completed job expires
+    slow = asyncio.create_task(
+        client.post("/pay?delay=1.0", data=b"x", headers={KEY: "a", **ALICE})
+    )
+    for _ in range(200):
+        if [job.key for job in await jobs.list_jobs(state=JobState.IN_FLIGHT)] == ["a"]:
+            break
+        await asyncio.sleep(0.01)
+
+    async with await _post(client, "old") as refused:
+        problem = await assert_problem(
+            refused, "quota-exceeded", 429, retry="same-key", job_state="none"
+        )
+    assert "instance" not in problem
+    async with await slow as done:
+        assert done.status == 201
+    assert ledger.count("old") == 1

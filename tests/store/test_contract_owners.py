@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from datetime import UTC, datetime, timedelta
 
@@ -82,3 +83,19 @@ async def test_owner_jobs_pages_one_owners_jobs_in_id_order(store: Store) -> Non
     assert {job.state for job in every} == {JobState.IN_FLIGHT}
     earlier = datetime.now(UTC) - timedelta(minutes=1)
     assert await store.owner_jobs("alice", after=FIRST, before=earlier, limit=10) == []
+
+
+async def test_concurrent_new_keys_cannot_store_past_the_bytes_limit(store: Store) -> None:
+    """SPEC §9: each job in flight counts as `max_body` toward `stored_bytes`, so new keys
+    claimed at once are refused once their possible responses would fill the limit."""
+    limits = QuotaLimits(stored_bytes=100, max_body=30)
+    results = await asyncio.gather(
+        *(_claim_within(store, f"c{n}", limits, owner="dora") for n in range(40))
+    )
+    claimed = [result for result in results if isinstance(result, Claimed)]
+    assert len(claimed) == 4  # 0, 30, 60, 90 < 100: the fifth would make 120
+    assert results.count("stored_bytes") == 36
+    for one in claimed:
+        assert await store.complete(one.job, 1, StoredResponse(200, (), b"x" * 30), ttl=TTL)
+    assert 30 * len(claimed) <= 100 + limits.max_body  # the bound SPEC §9 gives
+    assert await _claim_within(store, "later", limits, owner="dora") == "stored_bytes"

@@ -10,7 +10,7 @@ import pytest
 
 from idemproxy.core.types import JobState, SealedResponse, StoredResponse
 from idemproxy.errors import ResponseUnreadable
-from idemproxy.ops.reseal import reseal_store
+from idemproxy.ops.reseal import report_lines, reseal_store
 from idemproxy.store.base import Store
 from idemproxy.store.seal.codec import ResponseCodec
 from idemproxy.store.seal.store import SealingStore
@@ -199,3 +199,57 @@ async def test_without_a_ring_responses_stay_in_the_clear(store: Store, rows: Ra
     assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
     row = await rows.job(claimed.job.id)
     assert row["response_key"] is None and bytes(row["response_body"]) == RESPONSE.body
+
+
+async def test_a_box_whose_key_id_was_cleared_is_refused(store: Store, rows: RawRows) -> None:
+    sealed = sealing(store, codec(OLD))
+    job_id = await sealed_job(sealed)
+    await rows.set_job(job_id, "response_key", None)  # the box stays, its headers are NULL
+
+    job = await job_of(sealed, job_id)
+    assert job.response is not None
+    with pytest.raises(ResponseUnreadable, match="neither headers in the clear nor a key id"):
+        sealed.opened(job, job.response)
+    with pytest.raises(ResponseUnreadable):  # nor served by a store with no ring at all
+        store.opened(job, job.response)
+
+
+async def test_require_sealed_refuses_a_response_planted_in_the_clear(
+    store: Store, rows: RawRows
+) -> None:
+    job_id = await sealed_job(sealing(store, codec(OLD)))
+    await rows.set_job(job_id, "response_key", None)
+    await rows.set_job(job_id, "response_headers", '[["X-Planted","1"]]')
+    await rows.set_job(job_id, "response_body", b"planted")
+
+    lenient = sealing(store, codec(OLD))
+    job = await job_of(lenient, job_id)
+    assert job.response == StoredResponse(201, (("X-Planted", "1"),), b"planted")
+    assert lenient.opened(job, job.response) == job.response  # the default: a clear row serves
+    strict = sealing(store, codec(OLD, require_sealed=True))
+    with pytest.raises(ResponseUnreadable, match="require_sealed"):
+        strict.opened(job, job.response)
+
+
+async def test_require_sealed_still_lets_a_reseal_seal_clear_rows(store: Store) -> None:
+    claimed = await claim(store, "clear", "alice")
+    assert await store.complete(claimed.job, 1, PRIVATE, ttl=TTL)
+    strict = codec(OLD, require_sealed=True)
+    report = await reseal_store(sealing(store, strict), strict, batch_size=10)
+    assert report.responses.resealed == 1
+    job = await job_of(store, claimed.job.id)
+    assert job.response is not None and strict.open(job, job.response) == PRIVATE
+
+
+async def test_reseal_tells_a_box_that_does_not_open_from_a_key_not_in_the_ring(
+    store: Store, rows: RawRows
+) -> None:
+    lost = await sealed_job(sealing(store, codec(OTHER)), "lost")
+    altered = await sealed_job(sealing(store, codec(OLD)), "altered")
+    await rows.set_job(altered, "response_status", 200)
+    ring = codec(NEW, OLD)
+    report = await reseal_store(sealing(store, ring), ring, batch_size=10)
+    assert (report.responses.unreadable, report.responses.unopenable) == ([lost], [altered])
+    lines = report_lines(report)
+    assert f"1 unreadable (sealed with a key not in the ring), left as they are: {lost}" in lines
+    assert f"1 unreadable (do not open: altered or moved), left as they are: {altered}" in lines

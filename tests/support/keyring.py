@@ -18,6 +18,6 @@ NEW = key_entry("k2", 2)
 OTHER = key_entry("k9", 9)
 
 
-def codec(*entries: str) -> ResponseCodec:
+def codec(*entries: str, require_sealed: bool = False) -> ResponseCodec:
     """A codec whose ring lists `entries`, the first the primary."""
-    return ResponseCodec(parse_key_ring(",".join(entries)))
+    return ResponseCodec(parse_key_ring(",".join(entries)), require_sealed=require_sealed)

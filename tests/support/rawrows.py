@@ -37,7 +37,7 @@ class RawRows:
 
     async def set_job(self, job_id: str, column: str, value: object) -> None:
         """Write `value` into one response column of the job's row, as an attacker would."""
-        assert column in {"response_body", "response_status", "response_key"}
+        assert column in {"response_body", "response_status", "response_key", "response_headers"}
         if self._postgres:
             sql = f"UPDATE idemproxy.jobs SET {column} = $2 WHERE id = $1"
             await self._pg_execute(sql, uuid.UUID(job_id), value)

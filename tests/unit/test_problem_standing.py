@@ -90,10 +90,21 @@ def test_without_a_job(problem: type[errors.ProblemError]) -> None:
 @pytest.mark.parametrize("state", ["in_flight", "completed", "released", "unknown"])
 def test_about_a_job(problem: type[errors.ProblemError], state: str) -> None:
     body = _body(problem().about("0190c6f2-0000-7000-8000-000000000001", state))
-    assert body["instance"] == "urn:idemproxy:job:0190c6f2-0000-7000-8000-000000000001"
-    assert body["job_state"] == (problem.fixed_state or state)
+    if problem.fixed_state == "none":  # quota-exceeded: refused before any claim (SPEC §8)
+        assert "instance" not in body and body["job_state"] == "none"
+    else:
+        assert body["instance"] == "urn:idemproxy:job:0190c6f2-0000-7000-8000-000000000001"
+        assert body["job_state"] == (problem.fixed_state or state)
     expected = "never" if body["job_state"] == "unknown" else RULES[problem.code]
     assert body["retry"] == expected and expected in _RETRY
+
+
+def test_a_claim_refused_after_a_job_was_forgotten_names_no_job() -> None:
+    """A re-claim's store-unavailable is about no job, not the forgotten one it is raised under
+    (proxy/jobs/governed.py `_reclaim`)."""
+    error = errors.StoreUnavailable().about_no_job().about("forgotten", "completed")
+    body = _body(error)
+    assert "instance" not in body and body["job_state"] == "none" and body["retry"] == "same-key"
 
 
 def test_a_job_named_first_is_kept() -> None:

@@ -7,6 +7,7 @@ import base64
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from idemproxy.config import load_settings
 from idemproxy.core.types import Job, JobState, SealedResponse, StoredResponse
@@ -91,3 +92,18 @@ def test_a_bad_ring_stops_start_up() -> None:
     settings = load_settings(upstream="http://x:1", encryption={"keys": "k1:nope"})
     with pytest.raises(ConfigError, match=r"encryption\.keys"):
         serving_store(settings)
+
+
+def test_require_sealed_reaches_the_codec_and_needs_a_ring() -> None:
+    settings = load_settings(
+        upstream="http://x:1",
+        store="sqlite://:memory:",
+        encryption={"keys": OLD, "require_sealed": True},
+    )
+    store = serving_store(settings)
+    assert isinstance(store, SealingStore)
+    clear = StoredResponse(200, (), b"planted")
+    with pytest.raises(ResponseUnreadable, match="require_sealed"):
+        store.opened(JOB, clear)
+    with pytest.raises(ValidationError, match=r"require_sealed needs encryption\.keys"):
+        load_settings(upstream="http://x:1", encryption={"require_sealed": True})

@@ -22,27 +22,36 @@ IN_FLIGHT, RATE, STORED_BYTES = "in_flight", "new_per_second", "stored_bytes"
 
 
 class QuotaLimits(NamedTuple):
-    """The limits per owner; None is no limit."""
+    """The limits per owner; None is no limit. `max_body` is not a limit: the most bytes one
+    job in flight may still store (`max_stored_body`), counted against `stored_bytes`."""
 
     in_flight: int | None = None
     new_per_second: int | None = None
     stored_bytes: int | None = None
+    max_body: int = 0
 
     @property
     def any(self) -> bool:
-        return self != _NONE
-
-
-_NONE = QuotaLimits()
+        return (self.in_flight, self.new_per_second, self.stored_bytes) != (None, None, None)
 
 
 class QuotaUsage(NamedTuple):
     """What the owner holds now: jobs in flight with a live lease, jobs created in the last
-    RATE_WINDOW_SECONDS, and bytes of stored response bodies (0 unless that limit is set)."""
+    RATE_WINDOW_SECONDS, bytes of stored response bodies and of late responses kept on
+    attempts, and every job in flight, live lease or not (the last two 0 unless the bytes
+    limit is set)."""
 
     in_flight: int
     recent: int
     stored_bytes: int
+    pending: int = 0
+
+
+def committed_bytes(limits: QuotaLimits, usage: QuotaUsage) -> int:
+    """SPEC §9: the bytes the owner's jobs hold, or may store once those in flight complete:
+    each counts as `max_body`, the most it can store, so concurrent new keys cannot together
+    store past the limit (by more than one job's `max_body`)."""
+    return usage.stored_bytes + usage.pending * limits.max_body
 
 
 def exceeded(limits: QuotaLimits, usage: QuotaUsage) -> str | None:
@@ -51,7 +60,7 @@ def exceeded(limits: QuotaLimits, usage: QuotaUsage) -> str | None:
         return IN_FLIGHT
     if limits.new_per_second is not None and usage.recent >= limits.new_per_second:
         return RATE
-    if limits.stored_bytes is not None and usage.stored_bytes >= limits.stored_bytes:
+    if limits.stored_bytes is not None and committed_bytes(limits, usage) >= limits.stored_bytes:
         return STORED_BYTES
     return None
 

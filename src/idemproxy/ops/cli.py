@@ -201,7 +201,15 @@ def _add_purge(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_runner(_purge))
 
 
+_PURGE_WITHOUT_REDIS = (
+    "warning: no Redis given (--redis or redis.url): entries of the purged jobs in a Redis the"
+    " proxies use stay there, and are replayed, until their redis.ttl runs out"
+)
+
+
 async def _purge(args: argparse.Namespace, store: Store, settings: Settings) -> None:
+    if settings.redis.url is None:  # SPEC §11, Erasure: it cannot reach the proxies' Redis
+        print(_PURGE_WITHOUT_REDIS, file=sys.stderr)
     owners: tuple[str, str | None] = (args.owner, None)
     if args.owner is None:
         credential = _body(args.credential_file).decode("utf-8", "surrogateescape")
@@ -272,7 +280,8 @@ async def _reseal(args: argparse.Namespace, store: Store, _settings: Settings) -
         store, sealing.codec, batch_size=args.batch_size, pause=max(0.0, args.pause)
     )
     print("\n".join(report_lines(report)))
-    if report.responses.unreadable or report.late.unreadable:
+    left = (report.responses, report.late)
+    if any(counts.unreadable or counts.unopenable for counts in left):
         raise ResealIncomplete()
 
 

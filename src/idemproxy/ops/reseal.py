@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from idemproxy.core.types import KeptResponse, SealedResponse
 from idemproxy.errors import ResponseUnreadable
 from idemproxy.store.base import LateResponse, Store
 from idemproxy.store.seal.codec import ResponseCodec
@@ -22,11 +23,18 @@ from idemproxy.store.seal.codec import ResponseCodec
 @dataclass(slots=True)
 class ResealCounts:
     """What one walk did: `resealed` written, `changed` lost their CAS (changed or gone
-    meanwhile), `unreadable` (job ids) left as they are."""
+    meanwhile); left as they are, by job id: `unreadable`, sealed with a key not in the ring,
+    and `unopenable`, whose key is in the ring but whose box does not open (altered, moved)."""
 
     resealed: int = 0
     changed: int = 0
     unreadable: list[str] = field(default_factory=list)
+    unopenable: list[str] = field(default_factory=list)
+
+    def refused(self, codec: ResponseCodec, response: KeptResponse, name: str) -> None:
+        """Count `response` (named `name`), which did not open, by why."""
+        missing = isinstance(response, SealedResponse) and not codec.holds(response.key_id)
+        (self.unreadable if missing else self.unopenable).append(name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +67,7 @@ async def _reseal_responses(
             try:
                 sealed = codec.reseal(job, job.response)
             except ResponseUnreadable:
-                counts.unreadable.append(job.id)
+                counts.refused(codec, job.response, job.id)
                 continue
             if sealed is not None:
                 _count(counts, await store.reseal(job, sealed))
@@ -78,7 +86,7 @@ async def _reseal_late(
             try:
                 sealed = codec.reseal(late.job, late.response)
             except ResponseUnreadable:
-                counts.unreadable.append(f"{late.job_id} attempt {late.number}")
+                counts.refused(codec, late.response, f"{late.job_id} attempt {late.number}")
                 continue
             if sealed is not None:
                 _count(counts, await store.reseal_late(late, sealed))
@@ -104,8 +112,13 @@ def report_lines(report: ResealReport) -> list[str]:
     ]
     unreadable = report.responses.unreadable + report.late.unreadable
     if unreadable:
-        lines.append(
-            f"{len(unreadable)} unreadable (sealed with a key not in the ring), left as they"
-            f" are: {', '.join(unreadable[:20])}" + (" …" if len(unreadable) > 20 else "")
-        )
+        lines.append(_left("unreadable (sealed with a key not in the ring)", unreadable))
+    unopenable = report.responses.unopenable + report.late.unopenable
+    if unopenable:
+        lines.append(_left("unreadable (do not open: altered or moved)", unopenable))
     return lines
+
+
+def _left(why: str, names: list[str]) -> str:
+    shown = ", ".join(names[:20]) + (" …" if len(names) > 20 else "")
+    return f"{len(names)} {why}, left as they are: {shown}"

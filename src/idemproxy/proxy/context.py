@@ -115,7 +115,12 @@ class ProxyContext:
 
 def _quotas(settings: Settings) -> QuotaLimits | None:
     quotas = settings.quotas
-    limits = QuotaLimits(quotas.max_in_flight, quotas.max_new_per_second, quotas.max_stored_bytes)
+    limits = QuotaLimits(
+        quotas.max_in_flight,
+        quotas.max_new_per_second,
+        quotas.max_stored_bytes,
+        settings.max_stored_body,
+    )
     return limits if limits.any else None
 
 

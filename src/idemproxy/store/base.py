@@ -58,6 +58,11 @@ class LateResponse(NamedTuple):
 
 def missing_key(job: Job, key_id: str) -> str:
     """The detail of a response sealed with a key the ring does not hold (SPEC §11)."""
+    if not key_id:
+        return (
+            f"The stored response of job {job.id} has neither headers in the clear nor a key "
+            "id: it was altered; the request was not forwarded."
+        )
     return (
         f"The stored response of job {job.id} is sealed with key {key_id!r}, which is not in "
         "the proxy's key ring; the request was not forwarded."
@@ -65,8 +70,9 @@ def missing_key(job: Job, key_id: str) -> str:
 
 
 def key_of(response: KeptResponse | None) -> str | None:
-    """The id of the key `response` is sealed with; None in the clear."""
-    return response.key_id if isinstance(response, SealedResponse) else None
+    """The id of the key `response` is sealed with; None in the clear, or for a box whose key
+    id was cleared (rows.py `NO_KEY_ID`), as its column holds."""
+    return response.key_id or None if isinstance(response, SealedResponse) else None
 
 
 class Store(abc.ABC):

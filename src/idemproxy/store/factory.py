@@ -86,7 +86,9 @@ def wrap_with_seal(store: Store, settings: Settings) -> Store:
     from idemproxy.store.seal.keyring import parse_key_ring
     from idemproxy.store.seal.store import SealingStore
 
-    return SealingStore(store, ResponseCodec(parse_key_ring(keys.get_secret_value())))
+    ring = parse_key_ring(keys.get_secret_value())
+    codec = ResponseCodec(ring, require_sealed=settings.encryption.require_sealed)
+    return SealingStore(store, codec)
 
 
 def _is_postgres(dsn: str) -> bool:

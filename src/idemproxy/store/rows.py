@@ -21,6 +21,10 @@ from idemproxy.core.types import (
 from idemproxy.store.base import LateResponse
 from idemproxy.store.header_json import pairs_from_json, pairs_to_json
 
+# The key id of a row that holds no headers in the clear and names no key (SPEC §11): no ring
+# holds it (`parse_key_ring` refuses an empty id), so such a row is always refused.
+NO_KEY_ID = ""
+
 # Distinct stored header lists kept parsed (see `decode_headers`); each is a few hundred bytes.
 _PARSED_HEADERS = 64
 
@@ -71,8 +75,8 @@ def late_response_from_row(row: Row) -> KeptResponse:
     """A late response kept on its attempt (queries.sql `get_late_response`)."""
     body = bytes(row["late_body"])
     key_id = row["late_key"]
-    if key_id is not None:
-        return SealedResponse(row["status"], False, key_id, body)
+    if key_id is not None or row["late_headers"] is None:
+        return SealedResponse(row["status"], False, key_id or NO_KEY_ID, body)
     return StoredResponse(row["status"], decode_headers(row["late_headers"]), body)
 
 
@@ -111,12 +115,15 @@ def _response(row: Row) -> KeptResponse | None:
     if row["response_status"] is None:
         return None
     key_id = row["response_key"]
-    if key_id is not None:  # SPEC §11: sealed, opened only to be replayed or shown
+    # SPEC §11: sealed, opened only to be replayed or shown. A response in the clear always has
+    # its headers; one with none is a box whose key id was cleared, kept sealed so that it is
+    # refused, never replayed as it is.
+    if key_id is not None or row["response_headers"] is None:
         return SealedResponse(
             row["response_status"],
             bool(row["response_omitted"]),
-            key_id,
-            bytes(row["response_body"]),
+            key_id or NO_KEY_ID,
+            bytes(row["response_body"] or b""),
         )
     body = None if row["response_omitted"] else bytes(row["response_body"] or b"")
     return StoredResponse(row["response_status"], decode_headers(row["response_headers"]), body)

@@ -171,9 +171,19 @@ async def _act(
         case Forget():
             _refuse_if_ran(job, ran)
             await ctx.store.forget(job)
-            return await _claim(governed)
+            return await _reclaim(governed)
         case _:
             assert_never(decision)
+
+
+async def _reclaim(governed: GovernedRequest) -> ClaimResult:
+    """A claim afresh after the job under the key was forgotten: a problem it raises (quota,
+    store) is about no job, not the one that is gone (SPEC §8)."""
+    try:
+        return await _claim(governed)
+    except ProblemError as problem:
+        problem.about_no_job()
+        raise
 
 
 def _refuse_if_ran(job: Job, ran: str | None) -> None:

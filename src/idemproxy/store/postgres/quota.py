@@ -31,7 +31,10 @@ async def claim_row_within(
         assert usage is not None, "quota_usage always returns one row"
         if not usage["taken"]:
             limit = exceeded(
-                limits, QuotaUsage(usage["in_flight"], usage["recent"], usage["stored_bytes"])
+                limits,
+                QuotaUsage(
+                    usage["in_flight"], usage["recent"], usage["stored_bytes"], usage["pending"]
+                ),
             )
             if limit is not None:
                 return limit

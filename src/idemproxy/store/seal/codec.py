@@ -26,12 +26,19 @@ _AAD_PREFIX = b"idemproxy/response/1\x00"
 
 class ResponseCodec:
     """Seals with the ring's primary key, opens with any key of the ring; with no ring (at
-    rest in the clear), seals nothing and refuses every sealed response."""
+    rest in the clear), seals nothing and refuses every sealed response. With
+    `require_sealed`, a response in the clear is refused too (SPEC §11): someone who can write
+    to the database cannot plant one to be replayed."""
 
-    __slots__ = ("_ring",)
+    __slots__ = ("_require_sealed", "_ring")
 
-    def __init__(self, ring: KeyRing | None) -> None:
+    def __init__(self, ring: KeyRing | None, *, require_sealed: bool = False) -> None:
         self._ring = ring
+        self._require_sealed = require_sealed
+
+    def holds(self, key_id: str) -> bool:
+        """Whether the ring has the key `key_id`."""
+        return self._ring is not None and key_id in self._ring.ciphers
 
     @property
     def primary(self) -> str | None:
@@ -52,7 +59,13 @@ class ResponseCodec:
 
     def open(self, job: Job, response: KeptResponse) -> StoredResponse:
         """The response in the clear; `ResponseUnreadable` when its key is not in the ring or
-        the box does not belong to this job as it is stored (moved, altered)."""
+        the box does not belong to this job as it is stored (moved, altered), or when it is in
+        the clear and `require_sealed` is on."""
+        if isinstance(response, StoredResponse) and self._require_sealed:
+            raise ResponseUnreadable(_in_the_clear(job))
+        return self._open(job, response)
+
+    def _open(self, job: Job, response: KeptResponse) -> StoredResponse:
         if isinstance(response, StoredResponse):
             return response
         cipher = None if self._ring is None else self._ring.ciphers.get(response.key_id)
@@ -70,7 +83,8 @@ class ResponseCodec:
         """`response` sealed under the primary key, or None when it is already."""
         if isinstance(response, SealedResponse) and response.key_id == self.primary:
             return None
-        sealed = self.seal(job, self.open(job, response))
+        # A response in the clear is what a reseal exists to seal, `require_sealed` or not.
+        sealed = self.seal(job, self._open(job, response))
         return sealed if isinstance(sealed, SealedResponse) else None
 
 
@@ -87,6 +101,13 @@ def _altered(job: Job) -> str:
     return (
         f"The stored response of job {job.id} does not open: it was altered or moved from "
         "another job; the request was not forwarded."
+    )
+
+
+def _in_the_clear(job: Job) -> str:
+    return (
+        f"The stored response of job {job.id} is in the clear, and encryption.require_sealed "
+        "refuses every response not sealed; the request was not forwarded."
     )
 
 

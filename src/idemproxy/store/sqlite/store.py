@@ -203,8 +203,10 @@ class SqliteStore(Store):
         lease: float,
         limits: QuotaLimits,
     ) -> ClaimResult | str:
-        # SPEC §9: BEGIN IMMEDIATE makes this the only writer, so the count holds until the
-        # insert (the SQLite store serves one process; its claims queue on one connection).
+        # SPEC §9: BEGIN IMMEDIATE makes this the only writer, and the claim is written in the
+        # same transaction: requests counted at once cannot all pass the count before any of
+        # them is claimed.
+        request = ClaimRequest(intent, job_id, upstream, float(ttl), float(lease))
         async with self._transaction("claim_quota") as db:
             params = {
                 "owner": intent.owner,
@@ -213,13 +215,14 @@ class SqliteStore(Store):
                 "bytes": limits.stored_bytes is not None,
             }
             usage = await self._one(db, "quota_usage", params)
-            limit = None
             if not usage["taken"]:
-                counted = QuotaUsage(usage["in_flight"], usage["recent"], usage["stored_bytes"])
+                counted = QuotaUsage(
+                    usage["in_flight"], usage["recent"], usage["stored_bytes"], usage["pending"]
+                )
                 limit = exceeded(limits, counted)
-        if limit is not None:
-            return limit
-        return await self.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
+                if limit is not None:
+                    return limit
+            return await self._claim_row(db, request)
 
     async def get(self, owner: str, key: str) -> Job | None:
         async with self._reading("get_job") as db:

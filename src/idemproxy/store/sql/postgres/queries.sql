@@ -74,7 +74,9 @@ SELECT pg_advisory_xact_lock(hashtextextended($1, 7320417));
 -- Under `lock_owner`, in the claim's transaction. In flight: live leases only (a dead
 -- replica's jobs do not hold the owner back). Recent: from the (owner, id) index, ids being
 -- time-ordered ($3, core/quota.py), checked on created_at too (older ids are random). Stored
--- bytes only when that limit is set ($4): it reads every completed job of the owner.
+-- bytes only when that limit is set ($4): it reads every job of the owner (stored bodies, and
+-- every job in flight, which may still store one: core/quota.py `committed_bytes`) and the late
+-- responses kept on its attempts.
 SELECT EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND key = $2) AS taken,
        (SELECT count(*) FROM idemproxy.jobs
         WHERE owner = $1 AND state = 'in_flight' AND lease_expires_at > now()) AS in_flight,
@@ -83,7 +85,12 @@ SELECT EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND key = $2) AS ta
            AS recent,
        CASE WHEN $4 THEN (SELECT coalesce(sum(octet_length(response_body)), 0)
                           FROM idemproxy.jobs WHERE owner = $1 AND state = 'completed')
-            ELSE 0 END AS stored_bytes;
+                       + (SELECT coalesce(sum(octet_length(late_body)), 0)
+                          FROM idemproxy.attempts WHERE owner = $1 AND late_body IS NOT NULL)
+            ELSE 0 END AS stored_bytes,
+       CASE WHEN $4 THEN (SELECT count(*) FROM idemproxy.jobs
+                          WHERE owner = $1 AND state = 'in_flight')
+            ELSE 0 END AS pending;
 
 -- name: get_job
 SELECT *, expires_at <= now() AS expired,

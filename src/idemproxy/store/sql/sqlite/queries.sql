@@ -31,7 +31,12 @@ SELECT EXISTS (SELECT 1 FROM jobs WHERE owner = :owner AND key = :key) AS taken,
           AND created_at > (julianday('now') - 2440587.5) * 86400.0 - 1.0) AS recent,
        CASE WHEN :bytes THEN (SELECT coalesce(sum(length(response_body)), 0)
                               FROM jobs WHERE owner = :owner AND state = 'completed')
-            ELSE 0 END AS stored_bytes;
+                           + (SELECT coalesce(sum(length(late_body)), 0)
+                              FROM attempts WHERE owner = :owner AND late_body IS NOT NULL)
+            ELSE 0 END AS stored_bytes,
+       CASE WHEN :bytes THEN (SELECT count(*) FROM jobs
+                              WHERE owner = :owner AND state = 'in_flight')
+            ELSE 0 END AS pending;
 
 -- name: get_job
 SELECT *, expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
