@@ -263,6 +263,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _migrate(args: argparse.Namespace) -> int:
     from idemproxy.store.factory import create_store
+    from idemproxy.store.postgres.citus import require_citus
     from idemproxy.store.postgres.store import PostgresStore
 
     # Only the store matters here: an upstream is not required to migrate.
@@ -276,6 +277,8 @@ def _migrate(args: argparse.Namespace) -> int:
             )
         await store.open()
         try:
+            if isinstance(store, PostgresStore) and args.distribute:
+                require_citus(store.citus)  # before migrating: a refusal leaves nothing done
             applied = await store.migrate()
             if args.distribute and isinstance(store, PostgresStore):
                 return applied, await store.distribute()

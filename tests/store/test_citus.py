@@ -15,10 +15,13 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
 
+from idemproxy.core.quota import QuotaLimits
+from idemproxy.core.types import Claimed, Existing, Intent, StoredResponse
 from idemproxy.store.postgres.store import Connections, PostgresStore
 from idemproxy.store.queries import load_migrations, load_queries
 from tests.store.test_citus_routing import POSTGRES_HOT_PATH
@@ -52,6 +55,7 @@ _ARGS: dict[str, tuple[Any, ...]] = {
     "fail_over_distributed": ("alice", JOB, 1, 30.0),
     "add_attempt_distributed": ("alice", JOB, 1, 30.0),
     "add_attempt_row": ("alice", JOB, 2, "primary", datetime.now(UTC)),
+    "quota_usage": ("alice", "k", JOB, True),
 }
 # The statements that insert an attempt from a CTE's rows: Citus plans them in steps through the
 # coordinator, so on Citus the store runs their `…_distributed` forms (store/postgres/citus.py).
@@ -66,6 +70,7 @@ ROUTED = (
     "resolve_completed",
     "resolve_released",
     "delete_job",
+    "quota_usage",  # the quota claim's count (SPEC §9), in its transaction before the claim
 )
 
 
@@ -249,12 +254,34 @@ async def test_migrations_after_distribution_reach_every_shard(fresh_citus_datab
     assert result.returncode == 0 and "(both already were)" in result.stdout, result.stderr
 
 
+@pytest.fixture
+async def empty_postgres_database(pg_server_dsn: str) -> AsyncIterator[str]:
+    """A database of its own on the plain PostgreSQL server, nothing in it."""
+    name = f"idemproxy_plain_{os.getpid()}_{secrets.token_hex(4)}"
+    admin = await asyncpg.connect(pg_server_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        yield urlsplit(pg_server_dsn)._replace(path=f"/{name}").geturl()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
 @pytest.mark.postgres
-def test_migrate_distribute_on_plain_postgres_is_a_clear_error(pg_dsn: str) -> None:
-    result = migrate_cli(pg_dsn, "--distribute")
+async def test_migrate_distribute_on_plain_postgres_is_a_clear_error_and_changes_nothing(
+    empty_postgres_database: str,
+) -> None:
+    result = migrate_cli(empty_postgres_database, "--distribute")
     assert result.returncode == 1
     assert "--distribute needs a Citus coordinator" in result.stderr
     assert "Traceback" not in result.stderr
+    assert "applied" not in result.stdout
+    conn = await asyncpg.connect(empty_postgres_database)
+    try:
+        schema = await conn.fetchval("SELECT to_regnamespace('idemproxy')")
+    finally:
+        await conn.close()
+    assert schema is None, "the refusal came after the migrations were applied"
 
 
 def test_migrate_distribute_on_sqlite_is_a_clear_error(sqlite_dsn: str) -> None:
@@ -287,3 +314,79 @@ async def test_concurrent_migrations_and_distributions_are_serialised(
     assert applied[0][0] == [version for version, _ in load_migrations("postgres")]
     assert [result[0] for result in applied[1:]] == [[], []]
     assert sorted(len(result[1]) for result in results) == [0, 0, 2]
+
+
+async def _local_copy_bytes(dsn: str) -> dict[str, int]:
+    """What each table holds in the coordinator's own relation, beside its shards."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        sql = load_queries("postgres")["local_copy_bytes"]
+        return {t: await conn.fetchval(sql, t) for t in ("idemproxy.jobs", "idemproxy.attempts")}
+    finally:
+        await conn.close()
+
+
+async def test_distributing_tables_with_rows_leaves_no_copy_on_the_coordinator(
+    fresh_citus_database: str,
+) -> None:
+    """Distributing copies the rows into the shards; the originals, never read again, are then
+    removed from the coordinator's disk (a purged owner's response bodies must not stay there)."""
+    assert migrate_cli(fresh_citus_database).returncode == 0  # migrated, not distributed
+    body = secrets.token_bytes(64 * 1024)  # stored out of line (TOAST) too
+    store = PostgresStore(fresh_citus_database, connections=Connections(1, 2), listen=False)
+    async with opened(store) as s:
+        intent = Intent("alice", "k", "fp", "POST", "/")
+        claimed = await s.claim(intent, str(uuid.uuid4()), "primary", ttl=60.0, lease=30.0)
+        assert isinstance(claimed, Claimed)
+        assert await s.complete(claimed.job, 1, StoredResponse(201, (), body), ttl=60.0)
+    before = await _local_copy_bytes(fresh_citus_database)
+    assert all(size > 0 for size in before.values()), before
+
+    result = migrate_cli(fresh_citus_database, "--distribute")
+    assert result.returncode == 0, result.stderr
+    assert await _local_copy_bytes(fresh_citus_database) == {
+        "idemproxy.jobs": 0,
+        "idemproxy.attempts": 0,
+    }
+    again = migrate_cli(fresh_citus_database, "--distribute")
+    assert again.returncode == 0 and "(both already were)" in again.stdout, again.stderr
+    store = PostgresStore(fresh_citus_database, connections=Connections(1, 2), listen=False)
+    async with opened(store) as s:
+        job = await s.get("alice", "k")  # read from its shard
+        assert job is not None and isinstance(job.response, StoredResponse)
+        assert job.response.body == body
+        assert [a.number for a in (await s.get_by_id(job.id) or job).attempts] == [1]
+
+
+async def test_quota_claims_run_on_the_owners_shard(fresh_citus_database: str) -> None:
+    """SPEC §9 on Citus: the quota transaction's claim is the router form. Intermediate results
+    (what a statement planned in steps through the coordinator ships around) are forbidden in
+    this database, so a claim planned that way fails instead of passing slowly."""
+    assert migrate_cli(fresh_citus_database, "--distribute").returncode == 0
+    conn = await asyncpg.connect(fresh_citus_database)
+    try:
+        database = await conn.fetchval("SELECT current_database()")
+        await conn.execute(
+            f'ALTER DATABASE "{database}" SET citus.max_intermediate_result_size = 0'
+        )
+    finally:
+        await conn.close()
+    limits = QuotaLimits(in_flight=1, new_per_second=10, stored_bytes=1 << 20)
+    store = PostgresStore(fresh_citus_database, connections=Connections(1, 2), listen=False)
+    async with opened(store) as s:
+        assert s.citus is not None
+
+        async def claim(key: str) -> object:
+            intent = Intent("alice", key, "fp", "POST", "/")
+            return await s.claim_within(
+                intent, str(uuid.uuid4()), "primary", ttl=60.0, lease=30.0, limits=limits
+            )
+
+        first = await claim("a")
+        assert isinstance(first, Claimed) and first.attempt == 1
+        assert await claim("b") == "in_flight"
+        assert await s.get("alice", "b") is None
+        again = await claim("a")
+        assert isinstance(again, Existing) and again.job.id == first.job.id
+        stored = await s.get_by_id(first.job.id)
+        assert stored is not None and [a.number for a in stored.attempts] == [1]

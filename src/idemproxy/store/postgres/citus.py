@@ -33,13 +33,18 @@ async def citus_version(conn: Pooled, sql: Mapping[str, str]) -> str | None:
     return None if version is None else str(version)
 
 
-async def distribute(conn: Pooled, sql: Mapping[str, str]) -> list[str]:
-    """Distribute whichever of the two tables is not yet; the tables it distributed."""
-    if await citus_version(conn, sql) is None:
+def require_citus(version: str | None) -> None:
+    """`--distribute` on a database without Citus: an error, before anything is changed."""
+    if version is None:
         raise NotDistributable(
             "store: --distribute needs a Citus coordinator, and this database has no citus"
             " extension (CREATE EXTENSION citus, then add the workers: docs/deploy.md)"
         )
+
+
+async def distribute(conn: Pooled, sql: Mapping[str, str]) -> list[str]:
+    """Distribute whichever of the two tables is not yet; the tables it distributed."""
+    require_citus(await citus_version(conn, sql))
     known = await _distribution(conn, sql)
     done: list[str] = []
     for table, statement in zip(_TABLES, ("distribute_jobs", "distribute_attempts"), strict=True):
@@ -47,7 +52,18 @@ async def distribute(conn: Pooled, sql: Mapping[str, str]) -> list[str]:
             await conn.execute(sql[statement])
             done.append(table)
     _check(await _distribution(conn, sql))
+    await _drop_local_copies(conn, sql)
     return done
+
+
+async def _drop_local_copies(conn: Pooled, sql: Mapping[str, str]) -> None:
+    """`create_distributed_table` copies a table's rows into the shards and leaves the originals
+    in the coordinator's own relation, never read again: purged owners' keys and response bodies
+    would stay on its disk. Emptied once both are distributed, attempts first (their foreign key
+    references jobs); only where something is left, so that a rerun takes no table lock."""
+    for table in reversed(_TABLES):
+        if await conn.fetchval(sql["local_copy_bytes"], table):
+            await conn.execute(sql["drop_local_copy"], table)
 
 
 async def _distribution(conn: Pooled, sql: Mapping[str, str]) -> dict[str, asyncpg.Record]:
@@ -87,10 +103,26 @@ async def claim_distributed(
     if existing is not None:
         return existing
     async with conn.transaction():
-        row = await conn.fetchrow(sql["claim_job_distributed"], *job)
-        if row is None:
-            return None
-        await _add_attempt_row(conn, sql, job[0], row, upstream)
+        return await insert_claim(conn, sql, job, upstream)
+
+
+async def read_or_insert_claim(
+    conn: Pooled, sql: Mapping[str, str], job: tuple[Any, ...], upstream: str
+) -> ClaimRow | None:
+    """`claim_distributed` inside the caller's transaction (the quota claim's)."""
+    existing = await conn.fetchrow(sql["get_job"], job[0], job[1])
+    return existing if existing is not None else await insert_claim(conn, sql, job, upstream)
+
+
+async def insert_claim(
+    conn: Pooled, sql: Mapping[str, str], job: tuple[Any, ...], upstream: str
+) -> ClaimRow | None:
+    """The job and its first attempt inserted, in the caller's transaction (`claim_distributed`,
+    or the quota claim's, store/postgres/quota.py); None when a concurrent claim won."""
+    row = await conn.fetchrow(sql["claim_job_distributed"], *job)
+    if row is None:
+        return None
+    await _add_attempt_row(conn, sql, job[0], row, upstream)
     return {**row, "created": True}
 
 

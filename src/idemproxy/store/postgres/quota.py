@@ -3,12 +3,11 @@ owner's advisory lock, so that every replica counts what the others claimed befo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
-import asyncpg
-
 from idemproxy.core.quota import QuotaLimits, QuotaUsage, exceeded, window_start_id
+from idemproxy.store.postgres.citus import ClaimRow
 
 if TYPE_CHECKING:
     from idemproxy.store.postgres.kept import Pooled
@@ -17,12 +16,14 @@ if TYPE_CHECKING:
 async def claim_row_within(
     conn: Pooled,
     sql: Mapping[str, str],
-    claim_args: tuple[object, ...],
+    owner_key: tuple[str, str],
     limits: QuotaLimits,
-) -> asyncpg.Record | str | None:
-    """The `claim` row (or None, as `claim` gives), or the name of the limit the new job would
-    exceed (nothing claimed then). A key that exists is never refused: it is a duplicate."""
-    owner, key = claim_args[0], claim_args[1]
+    claim: Callable[[Pooled], Awaitable[ClaimRow | None]],
+) -> ClaimRow | str | None:
+    """`claim`'s row (or None, as `claim` gives: it runs in this transaction, after the count),
+    or the name of the limit the new job would exceed (nothing claimed then). A key that exists
+    is never refused: it is a duplicate."""
+    owner, key = owner_key
     async with conn.transaction():
         await conn.execute(sql["lock_owner"], owner)
         usage = await conn.fetchrow(
@@ -38,4 +39,4 @@ async def claim_row_within(
             )
             if limit is not None:
                 return limit
-        return await conn.fetchrow(sql["claim"], *claim_args)
+        return await claim(conn)

@@ -48,6 +48,7 @@ from idemproxy.store.postgres.citus import (
     citus_version,
     claim_distributed,
     distribute,
+    read_or_insert_claim,
 )
 from idemproxy.store.postgres.errors import (
     DRIVER_ERRORS,
@@ -292,15 +293,27 @@ class PostgresStore(Store):
         limits: QuotaLimits,
     ) -> ClaimResult | str:
         args = (intent.owner, intent.key, job_id, intent.fingerprint, intent.method, intent.path)
-        claim_args = (*args, float(ttl), upstream, float(lease))
+        claim = self._claim_in_transaction(args, float(ttl), upstream, float(lease))
+        owner_key = (intent.owner, intent.key)
         row = await self._run(
-            "claim_quota", lambda c: claim_row_within(c, self._sql, claim_args, limits)
+            "claim_quota", lambda c: claim_row_within(c, self._sql, owner_key, limits, claim)
         )
         if isinstance(row, str):
             return row
         if row is None:  # a concurrent claim of the key committed first: a duplicate
             return await self.claim(intent, job_id, upstream, ttl=ttl, lease=lease)
-        return Claimed(job_from_row(row), 1) if row["created"] else Existing(job_from_row(row))
+        return _claim_result(row)
+
+    def _claim_in_transaction(
+        self, args: tuple[str, ...], ttl: float, upstream: str, lease: float
+    ) -> Callable[[Pooled], Awaitable[ClaimRow | None]]:
+        """The claim as the quota transaction runs it: `claim`, or on Citus its router form
+        (the job read, then inserted with its first attempt; store/postgres/citus.py)."""
+        if self.citus is None:
+            sql = self._sql["claim"]
+            return lambda c: c.fetchrow(sql, *args, ttl, upstream, lease)
+        job = (*args, ttl, lease)
+        return lambda c: read_or_insert_claim(c, self._sql, job, upstream)
 
     async def _claim_row(
         self, args: tuple[str, ...], request: ClaimRequest, timeout: float | None
@@ -652,6 +665,9 @@ class PostgresStore(Store):
             conn = await kept.take()
             try:
                 result = await call(conn)
+            except TimeoutError:  # the command timeout: see release_later
+                kept.release_later(conn)
+                raise
             except BaseException:
                 await kept.release(conn)
                 raise

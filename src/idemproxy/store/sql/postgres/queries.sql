@@ -540,3 +540,12 @@ SELECT create_distributed_table('idemproxy.jobs', 'owner');
 
 -- name: distribute_attempts
 SELECT create_distributed_table('idemproxy.attempts', 'owner', colocate_with => 'idemproxy.jobs');
+
+-- name: local_copy_bytes
+-- The bytes a distributed table still holds in the coordinator's own relation (its heap and
+-- TOAST): the rows it had before `create_distributed_table` copied them into the shards.
+SELECT pg_relation_size(c.oid) + coalesce(pg_relation_size(nullif(c.reltoastrelid, 0)), 0)
+FROM pg_class c WHERE c.oid = $1::text::regclass;
+
+-- name: drop_local_copy
+SELECT truncate_local_data_after_distributing_table($1::text::regclass);
