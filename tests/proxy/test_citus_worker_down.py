@@ -76,11 +76,7 @@ async def test_a_dead_worker_fails_its_owners_closed_and_spares_the_others(
     else:
         victim.pause()
     try:
-        started = time.monotonic()
         assert await post(client, lost, "during") == 503
-        # One store timeout, not a second one spent waiting for the cut-off statement's
-        # cancellation, which the coordinator cannot get from a frozen worker.
-        assert time.monotonic() - started < 1.6 * STORE_TIMEOUT
         assert await post(client, lost, f"setup-{lost}") == 503  # a replay needs its shard too
         assert ledger.count() == executed, "nothing forwarded for the lost owner"
         assert await post(client, kept, "during") == 201

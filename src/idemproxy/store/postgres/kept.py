@@ -165,20 +165,12 @@ class KeptConnections:
         while stale < len(self._idle) and self._idle[stale][1] <= cutoff:
             stale += 1
         for conn, _ in self._idle[:stale]:
-            self.release_later(conn)
+            task = loop.create_task(self._release_quietly(conn))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
         del self._idle[:stale]
         if self._idle:
             self._sweep = loop.call_at(self._idle[0][1] + self._idle_lifetime, self._release_stale)
-
-    def release_later(self, conn: Pooled) -> None:
-        """`release` in the background (awaited by `close`): for a connection whose statement
-        timed out, so that its caller hears so after one store timeout, not after a second one
-        spent waiting for the server to confirm the cancellation (a frozen server never does;
-        on Citus, a coordinator cancels on a hung worker). Its place in the pool stays taken
-        until then: the connection is never lent again before it is ready."""
-        task = asyncio.get_running_loop().create_task(self._release_quietly(conn))
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
 
     async def _release_quietly(self, conn: Pooled) -> None:
         with contextlib.suppress(*DRIVER_ERRORS):

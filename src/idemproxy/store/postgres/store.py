@@ -665,9 +665,6 @@ class PostgresStore(Store):
             conn = await kept.take()
             try:
                 result = await call(conn)
-            except TimeoutError:  # the command timeout: see release_later
-                kept.release_later(conn)
-                raise
             except BaseException:
                 await kept.release(conn)
                 raise
