@@ -17,6 +17,7 @@ class SlowReplies:
         self.delay = 0.0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
 
     async def __aenter__(self) -> str:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
@@ -31,13 +32,21 @@ class SlowReplies:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Both ends of every relayed connection, closed here whatever the pumps reached: a
+        # socket left to the garbage collector warns in whichever test runs next.
+        for writer in self._writers:
+            writer.close()
+        await asyncio.gather(*(w.wait_closed() for w in self._writers), return_exceptions=True)
+        await self._server.wait_closed()
 
     async def _relay(
         self, client_in: asyncio.StreamReader, client_out: asyncio.StreamWriter
     ) -> None:
+        self._writers.append(client_out)
         server_in, server_out = await asyncio.open_connection(
             self.target.hostname, self.target.port or 5432
         )
+        self._writers.append(server_out)
         replies: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         for work in (
             self._pump(client_in, server_out),
