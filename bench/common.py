@@ -30,6 +30,7 @@ BENCH = ROOT / "bench"
 BENCH_DB = "idemproxy_bench"  # the proxies' store
 PGBENCH_DB = "idemproxy_bench_pg"  # pgbench's claim + complete
 BIG_DB = "idemproxy_bench_big"  # --big-store
+BASE_DB = "idemproxy_bench_base"  # --baseline: the previous design's store
 BODY = '{"amount":1250,"currency":"EUR","note":"bench"}'
 PATH = "/orders"
 READY_TIMEOUT = 20.0
@@ -362,6 +363,38 @@ def sqlite_jobs(path: Path, prefix: str) -> int:
     with contextlib.closing(sqlite3.connect(path)) as db:
         row = db.execute("SELECT count(*) FROM jobs WHERE key LIKE ?", (prefix + "-%",)).fetchone()
     return int(row[0])
+
+
+# --- another revision of the project ------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def worktree(revision: str, where: Path) -> Iterator[Path]:
+    """The revision's files, checked out beside the working tree (which stays untouched)."""
+    git = ["git", "-C", str(ROOT)]
+    subprocess.run([*git, "worktree", "add", "--detach", str(where), revision], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run([*git, "worktree", "remove", "--force", str(where)], check=False)
+
+
+def imports_from(source: Path) -> dict[str, str]:
+    """The environment that makes this Python import idemproxy from `source` (a checkout of
+    another revision) instead of the working tree, checked: the virtualenv's editable install
+    is a path entry, which PYTHONPATH precedes."""
+    env = {"PYTHONPATH": str(source / "src")}
+    found = subprocess.run(
+        [sys.executable, "-c", "import idemproxy; print(idemproxy.__file__)"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(found).resolve().is_relative_to(source.resolve()):
+        raise RuntimeError(f"the baseline's idemproxy is not imported from {source}: {found}")
+    return env
 
 
 # --- wrk -----------------------------------------------------------------------------------------

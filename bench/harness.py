@@ -30,6 +30,7 @@ import registry
 import report
 import tools
 from common import (
+    BASE_DB,
     BENCH,
     BENCH_DB,
     BIG_DB,
@@ -55,7 +56,7 @@ def run_all(bench: Bench) -> None:
         for step in registry.selected(bench):
             step.run(bench)
     order = list(registry.SCENARIOS)
-    variants = ["", "sweeper-idle", "sweeper-busy", "big-store-empty", "big-store"]
+    variants = ["", "baseline", "sweeper-idle", "sweeper-busy", "big-store-empty", "big-store"]
     bench.results.sort(
         key=lambda r: (variants.index(r.variant), order.index(r.scenario), r.connections)
     )
@@ -69,6 +70,8 @@ def estimate(args: argparse.Namespace) -> float:
         total += 2 * per_run + 10
     if args.big_store:
         total += 4 * per_run + args.big_store_rows / 9_000
+    if args.baseline:
+        total += 4 * per_run + 10
     return total
 
 
@@ -94,8 +97,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--pg-dsn",
         default=env("BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"),
         help=(
-            f"an administrative DSN, used only to create and drop {BENCH_DB}, {PGBENCH_DB} and "
-            f"{BIG_DB} (env BENCH_PG_DSN)"
+            f"an administrative DSN, used only to create and drop {BENCH_DB}, {PGBENCH_DB}, "
+            f"{BIG_DB} and {BASE_DB} (env BENCH_PG_DSN)"
         ),
     )
     parser.add_argument("--replay-keys", type=int, default=64, help="stored keys to replay")
@@ -113,6 +116,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also: new keys and replays on a store of --big-store-rows jobs (minutes more)",
     )
     parser.add_argument("--big-store-rows", type=int, default=10_000_000, metavar="N")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also: new keys on PostgreSQL and SQLite with this git revision of the proxy, "
+        f"side by side (a worktree; its own database {BASE_DB})",
+    )
     parser.add_argument(
         "--only",
         type=lambda text: [name.strip() for name in text.split(",") if name.strip()],

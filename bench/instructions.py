@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, dict[str, Counted]]] = []
     with tempfile.TemporaryDirectory(prefix="idemproxy-instructions-") as scratch:
         work = Path(scratch)
-        with _worktree(args.baseline, work / "baseline") as baseline:
+        with common.worktree(args.baseline, work / "baseline") as baseline:
             port = common.free_port()
             listen = ["--listen", f"127.0.0.1:{port}"]
             backend_argv = [sys.executable, str(common.BENCH / "backend.py"), *listen]
@@ -126,17 +126,6 @@ def _valgrind() -> str:
         tools.DEBIAN_PACKAGES.setdefault("valgrind", "valgrind")
         found = tools.ensure_debian_tools(["valgrind"])["valgrind"]
     return found
-
-
-@contextlib.contextmanager
-def _worktree(revision: str, where: Path) -> Iterator[Path]:
-    """The revision's files, checked out beside the working tree (which stays untouched)."""
-    git = ["git", "-C", str(common.ROOT)]
-    subprocess.run([*git, "worktree", "add", "--detach", str(where), revision], check=True)
-    try:
-        yield where
-    finally:
-        subprocess.run([*git, "worktree", "remove", "--force", str(where)], check=False)
 
 
 def _measure(

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,12 @@ class TimeSplit:
     store_calls: float = 0.0  # store calls per request
     upstream_ms: float = 0.0  # per request (all attempts)
     upstream_calls: float = 0.0
+    # Group commit (idemproxy_store_batch_rows), by kind (claim, complete): statements per
+    # request (each one transaction and one commit), rows per statement, and the statements
+    # by rows carried ({"1": n, "2": n, "3-4": n, …}: the histogram's buckets, not cumulative).
+    statements: dict[str, float] = field(default_factory=dict)
+    rows_per_statement: dict[str, float] = field(default_factory=dict)
+    statement_sizes: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def time_split(before: dict[str, float], after: dict[str, float]) -> TimeSplit | None:
@@ -76,7 +83,36 @@ def time_split(before: dict[str, float], after: dict[str, float]) -> TimeSplit |
         if match and delta(name):
             split.upstream_ms += 1000 * delta(name) / requests
             split.upstream_calls += delta(name.replace("_sum{", "_count{")) / requests
+    _batches(split, delta, list(after))
     return split
+
+
+def _batches(split: TimeSplit, delta: Callable[[str], float], names: list[str]) -> None:
+    for name in names:
+        match = re.fullmatch(r'idemproxy_store_batch_rows_count\{kind="(\w+)"\}', name)
+        if not match or not delta(name):
+            continue
+        kind, statements = match[1], delta(name)
+        split.statements[kind] = statements / split.requests
+        rows = delta(name.replace("_count{", "_sum{"))
+        split.rows_per_statement[kind] = rows / statements
+        bounds = []
+        for other in names:
+            bucket = re.fullmatch(
+                r'idemproxy_store_batch_rows_bucket\{kind="' + kind + r'",le="([^"]+)"\}', other
+            )
+            if bucket:
+                bounds.append((float(bucket[1]), delta(other)))
+        bounds.sort()
+        sizes: dict[str, float] = {}
+        below, low = 0.0, 0.0
+        for bound, cumulative in bounds:
+            if cumulative - below:
+                top = "more" if bound == float("inf") else f"{bound:g}"
+                label = top if low + 1 >= bound or top == "more" else f"{low + 1:g}-{top}"
+                sizes[f"> {low:g}" if top == "more" else label] = cumulative - below
+            below, low = cumulative, bound
+        split.statement_sizes[kind] = sizes
 
 
 def record(py_spy: str, pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes]:

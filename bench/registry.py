@@ -10,6 +10,7 @@ from __future__ import annotations
 from model import Scenario
 from runner import Bench, Step
 from scenarios import (
+    baseline,
     big_store,
     citus,
     direct,
@@ -33,6 +34,7 @@ STEPS: tuple[Step, ...] = (
     proxy_pg_store.STEP,
     workers.STEP,
     sqlite.STEP,
+    baseline.STEP,
     pg_redis.STEP,
     citus.STEP,
     peer.STEP,

@@ -7,6 +7,7 @@ from the evidence below, and is included as it is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,7 @@ def targets(data: dict[str, Any]) -> list[Target]:
     t = _Targets(data)
     _passthrough_targets(t)
     _new_key_targets(t)
+    _group_commit_targets(t)
     _replay_targets(t)
     _big_store_targets(t)
     _sweeper_target(t)
@@ -179,6 +181,66 @@ def _new_key_targets(t: _Targets) -> None:
         what = f"throughput at c={SATURATED}, vs the peer's new keys{workers}"
         pair = (t.res.get(scenario, SATURATED), peers)
         _throughput_ratio(t, (area, what, "≥ 1x"), pair, _peer, _times(2), 1)
+
+
+# Group commit (the issue that batched claims and completions): its targets against the peer and
+# pgbench, and against the previous design measured in the same run (`--baseline REV`).
+GROUP_PEER_RATIO = 1.5
+GROUP_SQLITE_RATIO = 3.0
+GROUP_C1_P50_MS = 0.05
+
+
+def _group_commit_targets(t: _Targets) -> None:
+    news, peers = t.res.get("new-pg", SATURATED), t.res.get("peer-new", SATURATED)
+    pgbs = t.res.get("pgbench", SATURATED)
+    area = "new keys, group commit"
+    what = f"PostgreSQL throughput at c={SATURATED}, vs the peer's new keys"
+    row = (area, what, f"≥ {GROUP_PEER_RATIO:g}x")
+    _throughput_ratio(t, row, (news, peers), _peer, _times(2), GROUP_PEER_RATIO)
+    what = f"PostgreSQL throughput at c={SATURATED}, vs pgbench claim + complete"
+    pgbench = lambda r: f"pgbench {r.rps:,.0f} tx/s"  # noqa: E731
+    _throughput_ratio(t, (area, what, "≥ 1x"), (news, pgbs), pgbench, _times(2), 1.0)
+    revision = t.data.get("extras", {}).get("baseline", {}).get("commit", "REV")
+    area = f"new keys, group commit vs {revision} (--baseline)"
+    sqlite = (t.res.get("new-sqlite", SATURATED), t.res.get("new-sqlite", SATURATED, "baseline"))
+    what = f"SQLite throughput at c={SATURATED}, vs the baseline's"
+    baseline = lambda r: f"baseline {_rate(r.rps)}"  # noqa: E731
+    row = (area, what, f"≥ {GROUP_SQLITE_RATIO:g}x")
+    _throughput_ratio(t, row, sqlite, baseline, _times(2), GROUP_SQLITE_RATIO)
+    direct1 = t.res.get("direct", 1)
+    for scenario, store in (("new-pg", "PostgreSQL"), ("new-sqlite", "SQLite")):
+        now1, base1 = t.res.get(scenario, 1), t.res.get(scenario, 1, "baseline")
+        t.add(
+            area,
+            f"{store} p50 overhead over direct at c=1, vs the baseline's",
+            f"≤ +{GROUP_C1_P50_MS:g} ms",
+            [now1, base1, direct1],
+            functools.partial(_p50_overhead_change, now1, base1, direct1),
+        )
+        nows, bases = t.res.get(scenario, SATURATED), t.res.get(scenario, SATURATED, "baseline")
+        t.add(
+            area,
+            f"{store} p99 at c={SATURATED}, vs the baseline's",
+            "not worse",
+            [nows, bases],
+            functools.partial(_p99_change, nows, bases),
+        )
+
+
+def _p50_overhead_change(
+    now: Result | None, base: Result | None, direct: Result | None
+) -> tuple[str, bool]:
+    assert now and base and direct
+    floor = direct.latency_ms["p50"]
+    ours, theirs = now.latency_ms["p50"] - floor, base.latency_ms["p50"] - floor
+    change = ours - theirs
+    return f"+{ours:.2f} ms vs +{theirs:.2f} ms: {change:+.3f} ms", change <= GROUP_C1_P50_MS
+
+
+def _p99_change(now: Result | None, base: Result | None) -> tuple[str, bool]:
+    assert now and base
+    ours, theirs = now.latency_ms["p99"], base.latency_ms["p99"]
+    return f"{_ms(ours)} vs {_ms(theirs)}: {ours / theirs:.2f}x", ours <= theirs
 
 
 def _replay_targets(t: _Targets) -> None:
@@ -447,6 +509,47 @@ def split_table(results: list[Result], *, upstream_excludes_store: bool) -> str:
             f"{upstream:.2f}",
             f"{mean - store - upstream:.2f}",
             outcomes,
+        ]
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def group_commit_table(results: list[Result]) -> str:
+    """The new-key runs with their statements per request and rows per statement (from
+    idemproxy_store_batch_rows; a revision without group commit has none: one statement per
+    store call), next to their throughput and CPU per request."""
+    lines = [
+        "| Scenario | Code | Conns | req/s | p50 ms | p99 ms | proxy CPU µs | PostgreSQL CPU µs "
+        "| statements per request (claim / complete) | rows per statement (claim / complete) "
+        "| claim statements by rows |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |",
+    ]
+    for r in results:
+        if r.split is None or r.variant not in ("", "baseline") or "new" not in r.split["outcomes"]:
+            continue
+        s = r.split
+        per = r.seconds / max(r.requests, 1) * 1e6 / 100.0
+        statements, rows = s.get("statements", {}), s.get("rows_per_statement", {})
+        if statements:
+            counts = " / ".join(f"{statements.get(k, 0):.2f}" for k in ("claim", "complete"))
+            sizes = " / ".join(f"{rows.get(k, 0):.1f}" for k in ("claim", "complete"))
+            by_rows = s.get("statement_sizes", {}).get("claim", {})
+            total = sum(by_rows.values()) or 1
+            spread = ", ".join(f"{size}: {n / total:.0%}" for size, n in by_rows.items())
+        else:
+            counts, sizes, spread = f"{s['store_calls']:.2f} in all (one per call)", "1", "-"
+        cells = [
+            r.title,
+            "baseline" if r.variant else "this run's",
+            str(r.connections),
+            _rate(r.rps),
+            _ms(r.latency_ms["p50"]),
+            _ms(r.latency_ms["p99"]),
+            f"{r.cpu.proxy * per:,.0f}",
+            f"{r.cpu.postgres * per:,.0f}" if r.cpu.postgres else "-",
+            counts,
+            sizes,
+            spread or "-",
         ]
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
@@ -787,6 +890,16 @@ kernel interrupt time. It depends much less than throughput on how busy the mach
 
 {cpu_per_request_table(main)}
 
+### Group commit: statements and commits per new key
+
+Claims and completions that queue while one of their statements is in flight go out together,
+one statement and one commit per batch (docs/operations.md, "Group commit"). Per new key: the
+statements of each kind (each its own transaction and commit), the rows each carried, and how
+many claim statements carried how many rows, from the proxy's `idemproxy_store_batch_rows`;
+with `--baseline REV`, the same runs with that revision of the proxy, in this run.
+{_baseline_note(data)}
+{group_commit_table(res.all)}
+
 ### Where the proxy's CPU goes
 
 py-spy samples the proxy whenever it is not idle: running, or runnable and waiting for a CPU.
@@ -833,7 +946,8 @@ to no process; *other* is everything else: other people's processes and hypervis
 
 From the repository root, with PostgreSQL reachable at `{args["pg_dsn"].split("@")[-1]}`
 (`--pg-dsn` or `BENCH_PG_DSN`; the benchmark creates and drops only its own databases
-`idemproxy_bench`, `idemproxy_bench_pg` and, with `--big-store`, `idemproxy_bench_big`), run
+`idemproxy_bench`, `idemproxy_bench_pg` and, with `--big-store` and `--baseline`,
+`idemproxy_bench_big` and `idemproxy_bench_base`), run
 `bench/run` (about 5 minutes with the default durations; `--sweeper` adds under a minute,
 `--big-store` about a quarter of an hour on a 2-core box).
 It installs wrk, nginx-light, pgbench and redis-server with apt-get when run as root (and stops
@@ -843,6 +957,16 @@ writes this file and its plot, and keeps the raw results, profiles and logs in `
 numbers, and prefer a quiet machine.
 """
     return text, failures(data)
+
+
+def _baseline_note(data: dict[str, Any]) -> str:
+    baseline = data.get("extras", {}).get("baseline")
+    if not baseline:
+        return "\nNo baseline in this run (`bench/run --baseline REV`).\n"
+    return (
+        f"\nBaseline: `{baseline['revision']}` (commit {baseline['commit']}), checked out beside "
+        "the working tree and run by the same Python, on its own database and SQLite file.\n"
+    )
 
 
 def summary(data: dict[str, Any]) -> str:

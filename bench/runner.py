@@ -92,6 +92,9 @@ class Bench:
     variant: str = ""  # set while measuring a variant (big store, sweeper)
     io_probe: Callable[[str], None] | None = None  # called with "start"/"stop" around a run
     database: str = BENCH_DB  # the proxies' current store database
+    main_database: str = BENCH_DB  # … and the one of the main runs (not a variant's)
+    sqlite_file: str = "sqlite-store.db"  # the SQLite proxies' store, in the run's directory
+    main_sqlite_file: str = "sqlite-store.db"
 
     @property
     def wrk(self) -> str:
@@ -99,7 +102,7 @@ class Bench:
 
     @property
     def sqlite_path(self) -> Path:
-        return self.run_dir / "sqlite-store.db"
+        return self.run_dir / self.sqlite_file
 
     def wanted(self, name: str) -> bool:
         return not self.args.only or name in self.args.only
