@@ -123,9 +123,8 @@ async def test_a_caller_cancelled_while_its_function_runs_leaves_no_half_transac
 ) -> None:
     with _writes_blocked(sqlite_dsn) as other:
         lead = _claim(store, "cancelled")
-        while not batches:  # its function is on the thread, waiting for the lock
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        assert batches == [("claim", 1)], "its function is on the thread, waiting for the lock"
         lead.cancel()
         await asyncio.sleep(0.1)
         assert not lead.done(), "the caller hears of it only once its function has ended"
