@@ -55,9 +55,14 @@ class _Call(Generic[Result]):
                 raise Abandoned()
             result = self.work(self)
         except BaseException as exc:  # the caller's, raised where it awaits
-            self.loop.call_soon_threadsafe(self._fail, exc)
+            self._answer(self._fail, exc)
         else:
-            self.loop.call_soon_threadsafe(self._succeed, result)
+            self._answer(self._succeed, result)
+
+    def _answer(self, how: Callable[[Any], None], outcome: object) -> None:
+        # A loop closed meanwhile has nobody left to answer; the thread serves the next call.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(how, outcome)
 
     def _succeed(self, result: Result) -> None:
         if not self.done.done():
