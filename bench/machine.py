@@ -78,7 +78,7 @@ def facts(args: argparse.Namespace, found: dict[str, str], bench_python: Path) -
         "OS": f"{platform.system()} {platform.release()}",
         "Python": platform.python_version(),
         "aiohttp / uvloop": f"{metadata.version('aiohttp')} / {metadata.version('uvloop')}",
-        "asyncpg / aiosqlite": f"{metadata.version('asyncpg')} / {metadata.version('aiosqlite')}",
+        "asyncpg / SQLite": f"{metadata.version('asyncpg')} / {sqlite3.sqlite_version}",
         "PostgreSQL": (
             f"{pg_version.split()[0]} on 127.0.0.1, synchronous_commit={sync}, "
             f"shared_buffers={buffers}"

@@ -24,7 +24,7 @@ _HANDLER_NAME = "idemproxy"
 LOG_BACKLOG_LINES = 10_000
 # How long the exit waits for the writer to empty its backlog into a stderr that may be stalled.
 _EXIT_FLUSH_SECONDS = 2.0
-_QUIET_LIBRARIES = ("aiosqlite", "asyncpg", "redis")
+_QUIET_LIBRARIES = ("asyncpg", "redis")
 _PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

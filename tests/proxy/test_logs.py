@@ -29,14 +29,14 @@ BODY = b'{"card": "4111111111111111"}'
 def logging_restored() -> Iterator[None]:
     """`configure_logging` changes process-wide state: put it back for the other tests."""
     root = logging.getLogger()
-    saved = (root.level, list(root.handlers), logging.getLogger("aiosqlite").level)
+    saved = (root.level, list(root.handlers), logging.getLogger("asyncpg").level)
     yield
     root.setLevel(saved[0])
     for handler in root.handlers:
         if handler not in saved[1]:
             handler.close()  # its writer thread ends
     root.handlers[:] = saved[1]
-    logging.getLogger("aiosqlite").setLevel(saved[2])
+    logging.getLogger("asyncpg").setLevel(saved[2])
 
 
 async def _exchange(sqlite_dsn: str, **overrides: Any) -> None:
