@@ -379,31 +379,47 @@ def worktree(revision: str, where: Path) -> Iterator[Path]:
         subprocess.run([*git, "worktree", "remove", "--force", str(where)], check=False)
 
 
-def imports_from(source: Path) -> dict[str, str]:
-    """The environment that makes this Python import idemproxy from `source` (a checkout of
-    another revision) instead of the working tree, checked: the virtualenv's editable install
-    is a path entry, which PYTHONPATH precedes."""
-    env = {"PYTHONPATH": str(source / "src")}
-    found = subprocess.run(
-        [sys.executable, "-c", "import idemproxy; print(idemproxy.__file__)"],
-        cwd=ROOT,
-        env={**os.environ, **env},
+def revision_python(source: Path) -> Path:
+    """A Python that runs the revision checked out at `source`: a virtualenv of its own with that
+    revision installed with its own dependencies (which may differ from the working tree's),
+    made on first use under build/ and kept for later runs (one per commit)."""
+    commit = subprocess.run(
+        ["git", "-C", str(source), "rev-parse", "HEAD"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    if not Path(found).resolve().is_relative_to(source.resolve()):
-        raise RuntimeError(f"the baseline's idemproxy is not imported from {source}: {found}")
-    return env
+    venv = ROOT / "build" / "bench-revisions" / commit[:12]
+    python = venv / "bin" / "python"
+    done = venv / ".installed"
+    if not done.exists():
+        print(f"bench: installing {commit[:12]} into {venv} (pip install)…", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        subprocess.run([*pip, str(source)], check=True, timeout=900)
+        done.write_text(commit + "\n")
+    found = subprocess.run(
+        [str(python), "-c", "import idemproxy; print(idemproxy.__file__)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(found).resolve().is_relative_to(venv.resolve()):
+        raise RuntimeError(f"the revision's idemproxy is not imported from {venv}: {found}")
+    return python
 
 
 # --- wrk -----------------------------------------------------------------------------------------
 
 
-def serve_argv(port: int, admin: int, upstream: str, store: str, *extra: str) -> list[str]:
-    """`idemproxy serve` on loopback ports, run by this Python (the project's virtualenv)."""
+def serve_argv(
+    port: int, admin: int, upstream: str, store: str, *extra: str, python: Path | None = None
+) -> list[str]:
+    """`idemproxy serve` on loopback ports, run by this Python (the project's virtualenv) or by
+    `python` (another revision's, `revision_python`)."""
     return [
-        sys.executable,
+        str(python) if python is not None else sys.executable,
         "-m",
         "idemproxy",
         "serve",

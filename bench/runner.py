@@ -117,10 +117,16 @@ class Bench:
         return service
 
     def start_proxy(
-        self, target: str, store: str, *extra: str, env: dict[str, str] | None = None
+        self,
+        target: str,
+        store: str,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        python: Path | None = None,
     ) -> Service:
         port, admin = free_port(), free_port()
-        argv = serve_argv(port, admin, self.services["backend"].url, store, *extra)
+        upstream = self.services["backend"].url
+        argv = serve_argv(port, admin, upstream, store, *extra, python=python)
         service = Service(target, argv, port, self.run_dir, env)
         service.admin_url = f"http://127.0.0.1:{admin}"
         self.services[target] = service
