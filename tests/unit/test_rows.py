@@ -63,3 +63,15 @@ def test_a_row_becomes_a_job() -> None:
     assert isinstance(job.response, StoredResponse) and job.response.headers == HEADERS
     assert job.response.body == b"{}"
     assert job.created_at is not None and job.created_at.timestamp() == 1_700_000_000.0
+
+
+def test_stored_headers_are_compact_ascii_json_as_rows_written_before_hold_them() -> None:
+    # The text of rows already stored (and the pgbench script's): a change would still decode,
+    # but two proxies of different versions must write the same column.
+    headers = (("Content-Type", "text/plain"), ("X-Caf\u00e9", 'cr\u00e8me "br\u00fbl\u00e9e"'))
+    expected = (
+        '[["Content-Type","text/plain"],["X-Caf\\u00e9","cr\\u00e8me \\"br\\u00fbl\\u00e9e\\""]]'
+    )
+    assert encode_headers(headers) == expected
+    assert encode_headers(()) == "[]"
+    assert decode_headers(encode_headers(headers)) == headers

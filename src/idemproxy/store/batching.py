@@ -80,7 +80,8 @@ class _Group(Generic[Request, Result]):
         self.drainer: asyncio.Task[None] | None = None
 
     def idle(self) -> bool:
-        self.queue[:] = [entry for entry in self.queue if not entry.future.done()]
+        if self.queue:  # a lone request's group never queued one: no list to rebuild
+            self.queue[:] = [entry for entry in self.queue if not entry.future.done()]
         return not self.queue and not self.flights and self.drainer is None
 
 
@@ -146,11 +147,20 @@ class GroupCommit(Generic[Request, Result]):
         """Nothing of the group in flight: this request goes out at once, in the caller's own
         task (a lone request costs no task switch), and whatever queues meanwhile follows in
         one batch. Cancelling this caller cancels its statement, as without batching."""
-        flight = self._take_off(group, [request])
+        # `_take_off` and `_land` for one request, without their list and generators: this is
+        # every claim and completion of a proxy that is not under load.
+        distinct = self._distinct(request)
+        flight: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        group.flights.add(flight)
+        group.busy.add(distinct)
         try:
             return await self._alone(request)
         finally:
-            self._land(key, group, flight, [request])
+            group.flights.discard(flight)
+            group.busy.discard(distinct)
+            flight.set_result(None)
+            if group.idle() and self._groups.get(key) is group:
+                del self._groups[key]
 
     async def close(self) -> None:
         """Wait for the batches in flight (their callers are waiting for them)."""

@@ -27,6 +27,9 @@ NO_KEY_ID = ""
 
 # Distinct stored header lists kept parsed (see `decode_headers`); each is a few hundred bytes.
 _PARSED_HEADERS = 64
+# One encoder for every completion's headers: `json.dumps` with `separators` builds a new one
+# per call. The text is the same character for character.
+_HEADERS_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 class Row(Protocol):
@@ -131,7 +134,7 @@ def _response(row: Row) -> KeptResponse | None:
 
 def encode_headers(headers: HeaderPairs) -> str:
     # ASCII JSON (escaped), with no lone surrogate: jsonb takes it (store/header_json.py).
-    return json.dumps(pairs_to_json(headers), separators=(",", ":"))
+    return _HEADERS_JSON.encode(pairs_to_json(headers))
 
 
 def decode_headers(value: str | list[list[str]] | None) -> HeaderPairs:
