@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -21,6 +22,7 @@ from idemproxy.core.types import Claimed, ClaimResult, Intent, StoredResponse
 from idemproxy.errors import StoreRefused, StoreUnavailable
 from idemproxy.store.factory import sqlite_path
 from idemproxy.store.sqlite.store import SqliteStore
+from idemproxy.store.sqlite.worker import Worker
 from tests.support.stores import opened
 
 CONCURRENT = 32
@@ -161,3 +163,32 @@ async def test_a_closed_store_is_unavailable(sqlite_dsn: str) -> None:
         pass
     with pytest.raises(StoreUnavailable, match="not open"):
         await store.get("alice", "any")
+
+
+async def test_a_close_cancelled_while_a_function_runs_still_ends_the_thread(
+    sqlite_dsn: str,
+) -> None:
+    before = set(threading.enumerate())
+    worker = Worker()
+    await worker.open(sqlite_path(sqlite_dsn), [])
+    [thread] = set(threading.enumerate()) - before
+    started = threading.Event()
+    release = threading.Event()
+
+    def slow(_db: sqlite3.Connection) -> None:
+        started.set()
+        release.wait(5)
+
+    running = asyncio.create_task(worker.run(slow))
+    await asyncio.to_thread(started.wait, 5)
+    closing = asyncio.create_task(worker.close())
+    await asyncio.sleep(0.05)
+    closing.cancel()
+    release.set()
+    await running
+    with contextlib.suppress(asyncio.CancelledError):
+        await closing
+    thread.join(5)
+
+    assert not worker.is_open
+    assert not thread.is_alive()

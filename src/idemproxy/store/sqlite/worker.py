@@ -118,10 +118,12 @@ class Worker:
         """Closes the connection after the functions queued before, and ends the thread."""
         if self._thread is None:
             return
-        with contextlib.suppress(sqlite3.Error):
-            await self._hop(lambda _call: self._disconnect())
-        self._queue.put(None)
-        self._thread = None
+        try:
+            with contextlib.suppress(sqlite3.Error):
+                await self._hop(lambda _call: self._disconnect())
+        finally:  # a cancelled close still ends the thread, after what is queued before it
+            self._queue.put(None)
+            self._thread = None
 
     async def run(
         self, fn: Callable[[sqlite3.Connection, Unpack[Args]], Result], *args: *Args
