@@ -20,7 +20,7 @@ from idemproxy.core.types import Claimed, ClaimResult, Existing, Intent, StoredR
 from idemproxy.errors import StoreRefused
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store, sqlite_path
-from tests.support.stores import opened
+from tests.support.stores import opened, record_batches
 
 CONCURRENT = 32
 FINE = StoredResponse(201, (("Content-Type", "text/plain"),), b"stored")
@@ -47,10 +47,7 @@ async def store(dsn: str) -> AsyncIterator[Store]:
 @pytest.fixture
 def batches(store: Store) -> Iterator[list[tuple[str, int]]]:
     """Every batched statement the store sends: (kind, rows)."""
-    seen: list[tuple[str, int]] = []
-    for batcher in store.group_commits():
-        batcher.observer = lambda kind, rows: seen.append((kind, rows))
-    yield seen
+    yield record_batches(store)
 
 
 def _intent(key: str, fingerprint: str = "fp", owner: str = "alice") -> Intent:

@@ -23,7 +23,7 @@ from idemproxy.errors import StoreRefused, StoreUnavailable
 from idemproxy.store.factory import sqlite_path
 from idemproxy.store.sqlite.store import SqliteStore
 from idemproxy.store.sqlite.worker import Worker
-from tests.support.stores import opened
+from tests.support.stores import opened, record_batches
 
 CONCURRENT = 32
 FINE = StoredResponse(201, (("Content-Type", "text/plain"),), b"stored")
@@ -49,10 +49,7 @@ async def statements(store: SqliteStore) -> AsyncIterator[list[str]]:
 
 @pytest.fixture
 def batches(store: SqliteStore) -> Iterator[list[tuple[str, int]]]:
-    seen: list[tuple[str, int]] = []
-    for batcher in store.group_commits():
-        batcher.observer = lambda kind, rows: seen.append((kind, rows))
-    yield seen
+    yield record_batches(store)
 
 
 def _claim(store: SqliteStore, key: str) -> asyncio.Task[ClaimResult]:

@@ -53,3 +53,11 @@ async def empty_jobs(dsn: str) -> None:
         await conn.execute("TRUNCATE idemproxy.jobs, idemproxy.attempts")
     finally:
         await conn.close()
+
+
+def record_batches(store: Store) -> list[tuple[str, int]]:
+    """Every batched statement the store sends from now on: (kind, rows)."""
+    seen: list[tuple[str, int]] = []
+    for batcher in store.group_commits():
+        batcher.observer = lambda kind, rows: seen.append((kind, rows))
+    return seen
