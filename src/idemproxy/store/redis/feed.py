@@ -54,7 +54,7 @@ async def _listen_once(client: Redis, watch: JobWatch, cache: RedisCache) -> boo
     finally:
         with contextlib.suppress(*REDIS_ERRORS):
             async with asyncio.timeout(1.0):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
     return subscribed
 
 
