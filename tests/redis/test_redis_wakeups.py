@@ -86,4 +86,4 @@ async def test_changes_of_jobs_nobody_waits_for_are_not_published(
             kinds.append(message["type"])
         assert kinds == ["subscribe"]
     finally:
-        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
