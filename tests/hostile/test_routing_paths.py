@@ -30,6 +30,8 @@ ESCAPES = [
     "/x\\..\\payments/charge",
     "/x/%5c..%5cpayments/charge",
     "http://proxy/x/../payments/charge",  # absolute-form (RFC 9112 §3.2.2)
+    "http://proxy/x/%2e%2e/payments/charge",
+    "http://proxy//payments/charge",
     "/x/..;/payments/charge",  # Tomcat strips `;` before it removes dot segments
     "/payments/charge/../../x",  # the other way: out of the governed route
     "/payments/..",
