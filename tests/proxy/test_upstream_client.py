@@ -29,9 +29,12 @@ from cryptography.x509.oid import NameOID
 from multidict import CIMultiDict
 from yarl import URL
 
+from idemproxy.config import ContractSettings
 from idemproxy.core.attempts import Failure
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
+from idemproxy.proxy.upstream.contract import Contract, check_upstream
 from idemproxy.proxy.upstream.h1 import MAX_HEAD_BYTES
+from tests.support.recording_upstream import RecordingUpstream
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {
     "asyncio": asyncio.run,
@@ -594,3 +597,16 @@ async def test_an_endless_response_head_is_broken_not_buffered_for_ever() -> Non
             await call(c, upstream.url)
     assert failure.value.failure is Failure.BROKEN
     assert "too large" in failure.value.reason
+
+
+async def test_a_contract_samples_own_host_header_is_not_sent(tmp_path: Path) -> None:
+    """The client sends a Host found among the headers (SPEC §10 `forward_host`); a contract
+    sample's headers are the samples file's, whose Host was always ignored: it still is."""
+    schema, samples = tmp_path / "schema.json", tmp_path / "samples.jsonl"
+    schema.write_text("{}")
+    samples.write_text('{"path": "/v1/chat", "headers": {"Host": "sample.example", "X-S": "1"}}\n')
+    contract = Contract(ContractSettings(schema_file=schema, samples_file=samples))
+    async with RecordingUpstream() as upstream, client() as upstream_client:
+        await check_upstream(upstream_client, upstream.url, contract)
+    assert upstream.one.header_lines("Host") == [upstream.url.removeprefix("http://").encode()]
+    assert upstream.one.header_lines("X-S") == [b"1"]
