@@ -202,3 +202,21 @@ async def test_an_absolute_form_target_disagreeing_with_host_is_400(
         assert answer.split(b" ", 2)[1] == b"400", (target, answer[:300])
     assert recorder.received == []
     assert counting_store.calls == []
+
+
+@pytest.mark.parametrize(
+    ("target", "sent"), [("http://api.example.com", b"/"), ("http://api.example.com?x=/", b"/?x=/")]
+)
+async def test_an_absolute_form_target_without_a_path_asks_for_the_root(
+    listening_proxy: ListeningProxy,
+    counting_store: CountingStore,
+    recorder: RecordingUpstream,
+    target: str,
+    sent: bytes,
+) -> None:
+    """RFC 9112 §3.2.1: the empty path of an absolute-form target is `/` (it was a 404)."""
+    address = await start(listening_proxy, counting_store, recorder)
+    answer = await exchange(address, request(b"Host: api.example.com\r\n", target=target, key="k"))
+    assert answer.startswith(b"HTTP/1.1 201 "), answer[:300]
+    assert recorder.one.target == sent
+    assert recorder.one.header_lines("Host") == [b"api.example.com"]
