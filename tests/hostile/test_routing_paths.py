@@ -33,6 +33,7 @@ ESCAPES = [
     "http://proxy/x/%2e%2e/payments/charge",
     "http://proxy//payments/charge",
     "/x/..;/payments/charge",  # Tomcat strips `;` before it removes dot segments
+    "/x%23/../payments/charge",  # a `#` decoded is no fragment: the dot segment removes it
     "/payments/charge/../../x",  # the other way: out of the governed route
     "/payments/..",
     "/x/%2e%2e%3b/payments/charge",

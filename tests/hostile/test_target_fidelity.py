@@ -47,6 +47,7 @@ ONE_ROUTE_TARGETS = [
     "/a/b/..",
     "/..",
     "/bucket/key%ZZ%",
+    "/bucket/a%23b.txt",
 ]
 
 
@@ -130,3 +131,19 @@ async def test_an_absolute_form_target_goes_on_in_origin_form_as_sent(
         answer = await exchange(address, request("POST", target, "k-" + target))
         assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:300])
         assert recorder.received[-1].target == sent
+
+
+@pytest.mark.parametrize(
+    ("target", "sent"),
+    [("/public#/../payments/charge", b"/public"), ("/a?b=c#/../d", b"/a?b=c")],
+)
+async def test_a_fragment_is_not_forwarded(
+    payments_and_rest: tuple[str, int], recorder: RecordingUpstream, target: str, sent: bytes
+) -> None:
+    """RFC 9112 §3.2 allows no fragment in a request target; aiohttp's parser accepts one and
+    routes without it. Forwarded, a backend that keeps `#` in the path (Go's net/http) would
+    resolve `/public#/../payments/charge` to the governed route: the backend gets what was
+    routed, the target without its fragment."""
+    answer = await exchange(payments_and_rest, request("POST", target))
+    assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:300])
+    assert recorder.one.target == sent
