@@ -42,6 +42,7 @@ _SERVE_FLAGS = {
     "admin_listen": "admin.listen",
     "fallbacks": "fallbacks",
     "hedge_after": "hedge_after",
+    "forward_host": "forward_host",
     "log_level": "log_level",
     "log_format": "log_format",
     "workers": "server.workers",
@@ -133,6 +134,11 @@ def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--hedge-after",
         metavar="DURATION",
         help="hedge on the next upstream after this long (side-effect-free upstreams only)",
+    )
+    serve.add_argument(
+        "--forward-host",
+        metavar="MODE",
+        help="the Host --upstream receives: auto, client, upstream or a fixed host[:port]",
     )
     serve.add_argument(
         "--store", metavar="DSN", help="where jobs live: sqlite:///PATH or postgresql://…"

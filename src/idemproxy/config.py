@@ -50,6 +50,7 @@ from idemproxy.config_upstream import (
     origin_of,
 )
 from idemproxy.errors import ConfigError
+from idemproxy.proxy.server.host import valid_host
 from idemproxy.secret_files import read_secret_files
 from idemproxy.units import ByteSize, Duration
 
@@ -104,6 +105,13 @@ class RouteSettings(BaseModel):
     key: KeySourceSettings | None = None
     # SPEC §4.2: a webhook receiver, its deliveries verified and owned by their sender.
     webhook: WebhookSettings | None = None
+    # SPEC §10: the Host the upstream receives: auto, client, upstream, or a fixed host[:port].
+    forward_host: str = c.DEFAULT_FORWARD_HOST
+
+    @field_validator("forward_host")
+    @classmethod
+    def _forward_host(cls, value: str) -> str:
+        return check_forward_host(value)
 
     @field_validator("fallbacks")
     @classmethod
@@ -509,6 +517,8 @@ class Settings(BaseSettings):
     # Fallbacks and hedging for the `upstream` route (flags --fallback, --hedge-after).
     fallbacks: Annotated[list[str], NoDecode] = Field(default_factory=list)
     hedge_after: Duration | None = Field(default=None, gt=0)
+    # SPEC §10: the Host the `upstream` route's upstream receives (flag --forward-host).
+    forward_host: str = c.DEFAULT_FORWARD_HOST
     routes: list[RouteSettings] = Field(default_factory=list)
     store: str = c.DEFAULT_STORE
     # Or the DSN read from this file: it holds the database password (a mounted Secret).
@@ -633,6 +643,11 @@ class Settings(BaseSettings):
     def _host_port(cls, listen: str) -> str:
         parse_listen(listen)
         return listen
+
+    @field_validator("forward_host")
+    @classmethod
+    def _forward_host(cls, value: str) -> str:
+        return check_forward_host(value)
 
     @field_validator("upstream")
     @classmethod
@@ -778,6 +793,7 @@ class Settings(BaseSettings):
                     upstream=self.upstream,
                     fallbacks=self.fallbacks,
                     hedge_after=self.hedge_after,
+                    forward_host=self.forward_host,
                 )
             )
         return routes
@@ -791,6 +807,17 @@ def check_strategy(strategy: str) -> None:
     # " X-Tenant", never find it, and put every request in the shared anonymous scope.
     if not strategy.startswith("header:") or not _TOKEN.fullmatch(strategy[7:]):
         raise ConfigError("owner.strategy must be authorization, header:<NAME>, jwt or none")
+
+
+def check_forward_host(value: str) -> str:
+    """SPEC §10: `auto`, `client`, `upstream`, or the fixed Host value itself: a host[:port]
+    (RFC 9110 §7.2) that is not empty, for it goes on the wire as it is written."""
+    if value in c.FORWARD_HOST_MODES:
+        return value
+    # `Client` is a legal host name, but far likelier a misspelt mode than a Host to send.
+    if not value or not valid_host(value) or value.lower() in c.FORWARD_HOST_MODES:
+        raise ValueError("must be auto, client, upstream or a host[:port]")
+    return value
 
 
 def check_https_url(url: str) -> str:

@@ -53,6 +53,10 @@ DEFAULT_TTL_SECONDS: Final = 86_400
 DEFAULT_UPSTREAM_TIMEOUT: Final = 30.0
 DEFAULT_CONNECT_TIMEOUT: Final = 5.0
 MAX_WAIT_MARGIN_SECONDS: Final = 5.0
+# SPEC §10 `forward_host`: the Host an upstream receives. `auto` is `client` for an http://
+# upstream and `upstream` for an https:// one; any other value is the Host itself.
+DEFAULT_FORWARD_HOST: Final = "auto"
+FORWARD_HOST_MODES: Final = frozenset({"auto", "client", "upstream"})
 DEFAULT_MAX_REQUEST_BODY: Final = 10 * 1024 * 1024
 DEFAULT_MAX_STORED_BODY: Final = 8 * 1024 * 1024
 DEFAULT_MAX_WAITERS_PER_KEY: Final = 64

@@ -98,8 +98,9 @@ async def test_absolute_form_goes_to_the_configured_upstream_path_only(
     listening_proxy: ListeningProxy, ledger: Ledger, sqlite_jobs: Store, key: str | None
 ) -> None:
     """Found here: `POST http://elsewhere/p` was glued to the upstream URL (500), and a governed
-    one left its job claimed and never sent. RFC 9112 §3.2.2: a server must accept it."""
-    head = b"POST http://127.0.0.1:9/pay?x=1 HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n"
+    one left its job claimed and never sent. RFC 9112 §3.2.2: a server must accept it. Its
+    authority must name the Host's host (tests/hostile/test_forward_host.py: 400 otherwise)."""
+    head = b"POST http://127.0.0.1:9/pay?x=1 HTTP/1.1\r\nHost: 127.0.0.1:9\r\nConnection: close\r\n"
     if key:
         head += f"Idempotency-Key: {key}\r\n".encode()
     answer = await exchange(await listening_proxy(), head + b"Content-Length: 2\r\n\r\nok")

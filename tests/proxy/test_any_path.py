@@ -125,3 +125,15 @@ def test_an_app_that_is_not_just_any_path_keeps_its_router() -> None:
     with_more.router.add_get("/health", _echo)
     for app in (with_middleware, with_more):
         assert direct_handler(app) == app._handle
+
+
+@pytest.mark.parametrize("target", ["http://h", "http://h?x=1", "https://h:8443"])
+async def test_an_absolute_form_target_without_a_path_is_matched(target: str) -> None:
+    """RFC 9112 §3.2.1: its empty path is `/`; the router answered 404."""
+    resource = AnyPath(_echo, expect_handler=_no_expect)
+    matched, _ = await resource.resolve(make_mocked_request("GET", target))
+    assert matched is not None
+    app = _frozen(_app())
+    response = await direct_handler(app)(make_mocked_request("GET", target, app=app))
+    assert isinstance(response, web.Response)
+    assert (response.status, response.text) == (200, f"GET {target}")

@@ -64,22 +64,30 @@ async def test_an_untrusted_peers_forwarding_headers_are_replaced_by_what_the_pr
     assert values(seen, "X-Forwarded-For") == ["127.0.0.1"]
     assert values(seen, "X-Forwarded-Host") == [address]
     assert values(seen, "X-Forwarded-Proto") == ["http"]
+    # RFC 7239: replaced by this hop's element, as X-Forwarded-* are.
+    assert values(seen, "Forwarded") == [f'for=127.0.0.1;host="{address}";proto=http']
     for name, _ in CLAIMED[3:]:
-        assert values(seen, name) == [], name
+        if name != "Forwarded":
+            assert values(seen, name) == [], name
 
 
 @GOVERNED_OR_NOT
 async def test_a_trusted_proxys_forwarding_headers_are_kept_and_for_is_appended(
     proxy: ProxyFactory, ledger: Ledger, method: str, extra: dict[str, str]
 ) -> None:
-    seen, _ = await forward_once(
+    seen, address = await forward_once(
         proxy, ledger, method, extra, trusted_proxies=["10.0.0.0/8", "127.0.0.0/8"]
     )
     assert values(seen, "X-Forwarded-For") == ["203.0.113.7, 127.0.0.1"]
     assert values(seen, "X-Forwarded-Host") == ["evil.example"]
     assert values(seen, "X-Forwarded-Proto") == ["https"]
+    # RFC 7239 §4: the trusted proxy's elements kept, this hop's appended.
+    assert values(seen, "Forwarded") == [
+        f'for=198.51.100.1;host=evil.example;proto=https, for=127.0.0.1;host="{address}";proto=http'
+    ]
     for name, value in CLAIMED[3:]:
-        assert values(seen, name) == [value], name
+        if name != "Forwarded":
+            assert values(seen, name) == [value], name
 
 
 async def test_a_trusted_peers_repeated_proto_is_replaced_not_guessed(

@@ -16,7 +16,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +26,15 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from multidict import CIMultiDict
 from yarl import URL
 
+from idemproxy.config import ContractSettings
 from idemproxy.core.attempts import Failure
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
+from idemproxy.proxy.upstream.contract import Contract, check_upstream
 from idemproxy.proxy.upstream.h1 import MAX_HEAD_BYTES
+from tests.support.recording_upstream import RecordingUpstream
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {
     "asyncio": asyncio.run,
@@ -154,7 +158,7 @@ async def call(
     url: URL,
     body: bytes | None = b'{"a":1}',
     method: str = "POST",
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[int, dict[str, str], bytes]:
     async with upstream_client.request(method, url, headers or {}, body) as response:
         content, whole = await UpstreamClient.read_body(response, 1 << 20)
@@ -167,15 +171,27 @@ async def test_a_request_goes_out_byte_for_byte_and_its_answer_comes_back() -> N
     async with serving(answering(OK)) as upstream, client() as upstream_client:
         port = upstream.url.port
         status, headers, body = await call(
-            upstream_client, upstream.url, headers={"X-Trace": "é", "Host": "ignored"}
+            upstream_client, upstream.url, headers={"X-Trace": "é", "Content-Length": "99"}
         )
     assert (status, headers["X-Up"], body) == (201, "1", b"ok")
     request = upstream.requests[0]
     assert request.startswith(b"POST /pay?x=%2F HTTP/1.1\r\n")  # no re-quoting (SPEC §10)
-    assert f"Host: 127.0.0.1:{port}\r\n".encode() in request
-    assert b"Host: ignored" not in request  # framing headers are the client's own
+    assert f"Host: 127.0.0.1:{port}\r\n".encode() in request  # the URL's, by default
+    assert b"Content-Length: 99" not in request  # framing headers are the client's own
     assert "X-Trace: é\r\n".encode() in request
     assert request.endswith(b"Content-Length: 7\r\n\r\n" + b'{"a":1}')
+
+
+@on_both_loops
+async def test_the_host_among_the_headers_is_sent_once_first_in_the_urls_place() -> None:
+    """SPEC §10 `forward_host`: the caller (proxy/upstream/target.py) puts the Host to send
+    among the headers; it replaces the URL's authority, on the Host line the client writes."""
+    async with serving(answering(OK)) as upstream, client() as upstream_client:
+        headers = CIMultiDict([("X-A", "1"), ("host", "API.Example.com.")])
+        await call(upstream_client, upstream.url, headers=headers)
+    request = upstream.requests[0]
+    assert request.startswith(b"POST /pay?x=%2F HTTP/1.1\r\nHost: API.Example.com.\r\nX-A: 1\r\n")
+    assert request.count(b"ost: ") == 1
 
 
 @on_both_loops
@@ -581,3 +597,16 @@ async def test_an_endless_response_head_is_broken_not_buffered_for_ever() -> Non
             await call(c, upstream.url)
     assert failure.value.failure is Failure.BROKEN
     assert "too large" in failure.value.reason
+
+
+async def test_a_contract_samples_own_host_header_is_not_sent(tmp_path: Path) -> None:
+    """The client sends a Host found among the headers (SPEC §10 `forward_host`); a contract
+    sample's headers are the samples file's, whose Host was always ignored: it still is."""
+    schema, samples = tmp_path / "schema.json", tmp_path / "samples.jsonl"
+    schema.write_text("{}")
+    samples.write_text('{"path": "/v1/chat", "headers": {"Host": "sample.example", "X-S": "1"}}\n')
+    contract = Contract(ContractSettings(schema_file=schema, samples_file=samples))
+    async with RecordingUpstream() as upstream, client() as upstream_client:
+        await check_upstream(upstream_client, upstream.url, contract)
+    assert upstream.one.header_lines("Host") == [upstream.url.removeprefix("http://").encode()]
+    assert upstream.one.header_lines("X-S") == [b"1"]

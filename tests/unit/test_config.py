@@ -174,3 +174,39 @@ def test_a_lease_renewal_must_fit_in_the_lease(
     (error,) = caught.value.errors()
     assert error["loc"] == ("pool",)
     assert "lease" in error["msg"] and "pool.store_timeout" in error["msg"]
+
+
+def test_forward_host_is_auto_by_default_for_every_route() -> None:
+    """SPEC §10: `auto` (the client's Host for http://, the upstream's for https://)."""
+    settings = load_settings(
+        upstream="http://127.0.0.1:9", routes=[{"prefix": "/a", "upstream": "https://api.test"}]
+    )
+    assert settings.forward_host == "auto"
+    assert [route.forward_host for route in RouteTable.from_settings(settings).routes] == [
+        "auto",
+        "auto",
+    ]
+
+
+@pytest.mark.parametrize(
+    "value", ["auto", "client", "upstream", "api.example.com", "backend:8080", "[::1]:80"]
+)
+def test_forward_host_takes_a_mode_or_a_host(value: str) -> None:
+    settings = load_settings(
+        upstream="http://127.0.0.1:9",
+        forward_host=value,
+        routes=[{"prefix": "/a", "upstream": "http://127.0.0.1:9", "forward_host": value}],
+    )
+    assert {route.forward_host for route in RouteTable.from_settings(settings).routes} == {value}
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", "Client", "a b", "a, b", "user@host", "host/path", "http://host", ":80", "h\r\nX: y"],
+)
+def test_a_forward_host_that_is_no_host_is_refused_naming_the_field(value: str) -> None:
+    with pytest.raises(ValidationError, match="forward_host"):
+        load_settings(upstream="http://127.0.0.1:9", forward_host=value)
+    route = {"prefix": "/a", "upstream": "http://127.0.0.1:9", "forward_host": value}
+    with pytest.raises(ValidationError, match="forward_host"):
+        load_settings(upstream="http://127.0.0.1:9", routes=[route])

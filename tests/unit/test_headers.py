@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from multidict import CIMultiDict
 
 from idemproxy.http.headers import (
+    forwarded_element,
     headers_to_store,
     request_headers_for_upstream,
     response_headers_for_client,
@@ -117,7 +119,10 @@ def test_connection_naming_a_custom_header_drops_it_on_every_leg() -> None:
     assert headers_to_store(upstream, []) == (("ETag", '"v1"'),)
     incoming = _headers(("Connection", "keep-alive"), ("Connection", "X-Hop"), ("X-Hop", "1"))
     out = request_headers_for_upstream(incoming, client_ip=None, scheme="http", host=None)
-    assert list(out.items()) == [("X-Forwarded-Proto", "http")]
+    assert list(out.items()) == [
+        ("X-Forwarded-Proto", "http"),
+        ("Forwarded", "for=unknown;proto=http"),
+    ]
 
 
 def test_connection_naming_only_fixed_hop_by_hop_headers_keeps_the_rest() -> None:
@@ -130,6 +135,7 @@ def test_connection_naming_only_fixed_hop_by_hop_headers_keeps_the_rest() -> Non
         ("X-A", "1"),
         ("X-Forwarded-For", "10.0.0.1"),
         ("X-Forwarded-Proto", "http"),
+        ("Forwarded", "for=10.0.0.1;proto=http"),
     ]
 
 
@@ -151,7 +157,11 @@ def test_names_are_matched_whatever_their_case() -> None:
         ("CONTENT-LENGTH", "3"), ("host", "h"), ("TRANSFER-encoding", "chunked"), ("Ok", "1")
     )
     out = request_headers_for_upstream(incoming, client_ip=None, scheme="https", host=None)
-    assert list(out.items()) == [("Ok", "1"), ("X-Forwarded-Proto", "https")]
+    assert list(out.items()) == [
+        ("Ok", "1"),
+        ("X-Forwarded-Proto", "https"),
+        ("Forwarded", "for=unknown;proto=https"),
+    ]
 
 
 def test_an_empty_forwarded_for_without_a_client_address_is_passed_on() -> None:
@@ -163,6 +173,7 @@ def test_an_empty_forwarded_for_without_a_client_address_is_passed_on() -> None:
         ("X-Forwarded-For", ""),
         ("X-Forwarded-Proto", "https"),
         ("X-Forwarded-Host", "h"),
+        ("Forwarded", "for=unknown;host=h;proto=http"),
     ]
 
 
@@ -181,4 +192,36 @@ def test_an_untrusted_peers_forwarding_headers_are_replaced() -> None:
         ("X-Forwarded-For", "10.0.0.1"),
         ("X-Forwarded-Proto", "http"),
         ("X-Forwarded-Host", "h"),
+        ("Forwarded", "for=10.0.0.1;host=h;proto=http"),  # RFC 7239: this hop's, not theirs
     ]
+
+
+def test_forwarded_is_appended_to_a_trusted_peers_list() -> None:
+    """RFC 7239 §4: each proxy appends its element; a trusted proxy's (two lines) come first."""
+    incoming = _headers(("Forwarded", "for=203.0.113.7"), ("Forwarded", "for=10.0.0.9"))
+    out = request_headers_for_upstream(
+        incoming, client_ip="10.0.0.1", scheme="https", host="api.example.com", trusted=True
+    )
+    assert out.getall("Forwarded") == [
+        "for=203.0.113.7, for=10.0.0.9, for=10.0.0.1;host=api.example.com;proto=https"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("client_ip", "host", "element"),
+    [
+        ("192.0.2.60", "example.com", "for=192.0.2.60;host=example.com;proto=http"),
+        # RFC 7239 §6: an IPv6 address is bracketed and quoted; §4: `:` is not a token character
+        (
+            "2001:db8::17",
+            "example.com:8080",
+            'for="[2001:db8::17]";host="example.com:8080";proto=http',
+        ),
+        (None, "[::1]:8080", 'for=unknown;host="[::1]:8080";proto=http'),  # §6.3: a Unix socket
+        ("192.0.2.60", None, "for=192.0.2.60;proto=http"),
+    ],
+)
+def test_the_forwarded_element_quotes_what_is_not_a_token(
+    client_ip: str | None, host: str | None, element: str
+) -> None:
+    assert forwarded_element(client_ip, "http", host) == element

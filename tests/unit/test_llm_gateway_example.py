@@ -109,3 +109,9 @@ def test_a_streamed_completion_violates_the_contract(chat_route: Route) -> None:
     assert chat_route.gate is not None
     events = b'data: {"id": "chatcmpl-9x", "object": "chat.completion.chunk"}\n\ndata: [DONE]\n\n'
     assert chat_route.gate.contract.violations(200, events) == ["body is not JSON"]
+
+
+def test_each_provider_receives_its_own_name_as_host(chat_route: Route) -> None:
+    """SPEC §10: TLS and a CDN in front of a provider name the provider; the client's Host
+    (this gateway's name) would be refused (421, 403)."""
+    assert chat_route.forward_host == "upstream"

@@ -249,3 +249,15 @@ def test_the_longest_duration_and_size_are_accepted() -> None:
         load_settings(upstream=UPSTREAM, max_request_body="1025TiB")
     with pytest.raises(ValidationError, match=r"at most 1125899906842624 bytes"):
         load_settings(upstream=UPSTREAM, max_request_body=10**30)
+
+
+def test_the_forward_host_flag_sets_the_upstream_routes_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from idemproxy.cli import _parser, _settings
+
+    args = _parser().parse_args(
+        ["serve", "--upstream", UPSTREAM, "--forward-host", "backend.internal:8080"]
+    )
+    [route] = _settings(args, {"upstream": "upstream", "forward_host": "forward_host"}).all_routes
+    assert route.forward_host == "backend.internal:8080"

@@ -10,6 +10,7 @@ lower-casing every name in Python.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Collection, Iterable
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -62,6 +63,8 @@ _FORWARDING = frozenset(
         "x-rewrite-url",
     }
 )
+# RFC 7239 §4: a parameter value is a token or a quoted-string; RFC 9110 §5.6.2's tchar.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # What each filter drops when `Connection` names nothing beyond the fixed list.
 _REQUEST_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _FRAMING
 _UNTRUSTED_DROPPED = _REQUEST_DROPPED | _FORWARDING
@@ -111,11 +114,13 @@ def request_headers_for_upstream(
     host: str | None,
     trusted: bool = False,
 ) -> CIMultiDict[str]:
-    """The client's headers minus hop-by-hop and proxy-owned ones, plus X-Forwarded-* (SPEC §10).
+    """The client's headers minus hop-by-hop and proxy-owned ones, plus X-Forwarded-* and
+    Forwarded (SPEC §10).
 
     Repeated headers keep their order. Host and Content-Length are set by the upstream client.
-    From a `trusted` peer (another proxy) its forwarding headers are kept and X-Forwarded-For is
-    appended to; from any other peer they are replaced by what this proxy saw.
+    From a `trusted` peer (another proxy) its forwarding headers are kept, and X-Forwarded-For
+    and Forwarded are appended to; from any other peer they are replaced by what this proxy saw.
+    `host` is the Host the client sent (None: an HTTP/1.0 request without one).
     """
     dropped = _REQUEST_DROPPED if trusted else _UNTRUSTED_DROPPED
     out = _without(headers, _with_named(dropped, headers))
@@ -130,7 +135,31 @@ def request_headers_for_upstream(
     _set_once(out, "X-Forwarded-Proto", scheme)
     if host:
         _set_once(out, "X-Forwarded-Host", host)
+    _append_forwarded(out, forwarded_element(client_ip, scheme, host))
     return out
+
+
+def forwarded_element(client_ip: str | None, scheme: str, host: str | None) -> str:
+    """RFC 7239 §4: this hop's `for`, `host` and `proto`. An IPv6 address is bracketed and
+    quoted (§6), a peer without an address (a Unix socket) is `unknown` (§6.3), and a value
+    that is not a token (`host:port`) is a quoted-string; a valid Host holds no `"` or `\\`."""
+    if not client_ip:
+        node = "unknown"
+    elif ":" in client_ip:
+        node = f'"[{client_ip}]"'
+    else:
+        node = client_ip
+    if not host:
+        return f"for={node};proto={scheme}"
+    value = host if _TOKEN.fullmatch(host) else f'"{host}"'
+    return f"for={node};host={value};proto={scheme}"
+
+
+def _append_forwarded(out: CIMultiDict[str], element: str) -> None:
+    # RFC 7239 §4: each proxy appends its element to the list; a trusted peer's elements (kept,
+    # in `out`) come first, in the order their lines came, and the whole list is one line.
+    earlier = out.popall("Forwarded", None)
+    out["Forwarded"] = element if earlier is None else ", ".join([*earlier, element])
 
 
 def _set_once(out: CIMultiDict[str], name: str, value: str) -> None:

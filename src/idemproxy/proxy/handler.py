@@ -24,10 +24,10 @@ from idemproxy.proxy.intent import intent_of, owners_after_refresh
 from idemproxy.proxy.jobs.governed import handle_governed
 from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
-from idemproxy.proxy.routing import Route, routable_path
+from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
-from idemproxy.proxy.server.host import valid_host
+from idemproxy.proxy.server.host import host_problem
 from idemproxy.proxy.server.listener import head_read
 from idemproxy.proxy.server.one_response import only_response
 from idemproxy.proxy.server.trace import Trace, record
@@ -89,7 +89,7 @@ def _reads_bounded(ctx: ProxyContext, request: web.Request) -> bool:
     a key on a default route; always on a webhook or body-keyed route (the body is read before
     anything is known, SPEC §4.1, §4.2); with its key header on a header-keyed route."""
     try:
-        route = ctx.routes.find(routable_path(request.path), request.host)
+        route = ctx.routes.resolve(request.path, request.host)
     except PathInvalid:  # `_route` answers 400; refused at once as before it knew the route
         route = None
     if route is None or route.key_source is None:
@@ -102,13 +102,14 @@ def _reads_bounded(ctx: ProxyContext, request: web.Request) -> bool:
 
 async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.StreamResponse:
     try:
-        if not valid_host(request.headers.get(hdrs.HOST)):
-            return _refuse_host(ctx, trace)
+        host_refused = host_problem(request.headers.get(hdrs.HOST), request.raw_path)
+        if host_refused is not None:
+            return _refuse_host(ctx, trace, host_refused)
         if hdrs.TRANSFER_ENCODING in request.headers and transfer_codings(request.headers) != [
             "chunked"
         ]:
             return _refuse_transfer_coding(ctx, trace)
-        route = ctx.routes.find(routable_path(request.path), request.host)
+        route = ctx.routes.resolve(request.path, request.host)
         if route is None:
             raise NoRoute()
         trace.route = route
@@ -181,10 +182,11 @@ def _refuse_transfer_coding(ctx: ProxyContext, trace: Trace) -> web.StreamRespon
     return response
 
 
-def _refuse_host(ctx: ProxyContext, trace: Trace) -> web.StreamResponse:
-    """RFC 9112 §3.2: 400 for an invalid Host value, and the connection closed, as for the
-    framing errors aiohttp's parser refuses (docs/reliability.md, Hostile HTTP)."""
-    error = HeaderInvalid("The Host header is not a valid host[:port] (RFC 9112 §3.2).")
+def _refuse_host(ctx: ProxyContext, trace: Trace, detail: str) -> web.StreamResponse:
+    """RFC 9112 §3.2: 400 for an invalid Host value, or one the target's authority contradicts,
+    and the connection closed, as for the framing errors aiohttp's parser refuses
+    (docs/reliability.md, Hostile HTTP): the backend would see one name, the routing another."""
+    error = HeaderInvalid(detail)
     trace.problem(error)
     response = problem_response(
         error, profile=ctx.settings.profile, types=ctx.settings.problem_types

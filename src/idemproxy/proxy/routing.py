@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -18,33 +17,9 @@ from idemproxy.config_upstream import UpstreamHeaderSettings
 from idemproxy.errors import PathInvalid
 from idemproxy.identity.key_source import KeySource
 from idemproxy.identity.webhooks import WebhookVerifier
+from idemproxy.proxy.readings import changeable, readings
 from idemproxy.proxy.upstream.contract import Contract, ContractGate
 from idemproxy.proxy.upstream.target import Edits, HeaderEdits
-
-# A `.` or `..` segment, or an empty one, in the percent-decoded path; `\\` counts as a separator
-# because some servers (IIS, and frameworks on Windows) take it for one.
-_AMBIGUOUS = re.compile(r"[/\\](?:\.{1,2}(?=[/\\]|$)|(?=[/\\]))")
-# Characters a backend may drop or cut the path at before it routes: `;` starts RFC 3986 §3.3 path
-# parameters, which Servlet containers (Tomcat, Jetty, Spring) strip from each segment
-# (`/payments;x=1` runs `/payments`); a control character (NUL ends a C string, and none is
-# allowed in a target by RFC 3986 §2); a space that ends a segment, which some servers trim
-# (Windows file names, IIS). Checked in the decoded path, so `%3b`, `%00` and `%20` count too.
-_UNROUTABLE = re.compile(r"[;\x00-\x1f\x7f]| (?=[/\\]|$)")
-
-
-def routable_path(path: str) -> str:
-    """The decoded path (aiohttp's `request.path`) to route on; `PathInvalid` when it is ambiguous.
-
-    RFC 3986 §5.2.4: a backend removes dot segments (`/x/../payments` is `/payments`), many merge
-    repeated slashes, and many decode `%2e` and `%2f` before they do. Matched as sent, such a
-    target escaped a `/payments` route with `require_key: true` into the `/` route. No API client
-    needs one, so rather than guess how each backend resolves it, the proxy refuses it (400).
-    The same holds for a `;` (`/payments;x=1` is `/payments` to a Servlet container), a control
-    character and a space at the end of a segment (`_UNROUTABLE`).
-    """
-    if _AMBIGUOUS.search(path) or _UNROUTABLE.search(path):
-        raise PathInvalid()
-    return path
 
 
 @functools.lru_cache(maxsize=256)
@@ -90,6 +65,8 @@ class Route:
     key_source: KeySource | None = None
     # SPEC §4.2: a webhook route's signature check and owner; implies a `key_source`.
     webhook: WebhookVerifier | None = field(default=None, compare=False, hash=False, repr=False)
+    # SPEC §10: the Host its upstreams receive (proxy/upstream/target.py, `outgoing_host`).
+    forward_host: str = c.DEFAULT_FORWARD_HOST
 
     @property
     def upstreams(self) -> tuple[str, ...]:
@@ -113,6 +90,8 @@ class RouteTable:
         self._routes = sorted(
             routes, key=lambda r: (len(r.prefix), r.host is not None), reverse=True
         )
+        # Every route takes every path of its host: no reading of a path can change its route.
+        self._by_prefix = any(route.prefix != "/" for route in routes)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RouteTable:
@@ -128,6 +107,21 @@ class RouteTable:
             if route.matches(path, name):
                 return route
         return None
+
+    def resolve(self, path: str, host: str | None) -> Route | None:
+        """The route of a decoded path (aiohttp's `request.path`); `PathInvalid` when a backend
+        may read the path as one under another route (proxy/readings.py).
+
+        The target itself is forwarded byte for byte (SPEC §10): `/x/../payments` is refused
+        where `/payments` is another route than `/x`'s (with `require_key: true`, it escaped
+        into the `/` route and passed untracked), and forwarded untouched where it is not
+        (one route, or `/payments/x/../y`)."""
+        route = self.find(path, host)
+        if self._by_prefix and changeable(path):
+            for reading in readings(path):
+                if self.find(reading, host) is not route:
+                    raise PathInvalid()
+        return route
 
 
 def _route(route: RouteSettings, settings: Settings) -> Route:
@@ -153,6 +147,7 @@ def _route(route: RouteSettings, settings: Settings) -> Route:
         header_edits=edits,
         key_source=_key_source(route, settings.key_header),
         webhook=None if route.webhook is None else _verifier(route.webhook),
+        forward_host=route.forward_host,
     )
 
 

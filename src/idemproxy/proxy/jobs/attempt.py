@@ -49,7 +49,7 @@ from idemproxy.proxy.server.capture import Captured, answer, capture, tee
 from idemproxy.proxy.server.sink import ClientSink
 from idemproxy.proxy.server.whole import AsSentStreamResponse
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
-from idemproxy.proxy.upstream.target import forwarded_headers, upstream_url
+from idemproxy.proxy.upstream.target import forwarded_headers, outgoing_host, upstream_url
 
 log = logging.getLogger(__name__)
 # After forwarding, "the request was not forwarded" (StoreUnavailable's default) would be a lie.
@@ -92,7 +92,10 @@ async def run_attempt(governed: GovernedRequest, attempt: AttemptRun) -> Step:
     job = attempt.job
     route = governed.route
     headers = forwarded_headers(
-        request, ctx.settings.trusted_proxies, route.header_edits.get(attempt.upstream, ())
+        request,
+        ctx.settings.trusted_proxies,
+        route.header_edits.get(attempt.upstream, ()),
+        host=outgoing_host(route.forward_host, attempt.upstream, request),
     )
     headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
     headers[ATTEMPT_HEADER] = str(attempt.number)

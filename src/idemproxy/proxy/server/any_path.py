@@ -2,8 +2,8 @@
 
 aiohttp matches `/{tail:.*}` with a regular expression and percent-decodes the captured tail
 for every request, and the proxy never reads it (it forwards the raw target, SPEC §10). This
-resource matches the same requests (an origin-form path, i.e. one that starts with "/") and
-captures nothing.
+resource matches the same requests (an origin-form path, i.e. one that starts with "/"), and an
+absolute-form target without a path, and captures nothing.
 
 `direct_handler` goes one step further for the listener of `idemproxy serve`: for an app whose
 only resource is this one, it does what `Application._handle` does without asking the router,
@@ -28,6 +28,8 @@ from aiohttp.web_urldispatcher import (
 )
 from yarl import URL
 
+from idemproxy.proxy.server.host import split_absolute_form
+
 _NOTHING: set[str] = set()
 
 
@@ -44,7 +46,7 @@ class AnyPath(AbstractResource):
         raise RuntimeError("the proxy's catch-all resource builds no URLs")
 
     async def resolve(self, request: web.Request) -> _Resolve:
-        if not request.rel_url.path_safe.startswith("/"):
+        if not proxied(request):
             return None, _NOTHING  # as `/{tail:.*}` would not match it either
         return UrlMappingMatchInfo({}, self._route), _NOTHING
 
@@ -67,6 +69,15 @@ class AnyPath(AbstractResource):
 RequestHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def proxied(request: web.Request) -> bool:
+    """An origin-form target, or an absolute-form one (RFC 9112 §3.2.2), whose empty path is
+    `/` (§3.2.1: `GET http://host?q` asks for `/?q`); not `*` nor an authority-form target."""
+    path = request.rel_url.path_safe
+    if path.startswith("/"):
+        return True
+    return not path and split_absolute_form(request.raw_path) is not None
+
+
 def direct_handler(app: web.Application) -> RequestHandler:
     """`app._handle`'s work for requests that `AnyPath` matches, or `app._handle` itself when
     the app is not that simple (middlewares, other resources) or the path is not origin-form."""
@@ -80,7 +91,7 @@ def direct_handler(app: web.Application) -> RequestHandler:
     handler, routed = route.handler, app._handle
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        if not request.rel_url.path_safe.startswith("/"):
+        if not proxied(request):
             return await routed(request)  # the router's 404, as before
         request._match_info = match_info
         if request.headers.get(hdrs.EXPECT):  # as `Application._handle` answers `Expect`

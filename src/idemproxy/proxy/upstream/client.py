@@ -107,11 +107,14 @@ class UpstreamClient:
     ) -> Exchange:
         """`async with client.request(…) as response`: sends the request and gives the response
         once its head arrived; leaving the block gives the connection back. `timeout` overrides
-        the client's for this request (a route's `upstream_timeout`)."""
+        the client's for this request (a route's `upstream_timeout`). The Host sent is the one
+        in `headers` (a CIMultiDict; SPEC §10 `forward_host`, proxy/upstream/target.py), by
+        default the URL's authority."""
         if self._link is None:
             raise RuntimeError("UpstreamClient.open() was not called")
-        origin, host = self._origin(url)
+        origin, authority = self._origin(url)
         framing = framing_for(method, body, content_length)
+        host = headers.get("Host") or authority
         head = request_head(method, url.raw_path_qs, host, headers, framing)
         wait = self._timeout if timeout is None else timeout
         if body is None or isinstance(body, bytes | bytearray):

@@ -127,6 +127,9 @@ async def _send(
 ) -> tuple[int, bytes | None]:
     url = URL(base + sample.path, encoded=True)
     headers = CIMultiDict(sample.headers)
+    # The client sends the Host among the headers in the URL's place (SPEC §10): a sample's
+    # own stays ignored, as it was, and a sample goes to the upstream by its own name.
+    headers.popall("Host", None)
     for edit in edits:
         edit.apply(headers)
     request = client.request(sample.method, url, headers, sample.body, timeout=timeout)

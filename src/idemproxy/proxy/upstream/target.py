@@ -1,4 +1,5 @@
-"""What is sent upstream for a client's request: its URL and its forwarded headers (SPEC §10).
+"""What is sent upstream for a client's request: its URL, its Host and its forwarded headers
+(SPEC §10).
 
 Whose X-Forwarded-* and Forwarded headers are believed (`trusted_proxies`) is decided as nginx's
 `set_real_ip_from` does: only a peer inside one of the configured networks is another proxy
@@ -13,11 +14,12 @@ import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from multidict import CIMultiDict
 from yarl import URL
 
 from idemproxy.http.headers import request_headers_for_upstream
+from idemproxy.proxy.server.host import split_absolute_form
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -43,29 +45,66 @@ Edits = tuple[HeaderEdits, ...]  # in the order they apply: the route's, then th
 
 
 def upstream_url(upstream: str, request: web.Request) -> URL:
-    # raw_path keeps the client's exact path and query bytes, no re-quoting. Callers must pass
-    # this URL object on as it is: str() of it is re-parsed and re-quoted by aiohttp (%2F -> /).
+    """SPEC §10: the client's request target goes on byte for byte, no normalisation and no
+    re-encoding. Callers must pass this URL object on as it is: str() of it is re-parsed and
+    re-quoted by aiohttp (%2F -> /)."""
     target = request.raw_path
-    if not target.startswith("/"):
-        # RFC 9112 §3.2.2: absolute-form ("POST http://host/p"). Only its path and query go on:
-        # glued to the upstream URL it made an invalid one (500, and a claimed job never sent).
-        target = request.rel_url.raw_path_qs
+    absolute = split_absolute_form(target)
+    if absolute is not None:
+        # RFC 9112 §3.2.2: absolute-form ("POST http://host/p"). Its path and query go on as
+        # sent, in origin-form; glued to the upstream URL whole it made an invalid one.
+        target = absolute[2]
     return URL(upstream + target, encoded=True)
 
 
+def client_host(request: web.Request) -> str | None:
+    """The Host the client sent, byte for byte; an absolute-form target's authority when an
+    HTTP/1.0 client sent no Host (the handler refused one that disagrees with Host, and an
+    HTTP/1.1 request without Host never gets here: aiohttp answers it 400)."""
+    host = request.headers.get(hdrs.HOST)
+    if host is None:
+        absolute = split_absolute_form(request.raw_path)
+        if absolute is not None:
+            return absolute[1]
+    return host
+
+
+def outgoing_host(forward_host: str, upstream: str, request: web.Request) -> str | None:
+    """SPEC §10 `forward_host`: the Host the upstream receives; None for the upstream URL's own
+    authority (`upstream`, or `client` when the client sent none). `auto` is `client` for an
+    http:// upstream (the drop-in and sidecar shapes: the backend sees what the client sent)
+    and `upstream` for an https:// one: TLS to a named host, whose SNI and certificate name the
+    upstream, and whose CDN answers 421 or 403 to a Host that does not name it."""
+    if forward_host == "auto":
+        forward_host = "upstream" if upstream.startswith("https://") else "client"
+    if forward_host == "client":
+        return client_host(request)
+    if forward_host == "upstream":
+        return None
+    return forward_host
+
+
 def forwarded_headers(
-    request: web.Request, trusted_proxies: Sequence[Network], edits: Edits = ()
+    request: web.Request,
+    trusted_proxies: Sequence[Network],
+    edits: Edits = (),
+    *,
+    host: str | None = None,
 ) -> CIMultiDict[str]:
+    """The headers sent upstream; `host` (`outgoing_host`) is the Host among them, which the
+    upstream client sends in its place (None: the upstream URL's authority)."""
     peer = request.remote
     headers = request_headers_for_upstream(
         request.headers,
         client_ip=peer,
         scheme=request.scheme,
-        host=request.host,
+        host=client_host(request) or request.host,
         trusted=is_trusted(peer, trusted_proxies),
     )
-    for edit in edits:
+    for edit in edits:  # none sets or removes Host (config_upstream.py, _PROXY_HEADERS)
         edit.apply(headers)
+    if host is not None:
+        headers[hdrs.HOST] = host
     return headers
 
 
