@@ -5,14 +5,17 @@ specifications build them (tests/proxy/test_signed_owner.py sends them through t
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from multidict import CIMultiDict
 
+from idemproxy.config import OwnerSettings
 from idemproxy.errors import OwnerUnstable
-from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential
+from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential, log_owner_hint
 from idemproxy.identity.signed import per_request_signature
 from tests.support.signatures import digest_authorization, hawk_authorization, message_signature
 
@@ -94,3 +97,13 @@ def test_the_default_owner_refuses_it_and_the_others_do_not_look() -> None:
     gateway = CIMultiDict(headers, **{"X-Tenant": "acme"})
     assert derive_owner(OwnerPolicy("header:X-Tenant"), gateway) == hash_credential("acme")
     assert derive_owner(OwnerPolicy("none"), headers) == "global"
+
+
+def test_the_start_up_hint_speaks_of_signed_requests_too(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="idemproxy.owner")
+    log_owner_hint(OwnerSettings())
+    (hint,) = [r.getMessage() for r in caplog.records if r.name == "idemproxy.owner"]
+    assert "rotating tokens" in hint and "SigV4" in hint and "owner-unstable" in hint
+    caplog.clear()
+    log_owner_hint(OwnerSettings(strategy="none"))
+    assert not caplog.records
