@@ -126,3 +126,15 @@ async def test_a_body_keyed_route_refuses_only_a_request_its_body_gives_a_key(
     async with client.post("/orders", json={"order_id": "o-1"}, headers=signed) as response:
         await assert_problem(response, "owner-unstable", 400, job_state="none")
     assert ledger.count() == 1
+
+
+async def test_a_status_lookup_is_refused_as_its_request_would_be(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    """SPEC §7.1: the lookup derives the owner as a governed request does; under a signature
+    it could never find the job, so it says why instead of 404."""
+    client = await proxy(status_header="Idempotency-Status")
+    headers = {**sigv4(client, "/bucket/video.mp4", "GET"), "Idempotency-Status": "upload-1"}
+    async with client.get("/bucket/video.mp4", headers=headers) as response:
+        await assert_problem(response, "owner-unstable", 400)
+    assert ledger.count() == 0
