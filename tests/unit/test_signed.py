@@ -14,9 +14,10 @@ from botocore.credentials import Credentials
 from multidict import CIMultiDict
 
 from idemproxy.config import OwnerSettings
-from idemproxy.errors import OwnerUnstable
+from idemproxy.errors import InvalidRequest, OwnerUnstable
 from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential, log_owner_hint
 from idemproxy.identity.signed import per_request_signature
+from idemproxy.ops.purge import owners_of_credential
 from tests.support.signatures import digest_authorization, hawk_authorization, message_signature
 
 
@@ -107,3 +108,10 @@ def test_the_start_up_hint_speaks_of_signed_requests_too(caplog: pytest.LogCaptu
     caplog.clear()
     log_owner_hint(OwnerSettings(strategy="none"))
     assert not caplog.records
+
+
+def test_an_operator_naming_an_owner_by_a_signature_is_told_it_names_none() -> None:
+    """`idemproxy jobs purge --credential-file`: no job was ever claimed under such a
+    credential, so it names no owner (and not a crash)."""
+    with pytest.raises(InvalidRequest, match="signature made for one request"):
+        owners_of_credential(sigv4()["Authorization"], OwnerSettings())
