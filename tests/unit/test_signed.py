@@ -98,6 +98,9 @@ def test_the_default_owner_refuses_it_and_the_others_do_not_look() -> None:
     gateway = CIMultiDict(headers, **{"X-Tenant": "acme"})
     assert derive_owner(OwnerPolicy("header:X-Tenant"), gateway) == hash_credential("acme")
     assert derive_owner(OwnerPolicy("none"), headers) == "global"
+    # The default spelled as a gateway header is the same hash, refused the same way.
+    with pytest.raises(OwnerUnstable):
+        derive_owner(OwnerPolicy("header:authorization"), headers)
 
 
 def test_the_start_up_hint_speaks_of_signed_requests_too(caplog: pytest.LogCaptureFixture) -> None:

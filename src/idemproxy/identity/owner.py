@@ -76,6 +76,9 @@ class OwnerPolicy:
     legacy_owners: bool = False
     # HMAC keyed once with the pepper, copied per request: a third of `hmac.new`'s cost.
     _keyed: hmac.HMAC | None = field(default=None, init=False, repr=False, compare=False)
+    # The owner is a hash of the Authorization as sent (`authorization`, or `header:` naming
+    # it): a signature made for one request would be an owner for one try (SPEC §5).
+    _hashes_authorization: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # An unverified "jwt" policy would hash whatever token is sent: never build one.
@@ -85,6 +88,8 @@ class OwnerPolicy:
             raise ConfigError("owner.legacy_owners is the transition to owner.pepper: set both")
         if self.pepper is not None:
             object.__setattr__(self, "_keyed", hmac.new(self.pepper, digestmod=hashlib.sha256))
+        hashed = self.verifier is None and (self.header or "").lower() == "authorization"
+        object.__setattr__(self, "_hashes_authorization", hashed)
 
     @property
     def header(self) -> str | None:
@@ -133,9 +138,9 @@ def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str], raw_query: str
 
     With a verifier (`jwt`), a credential that is present but does not verify is 401 even when
     the owner is optional: it must never fall into the shared anonymous scope. The credential
-    header sent more than once is `HeaderInvalid`, as the key is (SPEC §5). With the
-    `authorization` strategy, a credential signed for this request alone (`raw_query` holds a
-    presigned URL's) is `OwnerUnstable`: every try would be an owner of its own.
+    header sent more than once is `HeaderInvalid`, as the key is (SPEC §5). When the owner is
+    a hash of the Authorization header, a credential signed for this request alone
+    (`raw_query` holds a presigned URL's) is `OwnerUnstable`: each try would be an owner.
     """
     return derive_owners(policy, headers, raw_query)[0]
 
@@ -150,7 +155,7 @@ def derive_owners(
     if header is None:
         return GLOBAL_OWNER, None
     credential = single_value(headers, header)
-    if policy.strategy == "authorization":
+    if policy._hashes_authorization:
         # SPEC §5: the hash of a signature made for one try is a scope for that try alone.
         what = per_request_signature(credential, headers, raw_query)
         if what is not None:
