@@ -113,14 +113,18 @@ def test_a_coded_answer_is_decoded_with_what_described_its_bytes_dropped() -> No
     )
 
 
-@pytest.mark.parametrize("body", [None, b""], ids=["omitted", "head-or-empty"])
-def test_an_answer_without_bytes_loses_its_coding_and_its_stored_length(
-    body: bytes | None,
-) -> None:
-    """A HEAD's stored Content-Length was the coded body's; an omitted body has nothing."""
-    stored = StoredResponse(200, (("Content-Encoding", "br"), ("Content-Length", "512")), body)
+@pytest.mark.parametrize("body", [None, b""], ids=["omitted", "empty"])
+def test_an_answer_without_bytes_loses_its_coding(body: bytes | None) -> None:
+    stored = StoredResponse(204, (("Content-Encoding", "br"), ("ETag", '"e"')), body)
     out = fit_response(stored, Fit(False, ("br",)), 10_000)
-    assert (out.headers, out.body) == ((), body)
+    assert (out.headers, out.body) == ((("ETag", 'W/"e"'),), body)
+
+
+def test_a_head_keeps_its_coding_and_the_length_a_get_had() -> None:
+    """RFC 9110 §9.3.2: no content to decode; its fields describe what the GET got."""
+    stored = StoredResponse(200, (("Content-Encoding", "gzip"), ("Content-Length", "512")), b"")
+    assert unfit(stored, headers(), head=True) is None
+    assert unfit(stored, headers()) == Fit(False, ("gzip",))
 
 
 def test_a_range_of_coded_bytes_is_refused() -> None:

@@ -133,7 +133,8 @@ async def _turns(
                     stored = ctx.store.opened(job, stored)
                 # SPEC §7: fitted to this retry's Accept-Encoding and Origin, on every path
                 # that replays (a completed job, a held duplicate, either cache).
-                fit = unfit(stored, governed.request.headers)
+                request = governed.request
+                fit = unfit(stored, request.headers, head=request.method == "HEAD")
                 if fit is not None:
                     stored = await fitted(stored, fit, ctx.settings.max_stored_body)
                 governed.trace.replayed(job.id)

@@ -41,9 +41,13 @@ class Fit:
     codings: tuple[str, ...]
 
 
-def unfit(stored: StoredResponse, headers: CIMultiDictProxy[str]) -> Fit | None:
+def unfit(
+    stored: StoredResponse, headers: CIMultiDictProxy[str], *, head: bool = False
+) -> Fit | None:
     """What `stored` must change to answer a request with `headers`; None, the common case,
-    when it goes as stored."""
+    when it goes as stored. The answer to a HEAD (`head`) keeps its coding: it has no content
+    to decode, and its fields, the stored Content-Length among them (RFC 9110 §9.3.2), describe
+    what the GET got; without them the length would be 0, which would be untrue."""
     coded: list[str] = []
     allowed: list[str] = []
     for name, value in stored.headers:
@@ -55,7 +59,7 @@ def unfit(stored: StoredResponse, headers: CIMultiDictProxy[str]) -> Fit | None:
             allowed.append(value.strip())
     if not coded and not allowed:
         return None
-    codings = coding_names(coded)
+    codings = [] if head else coding_names(coded)
     accepted = headers.getall(hdrs.ACCEPT_ENCODING, None)
     if all(accepts(accepted, coding) for coding in codings):
         codings = []
@@ -90,7 +94,7 @@ def fit_response(stored: StoredResponse, fit: Fit, limit: int) -> StoredResponse
     body = stored.body
     if not fit.codings:
         return StoredResponse(stored.status, headers, body)
-    if body:  # a HEAD's, an omitted one's or an empty body has nothing to decode
+    if body:  # an omitted or empty body has nothing to decode
         body = _decoded(stored, body, list(fit.codings), limit)
     return StoredResponse(stored.status, _identity(headers), body)
 
@@ -108,13 +112,12 @@ def _decoded(stored: StoredResponse, body: bytes, codings: list[str], limit: int
 
 def _identity(headers: HeaderPairs) -> HeaderPairs:
     """The fields of the same answer sent without its content coding: the coding and what
-    describes the coded bytes dropped, and a HEAD's stored Content-Length (the coded body's,
-    the decoded one's is not known); a strong ETag weakened (RFC 9110 §8.8.1: the bytes
+    describes the coded bytes dropped; a strong ETag weakened (RFC 9110 §8.8.1: the bytes
     differ, the representation does not), as nginx does when it changes a coding."""
     out: list[tuple[str, str]] = []
     for name, value in headers:
         lowered = name.lower()
-        if lowered in _CODED_ONLY or lowered == "content-length":
+        if lowered in _CODED_ONLY:
             continue
         weak = lowered == "etag" and not value.lstrip().startswith("W/")
         out.append((name, "W/" + value.lstrip() if weak else value))
