@@ -7,6 +7,7 @@
     │   ├── HeaderInvalid           400 header-invalid
     │   ├── PathInvalid             400 path-invalid
     │   ├── OwnerMissing            401 owner-missing
+    │   ├── OwnerUnstable           400 owner-unstable (a per-request signature, SPEC §5)
     │   ├── SignatureInvalid        401 signature-invalid (a webhook route, SPEC §4.2)
     │   ├── KeyNotFound             404 key-not-found (the status lookup, SPEC §7.1)
     │   ├── PayloadMismatch         409 payload-mismatch (422 in the ietf profile)
@@ -14,6 +15,7 @@
     │   ├── OutcomeUnknown          409 outcome-unknown
     │   │   └── JobLost             409 outcome-unknown: the job went away under its attempt
     │   ├── NoRoute                 404 no-route
+    │   ├── EncodingNotAcceptable   406 encoding-not-acceptable (a replay, SPEC §7)
     │   ├── RequestTimeout          408 request-timeout
     │   ├── ClientDisconnected      499 client-disconnected (logged and counted, never sent)
     │   ├── BodyTooLarge            413 body-too-large
@@ -154,6 +156,19 @@ class OwnerMissing(ProblemError):
     retry = NEW_KEY_SAFE
 
 
+class OwnerUnstable(ProblemError):
+    """The request's credential is a signature made for this request alone, so a retry signed
+    again would be another owner and could execute again; nothing was claimed or forwarded.
+    The proxy needs an owner that stays the same on every try: owner.strategy header:<NAME>
+    (set by a gateway that verified the signature), jwt, or none."""
+
+    # SPEC §5. 400 (RFC 9110 §15.5.1: the proxy will not process it as sent), not 401: the
+    # credential may be good for the backend, which the proxy does not verify, and a 401 must
+    # carry a challenge (§15.5.2) for a scheme that would work, which the proxy cannot name.
+    code, status, title = "owner-unstable", 400, "Owner changes on every try"
+    retry = NEW_KEY_SAFE  # nothing was claimed: under a stable owner, any key is safe
+
+
 class SignatureInvalid(ProblemError):
     """The webhook delivery is not signed with this route's secret, or its timestamp is
     stale."""
@@ -202,6 +217,16 @@ class NoRoute(ProblemError):
 
     code, status, title = "no-route", 404, "No route"
     retry = NEW_KEY_SAFE
+
+
+class EncodingNotAcceptable(ProblemError):
+    """The stored response of this job has a content coding that this request does not accept
+    (Accept-Encoding) and that the proxy cannot decode; it was not forwarded. Send it again with
+    the same Idempotency-Key and an Accept-Encoding that names the coding."""
+
+    # SPEC §7, RFC 9110 §15.5.7: the one answer there is cannot be given in a form the client
+    # reads, and executing the request again for another form is what the key forbids.
+    code, status, title = "encoding-not-acceptable", 406, "Stored response's coding not accepted"
 
 
 class RequestTimeout(ProblemError):

@@ -209,3 +209,5 @@ async def test_the_default_owner_strategy_is_explained_once_at_start(
     assert proxy.stderr().count(hint) == (1 if hinted else 0), proxy.describe()
     if hinted:
         assert "use owner.strategy jwt or header:<NAME> set by a gateway" in proxy.stderr()
+        # SPEC §5: and what it means for clients that sign every request.
+        assert "AWS SigV4" in proxy.stderr() and "400 owner-unstable" in proxy.stderr()

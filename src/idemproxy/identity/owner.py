@@ -15,9 +15,10 @@ from multidict import MultiMapping
 
 from idemproxy.config import OwnerSettings, check_strategy
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
-from idemproxy.errors import ConfigError, HeaderInvalid, OwnerMissing
+from idemproxy.errors import ConfigError, HeaderInvalid, OwnerMissing, OwnerUnstable
 from idemproxy.identity.jwt_keys import FetchObserver, KeySource, unobserved
 from idemproxy.identity.jwt_owner import JwtVerifier
+from idemproxy.identity.signed import per_request_signature
 
 log = logging.getLogger("idemproxy.owner")
 
@@ -26,12 +27,23 @@ AUTHORIZATION_OWNER_HINT = (
     "owner.strategy is authorization: jobs are scoped by a hash of the whole Authorization"
     " header, so a client whose token is refreshed between a request and its retry lands in a"
     " new scope and the retry executes again; with rotating tokens (OAuth, OIDC) use"
-    " owner.strategy jwt or header:<NAME> set by a gateway"
+    " owner.strategy jwt or header:<NAME> set by a gateway. A credential signed afresh for"
+    " every request (AWS SigV4, HTTP Message Signatures, Digest, Hawk, OAuth 1.0a, a presigned"
+    " URL) would make every try a new scope: such governed requests are refused (400"
+    " owner-unstable); for those clients use header:<NAME> set by a gateway that verified the"
+    " signature, or none for a single tenant"
+)
+_UNSTABLE = (
+    "The request's credential, {what}, is a signature made for this request alone: a retry"
+    " signed again would be another owner and could execute again. Nothing was claimed or"
+    " forwarded. The proxy needs an owner that stays the same on every try: owner.strategy"
+    " header:<NAME> (set by a gateway that verified the signature), jwt, or none."
 )
 
 
 def log_owner_hint(settings: OwnerSettings) -> None:
-    """Once at start-up (SPEC §5): what the default owner strategy means for rotating tokens."""
+    """Once at start-up (SPEC §5): what the default owner strategy means for rotating tokens
+    and for credentials signed per request."""
     if settings.strategy == "authorization":
         log.info("%s", AUTHORIZATION_OWNER_HINT)
 
@@ -64,6 +76,9 @@ class OwnerPolicy:
     legacy_owners: bool = False
     # HMAC keyed once with the pepper, copied per request: a third of `hmac.new`'s cost.
     _keyed: hmac.HMAC | None = field(default=None, init=False, repr=False, compare=False)
+    # The owner is a hash of the Authorization as sent (`authorization`, or `header:` naming
+    # it): a signature made for one request would be an owner for one try (SPEC §5).
+    _hashes_authorization: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # An unverified "jwt" policy would hash whatever token is sent: never build one.
@@ -73,6 +88,8 @@ class OwnerPolicy:
             raise ConfigError("owner.legacy_owners is the transition to owner.pepper: set both")
         if self.pepper is not None:
             object.__setattr__(self, "_keyed", hmac.new(self.pepper, digestmod=hashlib.sha256))
+        hashed = self.verifier is None and (self.header or "").lower() == "authorization"
+        object.__setattr__(self, "_hashes_authorization", hashed)
 
     @property
     def header(self) -> str | None:
@@ -116,17 +133,21 @@ def owner_policy(settings: OwnerSettings, keys: KeySource | None = None) -> Owne
     )
 
 
-def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str]) -> str:
+def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str], raw_query: str = "") -> str:
     """The owner scope for a request; raises `OwnerMissing` when one is required and absent.
 
     With a verifier (`jwt`), a credential that is present but does not verify is 401 even when
     the owner is optional: it must never fall into the shared anonymous scope. The credential
-    header sent more than once is `HeaderInvalid`, as the key is (SPEC §5).
+    header sent more than once is `HeaderInvalid`, as the key is (SPEC §5). When the owner is
+    a hash of the Authorization header, a credential signed for this request alone
+    (`raw_query` holds a presigned URL's) is `OwnerUnstable`: each try would be an owner.
     """
-    return derive_owners(policy, headers)[0]
+    return derive_owners(policy, headers, raw_query)[0]
 
 
-def derive_owners(policy: OwnerPolicy, headers: Mapping[str, str]) -> tuple[str, str | None]:
+def derive_owners(
+    policy: OwnerPolicy, headers: Mapping[str, str], raw_query: str = ""
+) -> tuple[str, str | None]:
     """`derive_owner`'s owner, and with `legacy_owners` the owner the same credential had
     before the pepper (plain SHA-256), under which a job may still be (SPEC §5); else None.
     The shared scopes (anonymous, global) are the same with and without a pepper."""
@@ -134,6 +155,11 @@ def derive_owners(policy: OwnerPolicy, headers: Mapping[str, str]) -> tuple[str,
     if header is None:
         return GLOBAL_OWNER, None
     credential = single_value(headers, header)
+    if policy._hashes_authorization:
+        # SPEC §5: the hash of a signature made for one try is a scope for that try alone.
+        what = per_request_signature(credential, headers, raw_query)
+        if what is not None:
+            raise OwnerUnstable(_UNSTABLE.format(what=what))
     if not credential:
         if policy.required:
             raise OwnerMissing()

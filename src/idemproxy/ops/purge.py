@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 
 from idemproxy.config import OwnerSettings
 from idemproxy.core.types import Job, JobState
-from idemproxy.errors import InvalidRequest, OwnerMissing
+from idemproxy.errors import InvalidRequest, OwnerMissing, OwnerUnstable
 from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.owner import derive_owners, owner_policy
 from idemproxy.ops.service import check_owner_filter
@@ -82,6 +82,8 @@ def owners_of_credential(credential: str, settings: OwnerSettings) -> tuple[str,
         return derive_owners(policy, {policy.header: credential})
     except OwnerMissing as exc:
         raise InvalidRequest("the credential does not verify") from exc
+    except OwnerUnstable as exc:  # SPEC §5: no job was ever claimed under such a credential
+        raise InvalidRequest("the credential is a signature made for one request") from exc
     except KeyNotLoaded as exc:  # keys from an identity provider are fetched by `serve` only
         raise InvalidRequest(
             "the token's key is not loaded here (an identity provider's keys): name the owner "

@@ -201,7 +201,7 @@ async def _identify(
     """SPEC §2.1: key, owner, bounded body and fingerprint, all before any storage call; and,
     in the transition to `owner.pepper`, the owner the credential had before it (SPEC §5)."""
     try:
-        owner, legacy = derive_owners(ctx.owner, request.headers)
+        owner, legacy = derive_owners(ctx.owner, request.headers, request.rel_url.raw_query_string)
     except KeyNotLoaded as missing:
         owner, legacy = await owners_after_refresh(ctx, request, missing)
     # read_body itself, not governed_body: one coroutine less on every governed request.

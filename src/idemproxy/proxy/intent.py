@@ -33,7 +33,7 @@ async def request_owners(ctx: ProxyContext, request: web.Request) -> tuple[str, 
     credential had before (`derive_owners`), waiting for the identity provider's keys when its
     token names a key none of them held."""
     try:
-        return derive_owners(ctx.owner, request.headers)
+        return derive_owners(ctx.owner, request.headers, request.rel_url.raw_query_string)
     except KeyNotLoaded as missing:
         return await owners_after_refresh(ctx, request, missing)
 
@@ -46,7 +46,7 @@ async def owners_after_refresh(
     missing then is `401 owner-missing`; no key set fetched is `503 identity-unavailable`."""
     await missing.wait()
     try:
-        return derive_owners(ctx.owner, request.headers)
+        return derive_owners(ctx.owner, request.headers, request.rel_url.raw_query_string)
     except KeyNotLoaded as again:
         raise OwnerMissing(UNVERIFIED) from again
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from idemproxy.core.types import Intent
-from idemproxy.errors import HeaderInvalid, KeyInvalid, KeyMissing
+from idemproxy.errors import HeaderInvalid, KeyInvalid, KeyMissing, OwnerUnstable
 from idemproxy.http.headers import hop_by_hop
 from idemproxy.identity.key_source import KeySource
 from idemproxy.identity.webhooks import WebhookVerifier
@@ -27,11 +27,18 @@ async def identify_sourced(
         intent, body = await _identify_delivery(ctx, request, route, source, route.webhook)
         return intent, body, None
     if source.needs_body:
-        owner, legacy = await request_owners(ctx, request)  # SPEC §5, as for key_header
+        owners: tuple[str, str | None] | OwnerUnstable
+        try:
+            owners = await request_owners(ctx, request)  # SPEC §5, as for key_header
+        except OwnerUnstable as unstable:  # refused only if the body turns out to have a key
+            owners = unstable
         body = await governed_body(ctx, request, in_memory=True)
         key = _key(route, source, request, b"" if body.spooled else body.memory)
         if key is None:
             return None, body, None
+        if isinstance(owners, OwnerUnstable):
+            raise owners
+        owner, legacy = owners
     else:
         # SPEC §4, §9: without its key header the request is not governed and passes through
         # with its body unread (and not bounded), as on a route keyed by `key_header`.

@@ -40,6 +40,7 @@ from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.jobrun import run_job
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.server.capture import drop_unsent
+from idemproxy.proxy.server.fit import fitted, unfit
 from idemproxy.proxy.server.replay import replay_response
 
 log = logging.getLogger(__name__)
@@ -130,10 +131,17 @@ async def _turns(
                     # SPEC §11: sealed at rest, opened after the fingerprint matched; one that
                     # does not open is refused (500 response-unreadable), never forwarded.
                     stored = ctx.store.opened(job, stored)
+                # SPEC §7: fitted to this retry's Accept-Encoding and Origin, on every path
+                # that replays (a completed job, a held duplicate, either cache).
+                request = governed.request
+                fit = unfit(stored, request.headers, head=request.method == "HEAD")
+                if fit is not None:
+                    stored = await fitted(stored, fit, ctx.settings.max_stored_body)
                 governed.trace.replayed(job.id)
                 if ctx.tracing is not None:
                     ctx.tracing.replay(job.id, stored.status)
-                return replay_response(job.id, stored, ctx.replays)
+                decoded = fit is not None and bool(fit.codings)
+                return replay_response(job.id, stored, ctx.replays, decoded=decoded)
             case Reject():
                 raise decision.problem()
             case _:

@@ -13,9 +13,15 @@ from idemproxy.proxy.server.whole import ONE_WRITE_BODY, AsSentResponse, Notifie
 
 
 def replay_response(
-    job_id: str, stored: StoredResponse, shared: SharedBodies | None = None
+    job_id: str,
+    stored: StoredResponse,
+    shared: SharedBodies | None = None,
+    *,
+    decoded: bool = False,
 ) -> web.StreamResponse:
-    """Status, end-to-end headers and body as stored; Content-Length recomputed, Date fresh."""
+    """Status, end-to-end headers and body as stored; Content-Length recomputed, Date fresh.
+    `decoded`: the body is the stored one decoded for this retry (proxy/server/fit.py), not the
+    one the job's other replays share."""
     headers = CIMultiDict[str](stored.headers)
     # Stored by a version that kept the upstream's own: SPEC §8 reserves it for the proxy.
     headers.popall(ERROR_HEADER, None)
@@ -27,7 +33,9 @@ def replay_response(
     body = stored.body or b""
     if shared is None or len(body) <= ONE_WRITE_BODY:
         return AsSentResponse(status=stored.status, body=body, headers=headers)
-    return shared.response(job_id, stored.status, headers, body)
+    # A decoded body is shared with the job's other decoded replays only (all are the same).
+    held = job_id + "/identity" if decoded else job_id
+    return shared.response(held, stored.status, headers, body)
 
 
 class SharedBodies:

@@ -1,0 +1,102 @@
+"""Recognising a credential that is a signature made for one request (SPEC §5).
+
+With the default owner (a hash of the whole `Authorization`), such a credential puts every try
+of a request in a scope of its own: SigV4 signs `X-Amz-Date`, Digest a client nonce and count,
+Hawk and OAuth 1.0a a timestamp and nonce, so a retry signed again a second later is another
+owner and would execute again. Nothing in it is both stable and verified by the proxy (an
+access key id is stable, but anyone can send it), so such a request is refused before any
+storage call rather than scoped by a part of it.
+
+Only the scheme's name and the names of its parameters are read, never their values: what a
+refusal names comes from the fixed lists below, not from the request.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Final
+from urllib.parse import parse_qsl
+
+# RFC 9110 §11.4: `Authorization: <auth-scheme> [ token68 / #auth-param ]`. The schemes whose
+# credentials are computed afresh for each request, by the name their specifications give them.
+_SIGNED_SCHEMES: Final = {
+    "aws4-hmac-sha256": "AWS Signature Version 4",
+    "aws4-ecdsa-p256-sha256": "AWS Signature Version 4A",
+    "aws": "AWS Signature Version 2",
+    "goog4-hmac-sha256": "Google Cloud Storage V4 signature",
+    "goog4-rsa-sha256": "Google Cloud Storage V4 signature",
+    "oss": "Alibaba Cloud OSS signature",
+    "oss4-hmac-sha256": "Alibaba Cloud OSS V4 signature",
+    "tc3-hmac-sha256": "Tencent Cloud TC3 signature",
+    "sharedkey": "Azure Storage Shared Key",
+    "sharedkeylite": "Azure Storage Shared Key Lite",
+    "eg1-hmac-sha256": "Akamai EdgeGrid",
+    "digest": "HTTP Digest (RFC 7616)",
+    "hawk": "Hawk",
+    "oauth": "OAuth 1.0a (RFC 5849)",
+    "signature": "HTTP Signatures (draft-cavage)",
+    "hoba": "HOBA (RFC 7486)",
+    "scram-sha-1": "SCRAM (RFC 7804)",
+    "scram-sha-256": "SCRAM (RFC 7804)",
+    "negotiate": "Negotiate (Kerberos, RFC 4559)",
+    "ntlm": "NTLM",
+}
+# Schemes whose credential is a token sent unchanged on every try: never second-guessed.
+_STABLE_SCHEMES: Final = frozenset({"bearer", "basic", "token", "apikey", "api-key", "dpop"})
+# An auth-param with one of these names makes any other scheme a per-request signature (a
+# nonce, a timestamp or a MAC over them: OAuth's MAC draft, vendors' HMAC schemes).
+_SIGNED_PARAM: Final = re.compile(
+    r"(?:^|[\s,;])(?:signature|sig|mac|nonce|cnonce|oauth_signature|oauth_nonce|ts|timestamp)"
+    r"\s*=",
+    re.IGNORECASE,
+)
+# RFC 9421 §4: a message signature travels in these two fields, whatever else authenticates.
+_MESSAGE_SIGNATURE: Final = ("Signature-Input", "Signature")
+# Query parameters of a presigned URL: its signature is in the URL (SigV4 §"query string
+# authentication", SigV2, GCS V4).
+_PRESIGNED: Final = {
+    "x-amz-signature": "an AWS SigV4 presigned URL (X-Amz-Signature)",
+    "x-goog-signature": "a Google Cloud Storage presigned URL (X-Goog-Signature)",
+    "signature": "a presigned URL (Signature)",
+}
+
+
+def per_request_signature(
+    authorization: str | None, headers: Mapping[str, str], raw_query: str = ""
+) -> str | None:
+    """What makes this request's credential a signature for this request alone, in words for
+    a problem's detail; None when its credential is one that every try sends the same.
+
+    With an `Authorization`, only it counts: a stable token next to an RFC 9421 signature
+    scopes the request by that token. Without one, a message signature or a presigned URL is
+    the credential, and neither is anything the proxy verified."""
+    if authorization:
+        return _signed_scheme(authorization)
+    if all(name in headers for name in _MESSAGE_SIGNATURE):
+        return "HTTP Message Signatures (RFC 9421: Signature-Input, Signature)"
+    return _presigned(raw_query)
+
+
+def _signed_scheme(authorization: str) -> str | None:
+    scheme, _, rest = authorization.strip().partition(" ")
+    scheme = scheme.lower()
+    named = _SIGNED_SCHEMES.get(scheme)
+    if named is not None:
+        return f"{named} (Authorization: {scheme.upper()})"
+    if scheme in _STABLE_SCHEMES or _SIGNED_PARAM.search(rest) is None:
+        return None
+    return "an Authorization scheme that signs a nonce or timestamp"
+
+
+def _presigned(raw_query: str) -> str | None:
+    # The common case, a query without any signature, costs one case-insensitive search.
+    if "signature" not in raw_query.lower():
+        return None
+    names = {name.lower() for name, _ in parse_qsl(raw_query, keep_blank_values=True)}
+    if "signature" in names and not names & {"expires", "awsaccesskeyid"}:
+        names.discard("signature")  # a `signature` that is not a presigned URL's
+    for name, what in _PRESIGNED.items():
+        if name in names:
+            return what
+    return None
