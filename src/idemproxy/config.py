@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -487,6 +488,24 @@ class TracingSettings(BaseModel):
     flush_timeout: Duration = Field(default=5.0, ge=0)
 
 
+class MetricsSettings(BaseModel):
+    """`/metrics` on the admin listener (docs/operations.md, Metrics)."""
+
+    model_config = _STRICT
+    # Upper bounds (seconds) of the request and upstream duration histograms, ascending. Unset:
+    # sub-millisecond to 60 s, then on up to the longest upstream timeout of any route.
+    buckets: list[float] | None = Field(default=None, min_length=1)
+
+    @field_validator("buckets")
+    @classmethod
+    def _ascending(cls, buckets: list[float] | None) -> list[float] | None:
+        if buckets is not None and (
+            buckets[0] <= 0 or any(a >= b for a, b in itertools.pairwise(buckets))
+        ):
+            raise ValueError("must be positive and strictly ascending, e.g. [0.01, 0.1, 1, 10]")
+        return buckets
+
+
 class SweeperSettings(BaseModel):
     model_config = _STRICT
     interval: Duration = Field(default=60.0, gt=0)
@@ -605,6 +624,7 @@ class Settings(BaseSettings):
     # The query string in the `path` field, with secret-looking parameters masked (redact.py).
     log_query: bool = False
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @classmethod
     def settings_customise_sources(
@@ -766,6 +786,12 @@ class Settings(BaseSettings):
         if self.max_wait is not None:
             return self.max_wait
         return self.upstream_timeout + c.MAX_WAIT_MARGIN_SECONDS
+
+    @property
+    def longest_upstream_timeout(self) -> float:
+        """The longest any upstream call may take, on any route (the histograms' reach)."""
+        timeouts = [route.upstream_timeout for route in self.routes if route.upstream_timeout]
+        return max([self.upstream_timeout, *timeouts])
 
     @property
     def all_routes(self) -> list[RouteSettings]:

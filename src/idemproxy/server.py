@@ -83,7 +83,7 @@ async def _serve_until_signalled(
     tracing: Tracing | None,
 ) -> None:
     readiness = Readiness(owner_not_ready=owner.not_ready)
-    metrics = Metrics()
+    metrics = Metrics.for_settings(settings)
     proxy = web.AppRunner(
         create_app(settings, store=store, metrics=metrics, owner=owner, tracing=tracing),
         access_log=None,  # one log line per request costs more than the proxy itself

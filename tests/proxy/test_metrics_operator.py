@@ -104,12 +104,19 @@ def test_request_duration_is_by_outcome_and_configured_route(scraped: str) -> No
         for (name, labels), value in _samples(scraped).items()
         if name == "idemproxy_request_duration_seconds_count"
     }
+    upstream_2xx = (("source", "upstream"), ("status_class", "2xx"))
     assert counts == {
-        (("outcome", "new"), ("route", "/pay")): 1,
-        (("outcome", "replayed"), ("route", "/pay")): 1,
-        (("outcome", "passthrough"), ("route", "/pay")): 1,
-        (("outcome", "new"), ("route", "/down")): 1,
-        (("outcome", "rejected"), ("route", "unrouted")): 1,
+        (("outcome", "new"), ("route", "/pay"), *upstream_2xx): 1,
+        (("outcome", "replayed"), ("route", "/pay"), *upstream_2xx): 1,
+        (("outcome", "passthrough"), ("route", "/pay"), *upstream_2xx): 1,
+        # The upstream refused the connection: the proxy's own 502 (SPEC §8).
+        (("outcome", "new"), ("route", "/down"), ("source", "proxy"), ("status_class", "5xx")): 1,
+        (
+            ("outcome", "rejected"),
+            ("route", "unrouted"),
+            ("source", "proxy"),
+            ("status_class", "4xx"),
+        ): 1,
     }
 
 

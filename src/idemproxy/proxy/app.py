@@ -58,7 +58,9 @@ def create_app(
             "auto_decompress": False,
         },
     )
-    app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics(), owner, tracing))
+    app.cleanup_ctx.append(
+        _lifecycle(settings, store, metrics or Metrics.for_settings(settings), owner, tracing)
+    )
     app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
     app.on_response_prepare.append(close_when_closing)  # SPEC §8: a drain's heads say so
     app.on_response_prepare.append(own_server_header(settings.server.server_token))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import HttpVersion11, hdrs, web
 
+from idemproxy.constants import ERROR_HEADER
 from idemproxy.core.types import Intent
 from idemproxy.errors import (
     BodyTooLarge,
@@ -50,6 +51,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         ctx.requests_in_flight -= 1
     response = only_response(ctx.metrics, request, response)
     settings = ctx.settings
+    trace.by_proxy = ERROR_HEADER in response.headers
     record(
         ctx.metrics,
         trace,
