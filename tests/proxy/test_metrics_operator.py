@@ -27,6 +27,7 @@ from tests.support.ports import free_port
 
 Client = TestClient[web.Request, web.Application]
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+DASHBOARD = DOCS.parent / "helm" / "idemproxy" / "dashboards" / "idemproxy.json"
 _METRIC_NAME = re.compile(r"\b(?:idemproxy|process|python)_[a-z_]+\b")
 _PROMQL_BLOCK = re.compile(r"```promql\n(.*?)```", re.DOTALL)
 
@@ -137,7 +138,7 @@ def test_help_texts_name_no_source_file(scraped: str) -> None:
 
 
 def _dashboard_expressions() -> list[str]:
-    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["panels"], "a dashboard without panels"
     expressions = []
     for panel in dashboard["panels"]:
