@@ -488,6 +488,16 @@ class TracingSettings(BaseModel):
     flush_timeout: Duration = Field(default=5.0, ge=0)
 
 
+class StoreStartSettings(BaseModel):
+    """How `serve` waits for a PostgreSQL store it cannot reach at start (a database starting
+    beside the proxy): tries again, the pause doubling up to `max_backoff`, for `max_wait`
+    seconds, then exits 1 (docs/deploy.md, Probes). A SQLite file is never waited for."""
+
+    model_config = _STRICT
+    max_wait: Duration = Field(default=60.0, ge=0)  # 0: exit at the first failure
+    max_backoff: Duration = Field(default=5.0, gt=0)
+
+
 class MetricsSettings(BaseModel):
     """`/metrics` on the admin listener (docs/operations.md, Metrics)."""
 
@@ -532,6 +542,7 @@ class Settings(BaseSettings):
     store: str = c.DEFAULT_STORE
     # Or the DSN read from this file: it holds the database password (a mounted Secret).
     store_file: Path | None = None
+    store_start: StoreStartSettings = Field(default_factory=StoreStartSettings)
     migrate: bool = True
     # NoDecode: IDEMPROXY_REDIS is read as it was before the block, a URL (_RenamedRedisKeys).
     redis: Annotated[RedisSettings, NoDecode] = Field(default_factory=RedisSettings)
