@@ -504,7 +504,7 @@ class MetricsSettings(BaseModel):
     model_config = _STRICT
     # Upper bounds (seconds) of the request and upstream duration histograms, ascending. Unset:
     # sub-millisecond to 60 s, then on up to the longest upstream timeout of any route.
-    buckets: list[float] | None = Field(default=None, min_length=1)
+    buckets: list[Duration] | None = Field(default=None, min_length=1)
 
     @field_validator("buckets")
     @classmethod
@@ -555,6 +555,10 @@ class Settings(BaseSettings):
     # `type` is then its anchor there. Unset: `urn:idemproxy:problem:<code>`.
     problem_types: str | None = None
     key_header: str = c.DEFAULT_KEY_HEADER
+    # The request id: a client's value of this header (one, 1-200 visible ASCII), else one made
+    # up here and sent upstream in it; in every log line and problem document of the request
+    # (docs/operations.md, Logs). Empty: off.
+    request_id_header: str = c.DEFAULT_REQUEST_ID_HEADER
     # SPEC §7.1: a GET with this header (e.g. Idempotency-Status: <key>) is answered with the
     # key's job state by the proxy, never forwarded. Unset (the default): no status lookup.
     status_header: str | None = None
@@ -618,6 +622,13 @@ class Settings(BaseSettings):
     def _status_header_name(cls, name: str | None) -> str | None:
         if name is not None and not _TOKEN.fullmatch(name):
             raise ValueError(f"{name!r} is not a header name")
+        return name
+
+    @field_validator("request_id_header")
+    @classmethod
+    def _request_id_header_name(cls, name: str) -> str:
+        if name and not _TOKEN.fullmatch(name):
+            raise ValueError(f"{name!r} is not a header name (empty turns request ids off)")
         return name
 
     server: ServerSettings = Field(default_factory=ServerSettings)

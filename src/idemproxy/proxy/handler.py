@@ -6,6 +6,7 @@ from aiohttp import HttpVersion11, hdrs, web
 
 from idemproxy.constants import ERROR_HEADER
 from idemproxy.core.types import Intent
+from idemproxy.correlation import CURRENT, correlation_of
 from idemproxy.errors import (
     BodyTooLarge,
     ClientDisconnected,
@@ -40,6 +41,21 @@ from idemproxy.proxy.upstream.h1 import transfer_codings
 async def handle(request: web.Request) -> web.StreamResponse:
     head_read(request)  # SPEC §9: the header-read deadline is over for this request
     ctx = request.app[CONTEXT]
+    settings = ctx.settings
+    # One request per task at a time (keep-alive requests follow each other): its ids hold for
+    # its whole life, the attempt tasks it starts included, and are gone before the next.
+    correlated = None
+    if header := settings.request_id_header:
+        correlated = CURRENT.set(correlation_of(header, request.headers.getall(header, [])))
+    try:
+        response = await _handle(ctx, request)
+    finally:
+        if correlated is not None:
+            CURRENT.reset(correlated)
+    return response
+
+
+async def _handle(ctx: ProxyContext, request: web.Request) -> web.StreamResponse:
     trace = Trace(request=request)
     ctx.requests_in_flight += 1
     try:

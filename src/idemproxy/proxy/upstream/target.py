@@ -17,6 +17,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from idemproxy.correlation import stamp
 from idemproxy.http.headers import request_headers_for_upstream
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -66,6 +67,7 @@ def forwarded_headers(
     )
     for edit in edits:
         edit.apply(headers)
+    stamp(headers)  # after the edits: a route cannot unset the id the logs are joined by
     return headers
 
 
