@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,11 @@ def tracing_from_settings(settings: Settings) -> Tracing | None:
     """OpenTelemetry tracing when `tracing.enabled` is set, else None; only then is anything of
     opentelemetry imported. Without the extra installed that is a start-up error."""
     if not settings.tracing.enabled:
+        return None
+    # The SDK's switch (OpenTelemetry's "General SDK Configuration"): off without a word from
+    # the exporters, and without importing them.
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        log.info("tracing: OTEL_SDK_DISABLED is true, so no spans are made or exported")
         return None
     try:
         from idemproxy.proxy.tracing import Tracing
