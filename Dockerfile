@@ -5,7 +5,9 @@
 # (IDEMPROXY_STORE=postgresql://…); the SQLite default lives in the /data volume, so the root
 # filesystem can be read-only.
 
-# Both stages use the same base, so the virtualenv built in the first runs in the second.
+# Both stages use the same base, so the virtualenv built in the first runs in the second. Pin it
+# by digest for a build that does not move when the tag does:
+#   docker build --build-arg BASE_IMAGE=python:3.12-slim@sha256:<digest> -t idemproxy .
 ARG BASE_IMAGE=python:3.12-slim
 
 FROM ${BASE_IMAGE} AS build

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -50,7 +51,7 @@ from idemproxy.config_upstream import (
     origin_of,
 )
 from idemproxy.errors import ConfigError
-from idemproxy.proxy.server.host import valid_host
+from idemproxy.http.host import valid_host
 from idemproxy.secret_files import read_secret_files
 from idemproxy.units import ByteSize, Duration
 
@@ -495,6 +496,34 @@ class TracingSettings(BaseModel):
     flush_timeout: Duration = Field(default=5.0, ge=0)
 
 
+class StoreStartSettings(BaseModel):
+    """How `serve` waits for a PostgreSQL store it cannot reach at start (a database starting
+    beside the proxy): tries again, the pause doubling up to `max_backoff`, for `max_wait`
+    seconds, then exits 1 (docs/deploy.md, Probes). A SQLite file is never waited for."""
+
+    model_config = _STRICT
+    max_wait: Duration = Field(default=60.0, ge=0)  # 0: exit at the first failure
+    max_backoff: Duration = Field(default=5.0, gt=0)
+
+
+class MetricsSettings(BaseModel):
+    """`/metrics` on the admin listener (docs/operations.md, Metrics)."""
+
+    model_config = _STRICT
+    # Upper bounds (seconds) of the request and upstream duration histograms, ascending. Unset:
+    # sub-millisecond to 60 s, then on up to the longest upstream timeout of any route.
+    buckets: list[Duration] | None = Field(default=None, min_length=1)
+
+    @field_validator("buckets")
+    @classmethod
+    def _ascending(cls, buckets: list[float] | None) -> list[float] | None:
+        if buckets is not None and (
+            buckets[0] <= 0 or any(a >= b for a, b in itertools.pairwise(buckets))
+        ):
+            raise ValueError("must be positive and strictly ascending, e.g. [0.01, 0.1, 1, 10]")
+        return buckets
+
+
 class SweeperSettings(BaseModel):
     model_config = _STRICT
     interval: Duration = Field(default=60.0, gt=0)
@@ -523,6 +552,7 @@ class Settings(BaseSettings):
     store: str = c.DEFAULT_STORE
     # Or the DSN read from this file: it holds the database password (a mounted Secret).
     store_file: Path | None = None
+    store_start: StoreStartSettings = Field(default_factory=StoreStartSettings)
     migrate: bool = True
     # NoDecode: IDEMPROXY_REDIS is read as it was before the block, a URL (_RenamedRedisKeys).
     redis: Annotated[RedisSettings, NoDecode] = Field(default_factory=RedisSettings)
@@ -535,6 +565,10 @@ class Settings(BaseSettings):
     # `type` is then its anchor there. Unset: `urn:idemproxy:problem:<code>`.
     problem_types: str | None = None
     key_header: str = c.DEFAULT_KEY_HEADER
+    # The request id: a client's value of this header (one, 1-200 visible ASCII), else one made
+    # up here and sent upstream in it; in every log line and problem document of the request
+    # (docs/operations.md, Logs). Empty: off.
+    request_id_header: str = c.DEFAULT_REQUEST_ID_HEADER
     # SPEC §7.1: a GET with this header (e.g. Idempotency-Status: <key>) is answered with the
     # key's job state by the proxy, never forwarded. Unset (the default): no status lookup.
     status_header: str | None = None
@@ -600,6 +634,13 @@ class Settings(BaseSettings):
             raise ValueError(f"{name!r} is not a header name")
         return name
 
+    @field_validator("request_id_header")
+    @classmethod
+    def _request_id_header_name(cls, name: str) -> str:
+        if name and not _TOKEN.fullmatch(name):
+            raise ValueError(f"{name!r} is not a header name (empty turns request ids off)")
+        return name
+
     server: ServerSettings = Field(default_factory=ServerSettings)
     pool: PoolSettings = Field(default_factory=PoolSettings)
     sweeper: SweeperSettings = Field(default_factory=SweeperSettings)
@@ -615,6 +656,7 @@ class Settings(BaseSettings):
     # The query string in the `path` field, with secret-looking parameters masked (redact.py).
     log_query: bool = False
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
 
     @classmethod
     def settings_customise_sources(
@@ -781,6 +823,12 @@ class Settings(BaseSettings):
         if self.max_wait is not None:
             return self.max_wait
         return self.upstream_timeout + c.MAX_WAIT_MARGIN_SECONDS
+
+    @property
+    def longest_upstream_timeout(self) -> float:
+        """The longest any upstream call may take, on any route (the histograms' reach)."""
+        timeouts = [route.upstream_timeout for route in self.routes if route.upstream_timeout]
+        return max([self.upstream_timeout, *timeouts])
 
     @property
     def all_routes(self) -> list[RouteSettings]:

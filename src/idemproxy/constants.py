@@ -8,6 +8,7 @@ from typing import Final
 
 # Request and response headers (SPEC §4, §7, §8, §10).
 DEFAULT_KEY_HEADER: Final = "Idempotency-Key"
+DEFAULT_REQUEST_ID_HEADER: Final = "X-Request-Id"
 JOB_HEADER: Final = "Idempotency-Job"
 ATTEMPT_HEADER: Final = "Idempotency-Attempt"
 REPLAYED_HEADER: Final = "Idempotent-Replayed"

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import TextIO
 
+from idemproxy.correlation import CURRENT, current_fields
+
 _HANDLER_NAME = "idemproxy"
 # Lines that may wait for a slow stderr (about 2 MB of request lines) before lines are dropped.
 LOG_BACKLOG_LINES = 10_000
@@ -61,7 +63,12 @@ class PlainFormatter(_SecondCache):
         return True
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        return f"{record.asctime} {record.levelname} {record.name}: {record.message}"
+        line = f"{record.asctime} {record.levelname} {record.name}: {record.message}"
+        correlation = CURRENT.get()
+        if correlation is None:
+            return line
+        ids = " ".join(f"{name}={value}" for name, value in correlation.fields().items())
+        return f"{line} {ids}"
 
 
 class JsonFormatter(logging.Formatter):
@@ -91,6 +98,7 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             entry.update({k: v for k, v in fields.items() if v is not None})
+        entry.update(current_fields())
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)

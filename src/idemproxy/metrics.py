@@ -11,8 +11,8 @@ import contextlib
 import enum
 import logging
 import platform
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Hashable, Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -40,9 +40,13 @@ from idemproxy.store.base import Store
 from idemproxy.store.cache.delegating import DelegatingStore
 from idemproxy.store.cache.memory import MemoryReplayCache
 
+if TYPE_CHECKING:
+    from idemproxy.config import Settings
+
 log = logging.getLogger(__name__)
 C = TypeVar("C", bound=MetricWrapperBase)
 L = TypeVar("L", bound=str)  # a label value: one of the enums below, or a store operation
+K = TypeVar("K", bound=Hashable)  # a child's key: a label value, or a tuple of them
 # How often the unknown-jobs gauge is refreshed at most (one cheap COUNT on the store).
 _GAUGE_REFRESH_SECONDS = 15.0
 # The `route` label of a request that matched no route: with the configured prefixes, the
@@ -127,8 +131,9 @@ class DisconnectStage(enum.StrEnum):
 
 # Rows per group-committed statement, up to pool.store_batch's bound.
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1000)
-# Sub-millisecond store calls up to upstream timeouts.
-_LATENCY_BUCKETS = (
+# Sub-millisecond store calls up to the default upstream timeout's range; request and upstream
+# histograms reach further when an upstream may take longer (`latency_buckets`).
+LATENCY_BUCKETS: tuple[float, ...] = (
     0.0005,
     0.001,
     0.0025,
@@ -146,9 +151,47 @@ _LATENCY_BUCKETS = (
     30,
     60,
 )
+# Beyond a minute, for routes whose upstream timeout is longer (an LLM's 300 s).
+_LONG_BUCKETS = (120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 
-class Children(dict[L, C]):
+def latency_buckets(longest_upstream_timeout: float) -> tuple[float, ...]:
+    """The default buckets of the request and upstream histograms: up to the longest upstream
+    timeout, so that a slow route's p99 is a bucket's bound rather than +Inf."""
+    if longest_upstream_timeout <= LATENCY_BUCKETS[-1]:
+        return LATENCY_BUCKETS
+    longer = tuple(bound for bound in _LONG_BUCKETS if bound < longest_upstream_timeout)
+    return (*LATENCY_BUCKETS, *longer, longest_upstream_timeout)
+
+
+class Source(enum.StrEnum):
+    """`source` of the request series: who produced the status the client got."""
+
+    UPSTREAM = "upstream"  # the upstream's answer, first or replayed from the store
+    PROXY = "proxy"  # the proxy's own (a problem document, a status lookup)
+
+
+# `status_class` values: an answer's status by its first digit (RFC 9110 §15).
+STATUS_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+# (outcome, status_class, source): the key of a request series.
+RequestKey = tuple[RequestOutcome, str, Source]
+# The series each outcome usually has, made at start so that its rate is 0, never "no data";
+# an upstream's 5xx too, the numerator of an error-rate objective.
+_USUAL_ANSWERS: dict[RequestOutcome, tuple[tuple[str, Source], ...]] = {
+    RequestOutcome.NEW: (("2xx", Source.UPSTREAM), ("5xx", Source.UPSTREAM)),
+    RequestOutcome.REPLAYED: (("2xx", Source.UPSTREAM),),
+    RequestOutcome.HELD: (("2xx", Source.UPSTREAM),),
+    RequestOutcome.MISMATCH: (("4xx", Source.PROXY),),
+    RequestOutcome.IN_FLIGHT_CONFLICT: (("4xx", Source.PROXY),),
+    RequestOutcome.UNKNOWN: (("4xx", Source.PROXY),),
+    RequestOutcome.PASSTHROUGH: (("2xx", Source.UPSTREAM), ("5xx", Source.UPSTREAM)),
+    RequestOutcome.REJECTED: (("4xx", Source.PROXY),),
+    RequestOutcome.UNAVAILABLE: (("5xx", Source.PROXY),),
+    RequestOutcome.STATUS_LOOKUP: (("2xx", Source.PROXY),),
+}
+
+
+class Children(dict[K, C]):
     """A metric's children by label value, bound once: `labels()` takes a lock, builds a tuple
     and looks it up on every call, which the hot path pays several times per request.
 
@@ -156,13 +199,13 @@ class Children(dict[L, C]):
     is first observed, exactly as with `labels()`.
     """
 
-    def __init__(self, bind: Callable[[L], C], values: Iterable[L] = ()) -> None:
+    def __init__(self, bind: Callable[[K], C], values: Iterable[K] = ()) -> None:
         super().__init__()
-        self._bind: Callable[[L], C] = bind
+        self._bind: Callable[[K], C] = bind
         for value in values:
             self[value] = bind(value)
 
-    def __missing__(self, value: L) -> C:
+    def __missing__(self, value: K) -> C:
         child: C = self._bind(value)
         self[value] = child
         return child
@@ -183,10 +226,38 @@ class ByOutcome(dict[str, Children[L, Histogram]]):
         return children
 
 
+class ByRoute(dict[str, Children[RequestKey, Histogram]]):
+    """The request histogram's children by route prefix, then by request key."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        super().__init__()
+        self._histogram = histogram
+
+    def __missing__(self, route: str) -> Children[RequestKey, Histogram]:
+        histogram = self._histogram
+        children = Children[RequestKey, Histogram](
+            lambda key: histogram.labels(key[0], route, key[1], key[2])
+        )
+        self[route] = children
+        return children
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        buckets: tuple[float, ...] = LATENCY_BUCKETS,
+    ) -> None:
+        """`buckets`: the request and upstream histograms' (`metrics.buckets`, or
+        `latency_buckets` of the longest upstream timeout)."""
         self.registry = registry or CollectorRegistry()
-        self.requests = self._counter("requests", "Requests by outcome.", ["outcome"])
+        self.requests = self._counter(
+            "requests",
+            "Requests by outcome, by the class of the status answered and by who produced it "
+            "(upstream or proxy).",
+            ["outcome", "status_class", "source"],
+        )
         self.attempts = self._counter("attempts", "Attempts by outcome.", ["outcome"])
         self.response_buffer_overdrafts = self._counter(
             "response_buffer_overdrafts",
@@ -252,15 +323,15 @@ class Metrics:
             "Upstream call duration of governed attempts, from sending the request until the "
             "answer arrived whole, by outcome and upstream (the configured URL's origin).",
             ["outcome", "upstream"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=buckets,
             registry=self.registry,
         )
         self.request_seconds = Histogram(
             f"{METRIC_PREFIX}_request_duration_seconds",
-            "Time from the request head to the proxy's answer, upstream included, by outcome "
-            "and route (the configured prefix, or unrouted).",
-            ["outcome", "route"],
-            buckets=_LATENCY_BUCKETS,
+            "Time from the request head to the proxy's answer, upstream included, by outcome, "
+            "route (the configured prefix, or unrouted), status class and source.",
+            ["outcome", "route", "status_class", "source"],
+            buckets=buckets,
             registry=self.registry,
         )
         self.build_info = Gauge(
@@ -274,7 +345,7 @@ class Metrics:
             f"{METRIC_PREFIX}_store_seconds",
             "Store call duration by operation.",
             ["operation"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         # Group commit (store/batching.py): rows per batched statement, by its kind (claim,
@@ -322,8 +393,13 @@ class Metrics:
         # The hot path's children, bound once. Request, attempt, unsent-claim,
         # unwritten-outcome and key-fetch outcomes: every series exists from the start; the
         # others appear when first observed.
-        self.request_outcome = Children[RequestOutcome, Counter](
-            self.requests.labels, RequestOutcome
+        self.request_answer = Children[RequestKey, Counter](
+            lambda key: self.requests.labels(*key),
+            [
+                (outcome, *answer)
+                for outcome, answers in _USUAL_ANSWERS.items()
+                for answer in answers
+            ],
         )
         self.attempt_outcome = Children[AttemptOutcome, Counter](
             self.attempts.labels, AttemptOutcome
@@ -339,8 +415,8 @@ class Metrics:
         )
         # By upstream origin, then outcome: the origins are the configured upstreams'.
         self.upstream_call = ByOutcome[UpstreamOutcome](self.upstream_seconds)
-        # By route prefix, then outcome: the prefix's children are looked up once per request.
-        self.request_route = ByOutcome[RequestOutcome](self.request_seconds)
+        # By route prefix, then request key: the prefix's children are looked up once per request.
+        self.request_route = ByRoute(self.request_seconds)
         # The store's operations are its method names (store/base.py), not an enum of ours.
         self._store_seconds = Children[str, Histogram](self.store_seconds.labels)
         self._store_errors = Children[str, Counter](self.store_errors.labels)
@@ -350,6 +426,15 @@ class Metrics:
         self.client_disconnect = Children[DisconnectStage, Counter](
             self.client_disconnects.labels, DisconnectStage
         )
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> Metrics:
+        """The process's metrics, with the histograms' buckets of `metrics.buckets` or reaching
+        the longest upstream timeout."""
+        configured = settings.metrics.buckets
+        if configured:
+            return cls(buckets=tuple(configured))
+        return cls(buckets=latency_buckets(settings.longest_upstream_timeout))
 
     def _counter(self, name: str, help_text: str, labels: list[str]) -> Counter:
         return Counter(f"{METRIC_PREFIX}_{name}", help_text, labels, registry=self.registry)

@@ -25,7 +25,7 @@ from aiohttp import web
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
 from idemproxy.config import Settings, log_renamed_keys, parse_listen
-from idemproxy.errors import ListenFailed
+from idemproxy.errors import ListenFailed, StoreUnreachable
 from idemproxy.identity.owner import OwnerPolicy, log_owner_hint
 from idemproxy.logs import configure_logging
 from idemproxy.metrics import Metrics
@@ -46,6 +46,8 @@ _HANDLER_GRACE_SECONDS = 1.0
 # A worker whose supervisor vanished (SIGKILL, OOM) drains instead of serving on unsupervised.
 _PARENT_CHECK_SECONDS = 1.0
 _YOUNG_COLLECTION_THRESHOLD = 10_000  # gc generation 0; the default is 700
+_FIRST_STORE_PAUSE = 0.25  # seconds before the second try to open an unreachable store
+_POSTGRES_SCHEMES = ("postgres://", "postgresql://")
 
 
 def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = None) -> None:
@@ -65,14 +67,45 @@ async def run_server(
 ) -> None:
     # Before the store is opened: tracing asked for without its packages stops the start.
     tracing = tracing_from_settings(settings)
-    store = serving_store(settings)  # SPEC §11: with Redis and the in-process replay cache
-    await store.open()
+    store = await _open_when_reachable(settings)
     try:
         if settings.migrate:
             await store.migrate()
         await _serve_until_signalled(settings, owner, store, worker, tracing)
     finally:
         await store.close()
+
+
+async def _open_when_reachable(settings: Settings) -> Store:
+    """The serving store, opened (SPEC §11: with Redis and the in-process replay cache). A
+    PostgreSQL server not reachable yet is tried again, each time with a store of its own, with
+    a doubling pause for `store_start.max_wait` seconds: a database starting beside the proxy
+    is not an orchestrator's crash loop (docs/deploy.md, Probes)."""
+    wait = settings.store_start
+    waits = settings.store.startswith(_POSTGRES_SCHEMES) and wait.max_wait > 0
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + wait.max_wait
+    pause = _FIRST_STORE_PAUSE
+    while True:
+        store = serving_store(settings)
+        try:
+            await store.open()
+            return store
+        except StoreUnreachable as exc:
+            left = give_up - loop.time()
+            if not waits or left <= 0:
+                raise
+            with contextlib.suppress(Exception):  # what the failed open left half-made
+                await store.close()
+            pause = min(pause, left)
+            log.warning(
+                "%s; trying again in %.1f s (store_start.max_wait: %.0f s left)",
+                exc.reason,
+                pause,
+                left,
+            )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, wait.max_backoff)
 
 
 async def _serve_until_signalled(
@@ -83,7 +116,7 @@ async def _serve_until_signalled(
     tracing: Tracing | None,
 ) -> None:
     readiness = Readiness(owner_not_ready=owner.not_ready)
-    metrics = Metrics()
+    metrics = Metrics.for_settings(settings)
     proxy = web.AppRunner(
         create_app(settings, store=store, metrics=metrics, owner=owner, tracing=tracing),
         access_log=None,  # one log line per request costs more than the proxy itself

@@ -111,6 +111,53 @@ async def test_list_rejects_bad_parameters(admin: Client, query: str) -> None:
         await assert_problem(response, 400, "invalid-request")
 
 
+async def test_find_a_job_by_the_clients_key_in_one_owners_scope(
+    admin: Client, proxy: Client, upstream: Upstream, store: Store
+) -> None:
+    """Support is asked "what happened to order-1234?": the key and whose it is."""
+    lost = await make_unknown(proxy, upstream, store, "order-1234")
+    upstream.script.append(504)
+    assert (await post(proxy, "order-1234", owner=BOB))[0] == 504
+    [bobs] = [job for job in await store.list_jobs() if job.id != lost.id]
+    assert bobs.key == "order-1234" and bobs.owner != lost.owner
+    for who in ({"credential": ALICE["Authorization"]}, {"owner": lost.owner}):
+        async with admin.post("/jobs/find", json={"key": "order-1234", **who}) as response:
+            assert response.status == 200, await response.text()
+            found = await response.json()
+        assert (found["id"], found["state"], found["owner"]) == (lost.id, "unknown", lost.owner)
+        assert len(found["attempts"]) == 1 and "response" not in found
+    async with admin.post(
+        "/jobs/find", json={"key": "order-1234", "credential": BOB["Authorization"]}
+    ) as response:
+        assert (await response.json())["id"] == bobs.id
+    # Another owner's key is not found, whoever asks: never a search across owners.
+    async with admin.post(
+        "/jobs/find", json={"key": "order-1234", "credential": "Bearer mallory"}
+    ) as response:
+        await assert_problem(response, 404, "job-not-found")
+    async with admin.post("/jobs/find", json={"key": "order-1234", "sender": "stripe"}) as response:
+        await assert_problem(response, 404, "job-not-found")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"key": "k"},
+        {"key": "k", "owner": "o", "sender": "s"},
+        {"key": "", "owner": "o"},
+        {"key": "k\u0000", "owner": "o"},
+        {"key": 7, "owner": "o"},
+        {"key": "k", "owner": "o", "extra": 1},
+        {"key": "k", "credential": ""},
+    ],
+)
+async def test_find_refuses_what_names_no_single_key_and_owner(
+    admin: Client, body: dict[str, Any]
+) -> None:
+    async with admin.post("/jobs/find", json=body) as response:
+        await assert_problem(response, 400, "invalid-request")
+
+
 async def test_show_has_the_attempts_and_never_the_body_by_default(
     admin: Client, proxy: Client, upstream: Upstream, store: Store
 ) -> None:

@@ -23,6 +23,9 @@ RELEASE = "idemproxy"  # the release name `render` gives
 SCENARIOS = sorted(path.name for path in (CHART / "ci").glob("*-values.yaml"))
 
 Manifest = dict[str, Any]
+# The scenarios render for a cluster with the Prometheus Operator: its objects are rendered only
+# when its API is there (helm template's --api-versions, as a cluster would report it).
+MONITORING_API = ("-a", "monitoring.coreos.com/v1")
 
 
 class HelmMissing(RuntimeError):
@@ -132,8 +135,18 @@ def container_port(container: Manifest, port: int | str) -> int:
     return int(number)
 
 
+def settings_file(manifests: list[Manifest]) -> str:
+    """The proxy's settings file, from the ConfigMap that holds it (not the dashboard's)."""
+    [text] = [
+        doc["data"]["idemproxy.yaml"]
+        for doc in of_kind(manifests, "ConfigMap")
+        if "idemproxy.yaml" in doc.get("data", {})
+    ]
+    return str(text)
+
+
 def proxy_config(manifests: list[Manifest]) -> dict[str, Any]:
-    config: dict[str, Any] = yaml.safe_load(one(manifests, "ConfigMap")["data"]["idemproxy.yaml"])
+    config: dict[str, Any] = yaml.safe_load(settings_file(manifests))
     return config
 
 

@@ -12,6 +12,7 @@ from tests.support.prerequisites import missing
 
 from .chart import (
     CHART,
+    MONITORING_API,
     SCENARIOS,
     HelmMissing,
     Manifest,
@@ -38,7 +39,7 @@ def rendered_files(
     out = tmp_path_factory.mktemp("rendered")
     files = {}
     for scenario in SCENARIOS:
-        result = render(helm_template, "-f", str(CHART / "ci" / scenario))
+        result = render(helm_template, "-f", str(CHART / "ci" / scenario), *MONITORING_API)
         assert result.returncode == 0, f"{scenario}: {result.stderr}"
         files[scenario] = out / scenario
         files[scenario].write_text(result.stdout)

@@ -36,6 +36,7 @@ from .chart import (
     proxy_container,
     proxy_pod,
     render,
+    settings_file,
 )
 
 pytestmark = pytest.mark.slow
@@ -155,7 +156,7 @@ def _load_as_the_pod_would(
         if variable["name"] not in CHART_VARIABLES:
             value = variable.get("value", f"{variable['name']} from its secret, 32 bytes or more")
             monkeypatch.setenv(variable["name"], value)
-    text = one(manifests, "ConfigMap")["data"]["idemproxy.yaml"]
+    text = settings_file(manifests)
     volumes = {volume["name"]: volume for volume in proxy_pod(manifests)["volumes"]}
     for mount in proxy["volumeMounts"]:
         if mount["name"] not in ("config", "tmp"):
@@ -181,7 +182,12 @@ def _fill_mount(volume: Manifest, where: Path) -> None:
 def test_probes_hit_the_admin_port(manifests: list[Manifest]) -> None:
     proxy = proxy_container(manifests)
     admin_port = parse_listen(proxy_config(manifests)["admin"]["listen"])[1]
-    for probe, path in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")]:
+    probes = [
+        ("startupProbe", "/healthz"),
+        ("livenessProbe", "/healthz"),
+        ("readinessProbe", "/readyz"),
+    ]
+    for probe, path in probes:
         get = proxy[probe]["httpGet"]
         assert get["path"] == path
         assert container_port(proxy, get["port"]) == admin_port
@@ -229,7 +235,14 @@ def test_metrics_port_only_with_the_service_monitor(
     [monitor] = monitors
     [endpoint] = monitor["spec"]["endpoints"]
     wanted = values["metrics"]["serviceMonitor"]
-    assert endpoint == {"port": "admin", "path": "/metrics", "interval": wanted["interval"]}
+    options = {"scrapeTimeout", "relabelings", "metricRelabelings"}
+    given = {key: wanted[key] for key in options if wanted[key]}
+    assert endpoint == {
+        "port": "admin",
+        "path": "/metrics",
+        "interval": wanted["interval"],
+        **given,
+    }
     assert ports["admin"]["targetPort"] == "admin"
     assert wanted["labels"].items() <= monitor["metadata"]["labels"].items()
 

@@ -141,8 +141,12 @@ def test_every_object_is_named_and_labelled_by_the_overrides(
     name = fullname(values)
     label = values["nameOverride"] or "idemproxy"
     named = {"Job": f"{name}-migrate", "ServiceAccount": values["serviceAccount"]["name"] or name}
+    dashboard = values["metrics"]["dashboard"]["enabled"]
     for doc in manifests:
-        assert doc["metadata"]["name"] == named.get(doc["kind"], name), doc["kind"]
+        wanted = named.get(doc["kind"], name)
+        if dashboard and doc["kind"] == "ConfigMap" and "idemproxy.json" in doc["data"]:
+            wanted = f"{name}-dashboard"
+        assert doc["metadata"]["name"] == wanted, doc["kind"]
         assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == label, doc["kind"]
     pod = proxy_pod(manifests)
     assert by_name(pod["volumes"])["config"]["configMap"]["name"] == name

@@ -67,7 +67,10 @@ def test_an_unreachable_store_is_one_line_naming_the_server(
 ) -> None:
     # Port 9 (discard) on loopback: nothing listens, the connection is refused at once.
     dsn = "postgresql://nobody:s3cret@127.0.0.1:9/orders"
-    done = run_cli(*command, "--store", dsn, timeout=20)
+    # serve would wait for the server (test_store_start.py): not here.
+    done = run_cli(
+        *command, "--store", dsn, env={"IDEMPROXY_STORE_START__MAX_WAIT": "0"}, timeout=20
+    )
     assert done.returncode == 1, done
     lines = [line for line in done.stderr.splitlines() if "INFO" not in line]
     assert lines == [

@@ -164,6 +164,29 @@ def test_show_one_job_with_its_attempts(dsn: str, run_cli: RunCli) -> None:
     )
 
 
+def test_find_a_job_by_key_and_owner(dsn: str, run_cli: RunCli, tmp_path: Path) -> None:
+    jobs = run(_prepare(dsn))
+    credential = tmp_path / "credential"
+    credential.write_text("Bearer alice\n")
+    for who in (("--owner", ALICE), ("--credential-file", str(credential))):
+        done = ok(run_cli("jobs", "find", "order-lost", *who, "--store", dsn, "--json"))
+        found = json.loads(done.stdout)
+        assert (found["id"], found["state"], found["key"]) == (
+            jobs["lost"].id,
+            "unknown",
+            "order-lost",
+        )
+    text = ok(run_cli("jobs", "find", "order-done", "--owner", ALICE, "--store", dsn)).stdout
+    assert f"job           {jobs['done'].id}" in text and "4242" not in text
+    shown = run_cli(
+        "jobs", "find", "order-done", "--owner", ALICE, "--store", dsn, "--include-response"
+    )
+    assert SECRET.decode() in ok(shown).stdout
+    # Bob's key in Alice's scope, or a webhook sender's: not found.
+    failed(run_cli("jobs", "find", "order-bobs", "--owner", ALICE, "--store", dsn), 1, "no job")
+    failed(run_cli("jobs", "find", "order-bobs", "--sender", "shop", "--store", dsn), 1, "no job")
+
+
 def test_resolve_and_delete(dsn: str, run_cli: RunCli, tmp_path: Path) -> None:
     jobs = run(_prepare(dsn))
     lost, bobs = jobs["lost"], jobs["bobs"]

@@ -142,11 +142,12 @@ async def series(proxy: ProxyProcess, name: str) -> dict[tuple[tuple[str, str], 
 
 async def requests_by_worker(proxy: ProxyProcess, outcome: str) -> dict[str, float]:
     found = await series(proxy, "idemproxy_requests_total")
-    return {
-        dict(labels)["worker"]: value
-        for labels, value in found.items()
-        if dict(labels)["outcome"] == outcome
-    }
+    by_worker: dict[str, float] = {}
+    for labels, value in found.items():  # summed over the status classes and sources
+        if dict(labels)["outcome"] == outcome:
+            worker = dict(labels)["worker"]
+            by_worker[worker] = by_worker.get(worker, 0.0) + value
+    return by_worker
 
 
 async def start_workers(

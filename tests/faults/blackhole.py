@@ -21,8 +21,9 @@ class Relay:
         self._open: set[asyncio.Event] = set()  # one "frozen" flag per open connection
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+    async def start(self, port: int = 0) -> None:
+        """Listen on `port` (0: any free one)."""
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", port)
         self.port = self._server.sockets[0].getsockname()[1]
 
     @property

@@ -55,6 +55,12 @@ async def probes(session: aiohttp.ClientSession, admin_url: str) -> tuple[int, i
         return health.status, ready.status
 
 
+async def store_reported(session: aiohttp.ClientSession, admin_url: str) -> object:
+    """What /readyz says of the store."""
+    async with session.get(admin_url + "/readyz") as ready:
+        return (await ready.json())["store"]
+
+
 def assert_fails_closed(answer: Answer) -> None:
     assert (answer.status, answer.error) == (503, "store-unavailable"), answer
     assert answer.retry_after is not None and int(answer.retry_after) >= 1, answer
@@ -95,8 +101,10 @@ async def test_store_down_fails_closed_then_recovers(
         ]
         assert [a.status for a in untracked] == [201, 201, 201], untracked
         assert ledger.count() == 4
-        if proxy.process is not None:  # the admin listener: alive, not ready (SPEC §13)
-            assert await probes(session, proxy.process.admin_url) == (200, 503)
+        if proxy.process is not None:  # the admin listener: alive and ready (SPEC §13)
+            # Pass-through traffic flows: the pod must stay in its Service (docs/deploy.md).
+            assert await probes(session, proxy.process.admin_url) == (200, 200)
+            assert await store_reported(session, proxy.process.admin_url) == "unavailable"
 
         await asyncio.to_thread(pg.start)
         # The pool saw its sessions end with the server: the first request reconnects.
@@ -104,6 +112,7 @@ async def test_store_down_fails_closed_then_recovers(
         assert (healed.status, healed.replayed) == (201, False), healed
         if proxy.process is not None:
             assert await probes(session, proxy.process.admin_url) == (200, 200)
+            assert await store_reported(session, proxy.process.admin_url) == "ok"
         # What failed closed was never claimed: its retry executes now, once.
         retried = await send(session, proxy.url, "down-0")
         replay = await send(session, proxy.url, "before")

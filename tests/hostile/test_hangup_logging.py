@@ -14,9 +14,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from idemproxy.metrics import DisconnectStage, RequestOutcome
+from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT
 from tests.support.backend import Ledger
+from tests.support.metrics import counted
 from tests.support.proxyapp import ProxyFactory
 
 HEADS = {
@@ -56,7 +57,7 @@ async def test_a_hang_up_mid_body_is_one_info_line_and_counted(
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
     lines = [r for r in caplog.records if "hung up" in r.getMessage()]
     assert [r.levelno for r in lines] == [logging.INFO] * 3
-    assert metrics.request_outcome[RequestOutcome.REJECTED]._value.get() == 3
+    assert counted(metrics.registry, "idemproxy_requests_total", outcome="rejected") == 3
     assert ledger.count() == 0
 
 

@@ -26,6 +26,7 @@ from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.idp import IdentityProvider
 from tests.support.jwtkit import AUDIENCE, bearer, claims, ec_key, public_jwk, rsa_key, token
+from tests.support.metrics import counted
 from tests.support.proxychecks import KEY, REPLAYED, assert_problem, only_job
 
 from .conftest import ProxyFactory
@@ -333,7 +334,7 @@ async def test_with_the_provider_down_known_keys_verify_and_unknown_kids_fail_cl
             await assert_problem(response, "identity-unavailable", 503)
     assert ledger.count() == 1
     metrics = client.app[CONTEXT].metrics.registry
-    assert metrics.get_sample_value("idemproxy_requests_total", {"outcome": "unavailable"}) == 2
+    assert counted(metrics, "idemproxy_requests_total", outcome="unavailable") == 2
     fetches = "idemproxy_identity_provider_fetches_total"
     assert metrics.get_sample_value(fetches, {"result": "succeeded"}) == 1  # at start-up
     assert metrics.get_sample_value(fetches, {"result": "failed"}) == 1  # the one refresh

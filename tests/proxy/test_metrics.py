@@ -69,8 +69,16 @@ def _by_outcome(
     return value
 
 
-def requests(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], outcome: str) -> float:
-    return samples[("idemproxy_requests_total", (("outcome", outcome),))]
+def requests(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], outcome: str, **more: str
+) -> float:
+    """Requests of this outcome, summed over the labels not given (status class, source)."""
+    wanted = {("outcome", outcome), *more.items()}
+    return sum(
+        value
+        for (name, labels), value in samples.items()
+        if name == "idemproxy_requests_total" and wanted <= set(labels)
+    )
 
 
 async def test_every_request_outcome_is_counted(clients: Clients) -> None:
@@ -100,6 +108,13 @@ async def test_every_request_outcome_is_counted(clients: Clients) -> None:
         assert requests(samples, outcome) == count, outcome
     assert samples[("idemproxy_attempts_total", (("outcome", "succeeded"),))] == 1
     assert samples[("idemproxy_attempts_total", (("outcome", "unknown"),))] == 1
+    # The status class and who answered (docs/operations.md, Metrics): an error-rate objective.
+    assert requests(samples, "new", status_class="2xx", source="upstream") == 1
+    assert requests(samples, "new", status_class="5xx", source="upstream") == 1  # the 504
+    assert requests(samples, "unknown", status_class="4xx", source="proxy") == 1
+    assert requests(samples, "rejected", status_class="4xx", source="proxy") == 1
+    assert requests(samples, "mismatch", status_class="4xx", source="proxy") == 1
+    assert requests(samples, "passthrough", status_class="2xx", source="upstream") == 1
     assert _by_outcome(samples, "idemproxy_upstream_seconds_count", "answered") == 2
     assert samples[("idemproxy_store_seconds_count", (("operation", "claim"),))] >= 5
 

@@ -27,6 +27,7 @@ from tests.support.ports import free_port
 
 Client = TestClient[web.Request, web.Application]
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+DASHBOARD = DOCS.parent / "helm" / "idemproxy" / "dashboards" / "idemproxy.json"
 _METRIC_NAME = re.compile(r"\b(?:idemproxy|process|python)_[a-z_]+\b")
 _PROMQL_BLOCK = re.compile(r"```promql\n(.*?)```", re.DOTALL)
 
@@ -104,12 +105,19 @@ def test_request_duration_is_by_outcome_and_configured_route(scraped: str) -> No
         for (name, labels), value in _samples(scraped).items()
         if name == "idemproxy_request_duration_seconds_count"
     }
+    upstream_2xx = (("source", "upstream"), ("status_class", "2xx"))
     assert counts == {
-        (("outcome", "new"), ("route", "/pay")): 1,
-        (("outcome", "replayed"), ("route", "/pay")): 1,
-        (("outcome", "passthrough"), ("route", "/pay")): 1,
-        (("outcome", "new"), ("route", "/down")): 1,
-        (("outcome", "rejected"), ("route", "unrouted")): 1,
+        (("outcome", "new"), ("route", "/pay"), *upstream_2xx): 1,
+        (("outcome", "replayed"), ("route", "/pay"), *upstream_2xx): 1,
+        (("outcome", "passthrough"), ("route", "/pay"), *upstream_2xx): 1,
+        # The upstream refused the connection: the proxy's own 502 (SPEC §8).
+        (("outcome", "new"), ("route", "/down"), ("source", "proxy"), ("status_class", "5xx")): 1,
+        (
+            ("outcome", "rejected"),
+            ("route", "unrouted"),
+            ("source", "proxy"),
+            ("status_class", "4xx"),
+        ): 1,
     }
 
 
@@ -130,7 +138,7 @@ def test_help_texts_name_no_source_file(scraped: str) -> None:
 
 
 def _dashboard_expressions() -> list[str]:
-    dashboard = json.loads((DOCS / "grafana-dashboard.json").read_text())
+    dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["panels"], "a dashboard without panels"
     expressions = []
     for panel in dashboard["panels"]:

@@ -10,6 +10,7 @@ from typing import Any
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
+from tests.support.metrics import counted
 from tests.support.proxyapp import ProxyClient
 from tests.support.proxychecks import KEY, assert_problem, settle_quietly, wait_for_jobs
 
@@ -178,6 +179,5 @@ async def test_lookups_are_counted_as_their_own_outcome(proxy: ProxyFactory) -> 
     assert (await lookup(client, "k8", **ALICE))[0] == 200
     assert (await lookup(client, "k8", **MALLORY))[0] == 404
     registry = client.app[CONTEXT].metrics.registry
-    counted = registry.get_sample_value("idemproxy_requests_total", {"outcome": "status_lookup"})
-    assert counted == 2
-    assert registry.get_sample_value("idemproxy_requests_total", {"outcome": "new"}) == 1
+    assert counted(registry, "idemproxy_requests_total", outcome="status_lookup") == 2
+    assert counted(registry, "idemproxy_requests_total", outcome="new") == 1

@@ -142,3 +142,23 @@ def test_the_service_is_named_idemproxy_unless_the_environment_names_it(
     assert tracing.service_resource().attributes["service.name"] == "payments-proxy"
     monkeypatch.setenv("OTEL_SERVICE_NAME", "edge")
     assert tracing.service_resource().attributes["service.name"] == "edge"
+
+
+@pytest.mark.parametrize("value", ["true", "TRUE", " True "])
+def test_otel_sdk_disabled_turns_tracing_off(
+    value: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK's own switch (OpenTelemetry's general SDK configuration) beats the setting."""
+    monkeypatch.setenv("OTEL_SDK_DISABLED", value)
+    caplog.set_level("INFO")
+    settings = load_settings(upstream=UPSTREAM, tracing={"enabled": True})
+    assert tracing_from_settings(settings) is None
+    assert "OTEL_SDK_DISABLED" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["false", "", "1"])
+def test_otel_sdk_disabled_false_keeps_tracing(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SDK_DISABLED", value)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    settings = load_settings(upstream=UPSTREAM, tracing={"enabled": True})
+    assert isinstance(tracing_from_settings(settings), tracing.Tracing)

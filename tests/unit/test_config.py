@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from idemproxy.config import Settings, load_settings
+from idemproxy.metrics import Metrics
 from idemproxy.proxy.routing import RouteTable
 
 EXAMPLE = Path(__file__).parents[2] / "config" / "idemproxy.example.yaml"
@@ -210,3 +211,37 @@ def test_a_forward_host_that_is_no_host_is_refused_naming_the_field(value: str) 
     route = {"prefix": "/a", "upstream": "http://127.0.0.1:9", "forward_host": value}
     with pytest.raises(ValidationError, match="forward_host"):
         load_settings(upstream="http://127.0.0.1:9", routes=[route])
+
+
+def test_metric_buckets_reach_the_longest_route_timeout(tmp_path: Path) -> None:
+    config = tmp_path / "idemproxy.yaml"
+    config.write_text(
+        "routes:\n"
+        "  - {prefix: /v1, upstream: 'https://api.example.com', upstream_timeout: 300}\n"
+        "  - {prefix: /, upstream: 'http://127.0.0.1:3000'}\n"
+    )
+    settings = load_settings(config)
+    assert settings.longest_upstream_timeout == 300
+    assert _bounds(Metrics.for_settings(settings))[-3:] == [120.0, 300.0, float("inf")]
+
+
+@pytest.mark.parametrize("buckets", [[1, 0.5], [0, 1], [1, 1], []])
+def test_metric_buckets_must_be_positive_and_ascending(buckets: list[float]) -> None:
+    with pytest.raises(ValidationError, match="buckets"):
+        load_settings(upstream="http://127.0.0.1:9", metrics={"buckets": buckets})
+
+
+def test_configured_metric_buckets_are_used() -> None:
+    settings = load_settings(upstream="http://127.0.0.1:9", metrics={"buckets": [0.1, 1, 600]})
+    assert _bounds(Metrics.for_settings(settings)) == [0.1, 1, 600, float("inf")]
+
+
+def _bounds(metrics: Metrics) -> list[float]:
+    """The `le` bounds of the upstream histogram, as /metrics shows them."""
+    metrics.upstream_seconds.labels("answered", "http://a:80").observe(0.2)
+    return [
+        float(sample.labels["le"])
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == "idemproxy_upstream_seconds_bucket"
+    ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from idemproxy.proxy.server.host import host_problem, split_absolute_form, valid_host
+from idemproxy.http.host import host_problem, split_absolute_form, valid_host
 
 
 @pytest.mark.parametrize(

@@ -202,6 +202,7 @@ RULES = {
             "constants",
             "units",
             "secret_files",
+            "http.host",  # the Host grammar, which `forward_host` is checked against
         ),
     ),
     "so are the quotas' settings": Rule("config_quotas", only=("config_quotas", "units")),

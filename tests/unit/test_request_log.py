@@ -12,7 +12,14 @@ from prometheus_client import generate_latest
 
 from idemproxy.constants import ANONYMOUS_OWNER
 from idemproxy.logs import JsonFormatter, PlainFormatter
-from idemproxy.metrics import AttemptOutcome, Metrics, RequestOutcome, UpstreamOutcome
+from idemproxy.metrics import (
+    AttemptOutcome,
+    Metrics,
+    RequestOutcome,
+    Source,
+    UpstreamOutcome,
+    latency_buckets,
+)
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.trace import Trace, record
 
@@ -118,18 +125,65 @@ def test_pass_through_is_counted_not_logged(captured: pytest.LogCaptureFixture) 
     metrics = Metrics()
     record(metrics, Trace(), 200, log_requests=True)
     assert captured.records == []
-    assert _value(metrics, "idemproxy_requests_total", outcome="passthrough") == 1
+    assert (
+        _value(
+            metrics,
+            "idemproxy_requests_total",
+            outcome="passthrough",
+            status_class="2xx",
+            source="upstream",
+        )
+        == 1
+    )
 
 
 def _value(metrics: Metrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
 
+@pytest.mark.parametrize(
+    ("status", "by_proxy", "outcome", "series"),
+    [
+        (503, True, RequestOutcome.UNAVAILABLE, ("5xx", "proxy")),
+        (502, False, RequestOutcome.NEW, ("5xx", "upstream")),
+        (302, False, RequestOutcome.PASSTHROUGH, ("3xx", "upstream")),
+        (200, False, RequestOutcome.STATUS_LOOKUP, ("2xx", "proxy")),
+        (101, False, RequestOutcome.PASSTHROUGH, ("1xx", "upstream")),
+        (499, True, RequestOutcome.REJECTED, ("4xx", "proxy")),
+    ],
+)
+def test_requests_carry_the_status_class_and_who_answered(
+    status: int, by_proxy: bool, outcome: RequestOutcome, series: tuple[str, str]
+) -> None:
+    metrics = Metrics()
+    record(metrics, Trace(outcome=outcome, by_proxy=by_proxy), status, log_requests=False)
+    status_class, source = series
+    labels = {"outcome": outcome, "status_class": status_class, "source": source}
+    assert _value(metrics, "idemproxy_requests_total", **labels) == 1
+    assert (
+        _value(metrics, "idemproxy_request_duration_seconds_count", route="unrouted", **labels) == 1
+    )
+
+
+def test_buckets_reach_the_longest_upstream_timeout() -> None:
+    assert latency_buckets(30.0)[-1] == 60
+    assert latency_buckets(300.0)[-3:] == (60, 120.0, 300.0)
+    assert latency_buckets(90.0)[-2:] == (60, 90.0)
+    metrics = Metrics(buckets=(0.1, 1.0, 300.0))
+    record(metrics, Trace(), 200, log_requests=False)
+    text = generate_latest(metrics.registry).decode()
+    assert 'le="300.0"' in text and 'le="0.005"' not in text
+
+
 def test_every_outcome_series_exists_from_the_start_and_no_other() -> None:
     metrics = Metrics()
     text = generate_latest(metrics.registry).decode()
     for outcome in RequestOutcome:
-        assert f'idemproxy_requests_total{{outcome="{outcome}"}} 0.0' in text
+        assert f'idemproxy_requests_total{{outcome="{outcome}",' in text
+    assert (
+        'idemproxy_requests_total{outcome="unavailable",source="proxy",status_class="5xx"} 0.0'
+        in text
+    )
     for attempt_outcome in AttemptOutcome:
         assert f'idemproxy_attempts_total{{outcome="{attempt_outcome}"}} 0.0' in text
     assert "idemproxy_store_seconds_count{" not in text
@@ -139,12 +193,21 @@ def test_every_outcome_series_exists_from_the_start_and_no_other() -> None:
 
 def test_pre_bound_children_move_the_labelled_series() -> None:
     metrics = Metrics()
-    metrics.request_outcome[RequestOutcome.NEW].inc()
+    metrics.request_answer[RequestOutcome.NEW, "2xx", Source.UPSTREAM].inc()
     metrics.attempt_outcome[AttemptOutcome.DISCARDED].inc()
     metrics.upstream_call["http://pay:8080"][UpstreamOutcome.ANSWERED].observe(0.01)
     metrics.observe_store("claim", 0.002, False)
     metrics.observe_store("claim", 0.003, True)
-    assert _value(metrics, "idemproxy_requests_total", outcome="new") == 1
+    assert (
+        _value(
+            metrics,
+            "idemproxy_requests_total",
+            outcome="new",
+            status_class="2xx",
+            source="upstream",
+        )
+        == 1
+    )
     assert _value(metrics, "idemproxy_attempts_total", outcome="discarded") == 1
     assert (
         _value(

@@ -11,7 +11,7 @@ from idemproxy.metrics import Metrics
 
 def _exposition(new: int, unknown: int, claim_seconds: float) -> str:
     metrics = Metrics()
-    metrics.requests.labels("new").inc(new)
+    metrics.requests.labels("new", "2xx", "upstream").inc(new)
     metrics.unknown_jobs.set(unknown)
     metrics.store_seconds.labels("claim").observe(claim_seconds)
     return generate_latest(metrics.registry).decode()
@@ -27,8 +27,9 @@ def _samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
 
 def test_each_worker_series_gets_its_worker_label() -> None:
     merged = _samples(merge_metrics([_exposition(3, 5, 0.002), _exposition(4, 5, 0.2), None]))
-    assert merged[("idemproxy_requests_total", (("outcome", "new"), ("worker", "0")))] == 3
-    assert merged[("idemproxy_requests_total", (("outcome", "new"), ("worker", "1")))] == 4
+    new = (("outcome", "new"), ("source", "upstream"), ("status_class", "2xx"))
+    assert merged[("idemproxy_requests_total", (*new, ("worker", "0")))] == 3
+    assert merged[("idemproxy_requests_total", (*new, ("worker", "1")))] == 4
     # Histograms keep their buckets, per worker.
     bucket = "idemproxy_store_seconds_bucket"
     assert merged[(bucket, (("le", "0.005"), ("operation", "claim"), ("worker", "0")))] == 1

@@ -76,6 +76,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- fail "secrets.adminToken: the admin listener is off loopback (probes), so it needs a token; or set secrets.existingSecret" }}
 {{- end }}
 {{- end }}
+{{- if and $v.metrics.serviceMonitor.enabled $v.metrics.podMonitor.enabled }}
+{{- fail "metrics.serviceMonitor and metrics.podMonitor: enable one, not both (each pod would be scraped twice)" }}
+{{- end }}
 {{- if eq $v.mode "sidecar" }}
 {{- if not $v.app.image.repository }}
 {{- fail "app.image.repository: sidecar mode needs your application's image" }}
@@ -169,16 +172,18 @@ env:
 envFrom:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- with .Values.proxy.startupProbe }}
+startupProbe:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.proxy.livenessProbe }}
 livenessProbe:
-  httpGet: {path: /healthz, port: admin}
-  periodSeconds: 10
-  timeoutSeconds: 3
-  failureThreshold: 3
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.proxy.readinessProbe }}
 readinessProbe:
-  httpGet: {path: /readyz, port: admin}
-  periodSeconds: 5
-  timeoutSeconds: 3
-  failureThreshold: 2
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 resources:
   {{- toYaml .Values.proxy.resources | nindent 2 }}
 securityContext:
@@ -237,5 +242,27 @@ the chart found in the settings; nothing when there are none. */}}
   to:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+{{- end }}
+{{- end }}
+
+{{- /* The Prometheus Operator's API is in the cluster (or given to helm template with -a). */}}
+{{- define "idemproxy.hasMonitoringApi" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
+{{- end }}
+
+{{- /* A ServiceMonitor's or PodMonitor's endpoint: port, path, interval and the options set. */}}
+{{- define "idemproxy.scrapeEndpoint" -}}
+path: /metrics
+interval: {{ .interval }}
+{{- with .scrapeTimeout }}
+scrapeTimeout: {{ . }}
+{{- end }}
+{{- with .relabelings }}
+relabelings:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .metricRelabelings }}
+metricRelabelings:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}

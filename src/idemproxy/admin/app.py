@@ -105,21 +105,23 @@ async def _healthz(_request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    """Readiness: the store answers, the owner's keys are loaded and the process is not
-    draining."""
+    """Readiness: the owner's keys are loaded and the process is not draining. The store is
+    reported, not required: while it is down, governed requests fail closed (503) but
+    pass-through traffic still flows, and taking the pod out of its Service would stop that too
+    (docs/deploy.md, Probes)."""
     readiness = request.app[READINESS]
     if readiness.draining:
         return web.json_response({"status": "draining"}, status=503)
     if readiness.owner_not_ready() is not None:
         return web.json_response({"status": "identity-unavailable"}, status=503)
-    try:
-        await request.app[STORE].ping()
-    except StoreUnavailable:
-        return web.json_response({"status": "store-unavailable"}, status=503)
     peers = request.app.get(PEERS)
     if peers is not None and (worker := await peers.first_not_ready()) is not None:
         return web.json_response({"status": "worker-not-ready", "worker": worker}, status=503)
-    return web.json_response({"status": "ready"})
+    try:
+        await request.app[STORE].ping()
+    except StoreUnavailable:
+        return web.json_response({"status": "ready", "store": "unavailable"})
+    return web.json_response({"status": "ready", "store": "ok"})
 
 
 async def _peers_session(app: web.Application) -> AsyncIterator[None]:

@@ -2,6 +2,9 @@
 
     GET    /jobs?state=&owner=&limit=     newest first, each with its attempts
     GET    /jobs/{id}[?include=response]  one job; the stored body only when asked for
+    POST   /jobs/find                     {"key": …} and {"owner": …}, {"credential": …} or
+                                          {"sender": …}, optionally "include_response": the job
+                                          of a client's key in that owner's scope
     POST   /jobs/{id}/resolve             {"as": "released"} or {"as": "completed", "status": …}
                                           or {"as": "completed", "from_attempt": N}
     DELETE /jobs/{id}[?force=true][&version=N]  204 (a CAS on the version read, or N)
@@ -48,6 +51,7 @@ def add_jobs_routes(app: web.Application, settings: Settings, store: Store) -> N
     app[JOBS_SETTINGS] = settings
     app.router.add_get("/jobs", _problems(_list))
     app.router.add_get("/jobs/{id}", _problems(_show))
+    app.router.add_post("/jobs/find", _problems(_find))
     app.router.add_post("/jobs/{id}/resolve", _problems(_resolve))
     app.router.add_delete("/jobs/{id}", _problems(_delete))
     app.router.add_post("/owners/purge", _problems(_purge))
@@ -86,6 +90,36 @@ async def _show(request: web.Request) -> web.Response:
     store = request.app[JOBS_STORE]
     job = await service.find_job(store, request.match_info["id"])
     if include != "response":
+        return _json(job_to_json(job))
+    late = await service.late_responses(store, job)
+    return _json(job_to_json(service.shown(store, job), include_response=True, late=late))
+
+
+_FIND_FIELDS = frozenset({"key", "owner", "credential", "sender", "include_response"})
+_FIND_OWNERS = ("owner", "credential", "sender")
+
+
+async def _find(request: web.Request) -> web.Response:
+    """The job of a client's key: a POST, so that a credential never sits in a URL (and in
+    every access log between the operator and here)."""
+    body = await _json_body(request)
+    if not isinstance(body, dict) or set(body) - _FIND_FIELDS:
+        raise InvalidRequest(f"the body must be an object of {', '.join(sorted(_FIND_FIELDS))}")
+    given = [name for name in _FIND_OWNERS if body.get(name) is not None]
+    key, include = body.get("key"), body.get("include_response", False)
+    if len(given) != 1 or not all(isinstance(body[name], str) for name in given):
+        raise InvalidRequest("give one of owner (the hash), credential or sender, a string")
+    if not isinstance(key, str) or not isinstance(include, bool):
+        raise InvalidRequest("key must be a string and include_response a boolean")
+    [how] = given
+    owners: tuple[str, str | None] = (body[how], None)
+    if how == "sender":
+        owners = (service.sender_owner(body[how]), None)
+    elif how == "credential":
+        owners = purge.owners_of_credential(body[how], request.app[JOBS_SETTINGS].owner)
+    store = request.app[JOBS_STORE]
+    job = await service.find_by_key(store, key, owners)
+    if not include:
         return _json(job_to_json(job))
     late = await service.late_responses(store, job)
     return _json(job_to_json(service.shown(store, job), include_response=True, late=late))

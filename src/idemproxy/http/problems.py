@@ -12,6 +12,7 @@ from idemproxy.constants import (
     PROBLEM_CONTENT_TYPE,
     PROBLEM_TYPE_PREFIX,
 )
+from idemproxy.correlation import CURRENT
 from idemproxy.errors import NEVER, NO_JOB, OperatorError, PayloadMismatch, ProblemError, one_line
 
 # SPEC §8 / draft-ietf-httpapi-idempotency-key-header-07 §2.7: a reused key with another
@@ -44,6 +45,10 @@ def problem_response(
     if not isinstance(error, OperatorError):
         _where_the_client_stands(body, error)
     headers = {ERROR_HEADER: error.code}
+    correlation = CURRENT.get()
+    if correlation is not None:  # what support is asked about joins the proxy's log lines
+        body["request_id"] = correlation.request_id
+        headers[correlation.header] = correlation.request_id
     if error.retry_after is not None:
         headers["Retry-After"] = str(error.retry_after)
     return web.Response(

@@ -18,7 +18,7 @@ from typing import Any
 
 from idemproxy.cli_help import describe_setting_flags
 from idemproxy.config import Settings, load_settings
-from idemproxy.core.types import JobState
+from idemproxy.core.types import Job, JobState
 from idemproxy.errors import (
     ConfigError,
     InvalidRequest,
@@ -61,6 +61,11 @@ def add_jobs_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     actions = jobs.add_subparsers(required=True, metavar="ACTION")
     _add_list(_store_flags(actions.add_parser("list", help="newest jobs first")))
     _add_show(_store_flags(actions.add_parser("show", help="one job and its attempts")))
+    _add_find(
+        _store_flags(
+            actions.add_parser("find", help="the job of a client's key, in one owner's scope")
+        )
+    )
     _add_resolve(_store_flags(actions.add_parser("resolve", help="settle an unknown job")))
     _add_delete(_store_flags(actions.add_parser("delete", help="delete a job")))
     _add_purge(_store_flags(actions.add_parser("purge", help="erase every job of one owner")))
@@ -128,6 +133,26 @@ def _add_show(parser: argparse.ArgumentParser) -> None:
         help="also print the stored response's headers and body (may hold a tenant's data)",
     )
     parser.set_defaults(run=_runner(_show))
+
+
+def _add_find(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("key", metavar="KEY", help="the key as the client sent it")
+    who = parser.add_mutually_exclusive_group(required=True)
+    who.add_argument("--owner", metavar="OWNER", help="the owner hash, as shown by show")
+    who.add_argument(
+        "--credential-file",
+        metavar="FILE",
+        help="the owner's credential (its Authorization or owner header value), hashed as the"
+        " proxy hashes it under owner.* of --config; - for stdin",
+    )
+    who.add_argument("--sender", metavar="NAME", help="a webhook route's sender (webhook.name)")
+    parser.add_argument("--json", action="store_true", help="one job (SPEC §13)")
+    parser.add_argument(
+        "--include-response",
+        action="store_true",
+        help="also print the stored response's headers and body (may hold a tenant's data)",
+    )
+    parser.set_defaults(run=_runner(_find))
 
 
 def _add_resolve(parser: argparse.ArgumentParser) -> None:
@@ -249,7 +274,21 @@ async def _list(args: argparse.Namespace, store: Store, _settings: Settings) -> 
 
 
 async def _show(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
-    job = await service.find_job(store, args.job_id)
+    await _print_job(args, store, await service.find_job(store, args.job_id))
+
+
+async def _find(args: argparse.Namespace, store: Store, settings: Settings) -> None:
+    owners: tuple[str, str | None] = (args.owner, None)
+    if args.sender is not None:
+        owners = (service.sender_owner(args.sender), None)
+    elif args.owner is None:
+        credential = _body(args.credential_file).decode("utf-8", "surrogateescape")
+        owners = purge.owners_of_credential(credential.removesuffix("\n"), settings.owner)
+    job = await service.find_by_key(store, args.key, owners)
+    await _print_job(args, store, job)
+
+
+async def _print_job(args: argparse.Namespace, store: Store, job: Job) -> None:
     late = None
     if args.include_response:
         job, late = service.shown(store, job), await service.late_responses(store, job)

@@ -9,7 +9,12 @@ from __future__ import annotations
 import logging
 import re
 
-from idemproxy.constants import OWNER_FILTER_MAX_LENGTH, RESOLUTION_OPERATOR
+from idemproxy.constants import (
+    KEY_MAX_LENGTH,
+    OWNER_FILTER_MAX_LENGTH,
+    RESOLUTION_OPERATOR,
+    WEBHOOK_OWNER_PREFIX,
+)
 from idemproxy.core.types import Job, JobState, KeptResponse
 from idemproxy.errors import (
     DeletionLost,
@@ -46,6 +51,28 @@ async def list_jobs(
     listed = await store.list_jobs(state=state, owner=owner, limit=limit)
     full = [await store.get_by_id(job.id) for job in listed]
     return [job for job in full if job is not None]  # deleted meanwhile: gone from the list
+
+
+async def find_by_key(store: Store, key: str, owners: tuple[str, str | None]) -> Job:
+    """The job of the client's `key` in the owner's scope (support's "what happened to
+    order-1234?"); the legacy owner's too, during a switch to `owner.pepper` (SPEC §5). Always
+    a point lookup on `(owner, key)`: never a search of every owner's keys."""
+    if not (0 < len(key) <= KEY_MAX_LENGTH and _VISIBLE_ASCII.fullmatch(key)):
+        raise InvalidRequest(
+            f"key must be 1-{KEY_MAX_LENGTH} visible ASCII characters, as the client sent it "
+            "(with the route's prefix, if its key source has one)"
+        )
+    for owner in filter(None, owners):
+        check_owner_filter(owner)
+        found = await store.get(owner, key)
+        if found is not None:
+            return await find_job(store, found.id)  # with its attempts
+    raise JobNotFound(f"no job of this owner has the key {key}")
+
+
+def sender_owner(sender: str) -> str:
+    """The owner scope of a webhook route's deliveries: its configured sender name (SPEC §4.2)."""
+    return WEBHOOK_OWNER_PREFIX + sender
 
 
 def check_owner_filter(owner: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,9 @@ def create_app(
             "auto_decompress": False,
         },
     )
-    app.cleanup_ctx.append(_lifecycle(settings, store, metrics or Metrics(), owner, tracing))
+    app.cleanup_ctx.append(
+        _lifecycle(settings, store, metrics or Metrics.for_settings(settings), owner, tracing)
+    )
     app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
     app.on_response_prepare.append(close_when_closing)  # SPEC §8: a drain's heads say so
     app.on_response_prepare.append(own_server_header(settings.server.server_token))
@@ -70,6 +73,11 @@ def tracing_from_settings(settings: Settings) -> Tracing | None:
     """OpenTelemetry tracing when `tracing.enabled` is set, else None; only then is anything of
     opentelemetry imported. Without the extra installed that is a start-up error."""
     if not settings.tracing.enabled:
+        return None
+    # The SDK's switch (OpenTelemetry's "General SDK Configuration"): off without a word from
+    # the exporters, and without importing them.
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        log.info("tracing: OTEL_SDK_DISABLED is true, so no spans are made or exported")
         return None
     try:
         from idemproxy.proxy.tracing import Tracing

@@ -86,7 +86,7 @@ class ProxyContext:
         """The context of one process; what `services` leaves out is made here."""
         services = services or Services()
         failpoints = services.failpoints or Failpoints(None)
-        metrics = services.metrics or Metrics()
+        metrics = services.metrics or Metrics.for_settings(settings)
         owner, tracing = services.owner, services.tracing
         budget = _budget(settings, metrics)
         return cls(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from aiohttp import HttpVersion11, hdrs, web
 
+from idemproxy.constants import ERROR_HEADER
 from idemproxy.core.types import Intent
+from idemproxy.correlation import CURRENT, correlation_of
 from idemproxy.errors import (
     BodyTooLarge,
     ClientDisconnected,
@@ -14,6 +16,7 @@ from idemproxy.errors import (
     PathInvalid,
     ProblemError,
 )
+from idemproxy.http.host import host_problem
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.key import parse_key
@@ -27,7 +30,6 @@ from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
-from idemproxy.proxy.server.host import host_problem
 from idemproxy.proxy.server.listener import head_read
 from idemproxy.proxy.server.one_response import only_response
 from idemproxy.proxy.server.trace import Trace, record
@@ -39,6 +41,21 @@ from idemproxy.proxy.upstream.h1 import transfer_codings
 async def handle(request: web.Request) -> web.StreamResponse:
     head_read(request)  # SPEC §9: the header-read deadline is over for this request
     ctx = request.app[CONTEXT]
+    settings = ctx.settings
+    # One request per task at a time (keep-alive requests follow each other): its ids hold for
+    # its whole life, the attempt tasks it starts included, and are gone before the next.
+    correlated = None
+    if header := settings.request_id_header:
+        correlated = CURRENT.set(correlation_of(header, request.headers.getall(header, [])))
+    try:
+        response = await _handle(ctx, request)
+    finally:
+        if correlated is not None:
+            CURRENT.reset(correlated)
+    return response
+
+
+async def _handle(ctx: ProxyContext, request: web.Request) -> web.StreamResponse:
     trace = Trace(request=request)
     ctx.requests_in_flight += 1
     try:
@@ -50,6 +67,7 @@ async def handle(request: web.Request) -> web.StreamResponse:
         ctx.requests_in_flight -= 1
     response = only_response(ctx.metrics, request, response)
     settings = ctx.settings
+    trace.by_proxy = ERROR_HEADER in response.headers
     record(
         ctx.metrics,
         trace,

@@ -24,7 +24,7 @@ from idemproxy.proxy.upstream.target import Edits, HeaderEdits
 
 @functools.lru_cache(maxsize=256)
 def host_name(host: str) -> str:
-    """The name a Host value (`host[:port]`, proxy/server/host.py) routes by: no port, lower-case,
+    """The name a Host value (`host[:port]`, http/host.py) routes by: no port, lower-case,
     no trailing dot, percent-decoded. `API.example.com.:443` is the same name in DNS, and with the
     first character only it missed a host route and fell through to one without a host."""
     if host.startswith("["):  # an IP literal: the port follows the bracket (RFC 3986 §3.2.2)

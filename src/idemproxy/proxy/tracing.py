@@ -52,6 +52,7 @@ from idemproxy import __version__
 from idemproxy.constants import ANONYMOUS_OWNER, ERROR_HEADER
 from idemproxy.core.attempts import Outcome
 from idemproxy.core.types import Claimed, ClaimResult, JobState
+from idemproxy.correlation import CURRENT, traced
 from idemproxy.errors import ConfigError, ProblemError
 from idemproxy.proxy.server.trace import Trace
 
@@ -136,6 +137,10 @@ class Tracing:
             attributes=_server_attributes(request),
         )
         token = otel_context.attach(trace.set_span_in_context(span, parent))
+        ids = span.get_span_context()
+        if (correlation := traced(ids.trace_id, ids.span_id)) is not None:
+            # Every log line of the request names its trace; the handler's reset ends it.
+            CURRENT.set(correlation)
         try:
             response = await handling
         except BaseException as error:

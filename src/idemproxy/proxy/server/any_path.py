@@ -28,7 +28,7 @@ from aiohttp.web_urldispatcher import (
 )
 from yarl import URL
 
-from idemproxy.proxy.server.host import split_absolute_form
+from idemproxy.http.host import split_absolute_form
 
 _NOTHING: set[str] = set()
 

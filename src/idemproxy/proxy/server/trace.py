@@ -39,7 +39,7 @@ from idemproxy.errors import (
     StoreUnavailable,
     TooManyWaiters,
 )
-from idemproxy.metrics import UNROUTED, Metrics, RequestOutcome
+from idemproxy.metrics import STATUS_CLASSES, UNROUTED, Metrics, RequestOutcome, Source
 from idemproxy.proxy.reasons import FailureReason
 from idemproxy.proxy.routing import upstream_origin
 from idemproxy.redact import redact_query
@@ -56,6 +56,8 @@ _NEW, _HELD, _REPLAYED = RequestOutcome.NEW, RequestOutcome.HELD, RequestOutcome
 _PASSTHROUGH, _REJECTED = RequestOutcome.PASSTHROUGH, RequestOutcome.REJECTED
 _OWNER_PREFIX = 8
 _STORE = FailureReason.STORE
+_PROXY, _UPSTREAM = Source.PROXY, Source.UPSTREAM
+_STATUS_LOOKUP = RequestOutcome.STATUS_LOOKUP
 # A reason is logged with an answer that reports a failure: a failed attempt that a fallback
 # made good is no failure of the request.
 _FAILED_STATUS = 500
@@ -94,6 +96,8 @@ class Trace:
     route: Route | None = None
     upstream: str | None = None  # the configured URL of the last upstream called
     reason: FailureReason | None = None
+    # The answer is the proxy's own (it carries `Idempotency-Error`, SPEC §8), not the upstream's.
+    by_proxy: bool = False
 
     def failed(self, upstream: str, reason: FailureReason) -> None:
         self.upstream, self.reason = upstream, reason
@@ -126,9 +130,11 @@ def record(
     requests, `access_log` for pass-through ones."""
     elapsed = time.perf_counter() - trace.started
     outcome = trace.outcome
-    metrics.request_outcome[outcome].inc()
+    source = _PROXY if trace.by_proxy or outcome == _STATUS_LOOKUP else _UPSTREAM
+    key = (outcome, _status_class(status), source)
+    metrics.request_answer[key].inc()
     route = trace.route
-    metrics.request_route[UNROUTED if route is None else route.prefix][outcome].observe(elapsed)
+    metrics.request_route[UNROUTED if route is None else route.prefix][key].observe(elapsed)
     if not (access_log if outcome == _PASSTHROUGH else log_requests):
         return
     if not log.isEnabledFor(logging.INFO):
@@ -153,6 +159,11 @@ def record(
                 {"fields": fields},
             )
         )
+
+
+def _status_class(status: int) -> str:
+    """`2xx` for 201 (RFC 9110 §15); a status outside 100-599 counts in the nearest class."""
+    return STATUS_CLASSES[min(max(status // 100, 1), 5) - 1]
 
 
 def _fields(trace: Trace, status: int, elapsed: float, log_query: bool) -> dict[str, object]:

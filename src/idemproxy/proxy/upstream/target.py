@@ -18,8 +18,9 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 from yarl import URL
 
+from idemproxy.correlation import stamp
 from idemproxy.http.headers import request_headers_for_upstream
-from idemproxy.proxy.server.host import split_absolute_form
+from idemproxy.http.host import split_absolute_form
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -105,6 +106,7 @@ def forwarded_headers(
         edit.apply(headers)
     if host is not None:
         headers[hdrs.HOST] = host
+    stamp(headers)  # after the edits: a route cannot unset the id the logs are joined by
     return headers
 
 

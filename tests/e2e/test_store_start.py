@@ -1,0 +1,77 @@
+"""A PostgreSQL store not reachable at start is waited for (store_start), not a crash loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+
+from tests.faults.blackhole import Relay
+from tests.support.client import send
+from tests.support.ports import free_port
+
+if TYPE_CHECKING:
+    from .conftest import Backend, RunCli, StartProxy
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+
+def _any_holds(logs: Path, text: str) -> bool:
+    return any(text in log.read_text() for log in logs.glob("*.stderr"))
+
+
+async def _said(logs: Path, text: str, within: float) -> None:
+    """Wait until a proxy's stderr (tests/support/processes.py's log files) holds `text`."""
+    deadline = time.monotonic() + within
+    while not await asyncio.to_thread(_any_holds, logs, text):
+        assert time.monotonic() < deadline, f"no {text!r} in {within} s"
+        await asyncio.sleep(0.05)
+
+
+async def test_serve_waits_for_a_store_that_comes_up(
+    pg_dsn: str, backend: Backend, start_proxy: StartProxy, tmp_path: Path
+) -> None:
+    parts = urlsplit(pg_dsn)
+    port = free_port()
+    late = parts._replace(netloc=f"{parts.username}@127.0.0.1:{port}").geturl()
+    starting = asyncio.create_task(start_proxy("--upstream", backend.url, "--store", late))
+    await _said(tmp_path / "logs", "trying again in", within=20)  # refused: waiting
+    assert not starting.done()
+    relay = Relay(parts.port or 5432)
+    await relay.start(port)  # the database "comes up" on the address the proxy was given
+    try:
+        proxy = await starting
+        assert "trying again in" in proxy.stderr(), proxy.describe()
+        async with aiohttp.ClientSession() as session:
+            answer = await send(session, f"{proxy.url}/payments", key="after-wait")
+            assert (answer.status, answer.replayed) == (201, False), answer
+            again = await send(session, f"{proxy.url}/payments", key="after-wait")
+            assert (again.status, again.replayed) == (201, True), again
+        assert backend.ledger.count("after-wait") == 1
+    finally:
+        await relay.close()
+
+
+def test_serve_gives_up_after_max_wait(run_cli: RunCli) -> None:
+    began = time.monotonic()
+    done = run_cli(
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--store",
+        "postgresql://nobody@127.0.0.1:9/orders",
+        env={"IDEMPROXY_STORE_START__MAX_WAIT": "2", "IDEMPROXY_STORE_START__MAX_BACKOFF": "0.5"},
+        timeout=20,
+    )
+    assert done.returncode == 1, done
+    assert 2 <= time.monotonic() - began < 15
+    retries = [line for line in done.stderr.splitlines() if "trying again in" in line]
+    assert len(retries) >= 3, done.stderr  # 0.25, 0.5, 0.5, ... seconds apart
+    assert done.stderr.splitlines()[-1] == (
+        "idemproxy: cannot reach PostgreSQL at 127.0.0.1:9/orders: connection refused"
+    )

@@ -1,0 +1,210 @@
+"""A request id joins everything (docs/operations.md, Logs): the client's `X-Request-Id`, or
+one made up and sent upstream, in every log line of the request and in the proxy's own problem
+documents; with tracing on, the log lines also name the trace and the request's span."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from idemproxy.config import load_settings
+from idemproxy.logs import JsonFormatter, PlainFormatter
+from idemproxy.proxy.app import create_app
+from idemproxy.proxy.tracing import Tracing
+
+Seen = list[dict[str, Any]]
+KEY = "Idempotency-Key"
+
+
+class Lines(logging.Handler):
+    """Each record formatted as it is emitted, on the request's own context (as the proxy's
+    writer does): JSON lines, and the plain ones."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.json: list[dict[str, Any]] = []
+        self.plain: list[str] = []
+        self._json, self._plain = JsonFormatter(), PlainFormatter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.json.append(json.loads(self._json.format(record)))
+        self.plain.append(self._plain.format(record))
+
+    def of(self, logger: str) -> list[dict[str, Any]]:
+        return [line for line in self.json if line["logger"] == logger]
+
+
+@pytest.fixture
+def lines() -> Iterator[Lines]:
+    handler = Lines()
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    yield handler
+    root.removeHandler(handler)
+    root.setLevel(level)
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[str, Seen]]:
+    """An upstream that records the request ids it was sent, and answers 201 (or what
+    `?status=` says; `?bad=1` adds a header value with a control character)."""
+    seen: Seen = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append({"ids": request.headers.getall("X-Request-Id", []), "path": request.path})
+        headers = {"X-Odd": "a\x01b"} if request.query.get("bad") else {}
+        return web.Response(status=int(request.query.get("status", 201)), headers=headers)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    async with TestServer(app) as server:
+        yield str(server.make_url("")).rstrip("/"), seen
+
+
+async def _proxy(
+    url: str, store: str, tracing: Tracing | None = None, **more: Any
+) -> TestClient[Any, Any]:
+    settings = load_settings(upstream=url, store=store, **more)
+    client = TestClient(TestServer(create_app(settings, tracing=tracing)))
+    await client.start_server()
+    return client
+
+
+async def test_the_clients_id_goes_upstream_and_into_the_log_line(
+    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines
+) -> None:
+    url, seen = upstream
+    proxy = await _proxy(url, sqlite_dsn)
+    try:
+        sent = {KEY: "k1", "X-Request-Id": "ingress-7f3a"}
+        assert (await proxy.post("/pay", data=b"a", headers=sent)).status == 201
+        replay = await proxy.post("/pay", data=b"a", headers={KEY: "k1", "X-Request-Id": "r-2"})
+        assert replay.headers["Idempotent-Replayed"] == "true"
+        assert "X-Request-Id" not in replay.headers  # the upstream's answer: nothing added
+    finally:
+        await proxy.close()
+    assert seen == [{"ids": ["ingress-7f3a"], "path": "/pay"}]
+    requests = lines.of("idemproxy.requests")
+    assert [(r["outcome"], r["request_id"]) for r in requests] == [
+        ("new", "ingress-7f3a"),
+        ("replayed", "r-2"),
+    ]
+    assert "trace_id" not in requests[0]
+    plain = [line for line in lines.plain if "idemproxy.requests" in line]
+    assert plain[0].endswith(" request_id=ingress-7f3a")
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        {},
+        {"X-Request-Id": "x" * 201},
+        {"X-Request-Id": "has space"},
+    ],
+    ids=["absent", "too-long", "not-visible-ascii"],
+)
+async def test_an_id_is_made_up_and_sent_upstream(
+    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines, sent: dict[str, str]
+) -> None:
+    url, seen = upstream
+    proxy = await _proxy(url, sqlite_dsn, access_log=True)
+    try:
+        assert (await proxy.post("/pay", data=b"a", headers={KEY: "k", **sent})).status == 201
+        assert (await proxy.get("/pay", headers=sent)).status == 201  # pass-through too
+    finally:
+        await proxy.close()
+    made = [entry["ids"] for entry in seen]
+    assert all(len(ids) == 1 for ids in made), made
+    logged = [line["request_id"] for line in lines.of("idemproxy.requests")]
+    assert logged == [ids[0] for ids in made]
+    assert logged[0] != logged[1]
+    for made_up in logged:
+        uuid.UUID(made_up)
+
+
+async def test_two_ids_are_replaced_by_one(
+    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines
+) -> None:
+    url, seen = upstream
+    proxy = await _proxy(url, sqlite_dsn)
+    try:
+        headers = [(KEY, "k"), ("X-Request-Id", "a"), ("X-Request-Id", "b")]
+        assert (await proxy.post("/pay", data=b"a", headers=headers)).status == 201
+    finally:
+        await proxy.close()
+    [ids] = [entry["ids"] for entry in seen]
+    assert len(ids) == 1 and ids[0] not in ("a", "b")
+    assert lines.of("idemproxy.requests")[0]["request_id"] == ids[0]
+
+
+async def test_problem_documents_and_every_line_of_the_request_carry_it(
+    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines
+) -> None:
+    url, _seen = upstream
+    proxy = await _proxy(url, sqlite_dsn)
+    try:
+        # The upstream resets the connection (its server refuses the header it was to send).
+        cut = await proxy.post("/pay?bad=1", data=b"a", headers={KEY: "c", "X-Request-Id": "r0"})
+        assert cut.status == 502
+        assert (await cut.json())["request_id"] == "r0"
+        first = {KEY: "k", "X-Request-Id": "req-1"}
+        assert (await proxy.post("/pay", data=b"a", headers=first)).status == 201
+        again = {KEY: "k", "X-Request-Id": "req-2"}
+        mismatch = await proxy.post("/pay", data=b"other", headers=again)
+        assert mismatch.status == 409
+        problem = await mismatch.json()
+        assert problem["request_id"] == "req-2"
+        assert mismatch.headers["X-Request-Id"] == "req-2"  # the proxy's own answer
+        invalid = await proxy.post("/pay", data=b"a", headers={KEY: ""})
+        made = (await invalid.json())["request_id"]
+        assert invalid.headers["X-Request-Id"] == made
+        uuid.UUID(made)
+    finally:
+        await proxy.close()
+    # The failed attempt's warning, logged in the attempt's own task, names its request.
+    [failed] = [line for line in lines.of("idemproxy.proxy.jobs.attempt")]
+    assert failed["level"] == "warning" and failed["request_id"] == "r0", failed
+
+
+async def test_off_when_the_header_is_empty(
+    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines
+) -> None:
+    url, seen = upstream
+    proxy = await _proxy(url, sqlite_dsn, request_id_header="")
+    try:
+        assert (await proxy.post("/pay", data=b"a", headers={KEY: "k"})).status == 201
+        problem = await (await proxy.post("/pay", data=b"a", headers={KEY: ""})).json()
+    finally:
+        await proxy.close()
+    assert seen == [{"ids": [], "path": "/pay"}]
+    assert "request_id" not in problem
+    assert all("request_id" not in line for line in lines.json)
+
+
+async def test_with_tracing_the_lines_name_the_trace_and_span(
+    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines
+) -> None:
+    url, _seen = upstream
+    exporter = InMemorySpanExporter()
+    proxy = await _proxy(url, sqlite_dsn, tracing=Tracing.exporting_to(exporter))
+    try:
+        parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+        headers = {KEY: "k", "traceparent": parent, "X-Request-Id": "t-1"}
+        assert (await proxy.post("/pay", data=b"a", headers=headers)).status == 201
+    finally:
+        await proxy.close()
+    [server] = [span for span in exporter.get_finished_spans() if span.kind.name == "SERVER"]
+    [line] = lines.of("idemproxy.requests")
+    assert line["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"  # the client's trace, continued
+    assert line["span_id"] == f"{server.context.span_id:016x}"
+    assert line["request_id"] == "t-1"
