@@ -141,3 +141,34 @@ async def test_a_resume_that_gets_the_answer_counts_it_executed(tmp_path: Path) 
     report = await _status(str(out))
     assert report["usage"]["executed"]["answers"] == 2 and report["usage"]["in_doubt"]["items"] == 0
     assert report["last_run_usage"]["replayed"]["answers"] == 0
+
+
+@pytest.mark.parametrize(
+    ("script", "outcome", "in_doubt"),
+    [
+        # The runner's --timeout, then the replay of that try's execution without its body
+        # (SPEC §7): it executed and was paid, and nothing says what it used.
+        ("slow=1&delay=2&omit=1", "omitted", True),
+        # A gateway of the upstream's failed: it may have passed the request on.
+        ("fail=9&status=502", "failed", True),
+        # The proxy cannot know whether it executed (SPEC §3.2).
+        ("fail=9&status=409&code=outcome-unknown", "unknown", True),
+        # Refused before anything was sent, then answered: nothing in doubt.
+        ("fail=9&status=503", "failed", False),
+    ],
+)
+async def test_what_leaves_an_item_in_doubt(
+    api_url: str, tmp_path: Path, script: str, outcome: str, in_doubt: bool
+) -> None:
+    out = tmp_path / "out.jsonl"
+    items = [{"id": "a", "method": "POST", "path": f"/x?{script}", "body": {"max_tokens": 30}}]
+    options = BatchOptions(
+        target=api_url, timeout=0.5, retries=1, backoff_base=0.001, backoff_max=0.01
+    )
+    summary = await run_batch(items, out, options)
+    [result] = read_results(out)
+    assert result["outcome"] == outcome
+    assert (result["worst_case"] is not None) is in_doubt
+    if in_doubt:
+        assert result["worst_case"]["output_tokens"] == 30
+        assert len(summary.file_ledger.in_doubt) == 1

@@ -233,7 +233,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {valid_text(detail)}"
 
 
-_SETTLING = frozenset({Verdict.DONE, Verdict.FAILED, Verdict.OMITTED})
+# The answers that say what the execution used, if it reports usage. Not `omitted`: a replay
+# without its body (SPEC §7) says it executed, never what it used.
+_SETTLING = frozenset({Verdict.DONE, Verdict.FAILED})
 _OUTCOMES = {
     Verdict.DONE: Outcome.DONE,
     Verdict.UNKNOWN: Outcome.UNKNOWN,

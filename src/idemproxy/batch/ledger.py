@@ -192,8 +192,8 @@ class Ledger:
         return (
             f"in doubt {tokens.answers} item(s), at worst {tokens.total:,} tokens "
             f"(in {tokens.input:,}, out {tokens.output:,}){self._cost(doubt, prices)}{uncapped}"
-            " — sent, never answered: they may have executed and been paid, and count at their "
-            "worst case until an answer for their key says what they used"
+            " — sent, and no answer said what they used: they may have executed and been paid, "
+            "and count at their worst case until an answer for their key says"
         )
 
     @staticmethod
