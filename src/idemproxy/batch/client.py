@@ -14,15 +14,16 @@ from typing import Any, Protocol
 import aiohttp
 from multidict import CIMultiDict
 
-from idemproxy.batch.constants import GATEWAY_FAILURES
 from idemproxy.batch.input import Item
 from idemproxy.batch.keys import Identity
 from idemproxy.batch.outcome import (
     Verdict,
     classify,
+    may_have_executed,
     next_delay,
     problem_advice,
     retry_after_seconds,
+    settles,
 )
 from idemproxy.batch.ratelimit import RATE_LIMITED_STATUSES, pause_seconds
 from idemproxy.batch.records import Outcome, ResultRecord, encode_body, utc_now, valid_text
@@ -183,19 +184,9 @@ async def _try_once(
         omitted=answer.omitted,
         advice=answer.advice,
     )
-    _note_outcome(tries, answer, verdict)
+    tries.unanswered |= may_have_executed(answer.status, answer.error_code, verdict)
+    tries.settled = settles(answer.error_code, verdict)
     return verdict
-
-
-def _note_outcome(tries: _Tries, answer: Answer, verdict: Verdict) -> None:
-    """Whether this answer says what the item's execution did, or that it may have executed."""
-    # SPEC §3.2: `outcome-unknown` (and the proxy's other `never` answers), or a gateway of
-    # the upstream's that failed: it may have executed, and nothing says what it used.
-    gateway = answer.error_code is None and answer.status in GATEWAY_FAILURES
-    if verdict is Verdict.UNKNOWN or (verdict is Verdict.RETRY and gateway):
-        tries.unanswered = True
-    # A final answer that is not the proxy's own problem is the execution's (or its replay).
-    tries.settled = answer.error_code is None and verdict in _SETTLING
 
 
 async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: float) -> Answer:
@@ -233,9 +224,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {valid_text(detail)}"
 
 
-# The answers that say what the execution used, if it reports usage. Not `omitted`: a replay
-# without its body (SPEC §7) says it executed, never what it used.
-_SETTLING = frozenset({Verdict.DONE, Verdict.FAILED})
 _OUTCOMES = {
     Verdict.DONE: Outcome.DONE,
     Verdict.UNKNOWN: Outcome.UNKNOWN,
