@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +62,14 @@ async def test_items_sent_without_an_answer_keep_their_worst_case_and_the_run_st
     # the runner's --timeout. Each try times out, the retries find the key still in flight, and
     # the item ends `failed` with no usage: before the fix its reservation was dropped and every
     # item executed and was paid, and the run exited 1.
-    api = LlmApi(delay=2.0)
+    api = LlmApi(delay=3.0)  # long after the retry too, however slow the machine
     items = llm_items(6, max_tokens=10)
     limit = _two_fit(items)
     source, out = write_jsonl(tmp_path / "in.jsonl", items), tmp_path / "out.jsonl"
     async with llm_behind_proxy(api, tmp_path / "proxy") as url:
         args = ("run", str(source), "--target", url, "--output", str(out), "--concurrency", "4",
-                "--max-tokens", str(limit), "--timeout", "0.3", "--retries", "1")  # fmt: skip
-        status, log = await _cli(*args)
+                "--max-tokens", str(limit), "--retries", "1")  # fmt: skip
+        status, log = await _cli(*args, "--timeout", "0.3")
         await _until_idle(api)
         assert status == 3, log
         assert len(api.executions) == 2 and api.billed_tokens <= limit
@@ -85,7 +86,7 @@ async def test_items_sent_without_an_answer_keep_their_worst_case_and_the_run_st
         # The resume counts them too, and their replays settle them to what they used: room
         # comes back, and the budget still holds over the whole file.
         api.delay = 0.01
-        status, log = await _cli(*args)
+        status, log = await _cli(*args, "--timeout", "30")
         assert status in (0, 3), log
     report = await _status(str(out), "--input", str(source))
     usage = report["usage"]
@@ -133,7 +134,7 @@ async def test_a_resume_that_gets_the_answer_counts_it_executed(tmp_path: Path) 
         first = await run_batch(items, out, options)
         assert first.retryable == 2
         await _until_idle(api)
-        second = await run_batch(items, out, options)
+        second = await run_batch(items, out, replace(options, timeout=30))
     assert second.complete  # before: executed 0 tokens, replayed every one
     assert second.ledger.to_json(None)["executed"]["total_tokens"] == api.billed_tokens
     assert second.answered_late == 2 and second.replayed == 0
