@@ -121,6 +121,9 @@ async def test_a_late_answer_to_the_runs_own_try_is_executed_and_paid(tmp_path: 
     assert report["usage"]["replayed"]["answers"] == 0
     assert report["last_run_usage"]["executed"]["answers"] == 3
     assert (report["done"], report["replayed"], report["answered_late"]) == (3, 0, 3)
+    code, text = await _cli("status", str(out))
+    assert code == 0 and "done     3 (0 replayed, 3 answered late" in text
+    assert "tokens   executed 3 answer(s)" in text and "replayed 3" not in text
 
 
 async def test_a_resume_that_gets_the_answer_counts_it_executed(tmp_path: Path) -> None:
