@@ -22,8 +22,8 @@ from idemproxy.batch import BatchOptions, run_batch
 from idemproxy.batch.input import item_from_object
 from idemproxy.batch.usage import estimate
 
-from .llm import LlmApi, llm_items
-from .servers import read_results, write_jsonl
+from .llm import LlmApi, llm_app, llm_items
+from .servers import read_results, start_app, start_proxy, stop_process, write_jsonl
 from .test_llm import _status, llm_behind_proxy
 
 pytestmark = pytest.mark.slow
@@ -176,3 +176,30 @@ async def test_what_leaves_an_item_in_doubt(
     if in_doubt:
         assert result["worst_case"]["output_tokens"] == 30
         assert len(summary.file_ledger.in_doubt) == 1
+
+
+async def test_the_proxys_unknown_keeps_the_worst_case_and_the_run_stops(tmp_path: Path) -> None:
+    # The proxy gives up on the upstream (its --upstream-timeout) and answers `504
+    # upstream-timeout`: it cannot know whether the request executed (SPEC §3.2). The item ends
+    # `unknown`; before the fix it counted nothing and every item was sent and paid.
+    api = LlmApi(delay=1.5)
+    items = llm_items(6, max_tokens=10)
+    limit = _two_fit(items)
+    out = tmp_path / "out.jsonl"
+    runner, upstream = await start_app(llm_app(api))
+    try:
+        env = {"IDEMPROXY_UPSTREAM_TIMEOUT": "0.3"}
+        process, url = await start_proxy(upstream, tmp_path, env)
+        try:
+            options = BatchOptions(target=url, concurrency=4, max_tokens=limit)
+            summary = await run_batch(items, out, options)
+            await _until_idle(api)
+        finally:
+            await stop_process(process)
+    finally:
+        await runner.cleanup()
+    assert summary.budget_stop is not None and summary.interrupted == 4
+    assert len(api.executions) == 2 and summary.unknown == 2
+    results = read_results(out)
+    assert all(r["outcome"] == "unknown" and r["worst_case"] for r in results)
+    assert len(summary.file_ledger.in_doubt) == 2
