@@ -1,0 +1,21 @@
+"""Production settings, as `django-admin startproject` leaves them once deployed: DEBUG off and
+one allowed host, so a request whose Host is anything else is answered 400 (DisallowedHost)."""
+
+from __future__ import annotations
+
+import os
+
+SECRET_KEY = "fidelity-suite-not-a-secret"
+DEBUG = False
+ALLOWED_HOSTS = ["api.example.com"]
+ROOT_URLCONF = "tests.fidelity.apps.django_orders.urls"
+INSTALLED_APPS: list[str] = []
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+DATABASES: dict[str, dict[str, str]] = {}
+USE_TZ = True
+LEDGER = os.environ["LEDGER"]
