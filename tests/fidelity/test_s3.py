@@ -63,13 +63,13 @@ PER_REQUEST = (REQUEST_ID, REQUEST_ID2, EXTENDED_ID)
 class S3Server:
     running: Running
     credentials: dict[str, str]
+    admin: Any = None  # a client at the server itself, not through a tap
 
-    def client(self, port: int | None = None) -> Any:
-        """A boto3 S3 client at `port` (a tap, the proxy), or at the server itself."""
-        where = port if port is not None else self.running.port
+    def client(self, port: int) -> Any:
+        """A boto3 S3 client at `port` (a tap, the proxy); the caller closes it."""
         return boto3.client(
             "s3",
-            endpoint_url=f"http://127.0.0.1:{where}",
+            endpoint_url=f"http://127.0.0.1:{port}",
             region_name=REGION,
             config=_CONFIG,
             **self.credentials,
@@ -77,7 +77,7 @@ class S3Server:
 
     def uploads(self, bucket: str, key: str) -> int:
         """Multipart uploads the server started for `key`: the executions of that intent."""
-        listed = self.client().list_multipart_uploads(Bucket=bucket, Prefix=key)
+        listed = self.admin.list_multipart_uploads(Bucket=bucket, Prefix=key)
         return sum(1 for upload in listed.get("Uploads", []) if upload["Key"] == key)
 
 
@@ -100,13 +100,17 @@ def _moto(name: str, logs: Path) -> Iterator[S3Server]:
             UserName="fidelity", PolicyName="all", PolicyDocument=json.dumps(ALLOW_ALL)
         )
         made = iam.create_access_key(UserName="fidelity")["AccessKey"]
-        yield S3Server(
-            running,
-            {
-                "aws_access_key_id": made["AccessKeyId"],
-                "aws_secret_access_key": made["SecretAccessKey"],
-            },
-        )
+        iam.close()
+        credentials = {
+            "aws_access_key_id": made["AccessKeyId"],
+            "aws_secret_access_key": made["SecretAccessKey"],
+        }
+        server = S3Server(running, credentials)
+        server.admin = server.client(running.port)
+        try:
+            yield server
+        finally:
+            server.admin.close()
 
 
 @dataclass
@@ -117,6 +121,7 @@ class Tapped:
     client: Any
     tap: Tap
     idempotency_key: str | None = field(default=None)
+    signed: list[str] = field(default_factory=list)  # SignedHeaders of each request sent
 
     def call(self, operation: str, method: str, **params: Any) -> tuple[Any, Answer]:
         try:
@@ -132,6 +137,10 @@ class Tapped:
         if self.idempotency_key is not None:
             request.headers["Idempotency-Key"] = self.idempotency_key
 
+    def _record_signed(self, request: Any, **_: Any) -> None:
+        authorization = request.headers["Authorization"].decode()
+        self.signed.append(authorization.split("SignedHeaders=")[1].split(",")[0])
+
 
 @contextlib.contextmanager
 def _tapped_client(server: S3Server, port: int) -> Iterator[Tapped]:
@@ -139,7 +148,11 @@ def _tapped_client(server: S3Server, port: int) -> Iterator[Tapped]:
         tapped_client = Tapped(server.client(tap.port), tap)
         events = tapped_client.client.meta.events
         events.register("before-sign.s3", tapped_client._add_key)
-        yield tapped_client
+        events.register("before-send.s3", tapped_client._record_signed)
+        try:
+            yield tapped_client
+        finally:
+            tapped_client.client.close()
 
 
 @dataclass
@@ -200,7 +213,7 @@ def test_a_multipart_upload_starts_once_and_is_replayed(
 ) -> None:
     direct, proxied = clients
     bucket = key
-    for client in (direct.client, s3.behind.client()):
+    for client in (direct.client, s3.behind.admin):
         client.create_bucket(Bucket=bucket)
     direct.tap.answers(["PUT"])
     direct.idempotency_key = proxied.idempotency_key = key
@@ -213,6 +226,8 @@ def test_a_multipart_upload_starts_once_and_is_replayed(
         direct.idempotency_key = proxied.idempotency_key = None
     assert_replay_of(first, replay)
     assert server.status == 200, server.describe()
+    # The key was signed: the server checked that it arrived as the client sent it.
+    assert "idempotency-key" in proxied.signed[-1].split(";")
     assert again["UploadId"] == result["UploadId"]
     assert s3.direct.uploads(bucket, name) == 1
     assert s3.behind.uploads(bucket, name) == 1
@@ -225,7 +240,7 @@ def test_the_default_owner_refuses_a_signed_request_and_runs_nothing(
     would put each retry in a scope of its own and execute it again, so the default owner
     refuses it with the proxy's own problem, before anything reaches the server (SPEC §5)."""
     bucket = key
-    s3.behind.client().create_bucket(Bucket=bucket)
+    s3.behind.admin.create_bucket(Bucket=bucket)
     with (
         proxy(s3.behind.running.url, store, logs) as front,
         _tapped_client(s3.behind, front.port) as proxied,

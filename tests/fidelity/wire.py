@@ -184,6 +184,9 @@ class Tap:
         return answers
 
     def close(self) -> None:
+        # shutdown() wakes the thread blocked in accept(); close() alone would not (Linux).
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._lock:
             for sock in self._open:
@@ -191,14 +194,17 @@ class Tap:
                     sock.shutdown(socket.SHUT_RDWR)
         for thread in [self._accepting, *self._threads]:
             thread.join(timeout=5)
+        for sock in self._open:
+            sock.close()
 
     def _accept(self) -> None:
         while True:
             try:
                 client, _ = self._listener.accept()
-            except OSError:  # closed
+            except OSError:  # shut down by close()
                 return
             server = socket.create_connection(("127.0.0.1", self._target), timeout=TIMEOUT)
+            server.settimeout(None)  # an idle keep-alive connection stays open, as without a tap
             stream = bytearray()
             with self._lock:
                 self._streams.append(stream)
