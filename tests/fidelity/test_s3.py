@@ -156,19 +156,19 @@ def _tapped_client(server: S3Server, port: int) -> Iterator[Tapped]:
 
 
 @dataclass
-class Twins:
+class S3Twins:
     direct: S3Server
     behind: S3Server
 
 
 @pytest.fixture(scope="module")
-def s3(logs: Path) -> Iterator[Twins]:
+def s3(logs: Path) -> Iterator[S3Twins]:
     with _moto("s3-direct", logs) as direct, _moto("s3-behind", logs) as behind:
-        yield Twins(direct, behind)
+        yield S3Twins(direct, behind)
 
 
 @pytest.fixture(scope="module")
-def clients(s3: Twins, store: str, logs: Path) -> Iterator[tuple[Tapped, Tapped]]:
+def clients(s3: S3Twins, store: str, logs: Path) -> Iterator[tuple[Tapped, Tapped]]:
     """A client at the direct twin, and one at the proxy in front of the other twin."""
     with (
         proxy(s3.behind.running.url, store, logs, "--owner", "none") as front,
@@ -193,7 +193,7 @@ def _both(
 
 @pytest.mark.parametrize("name", KEYS)
 def test_an_object_key_reaches_the_server_as_sent(
-    s3: Twins, clients: tuple[Tapped, Tapped], key: str, name: str
+    s3: S3Twins, clients: tuple[Tapped, Tapped], key: str, name: str
 ) -> None:
     bucket = key  # a bucket per test: its listing holds this test's object only
     _both(clients, PER_REQUEST)("create_bucket", "PUT", Bucket=bucket)
@@ -209,7 +209,7 @@ def test_an_object_key_reaches_the_server_as_sent(
 
 @pytest.mark.parametrize("name", KEYS)
 def test_a_multipart_upload_starts_once_and_is_replayed(
-    s3: Twins, clients: tuple[Tapped, Tapped], key: str, name: str
+    s3: S3Twins, clients: tuple[Tapped, Tapped], key: str, name: str
 ) -> None:
     direct, proxied = clients
     bucket = key
@@ -234,7 +234,7 @@ def test_a_multipart_upload_starts_once_and_is_replayed(
 
 
 def test_the_default_owner_refuses_a_signed_request_and_runs_nothing(
-    s3: Twins, store: str, logs: Path, key: str
+    s3: S3Twins, store: str, logs: Path, key: str
 ) -> None:
     """A SigV4 `Authorization` is new on every request (it signs the time): as an owner it
     would put each retry in a scope of its own and execute it again, so the default owner
