@@ -72,3 +72,5 @@ def test_a_host_django_does_not_allow_is_refused_by_django_itself(
     driven = three_ways(django.direct.port, front.port, data, method="POST")
     assert driven.direct.status == 400
     assert django.behind_ledger.count(key, expected=0) == 0
+    # The Host Django refused behind the proxy was the client's (its log, on stderr).
+    assert "Invalid HTTP_HOST header: 'intruder.example.net'" in django.behind.log.read_text()

@@ -19,3 +19,17 @@ MIDDLEWARE = [
 DATABASES: dict[str, dict[str, str]] = {}
 USE_TZ = True
 LEDGER = os.environ["LEDGER"]
+# A refused Host is logged to stderr, as a container deployment collects it: the test reads
+# which Host Django judged.
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"stderr": {"class": "logging.StreamHandler"}},
+    "loggers": {
+        "django.security.DisallowedHost": {
+            "handlers": ["stderr"],
+            "level": "ERROR",
+            "propagate": False,
+        }
+    },
+}
