@@ -39,6 +39,12 @@ def _orders(access_log: Path) -> list[str]:
     return [line[3] for line in lines if line[1:3] == ["POST", "/orders"]]
 
 
+def _hosts(access_log: Path, target: str) -> list[str]:
+    """The Host nginx saw for each request for `target`."""
+    lines = [line.split(" ") for line in access_log.read_text().splitlines()]
+    return [line[0] for line in lines if line[2] == target]
+
+
 @pytest.fixture(scope="module")
 def nginx(nginx_binary: str, logs: Path) -> Iterator[Running]:
     root = _site_folder(logs)
@@ -68,9 +74,15 @@ def test_each_name_gets_its_own_site(nginx: Running, front: Running, site: str) 
     assert answer.body == SITES[site].encode()
 
 
-def test_an_unknown_name_gets_the_default_site(nginx: Running, front: Running) -> None:
-    answer = passed_through(nginx.port, front.port, request("GET", "/", "c.example.com"))
+def test_an_unknown_name_gets_the_default_site(
+    nginx: Running, front: Running, key: str, logs: Path
+) -> None:
+    target = f"/?probe={key}"
+    answer = passed_through(nginx.port, front.port, request("GET", target, "c.example.com"))
     assert answer.body == SITES["default"].encode()
+    # Both requests were answered for the client's name, not the proxy's upstream address.
+    hosts = Ledger(logs / "nginx" / "access.log", lambda log: _hosts(log, target))
+    assert hosts.count("c.example.com", expected=2) == 2
 
 
 def test_a_directory_redirect_names_the_clients_host(nginx: Running, front: Running) -> None:
