@@ -31,7 +31,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(
     scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
-def store(request: pytest.FixtureRequest, logs: Path) -> Iterator[str]:
+def proxy_store(request: pytest.FixtureRequest, logs: Path) -> Iterator[str]:
     """The proxy's store DSN: a new SQLite file, or a fresh PostgreSQL database."""
     if request.param == "sqlite":
         yield f"sqlite:///{logs}/idemproxy-{secrets.token_hex(3)}.db"
@@ -46,9 +46,9 @@ def store(request: pytest.FixtureRequest, logs: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-def key(store: str) -> str:
+def key(proxy_store: str) -> str:
     """An Idempotency-Key nobody used, on any store, in any run."""
-    return f"fid-{urlsplit(store).scheme}-{secrets.token_hex(6)}"
+    return f"fid-{urlsplit(proxy_store).scheme}-{secrets.token_hex(6)}"
 
 
 @pytest.fixture(scope="module")

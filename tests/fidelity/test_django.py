@@ -28,8 +28,8 @@ def django(logs: Path) -> Iterator[Twins]:
 
 
 @pytest.fixture(scope="module")
-def front(django: Twins, store: str, logs: Path) -> Iterator[Running]:
-    with proxy(django.behind.url, store, logs) as running:
+def front(django: Twins, proxy_store: str, logs: Path) -> Iterator[Running]:
+    with proxy(django.behind.url, proxy_store, logs) as running:
         yield running
 
 

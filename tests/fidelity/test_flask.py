@@ -23,8 +23,8 @@ def flask(logs: Path) -> Iterator[Twins]:
 
 
 @pytest.fixture(scope="module")
-def front(flask: Twins, store: str, logs: Path) -> Iterator[Running]:
-    with proxy(flask.behind.url, store, logs) as running:
+def front(flask: Twins, proxy_store: str, logs: Path) -> Iterator[Running]:
+    with proxy(flask.behind.url, proxy_store, logs) as running:
         yield running
 
 

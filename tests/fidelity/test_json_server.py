@@ -39,8 +39,8 @@ def json_server(json_server_binary: str, logs: Path) -> Iterator[Twins]:
 
 
 @pytest.fixture(scope="module")
-def front(json_server: Twins, store: str, logs: Path) -> Iterator[Running]:
-    with proxy(json_server.behind.url, store, logs) as running:
+def front(json_server: Twins, proxy_store: str, logs: Path) -> Iterator[Running]:
+    with proxy(json_server.behind.url, proxy_store, logs) as running:
         yield running
 
 

@@ -63,8 +63,8 @@ def nginx(nginx_binary: str, logs: Path) -> Iterator[Running]:
 
 
 @pytest.fixture(scope="module")
-def front(nginx: Running, store: str, logs: Path) -> Iterator[Running]:
-    with proxy(nginx.url, store, logs) as running:
+def front(nginx: Running, proxy_store: str, logs: Path) -> Iterator[Running]:
+    with proxy(nginx.url, proxy_store, logs) as running:
         yield running
 
 

@@ -168,10 +168,10 @@ def s3(logs: Path) -> Iterator[S3Twins]:
 
 
 @pytest.fixture(scope="module")
-def clients(s3: S3Twins, store: str, logs: Path) -> Iterator[tuple[Tapped, Tapped]]:
+def clients(s3: S3Twins, proxy_store: str, logs: Path) -> Iterator[tuple[Tapped, Tapped]]:
     """A client at the direct twin, and one at the proxy in front of the other twin."""
     with (
-        proxy(s3.behind.running.url, store, logs, "--owner", "none") as front,
+        proxy(s3.behind.running.url, proxy_store, logs, "--owner", "none") as front,
         _tapped_client(s3.direct, s3.direct.running.port) as direct,
         _tapped_client(s3.behind, front.port) as proxied,
     ):
@@ -234,7 +234,7 @@ def test_a_multipart_upload_starts_once_and_is_replayed(
 
 
 def test_the_default_owner_refuses_a_signed_request_and_runs_nothing(
-    s3: S3Twins, store: str, logs: Path, key: str
+    s3: S3Twins, proxy_store: str, logs: Path, key: str
 ) -> None:
     """A SigV4 `Authorization` is new on every request (it signs the time): as an owner it
     would put each retry in a scope of its own and execute it again, so the default owner
@@ -242,7 +242,7 @@ def test_the_default_owner_refuses_a_signed_request_and_runs_nothing(
     bucket = key
     s3.behind.admin.create_bucket(Bucket=bucket)
     with (
-        proxy(s3.behind.running.url, store, logs) as front,
+        proxy(s3.behind.running.url, proxy_store, logs) as front,
         _tapped_client(s3.behind, front.port) as proxied,
     ):
         proxied.idempotency_key = key
