@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 from typing import Any
 
@@ -10,7 +11,7 @@ from idemproxy.batch.input import Item
 from idemproxy.batch.ledger import Ledger
 from idemproxy.batch.prices import price_table
 from idemproxy.batch.records import Outcome, ResultRecord
-from idemproxy.batch.usage import Estimate
+from idemproxy.batch.usage import Estimate, WorstCase
 
 from .factory import record
 
@@ -42,7 +43,9 @@ def test_executed_and_replayed_are_apart_and_each_key_counts_once() -> None:
                                   "total_tokens": 150, "cost": 0.0002}  # fmt: skip
     assert report["replayed"]["total_tokens"] == 15 and report["total_tokens"] == 165
     assert report["unmetered"] == 1 and report["unpriced_models"] == []
-    assert ledger.to_json(None).keys() == {"executed", "replayed", "total_tokens", "unmetered"}
+    assert ledger.to_json(None).keys() == {
+        "executed", "replayed", "total_tokens", "unmetered", "in_doubt"
+    }  # fmt: skip
 
 
 def test_describe_says_a_replay_costs_nothing_and_names_unpriced_models() -> None:
@@ -105,3 +108,56 @@ def test_a_line_of_a_file_begun_by_an_older_version_counts_the_usage_its_answer_
     assert report["unmetered"] == 1  # a line of this version says itself what it used
     budget = Budget(Limits(max_tokens=200), PRICES, ledger)
     assert budget.spent == Charge(180, Decimal("0.00020"))
+
+
+def _in_doubt(item_id: str, tokens: tuple[int, int | None], **fields: Any) -> ResultRecord:
+    worst = WorstCase(tokens[0], tokens[1], "cheap").to_json()
+    return record(item_id, Outcome.FAILED, usage=None, worst_case=worst, retryable=True, **fields)
+
+
+def test_an_item_sent_without_an_answer_counts_at_its_worst_until_its_key_answers() -> None:
+    # SPEC §14: it may have executed and been paid. Before, a line without usage counted 0.
+    ledger = Ledger.of([_used("a", (100, 0)), _in_doubt("b", (20, 40))])
+    budget = Budget(Limits(max_tokens=200), PRICES, ledger)
+    assert budget.spent.tokens == 100 and budget.in_doubt.tokens == 60
+    assert budget.committed().tokens == 160 and not budget.fits(Charge(41, Decimal(0)))
+    assert budget.counted(record("b").key) and not budget.counted(record("c").key)
+    assert "1 item(s) sent and never answered count at worst 60 tokens" in budget.describe(
+        Charge(41, Decimal(0))
+    )
+    report = ledger.to_json(PRICES)["in_doubt"]
+    assert (report["items"], report["total_tokens"], report["uncapped"]) == (1, 60, 0)
+    # Its replay says what it used: executed (this batch started it), and the doubt is over.
+    ledger.add(_used("b", (20, 5), replayed=True))
+    assert ledger.in_doubt == {} and budget.committed().tokens == 125
+    report = ledger.to_json(None)
+    assert report["executed"]["answers"] == 2 and report["replayed"]["answers"] == 0
+
+
+def test_a_late_answer_counts_executed_in_a_ledger_of_its_run_alone() -> None:
+    # `batch status`'s last run: the line that was in doubt belongs to an earlier run.
+    late = _used("b", (20, 5), replayed=True, sent_before=True)
+    free = _used("c", (20, 5), replayed=True)
+    report = Ledger.of([late, free]).to_json(None)
+    assert report["executed"]["total_tokens"] == 25 and report["replayed"]["total_tokens"] == 25
+
+
+def test_the_doubt_ends_with_an_answer_without_usage_and_stays_with_another_doubt() -> None:
+    ledger = Ledger.of([_in_doubt("a", (10, 10)), _in_doubt("a", (10, 10))])
+    assert len(ledger.in_doubt) == 1  # one key: one execution at most
+    ledger.add(record("a", Outcome.FAILED, replayed=True))  # its execution's own answer
+    assert ledger.in_doubt == {}
+    # Without a cap (no max_tokens, no --assume-max-output) the worst output is not known: the
+    # budget counts what --assume-max-output says, the report says how many.
+    uncapped = Ledger.of([_in_doubt("b", (10, None))])
+    assert uncapped.to_json(None)["in_doubt"]["uncapped"] == 1
+    budget = Budget(Limits(max_tokens=100), PRICES, uncapped, assumed_output=50)
+    assert budget.in_doubt.tokens == 60
+
+
+def test_a_line_of_an_older_version_has_no_doubt() -> None:
+    older = json.loads(record("a", Outcome.UNKNOWN).to_line())
+    del older["worst_case"], older["sent_before"]
+    parsed = ResultRecord.from_object(older)
+    assert parsed.worst_case is None and not parsed.sent_before
+    assert Ledger.of([parsed]).in_doubt == {}

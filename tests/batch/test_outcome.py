@@ -14,9 +14,11 @@ from idemproxy.batch.outcome import (
     Verdict,
     backoff_seconds,
     classify,
+    may_have_executed,
     next_delay,
     problem_advice,
     retry_after_seconds,
+    settles,
 )
 from idemproxy.batch.progress import PlainReporter, RichReporter, describe_problem
 from idemproxy.batch.records import Outcome
@@ -155,3 +157,37 @@ def test_the_live_counts_show_the_tokens_executed_not_those_replayed() -> None:
     rich.advance(record("b", replayed=True, usage=usage))
     rich.finish()
     assert rich._progress.counts.endswith("· tokens 1,500")
+    # A late answer to this batch's own unanswered try was executed and paid (SPEC §14).
+    rich.advance(record("c", replayed=True, sent_before=True, usage=usage))
+    assert "(replayed 1)" in rich._progress.counts
+    assert rich._progress.counts.endswith("· tokens 3,000")
+
+
+ADVICE = {"outcome-unknown": "never", "upstream-timeout": "never",
+          "store-unavailable": "same-key", "payload-mismatch": "new-key-safe"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "may", "settled"),
+    [
+        (200, None, False, True),  # the execution's answer
+        (422, None, False, True),  # the execution's answer too: it says what happened
+        (409, "outcome-unknown", True, False),  # SPEC §3.2: the proxy cannot know
+        (504, "upstream-timeout", True, False),
+        (502, None, True, False),  # a gateway of the upstream's: it may have passed it on
+        (504, None, True, False),
+        (503, None, False, False),  # not processed, and not the execution's answer
+        (429, None, False, False),
+        (409, "request-in-flight", False, False),  # held: the execution is another try's
+        (503, "store-unavailable", False, False),
+        (409, "payload-mismatch", False, False),  # a problem of the proxy's: nothing ran
+    ],
+)
+def test_which_answers_leave_an_item_in_doubt_and_which_settle_it(
+    status: int, code: str | None, may: bool, settled: bool
+) -> None:
+    verdict = classify(status, code, advice=ADVICE.get(code or ""))
+    assert may_have_executed(status, code, verdict) is may
+    assert settles(code, verdict) is settled
+    omitted = classify(201, None, replayed=True, omitted=True)
+    assert not settles(None, omitted)  # SPEC §7: it executed, and nothing says what it used

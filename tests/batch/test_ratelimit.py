@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
 import pytest
 
+from idemproxy.batch.admission import LimiterGate
+from idemproxy.batch.client import Answer
 from idemproxy.batch.constants import RETRY_AFTER_CAP_SECONDS
 from idemproxy.batch.ratelimit import (
     DEFAULT_PAUSE_SECONDS,
@@ -17,6 +20,8 @@ from idemproxy.batch.ratelimit import (
     parse_duration,
     pause_seconds,
 )
+from idemproxy.batch.stop import Stop
+from idemproxy.batch.usage import BUILT_IN_POINTERS
 
 
 class Clock:
@@ -172,3 +177,32 @@ async def test_after_a_pause_one_request_goes_first_and_the_rest_follow_its_answ
     assert await asyncio.wait_for(second, 1.0)
     third = await asyncio.wait_for(limiter.acquire(1), 1.0)  # no pause since: no waiting
     assert third
+
+
+def _answer(*, replayed: bool, used: int) -> Answer:
+    body = json.dumps({"usage": {"prompt_tokens": used, "completion_tokens": 0}}).encode()
+    return Answer(200, None, replayed, False, None, "application/json", body)
+
+
+@pytest.mark.parametrize("sent_before", [False, True])
+async def test_a_late_answer_to_this_batchs_own_try_keeps_the_tokens_it_used(
+    sent_before: bool,
+) -> None:
+    # SPEC §14: a try sent without an answer (here, or in the run that wrote the item's line)
+    # started an execution; the replay that answers it says what that execution used, which
+    # was spent under the limit: kept, once. Before, such a replay gave its tokens back.
+    limiter = RateLimiter(tpm=60_000, clock=Clock())  # a bucket of 1,000 tokens
+    assert limiter.tokens is not None
+    gate = LimiterGate(limiter, 300, Stop(), BUILT_IN_POINTERS, sent_before=sent_before)
+    if not sent_before:
+        assert await limiter.acquire(300)
+        gate.after(None)  # the runner's --timeout: no answer, the estimate stands
+        assert limiter.tokens.level == 700
+    assert await limiter.acquire(300)
+    gate.after(_answer(replayed=True, used=120))
+    assert limiter.tokens.level == 1000 - 120
+    # A replay of an execution this batch did not start used nothing now.
+    free = LimiterGate(limiter, 300, Stop(), BUILT_IN_POINTERS)
+    assert await limiter.acquire(300)
+    free.after(_answer(replayed=True, used=120))
+    assert limiter.tokens.level == 1000 - 120

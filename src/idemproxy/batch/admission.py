@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from idemproxy.batch.budget import Budget
+from idemproxy.batch.budget import NOTHING, Budget
 from idemproxy.batch.client import Answer
 from idemproxy.batch.input import Item
 from idemproxy.batch.keys import Identity
@@ -52,16 +52,21 @@ class Admission:
         async with self._lock:
             while self._queue and not stop.requested.is_set() and self.exhausted is None:
                 item, identity = self._queue[0]
-                if self._admit(item):
+                if self._admit(item, identity.key):
                     self._queue.popleft()
                     return Admitted(item, identity, estimate(item).tokens(self._assumed_output))
                 if self.exhausted is None:
                     await self._wait_for_settling(stop)
             return None
 
-    def _admit(self, item: Item) -> bool:
+    def _admit(self, item: Item, key: str) -> bool:
         budget = self._budget
         if budget is None:
+            return True
+        if budget.counted(key):
+            # Sent by an earlier run and never answered: its worst case is counted already, and
+            # behind the proxy its key executes at most once. Its answer may make room.
+            budget.reserve(item.id, NOTHING)
             return True
         charge = budget.worst_case(estimate(item), request_model(item), self._assumed_output)
         if budget.fits(charge):
@@ -100,6 +105,8 @@ class LimiterGate:
     tokens: int
     stop: Stop
     pointers: Sequence[UsagePointers]
+    sent_before: bool = False  # an earlier run sent the item and had no answer
+    held: int = 0  # the estimates of this run's tries that ended without an answer
 
     async def before_retry(self) -> bool:
         return await self.limiter.acquire(self.tokens, self.stop.requested)
@@ -107,15 +114,26 @@ class LimiterGate:
     def after(self, answer: Answer | None) -> None:
         if answer is None:
             self.limiter.answered()
-            return  # no answer: it may have used its tokens; the estimate stands
+            self.held += self.tokens  # it may have used its tokens: the estimate stands
+            return
         if answer.rate_limited:
             self.limiter.pause(answer.rate_limit_pause)
             self.limiter.correct(self.tokens, 0)  # refused: nothing was used
+        elif answer.replayed and (self.held or self.sent_before):
+            # SPEC §14: the answer of the execution a try of this batch started, unanswered:
+            # it used what the answer says, counted once for this try and those.
+            self._correct(answer, self.tokens + self.held)
+            self.held = 0
         elif answer.replayed:
             self.limiter.correct(self.tokens, 0)  # answered by the proxy: the API saw nothing
-        elif self.limiter.limits_tokens:
-            used = answer_tokens(answer.body, answer.content_type, self.pointers)
-            if used is not None:
-                self.limiter.correct(self.tokens, used)
+        else:
+            self._correct(answer, self.tokens)
         if not answer.rate_limited:
             self.limiter.answered()
+
+    def _correct(self, answer: Answer, estimated: int) -> None:
+        if not self.limiter.limits_tokens:
+            return
+        used = answer_tokens(answer.body, answer.content_type, self.pointers)
+        if used is not None:
+            self.limiter.correct(estimated, used)

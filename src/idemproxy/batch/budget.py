@@ -6,7 +6,11 @@ each item in flight at its worst case: its estimated input and the most output i
 allows (usage.py). An item is started only if that sum, with it, stays within every limit;
 when it would not, and nothing is in flight whose settling could make room, the run stops
 starting items. Once an item's result is written its reservation is replaced by the usage the
-result records (a failure without usage costs nothing).
+result records (a failure without usage costs nothing) — unless it was sent and never answered
+(a timeout, a connection lost after sending, `outcome-unknown`): it may have executed and been
+paid, so the result keeps its worst case (`worst_case`), and the ledger keeps counting it, in
+this run and in every resume, until an answer for its key says what it used (SPEC §14). Sending
+such an item again reserves nothing more: behind the proxy its key executes at most once.
 
 A model the price table lacks is counted at the table's dearest rates, so that a typo in a
 model name cannot let a batch spend past `--max-cost`.
@@ -53,6 +57,7 @@ class Budget:
     prices: PriceTable = field(default_factory=PriceTable)
     ledger: Ledger = field(default_factory=Ledger)
     reserved: dict[str, Charge] = field(default_factory=dict)
+    assumed_output: int = 0  # for an item in doubt whose answer nothing capped
 
     @property
     def spent(self) -> Charge:
@@ -60,6 +65,20 @@ class Budget:
         for column in (self.ledger.executed, self.ledger.replayed):
             total += self._column(column)
         return total
+
+    @property
+    def in_doubt(self) -> Charge:
+        """The items sent and never answered, each at its worst case."""
+        total = NOTHING
+        for worst in self.ledger.in_doubt.values():
+            output = worst.output_tokens
+            output = self.assumed_output if output is None else output
+            total += self.charge(worst.input_tokens, output, worst.model)
+        return total
+
+    def counted(self, key: str) -> bool:
+        """Whether the key is in doubt: its worst case is counted already."""
+        return key in self.ledger.in_doubt
 
     def charge(self, input_tokens: int, output_tokens: int, model: str | None) -> Charge:
         price = self.prices.price(model) or self.prices.highest()
@@ -70,7 +89,8 @@ class Budget:
         return self.charge(estimate.input_tokens, output, model)
 
     def committed(self) -> Charge:
-        total = self.spent  # computed once: the ledger is not touched while this runs
+        # computed once: the ledger is not touched while this runs
+        total = self.spent + self.in_doubt
         for charge in self.reserved.values():
             total += charge
         return total
@@ -95,13 +115,19 @@ class Budget:
         self.reserved.pop(item_id, None)
 
     def describe(self, charge: Charge) -> str:
-        spent = f"{self.spent.tokens:,} tokens"
+        spent = f"spent {self._amount(self.spent)}"
+        if self.ledger.in_doubt:
+            spent += (
+                f", and {len(self.ledger.in_doubt)} item(s) sent and never answered count at "
+                f"worst {self._amount(self.in_doubt)}"
+            )
+        return f"{spent}; the next item, at worst {self._amount(charge)}, would pass"
+
+    def _amount(self, charge: Charge) -> str:
+        amount = f"{charge.tokens:,} tokens"
         if self.limits.max_cost is not None:
-            spent += f", {money(self.spent.cost, self.prices.currency)}"
-        worst = f"{charge.tokens:,} tokens"
-        if self.limits.max_cost is not None:
-            worst += f", {money(charge.cost, self.prices.currency)}"
-        return f"spent {spent}; the next item, at worst {worst}, would pass"
+            amount += f", {money(charge.cost, self.prices.currency)}"
+        return amount
 
     def _column(self, column: Column) -> Charge:
         total = NOTHING

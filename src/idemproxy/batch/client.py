@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from multidict import CIMultiDict
@@ -19,12 +19,15 @@ from idemproxy.batch.keys import Identity
 from idemproxy.batch.outcome import (
     Verdict,
     classify,
+    may_have_executed,
     next_delay,
     problem_advice,
     retry_after_seconds,
+    settles,
 )
 from idemproxy.batch.ratelimit import RATE_LIMITED_STATUSES, pause_seconds
 from idemproxy.batch.records import Outcome, ResultRecord, encode_body, utc_now, valid_text
+from idemproxy.batch.usage import WorstCase, worst_case
 from idemproxy.constants import ERROR_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
 
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -48,6 +51,13 @@ class Request:
     headers: Mapping[str, str]
     data: bytes | None
     key_header: str
+    # Written on its line if it may have executed with no answer; None: from its request alone.
+    worst_case: WorstCase | None = None
+    # An earlier run of this batch sent it and had no answer (its line has a `worst_case`).
+    sent_before: bool = False
+
+    def worst_case_json(self) -> dict[str, Any]:
+        return (self.worst_case or worst_case(self.item, None)).to_json()
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,9 @@ class _Tries:
     count: int = 0
     answer: Answer | None = None
     error: str | None = None
+    # A try was sent and no answer said what it did: the item may have executed (SPEC §3.2).
+    unanswered: bool = False
+    settled: bool = False  # the last answer is the execution's own (or its replay)
 
 
 def build_request(
@@ -158,16 +171,22 @@ async def _try_once(
     try:
         answer = await _exchange(session, request, timeout)
     except _TRANSPORT_ERRORS as exc:
-        tries.answer, tries.error = None, _describe(exc)
+        tries.answer, tries.error, tries.settled = None, _describe(exc), False
+        # A refused connection sent nothing; after anything else the request may have reached
+        # the upstream and executed.
+        tries.unanswered |= not isinstance(exc, aiohttp.ClientConnectorError)
         return Verdict.RETRY
     tries.answer, tries.error = answer, None
-    return classify(
+    verdict = classify(
         answer.status,
         answer.error_code,
         replayed=answer.replayed,
         omitted=answer.omitted,
         advice=answer.advice,
     )
+    tries.unanswered |= may_have_executed(answer.status, answer.error_code, verdict)
+    tries.settled = settles(answer.error_code, verdict)
+    return verdict
 
 
 async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: float) -> Answer:
@@ -224,6 +243,11 @@ def _record(
     body, encoding = encode_body(answer.body, answer.content_type) if answer else (None, "none")
     outcome = _OUTCOMES.get(verdict, Outcome.FAILED)
     error = OMITTED_ERROR if outcome is Outcome.OMITTED else tries.error
+    # SPEC §14: a try of this batch was sent and not answered (here or in an earlier run). Until
+    # an answer of the execution comes, it may have been paid: its worst case is written, and
+    # counted. The answer that comes is this batch's own execution, even when it is a replay.
+    own = tries.unanswered or request.sent_before
+    in_doubt = own and not tries.settled
     return ResultRecord(
         id=request.item.id,
         outcome=outcome,
@@ -242,6 +266,8 @@ def _record(
         started_at=tries.started_at,
         finished_at=utc_now(),
         key_header=request.key_header,
+        worst_case=request.worst_case_json() if in_doubt else None,
+        sent_before=own and tries.settled and answer is not None and answer.replayed,
     )
 
 
@@ -270,4 +296,6 @@ def failed_record(request: Request, started_at: str, exc: Exception) -> ResultRe
         started_at=started_at,
         finished_at=utc_now(),
         key_header=request.key_header,
+        # The request went out, and what its answer says it used is not known.
+        worst_case=request.worst_case_json(),
     )

@@ -28,5 +28,8 @@ RETRY_AFTER_CAP_SECONDS: Final = 300.0
 # SPEC §3.2: the upstream says it did not process the request (408, 425, 429, 503), or a gateway
 # failed (502, 504) — retrying under the same key is safe: the proxy replays or reports unknown.
 TRANSIENT_STATUSES: Final = frozenset({408, 425, 429, 502, 503, 504})
+# SPEC §3.2: a gateway that failed (an upstream's own, not the proxy's: those say so) may have
+# passed the request on, so the item may have executed.
+GATEWAY_FAILURES: Final = frozenset({502, 504})
 
 USER_AGENT: Final = "idemproxy-batch"

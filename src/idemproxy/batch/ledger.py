@@ -1,11 +1,16 @@
 """The usage ledger: tokens (and, with a price table, money) over result lines.
 
-Two columns, because only one of them was paid for now:
+Two columns, because only one of them was paid for now, and the items still in doubt:
 
-* **executed** — answers the upstream gave to this request (`"replayed": false`);
-* **replayed** — answers the proxy gave from an earlier execution of the same key. A replay
+* **executed** — answers the upstream gave to this request (`"replayed": false`), and replays
+  that answer a try of this batch that was sent and not answered (`"sent_before": true`, or a
+  key whose earlier line is in doubt): that execution was this batch's, and paid;
+* **replayed** — answers the proxy gave from an execution this batch did not see start. A replay
   costs nothing: its tokens were paid once, when that execution ran (often in a run that was
-  killed before it could write the answer), and are shown apart.
+  killed before it could write the answer), and are shown apart;
+* **in doubt** — keys whose last line was sent without an answer (`worst_case`): they may have
+  executed and been paid, and count at their worst case against a budget (budget.py) until a
+  later line of the same key says what they used.
 
 Each key is counted once (a key is one execution, SPEC §4): a later line of the same key — a
 replay after `--retry-failed`, say — adds nothing. The ledger of a results file counts every
@@ -22,7 +27,13 @@ from typing import Any
 
 from idemproxy.batch.prices import PriceTable, money
 from idemproxy.batch.records import Outcome, ResultRecord
-from idemproxy.batch.usage import BUILT_IN_POINTERS, Usage, answer_model, extract_usage
+from idemproxy.batch.usage import (
+    BUILT_IN_POINTERS,
+    Usage,
+    WorstCase,
+    answer_model,
+    extract_usage,
+)
 
 
 @dataclass
@@ -75,6 +86,7 @@ class Ledger:
     executed: Column = field(default_factory=Column)
     replayed: Column = field(default_factory=Column)
     unmetered: int = 0  # done answers that carried no usage
+    in_doubt: dict[str, WorstCase] = field(default_factory=dict)  # by key: sent, not answered
     _keys: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -88,15 +100,47 @@ class Ledger:
         usage = Usage.from_json(record.usage) or _reported_by_older_line(record)
         if usage is None:
             self.unmetered += record.outcome is Outcome.DONE
+            self._doubt(record)
             return
         if record.key in self._keys:
             return
         self._keys.add(record.key)
-        (self.replayed if record.replayed else self.executed).add(usage)
+        # SPEC §14: the answer to a try of this batch that went unanswered is its execution.
+        doubted = self.in_doubt.pop(record.key, None) is not None
+        own = record.sent_before or doubted
+        (self.replayed if record.replayed and not own else self.executed).add(usage)
+
+    def _doubt(self, record: ResultRecord) -> None:
+        """A line without usage: in doubt if it says so; else an answer of the execution came
+        without saying what it used, and the doubt of an earlier line of its key is over."""
+        if record.key in self._keys:
+            return  # the key's execution was counted already
+        worst = WorstCase.from_json(record.worst_case)
+        if worst is not None:
+            self.in_doubt[record.key] = worst
+        else:
+            self.in_doubt.pop(record.key, None)
 
     @property
     def total_tokens(self) -> int:
         return self.executed.tokens().total + self.replayed.tokens().total
+
+    @property
+    def metered(self) -> bool:
+        """Whether there is anything to report: tokens used, or items in doubt."""
+        return bool(self.total_tokens or self.in_doubt)
+
+    def doubt(self) -> Column:
+        """The items in doubt at their worst case (an uncapped answer counted as 0 here)."""
+        column = Column()
+        for worst in self.in_doubt.values():
+            column.add(Usage(worst.input_tokens, worst.output_tokens or 0, worst.model))
+        return column
+
+    @property
+    def uncapped(self) -> int:
+        """Items in doubt whose answer nothing capped: their worst case is not known."""
+        return sum(worst.output_tokens is None for worst in self.in_doubt.values())
 
     def to_json(self, prices: PriceTable | None) -> dict[str, Any]:
         executed, replayed = self.executed.tokens(), self.replayed.tokens()
@@ -105,16 +149,24 @@ class Ledger:
             "replayed": _tokens_json(replayed),
             "total_tokens": executed.total + replayed.total,
             "unmetered": self.unmetered,
+            "in_doubt": self._doubt_json(),
         }
         if prices is not None:
             executed_cost, unpriced = self.executed.cost(prices)
             replayed_cost, more = self.replayed.cost(prices)
             report["executed"]["cost"] = float(executed_cost)
             report["replayed"]["cost"] = float(replayed_cost)
+            report["in_doubt"]["cost"] = float(self.doubt().cost(prices)[0])
             report["cost"] = float(executed_cost + replayed_cost)
             report["currency"] = prices.currency
             report["unpriced_models"] = sorted({str(m) for m in unpriced + more})
         return report
+
+    def _doubt_json(self) -> dict[str, Any]:
+        tokens = self.doubt().tokens()
+        report = _tokens_json(tokens)
+        del report["answers"]
+        return {"items": tokens.answers, **report, "uncapped": self.uncapped}
 
     def describe(self, prices: PriceTable | None, *, replay_note: str) -> list[str]:
         """`executed …` and `replayed …` lines; `replay_note` says what a replay cost."""
@@ -125,11 +177,24 @@ class Ledger:
                 f"replayed {_tokens_text(replayed)}{self._cost(self.replayed, prices)}"
                 f" — {replay_note}"
             )
+        if self.in_doubt:
+            lines.append(self._describe_doubt(prices))
         if self.unmetered:
             lines.append(
                 f"{self.unmetered} done answer(s) without usage: their tokens are not known"
             )
         return lines
+
+    def _describe_doubt(self, prices: PriceTable | None) -> str:
+        doubt = self.doubt()
+        tokens = doubt.tokens()
+        uncapped = f", {self.uncapped} of them uncapped" if self.uncapped else ""
+        return (
+            f"in doubt {tokens.answers} item(s), at worst {tokens.total:,} tokens "
+            f"(in {tokens.input:,}, out {tokens.output:,}){self._cost(doubt, prices)}{uncapped}"
+            " — sent, and no answer said what they used: they may have executed and been paid, "
+            "and count at their worst case until an answer for their key says"
+        )
 
     @staticmethod
     def _cost(column: Column, prices: PriceTable | None) -> str:

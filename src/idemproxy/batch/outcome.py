@@ -13,7 +13,11 @@ from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from enum import Enum
 
-from idemproxy.batch.constants import RETRY_AFTER_CAP_SECONDS, TRANSIENT_STATUSES
+from idemproxy.batch.constants import (
+    GATEWAY_FAILURES,
+    RETRY_AFTER_CAP_SECONDS,
+    TRANSIENT_STATUSES,
+)
 from idemproxy.errors import (
     NEVER,
     NEW_KEY_SAFE,
@@ -72,6 +76,28 @@ def classify(
         # A plain 409 is how APIs that honour Idempotency-Key say "this key is in use".
         return Verdict.RETRY
     return _final(status)
+
+
+# The verdicts of an answer that says what the execution used, if it reports usage. Not
+# `omitted`: a replay without its body (SPEC §7) says it executed, never what it used.
+_SETTLING = frozenset({Verdict.DONE, Verdict.FAILED})
+
+
+def may_have_executed(status: int, error_code: str | None, verdict: Verdict) -> bool:
+    """Whether an answer says the request may have executed without saying what it did.
+
+    SPEC §3.2: `outcome-unknown` and the proxy's other `never` answers, or a gateway of the
+    upstream's own that failed (it may have passed the request on). A proxy problem that is
+    retried under the same key (`request-in-flight`, `store-unavailable`, …) started nothing.
+    """
+    gateway = error_code is None and status in GATEWAY_FAILURES
+    return verdict is Verdict.UNKNOWN or (verdict is Verdict.RETRY and gateway)
+
+
+def settles(error_code: str | None, verdict: Verdict) -> bool:
+    """Whether an answer is the execution's own (or its replay): a final answer that is not a
+    problem of the proxy's. It ends any doubt a try that went unanswered left (SPEC §14)."""
+    return error_code is None and verdict in _SETTLING
 
 
 def problem_advice(body: bytes) -> str | None:

@@ -55,9 +55,11 @@ def describe_problem(record: ResultRecord) -> str | None:
     if record.outcome is Outcome.OMITTED:
         code = ", replayed without the body the proxy did not store"
     again = ", retried on rerun" if record.retryable else ""
+    # SPEC §14: sent, and nothing said what it did: it may have been paid.
+    doubt = "; may have executed: counted at its worst case" if record.worst_case else ""
     return (
         f"item {record.id!r}: {record.outcome.value} ({answer}{code}, "
-        f"{record.attempts} attempt(s){again})"
+        f"{record.attempts} attempt(s){again}{doubt})"
     )
 
 
@@ -131,9 +133,11 @@ class RichReporter:
 
     def advance(self, record: ResultRecord) -> None:
         self._counts[record.outcome] += 1
-        self._replayed += record.replayed
+        # A late answer to this batch's own try was executed and paid (ledger.py).
+        free = record.replayed and not record.sent_before
+        self._replayed += free
         usage = Usage.from_json(record.usage)
-        if usage is not None and not record.replayed:
+        if usage is not None and not free:
             self._tokens += usage.total_tokens
         problem = describe_problem(record)
         if problem:

@@ -22,7 +22,7 @@ import aiohttp
 from yarl import URL
 
 from idemproxy import __version__
-from idemproxy.batch.admission import Admission, LimiterGate
+from idemproxy.batch.admission import Admission, Admitted, LimiterGate
 from idemproxy.batch.budget import Budget, Limits
 from idemproxy.batch.checkpoint import Checkpoint, CheckpointWriter
 from idemproxy.batch.client import (
@@ -45,6 +45,7 @@ from idemproxy.batch.constants import (
 from idemproxy.batch.errors import BatchError
 from idemproxy.batch.input import InputFile, Item, header_problem, items_from_objects, read_input
 from idemproxy.batch.keys import Identity, check_prefix
+from idemproxy.batch.ledger import Ledger
 from idemproxy.batch.plan import Plan, PlanRules, make_plan
 from idemproxy.batch.prices import PriceTable
 from idemproxy.batch.progress import NullReporter, Reporter
@@ -58,6 +59,7 @@ from idemproxy.batch.usage import (
     estimate,
     request_model,
     with_usage,
+    worst_case,
 )
 from idemproxy.constants import DEFAULT_KEY_HEADER
 
@@ -267,6 +269,7 @@ async def _send_all(
     budget = None
     if options.limits().active:
         budget = Budget(options.limits(), options.prices or PriceTable(), summary.file_ledger)
+        budget.assumed_output = options.assume_max_output or 0
     admission = Admission(work, budget, options.assume_max_output)
     limiter = RateLimiter(options.rpm, options.tpm)
     policy = options.policy()
@@ -278,10 +281,10 @@ async def _send_all(
             try:
                 if not await limiter.acquire(admitted.tokens, stop.requested):
                     return  # stopped before it was sent: a rerun sends it
-                request = build_request(
-                    item, admitted.identity, options.target, options.headers, options.key_header
+                request = _request(admitted, options, summary.file_ledger)
+                gate = LimiterGate(
+                    limiter, admitted.tokens, stop, options.usage_pointers, request.sent_before
                 )
-                gate = LimiterGate(limiter, admitted.tokens, stop, options.usage_pointers)
                 record = await _unless_abandoned(_result(sending, request, gate), stop)
                 if record is None:
                     return
@@ -302,6 +305,17 @@ async def _send_all(
     finally:
         summary.budget_stop = admission.exhausted
         summary.rate_limit_pauses = limiter.pauses
+
+
+def _request(admitted: Admitted, options: BatchOptions, file_ledger: Ledger) -> Request:
+    item, identity = admitted.item, admitted.identity
+    request = build_request(item, identity, options.target, options.headers, options.key_header)
+    return replace(
+        request,
+        worst_case=worst_case(item, options.assume_max_output),
+        # SPEC §14: an earlier run sent it and had no answer: the answer it gets is this batch's.
+        sent_before=identity.key in file_ledger.in_doubt,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from idemproxy.batch.keys import request_hash
 from idemproxy.batch.ledger import Ledger
 from idemproxy.batch.prices import PriceTable
 from idemproxy.batch.records import Outcome, ResultRecord
-from idemproxy.batch.summary import FILE_REPLAY_NOTE, RUN_REPLAY_NOTE
+from idemproxy.batch.summary import FILE_REPLAY_NOTE, RUN_REPLAY_NOTE, done_counts, is_late
 from idemproxy.constants import DEFAULT_KEY_HEADER
 
 
@@ -24,7 +24,8 @@ class BatchStatus:
     torn: TornLine | None = None
     unterminated: int | None = None  # a whole last result without its newline: completed
     done: int = 0
-    replayed: int = 0
+    replayed: int = 0  # answered from an execution this batch did not start: cost nothing
+    answered_late: int = 0  # replays of executions this batch's unanswered tries started: paid
     failed: int = 0
     retryable: int = 0  # of `failed`: a rerun tries them again
     unknown: int = 0
@@ -66,7 +67,7 @@ class BatchStatus:
             )
         if self.items is not None:
             lines.append(f"  input items {self.items}" + _invalid(self.invalid))
-        lines.append(f"  done     {self.done} ({self.replayed} replayed)")
+        lines.append(f"  done     {done_counts(self.done, self.replayed, self.answered_late)}")
         retried = f" ({self.retryable} retried on rerun)" if self.retryable else ""
         lines.append(f"  failed   {self.failed}{retried}")
         lines.append(f"  unknown  {self.unknown}")
@@ -79,7 +80,7 @@ class BatchStatus:
             value = getattr(self, name)
             if value is not None:
                 lines.append(f"  {name:<8} {value}")
-        if self.ledger.total_tokens or self.prices is not None:  # else: not an API that bills
+        if self.ledger.metered or self.prices is not None:  # else: not an API that bills
             usage = self.ledger.describe(self.prices, replay_note=FILE_REPLAY_NOTE)
             lines.append(f"  tokens   {usage[0]}")
             lines.extend(f"           {line}" for line in usage[1:])
@@ -138,7 +139,8 @@ def _tally(status: BatchStatus, records: Iterable[ResultRecord]) -> None:
     for record in records:
         if record.outcome is Outcome.DONE:
             status.done += 1
-            status.replayed += int(record.replayed)
+            status.replayed += int(record.replayed and not record.sent_before)
+            status.answered_late += int(is_late(record))
         elif record.outcome is Outcome.FAILED:
             status.failed += 1
             status.retryable += int(record.retryable)

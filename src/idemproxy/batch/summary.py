@@ -12,6 +12,18 @@ from idemproxy.batch.records import Outcome, ResultRecord
 
 RUN_REPLAY_NOTE = "cost nothing now: paid once, when first executed"
 FILE_REPLAY_NOTE = "paid once, by the run that executed them, and not again"
+# SPEC §14: a replay answering a try of this batch that was sent and not answered.
+LATE_NOTE = "answered late: replays of executions this batch's own unanswered tries started, paid"
+
+
+def done_counts(done: int, replayed: int, late: int) -> str:
+    """`N (M replayed)`, and the late answers, which are executions of this batch's own."""
+    late_text = f", {late} {LATE_NOTE}" if late else ""
+    return f"{done} ({replayed} replayed{late_text})"
+
+
+def is_late(record: ResultRecord) -> bool:
+    return record.replayed and record.sent_before
 
 
 @dataclass
@@ -21,7 +33,8 @@ class BatchSummary:
     skipped: int = 0  # already answered in the results file, not sent
     sent: int = 0  # items this run set out to send
     done: int = 0  # answered below 400 this run, replays included
-    replayed: int = 0  # of `done`: answered by the proxy from an earlier execution
+    replayed: int = 0  # of `done`: answered by the proxy from an execution this batch did not start
+    answered_late: int = 0  # of `done`: replays of executions this batch's unanswered tries started
     failed: int = 0
     retryable: int = 0  # of `failed`: retries ran out; a rerun tries again under the same key
     unknown: int = 0
@@ -48,7 +61,8 @@ class BatchSummary:
         self.file_ledger.add(record)
         if record.outcome is Outcome.DONE:
             self.done += 1
-            self.replayed += record.replayed
+            self.replayed += record.replayed and not record.sent_before
+            self.answered_late += is_late(record)
         elif record.outcome is Outcome.FAILED:
             self.failed += 1
             self.retryable += record.retryable
@@ -82,7 +96,7 @@ class BatchSummary:
 
     def describe(self) -> str:
         parts = [
-            f"done {self.done} ({self.replayed} replayed)",
+            f"done {done_counts(self.done, self.replayed, self.answered_late)}",
             f"failed {self.failed}" + (f" ({self.retryable} retryable)" if self.retryable else ""),
             f"unknown {self.unknown}",
             f"skipped {self.skipped}",
@@ -108,7 +122,7 @@ class BatchSummary:
 
     def _metering(self) -> list[str]:
         lines: list[str] = []
-        if self.file_ledger.total_tokens or self.prices is not None or self.limits.active:
+        if self.file_ledger.metered or self.prices is not None or self.limits.active:
             lines += _block(
                 "this run", self.ledger.describe(self.prices, replay_note=RUN_REPLAY_NOTE)
             )

@@ -154,6 +154,45 @@ class Estimate:
         return self.input_tokens + output
 
 
+@dataclass(frozen=True)
+class WorstCase:
+    """The most an item sent without an answer may have used (a result line's `worst_case`):
+    counted against a budget until an answer for its key says what it used. `output_tokens` is
+    None when nothing capped the answer (neither the request nor `--assume-max-output`)."""
+
+    input_tokens: int
+    output_tokens: int | None
+    model: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        output = self.output_tokens
+        total = None if output is None else self.input_tokens + output
+        return {
+            "input_tokens": self.input_tokens,
+            "output_tokens": output,
+            "total_tokens": total,
+            "model": self.model,
+        }
+
+    @classmethod
+    def from_json(cls, value: object) -> WorstCase | None:
+        """A result line's `worst_case`; None for a line that has none (or one we did not write)."""
+        if not isinstance(value, Mapping):
+            return None
+        input_tokens, output = _count(value.get("input_tokens")), value.get("output_tokens")
+        if input_tokens is None or (output is not None and _count(output) is None):
+            return None
+        model = value.get("model")
+        return cls(input_tokens, _count(output), model if isinstance(model, str) else None)
+
+
+def worst_case(item: Item, assumed_output: int | None) -> WorstCase:
+    """What the item may use at most: its estimated prompt and the most its answer may hold."""
+    tokens = estimate(item)
+    output = tokens.output_tokens if tokens.output_tokens is not None else assumed_output
+    return WorstCase(tokens.input_tokens, output, request_model(item))
+
+
 def estimate(item: Item) -> Estimate:
     data, _ = item.payload()
     input_tokens = math.ceil(len(data) / BYTES_PER_TOKEN) if data else 0
