@@ -255,6 +255,18 @@ class JwtSettings(BaseModel):
         return key
 
 
+def _check_pepper(pepper: object, setting: str) -> None:
+    """SPEC §5: an empty or short pepper is an HMAC under a guessable key while the operator
+    believes owners are peppered. A ConfigError, not a ValueError: pydantic would echo the
+    secret in its error."""
+    value = pepper.get_secret_value() if isinstance(pepper, SecretStr) else pepper
+    if isinstance(value, str) and len(value.encode()) < c.MIN_PEPPER_BYTES:
+        raise ConfigError(
+            f"{setting}: the pepper must be at least {c.MIN_PEPPER_BYTES} bytes, random "
+            "(docs/operations.md, Owner pepper); remove it to run without one"
+        )
+
+
 class OwnerSettings(BaseModel):
     """SPEC §5: authorization | header:<NAME> | jwt | none."""
 
@@ -274,7 +286,11 @@ class OwnerSettings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _pepper_file(cls, data: Any) -> Any:
-        return read_secret_files(data, ("pepper",), "owner.")
+        given = isinstance(data, dict) and data.get("pepper_file") not in (None, "")
+        data = read_secret_files(data, ("pepper",), "owner.")
+        if isinstance(data, dict) and data.get("pepper") is not None:
+            _check_pepper(data["pepper"], "owner.pepper_file" if given else "owner.pepper")
+        return data
 
     @model_validator(mode="after")
     def _legacy_needs_pepper(self) -> OwnerSettings:
