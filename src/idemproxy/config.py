@@ -47,6 +47,7 @@ from idemproxy.config_upstream import (
     UpstreamSettings,
     UpstreamTlsSettings,
     check_proxy_url,
+    check_tls_applies,
     key_headers_kept,
     origin_of,
 )
@@ -760,6 +761,7 @@ class Settings(BaseSettings):
         keyed = {check_upstream_url(url): options for url, options in upstreams.items()}
         by_origin: dict[tuple[str, int, bool], UpstreamSettings] = {}
         for url, options in keyed.items():
+            check_tls_applies(url, options)
             # The client keeps connections per origin: one origin, one way to reach it.
             if by_origin.setdefault(origin_of(url), options) != options:
                 raise ValueError(f"{url}: another entry names the same scheme, host and port")
