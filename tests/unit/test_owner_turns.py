@@ -27,6 +27,7 @@ async def test_one_claim_per_owner_at_a_time_and_other_owners_go_on() -> None:
     await asyncio.sleep(0.01)
     await claim("b", "b1")  # not behind owner a's turn
     assert order == ["a1", "b1"]
+    assert turns.busy("a") and not turns.busy("b")
     release.set()
     await asyncio.gather(first, second)
     assert order == ["a1", "b1", "a2"]

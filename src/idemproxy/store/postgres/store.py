@@ -58,7 +58,7 @@ from idemproxy.store.postgres.errors import (
 )
 from idemproxy.store.postgres.kept import KeptConnections
 from idemproxy.store.postgres.listen import listen_forever
-from idemproxy.store.postgres.quota import OwnerTurns, claim_row_within
+from idemproxy.store.postgres.quota import OwnerTurns, claim_row_within, limit_reached
 from idemproxy.store.postgres.renewals import RenewalConnections
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
@@ -297,6 +297,13 @@ class PostgresStore(Store):
         args = (intent.owner, intent.key, job_id, intent.fingerprint, intent.method, intent.path)
         claim = self._claim_in_transaction(args, float(ttl), upstream, float(lease))
         owner_key = (intent.owner, intent.key)
+        if self._quota_turns.busy(intent.owner):
+            # SPEC §9: a refused flood is answered at once, not one by one through the lock.
+            limit = await self._run(
+                "quota_usage", lambda c: limit_reached(c, self._sql, owner_key, limits)
+            )
+            if limit is not None:
+                return limit
         async with self._quota_turns.turn(intent.owner):
             row = await self._run(
                 "claim_quota", lambda c: claim_row_within(c, self._sql, owner_key, limits, claim)
