@@ -47,6 +47,7 @@ from idemproxy.config_upstream import (
     UpstreamSettings,
     UpstreamTlsSettings,
     check_proxy_url,
+    check_tls_applies,
     key_headers_kept,
     origin_of,
 )
@@ -255,6 +256,18 @@ class JwtSettings(BaseModel):
         return key
 
 
+def _check_pepper(pepper: object, setting: str) -> None:
+    """SPEC §5: an empty or short pepper is an HMAC under a guessable key while the operator
+    believes owners are peppered. A ConfigError, not a ValueError: pydantic would echo the
+    secret in its error."""
+    value = pepper.get_secret_value() if isinstance(pepper, SecretStr) else pepper
+    if isinstance(value, str) and len(value.encode()) < c.MIN_PEPPER_BYTES:
+        raise ConfigError(
+            f"{setting}: the pepper must be at least {c.MIN_PEPPER_BYTES} bytes, random "
+            "(docs/operations.md, Owner pepper); remove it to run without one"
+        )
+
+
 class OwnerSettings(BaseModel):
     """SPEC §5: authorization | header:<NAME> | jwt | none."""
 
@@ -274,7 +287,11 @@ class OwnerSettings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _pepper_file(cls, data: Any) -> Any:
-        return read_secret_files(data, ("pepper",), "owner.")
+        given = isinstance(data, dict) and data.get("pepper_file") not in (None, "")
+        data = read_secret_files(data, ("pepper",), "owner.")
+        if isinstance(data, dict) and data.get("pepper") is not None:
+            _check_pepper(data["pepper"], "owner.pepper_file" if given else "owner.pepper")
+        return data
 
     @model_validator(mode="after")
     def _legacy_needs_pepper(self) -> OwnerSettings:
@@ -744,6 +761,7 @@ class Settings(BaseSettings):
         keyed = {check_upstream_url(url): options for url, options in upstreams.items()}
         by_origin: dict[tuple[str, int, bool], UpstreamSettings] = {}
         for url, options in keyed.items():
+            check_tls_applies(url, options)
             # The client keeps connections per origin: one origin, one way to reach it.
             if by_origin.setdefault(origin_of(url), options) != options:
                 raise ValueError(f"{url}: another entry names the same scheme, host and port")

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from idemproxy import constants as c
+from idemproxy.redact import redact_url
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 # RFC 9110 §5.1: a field name is a token.
@@ -89,6 +90,9 @@ class UpstreamTlsSettings(BaseModel):
         if self.key_file is not None and self.cert_file is None:
             raise ValueError("key_file needs cert_file (the client certificate it belongs to)")
         return self
+
+
+_NO_TLS = UpstreamTlsSettings()
 
 
 class UpstreamHeaderSettings(BaseModel):
@@ -171,6 +175,16 @@ def check_proxy_url(url: str) -> str:
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError("must be http://[user:password@]host:port, with no path")
     return url
+
+
+def check_tls_applies(url: str, options: UpstreamSettings) -> None:
+    """Refuses TLS settings on an http:// upstream: the request would go in plaintext while the
+    operator believes it verified (a CA) or authenticated (a client certificate), SPEC §10."""
+    if url.startswith("http://") and options.tls != _NO_TLS:
+        raise ValueError(
+            f"{redact_url(url)}: tls is set but the upstream is http://, where it never applies:"
+            " make it https:// or remove tls"
+        )
 
 
 def origin_of(url: str) -> tuple[str, int, bool]:

@@ -93,6 +93,10 @@ ANONYMOUS_OWNER: Final = "anonymous"
 GLOBAL_OWNER: Final = "global"
 # A webhook route's jobs belong to its sender (SPEC §4.2): `webhook:<sender>`, never a hash.
 WEBHOOK_OWNER_PREFIX: Final = "webhook:"
+# `owner.pepper` (SPEC §5): the HMAC key of every owner; shorter, it no longer stops a copy of
+# the store from testing guesses of a short credential (docs/operations.md asks for 32 random
+# bytes).
+MIN_PEPPER_BYTES: Final = 32
 
 # Webhook senders' headers (SPEC §4.2): Standard Webhooks, GitHub, Stripe.
 STANDARD_WEBHOOK_ID: Final = "webhook-id"

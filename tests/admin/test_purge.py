@@ -131,9 +131,10 @@ def test_in_the_pepper_transition_a_credential_names_its_legacy_owner_too(
 ) -> None:
     """SPEC §5: jobs from before `owner.pepper` are the same customer's; a purge by credential
     erases them as well (the CLI and the admin API purge both owners)."""
-    pepper = {"pepper": "a-pepper-for-tests", "legacy_owners": True}
+    pepper = {"pepper": "a-pepper-for-tests-of-32-bytes-at-least", "legacy_owners": True}
     peppered, legacy = owners_of_credential("Bearer alice", make_settings(owner=pepper).owner)
     assert legacy == ALICE_HASH
     assert peppered != ALICE_HASH and len(peppered) == 64
-    without = owners_of_credential("Bearer alice", make_settings(owner={"pepper": "p"}).owner)
+    alone = make_settings(owner={"pepper": "another pepper, of 32 bytes or more"})
+    without = owners_of_credential("Bearer alice", alone.owner)
     assert without[1] is None

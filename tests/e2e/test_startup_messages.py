@@ -211,3 +211,46 @@ async def test_the_default_owner_strategy_is_explained_once_at_start(
         assert "use owner.strategy jwt or header:<NAME> set by a gateway" in proxy.stderr()
         # SPEC §5: and what it means for clients that sign every request.
         assert "AWS SigV4" in proxy.stderr() and "400 owner-unstable" in proxy.stderr()
+
+
+def test_tls_on_an_http_upstream_stops_the_start(tmp_path: Path, run_cli: RunCli) -> None:
+    """SPEC §10: a CA or a client certificate on an http:// upstream would never apply: the
+    request would go in plaintext while the operator believes it verified."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    config = tmp_path / "idemproxy.yaml"
+    config.write_text(
+        "routes: [{prefix: /, upstream: 'http://127.0.0.1:9'}]\n"
+        f"upstreams: {{'http://127.0.0.1:9': {{tls: {{ca_file: '{ca}'}}}}}}\n"
+    )
+    store = f"sqlite:///{tmp_path}/x.db"
+    done = run_cli("serve", "--config", str(config), "--store", store, timeout=20)
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines() == [
+        "idemproxy: invalid configuration: upstreams: Value error, http://127.0.0.1:9: tls is"
+        " set but the upstream is http://, where it never applies: make it https:// or remove tls"
+    ]
+
+
+async def test_an_identity_provider_not_verified_is_warned_at_start(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """SPEC §5: the provider's keys decide every owner; `idp.tls.verify: false` is warned as an
+    upstream's is."""
+    jwks_uri = f"https://127.0.0.1:{free_port()}/jwks.json"  # down: the start goes on regardless
+    env = {
+        "IDEMPROXY_OWNER__STRATEGY": "jwt",
+        "IDEMPROXY_OWNER__JWT__JWKS_URI": jwks_uri,
+        "IDEMPROXY_OWNER__JWT__ALGORITHMS": "RS256",
+        "IDEMPROXY_OWNER__JWT__AUDIENCE": "api",
+        "IDEMPROXY_OWNER__JWT__IDP__TLS__VERIFY": "false",
+    }
+    store = f"sqlite:///{tmp_path / 'idemproxy.db'}"
+    proxy = await start_proxy("--upstream", "http://127.0.0.1:9", "--store", store, env=env)
+    await _logged(proxy, "listening on")
+    assert await proxy.terminate() == 0, proxy.describe()
+    warning = (
+        f"owner.jwt.idp {jwks_uri}: TLS certificates are not verified (its tls.verify is false):"
+        " anyone on the path can serve the keys that decide every owner"
+    )
+    assert proxy.stderr().count(warning) == 1, proxy.describe()

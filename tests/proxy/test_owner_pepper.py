@@ -17,7 +17,7 @@ from tests.support.proxyapp import ProxyClient, ProxyFactory
 from tests.support.proxychecks import JOB, KEY, REPLAYED, only_job, wait_for_jobs
 
 AUTHORIZATION = "Basic YWxpY2U6aHVudGVyMg=="  # a short password: crackable from a plain hash
-PEPPER = "a pepper only the proxies know"
+PEPPER = "a pepper only the proxies know, 32 bytes or more"
 PEPPERED: dict[str, Any] = {"owner": {"pepper": PEPPER}}
 TRANSITION: dict[str, Any] = {"owner": {"pepper": PEPPER, "legacy_owners": True}}
 PLAIN_OWNER = hashlib.sha256(AUTHORIZATION.encode()).hexdigest()

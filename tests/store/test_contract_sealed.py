@@ -11,6 +11,8 @@ import pytest
 from idemproxy.core.types import JobState, SealedResponse, StoredResponse
 from idemproxy.errors import ResponseUnreadable
 from idemproxy.ops.reseal import report_lines, reseal_store
+from idemproxy.ops.resolution import Resolution
+from idemproxy.ops.service import resolve_job
 from idemproxy.store.base import Store
 from idemproxy.store.seal.codec import ResponseCodec
 from idemproxy.store.seal.store import SealingStore
@@ -253,3 +255,25 @@ async def test_reseal_tells_a_box_that_does_not_open_from_a_key_not_in_the_ring(
     lines = report_lines(report)
     assert f"1 unreadable (sealed with a key not in the ring), left as they are: {lost}" in lines
     assert f"1 unreadable (do not open: altered or moved), left as they are: {altered}" in lines
+
+
+async def test_require_sealed_refuses_resolving_with_a_late_response_in_the_clear(
+    store: Store, rows: RawRows
+) -> None:
+    """An operator's resolution from a late response kept in the clear would seal it as the
+    job's response, to be replayed: under require_sealed it is refused as its replay would be."""
+    claimed = await claim_leased(store, lease=0.05)  # a proxy without the key ring
+    await asyncio.sleep(0.2)
+    assert await store.take_over(await current(store, claimed.job))
+    assert not await store.complete(claimed.job, 1, PRIVATE, ttl=TTL)  # kept on the attempt
+    assert (await rows.late(claimed.job.id, 1))["late_key"] is None
+
+    strict = sealing(store, codec(OLD, require_sealed=True))
+    resolution = Resolution(JobState.COMPLETED, from_attempt=1)
+    with pytest.raises(ResponseUnreadable, match="require_sealed"):
+        await resolve_job(strict, claimed.job.id, resolution, default_ttl=TTL)
+    assert (await job_of(store, claimed.job.id)).state is JobState.UNKNOWN  # nothing changed
+    lenient = sealing(store, codec(OLD))
+    await resolve_job(lenient, claimed.job.id, resolution, default_ttl=TTL)
+    resolved = await job_of(lenient, claimed.job.id)
+    assert resolved.response is not None and lenient.opened(resolved, resolved.response) == PRIVATE

@@ -27,6 +27,7 @@ from idemproxy.identity.owner import (
 
 TOKEN = "Bearer sk-live-4f9a1c2e7b"
 OTHER_TOKEN = "Bearer sk-live-4f9a1c2e7c"
+FILE_PEPPER = "a pepper read from a file, 32 bytes at least"
 
 
 def sha256_hex(value: str) -> str:
@@ -216,13 +217,27 @@ def test_the_transition_also_names_the_plain_owner() -> None:
 
 def test_the_pepper_comes_from_a_file_and_the_transition_needs_it(tmp_path: Path) -> None:
     secret = tmp_path / "pepper"
-    secret.write_text("from a file\n")
+    secret.write_text(FILE_PEPPER + "\n")
     settings = load_settings(upstream="http://x:1", owner={"pepper_file": str(secret)})
-    assert owner_policy(settings.owner).pepper == b"from a file"
+    assert owner_policy(settings.owner).pepper == FILE_PEPPER.encode()
     with pytest.raises(ValidationError, match="legacy_owners is the transition"):
         load_settings(upstream="http://x:1", owner={"legacy_owners": True})
     with pytest.raises(ConfigError, match="legacy_owners"):
         OwnerPolicy(legacy_owners=True)
+
+
+@pytest.mark.parametrize("pepper", ["", "short", "x" * 31, "é" * 15 + "x"])
+def test_an_empty_or_short_pepper_is_refused(pepper: str, tmp_path: Path) -> None:
+    """SPEC §5: an empty pepper is an HMAC under an empty key while the operator believes owners
+    are peppered; at least 32 bytes (not characters), given or read from a file."""
+    with pytest.raises(ConfigError, match=r"^owner\.pepper: .*at least 32 bytes") as refused:
+        load_settings(upstream="http://x:1", owner={"pepper": pepper})
+    assert pepper not in str(refused.value) or not pepper  # the secret is never echoed
+    secret = tmp_path / "pepper"
+    secret.write_text(pepper + "\n")
+    with pytest.raises(ConfigError, match=r"^owner\.pepper_file: "):
+        load_settings(upstream="http://x:1", owner={"pepper_file": str(secret)})
+    assert load_settings(upstream="http://x:1", owner={"pepper": "y" * 32}).owner.pepper
 
 
 def test_an_operator_names_an_owner_by_its_credential() -> None:

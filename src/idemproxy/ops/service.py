@@ -15,7 +15,7 @@ from idemproxy.constants import (
     RESOLUTION_OPERATOR,
     WEBHOOK_OWNER_PREFIX,
 )
-from idemproxy.core.types import Job, JobState, KeptResponse
+from idemproxy.core.types import Job, JobState, KeptResponse, StoredResponse
 from idemproxy.errors import (
     DeletionLost,
     InvalidRequest,
@@ -173,6 +173,10 @@ async def _late_response(store: Store, job: Job, number: int) -> KeptResponse:
             "after the job was taken over is kept, within max_stored_body per job); nothing "
             "was changed"
         )
+    if isinstance(kept, StoredResponse):
+        # SPEC §11: under `encryption.require_sealed` one in the clear is refused here, as its
+        # replay would be; sealed now, a planted response would be replayed as the job's.
+        kept = store.opened(job, kept)
     return kept
 
 

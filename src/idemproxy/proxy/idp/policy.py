@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 from idemproxy.config import OwnerSettings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.owner import OwnerPolicy, owner_policy
 from idemproxy.proxy.idp.fetch import JwksClient
 from idemproxy.proxy.idp.keys import RemoteKeys
 from idemproxy.proxy.upstream.tls import tls_context
+from idemproxy.redact import redact_url
+
+log = logging.getLogger(__name__)
 
 
 def build_owner_policy(settings: OwnerSettings) -> OwnerPolicy:
@@ -21,4 +26,11 @@ def build_owner_policy(settings: OwnerSettings) -> OwnerPolicy:
         tls = tls_context(jwt.idp.tls)
     except ValueError as exc:
         raise ConfigError(f"owner.jwt.idp.tls.{exc}") from exc
+    if not jwt.idp.tls.verify:
+        # As an upstream's (proxy/upstream/dial.py): said once at start, never in silence.
+        log.warning(
+            "owner.jwt.idp %s: TLS certificates are not verified (its tls.verify is false):"
+            " anyone on the path can serve the keys that decide every owner",
+            redact_url(jwt.jwks_uri or jwt.issuer or ""),
+        )
     return owner_policy(settings, keys=RemoteKeys(JwksClient(jwt, tls), jwt.idp))

@@ -24,7 +24,7 @@ from idemproxy.core.decision import (
 )
 from idemproxy.core.quota import IN_FLIGHT, RATE, STORED_BYTES, QuotaLimits, retry_after
 from idemproxy.core.states import EXPIRABLE
-from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState, StoredResponse
+from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState
 from idemproxy.errors import (
     JobLost,
     ProblemError,
@@ -126,11 +126,11 @@ async def _turns(
             # Class patterns without captures: a capture makes CPython build a set of the
             # attribute names (match_class), on every replay.
             case Replay():
-                stored = decision.response
-                if not isinstance(stored, StoredResponse):
-                    # SPEC §11: sealed at rest, opened after the fingerprint matched; one that
-                    # does not open is refused (500 response-unreadable), never forwarded.
-                    stored = ctx.store.opened(job, stored)
+                # SPEC §11: sealed at rest, opened after the fingerprint matched; one that
+                # does not open, or one in the clear under `encryption.require_sealed`, is
+                # refused (500 response-unreadable), never forwarded. Whichever layer it came
+                # from (the store, a replay cache, a held duplicate's re-read).
+                stored = ctx.store.opened(job, decision.response)
                 # SPEC §7: fitted to this retry's Accept-Encoding and Origin, on every path
                 # that replays (a completed job, a held duplicate, either cache).
                 request = governed.request

@@ -58,7 +58,7 @@ from idemproxy.store.postgres.errors import (
 )
 from idemproxy.store.postgres.kept import KeptConnections
 from idemproxy.store.postgres.listen import listen_forever
-from idemproxy.store.postgres.quota import claim_row_within
+from idemproxy.store.postgres.quota import OwnerTurns, claim_row_within, limit_reached
 from idemproxy.store.postgres.renewals import RenewalConnections
 from idemproxy.store.queries import load_migrations, load_queries
 from idemproxy.store.rows import (
@@ -123,6 +123,8 @@ class PostgresStore(Store):
         self._sql = load_queries("postgres")
         self._pool: asyncpg.Pool | None = None
         self._kept: KeptConnections | None = None
+        # SPEC §9: one owner's quota claims take turns before taking a connection.
+        self._quota_turns = OwnerTurns(command_timeout)
         self._listener: asyncio.Task[None] | None = None
         # The Citus version when the database is a Citus coordinator (read at open): job
         # changes are then announced from the coordinator and the sweep takes its variant.
@@ -295,9 +297,17 @@ class PostgresStore(Store):
         args = (intent.owner, intent.key, job_id, intent.fingerprint, intent.method, intent.path)
         claim = self._claim_in_transaction(args, float(ttl), upstream, float(lease))
         owner_key = (intent.owner, intent.key)
-        row = await self._run(
-            "claim_quota", lambda c: claim_row_within(c, self._sql, owner_key, limits, claim)
-        )
+        if self._quota_turns.busy(intent.owner):
+            # SPEC §9: a refused flood is answered at once, not one by one through the lock.
+            limit = await self._run(
+                "quota_usage", lambda c: limit_reached(c, self._sql, owner_key, limits)
+            )
+            if limit is not None:
+                return limit
+        async with self._quota_turns.turn(intent.owner):
+            row = await self._run(
+                "claim_quota", lambda c: claim_row_within(c, self._sql, owner_key, limits, claim)
+            )
         if isinstance(row, str):
             return row
         if row is None:  # a concurrent claim of the key committed first: a duplicate

@@ -67,7 +67,9 @@ FROM existing;
 
 -- name: lock_owner
 -- SPEC §9: quotas. New jobs of one owner are claimed one at a time across every replica (the
--- lock ends with the transaction), so that each counts what the ones before it claimed.
+-- lock ends with the transaction), so that each counts what the ones before it claimed. Within
+-- a process they take turns before taking a connection (store/postgres/quota.py `OwnerTurns`):
+-- at most one connection per owner and process waits here.
 SELECT pg_advisory_xact_lock(hashtextextended($1, 7320417));
 
 -- name: quota_usage
