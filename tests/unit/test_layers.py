@@ -207,7 +207,8 @@ RULES = {
     ),
     "so are the quotas' settings": Rule("config_quotas", only=("config_quotas", "units")),
     "so are the upstream leg's settings": Rule(
-        "config_upstream", only=("config_upstream", "errors", "constants", "units", "secret_files")
+        "config_upstream",
+        only=("config_upstream", "errors", "constants", "units", "secret_files", "redact"),
     ),
     "and the key sources' and webhooks' settings": Rule(
         "config_keys", only=("config_keys", "config_upstream", "errors", "constants", "units")
