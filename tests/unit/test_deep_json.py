@@ -195,3 +195,27 @@ def test_a_number_token_kept_as_text_is_written_as_before() -> None:
     body = b'{"b": [1.10, -0, 1E2, 0.30000000000000000001], "a": "\\u00e9"}'
     assert canonical_json(body) == _old_canonical_json(body)
     assert canonical_json(body) == '{"a":"é","b":[1.10,-0,1E2,0.30000000000000000001]}'.encode()
+
+
+@given(documents, st.integers(1, 3))
+def test_the_sliced_writer_writes_what_the_c_writer_writes(document: Any, width: int) -> None:
+    """A large body is written a slice at a time (so that the event loop can run between
+    slices): the same text, whatever the slices."""
+    wide = deep_json._SLICE
+    deep_json._SLICE = width
+    try:
+        assert deep_json.canonical(document, _ENCODER, sliced=True) == _ENCODER.encode(document)
+    finally:
+        deep_json._SLICE = wide
+
+
+def test_a_large_body_is_written_as_a_small_one_is() -> None:
+    """Above 64 KiB canonical_json writes in slices: a slice with a kept number token or a
+    deep member is walked, the others written by the C encoder."""
+    members = [b'{"k%d": [%d, 2.5, "\\u00e9"]}' % (n, n) for n in range(5_000)]
+    members[10] = b"[1.50, -0]"
+    members[20] = b"[" * DEPTH + b"]" * DEPTH
+    body = b"[" + b", ".join(members) + b"]"
+    assert len(body) > 64 * 1024
+    expected = b"[" + b",".join(m.replace(b" ", b"") for m in members) + b"]"
+    assert canonical_json(body) == expected.replace(b"\\u00e9", "é".encode())

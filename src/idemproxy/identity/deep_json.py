@@ -131,10 +131,16 @@ def _skip(text: str, pos: int) -> int:
     return match.end()
 
 
-def canonical(document: Any, scalar: json.JSONEncoder) -> str:
+def canonical(document: Any, encoder: json.JSONEncoder, *, sliced: bool = False) -> str:
     """What `json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)` writes
-    for `document`, at any depth, with every `Verbatim` written as its text. `scalar` writes
-    each number and literal (the encoder whose output this must equal)."""
+    for `document`, at any depth, with every `Verbatim` written as its text. `encoder` is that
+    encoder: it writes each number and literal.
+
+    `sliced` writes the members of a container wider than `_SLICE` by one call of the C encoder
+    per `_SLICE` of them (walked, if one is deep or holds a Verbatim): the C encoder never lets
+    another thread run while it works, so a large body written whole would hold the event loop
+    even from a worker thread (proxy/offload.py); between two slices, it can run.
+    """
     parts: list[str] = []
     # What is left to write, last first: values, and the punctuation between them as Verbatim.
     pending: list[Any] = [document]
@@ -142,24 +148,74 @@ def canonical(document: Any, scalar: json.JSONEncoder) -> str:
         node = pending.pop()
         if isinstance(node, Verbatim):
             parts.append(node.text)
+        elif isinstance(node, _Slice):
+            _write_slice(node.members, encoder, parts, pending)
         elif isinstance(node, str):
             parts.append(encode_basestring(node))
         elif isinstance(node, dict):
             pending.append(_CLOSE_OBJECT)
-            for index, name in reversed(list(enumerate(sorted(node)))):
-                pending.append(node[name])
-                pending.append(Verbatim(("," if index else "") + encode_basestring(name) + ":"))
+            _push(node, pending, sliced)
             parts.append("{")
         elif isinstance(node, list):
             pending.append(_CLOSE_ARRAY)
-            for index in range(len(node) - 1, -1, -1):
-                pending.append(node[index])
-                if index:
-                    pending.append(_COMMA)
+            _push(node, pending, sliced)
             parts.append("[")
         else:
-            parts.append(scalar.encode(node))
+            parts.append(encoder.encode(node))
     return "".join(parts)
+
+
+_SLICE = 256
+
+
+class _Slice:
+    """Consecutive members of a container, written by one call of the C encoder."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, members: dict[str, Any] | list[Any]) -> None:
+        self.members = members
+
+
+def _push(node: dict[str, Any] | list[Any], pending: list[Any], sliced: bool) -> None:
+    """Push the members of `node` and the punctuation between them on `pending`, last first."""
+    if not (sliced and len(node) > _SLICE):
+        _push_members(node, pending)
+        return
+    slices: list[dict[str, Any] | list[Any]]
+    if isinstance(node, dict):
+        names = sorted(node)
+        slices = [{n: node[n] for n in names[i : i + _SLICE]} for i in range(0, len(names), _SLICE)]
+    else:
+        slices = [node[i : i + _SLICE] for i in range(0, len(node), _SLICE)]
+    for index in range(len(slices) - 1, -1, -1):
+        pending.append(_Slice(slices[index]))
+        if index:
+            pending.append(_COMMA)
+
+
+def _push_members(node: dict[str, Any] | list[Any], pending: list[Any]) -> None:
+    if isinstance(node, dict):
+        for index, name in reversed(list(enumerate(sorted(node)))):
+            pending.append(node[name])
+            pending.append(Verbatim(("," if index else "") + encode_basestring(name) + ":"))
+        return
+    for index in range(len(node) - 1, -1, -1):
+        pending.append(node[index])
+        if index:
+            pending.append(_COMMA)
+
+
+def _write_slice(
+    members: dict[str, Any] | list[Any],
+    encoder: json.JSONEncoder,
+    parts: list[str],
+    pending: list[Any],
+) -> None:
+    try:
+        parts.append(encoder.encode(members)[1:-1])  # without the brackets of the slice
+    except (TypeError, RecursionError):  # a Verbatim, or deeper than the C encoder goes
+        _push_members(members, pending)
 
 
 _CLOSE_OBJECT, _CLOSE_ARRAY, _COMMA = Verbatim("}"), Verbatim("]"), Verbatim(",")

@@ -162,7 +162,7 @@ def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
         document = _parsed(text)
         for pointer in exclude_pointers:
             _remove(document, parse_pointer(pointer))
-        canonical = _encode(document)
+        canonical = _encode(document, len(body))
     except (UnicodeDecodeError, ValueError):
         return body
     return canonical.encode("utf-8", "surrogatepass")
@@ -226,11 +226,18 @@ class _Number(deep_json.Verbatim):
     __slots__ = ()
 
 
-def _encode(document: Any) -> str:
+def _encode(document: Any, size: int) -> str:
+    if size > _SLICED_ABOVE:  # deep_json.canonical: lets other threads run while it writes
+        return deep_json.canonical(document, _CANONICAL, sliced=True)
     try:
         return _CANONICAL.encode(document)
     except (TypeError, RecursionError):  # a _Number, which the C encoder cannot write; depth
         return deep_json.canonical(document, _CANONICAL)
+
+
+# The C encoder writes 64 KiB in about 5 ms (sys.getswitchinterval(): how long a thread may
+# hold the interpreter before another may run), and a larger body in slices.
+_SLICED_ABOVE = 64 * 1024
 
 
 def _decoded(body: bytes) -> str:

@@ -43,6 +43,7 @@ from idemproxy.metrics import AttemptOutcome, UpstreamOutcome
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.lease import KeptLease
 from idemproxy.proxy.jobs.request import GovernedRequest
+from idemproxy.proxy.offload import off_loop
 from idemproxy.proxy.reasons import FailureReason, upstream_reason
 from idemproxy.proxy.routing import upstream_origin
 from idemproxy.proxy.server.capture import Captured, answer, capture, tee
@@ -185,7 +186,10 @@ async def _finish_captured(
     try:
         if gate is not None and checks_contract(outcome):
             content = await captured.content() if captured.whole else None
-            broken = gate.contract.violations(upstream.status, content)
+            # proxy/offload.py: a large body is parsed and validated on a worker thread.
+            broken = await off_loop(
+                content or b"", gate.contract.violations, upstream.status, content
+            )
             if broken:
                 governed.trace.failed(attempt.upstream, FailureReason.CONTRACT)
                 captured.close()
