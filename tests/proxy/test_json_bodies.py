@@ -1,5 +1,5 @@
 """A JSON body of any depth and size, on a JSON Pointer route (SPEC §4.1, §6): it gives its key,
-and parsing it never holds the event loop that every other request shares (proxy/offload.py)."""
+and parsing it never holds the event loop that every other request shares (http/offload.py)."""
 
 from __future__ import annotations
 

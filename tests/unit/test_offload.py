@@ -1,4 +1,4 @@
-"""proxy/offload.py: which bodies are parsed off the event loop, and the collector's pause."""
+"""http/offload.py: which bodies are parsed off the event loop, and the collector's pause."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import gc
 import threading
 
-from idemproxy.proxy import offload
+from idemproxy.http import offload
 
 
 def test_a_body_is_heavy_by_its_size_or_its_containers() -> None:

@@ -139,7 +139,7 @@ def canonical(document: Any, encoder: json.JSONEncoder, *, sliced: bool = False)
     `sliced` writes the members of a container wider than `_SLICE` by one call of the C encoder
     per `_SLICE` of them (walked, if one is deep or holds a Verbatim): the C encoder never lets
     another thread run while it works, so a large body written whole would hold the event loop
-    even from a worker thread (proxy/offload.py); between two slices, it can run.
+    even from a worker thread (http/offload.py); between two slices, it can run.
     """
     parts: list[str] = []
     # What is left to write, last first: values, and the punctuation between them as Verbatim.

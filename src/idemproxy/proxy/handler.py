@@ -17,6 +17,7 @@ from idemproxy.errors import (
     ProblemError,
 )
 from idemproxy.http.host import host_problem
+from idemproxy.http.offload import heavy
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.key import parse_key
@@ -26,7 +27,6 @@ from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.intent import intent_of, intent_off_loop, owners_after_refresh
 from idemproxy.proxy.jobs.governed import handle_governed
 from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
-from idemproxy.proxy.offload import heavy
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody, read_body
@@ -231,6 +231,6 @@ async def _identify(
         spool_threshold=ctx.settings.server.spool_threshold,
     )
     transition = None if legacy is None else OwnerTransition(owner, legacy)
-    if not body.spooled and heavy(body.memory):  # its JSON is parsed on a thread (offload.py)
+    if not body.spooled and heavy(body.memory):  # its JSON is parsed on a thread (http/offload.py)
         return await intent_off_loop(ctx, request, owner, key, body), body, transition
     return intent_of(ctx, request, owner, key, body), body, transition

@@ -6,11 +6,11 @@ from aiohttp import hdrs, web
 
 from idemproxy.core.types import Intent
 from idemproxy.errors import OwnerMissing
+from idemproxy.http.offload import heavy, in_thread
 from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
 from idemproxy.identity.jwt_owner import UNVERIFIED, KeyNotLoaded
 from idemproxy.identity.owner import derive_owners
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.offload import heavy, in_thread
 from idemproxy.proxy.server.body import RequestBody, read_body
 
 
@@ -68,7 +68,7 @@ def intent_of(
 async def intent_off_loop(
     ctx: ProxyContext, request: web.Request, owner: str, key: str, body: RequestBody
 ) -> Intent:
-    """`intent_of`, with a `heavy` body canonicalised on a worker thread (proxy/offload.py)."""
+    """`intent_of`, with a `heavy` body canonicalised on a worker thread (http/offload.py)."""
     if body.spooled or not heavy(body.memory):
         return intent_of(ctx, request, owner, key, body)
     head = _head(request)

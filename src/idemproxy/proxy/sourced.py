@@ -8,12 +8,12 @@ from aiohttp import web
 from idemproxy.core.types import Intent
 from idemproxy.errors import HeaderInvalid, KeyInvalid, KeyMissing, OwnerUnstable
 from idemproxy.http.headers import hop_by_hop
+from idemproxy.http.offload import off_loop
 from idemproxy.identity.key_source import KeySource
 from idemproxy.identity.webhooks import WebhookVerifier
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.intent import governed_body, intent_off_loop, request_owners
 from idemproxy.proxy.jobs.request import OwnerTransition
-from idemproxy.proxy.offload import off_loop
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody
 
@@ -75,7 +75,7 @@ async def _identify_delivery(
 
 async def _key(route: Route, source: KeySource, request: web.Request, body: bytes) -> str | None:
     """SPEC §4.1: a source that is absent or not a valid key is `require_key`'s to decide. A
-    large body is parsed on a worker thread (proxy/offload.py)."""
+    large body is parsed on a worker thread (http/offload.py)."""
     try:
         key = await off_loop(body, source.key, request.headers, body)
     except KeyInvalid:

@@ -38,12 +38,12 @@ from idemproxy.core.attempts import (
 from idemproxy.core.types import HeaderPairs, Job, StoredResponse
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
+from idemproxy.http.offload import off_loop
 from idemproxy.http.problems import problem_response
 from idemproxy.metrics import AttemptOutcome, UpstreamOutcome
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.lease import KeptLease
 from idemproxy.proxy.jobs.request import GovernedRequest
-from idemproxy.proxy.offload import off_loop
 from idemproxy.proxy.reasons import FailureReason, upstream_reason
 from idemproxy.proxy.routing import upstream_origin
 from idemproxy.proxy.server.capture import Captured, answer, capture, tee
@@ -186,7 +186,7 @@ async def _finish_captured(
     try:
         if gate is not None and checks_contract(outcome):
             content = await captured.content() if captured.whole else None
-            # proxy/offload.py: a large body is parsed and validated on a worker thread.
+            # http/offload.py: a large body is parsed and validated on a worker thread.
             broken = await off_loop(
                 content or b"", gate.contract.violations, upstream.status, content
             )
