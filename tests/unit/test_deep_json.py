@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from idemproxy.errors import KeyInvalid
-from idemproxy.identity import deep_json
+from idemproxy.identity import deep_json, key_source
+from idemproxy.identity import fingerprint as fingerprint_module
 from idemproxy.identity.fingerprint import canonical_json, fingerprint
 from idemproxy.identity.key_source import KeySource
 
@@ -100,6 +101,9 @@ def _old_canonical_parts(node: Any, encoder: json.JSONEncoder) -> Iterator[str]:
 
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 _DECODERS = [
+    key_source._DECODER,  # the key's: integers as text, a repeated name is KeyInvalid
+    fingerprint_module._DECODER,  # the canonical form's, and its decoder for -0
+    fingerprint_module._WITH_NEGATIVE_ZERO,
     json.JSONDecoder(),
     json.JSONDecoder(
         parse_float=deep_json.Verbatim,
@@ -141,6 +145,8 @@ def texts(draw: st.DrawFn) -> str:
 def _outcome(parse: Any, text: str) -> tuple[str, Any]:
     try:
         value = parse(text)
+    except KeyInvalid:
+        return "key-invalid", None
     except ValueError:
         return "invalid", None
     return "value", _comparable(value)
@@ -149,7 +155,7 @@ def _outcome(parse: Any, text: str) -> tuple[str, Any]:
 def _comparable(value: Any) -> Any:
     """The value with its types and order, floats by their repr (NaN is never equal)."""
     if isinstance(value, deep_json.Verbatim):
-        return ("verbatim", value.text)
+        return (type(value).__name__, value.text)
     if isinstance(value, list | tuple):
         return (type(value).__name__, [_comparable(item) for item in value])
     if isinstance(value, dict):
