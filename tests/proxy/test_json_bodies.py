@@ -76,6 +76,20 @@ async def test_a_deep_body_without_its_key_is_refused_when_the_key_is_required(
     assert ledger.count() == 1
 
 
+async def test_a_deep_body_over_1_mib_is_refused_before_any_claim(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    """SPEC §9: read at that depth, it would cost seconds of CPU; never passed through."""
+    client = await orders(proxy, backend_url)
+    levels = 600_000
+    body = b'{"order_id": "deep-3", "x": %s}' % (b"[" * levels + b"]" * levels)
+    async with client.post("/orders", data=io.BytesIO(body), headers=JSON) as response:
+        problem = await assert_problem(response, "body-too-large", 413)
+    assert "deeper than about 1,000 levels" in problem["detail"]
+    assert ledger.count() == 0
+    assert await jobs.list_jobs() == []
+
+
 # --- a large body and the event loop -------------------------------------------------------------
 
 

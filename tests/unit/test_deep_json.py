@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from idemproxy.errors import KeyInvalid
+from idemproxy.errors import BodyTooLarge, KeyInvalid
 from idemproxy.identity import deep_json, key_source
 from idemproxy.identity import fingerprint as fingerprint_module
 from idemproxy.identity.fingerprint import canonical_json, fingerprint
@@ -225,3 +225,20 @@ def test_a_large_body_is_written_as_a_small_one_is() -> None:
     assert len(body) > 64 * 1024
     expected = b"[" + b",".join(m.replace(b" ", b"") for m in members) + b"]"
     assert canonical_json(body) == expected.replace(b"\\u00e9", "é".encode())
+
+
+def test_a_deep_body_over_1_mib_is_refused_never_taken_as_keyless() -> None:
+    """The stack parser costs 10 to 20 times the C one: beyond `MAX_DEEP_TEXT` a body too deep
+    for the C parser is `413 body-too-large` (SPEC §9) for its key and its fingerprint alike."""
+    levels = deep_json.MAX_DEEP_TEXT // 2
+    large = b'{"id": "k", "x": %s}' % (b"[" * levels + b"]" * levels)
+    with pytest.raises(BodyTooLarge, match="deeper than about 1,000 levels"):
+        pointed("/id", large)
+    with pytest.raises(BodyTooLarge):
+        canonical_json(large)
+    shallow = b'{"id": "k", "x": [%s]}' % (b"[1]," * levels + b"[1]")
+    assert pointed("/id", shallow) == "k"  # a large body the C parser reads is read
+    levels = deep_json.MAX_DEEP_TEXT // 2 - 20
+    within = b'{"id": "k", "x": %s}' % (b"[" * levels + b"]" * levels)
+    assert len(within) <= deep_json.MAX_DEEP_TEXT
+    assert pointed("/id", within) == "k"

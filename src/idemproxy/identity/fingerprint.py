@@ -155,7 +155,8 @@ def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
     A document with a member name twice in an object counts as not valid JSON (RFC 8259 §4:
     which value counts is the parser's choice, so no canonical form can stand for it), and so
     does one with NaN or Infinity, which are not JSON. A document of any depth is canonicalised
-    (identity/deep_json.py): one too deep for the C parser is no longer hashed as raw bytes.
+    (identity/deep_json.py): one too deep for the C parser is no longer hashed as raw bytes, and
+    is `BodyTooLarge` beyond `deep_json.MAX_DEEP_TEXT` (SPEC §9).
     """
     try:
         text = _decoded(body)
@@ -232,7 +233,7 @@ def _encode(document: Any, size: int) -> str:
     try:
         return _CANONICAL.encode(document)
     except (TypeError, RecursionError):  # a _Number, which the C encoder cannot write; depth
-        return deep_json.canonical(document, _CANONICAL)
+        return deep_json.canonical(document, _CANONICAL, sliced=True)
 
 
 # The C encoder writes 64 KiB in about 5 ms (sys.getswitchinterval(): how long a thread may
