@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 
 from idemproxy.http import offload
@@ -18,17 +19,20 @@ def test_a_body_is_heavy_by_its_size_or_its_containers() -> None:
     assert not offload.heavy(b"[" * 100 + b"]" * 100)
 
 
-def _where() -> tuple[int, bool]:
-    return threading.get_ident(), gc.isenabled()
+def _where() -> tuple[int, bool, float]:
+    return threading.get_ident(), gc.isenabled(), sys.getswitchinterval()
 
 
 async def test_a_light_body_stays_on_the_loop_and_a_heavy_one_goes_to_a_thread() -> None:
     loop_thread = threading.get_ident()
-    assert await offload.off_loop(b"{}", _where) == (loop_thread, True)
-    thread, collecting = await offload.off_loop(b"[" * 20_000, _where)
+    interval = sys.getswitchinterval()
+    assert await offload.off_loop(b"{}", _where) == (loop_thread, True, interval)
+    thread, collecting, switch = await offload.off_loop(b"[" * 20_000, _where)
     assert thread != loop_thread
     assert not collecting  # paused while it parses
-    assert gc.isenabled()  # and resumed after
+    assert switch <= 0.001  # the loop gets the interpreter back sooner meanwhile
+    assert gc.isenabled()  # and both are as they were after
+    assert sys.getswitchinterval() == interval
 
 
 async def test_the_collector_resumes_after_the_last_of_concurrent_parses() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import sys
 import threading
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -48,34 +49,46 @@ async def in_thread(work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> 
 
 
 class _Pauses:
-    """The cyclic garbage collector, paused while any thread parses a large body.
+    """The cyclic garbage collector, paused while any thread parses a large body, and the
+    interpreter's switch interval shortened.
 
     A 9 MiB body is half a million containers: their allocation sets off full collections,
     each of which walks every object of the process (150 to 330 ms, measured) holding the
     interpreter, so the event loop stood still as if the body were parsed on it. A parsed
     document holds no reference cycle (JSON is a tree): it is freed by reference counting alone,
     and the collections resume after the last parse. Never re-enabled if it was off before.
+    The event loop waits for the worker to hand over the interpreter after each of its wake-ups
+    (up to `sys.getswitchinterval()`, 5 ms by default, several times per request): 1 ms meanwhile
+    took the median pass-through during 9 MiB uploads from 21 ms to 9 ms (2.3 ms idle).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._count = 0
         self._resume = False
+        self._interval = sys.getswitchinterval()
 
     def enter(self) -> None:
         with self._lock:
             if self._count == 0:
                 self._resume = gc.isenabled()
                 gc.disable()
+                self._interval = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._interval, _SWITCH_SECONDS))
             self._count += 1
 
     def leave(self) -> None:
         with self._lock:
             self._count -= 1
-            if self._count == 0 and self._resume:
-                gc.enable()
+            if self._count == 0:
+                sys.setswitchinterval(self._interval)
+                if self._resume:
+                    gc.enable()
 
 
+# While a worker parses, the event loop waits for the interpreter after each of its wake-ups
+# for at most this long, rather than the default 5 ms: a pass-through request has a few.
+_SWITCH_SECONDS = 0.001
 _PAUSES = _Pauses()
 
 
