@@ -360,6 +360,10 @@ async def test_a_body_that_is_not_json_is_400(
     job = await make_unknown(proxy, upstream, store, "k-1")
     async with admin.post(f"/jobs/{job.id}/resolve", data=b"as=released") as response:
         await assert_problem(response, 400, "invalid-request")
+    # Too deep for json.loads: it raised RecursionError out of the handler, a 500.
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with admin.post(f"/jobs/{job.id}/resolve", data=deep) as response:
+        await assert_problem(response, 400, "invalid-request")
 
 
 async def test_a_body_over_max_stored_body_is_refused(

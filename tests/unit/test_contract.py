@@ -85,3 +85,22 @@ def test_at_most_five_violations_are_reported(tmp_path: Path) -> None:
     rules = contract(tmp_path)
     body = {"id": 1, "choices": [{"text": n} for n in range(10)]}
     assert len(rules.violations(200, json.dumps(body).encode())) == 5
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 10_000 + b"]" * 10_000,  # too deep for the parser
+        b"[" * 400 + b"]" * 400,  # too deep for jsonschema, which validates recursively
+    ],
+)
+def test_a_body_too_deep_to_check_is_a_violation_not_a_crash(tmp_path: Path, body: bytes) -> None:
+    """A valid JSON body deeper than the recursion limit raised RecursionError out of the
+    attempt; it cannot be judged, so it is a breach (SPEC §3.4: the upstream acted)."""
+    arrays = {"type": "array", "items": {"$ref": "#/$defs/n"}}
+    nested = {"$defs": {"n": arrays}, "$ref": "#/$defs/n"}
+    rules = contract(tmp_path, schema=json.dumps(nested))
+    assert rules.violations(200, b"[[[]]]") == []
+    assert rules.violations(200, body) == [
+        "body is nested too deeply to check against the contract"
+    ]

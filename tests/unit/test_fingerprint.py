@@ -390,8 +390,7 @@ def test_non_json_bodies_ignore_exclusions() -> None:
         pytest.param(b"\x00\x01\x02", id="binary"),
         pytest.param(b"1" * 5000, id="int-too-many-digits"),
         pytest.param(b"[" * 100_000, id="deeply-nested-unterminated"),
-        pytest.param(b"[" * 5000 + b"]" * 5000, id="deeply-nested-valid"),
-        pytest.param(b'{"a":' * 5000 + b"1" + b"}" * 5000, id="deeply-nested-objects"),
+        pytest.param(b'{"a":' * 5000 + b"1" + b"}" * 4999, id="deeply-nested-truncated"),
     ],
 )
 def test_unparsable_json_bodies_do_not_crash_and_are_deterministic(body: bytes) -> None:

@@ -363,6 +363,13 @@ class TestUnusableJwksEntries:
         assert len(built) == 1
 
 
+def test_a_jwks_nested_too_deeply_is_a_config_error_not_a_crash() -> None:
+    """RecursionError left the parser: the key refresher's task died with a traceback."""
+    deep = b'{"keys": %s}' % (b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(ConfigError, match="the JWKS is nested too deeply"):
+        parse_jwks(deep, ["RS256"], "the JWKS")
+
+
 def test_a_jwks_file_of_unusable_keys_stops_the_start_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 
+from idemproxy import logs
 from idemproxy.logs import BackgroundWriter
 
 
@@ -66,3 +67,32 @@ def test_a_stalled_stream_does_not_hold_up_close_for_ever() -> None:
     writer.close()  # bounded: the stream never returns until released below
     assert time.monotonic() - started < 6.0
     stream.release.set()
+
+
+class CountingStream(io.StringIO):
+    """A stderr that counts the writes it gets: one per wake-up of the writer at most."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+def test_a_stream_of_lines_is_written_in_batches_without_a_wake_up_per_line() -> None:
+    """Woken for every line, the writer cost the event loop a lock and a condition per request
+    (11 futex calls at c=1); while lines keep coming it now looks for them every
+    `_LINGER_SECONDS` instead, and every line is still written, in order."""
+    stream = CountingStream()
+    writer = BackgroundWriter(stream)
+    started = time.monotonic()
+    for number in range(100):
+        writer.emit(_record(number))
+        time.sleep(0.002)
+    elapsed = time.monotonic() - started
+    writer.close()
+    assert stream.getvalue().splitlines() == [f"line {n}" for n in range(100)]
+    # One write per wake-up: about one per 50 ms of the stream (it was one per line).
+    assert stream.writes <= elapsed / logs._LINGER_SECONDS * 1.5 + 3, (stream.writes, elapsed)

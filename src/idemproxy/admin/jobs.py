@@ -25,6 +25,7 @@ from aiohttp import web
 from idemproxy.config import Settings
 from idemproxy.core.types import JobState
 from idemproxy.errors import InvalidRequest, ProblemError
+from idemproxy.http.offload import off_loop
 from idemproxy.http.problems import problem_response
 from idemproxy.ops import purge, service
 from idemproxy.ops.resolution import ResponseRules, resolution_from_json
@@ -237,9 +238,12 @@ async def _json_body(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge as exc:
         raise InvalidRequest("the body is too large; see max_stored_body") from exc
     try:
-        return json.loads(raw)
+        # http/offload.py: a resolution may carry a whole stored body, up to ~11 MiB.
+        return await off_loop(raw, json.loads, raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest("the body must be JSON") from exc
+    except RecursionError as exc:  # no resolution is nested so deep
+        raise InvalidRequest("the body is nested too deeply") from exc
 
 
 def _json(data: Any) -> web.Response:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator, Sequence
-from json.encoder import encode_basestring
+from collections.abc import Sequence
 from typing import Any
 
 from idemproxy.errors import ConfigError
+from idemproxy.identity import deep_json
 
 _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 # One encoder for every body: `json.dumps` with any non-default option builds a new one per
@@ -152,20 +152,29 @@ def is_json(media_type: str) -> bool:
 def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
     """Canonical JSON bytes, or the body unchanged when it is not valid JSON.
 
-    A document nested too deeply for the parser (RecursionError) counts as not valid JSON: it is
-    fingerprinted as raw bytes instead of failing the request. So does one with a member name
-    twice in an object (RFC 8259 §4: which value counts is the parser's choice, so no canonical
-    form can stand for it) and one with NaN or Infinity, which are not JSON.
+    A document with a member name twice in an object counts as not valid JSON (RFC 8259 §4:
+    which value counts is the parser's choice, so no canonical form can stand for it), and so
+    does one with NaN or Infinity, which are not JSON. A document of any depth is canonicalised
+    (identity/deep_json.py): one too deep for the C parser is no longer hashed as raw bytes, and
+    is `BodyTooLarge` beyond `deep_json.MAX_DEEP_TEXT` (SPEC §9).
     """
     try:
         text = _decoded(body)
-        document = _decoder(text).decode(text)
+        document = _parsed(text)
         for pointer in exclude_pointers:
             _remove(document, parse_pointer(pointer))
-        canonical = _encode(document)
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        canonical = _encode(document, len(body))
+    except (UnicodeDecodeError, ValueError):
         return body
     return canonical.encode("utf-8", "surrogatepass")
+
+
+def _parsed(text: str) -> Any:
+    decoder = _decoder(text)
+    try:
+        return decoder.decode(text)
+    except RecursionError:  # deeper than the C parser goes: the same values, without recursion
+        return deep_json.loads(text, decoder)
 
 
 def _parse_float(token: str) -> float | _Number:
@@ -210,43 +219,26 @@ def _decoder(text: str) -> json.JSONDecoder:
     return _DECODER
 
 
-class _Number:
+class _Number(deep_json.Verbatim):
     """A number token that a float would change (`0.30000000000000000001` is 0.3, `1e400` and
     `9e999` are both infinite, `1E2` and `100.0` the same): kept as its text, so that different
     payloads never fingerprint the same."""
 
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
+    __slots__ = ()
 
 
-def _encode(document: Any) -> str:
+def _encode(document: Any, size: int) -> str:
+    if size > _SLICED_ABOVE:  # deep_json.canonical: lets other threads run while it writes
+        return deep_json.canonical(document, _CANONICAL, sliced=True)
     try:
         return _CANONICAL.encode(document)
-    except TypeError:  # a _Number, which the C encoder cannot write as it is
-        return "".join(_canonical_parts(document))
+    except (TypeError, RecursionError):  # a _Number, which the C encoder cannot write; depth
+        return deep_json.canonical(document, _CANONICAL, sliced=True)
 
 
-def _canonical_parts(node: Any) -> Iterator[str]:
-    """What `_CANONICAL` writes, with every `_Number` written as its token."""
-    if isinstance(node, dict):
-        yield "{"
-        for index, name in enumerate(sorted(node)):
-            yield ("," if index else "") + encode_basestring(name) + ":"
-            yield from _canonical_parts(node[name])
-        yield "}"
-    elif isinstance(node, list):
-        yield "["
-        for index, item in enumerate(node):
-            if index:
-                yield ","
-            yield from _canonical_parts(item)
-        yield "]"
-    elif isinstance(node, _Number):
-        yield node.text
-    else:
-        yield _CANONICAL.encode(node)
+# The C encoder writes 64 KiB in about 5 ms (sys.getswitchinterval(): how long a thread may
+# hold the interpreter before another may run), and a larger body in slices.
+_SLICED_ABOVE = 64 * 1024
 
 
 def _decoded(body: bytes) -> str:

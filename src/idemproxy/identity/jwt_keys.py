@@ -292,6 +292,8 @@ def parse_jwks(data: bytes, algorithms: Sequence[str], where: str) -> KeyRing:
         document = json.loads(data)
     except ValueError as exc:
         raise ConfigError(f"{where}: the JWKS is not valid JSON") from exc
+    except RecursionError as exc:  # valid, but no JWKS nests a thousand levels deep
+        raise ConfigError(f"{where}: the JWKS is nested too deeply") from exc
     entries = document.get("keys") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f'{where}: a JWKS needs a non-empty "keys" list')

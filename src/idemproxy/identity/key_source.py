@@ -12,6 +12,7 @@ from typing import Any
 from multidict import CIMultiDictProxy
 
 from idemproxy.errors import KeyInvalid
+from idemproxy.identity import deep_json
 from idemproxy.identity.key import check_characters, parse_key
 
 # RFC 6901 §4: an array index is "0" or ASCII digits without a leading zero (`²` and `१` are
@@ -110,6 +111,10 @@ def _document(body: bytes) -> Any:
     """The JSON text of the body, or `_NOT_JSON`. RFC 8259 §8.1: JSON exchanged between systems
     is UTF-8 without a byte order mark; a body in UTF-16 or UTF-32 names no key."""
     try:
-        return _DECODER.decode(body.decode("utf-8"))
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        text = body.decode("utf-8")
+        try:
+            return _DECODER.decode(text)
+        except RecursionError:  # deeper than the C parser goes: a key at any depth is found
+            return deep_json.loads(text, _DECODER)
+    except ValueError:  # UnicodeDecodeError is a ValueError
         return _NOT_JSON

@@ -17,13 +17,14 @@ from idemproxy.errors import (
     ProblemError,
 )
 from idemproxy.http.host import host_problem
+from idemproxy.http.offload import heavy
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owners
 from idemproxy.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
-from idemproxy.proxy.intent import intent_of, owners_after_refresh
+from idemproxy.proxy.intent import intent_of, intent_off_loop, owners_after_refresh
 from idemproxy.proxy.jobs.governed import handle_governed
 from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
@@ -230,4 +231,6 @@ async def _identify(
         spool_threshold=ctx.settings.server.spool_threshold,
     )
     transition = None if legacy is None else OwnerTransition(owner, legacy)
+    if not body.spooled and heavy(body.memory):  # its JSON is parsed on a thread (http/offload.py)
+        return await intent_off_loop(ctx, request, owner, key, body), body, transition
     return intent_of(ctx, request, owner, key, body), body, transition

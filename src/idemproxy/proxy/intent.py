@@ -6,6 +6,7 @@ from aiohttp import hdrs, web
 
 from idemproxy.core.types import Intent
 from idemproxy.errors import OwnerMissing
+from idemproxy.http.offload import heavy, in_thread
 from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
 from idemproxy.identity.jwt_owner import UNVERIFIED, KeyNotLoaded
 from idemproxy.identity.owner import derive_owners
@@ -54,22 +55,40 @@ async def owners_after_refresh(
 def intent_of(
     ctx: ProxyContext, request: web.Request, owner: str, key: str, body: RequestBody
 ) -> Intent:
-    """SPEC §6: the fingerprint over the request as it arrived, whatever the key's source."""
-    url = request.rel_url
-    content_type = request.headers.get(hdrs.CONTENT_TYPE)
-    # Every field, in order (RFC 9110 §5.3: a list may be split over several).
-    content_encoding = ",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
-    head: FingerprintedHead = (
-        request.method,
-        url.raw_path,
-        url.raw_query_string,
-        content_type,
-        content_encoding,
-    )
+    """SPEC §6: the fingerprint over the request as it arrived, whatever the key's source; on
+    the loop, for a body that is not `heavy` (see `intent_off_loop`)."""
+    head = _head(request)
     if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
         digest = fingerprint_of_digest(head, body.raw_sha256)
     else:
         digest = fingerprint(head, body.memory, ctx.settings.fingerprint_exclude)
-    return Intent(
-        owner=owner, key=key, fingerprint=digest, method=request.method, path=url.raw_path
+    return _intent(head, owner, key, digest)
+
+
+async def intent_off_loop(
+    ctx: ProxyContext, request: web.Request, owner: str, key: str, body: RequestBody
+) -> Intent:
+    """`intent_of`, with a `heavy` body canonicalised on a worker thread (http/offload.py)."""
+    if body.spooled or not heavy(body.memory):
+        return intent_of(ctx, request, owner, key, body)
+    head = _head(request)
+    exclude = ctx.settings.fingerprint_exclude
+    digest = await in_thread(fingerprint, head, body.memory, exclude)
+    return _intent(head, owner, key, digest)
+
+
+def _head(request: web.Request) -> FingerprintedHead:
+    url = request.rel_url
+    # Every field, in order (RFC 9110 §5.3: a list may be split over several).
+    content_encoding = ",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
+    return (
+        request.method,
+        url.raw_path,
+        url.raw_query_string,
+        request.headers.get(hdrs.CONTENT_TYPE),
+        content_encoding,
     )
+
+
+def _intent(head: FingerprintedHead, owner: str, key: str, digest: str) -> Intent:
+    return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])

@@ -8,10 +8,11 @@ from aiohttp import web
 from idemproxy.core.types import Intent
 from idemproxy.errors import HeaderInvalid, KeyInvalid, KeyMissing, OwnerUnstable
 from idemproxy.http.headers import hop_by_hop
+from idemproxy.http.offload import off_loop
 from idemproxy.identity.key_source import KeySource
 from idemproxy.identity.webhooks import WebhookVerifier
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.intent import governed_body, intent_of, request_owners
+from idemproxy.proxy.intent import governed_body, intent_off_loop, request_owners
 from idemproxy.proxy.jobs.request import OwnerTransition
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody
@@ -33,7 +34,7 @@ async def identify_sourced(
         except OwnerUnstable as unstable:  # refused only if the body turns out to have a key
             owners = unstable
         body = await governed_body(ctx, request, in_memory=True)
-        key = _key(route, source, request, b"" if body.spooled else body.memory)
+        key = await _key(route, source, request, b"" if body.spooled else body.memory)
         if key is None:
             return None, body, None
         if isinstance(owners, OwnerUnstable):
@@ -42,7 +43,7 @@ async def identify_sourced(
     else:
         # SPEC §4, §9: without its key header the request is not governed and passes through
         # with its body unread (and not bounded), as on a route keyed by `key_header`.
-        key = _key(route, source, request, b"")
+        key = await _key(route, source, request, b"")
         if key is None:
             return None, None, None
         refuse_hidden(request, source.header)
@@ -51,7 +52,7 @@ async def identify_sourced(
     # SPEC §5: the owner header named in `Connection` is refused whatever gives the key.
     refuse_hidden(request, ctx.owner.header)
     transition = None if legacy is None else OwnerTransition(owner, legacy)
-    return intent_of(ctx, request, owner, key, body), body, transition
+    return await intent_off_loop(ctx, request, owner, key, body), body, transition
 
 
 async def _identify_delivery(
@@ -64,18 +65,19 @@ async def _identify_delivery(
     """SPEC §4.2: nothing is claimed, stored or forwarded for a delivery that is not signed.
     The owner is the sender, so the owner header is no part of the delivery's identity."""
     body = await governed_body(ctx, request, in_memory=True)
-    webhook.verify(request.headers, body.memory)
-    key = _key(route, source, request, body.memory)
+    await off_loop(body.memory, webhook.verify, request.headers, body.memory)
+    key = await _key(route, source, request, body.memory)
     if key is None:
         return None, body
     refuse_hidden(request, source.header)
-    return intent_of(ctx, request, webhook.owner, key, body), body
+    return await intent_off_loop(ctx, request, webhook.owner, key, body), body
 
 
-def _key(route: Route, source: KeySource, request: web.Request, body: bytes) -> str | None:
-    """SPEC §4.1: a source that is absent or not a valid key is `require_key`'s to decide."""
+async def _key(route: Route, source: KeySource, request: web.Request, body: bytes) -> str | None:
+    """SPEC §4.1: a source that is absent or not a valid key is `require_key`'s to decide. A
+    large body is parsed on a worker thread (http/offload.py)."""
     try:
-        key = source.key(request.headers, body)
+        key = await off_loop(body, source.key, request.headers, body)
     except KeyInvalid:
         if route.require_key:
             raise

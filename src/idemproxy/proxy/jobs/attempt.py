@@ -38,6 +38,7 @@ from idemproxy.core.attempts import (
 from idemproxy.core.types import HeaderPairs, Job, StoredResponse
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
+from idemproxy.http.offload import off_loop
 from idemproxy.http.problems import problem_response
 from idemproxy.metrics import AttemptOutcome, UpstreamOutcome
 from idemproxy.proxy.context import ProxyContext
@@ -185,7 +186,10 @@ async def _finish_captured(
     try:
         if gate is not None and checks_contract(outcome):
             content = await captured.content() if captured.whole else None
-            broken = gate.contract.violations(upstream.status, content)
+            # http/offload.py: a large body is parsed and validated on a worker thread.
+            broken = await off_loop(
+                content or b"", gate.contract.violations, upstream.status, content
+            )
             if broken:
                 governed.trace.failed(attempt.upstream, FailureReason.CONTRACT)
                 captured.close()

@@ -64,8 +64,13 @@ class Contract:
             document = json.loads(body)
         except ValueError:
             return ["body is not JSON"]
-        errors = self._validator.iter_errors(document)
-        return [_describe(error) for _, error in zip(range(_MAX_REPORTED), errors, strict=False)]
+        except RecursionError:  # jsonschema validates recursively: no deep_json fallback helps
+            return ["body is nested too deeply to check against the contract"]
+        try:
+            errors = self._validator.iter_errors(document)
+            return [_describe(e) for _, e in zip(range(_MAX_REPORTED), errors, strict=False)]
+        except RecursionError:
+            return ["body is nested too deeply to check against the contract"]
 
 
 @dataclass(slots=True)
