@@ -60,7 +60,7 @@ from idemproxy.store.postgres.kept import KeptConnections
 from idemproxy.store.postgres.listen import listen_forever
 from idemproxy.store.postgres.quota import claim_row_within
 from idemproxy.store.postgres.renewals import RenewalConnections
-from idemproxy.store.queries import load_migrations, load_queries
+from idemproxy.store.queries import load_migrations, load_queries, statements
 from idemproxy.store.rows import (
     attempt_from_row,
     job_from_row,
@@ -209,7 +209,8 @@ class PostgresStore(Store):
             done = {row["version"] for row in rows}
             for version, sql in load_migrations("postgres"):
                 if version not in done:
-                    await conn.execute(sql)
+                    for statement in statements(sql):
+                        await conn.execute(statement)
                     await conn.execute(
                         "INSERT INTO idemproxy.schema_migrations (version) VALUES ($1)", version
                     )

@@ -3,6 +3,11 @@
 -- Every hot-path statement names `owner` in its WHERE clause or conflict target, so that the
 -- tables can be distributed by owner (Citus) and each statement is routed to one shard (§11);
 -- rows inserted from a CTE take the owner from the parameter, not the CTE, for the same reason.
+-- Every hot statement is a point lookup on the one index its equality columns match, whatever
+-- the planner's statistics (migration 0005): by key `(key, owner)`, by id `(id, owner)`, attempts
+-- `(job_id, number, owner)`. A batch restricts each table by the arrays of its keys or ids, never
+-- by a join alone. The `(owner, id)` index only serves the statements that scan a range of one
+-- owner's ids and name its predicate, `id >= '00000000-0000-0000-0000-000000000000'::uuid` (always true).
 
 -- name: claim
 -- SPEC §2.2: create the job and its first attempt in one statement, relying on the (owner, key)
@@ -79,17 +84,21 @@ SELECT pg_advisory_xact_lock(hashtextextended($1, 7320417));
 -- responses kept on its attempts.
 SELECT EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND key = $2) AS taken,
        (SELECT count(*) FROM idemproxy.jobs
-        WHERE owner = $1 AND state = 'in_flight' AND lease_expires_at > now()) AS in_flight,
+        WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid
+          AND state = 'in_flight' AND lease_expires_at > now()) AS in_flight,
        (SELECT count(*) FROM idemproxy.jobs
-        WHERE owner = $1 AND id >= $3::uuid AND created_at > now() - interval '1 second')
-           AS recent,
+        WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid AND id >= $3::uuid
+          AND created_at > now() - interval '1 second') AS recent,
        CASE WHEN $4 THEN (SELECT coalesce(sum(octet_length(response_body)), 0)
-                          FROM idemproxy.jobs WHERE owner = $1 AND state = 'completed')
+                          FROM idemproxy.jobs
+                          WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid
+                            AND state = 'completed')
                        + (SELECT coalesce(sum(octet_length(late_body)), 0)
                           FROM idemproxy.attempts WHERE owner = $1 AND late_body IS NOT NULL)
             ELSE 0 END AS stored_bytes,
        CASE WHEN $4 THEN (SELECT count(*) FROM idemproxy.jobs
-                          WHERE owner = $1 AND state = 'in_flight')
+                          WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid
+                            AND state = 'in_flight')
             ELSE 0 END AS pending;
 
 -- name: get_job
@@ -194,7 +203,8 @@ WITH input AS (
         lease_expires_at = NULL, updated_at = now(),
         expires_at = now() + make_interval(secs => input.ttl)
     FROM input
-    WHERE jobs.owner = $1 AND jobs.id = input.id AND jobs.version = input.version
+    WHERE jobs.owner = $1 AND jobs.id = ANY($2::uuid[]) AND jobs.id = input.id
+      AND jobs.version = input.version
       AND jobs.completed_by IS NULL AND jobs.state = 'in_flight'
       AND jobs.id IN (SELECT id FROM locked)
     RETURNING jobs.owner, jobs.id, jobs.watched
@@ -213,7 +223,8 @@ WITH input AS (
         late_body = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.body END,
         late_key = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.response_key END
     FROM input
-    WHERE attempts.owner = $1 AND attempts.job_id = input.id AND attempts.number = input.attempt
+    WHERE attempts.owner = $1 AND attempts.job_id = ANY($2::uuid[])
+      AND attempts.job_id = input.id AND attempts.number = input.attempt
       AND attempts.state IN ('started', 'unknown')
 )
 SELECT id, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
@@ -300,8 +311,9 @@ WITH job AS (
     UPDATE idemproxy.attempts a
     SET lease_expires_at = job.lease_expires_at
     FROM job
-    -- `a.owner = $1`, not `= job.owner`: only a parameter lets Citus route it to one shard.
-    WHERE a.owner = $1 AND a.job_id = job.id AND a.state = 'started'
+    -- Parameters, not `job.owner` and `job.id`: only a parameter lets Citus route it to one
+    -- shard, and the planner look the attempts up by their key rather than by a join.
+    WHERE a.owner = $1 AND a.job_id = $2 AND a.state = 'started'
 )
 -- Renewed when the job is still ours, whether or not an attempt row is still `started`.
 SELECT id FROM job;
@@ -319,7 +331,7 @@ WITH job AS (
     UPDATE idemproxy.attempts a
     SET state = 'unknown', error = 'lease expired', finished_at = now(), lease_expires_at = NULL
     FROM job
-    WHERE a.owner = $1 AND a.job_id = job.id AND a.state = 'started'  -- $1: routable (Citus)
+    WHERE a.owner = $1 AND a.job_id = $2 AND a.state = 'started'  -- parameters: as in renew_lease
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 
@@ -417,11 +429,12 @@ LIMIT $3;
 
 -- name: owner_jobs
 -- Erasure (SPEC §11): one owner's jobs created before $3, in id order, a batch after the cursor
--- $2; the (owner, id) unique index serves it.
+-- $2; the `(owner, id)` index serves it (its predicate named).
 SELECT *, expires_at <= now() AS expired,
        state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
 FROM idemproxy.jobs
-WHERE owner = $1 AND id > $2::uuid AND created_at < $3
+WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid AND id > $2::uuid
+  AND created_at < $3
 ORDER BY id
 LIMIT $4;
 
@@ -438,6 +451,7 @@ SELECT 1;
 SELECT *, expires_at <= now() AS expired, false AS lease_expired
 FROM idemproxy.jobs
 WHERE state = 'completed' AND response_key IS DISTINCT FROM $1 AND (owner, id) > ($2, $3)
+  AND id >= '00000000-0000-0000-0000-000000000000'::uuid
 ORDER BY owner, id
 LIMIT $4;
 
