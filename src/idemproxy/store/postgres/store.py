@@ -410,11 +410,15 @@ class PostgresStore(Store):
         ended = attempt_end(state).value
         await self._execute("finish_attempt", job.owner, job.id, attempt, ended, status, error)
 
-    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+    async def start_next_attempt(
+        self, job: Job, upstream: str, *, lease: float, token: str | None = None
+    ) -> Claimed | None:
         if self.citus is None:
-            row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))
+            row = await self._fetchrow(
+                "start_next_attempt", *_cas(job), upstream, float(lease), token
+            )
         else:
-            change = ("start_next_attempt_distributed", (*_cas(job), float(lease)))
+            change = ("start_next_attempt_distributed", (*_cas(job), float(lease), token))
             row = await self._run(
                 "start_next_attempt",
                 lambda c: change_then_add_attempt(c, self._sql, change, upstream),
@@ -429,14 +433,15 @@ class PostgresStore(Store):
         *,
         failure: AttemptFailure,
         lease: float,
+        token: str | None = None,
     ) -> Claimed | None:
         status, error = failure
         if self.citus is None:
             row = await self._fetchrow(
-                "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
+                "fail_over", *_cas(job), attempt, status, error, upstream, float(lease), token
             )
         else:
-            change = ("fail_over_distributed", (*_cas(job), float(lease)))
+            change = ("fail_over_distributed", (*_cas(job), float(lease), token))
             failed = (job.owner, job.id, attempt, "failed", status, error)
             row = await self._run(
                 "fail_over",

@@ -253,11 +253,12 @@ WHERE owner = $1 AND job_id = $2 AND number = $3 AND state = 'started';
 
 -- name: start_next_attempt
 -- SPEC §2.3: of all the retries of a released job exactly one wins this CAS and runs the next
--- attempt under the same job.
+-- attempt under the same job. $6: the caller's token (`started_by`, migration 0006).
 WITH job AS (
     UPDATE idemproxy.jobs
     SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
-        lease_expires_at = now() + make_interval(secs => $5), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $5), updated_at = now(),
+        started_by = $6
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'released'
     RETURNING *
 ), next_attempt AS (
@@ -269,10 +270,12 @@ SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
 -- name: fail_over
 -- SPEC §3.4: attempt $4 failed in a way that proves nothing executed; the next upstream gets
 -- attempt $4 + 1 under the same job, in one transaction, so no other request can slip in.
+-- $9: the caller's token, as in `start_next_attempt`.
 WITH job AS (
     UPDATE idemproxy.jobs
     SET version = version + 1, attempt_count = attempt_count + 1,
-        lease_expires_at = now() + make_interval(secs => $8), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $8), updated_at = now(),
+        started_by = $9
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING *
 ), failed AS (
@@ -503,7 +506,8 @@ RETURNING *, false AS expired, false AS lease_expired;
 WITH job AS (
     UPDATE idemproxy.jobs
     SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
-        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now(),
+        started_by = $5
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'released'
     RETURNING *
 )
@@ -514,7 +518,8 @@ SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
 WITH job AS (
     UPDATE idemproxy.jobs
     SET version = version + 1, attempt_count = attempt_count + 1,
-        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now(),
+        started_by = $5
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING *
 )
