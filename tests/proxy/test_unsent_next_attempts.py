@@ -92,7 +92,7 @@ async def test_a_lost_answer_to_start_next_attempt_is_released_and_the_retry_run
     executions = await start()
     store = _lose_answers(client, "start_next_attempt")
     assert await _post(client, "/late/pay", "next") == 503
-    del store.start_next_attempt  # type: ignore[method-assign]
+    del store.start_next_attempt  # the class's method again
 
     await eventually(lambda: len(client.app[CONTEXT].unsent) == 0)
     job = await job_with_attempts(store, "next")
@@ -112,7 +112,7 @@ async def test_a_lost_answer_to_fail_over_is_released_and_the_retry_runs_once(
     client = await proxy(lease=30.0, routes=routes)
     store = _lose_answers(client, "fail_over")
     assert await _post(client, "/v1/pay", "over") == 503
-    del store.fail_over  # type: ignore[method-assign]
+    del store.fail_over  # the class's method again
 
     await eventually(lambda: len(client.app[CONTEXT].unsent) == 0)
     job = await job_with_attempts(store, "over")
