@@ -48,7 +48,14 @@ WITH input AS (
                          $7::float8[], $8::text[], $9::float8[])
         AS t(key, id, fingerprint, method, path, ttl, upstream, lease)
 ), existing AS (
-    SELECT * FROM idemproxy.jobs WHERE owner = $1 AND key = ANY($2::text[])
+    -- One point lookup per key. Not `key = ANY($2)`: a generic plan made on small tables took
+    -- a scan of a whole index with `owner = $1` alone instead (tests/store/test_pg_point_lookups.py).
+    -- The subquery's OFFSET keeps it from being flattened into a join the planner may turn
+    -- around; each key is then an equality lookup, which only the primary key serves.
+    SELECT job.* FROM unnest($2::text[]) AS wanted(key)
+    CROSS JOIN LATERAL (
+        SELECT * FROM idemproxy.jobs WHERE owner = $1 AND key = wanted.key OFFSET 0
+    ) AS job
 ), new_job AS (
     INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
                                 lease_expires_at)
@@ -191,9 +198,11 @@ WITH input AS (
                          $7::bytea[], $8::boolean[], $9::float8[], $10::text[])
         AS t(id, version, attempt, status, headers, body, omitted, ttl, response_key)
 ), locked AS (
-    SELECT id FROM idemproxy.jobs WHERE owner = $1 AND id = ANY($2::uuid[])
-    ORDER BY id
-    FOR UPDATE
+    -- In id order, one point lookup per id (as `claim_batch`'s `existing`).
+    SELECT job.id FROM (SELECT DISTINCT id FROM unnest($2::uuid[]) AS u(id) ORDER BY id) AS wanted
+    CROSS JOIN LATERAL (
+        SELECT id FROM idemproxy.jobs WHERE owner = $1 AND id = wanted.id OFFSET 0 FOR UPDATE
+    ) AS job
 ), won AS (
     UPDATE idemproxy.jobs
     SET state = 'completed', version = jobs.version + 1, completed_by = input.attempt,

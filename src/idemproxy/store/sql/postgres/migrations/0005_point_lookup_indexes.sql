@@ -3,7 +3,9 @@
 -- the planner nothing to tell two indexes apart by: a generic plan made while the table was
 -- small took `UNIQUE (owner, id)` for `owner = $1 AND key = $2`, with `key` a mere filter, and
 -- kept it while the owner's jobs grew (a claim then read every job of its owner). So no index
--- but the one a statement looks up may match that statement's equality columns:
+-- but the one a statement looks up leads with that statement's equality columns (a B-tree can
+-- still test `owner = $1` over a whole index that holds `owner` further on: an equality lookup
+-- of a unique key costs less, so the batches look each key up alone, queries.sql):
 -- * by key (claim, get, watch): `(key, owner)`, the primary key; no other index leads by key.
 -- * by id (complete, settle, renew, the attempt changes, the attempts' foreign key): `(id, owner)`,
 --   which also serves operators' lookups by id alone (the former `jobs_id_idx`).
