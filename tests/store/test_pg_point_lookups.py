@@ -95,6 +95,7 @@ def _statements() -> dict[str, str]:
                 _array(["60", "60"], "float8"),
                 _array(["NULL", "NULL"], "text"),
                 "1048576",
+                _array(["'live-0'", "'live-1'"], "text"),
             ]
         ),
         "renew_lease": f"'acme', {live[0]}, 1, 30",

@@ -348,12 +348,12 @@ class PostgresStore(Store):
         if len(batch) == 1 or self.citus is not None:
             return await _each(self._complete_alone, batch)
         columns = _complete_columns(batch)
-        owner = batch[0].job.owner
+        owner, keys = batch[0].job.owner, [r.job.key for r in batch]
         sql, timeout = self._sql["complete_batch"], self._batch_timeout(batch)
         try:
             rows = await self._run(
                 "complete",
-                lambda c: c.fetch(sql, owner, *columns, self._late_bytes, timeout=timeout),
+                lambda c: c.fetch(sql, owner, *columns, self._late_bytes, keys, timeout=timeout),
                 False,
             )
         except StoreUnavailable:

@@ -189,7 +189,8 @@ FROM won;
 -- Group commit (store/batching.py): the completions of one owner that queued while the previous
 -- one was in flight, as one statement and one durable commit. `complete`, row by row: $2.. are
 -- arrays with one element per completion, one per job ($10: the key each is sealed with, SPEC §11);
--- $11 bounds the kept late bodies per job.
+-- $11 bounds the kept late bodies per job; $12: the jobs' keys, so that the update of the jobs
+-- names the leading column of every index that holds `owner` (a point lookup in any of them).
 -- The jobs are locked in id order first (`locked`), so that batches from several replicas, and
 -- the single-row statements, which lock a job before its attempt, cannot deadlock. Returns the
 -- ids of the jobs whose completion won.
@@ -212,7 +213,8 @@ WITH input AS (
         lease_expires_at = NULL, updated_at = now(),
         expires_at = now() + make_interval(secs => input.ttl)
     FROM input
-    WHERE jobs.owner = $1 AND jobs.id = ANY($2::uuid[]) AND jobs.id = input.id
+    WHERE jobs.owner = $1 AND jobs.key = ANY($12::text[]) AND jobs.id = ANY($2::uuid[])
+      AND jobs.id = input.id
       AND jobs.version = input.version
       AND jobs.completed_by IS NULL AND jobs.state = 'in_flight'
       AND jobs.id IN (SELECT id FROM locked)
