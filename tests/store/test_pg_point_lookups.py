@@ -81,7 +81,8 @@ def _statements() -> dict[str, str]:
         ),
         "get_job": "'acme', 'old-500'",
         "watch_job": "'acme', 'live-0'",
-        "complete": f"'acme', {live[0]}, 1, 1, 201, NULL, '\\x7b7d', false, 60, 1048576, NULL",
+        "complete": f"'acme', {live[0]}, 1, 1, 201, NULL, '\\x7b7d', false, 60, 1048576, NULL, "
+        "'live-0'",
         "complete_batch": ", ".join(
             [
                 "'acme'",
@@ -98,8 +99,8 @@ def _statements() -> dict[str, str]:
                 _array(["'live-0'", "'live-1'"], "text"),
             ]
         ),
-        "renew_lease": f"'acme', {live[0]}, 1, 30",
-        "settle": f"'acme', {live[0]}, 1, 1, 'released', 'failed', NULL, 'refused'",
+        "renew_lease": f"'acme', {live[0]}, 1, 30, 'live-0'",
+        "settle": f"'acme', {live[0]}, 1, 1, 'released', 'failed', NULL, 'refused', 'live-0'",
     }
 
 

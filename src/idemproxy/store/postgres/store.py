@@ -378,6 +378,7 @@ class PostgresStore(Store):
             float(request.ttl),
             self._late_bytes,
             key_id,
+            job.key,
             observe=False,
             timeout=self._time_left(request.submitted),
         )
@@ -394,7 +395,14 @@ class PostgresStore(Store):
     ) -> bool:
         job_state, attempt_state = settle_states(state)
         row = await self._fetchrow(
-            "settle", *_cas(job), attempt, job_state.value, attempt_state.value, status, error
+            "settle",
+            *_cas(job),
+            attempt,
+            job_state.value,
+            attempt_state.value,
+            status,
+            error,
+            job.key,
         )
         return await self._announced(job, row, watched_only=True)
 
@@ -460,7 +468,7 @@ class PostgresStore(Store):
         return None if row is None else int(row["attempt_count"])
 
     async def renew_lease(self, job: Job, *, lease: float) -> bool:
-        sql, args = self._sql["renew_lease"], (*_cas(job), float(lease))
+        sql, args = self._sql["renew_lease"], (*_cas(job), float(lease), job.key)
         renewals = self._renewals
         if renewals is None:
             return bool(await self._run("renew_lease", lambda c: c.fetch(sql, *args)))

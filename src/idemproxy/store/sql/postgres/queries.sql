@@ -155,7 +155,8 @@ WHERE owner = $1 AND job_id = $2 AND number = $3 AND late_body IS NOT NULL;
 -- over as `unknown` (SPEC §3.5), the response is kept on the attempt for the operator who
 -- resolves the job (SPEC §3.3), within $10 bytes of kept bodies per job in all; a hedging
 -- loser's (the job completed) is not needed by anyone and is not kept. $11: the key a sealed
--- response is sealed with (SPEC §11; then $6 is NULL and $7 the box), NULL in the clear.
+-- response is sealed with (SPEC §11; then $6 is NULL and $7 the box), NULL in the clear. $12: the
+-- job's key, so that both indexes holding `owner` are looked up by their leading column.
 WITH won AS (
     UPDATE idemproxy.jobs
     SET state = 'completed', version = version + 1, completed_by = $4,
@@ -163,13 +164,14 @@ WITH won AS (
         response_key = $11,
         lease_expires_at = NULL, updated_at = now(),
         expires_at = now() + make_interval(secs => $9)
-    WHERE owner = $1 AND id = $2 AND version = $3 AND completed_by IS NULL
+    WHERE owner = $1 AND key = $12 AND id = $2 AND version = $3 AND completed_by IS NULL
       AND state = 'in_flight'
     RETURNING owner, id, watched
 ), keep AS (
     SELECT true AS late
     WHERE NOT EXISTS (SELECT 1 FROM won) AND $7::bytea IS NOT NULL AND NOT $8
-      AND EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND id = $2 AND state = 'unknown')
+      AND EXISTS (SELECT 1 FROM idemproxy.jobs
+                  WHERE owner = $1 AND key = $12 AND id = $2 AND state = 'unknown')
       AND (SELECT coalesce(sum(octet_length(late_body)), 0) FROM idemproxy.attempts
            WHERE owner = $1 AND job_id = $2) + octet_length($7::bytea) <= $10
 ), attempt AS (
@@ -242,11 +244,12 @@ SELECT id, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM
 
 -- name: settle
 -- Release (nothing executed) or mark unknown (may have executed): $5 is the new job state and
--- $6 the attempt's. Only an attempt holding the current version may settle the job.
+-- $6 the attempt's. Only an attempt holding the current version may settle the job. $9: its key
+-- (as in `complete`).
 WITH settled AS (
     UPDATE idemproxy.jobs
     SET state = $5, version = version + 1, lease_expires_at = NULL, updated_at = now()
-    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+    WHERE owner = $1 AND key = $9 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING owner, id, watched
 ), attempt AS (
     UPDATE idemproxy.attempts
@@ -316,10 +319,11 @@ RETURNING number;
 
 -- name: renew_lease
 -- SPEC §3.5: the proxy running an attempt keeps its lease alive while the upstream call runs.
+-- $5: the job's key (as in `complete`).
 WITH job AS (
     UPDATE idemproxy.jobs
     SET lease_expires_at = now() + make_interval(secs => $4)
-    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+    WHERE owner = $1 AND key = $5 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING owner, id, lease_expires_at
 ), attempts AS (
     UPDATE idemproxy.attempts a
