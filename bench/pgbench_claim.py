@@ -33,7 +33,8 @@ _CLAIM_ARGS = (
     ":lease",
 )
 # The tenth bounds the late bodies kept per job (SPEC §3.3; a winning completion keeps none); the
-# last is the key a sealed response is sealed with (SPEC §11), none: the benchmark stores in clear.
+# eleventh is the key a sealed response is sealed with (SPEC §11), none: the benchmark stores in
+# clear; the last is the job's key (its claim's, `:key` as the claim binds it).
 _COMPLETE_ARGS = (
     ":owner",
     ":id",
@@ -46,6 +47,7 @@ _COMPLETE_ARGS = (
     ":ttl",
     ":late_bytes",
     "NULL",
+    ":key",
 )
 
 

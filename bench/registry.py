@@ -15,6 +15,7 @@ from scenarios import (
     citus,
     direct,
     memory_hwm,
+    minimal,
     nginx_hop,
     peer,
     pg_redis,
@@ -38,6 +39,7 @@ STEPS: tuple[Step, ...] = (
     pg_redis.STEP,
     citus.STEP,
     peer.STEP,
+    minimal.STEP,
     pgbench.STEP,
     memory_hwm.STEP,
     sweeper.STEP,
@@ -45,7 +47,8 @@ STEPS: tuple[Step, ...] = (
 )
 
 # The order of the report's rows (docs/benchmarks.md, Results), by what is measured rather than
-# by when: the baselines, the proxy on PostgreSQL and SQLite, its variants, the peer, pgbench.
+# by when: the baselines, the proxy on PostgreSQL and SQLite, its variants, the peer, the
+# minimal proxy, pgbench.
 ROWS = (
     "direct",
     "nginx",
@@ -65,6 +68,7 @@ ROWS = (
     "peer-plain",
     "peer-new",
     "peer-replay",
+    "new-minimal",
     "pgbench",
 )
 

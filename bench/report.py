@@ -84,6 +84,7 @@ def targets(data: dict[str, Any]) -> list[Target]:
     _passthrough_targets(t)
     _new_key_targets(t)
     _group_commit_targets(t)
+    _minimal_targets(t)
     _replay_targets(t)
     _big_store_targets(t)
     _sweeper_target(t)
@@ -289,6 +290,37 @@ def _pg_us(r: Result) -> float:
     return r.cpu.postgres / 100.0 * r.seconds / max(r.requests, 1) * 1e6
 
 
+# Against the minimal proxy (minimal_proxy.py: claim, forward, complete, nothing else).
+MINIMAL_RATIO = 1.3
+MINIMAL_PG_CPU = 0.5
+
+
+def _minimal_targets(t: _Targets) -> None:
+    area = "new keys, vs the minimal proxy"
+    news, minimals = t.res.get("new-pg", SATURATED), t.res.get("new-minimal", SATURATED)
+    what = f"PostgreSQL throughput at c={SATURATED}"
+    minimal = lambda r: f"minimal {_rate(r.rps)}"  # noqa: E731
+    row = (area, what, f"≥ {MINIMAL_RATIO:g}x")
+    _throughput_ratio(t, row, (news, minimals), minimal, _times(2), MINIMAL_RATIO)
+
+    def pg_cpu() -> tuple[str, bool]:
+        assert news and minimals
+        ratio = _pg_us(news) / _pg_us(minimals)
+        text = f"{_pg_us(news):,.0f} vs {_pg_us(minimals):,.0f} µs: {ratio:.2f}x"
+        return text, ratio <= MINIMAL_PG_CPU
+
+    what = f"PostgreSQL CPU per new key at c={SATURATED}"
+    t.add(area, what, f"≤ {MINIMAL_PG_CPU:g}x", [news, minimals], pg_cpu)
+    new1, minimal1 = t.res.get("new-pg", 1), t.res.get("new-minimal", 1)
+
+    def p50() -> tuple[str, bool]:
+        assert new1 and minimal1
+        ours, theirs = new1.latency_ms["p50"], minimal1.latency_ms["p50"]
+        return f"{_ms(ours)} vs {_ms(theirs)}", ours <= theirs
+
+    t.add(area, "p50 at c=1", "no worse", [new1, minimal1], p50)
+
+
 def _sweeper_target(t: _Targets) -> None:
     idle = t.res.get("new-pg", SATURATED, "sweeper-idle")
     busy = t.res.get("new-pg", SATURATED, "sweeper-busy")
@@ -394,6 +426,7 @@ RATIOS = (
     ("new-pg", "passthrough", "new keys vs pass-through: the cost of the store"),
     ("new-pg", "pgbench", "new keys vs the database's own claim + complete"),
     ("new-pg", "peer-new", "new keys vs the peer's"),
+    ("new-pg", "new-minimal", "new keys vs the minimal proxy's (claim, forward, complete)"),
     ("new-sqlite", "new-pg", "SQLite vs PostgreSQL new keys"),
     ("replay-pg", "new-pg", "replays vs new keys"),
     ("replay-pg", "passthrough", "replays vs pass-through"),

@@ -172,7 +172,7 @@ class Bench:
             print(f"bench: {label}: {self.args.duration:g}s …", flush=True)
             analyzed = scenario.target.startswith("proxy-pg")
             if analyzed:
-                self.analyze_store()  # before the warm-up, which re-plans the statements
+                self.analyze_store(scenario)  # before the warm-up, which re-plans the statements
             if self.args.warmup > 0:
                 warm = self.script_args(scenario, f"warm-{label}")
                 run_wrk(
@@ -189,7 +189,7 @@ class Bench:
                     # empty table made every plan a sequential scan, and the warm-up's rows
                     # then made each new key read 2,178 heap blocks (the 18:00 run's empty
                     # store, bench/findings.md). A store in service is never empty for long.
-                    self.analyze_store()
+                    self.analyze_store(scenario)
             args = self.script_args(scenario, label)
             if self.io_probe is not None:
                 self.io_probe("start")  # after the warm-up
@@ -315,7 +315,7 @@ class Bench:
         use.other = max(0.0, pct("machine") - accounted)
         return use
 
-    def analyze_store(self) -> None:
+    def analyze_store(self, scenario: Scenario) -> None:
         """Fresh planner statistics, as autovacuum keeps them on a store in service.
 
         The benchmark fills an empty table within seconds, faster than autovacuum's first
@@ -323,7 +323,10 @@ class Bench:
         generic plans made for an empty table: sequential scans. One run measured replays that
         way read 1,554 heap blocks each, against 2 after an ANALYZE, at twice the PostgreSQL
         CPU per request. A store in service is analyzed; the benchmark measures that state."""
-        pg(self.args.pg_dsn, "ANALYZE idemproxy.jobs, idemproxy.attempts", database=self.database)
+        tables = "idemproxy.jobs, idemproxy.attempts"
+        if scenario.target == "proxy-pg-minimal":
+            tables = "minimal.jobs"  # the minimal proxy's one table (minimal_proxy.py)
+        pg(self.args.pg_dsn, f"ANALYZE {tables}", database=self.database)
 
     def jobs_stored(self, store: str, prefix: str) -> int:
         if store == "pg":

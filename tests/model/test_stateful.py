@@ -273,7 +273,9 @@ class ModelStore:
         if found is not None:
             found.finish(attempt, ATTEMPT_STATE[state])
 
-    def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+    def start_next_attempt(
+        self, job: Job, upstream: str, *, lease: float, **_: Any
+    ) -> Claimed | None:
         found = self.at(job, JobState.RELEASED)
         if found is None:
             return None

@@ -235,3 +235,37 @@ def test_another_claims_job_is_never_released(job: Job) -> None:
 )
 def test_an_unsent_claims_job_that_moved_on_is_left_alone(job: Job) -> None:
     assert unsent_claim(job, "job-1") is Unsent.MOVED_ON
+
+
+# --- a next attempt the proxy gave up on (start_next_attempt, fail_over; SPEC §3.4) ------------
+_TOKEN = "00000000-0000-7000-8000-000000000001"
+
+
+def _next(job: Job) -> Unsent:
+    """What the follow-up of a statement that would move the job to version 3, attempt 2 says."""
+    return unsent_claim(job, "job-1", version=3, attempt=2, token=_TOKEN)
+
+
+def test_a_next_attempt_committed_untouched_is_released() -> None:
+    started = make_job(JobState.IN_FLIGHT, version=3)._replace(attempt_count=2, started_by=_TOKEN)
+    assert _next(started) is Unsent.RELEASE
+
+
+def test_a_next_attempt_not_committed_yet_is_looked_for_again() -> None:
+    before = make_job(JobState.RELEASED, version=2)._replace(attempt_count=1)
+    assert _next(before) is Unsent.NOT_YET
+
+
+@pytest.mark.parametrize(
+    "job",
+    [
+        # another retry's statement won the same CAS: its attempt is running
+        make_job(JobState.IN_FLIGHT, version=3)._replace(attempt_count=2, started_by="other"),
+        make_job(JobState.IN_FLIGHT, version=3)._replace(attempt_count=2),
+        make_job(JobState.UNKNOWN, version=4)._replace(attempt_count=2, started_by=_TOKEN),
+        make_job(JobState.IN_FLIGHT, version=4)._replace(attempt_count=3, started_by=_TOKEN),
+    ],
+    ids=["another-retry", "no-token", "taken-over", "failed-over-since"],
+)
+def test_a_next_attempt_that_is_not_ours_or_moved_on_is_left_alone(job: Job) -> None:
+    assert _next(job) is Unsent.MOVED_ON

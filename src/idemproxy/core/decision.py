@@ -107,13 +107,27 @@ class Unsent(enum.Enum):
     MOVED_ON = "moved_on"  # another job holds the key, or this one moved on: leave it alone
 
 
-def unsent_claim(job: Job | None, job_id: str) -> Unsent:
-    """SPEC §3.1: `in_flight` → `released` when nothing executed. A claim that timed out at the
-    proxy was never forwarded, but the store may commit it later, leaving a job nobody runs.
-    Only that job, untouched (its first version, in flight, with its one attempt), may be
-    released by the process that claimed it; once taken over it is `unknown`, and only a
-    resolution may end that (§3.3)."""
+def unsent_claim(
+    job: Job | None, job_id: str, *, version: int = 1, attempt: int = 1, token: str | None = None
+) -> Unsent:
+    """SPEC §3.1: `in_flight` → `released` when nothing executed. A statement that starts an
+    attempt failed at the proxy, so that attempt was never forwarded, but the store may commit
+    it later, leaving a job nobody runs: the claim (a job of its own id), or `start_next_attempt`
+    and `fail_over` (§3.4: `version` and `attempt`, the job's version and attempt count once it
+    committed, and `token`, its `started_by`: another retry may have started the same attempt
+    number). Only that job, untouched since, may be released by the process that started it;
+    once taken over it is `unknown`, and only a resolution may end that (§3.3). A job still at
+    an older version may yet see the statement commit."""
     if job is None:
         return Unsent.NOT_YET
-    untouched = job.state is JobState.IN_FLIGHT and job.version == 1 and job.attempt_count == 1
-    return Unsent.RELEASE if job.id == job_id and untouched else Unsent.MOVED_ON
+    if job.id != job_id:
+        return Unsent.MOVED_ON
+    if job.version < version and job.attempt_count < attempt:
+        return Unsent.NOT_YET
+    untouched = (
+        job.state is JobState.IN_FLIGHT
+        and job.version == version
+        and job.attempt_count == attempt
+        and job.started_by == token
+    )
+    return Unsent.RELEASE if untouched else Unsent.MOVED_ON

@@ -111,6 +111,11 @@ class Job(NamedTuple):
     # How an operator or unknown_ttl settled it (SPEC §3.3), if they did.
     resolution: str | None = None
     attempts: tuple[Attempt, ...] = ()
+    # The token of the statement that started its current attempt, when that was
+    # `start_next_attempt` or `fail_over` (a claim's is the job id): what lets the process whose
+    # statement lost its answer find out whether that statement committed
+    # (proxy/background/unsent.py).
+    started_by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,8 +163,12 @@ class Store(abc.ABC):
         while other attempts of it still run (hedging, SPEC §3.4)."""
 
     @abc.abstractmethod
-    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
-        """CAS a released job back to `in_flight` with a new attempt; None if another won."""
+    async def start_next_attempt(
+        self, job: Job, upstream: str, *, lease: float, token: str | None = None
+    ) -> Claimed | None:
+        """CAS a released job back to `in_flight` with a new attempt; None if another won.
+        `token` (a UUID): recorded as the job's `started_by`, so that a caller whose statement's
+        answer was lost can tell whether it committed (proxy/background/unsent.py)."""
 
     @abc.abstractmethod
     async def fail_over(
@@ -175,9 +179,11 @@ class Store(abc.ABC):
         *,
         failure: AttemptFailure,
         lease: float,
+        token: str | None = None,
     ) -> Claimed | None:
         """Attempt `attempt` failed without executing: start the next one on `upstream` in the
-        same transaction, the job staying in flight (SPEC §3.4); None if the CAS lost."""
+        same transaction, the job staying in flight (SPEC §3.4); None if the CAS lost. `token`:
+        as in `start_next_attempt`."""
 
     @abc.abstractmethod
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:

@@ -8,6 +8,8 @@ import re
 from importlib import resources
 
 _NAME = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+# The end of a statement in a migration: a semicolon that ends its line.
+_STATEMENT_END = re.compile(r";[ \t]*$", re.MULTILINE)
 
 
 @functools.cache
@@ -18,6 +20,17 @@ def load_queries(dialect: str) -> dict[str, str]:
     return {
         name: body.strip().rstrip(";") for name, body in zip(parts[1::2], parts[2::2], strict=True)
     }
+
+
+def statements(sql: str) -> list[str]:
+    """The statements of a migration, each to be sent alone: Citus propagates index and
+    constraint changes to the shards by a prepared statement, which refuses a string of several
+    commands. A statement ends with a semicolon at the end of a line (never inside one)."""
+    return [part.strip() for part in _STATEMENT_END.split(sql) if _code(part)]
+
+
+def _code(part: str) -> bool:
+    return any(line.strip() and not line.lstrip().startswith("--") for line in part.splitlines())
 
 
 def load_migrations(dialect: str) -> list[tuple[str, str]]:

@@ -58,6 +58,7 @@ def job_from_row(row: Row, attempts: tuple[Attempt, ...] = ()) -> Job:
         lease_expired=bool(row["lease_expired"]),
         resolution=row["resolution"],
         attempts=attempts,
+        started_by=None if row["started_by"] is None else str(row["started_by"]),
     )
 
 

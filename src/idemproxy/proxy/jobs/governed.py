@@ -173,8 +173,7 @@ async def _act(
         case StartNextAttempt():
             _refuse_if_ran(job, ran)
             _refuse_if_draining(ctx)
-            lease = ctx.settings.lease
-            claimed = await ctx.store.start_next_attempt(job, governed.route.upstream, lease=lease)
+            claimed = await _start_next_attempt(ctx, job, governed.route.upstream)
             return claimed or await _reread(governed, ran)
         case Forget():
             _refuse_if_ran(job, ran)
@@ -182,6 +181,20 @@ async def _act(
             return await _reclaim(governed)
         case _:
             assert_never(decision)
+
+
+async def _start_next_attempt(ctx: ProxyContext, job: Job, upstream: str) -> Claimed | None:
+    """SPEC §2.3: the next attempt of a released job. A failed call may still commit (its
+    answer lost, or a stalled server): nothing was forwarded under that attempt, so it is
+    released once the store answers (proxy/background/unsent.py), as a failed claim's job is."""
+    token = new_job_id()  # a fresh UUID: the job's `started_by` if this statement commits
+    try:
+        return await ctx.store.start_next_attempt(
+            job, upstream, lease=ctx.settings.lease, token=token
+        )
+    except (StoreUnavailable, asyncio.CancelledError):
+        ctx.unsent.note_next(job, token)
+        raise
 
 
 async def _reclaim(governed: GovernedRequest) -> ClaimResult:

@@ -29,6 +29,7 @@ from idemproxy.core.attempts import (
 from idemproxy.core.types import Claimed, Job
 from idemproxy.errors import StoreUnavailable
 from idemproxy.http.problems import problem_response
+from idemproxy.identity.ids import new_job_id
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.attempt import AttemptRun, Failed, Step, count_failed, run_attempt
 from idemproxy.proxy.jobs.request import GovernedRequest
@@ -66,17 +67,32 @@ async def _run_in_order(
             step.error or step.status,
         )
         count_failed(ctx, step)
-        following = await ctx.store.fail_over(
-            job,
-            number,
-            upstreams[index + 1],
-            failure=AttemptFailure(step.status, step.error),
-            lease=ctx.settings.lease,
-        )
+        following = await _fail_over(ctx, job, number, upstreams[index + 1], step)
         if following is None:
             return None
         job, number = following.job, following.attempt
     raise AssertionError("the last upstream runs in FINAL mode and never hands back")
+
+
+async def _fail_over(
+    ctx: ProxyContext, job: Job, number: int, upstream: str, failed: Failed
+) -> Claimed | None:
+    """SPEC §3.4: attempt `number` proved nothing executed; the next one, on `upstream`. A failed
+    call may still commit (its answer lost): nothing was forwarded under the attempt it started,
+    so it is released once the store answers (proxy/background/unsent.py)."""
+    token = new_job_id()  # a fresh UUID: the job's `started_by` if this statement commits
+    try:
+        return await ctx.store.fail_over(
+            job,
+            number,
+            upstream,
+            failure=AttemptFailure(failed.status, failed.error),
+            lease=ctx.settings.lease,
+            token=token,
+        )
+    except (StoreUnavailable, asyncio.CancelledError):
+        ctx.unsent.note_next(job, token)
+        raise
 
 
 @dataclass

@@ -130,8 +130,10 @@ class DelegatingStore(Store):
     ) -> None:
         await self.inner.finish_attempt(job, attempt, state, status=status, error=error)
 
-    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
-        return await self.inner.start_next_attempt(job, upstream, lease=lease)
+    async def start_next_attempt(
+        self, job: Job, upstream: str, *, lease: float, token: str | None = None
+    ) -> Claimed | None:
+        return await self.inner.start_next_attempt(job, upstream, lease=lease, token=token)
 
     async def fail_over(
         self,
@@ -141,8 +143,11 @@ class DelegatingStore(Store):
         *,
         failure: AttemptFailure,
         lease: float,
+        token: str | None = None,
     ) -> Claimed | None:
-        return await self.inner.fail_over(job, attempt, upstream, failure=failure, lease=lease)
+        return await self.inner.fail_over(
+            job, attempt, upstream, failure=failure, lease=lease, token=token
+        )
 
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:
         return await self.inner.add_attempt(job, upstream, lease=lease)

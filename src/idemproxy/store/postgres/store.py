@@ -60,7 +60,7 @@ from idemproxy.store.postgres.kept import KeptConnections
 from idemproxy.store.postgres.listen import listen_forever
 from idemproxy.store.postgres.quota import OwnerTurns, claim_row_within, limit_reached
 from idemproxy.store.postgres.renewals import RenewalConnections
-from idemproxy.store.queries import load_migrations, load_queries
+from idemproxy.store.queries import load_migrations, load_queries, statements
 from idemproxy.store.rows import (
     attempt_from_row,
     job_from_row,
@@ -211,7 +211,8 @@ class PostgresStore(Store):
             done = {row["version"] for row in rows}
             for version, sql in load_migrations("postgres"):
                 if version not in done:
-                    await conn.execute(sql)
+                    for statement in statements(sql):
+                        await conn.execute(statement)
                     await conn.execute(
                         "INSERT INTO idemproxy.schema_migrations (version) VALUES ($1)", version
                     )
@@ -357,12 +358,12 @@ class PostgresStore(Store):
         if len(batch) == 1 or self.citus is not None:
             return await _each(self._complete_alone, batch)
         columns = _complete_columns(batch)
-        owner = batch[0].job.owner
+        owner, keys = batch[0].job.owner, [r.job.key for r in batch]
         sql, timeout = self._sql["complete_batch"], self._batch_timeout(batch)
         try:
             rows = await self._run(
                 "complete",
-                lambda c: c.fetch(sql, owner, *columns, self._late_bytes, timeout=timeout),
+                lambda c: c.fetch(sql, owner, *columns, self._late_bytes, keys, timeout=timeout),
                 False,
             )
         except StoreUnavailable:
@@ -387,6 +388,7 @@ class PostgresStore(Store):
             float(request.ttl),
             self._late_bytes,
             key_id,
+            job.key,
             observe=False,
             timeout=self._time_left(request.submitted),
         )
@@ -403,7 +405,14 @@ class PostgresStore(Store):
     ) -> bool:
         job_state, attempt_state = settle_states(state)
         row = await self._fetchrow(
-            "settle", *_cas(job), attempt, job_state.value, attempt_state.value, status, error
+            "settle",
+            *_cas(job),
+            attempt,
+            job_state.value,
+            attempt_state.value,
+            status,
+            error,
+            job.key,
         )
         return await self._announced(job, row, watched_only=True)
 
@@ -419,11 +428,15 @@ class PostgresStore(Store):
         ended = attempt_end(state).value
         await self._execute("finish_attempt", job.owner, job.id, attempt, ended, status, error)
 
-    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+    async def start_next_attempt(
+        self, job: Job, upstream: str, *, lease: float, token: str | None = None
+    ) -> Claimed | None:
         if self.citus is None:
-            row = await self._fetchrow("start_next_attempt", *_cas(job), upstream, float(lease))
+            row = await self._fetchrow(
+                "start_next_attempt", *_cas(job), upstream, float(lease), token
+            )
         else:
-            change = ("start_next_attempt_distributed", (*_cas(job), float(lease)))
+            change = ("start_next_attempt_distributed", (*_cas(job), float(lease), token))
             row = await self._run(
                 "start_next_attempt",
                 lambda c: change_then_add_attempt(c, self._sql, change, upstream),
@@ -438,14 +451,15 @@ class PostgresStore(Store):
         *,
         failure: AttemptFailure,
         lease: float,
+        token: str | None = None,
     ) -> Claimed | None:
         status, error = failure
         if self.citus is None:
             row = await self._fetchrow(
-                "fail_over", *_cas(job), attempt, status, error, upstream, float(lease)
+                "fail_over", *_cas(job), attempt, status, error, upstream, float(lease), token
             )
         else:
-            change = ("fail_over_distributed", (*_cas(job), float(lease)))
+            change = ("fail_over_distributed", (*_cas(job), float(lease), token))
             failed = (job.owner, job.id, attempt, "failed", status, error)
             row = await self._run(
                 "fail_over",
@@ -464,7 +478,7 @@ class PostgresStore(Store):
         return None if row is None else int(row["attempt_count"])
 
     async def renew_lease(self, job: Job, *, lease: float) -> bool:
-        sql, args = self._sql["renew_lease"], (*_cas(job), float(lease))
+        sql, args = self._sql["renew_lease"], (*_cas(job), float(lease), job.key)
         renewals = self._renewals
         if renewals is None:
             return bool(await self._run("renew_lease", lambda c: c.fetch(sql, *args)))

@@ -191,10 +191,17 @@ class Statements:
         db.execute(self._sql["finish_attempt"], params)
 
     def next_attempt(
-        self, db: sqlite3.Connection, name: str, job: Job, upstream: str, lease: float
+        self,
+        db: sqlite3.Connection,
+        name: str,
+        job: Job,
+        upstream: str,
+        lease: float,
+        token: str | None = None,
     ) -> Claimed | None:
-        """`name` (`reopen_job`, `count_attempt`) moves the job on; then a new attempt."""
-        if not self.changed(db, name, cas(job) | {"lease": lease}):
+        """`name` (`reopen_job`, `count_attempt`) moves the job on; then a new attempt.
+        `token`: the job's `started_by` (`reopen_job` only)."""
+        if not self.changed(db, name, cas(job) | {"lease": lease, "started_by": token}):
             return None
         return self._started(db, job, upstream, lease)
 
@@ -205,9 +212,11 @@ class Statements:
         attempt: int,
         upstream: str,
         failure: tuple[AttemptState, AttemptFailure],
-        lease: float,
+        started: tuple[float, str | None],
     ) -> Claimed | None:
-        if not self.changed(db, "advance_job", cas(job) | {"lease": lease}):
+        """`started`: the next attempt's lease, and the token recorded as `started_by`."""
+        lease, token = started
+        if not self.changed(db, "advance_job", cas(job) | {"lease": lease, "started_by": token}):
             return None
         self.finish(db, job, attempt, *failure)
         return self._started(db, job, upstream, lease)

@@ -174,9 +174,11 @@ class SqliteStore(Store):
         failure = AttemptFailure(status, error)
         await self._write("write", self._q.finish, job, attempt, attempt_end(state), failure)
 
-    async def start_next_attempt(self, job: Job, upstream: str, *, lease: float) -> Claimed | None:
+    async def start_next_attempt(
+        self, job: Job, upstream: str, *, lease: float, token: str | None = None
+    ) -> Claimed | None:
         return await self._write(
-            "write", self._q.next_attempt, "reopen_job", job, upstream, float(lease)
+            "write", self._q.next_attempt, "reopen_job", job, upstream, float(lease), token
         )
 
     async def fail_over(
@@ -187,10 +189,11 @@ class SqliteStore(Store):
         *,
         failure: AttemptFailure,
         lease: float,
+        token: str | None = None,
     ) -> Claimed | None:
         ended = (attempt_end(JobState.RELEASED), failure)
         return await self._write(
-            "write", self._q.fail_over, job, attempt, upstream, ended, float(lease)
+            "write", self._q.fail_over, job, attempt, upstream, ended, (float(lease), token)
         )
 
     async def add_attempt(self, job: Job, upstream: str, *, lease: float) -> int | None:

@@ -3,6 +3,11 @@
 -- Every hot-path statement names `owner` in its WHERE clause or conflict target, so that the
 -- tables can be distributed by owner (Citus) and each statement is routed to one shard (§11);
 -- rows inserted from a CTE take the owner from the parameter, not the CTE, for the same reason.
+-- Every hot statement is a point lookup on the one index its equality columns match, whatever
+-- the planner's statistics (migration 0005): by key `(key, owner)`, by id `(id, owner)`, attempts
+-- `(job_id, number, owner)`. A batch restricts each table by the arrays of its keys or ids, never
+-- by a join alone. The `(owner, id)` index only serves the statements that scan a range of one
+-- owner's ids and name its predicate, `id >= '00000000-0000-0000-0000-000000000000'::uuid` (always true).
 
 -- name: claim
 -- SPEC §2.2: create the job and its first attempt in one statement, relying on the (owner, key)
@@ -43,7 +48,14 @@ WITH input AS (
                          $7::float8[], $8::text[], $9::float8[])
         AS t(key, id, fingerprint, method, path, ttl, upstream, lease)
 ), existing AS (
-    SELECT * FROM idemproxy.jobs WHERE owner = $1 AND key = ANY($2::text[])
+    -- One point lookup per key. Not `key = ANY($2)`: a generic plan made on small tables took
+    -- a scan of a whole index with `owner = $1` alone instead (tests/store/test_pg_point_lookups.py).
+    -- The subquery's OFFSET keeps it from being flattened into a join the planner may turn
+    -- around; each key is then an equality lookup, which only the primary key serves.
+    SELECT job.* FROM unnest($2::text[]) AS wanted(key)
+    CROSS JOIN LATERAL (
+        SELECT * FROM idemproxy.jobs WHERE owner = $1 AND key = wanted.key OFFSET 0
+    ) AS job
 ), new_job AS (
     INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
                                 lease_expires_at)
@@ -81,17 +93,21 @@ SELECT pg_advisory_xact_lock(hashtextextended($1, 7320417));
 -- responses kept on its attempts.
 SELECT EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND key = $2) AS taken,
        (SELECT count(*) FROM idemproxy.jobs
-        WHERE owner = $1 AND state = 'in_flight' AND lease_expires_at > now()) AS in_flight,
+        WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid
+          AND state = 'in_flight' AND lease_expires_at > now()) AS in_flight,
        (SELECT count(*) FROM idemproxy.jobs
-        WHERE owner = $1 AND id >= $3::uuid AND created_at > now() - interval '1 second')
-           AS recent,
+        WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid AND id >= $3::uuid
+          AND created_at > now() - interval '1 second') AS recent,
        CASE WHEN $4 THEN (SELECT coalesce(sum(octet_length(response_body)), 0)
-                          FROM idemproxy.jobs WHERE owner = $1 AND state = 'completed')
+                          FROM idemproxy.jobs
+                          WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid
+                            AND state = 'completed')
                        + (SELECT coalesce(sum(octet_length(late_body)), 0)
                           FROM idemproxy.attempts WHERE owner = $1 AND late_body IS NOT NULL)
             ELSE 0 END AS stored_bytes,
        CASE WHEN $4 THEN (SELECT count(*) FROM idemproxy.jobs
-                          WHERE owner = $1 AND state = 'in_flight')
+                          WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid
+                            AND state = 'in_flight')
             ELSE 0 END AS pending;
 
 -- name: get_job
@@ -141,7 +157,8 @@ WHERE owner = $1 AND job_id = $2 AND number = $3 AND late_body IS NOT NULL;
 -- over as `unknown` (SPEC §3.5), the response is kept on the attempt for the operator who
 -- resolves the job (SPEC §3.3), within $10 bytes of kept bodies per job in all; a hedging
 -- loser's (the job completed) is not needed by anyone and is not kept. $11: the key a sealed
--- response is sealed with (SPEC §11; then $6 is NULL and $7 the box), NULL in the clear.
+-- response is sealed with (SPEC §11; then $6 is NULL and $7 the box), NULL in the clear. $12: the
+-- job's key, so that both indexes holding `owner` are looked up by their leading column.
 WITH won AS (
     UPDATE idemproxy.jobs
     SET state = 'completed', version = version + 1, completed_by = $4,
@@ -149,13 +166,14 @@ WITH won AS (
         response_key = $11,
         lease_expires_at = NULL, updated_at = now(),
         expires_at = now() + make_interval(secs => $9)
-    WHERE owner = $1 AND id = $2 AND version = $3 AND completed_by IS NULL
+    WHERE owner = $1 AND key = $12 AND id = $2 AND version = $3 AND completed_by IS NULL
       AND state = 'in_flight'
     RETURNING owner, id, watched
 ), keep AS (
     SELECT true AS late
     WHERE NOT EXISTS (SELECT 1 FROM won) AND $7::bytea IS NOT NULL AND NOT $8
-      AND EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND id = $2 AND state = 'unknown')
+      AND EXISTS (SELECT 1 FROM idemproxy.jobs
+                  WHERE owner = $1 AND key = $12 AND id = $2 AND state = 'unknown')
       AND (SELECT coalesce(sum(octet_length(late_body)), 0) FROM idemproxy.attempts
            WHERE owner = $1 AND job_id = $2) + octet_length($7::bytea) <= $10
 ), attempt AS (
@@ -175,7 +193,8 @@ FROM won;
 -- Group commit (store/batching.py): the completions of one owner that queued while the previous
 -- one was in flight, as one statement and one durable commit. `complete`, row by row: $2.. are
 -- arrays with one element per completion, one per job ($10: the key each is sealed with, SPEC §11);
--- $11 bounds the kept late bodies per job.
+-- $11 bounds the kept late bodies per job; $12: the jobs' keys, so that the update of the jobs
+-- names the leading column of every index that holds `owner` (a point lookup in any of them).
 -- The jobs are locked in id order first (`locked`), so that batches from several replicas, and
 -- the single-row statements, which lock a job before its attempt, cannot deadlock. Returns the
 -- ids of the jobs whose completion won.
@@ -184,9 +203,11 @@ WITH input AS (
                          $7::bytea[], $8::boolean[], $9::float8[], $10::text[])
         AS t(id, version, attempt, status, headers, body, omitted, ttl, response_key)
 ), locked AS (
-    SELECT id FROM idemproxy.jobs WHERE owner = $1 AND id = ANY($2::uuid[])
-    ORDER BY id
-    FOR UPDATE
+    -- In id order, one point lookup per id (as `claim_batch`'s `existing`).
+    SELECT job.id FROM (SELECT DISTINCT id FROM unnest($2::uuid[]) AS u(id) ORDER BY id) AS wanted
+    CROSS JOIN LATERAL (
+        SELECT id FROM idemproxy.jobs WHERE owner = $1 AND id = wanted.id OFFSET 0 FOR UPDATE
+    ) AS job
 ), won AS (
     UPDATE idemproxy.jobs
     SET state = 'completed', version = jobs.version + 1, completed_by = input.attempt,
@@ -196,7 +217,9 @@ WITH input AS (
         lease_expires_at = NULL, updated_at = now(),
         expires_at = now() + make_interval(secs => input.ttl)
     FROM input
-    WHERE jobs.owner = $1 AND jobs.id = input.id AND jobs.version = input.version
+    WHERE jobs.owner = $1 AND jobs.key = ANY($12::text[]) AND jobs.id = ANY($2::uuid[])
+      AND jobs.id = input.id
+      AND jobs.version = input.version
       AND jobs.completed_by IS NULL AND jobs.state = 'in_flight'
       AND jobs.id IN (SELECT id FROM locked)
     RETURNING jobs.owner, jobs.id, jobs.watched
@@ -215,18 +238,20 @@ WITH input AS (
         late_body = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.body END,
         late_key = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.response_key END
     FROM input
-    WHERE attempts.owner = $1 AND attempts.job_id = input.id AND attempts.number = input.attempt
+    WHERE attempts.owner = $1 AND attempts.job_id = ANY($2::uuid[])
+      AND attempts.job_id = input.id AND attempts.number = input.attempt
       AND attempts.state IN ('started', 'unknown')
 )
 SELECT id, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
 
 -- name: settle
 -- Release (nothing executed) or mark unknown (may have executed): $5 is the new job state and
--- $6 the attempt's. Only an attempt holding the current version may settle the job.
+-- $6 the attempt's. Only an attempt holding the current version may settle the job. $9: its key
+-- (as in `complete`).
 WITH settled AS (
     UPDATE idemproxy.jobs
     SET state = $5, version = version + 1, lease_expires_at = NULL, updated_at = now()
-    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+    WHERE owner = $1 AND key = $9 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING owner, id, watched
 ), attempt AS (
     UPDATE idemproxy.attempts
@@ -244,11 +269,12 @@ WHERE owner = $1 AND job_id = $2 AND number = $3 AND state = 'started';
 
 -- name: start_next_attempt
 -- SPEC §2.3: of all the retries of a released job exactly one wins this CAS and runs the next
--- attempt under the same job.
+-- attempt under the same job. $6: the caller's token (`started_by`, migration 0006).
 WITH job AS (
     UPDATE idemproxy.jobs
     SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
-        lease_expires_at = now() + make_interval(secs => $5), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $5), updated_at = now(),
+        started_by = $6
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'released'
     RETURNING *
 ), next_attempt AS (
@@ -260,10 +286,12 @@ SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
 -- name: fail_over
 -- SPEC §3.4: attempt $4 failed in a way that proves nothing executed; the next upstream gets
 -- attempt $4 + 1 under the same job, in one transaction, so no other request can slip in.
+-- $9: the caller's token, as in `start_next_attempt`.
 WITH job AS (
     UPDATE idemproxy.jobs
     SET version = version + 1, attempt_count = attempt_count + 1,
-        lease_expires_at = now() + make_interval(secs => $8), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $8), updated_at = now(),
+        started_by = $9
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING *
 ), failed AS (
@@ -293,17 +321,19 @@ RETURNING number;
 
 -- name: renew_lease
 -- SPEC §3.5: the proxy running an attempt keeps its lease alive while the upstream call runs.
+-- $5: the job's key (as in `complete`).
 WITH job AS (
     UPDATE idemproxy.jobs
     SET lease_expires_at = now() + make_interval(secs => $4)
-    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
+    WHERE owner = $1 AND key = $5 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING owner, id, lease_expires_at
 ), attempts AS (
     UPDATE idemproxy.attempts a
     SET lease_expires_at = job.lease_expires_at
     FROM job
-    -- `a.owner = $1`, not `= job.owner`: only a parameter lets Citus route it to one shard.
-    WHERE a.owner = $1 AND a.job_id = job.id AND a.state = 'started'
+    -- Parameters, not `job.owner` and `job.id`: only a parameter lets Citus route it to one
+    -- shard, and the planner look the attempts up by their key rather than by a join.
+    WHERE a.owner = $1 AND a.job_id = $2 AND a.state = 'started'
 )
 -- Renewed when the job is still ours, whether or not an attempt row is still `started`.
 SELECT id FROM job;
@@ -321,7 +351,7 @@ WITH job AS (
     UPDATE idemproxy.attempts a
     SET state = 'unknown', error = 'lease expired', finished_at = now(), lease_expires_at = NULL
     FROM job
-    WHERE a.owner = $1 AND a.job_id = job.id AND a.state = 'started'  -- $1: routable (Citus)
+    WHERE a.owner = $1 AND a.job_id = $2 AND a.state = 'started'  -- parameters: as in renew_lease
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 
@@ -419,11 +449,12 @@ LIMIT $3;
 
 -- name: owner_jobs
 -- Erasure (SPEC §11): one owner's jobs created before $3, in id order, a batch after the cursor
--- $2; the (owner, id) unique index serves it.
+-- $2; the `(owner, id)` index serves it (its predicate named).
 SELECT *, expires_at <= now() AS expired,
        state = 'in_flight' AND lease_expires_at <= now() AS lease_expired
 FROM idemproxy.jobs
-WHERE owner = $1 AND id > $2::uuid AND created_at < $3
+WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid AND id > $2::uuid
+  AND created_at < $3
 ORDER BY id
 LIMIT $4;
 
@@ -440,6 +471,7 @@ SELECT 1;
 SELECT *, expires_at <= now() AS expired, false AS lease_expired
 FROM idemproxy.jobs
 WHERE state = 'completed' AND response_key IS DISTINCT FROM $1 AND (owner, id) > ($2, $3)
+  AND id >= '00000000-0000-0000-0000-000000000000'::uuid
 ORDER BY owner, id
 LIMIT $4;
 
@@ -491,7 +523,8 @@ RETURNING *, false AS expired, false AS lease_expired;
 WITH job AS (
     UPDATE idemproxy.jobs
     SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
-        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now(),
+        started_by = $5
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'released'
     RETURNING *
 )
@@ -502,7 +535,8 @@ SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;
 WITH job AS (
     UPDATE idemproxy.jobs
     SET version = version + 1, attempt_count = attempt_count + 1,
-        lease_expires_at = now() + make_interval(secs => $4), updated_at = now()
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now(),
+        started_by = $5
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING *
 )

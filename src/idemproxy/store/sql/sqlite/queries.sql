@@ -120,7 +120,7 @@ WHERE owner = :owner AND id = :id AND version = :version AND state = 'in_flight'
 UPDATE jobs
 SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
     lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease,
-    updated_at = (julianday('now') - 2440587.5) * 86400.0
+    updated_at = (julianday('now') - 2440587.5) * 86400.0, started_by = :started_by
 WHERE owner = :owner AND id = :id AND version = :version AND state = 'released';
 
 -- name: advance_job
@@ -128,7 +128,7 @@ WHERE owner = :owner AND id = :id AND version = :version AND state = 'released';
 UPDATE jobs
 SET version = version + 1, attempt_count = attempt_count + 1,
     lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease,
-    updated_at = (julianday('now') - 2440587.5) * 86400.0
+    updated_at = (julianday('now') - 2440587.5) * 86400.0, started_by = :started_by
 WHERE owner = :owner AND id = :id AND version = :version AND state = 'in_flight';
 
 -- name: count_attempt

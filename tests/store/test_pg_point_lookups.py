@@ -1,0 +1,225 @@
+"""Every hot statement is a point lookup whatever the planner's statistics say.
+
+A store that was never analyzed (a fresh, restored or bulk-loaded database; a server without
+autovacuum) gives the planner nothing to tell two indexes apart by. A generic plan made while
+the table was small is kept while the table grows (only an ANALYZE or a schema change replaces
+it): with `UNIQUE (owner, id)` next to the `(owner, key)` primary key, the claim's generic plan
+took the former with `key` as a filter, and a new key read every job of its owner.
+
+Each statement is prepared on the empty tables, its generic plan made there (as a connection of
+a fresh store makes it), then 100,000 jobs of one owner are bulk-loaded, never analyzed, and the
+same plan runs: every scan must be an index scan that reads no row it does not return, within a
+few blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from idemproxy.store.queries import load_queries
+
+pytestmark = pytest.mark.postgres
+
+_JOBS = 100_000
+# A point lookup per statement reads a handful of blocks (B-tree descents, the heap page, the
+# index entries it writes); a scan of one owner's 100,000 jobs reads hundreds.
+_MOST_BLOCKS = 120
+_SQL = load_queries("postgres")
+_LIVE = ("11111111-1111-7111-8111-111111111111", "22222222-2222-7222-8222-222222222222")
+
+_LOAD = f"""
+INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, state, version,
+                            completed_by, response_status, response_body, expires_at)
+SELECT 'acme', 'old-' || g, gen_random_uuid(), 'f', 'POST', '/pay', 'completed', 2, 1, 201,
+       '\\x7b7d', now() + interval '1 day'
+FROM generate_series(1, {_JOBS}) g;
+INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, state, status, finished_at)
+SELECT owner, id, 1, 'a', 'succeeded', 201, now() FROM idemproxy.jobs;
+INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
+                            lease_expires_at)
+VALUES ('acme', 'live-0', '{_LIVE[0]}', 'f', 'POST', '/pay', now() + interval '1 day',
+        now() + interval '1 minute'),
+       ('acme', 'live-1', '{_LIVE[1]}', 'f', 'POST', '/pay', now() + interval '1 day',
+        now() + interval '1 minute');
+INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)
+SELECT owner, id, 1, 'a', lease_expires_at FROM idemproxy.jobs WHERE key LIKE 'live-%';
+"""
+
+
+def _new_id() -> str:
+    return str(uuid.uuid4())
+
+
+def _array(values: list[str], kind: str) -> str:
+    return "ARRAY[" + ", ".join(values) + f"]::{kind}[]"
+
+
+def _statements() -> dict[str, str]:
+    """The hot statements and their arguments (SQL literals): new keys, and the two jobs in
+    flight."""
+    live = [f"'{job}'" for job in _LIVE]
+    return {
+        "claim": f"'acme', 'new-0', '{_new_id()}', 'f', 'POST', '/pay', 60, 'a', 30",
+        "claim_batch": ", ".join(
+            [
+                "'acme'",
+                _array(["'new-1'", "'new-2'", "'old-7'"], "text"),
+                _array([f"'{_new_id()}'" for _ in range(3)], "uuid"),
+                _array(["'f'"] * 3, "text"),
+                _array(["'POST'"] * 3, "text"),
+                _array(["'/pay'"] * 3, "text"),
+                _array(["60"] * 3, "float8"),
+                _array(["'a'"] * 3, "text"),
+                _array(["30"] * 3, "float8"),
+            ]
+        ),
+        "get_job": "'acme', 'old-500'",
+        "watch_job": "'acme', 'live-0'",
+        "complete": f"'acme', {live[0]}, 1, 1, 201, NULL, '\\x7b7d', false, 60, 1048576, NULL, "
+        "'live-0'",
+        "complete_batch": ", ".join(
+            [
+                "'acme'",
+                _array(live, "uuid"),
+                _array(["1", "1"], "integer"),
+                _array(["1", "1"], "integer"),
+                _array(["201", "201"], "integer"),
+                _array(["NULL", "NULL"], "text"),
+                _array(["'\\x7b7d'", "'\\x7b7d'"], "bytea"),
+                _array(["false", "false"], "boolean"),
+                _array(["60", "60"], "float8"),
+                _array(["NULL", "NULL"], "text"),
+                "1048576",
+                _array(["'live-0'", "'live-1'"], "text"),
+            ]
+        ),
+        "renew_lease": f"'acme', {live[0]}, 1, 30, 'live-0'",
+        "settle": f"'acme', {live[0]}, 1, 1, 'released', 'failed', NULL, 'refused', 'live-0'",
+    }
+
+
+@pytest.fixture
+async def conn(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A session on a fresh store whose tables are never analyzed (autovacuum off for them)."""
+    conn = await asyncpg.connect(pg_dsn)
+    tables = ("idemproxy.jobs", "idemproxy.attempts")
+    try:
+        for table in tables:
+            await conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
+        yield conn
+    finally:
+        for table in tables:
+            await conn.execute(f"ALTER TABLE {table} RESET (autovacuum_enabled)")
+        await conn.close()
+
+
+def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", ()):
+        yield from _nodes(child)
+
+
+def _blocks(node: dict[str, Any]) -> int:
+    return int(node.get("Shared Hit Blocks", 0)) + int(node.get("Shared Read Blocks", 0))
+
+
+def _wasted(plan: dict[str, Any]) -> list[str]:
+    """What in an executed plan is not a point lookup: a sequential scan of a table, a scan that
+    read rows it then filtered out, or too many blocks read."""
+    found = []
+    for node in _nodes(plan):
+        kind, relation = node["Node Type"], node.get("Relation Name")
+        if kind == "Seq Scan" and relation in ("jobs", "attempts"):
+            found.append(f"Seq Scan on {relation}")
+        if node.get("Rows Removed by Filter", 0) > 0 and relation in ("jobs", "attempts"):
+            index, removed = node.get("Index Name"), node["Rows Removed by Filter"]
+            found.append(f"{kind} on {relation} ({index}) filtered {removed}")
+        if _blocks(node) > _MOST_BLOCKS:
+            found.append(f"{kind} read {_blocks(node)} blocks")
+    return found
+
+
+async def _executed(conn: asyncpg.Connection, name: str, args: str) -> dict[str, Any]:
+    """The prepared statement's cached generic plan, run (and rolled back)."""
+    explain = f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {name}({args})"
+    tx = conn.transaction()
+    await tx.start()
+    try:
+        document = await conn.fetchval(explain)
+    finally:
+        await tx.rollback()
+    plan: dict[str, Any] = json.loads(document)[0]["Plan"]
+    return plan
+
+
+async def _wasted_plans(conn: asyncpg.Connection, statements: dict[str, str]) -> str:
+    """What each prepared statement's cached plan wastes, one line per statement that does."""
+    lines = []
+    for name, args in statements.items():
+        found = _wasted(await _executed(conn, name, args))
+        if found:
+            lines.append(f"{name}: {found}")
+    return "\n".join(lines)
+
+
+async def _prepared(conn: asyncpg.Connection, statements: dict[str, str]) -> None:
+    """Each statement prepared afresh, its generic plan made now (and cached)."""
+    prepared = {r["name"] for r in await conn.fetch("SELECT name FROM pg_prepared_statements")}
+    for name, args in statements.items():
+        if name in prepared:
+            await conn.execute(f"DEALLOCATE {name}")
+        await conn.execute(f"PREPARE {name} AS {_SQL[name]}")
+        await _executed(conn, name, args)
+
+
+async def test_hot_statements_stay_point_lookups_on_an_unanalyzed_store(
+    conn: asyncpg.Connection,
+) -> None:
+    statements = _statements()
+    await conn.execute("SET plan_cache_mode = force_generic_plan")
+    await _prepared(conn, statements)  # the generic plans, made on the empty tables
+    await conn.execute(_LOAD)
+    stats = await conn.fetchval("SELECT count(*) FROM pg_stats WHERE schemaname = 'idemproxy'")
+    assert stats == 0, "the tables must be unanalyzed"
+    assert await _wasted_plans(conn, statements) == ""
+    await _prepared(conn, statements)  # made on the loaded, unanalyzed tables
+    assert await _wasted_plans(conn, statements) == ""
+    await conn.execute("ANALYZE idemproxy.jobs, idemproxy.attempts")
+    await _prepared(conn, statements)  # and with statistics
+    assert await _wasted_plans(conn, statements) == ""
+
+
+# The housekeeping and operators' statements, with the index each must keep (SPEC §11, §3.3, §3.5).
+_HOUSEKEEPING = {
+    "expired_leases": ("0, 100", "jobs_lease_idx"),
+    "sweep_expired": ("500", "jobs_expiry_idx"),
+    "stale_unknown": ("0, 100", "jobs_unknown_idx"),
+    "get_job_by_id": (f"'{_LIVE[0]}'", "jobs_id_owner_key"),
+    "owner_jobs": (
+        "'acme', '00000000-0000-0000-0000-000000000000', now(), 100",
+        "jobs_owner_id_idx",
+    ),
+    "quota_usage": (
+        "'acme', 'new-0', '00000000-0000-0000-0000-000000000000', true",
+        "jobs_owner_id_idx",
+    ),
+    "get_attempts": (f"'acme', '{_LIVE[0]}'", "attempts_pkey"),
+}
+
+
+async def test_housekeeping_keeps_an_index_path(conn: asyncpg.Connection) -> None:
+    await conn.execute(_LOAD)
+    used = {}
+    for name, (args, _) in _HOUSEKEEPING.items():
+        await conn.execute(f"PREPARE {name} AS {_SQL[name]}")
+        plan = await _executed(conn, name, args)
+        used[name] = {node.get("Index Name") for node in _nodes(plan)} - {None}
+        scans = [n for n in _nodes(plan) if n["Node Type"] == "Seq Scan"]
+        assert not scans, f"{name}: {[n.get('Relation Name') for n in scans]}"
+    assert all(index in used[name] for name, (_, index) in _HOUSEKEEPING.items()), used
