@@ -193,3 +193,24 @@ async def test_a_qbox_signature_is_refused_though_it_signs_no_time(
         async with client.post("/orders", headers=headers, data=body) as response:
             await assert_problem(response, "owner-unstable", 400, job_state="none")
     assert ledger.count() == 0
+
+
+async def test_credentials_sent_the_same_on_every_try_still_replay(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    """The wider detection leaves static credentials alone: each retry is replayed."""
+    client = await proxy()
+    stable = [
+        "Bearer sk-live-4f9a1c2e7b",
+        "Basic dXNlcjpwYXNz",
+        "Token abc123",
+        "ApiKey key=abc",
+        "DPoP eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJhIn0.c2ln",
+        "sk-live-without-a-scheme",
+        "Custom key=abc&tenant=42",
+    ]
+    for n, authorization in enumerate(stable):
+        headers = {"Authorization": authorization, KEY: f"k-stable-{n}"}
+        assert await send(client, "/orders", headers) == (201, False, {})
+        assert await send(client, "/orders", headers) == (201, True, {}), authorization
+        assert ledger.count(f"k-stable-{n}") == 1

@@ -105,6 +105,7 @@ def test_a_message_signature_is_the_credential_only_without_an_authorization() -
         ("X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=a&X-Amz-Signature=ab12", True),
         ("X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-Signature=ab12", True),
         ("AWSAccessKeyId=AKID&Expires=1700000000&Signature=c2ln", True),
+        ("q-sign-algorithm=sha1&q-ak=AK&q-sign-time=1;2&q-signature=ab12", True),
         ("signature=mine&page=2", False),  # a parameter that happens to be called so
         ("page=2", False),
         ("", False),

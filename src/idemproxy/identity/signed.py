@@ -68,10 +68,11 @@ _SIGNED_PARAM: Final = re.compile(
 # RFC 9421 §4: a message signature travels in these two fields, whatever else authenticates.
 _MESSAGE_SIGNATURE: Final = ("Signature-Input", "Signature")
 # Query parameters of a presigned URL: its signature is in the URL (SigV4 §"query string
-# authentication", SigV2, GCS V4).
+# authentication", SigV2, GCS V4, Tencent COS).
 _PRESIGNED: Final = {
     "x-amz-signature": "an AWS SigV4 presigned URL (X-Amz-Signature)",
     "x-goog-signature": "a Google Cloud Storage presigned URL (X-Goog-Signature)",
+    "q-signature": "a Tencent Cloud COS presigned URL (q-signature)",
     "signature": "a presigned URL (Signature)",
 }
 
