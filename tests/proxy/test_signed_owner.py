@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
+import pytest
 from botocore.auth import S3SigV4QueryAuth, SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
@@ -20,6 +22,7 @@ from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyClient
 from tests.support.proxychecks import KEY, REPLAYED, assert_problem
 from tests.support.signatures import digest_authorization, hawk_authorization, message_signature
+from tests.support.vendor_signatures import SIGNERS, qbox
 
 from .conftest import ProxyFactory
 
@@ -138,3 +141,76 @@ async def test_a_status_lookup_is_refused_as_its_request_would_be(
     async with client.get("/bucket/video.mp4", headers=headers) as response:
         await assert_problem(response, "owner-unstable", 400)
     assert ledger.count() == 0
+
+
+@pytest.mark.parametrize("vendor", SIGNERS)
+async def test_a_vendor_signature_signed_again_a_second_later_is_refused(
+    proxy: ProxyFactory, ledger: Ledger, vendor: str
+) -> None:
+    """Tencent COS, Azure's HMAC-SHA256, Baidu's bce-auth-v1, GOOG1 and Qiniu: each try,
+    signed again, was an owner of its own and the retry executed again."""
+    client = await proxy()
+    sign, now = SIGNERS[vendor], time.time()
+    tries = [sign("POST", f"127.0.0.1:{client.port}", "/orders", now + s) for s in (0, 1)]
+    assert tries[0]["Authorization"] != tries[1]["Authorization"]
+    answers = [await send(client, "/orders", {**t, KEY: f"k-{vendor}"}) for t in tries]
+    assert [(status, problem.get("code")) for status, _, problem in answers] == [
+        (400, "owner-unstable"),
+        (400, "owner-unstable"),
+    ]
+    assert ledger.count() == 0
+
+
+async def test_sigv4_with_a_tab_after_its_scheme_is_refused(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    """SigV4 as some signers lay it out: a tab after the scheme, no space after the commas;
+    there was no space to find the scheme by, and each try was an owner of its own."""
+    client = await proxy()
+    tries = []
+    for _ in range(2):
+        headers = sigv4(client, UPLOAD)
+        headers["Authorization"] = headers["Authorization"].replace(", ", ",").replace(" ", "\t", 1)
+        tries.append({**headers, KEY: "upload-tab"})
+        await asyncio.sleep(1.1)  # X-Amz-Date is to the second
+    answers = [await send(client, UPLOAD, headers) for headers in tries]
+    assert [(status, problem.get("code")) for status, _, problem in answers] == [
+        (400, "owner-unstable"),
+        (400, "owner-unstable"),
+    ]
+    assert "AWS Signature Version 4" in answers[0][2]["detail"]
+    assert ledger.count() == 0
+
+
+async def test_a_qbox_signature_is_refused_though_it_signs_no_time(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    """QBox signs the path and the body: the same key sent with another body (which must be
+    409 payload-mismatch) was another owner, and executed again."""
+    client = await proxy()
+    for body in (b"amount=1", b"amount=2"):
+        headers = {**qbox("/orders", body), KEY: "k-qbox"}
+        async with client.post("/orders", headers=headers, data=body) as response:
+            await assert_problem(response, "owner-unstable", 400, job_state="none")
+    assert ledger.count() == 0
+
+
+async def test_credentials_sent_the_same_on_every_try_still_replay(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    """The wider detection leaves static credentials alone: each retry is replayed."""
+    client = await proxy()
+    stable = [
+        "Bearer sk-live-4f9a1c2e7b",
+        "Basic dXNlcjpwYXNz",
+        "Token abc123",
+        "ApiKey key=abc",
+        "DPoP eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJhIn0.c2ln",
+        "sk-live-without-a-scheme",
+        "Custom key=abc&tenant=42",
+    ]
+    for n, authorization in enumerate(stable):
+        headers = {"Authorization": authorization, KEY: f"k-stable-{n}"}
+        assert await send(client, "/orders", headers) == (201, False, {})
+        assert await send(client, "/orders", headers) == (201, True, {}), authorization
+        assert ledger.count(f"k-stable-{n}") == 1

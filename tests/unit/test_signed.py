@@ -19,6 +19,7 @@ from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential,
 from idemproxy.identity.signed import per_request_signature
 from idemproxy.ops.purge import owners_of_credential
 from tests.support.signatures import digest_authorization, hawk_authorization, message_signature
+from tests.support.vendor_signatures import SIGNERS, qbox
 
 
 def sigv4(url: str = "http://127.0.0.1/bucket/object?uploads") -> CIMultiDict[str]:
@@ -38,6 +39,24 @@ SIGNED = {
     "edgegrid": "EG1-HMAC-SHA256 client_token=a;access_token=b;timestamp=t;nonce=n;signature=s",
     "mac-params": 'MAC id="h480djs93hd8", ts="1336363200", nonce="dj83hs9s", mac="bhCQ="',
     "negotiate": "Negotiate YIIJvwYGKwYBBQUCoIIJszCCCa+gJDAi",
+    **{
+        vendor: sign("POST", "127.0.0.1", "/orders", 1_796_533_200)["Authorization"]
+        for vendor, sign in SIGNERS.items()
+    },
+    "qbox": qbox("/orders", b"amount=1")["Authorization"],
+    "sigv4-tab": sigv4()["Authorization"].replace(", ", ",").replace(" ", "\t", 1),
+    "sigv4-spaces": sigv4()["Authorization"].replace(" ", "   ", 1),
+    "sharedkeylite": "SharedKeyLite account:c2lnbmF0dXJl",
+    "oss": "OSS LTAIexample:c2lnbmF0dXJl",
+    "tc3": "TC3-HMAC-SHA256 Credential=AKID/2026-12-06/cvm/tc3_request, SignedHeaders=host,"
+    " Signature=ab12",
+    "hmac-sha1": "HMAC-SHA1 Credential=a&SignedHeaders=date&Signature=c2ln",
+    "ksc": "KSC AKLTexample:c2lnbmF0dXJl",
+    "vendor-hmac": "SDK-HMAC-SHA256 Access=AK, SignedHeaders=host;x-sdk-date, Signature=ab12",
+    "ampersand-sig": "Custom id=a&sig=c2ln",
+    "x-date": "Custom id=a, X-Date=20261206T050000Z",
+    "upper-nonce": "Custom id=a;NONCE=n",
+    "time": "Custom id=a\ttime=1796533200",
 }
 
 
@@ -56,6 +75,12 @@ def test_a_per_request_signature_is_recognised(authorization: str) -> None:
         "ApiKey abc",
         "sk-live-without-a-scheme",
         "Custom key=abc, tenant=42",
+        "Custom key=abc&tenant=42",
+        "Bearer\tsk-live-4f9a1c2e7b",
+        "DPoP eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJhIn0.c2ln",
+        "Token abc123",
+        "ApiKey key=abc, signature=never-looked-at",
+        "Basic c2lnPXNpZw==",
     ],
 )
 def test_a_credential_sent_the_same_on_every_try_is_not(authorization: str) -> None:
@@ -80,6 +105,7 @@ def test_a_message_signature_is_the_credential_only_without_an_authorization() -
         ("X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=a&X-Amz-Signature=ab12", True),
         ("X-Goog-Algorithm=GOOG4-RSA-SHA256&X-Goog-Signature=ab12", True),
         ("AWSAccessKeyId=AKID&Expires=1700000000&Signature=c2ln", True),
+        ("q-sign-algorithm=sha1&q-ak=AK&q-sign-time=1;2&q-signature=ab12", True),
         ("signature=mine&page=2", False),  # a parameter that happens to be called so
         ("page=2", False),
         ("", False),
@@ -118,3 +144,11 @@ def test_an_operator_naming_an_owner_by_a_signature_is_told_it_names_none() -> N
     credential, so it names no owner (and not a crash)."""
     with pytest.raises(InvalidRequest, match="signature made for one request"):
         owners_of_credential(sigv4()["Authorization"], OwnerSettings())
+
+
+@pytest.mark.parametrize("vendor", ["tencent-cos", "baidu-bce"])
+def test_a_credential_without_a_scheme_is_named_without_a_byte_of_it(vendor: str) -> None:
+    signed = SIGNERS[vendor]("POST", "127.0.0.1", "/orders", 1_796_533_200)["Authorization"]
+    what = per_request_signature(signed, {}) or ""
+    assert what.startswith(("Tencent Cloud COS", "Baidu Cloud BCE"))
+    assert "AKIDEXAMPLE" not in what and signed[-8:] not in what

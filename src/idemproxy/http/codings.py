@@ -12,6 +12,12 @@ _ALIASES: Final = {"x-gzip": "gzip", "x-compress": "compress"}
 DECODABLE: Final = frozenset({"gzip", "deflate"})
 # zlib's `wbits` for a gzip member (16 + 15) and for RFC 1950 data and raw RFC 1951 data.
 _GZIP, _ZLIB, _RAW = 31, 15, -15
+# SPEC §7: the work of a decode stays in proportion to the stored bytes. Each coding of a
+# chain may decode to as much as the limit, so a chain is at most this long (servers apply
+# one coding; RFC 9110 §8.4 allows more, nobody sends more than two).
+MAX_CODINGS: Final = 4
+# The first piece of a gzip member given to its decoder (a member is at least 18 bytes).
+_FIRST_PIECE: Final = 64
 
 
 class Undecodable(Exception):
@@ -68,8 +74,9 @@ def _weight(parameters: list[str]) -> float:
 def decode(body: bytes, codings: list[str], limit: int) -> bytes:
     """`body` with every coding in `codings` undone, last applied first; `Undecodable` when one
     is not `gzip` or `deflate`, the bytes are not what it says, or the result exceeds `limit`
-    bytes (SPEC §9: `max_stored_body` bounds what a replay holds)."""
-    if any(coding not in DECODABLE for coding in codings):
+    bytes (SPEC §9: `max_stored_body` bounds what a replay holds), or there are more than
+    `MAX_CODINGS` of them. The work is linear in `body` and the output (SPEC §7)."""
+    if len(codings) > MAX_CODINGS or any(coding not in DECODABLE for coding in codings):
         raise Undecodable()
     for coding in reversed(codings):
         body = _gunzip(body, limit) if coding == "gzip" else _inflate(body, limit)
@@ -77,12 +84,38 @@ def decode(body: bytes, codings: list[str], limit: int) -> bytes:
 
 
 def _gunzip(body: bytes, limit: int) -> bytes:
-    # RFC 1952 §2.2: a gzip body may be several members, one after the other.
-    out, rest = _bounded(_GZIP, body, limit)
-    while rest:
-        more, rest = _bounded(_GZIP, rest, limit - len(out))
-        out += more
-    return out
+    # RFC 1952 §2.2: a gzip body may be several members, one after the other. The members are
+    # read in place (a view, an offset) and their output gathered in one buffer: decoding is
+    # linear in the body, however many members it has (each pass over the rest would make
+    # many tiny members quadratic).
+    view = memoryview(body)
+    out = bytearray()
+    start = 0
+    while start < len(view):
+        start = _member(view, start, out, limit)
+    return bytes(out)
+
+
+def _member(view: memoryview, start: int, out: bytearray, limit: int) -> int:
+    """The gzip member at `start` decoded onto `out` (which stays within `limit` bytes); where
+    the bytes after it begin. The decoder is fed pieces that double in size: what it copies
+    after the member's end (its `unused_data`) is at most twice what the member itself took,
+    never the whole rest of the body."""
+    decoder = zlib.decompressobj(_GZIP)
+    size = _FIRST_PIECE
+    while not decoder.eof:
+        piece = view[start : start + size]
+        if not piece:
+            raise Undecodable()  # cut off before the member's end
+        start += len(piece)
+        try:
+            out += decoder.decompress(piece, limit - len(out) + 1)
+        except zlib.error as exc:
+            raise Undecodable() from exc
+        if len(out) > limit:
+            raise Undecodable()
+        size *= 2
+    return start - len(decoder.unused_data)
 
 
 def _inflate(body: bytes, limit: int) -> bytes:

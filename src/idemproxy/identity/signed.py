@@ -26,11 +26,18 @@ _SIGNED_SCHEMES: Final = {
     "aws": "AWS Signature Version 2",
     "goog4-hmac-sha256": "Google Cloud Storage V4 signature",
     "goog4-rsa-sha256": "Google Cloud Storage V4 signature",
+    "goog1": "Google Cloud Storage HMAC signature",
     "oss": "Alibaba Cloud OSS signature",
     "oss4-hmac-sha256": "Alibaba Cloud OSS V4 signature",
     "tc3-hmac-sha256": "Tencent Cloud TC3 signature",
     "sharedkey": "Azure Storage Shared Key",
     "sharedkeylite": "Azure Storage Shared Key Lite",
+    "hmac-sha256": "HMAC-SHA256 request signature (Azure, Volcengine)",
+    "hmac-sha1": "HMAC-SHA1 request signature",
+    "qiniu": "Qiniu signature",
+    "qbox": "Qiniu QBox signature",
+    "ksc": "Kingsoft Cloud signature",
+    "kss": "Kingsoft Cloud KS3 signature",
     "eg1-hmac-sha256": "Akamai EdgeGrid",
     "digest": "HTTP Digest (RFC 7616)",
     "hawk": "Hawk",
@@ -42,22 +49,30 @@ _SIGNED_SCHEMES: Final = {
     "negotiate": "Negotiate (Kerberos, RFC 4559)",
     "ntlm": "NTLM",
 }
+# Credentials with no scheme before their first space, known by how they begin (the rest is
+# the signature, never echoed): Baidu's BCE and Tencent COS's.
+_SIGNED_PREFIXES: Final = {
+    "bce-auth-v1/": "Baidu Cloud BCE signature (bce-auth-v1)",
+    "q-sign-algorithm=": "Tencent Cloud COS signature (q-sign-algorithm)",
+}
 # Schemes whose credential is a token sent unchanged on every try: never second-guessed.
 _STABLE_SCHEMES: Final = frozenset({"bearer", "basic", "token", "apikey", "api-key", "dpop"})
 # An auth-param with one of these names makes any other scheme a per-request signature (a
-# nonce, a timestamp or a MAC over them: OAuth's MAC draft, vendors' HMAC schemes).
+# nonce, a time or a MAC over them: OAuth's MAC draft, vendors' HMAC schemes), wherever it is
+# in the credential and whichever of the separators vendors use comes before it.
 _SIGNED_PARAM: Final = re.compile(
-    r"(?:^|[\s,;])(?:signature|sig|mac|nonce|cnonce|oauth_signature|oauth_nonce|ts|timestamp)"
-    r"\s*=",
+    r"(?:^|[\s,;&])(?:signature|q-signature|sig|mac|nonce|cnonce|oauth_signature|oauth_nonce"
+    r"|ts|timestamp|x-date|date|time)\s*=",
     re.IGNORECASE,
 )
 # RFC 9421 §4: a message signature travels in these two fields, whatever else authenticates.
 _MESSAGE_SIGNATURE: Final = ("Signature-Input", "Signature")
 # Query parameters of a presigned URL: its signature is in the URL (SigV4 §"query string
-# authentication", SigV2, GCS V4).
+# authentication", SigV2, GCS V4, Tencent COS).
 _PRESIGNED: Final = {
     "x-amz-signature": "an AWS SigV4 presigned URL (X-Amz-Signature)",
     "x-goog-signature": "a Google Cloud Storage presigned URL (X-Goog-Signature)",
+    "q-signature": "a Tencent Cloud COS presigned URL (q-signature)",
     "signature": "a presigned URL (Signature)",
 }
 
@@ -79,12 +94,23 @@ def per_request_signature(
 
 
 def _signed_scheme(authorization: str) -> str | None:
-    scheme, _, rest = authorization.strip().partition(" ")
-    scheme = scheme.lower()
+    credential = authorization.strip()
+    lowered = credential.lower()
+    for prefix, vendor in _SIGNED_PREFIXES.items():
+        if lowered.startswith(prefix):
+            return vendor
+    # RFC 9110 §11.4 puts one space after the scheme; clients send tabs and more as well.
+    scheme = (lowered.split(None, 1) or [""])[0]
     named = _SIGNED_SCHEMES.get(scheme)
     if named is not None:
         return f"{named} (Authorization: {scheme.upper()})"
-    if scheme in _STABLE_SCHEMES or _SIGNED_PARAM.search(rest) is None:
+    if scheme in _STABLE_SCHEMES:
+        return None
+    if "hmac" in scheme and "=" not in scheme:
+        # A scheme named after its MAC (`SDK-HMAC-SHA256`, `ACS3-HMAC-SHA256`): a vendor's
+        # request signature; the name is one scheme token, but it comes from the request.
+        return "an Authorization scheme named after an HMAC"
+    if _SIGNED_PARAM.search(credential) is None:
         return None
     return "an Authorization scheme that signs a nonce or timestamp"
 
