@@ -35,6 +35,7 @@ def _row(**changes: Any) -> dict[str, Any]:
         "expired": 0,
         "lease_expired": 0,
         "resolution": None,
+        "started_by": None,
     }
     return row | changes
 
