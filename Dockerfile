@@ -13,12 +13,13 @@ ARG BASE_IMAGE=python:3.12-slim
 FROM ${BASE_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 WORKDIR /src
-# Dependencies first, from pyproject.toml alone: this layer is rebuilt only when they change,
+# Dependencies first, from pyproject.toml alone, at the versions constraints.txt pins (the same
+# as CI's; scripts/lock refreshes them): this layer is rebuilt only when they change,
 # not on every edit of the source. The `redis` extra too, so that `--redis` works in the image.
-COPY pyproject.toml ./
+COPY pyproject.toml constraints.txt ./
 RUN python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(*p["dependencies"], *p["optional-dependencies"]["redis"], sep="\n")' \
         > requirements.txt \
-    && python -m pip wheel --wheel-dir /wheels -r requirements.txt \
+    && python -m pip wheel --wheel-dir /wheels --constraint constraints.txt -r requirements.txt \
     && python -m venv /opt/idemproxy \
     && /opt/idemproxy/bin/pip install --no-index --find-links /wheels -r requirements.txt
 # Then the project itself, without touching the dependencies installed above.

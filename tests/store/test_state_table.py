@@ -278,7 +278,7 @@ def test_the_reads_use_the_tables_sets(dialect: str) -> None:
     assert _states(queries["forget"]) == expirable
     assert _states(queries["sweep_expired"]) == expirable
     keep = queries["complete"] if dialect == "postgres" else queries["may_keep_late"]
-    kept = re.search(r"FROM (?:idemproxy\.)?jobs WHERE .*?state = '(\w+)'", keep)
+    kept = re.search(r"FROM (?:idemproxy\.)?jobs\s+WHERE .*?state = '(\w+)'", keep)
     assert kept is not None
     assert frozenset({kept.group(1)}) == _values(LATE_RESPONSE_KEPT)
 

@@ -57,3 +57,46 @@ def test_the_image_build_context_holds_the_licence_it_copies() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     assert "!LICENSE" in lines
     assert re.search(r"^COPY .*\bLICENSE\b", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+
+
+def _pins() -> dict[str, str]:
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    pins = {}
+    for line in lines:
+        if line and not line.startswith("#"):
+            name, _, pinned = line.partition("==")
+            assert pinned and " " not in pinned, f"not an exact pin: {line}"
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = pinned
+    return pins
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {
+        re.sub(r"[-_.]+", "-", re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0]).lower()
+        for requirement in requirements
+    }
+
+
+def test_every_dependency_is_pinned_by_the_constraints_file() -> None:
+    """Reproducible installs: what CI, scripts/install and the image take (scripts/lock)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = _names(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        wanted |= _names(extra)
+    pins = _pins()
+    assert sorted(wanted - set(pins)) == []
+    assert "idemproxy" not in pins
+
+
+def test_every_install_takes_the_constraints_file() -> None:
+    assert "--constraint constraints.txt" in (ROOT / "scripts" / "install").read_text()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^COPY .*\bconstraints\.txt\b", dockerfile, re.MULTILINE)
+    assert "--constraint constraints.txt" in dockerfile
+    assert "!constraints.txt" in (ROOT / ".dockerignore").read_text().splitlines()
+
+
+def test_the_installed_versions_are_the_pinned_ones() -> None:
+    """This environment was installed through the constraints (scripts/install)."""
+    for name in ("aiohttp", "asyncpg", "pydantic", "redis", "pytest"):
+        assert version(name) == _pins()[name], name
