@@ -551,6 +551,8 @@ class SweeperSettings(BaseModel):
 
 
 _ENV_PREFIX = "IDEMPROXY_"
+# Headers that carry a caller's credential: never logged, so never the request id.
+_CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 
 
 class Settings(BaseSettings):
@@ -773,6 +775,21 @@ class Settings(BaseSettings):
         for url in self.upstreams:
             if url not in routed:  # a typo would otherwise leave TLS settings unused in silence
                 raise ValueError(f"upstreams: {url} is no route's upstream or fallback")
+        return self
+
+    @model_validator(mode="after")
+    def _request_id_is_no_credential(self) -> Settings:
+        """The request id is logged on every line and echoed in problem documents: a header
+        that carries a credential (or the owner, SPEC §5) must never be it."""
+        name = self.request_id_header.lower()
+        owner = self.owner.strategy.removeprefix("header:").lower()
+        if name in _CREDENTIAL_HEADERS or (
+            self.owner.strategy.startswith("header:") and name == owner
+        ):
+            raise ValueError(
+                f"request_id_header: {self.request_id_header} carries a credential; "
+                "name another header (default X-Request-Id), or empty to turn ids off"
+            )
         return self
 
     @model_validator(mode="after")

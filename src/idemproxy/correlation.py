@@ -43,10 +43,12 @@ CURRENT: ContextVar[Correlation | None] = ContextVar("idemproxy_correlation", de
 
 def correlation_of(header: str, values: list[str]) -> Correlation:
     """The request's correlation from the values of its request id header: the client's one
-    valid id, else a new one (a UUID) that also goes upstream, in place of what was sent."""
+    valid id, else a new one (a UUID). A new one goes upstream only when the client sent none:
+    what a client did send reaches the backend as it was sent (a route may key on that very
+    header, SPEC §4.1), and the logs then name the id made up here."""
     if len(values) == 1 and _ACCEPTED.fullmatch(values[0]):
         return Correlation(values[0], header)
-    return Correlation(str(uuid.uuid4()), header, made=True)
+    return Correlation(str(uuid.uuid4()), header, made=not values)
 
 
 def traced(trace_id: int, span_id: int) -> Correlation | None:

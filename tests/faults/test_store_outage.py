@@ -16,10 +16,12 @@ in-process (`create_app`) and as a real `idemproxy serve` process:
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
 
+from idemproxy.config import PoolSettings
 from idemproxy.constants import JOB_HEADER
 from tests.support.backend import Ledger
 
@@ -194,3 +196,28 @@ async def test_passthrough_opt_out_forwards_untracked(
     assert (governed.status, governed.replayed) == (201, False), governed
     assert governed.job is not None and governed.job in await jobs_by_id(fault_db.admin_dsn)
     assert ledger.count("opt-out") == 3
+
+
+async def test_readiness_answers_in_time_while_the_store_is_stalled(
+    governed_proxy: GovernedProxy, fault_db: FaultDatabase
+) -> None:
+    """A frozen server (SIGSTOP: connections open, nothing answers) would hold the store's
+    ping for `pool.store_timeout`, past a probe's timeout; /readyz answers within its own
+    bound, ready, and says the store is unavailable (docs/deploy.md, Probes)."""
+    slow = PoolSettings(store_connections=4, store_timeout=3.0, lease_connections=1)
+    proxy = await governed_proxy("process", pool=slow, lease=10.0)
+    assert proxy.process is not None
+    admin = proxy.process.admin_url
+    pg = fault_db.server
+    async with aiohttp.ClientSession() as session:
+        assert await store_reported(session, admin) == "ok"
+        await asyncio.to_thread(pg.pause)
+        try:
+            began = time.monotonic()
+            async with session.get(admin + "/readyz") as ready:
+                status, body = ready.status, await ready.json()
+            seconds = time.monotonic() - began
+        finally:
+            await asyncio.to_thread(pg.resume)
+    assert (status, body) == (200, {"status": "ready", "store": "unavailable"})
+    assert seconds < 1.0, seconds  # a Kubernetes probe's default timeout is 1 s

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pydantic import ValidationError
 
 from idemproxy.config import load_settings
 from idemproxy.logs import JsonFormatter, PlainFormatter
@@ -104,23 +105,14 @@ async def test_the_clients_id_goes_upstream_and_into_the_log_line(
     assert plain[0].endswith(" request_id=ingress-7f3a")
 
 
-@pytest.mark.parametrize(
-    "sent",
-    [
-        {},
-        {"X-Request-Id": "x" * 201},
-        {"X-Request-Id": "has space"},
-    ],
-    ids=["absent", "too-long", "not-visible-ascii"],
-)
-async def test_an_id_is_made_up_and_sent_upstream(
-    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines, sent: dict[str, str]
+async def test_an_id_is_made_up_and_sent_upstream_when_none_came(
+    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines
 ) -> None:
     url, seen = upstream
     proxy = await _proxy(url, sqlite_dsn, access_log=True)
     try:
-        assert (await proxy.post("/pay", data=b"a", headers={KEY: "k", **sent})).status == 201
-        assert (await proxy.get("/pay", headers=sent)).status == 201  # pass-through too
+        assert (await proxy.post("/pay", data=b"a", headers={KEY: "k"})).status == 201
+        assert (await proxy.get("/pay")).status == 201  # pass-through too
     finally:
         await proxy.close()
     made = [entry["ids"] for entry in seen]
@@ -132,19 +124,57 @@ async def test_an_id_is_made_up_and_sent_upstream(
         uuid.UUID(made_up)
 
 
-async def test_two_ids_are_replaced_by_one(
-    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines
+@pytest.mark.parametrize(
+    "sent",
+    [
+        [("X-Request-Id", "x" * 230)],
+        [("X-Request-Id", "has space")],
+        [("X-Request-Id", "a"), ("X-Request-Id", "b")],
+    ],
+    ids=["too-long", "not-visible-ascii", "two"],
+)
+async def test_what_the_client_sent_goes_upstream_untouched_and_the_logs_get_an_id(
+    sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines, sent: list[tuple[str, str]]
 ) -> None:
+    """A value that cannot be the id is still the client's header: a route may key on it
+    (SPEC §4.1), so it reaches the backend as sent; the log lines name one made up here."""
     url, seen = upstream
     proxy = await _proxy(url, sqlite_dsn)
     try:
-        headers = [(KEY, "k"), ("X-Request-Id", "a"), ("X-Request-Id", "b")]
-        assert (await proxy.post("/pay", data=b"a", headers=headers)).status == 201
+        assert (await proxy.post("/pay", data=b"a", headers=[(KEY, "k"), *sent])).status == 201
     finally:
         await proxy.close()
-    [ids] = [entry["ids"] for entry in seen]
-    assert len(ids) == 1 and ids[0] not in ("a", "b")
-    assert lines.of("idemproxy.requests")[0]["request_id"] == ids[0]
+    assert [entry["ids"] for entry in seen] == [[value for _, value in sent]]
+    uuid.UUID(lines.of("idemproxy.requests")[0]["request_id"])
+
+
+async def test_a_route_keyed_on_the_request_id_header_sends_the_key_as_it_came(
+    sqlite_dsn: str, upstream: tuple[str, Seen]
+) -> None:
+    """A key of 201-255 characters is a valid key (SPEC §4) but no request id: released and
+    retried, the backend sees the client's key both times, never an id made up per try."""
+    url, seen = upstream
+    route = {"prefix": "/", "upstream": url, "key": {"header": "X-Request-Id"}}
+    proxy = await _proxy(url, sqlite_dsn, routes=[route])
+    key = "r" * 230
+    try:
+        for _ in range(2):  # 503: released, nothing executed; the retry runs again
+            answer = await proxy.post("/pay?status=503", data=b"a", headers={"X-Request-Id": key})
+            assert answer.status == 503
+    finally:
+        await proxy.close()
+    assert [entry["ids"] for entry in seen] == [[key], [key]]
+
+
+@pytest.mark.parametrize(
+    ("header", "owner"),
+    [("Authorization", "authorization"), ("cookie", "none"), ("X-Tenant", "header:X-Tenant")],
+)
+def test_a_credential_is_never_the_request_id(header: str, owner: str) -> None:
+    with pytest.raises(ValidationError, match="request_id_header"):
+        load_settings(
+            upstream="http://127.0.0.1:9", request_id_header=header, owner={"strategy": owner}
+        )
 
 
 async def test_problem_documents_and_every_line_of_the_request_carry_it(

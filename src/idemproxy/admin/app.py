@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -40,6 +42,9 @@ PEERS = web.AppKey("idemproxy.admin.peers", Peers)
 # Probes and scrapers cannot easily send a secret header; none of these reveal a job or a
 # response. The jobs API always needs the token when one is configured.
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+# How long /readyz asks the store before it reports it unavailable (it is reported, never a
+# reason to be unready: docs/deploy.md, Probes).
+READY_STORE_CHECK_SECONDS = 0.5
 
 
 def create_admin_app(
@@ -57,6 +62,8 @@ def create_admin_app(
         client_max_size=client_max_size(settings),
     )
     app[STORE] = store
+    app[STORE_CHECK] = check = StoreCheck(store)
+    app.on_cleanup.append(lambda _app: check.close())
     app[READINESS] = readiness
     app.on_response_prepare.append(own_server_header(settings.server.server_token))
     app.router.add_get("/healthz", _healthz)
@@ -117,11 +124,42 @@ async def _readyz(request: web.Request) -> web.Response:
     peers = request.app.get(PEERS)
     if peers is not None and (worker := await peers.first_not_ready()) is not None:
         return web.json_response({"status": "worker-not-ready", "worker": worker}, status=503)
-    try:
-        await request.app[STORE].ping()
-    except StoreUnavailable:
-        return web.json_response({"status": "ready", "store": "unavailable"})
-    return web.json_response({"status": "ready", "store": "ok"})
+    store = "ok" if await request.app[STORE_CHECK].answers() else "unavailable"
+    return web.json_response({"status": "ready", "store": store})
+
+
+class StoreCheck:
+    """Whether the store answers a ping, said within READY_STORE_CHECK_SECONDS. A stalled
+    server holds a ping for `pool.store_timeout` (a cancelled statement's connection is only
+    released once the server acknowledges, store/postgres/), past a probe's own timeout
+    (Kubernetes: 1 s by default), and a failed probe pulls the pod all the same: the ping is
+    not cancelled but left to finish on its own bound, and probes meanwhile share it."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._ping: asyncio.Task[None] | None = None
+
+    async def answers(self) -> bool:
+        if self._ping is None or self._ping.done():
+            self._ping = asyncio.create_task(self._store.ping(), name="idemproxy-ready-ping")
+            self._ping.add_done_callback(_seen)
+        done, _ = await asyncio.wait({self._ping}, timeout=READY_STORE_CHECK_SECONDS)
+        return bool(done) and not self._ping.cancelled() and self._ping.exception() is None
+
+    async def close(self) -> None:
+        if self._ping is not None and not self._ping.done():
+            self._ping.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StoreUnavailable):
+                await self._ping
+
+
+STORE_CHECK = web.AppKey("idemproxy.admin.store_check", StoreCheck)
+
+
+def _seen(ping: asyncio.Task[None]) -> None:
+    """A ping that failed after its probe answered: its error is the answer already given."""
+    if not ping.cancelled():
+        ping.exception()
 
 
 async def _peers_session(app: web.Application) -> AsyncIterator[None]:
