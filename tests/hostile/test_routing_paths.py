@@ -218,6 +218,7 @@ ENCODED_SLASH_ESCAPES = [
     "/x%5Cy/../payments/charge",
     "/public/a%2Fb/../../payments",
     "/payments/a%2Fb/../../public",  # out of the governed route
+    "http://proxy/a%2Fb/../payments/charge",  # absolute-form (RFC 9112 §3.2.2)
 ]
 # Spring's AntPathMatcher trims whitespace from each segment (trimTokens); Starlette's
 # `^/payments$` matches `/payments\n` (Python's `$` matches before a final newline); a segment

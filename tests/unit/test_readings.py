@@ -5,6 +5,7 @@ from __future__ import annotations
 from urllib.parse import unquote
 
 import pytest
+from yarl import URL
 
 from idemproxy.errors import PathInvalid
 from idemproxy.proxy.readings import changeable, opaque, readings, remove_dot_segments
@@ -110,7 +111,7 @@ SINGLE = RouteTable([Route("/", None, "http://backend", False, 60.0)])
 )  # fmt: skip
 def test_one_route_refuses_no_path(raw: str) -> None:
     raw = "/" + raw
-    assert SINGLE.resolve(unquote(raw), None, raw) is SINGLE.routes[0]
+    assert SINGLE.resolve(unquote(raw), None, URL(raw, encoded=True)) is SINGLE.routes[0]
 
 
 @pytest.mark.parametrize(
@@ -124,7 +125,7 @@ def test_one_route_refuses_no_path(raw: str) -> None:
     ],
 )
 def test_a_path_whose_every_reading_stays_in_its_route_is_routed(raw: str, prefix: str) -> None:
-    route = ROUTES.resolve(unquote(raw), None, raw)
+    route = ROUTES.resolve(unquote(raw), None, URL(raw, encoded=True))
     assert route is not None
     assert route.prefix == prefix
 
@@ -134,4 +135,4 @@ def test_a_path_whose_every_reading_stays_in_its_route_is_routed(raw: str, prefi
 )
 def test_a_path_with_a_reading_under_another_route_is_refused(raw: str) -> None:
     with pytest.raises(PathInvalid):
-        ROUTES.resolve(unquote(raw), None, raw)
+        ROUTES.resolve(unquote(raw), None, URL(raw, encoded=True))
