@@ -192,3 +192,83 @@ async def test_route_prefixes_match_case_sensitively(
     answer = await exchange(payments_proxy, post("/Payments/charge"))
     assert answer.startswith(b"HTTP/1.1 201 "), answer[:200]
     assert ledger.count() == 1
+
+
+@pytest.fixture
+async def three_routes(
+    listening_proxy: ListeningProxy, backend_url: str, counting_store: CountingStore
+) -> tuple[str, int]:
+    """`/payments` governed with `require_key: true`, `/public`, and `/` (the upstream)."""
+    routes = [
+        {"prefix": "/payments", "upstream": backend_url, "require_key": True},
+        {"prefix": "/public", "upstream": backend_url},
+    ]
+    return await listening_proxy(inject_store=counting_store, routes=routes)
+
+
+# A WHATWG parser (Node's `new URL(req.url).pathname`) removes dot segments from the raw path,
+# where `a%2Fb` is one segment and `%2e%2e` is `..`: each of these is `/payments...` there. Read
+# only once decoded (`/a/b/../payments/charge` is `/a/payments/charge`), they went to the `/`
+# route and passed through untracked.
+ENCODED_SLASH_ESCAPES = [
+    "/a%2Fb/../payments/charge",
+    "/public%2Fx/../payments/charge",
+    "/x%2Fy/%2e%2e/payments",
+    "/x%2fy/.%2E/payments/charge",
+    "/x%5Cy/../payments/charge",
+    "/public/a%2Fb/../../payments",
+    "/payments/a%2Fb/../../public",  # out of the governed route
+    "http://proxy/a%2Fb/../payments/charge",  # absolute-form (RFC 9112 §3.2.2)
+]
+# Spring's AntPathMatcher trims whitespace from each segment (trimTokens); Starlette's
+# `^/payments$` matches `/payments\n` (Python's `$` matches before a final newline); a segment
+# `..` followed by a space or a tab is `..` once trimmed.
+BLANK_ESCAPES = [
+    "/payments%0a",
+    "/payments%0A/charge",
+    "/payments%09",
+    "/payments%0d",
+    "/payments%0b",
+    "/payments%7f",
+    "/payments%01/charge",  # Java's String.trim() takes every character up to 0x20
+    "/payments%7f/charge",
+    "/payments%09;x=1",
+    "/%09payments",
+    "/%20payments/charge",
+    "/public/..%09/payments",
+    "/public/..%20/payments",
+    "/public/%20../payments",
+    "/x%2Fy/..%09/payments",
+]
+
+
+@pytest.mark.parametrize("target", ENCODED_SLASH_ESCAPES + BLANK_ESCAPES)
+async def test_an_encoded_slash_or_a_blank_at_a_route_boundary_is_400(
+    three_routes: tuple[str, int], counting_store: CountingStore, ledger: Ledger, target: str
+) -> None:
+    for key in (False, True):
+        answer = await exchange(three_routes, post(target, key))
+        assert answer.startswith(b"HTTP/1.1 400 "), (target, answer[:200])
+        assert b"Idempotency-Error: path-invalid\r\n" in answer
+    assert counting_store.calls == []
+    assert ledger.count() == 0
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/public/a%2Fb/../c",  # /public/c either way
+        "/public/a%2Fb",
+        "/x%2Fy/../z",
+        "/public/my%20file%20/z.txt",
+        "/public/a;b.txt",
+        "/public/a%09b",  # a tab inside a segment is trimmed by no one
+        "/things/..%09/x",
+    ],
+)
+async def test_an_encoded_slash_or_a_blank_that_stays_in_its_route_is_forwarded(
+    three_routes: tuple[str, int], ledger: Ledger, target: str
+) -> None:
+    answer = await exchange(three_routes, post(target))
+    assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:200])
+    assert ledger.count() == 1

@@ -104,8 +104,10 @@ OTHER_ROUTE_TARGETS = [
     "/things//x",
     "/things/x/../y",
     "/things;x/y",
-    "/payments%01/charge",  # no server strips 0x01: this is not /payments
-    "/payments%7f/charge",
+    # A control character inside a segment is trimmed by no server (at its end, Spring's
+    # trimTokens would: /payments%01/charge is refused, tests/hostile/test_routing_paths.py).
+    "/payments%01x/charge",
+    "/payments%7fx/charge",
     "/paymentsx/../things",
 ]
 

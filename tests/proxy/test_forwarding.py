@@ -113,3 +113,23 @@ def test_a_bad_trusted_proxies_entry_is_refused_naming_the_field(
     with pytest.raises(ValueError, match="trusted_proxies") as caught:
         load_settings(upstream="http://127.0.0.1:1", trusted_proxies=entries)
     assert fragment in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("relayed", "kept"),
+    [
+        ('for=6.6.6.6;host="x', False),  # appended, this hop's element sat in the open quote
+        ('for="[::1', False),
+        ('x="\\', False),
+        ('for=192.0.2.43, for="[2001:db8:cafe::17]";proto=https', True),
+    ],
+)
+async def test_a_trusted_peers_forwarded_is_appended_to_only_when_it_parses(
+    proxy: ProxyFactory, ledger: Ledger, relayed: str, kept: bool
+) -> None:
+    client = await proxy(trusted_proxies=["127.0.0.1/32"])
+    async with client.get("/things", headers={"Forwarded": relayed}) as answer:
+        assert answer.status == 201
+    [execution] = ledger.executions
+    own = f'for=127.0.0.1;host="{client.host}:{client.port}";proto=http'
+    assert values(execution.headers, "Forwarded") == [f"{relayed}, {own}" if kept else own]

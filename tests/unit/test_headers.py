@@ -225,3 +225,41 @@ def test_the_forwarded_element_quotes_what_is_not_a_token(
     client_ip: str | None, host: str | None, element: str
 ) -> None:
     assert forwarded_element(client_ip, "http", host) == element
+
+
+@pytest.mark.parametrize(
+    "relayed",
+    [
+        'for=6.6.6.6;host="x',  # an unterminated quote: appended, this hop's element sat in it
+        'for="[::1',
+        'x="\\',
+        'for=6.6.6.6, for="x\\"',  # the closing quote is escaped
+        "for=6.6.6.6;host=a b",
+        "for",
+        "",
+    ],
+)
+def test_a_trusted_peers_forwarded_that_is_no_element_list_is_replaced(relayed: str) -> None:
+    """RFC 7239 §4; as nginx's documented recipe: appended only to a value that parses."""
+    incoming = _headers(("Forwarded", "for=203.0.113.7"), ("Forwarded", relayed))
+    out = request_headers_for_upstream(
+        incoming, client_ip="10.0.0.1", scheme="https", host="api.example.com", trusted=True
+    )
+    assert out.getall("Forwarded") == ["for=10.0.0.1;host=api.example.com;proto=https"]
+
+
+@pytest.mark.parametrize(
+    "relayed",
+    [
+        'for=192.0.2.43, for="[2001:db8:cafe::17]";proto=https',
+        'for="_gazonk";by=unknown;host="a\\"b"',  # a quoted-pair
+        "For=192.0.2.60;Proto=http;By=203.0.113.43",
+        'for=a;;host=b, ,for="é"',  # empty pairs and elements, obs-text
+    ],
+)
+def test_a_trusted_peers_valid_forwarded_list_is_kept_and_appended_to(relayed: str) -> None:
+    incoming = _headers(("Forwarded", relayed))
+    out = request_headers_for_upstream(
+        incoming, client_ip="10.0.0.1", scheme="https", host="api.example.com", trusted=True
+    )
+    assert out.getall("Forwarded") == [f"{relayed}, for=10.0.0.1;host=api.example.com;proto=https"]

@@ -65,6 +65,16 @@ _FORWARDING = frozenset(
 )
 # RFC 7239 §4: a parameter value is a token or a quoted-string; RFC 9110 §5.6.2's tchar.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# RFC 7239 §4: Forwarded = 1#forwarded-element, an element `pair *( ";" pair )` with
+# `pair = token "=" ( token / quoted-string )` (RFC 9110 §5.6.4: qdtext, quoted-pair,
+# obs-text). Checked as pairs separated by `;` or `,`, empty ones and whitespace around them
+# tolerated: each space, separator and character has one place in the pattern, so a crafted
+# value cannot make it backtrack. A value it does not match (an unterminated quote) would
+# swallow the element this proxy appends after it.
+_QUOTED = r'"(?:[\t !#-\[\]-~\x80-\U0010ffff]|\\[\t -~\x80-\U0010ffff])*"'
+_PAIR = rf"{_TOKEN.pattern}=(?:{_TOKEN.pattern}|{_QUOTED})"
+_ITEM = rf"[ \t]*(?:{_PAIR}[ \t]*)?"
+_FORWARDED = re.compile(rf"{_ITEM}(?:[;,]{_ITEM})*")
 # What each filter drops when `Connection` names nothing beyond the fixed list.
 _REQUEST_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _FRAMING
 _UNTRUSTED_DROPPED = _REQUEST_DROPPED | _FORWARDING
@@ -157,9 +167,20 @@ def forwarded_element(client_ip: str | None, scheme: str, host: str | None) -> s
 
 def _append_forwarded(out: CIMultiDict[str], element: str) -> None:
     # RFC 7239 §4: each proxy appends its element to the list; a trusted peer's elements (kept,
-    # in `out`) come first, in the order their lines came, and the whole list is one line.
+    # in `out`) come first, in the order their lines came, and the whole list is one line. A
+    # line that is not a forwarded-element list (`for=x;host="y`, relayed by the trusted peer
+    # from its client) is replaced by this hop's element, as nginx's documented recipe does:
+    # appended, it would sit inside the open quoted string, and the backend would read none of
+    # this proxy's element.
     earlier = out.popall("Forwarded", None)
-    out["Forwarded"] = element if earlier is None else ", ".join([*earlier, element])
+    if earlier is None or not all(_is_forwarded(line) for line in earlier):
+        out["Forwarded"] = element
+    else:
+        out["Forwarded"] = ", ".join([*earlier, element])
+
+
+def _is_forwarded(line: str) -> bool:
+    return "=" in line and _FORWARDED.fullmatch(line) is not None
 
 
 def _set_once(out: CIMultiDict[str], name: str, value: str) -> None:

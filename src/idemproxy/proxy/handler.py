@@ -108,7 +108,7 @@ def _reads_bounded(ctx: ProxyContext, request: web.Request) -> bool:
     a key on a default route; always on a webhook or body-keyed route (the body is read before
     anything is known, SPEC §4.1, §4.2); with its key header on a header-keyed route."""
     try:
-        route = ctx.routes.resolve(request.path, request.host)
+        route = ctx.routes.resolve(request.path, request.host, request.rel_url)
     except PathInvalid:  # `_route` answers 400; refused at once as before it knew the route
         route = None
     if route is None or route.key_source is None:
@@ -128,7 +128,7 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
             "chunked"
         ]:
             return _refuse_transfer_coding(ctx, trace)
-        route = ctx.routes.resolve(request.path, request.host)
+        route = ctx.routes.resolve(request.path, request.host, request.rel_url)
         if route is None:
             raise NoRoute()
         trace.route = route

@@ -5,36 +5,65 @@ may resolve that path further before it routes: it removes dot segments (RFC 398
 decoding `%2e` and `%2f`; Servlet containers (Tomcat, Jetty, Spring) strip `;params` from each
 segment (RFC 3986 §3.3), so `/public/..;/payments` runs `/payments`; nginx and many frameworks
 merge repeated slashes; Windows servers (IIS) take `\\` for `/` and trim trailing dots and
-spaces from a segment; a C backend ends the path at a NUL. Each is one step here, and a reading
-is the decoded path after any subset of them, in the order servers apply them. The proxy
-refuses a path only when one of its readings falls under another route (routing.py): with one
-route, or a path none of the steps changes, there is nothing to refuse.
+spaces from a segment; Spring's AntPathMatcher trims whitespace from each segment and Python's
+`re` lets `^/payments$` match `/payments\\n`; a C backend ends the path at a NUL. Each is one
+step here, and a reading is the decoded path after any subset of them, in the order servers
+apply them.
+
+A WHATWG URL parser (Node's `new URL(req.url)`) removes dot segments from the raw path, where
+`a%2Fb` is one segment and `%2e` is a dot: `/a%2Fb/../payments` is `/payments` there, and
+`/a/payments` once decoded. So the steps also run on the path with its encoded separators kept
+opaque (`opaque`), and each result is then decoded.
+
+The proxy refuses a path only when one of its readings falls under another route (routing.py):
+with one route, or a path none of the steps changes, there is nothing to refuse.
 """
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Callable, Iterator
+from urllib.parse import unquote
 
 # A character or sequence one of the steps below would change; a path without any (nearly
-# every path) has the one reading the proxy routed by, and costs one search.
-_CHANGEABLE = re.compile(r"[;\\\x00]|//|/\.|[ .](?=/|$)")
+# every path) has the one reading the proxy routed by, and costs one search. The path kept
+# opaque (`opaque`) holds a subset of the decoded path's: it has no trigger the decoded lacks.
+_CHANGEABLE = re.compile(r"[;\\\x00-\x1f\x7f]|//|/[. ]|[ .](?=/|$)")
 _SEGMENT_PARAMETERS = re.compile(r";[^/]*")
 _REPEATED_SLASHES = re.compile(r"//+")
+# Whitespace and control characters (0x00-0x20, 0x7F), as Java's String.trim() takes them.
+_BLANK = "".join(map(chr, range(0x21))) + "\x7f"
+# Stand-ins for `%2F` and `%5C` while they are not separators: lone surrogates, which decoding
+# (UTF-8, errors replaced) never yields.
+_SLASH, _BACKSLASH = "\udc2f", "\udc5c"
+_ENCODED_SEPARATOR = re.compile(r"%(?:2[fF]|5[cC])")
 
 
 def _end_at_nul(path: str) -> str:
     return path.partition("\x00")[0]
 
 
-def _windows(path: str) -> str:
-    segments = path.replace("\\", "/").split("/")
-    return "/".join(s if s.strip(".") == "" else s.rstrip(" .") for s in segments)
+def _backslashes(path: str) -> str:
+    return path.replace("\\", "/")
+
+
+def _windows_trim(path: str) -> str:
+    # A segment of dots only (`..`) is a dot segment, not trimmed to nothing.
+    return "/".join(s if s.strip(".") == "" else s.rstrip(" .") for s in path.split("/"))
 
 
 def _strip_parameters(path: str) -> str:
     return _SEGMENT_PARAMETERS.sub("", path)
+
+
+def _trim_segments(path: str) -> str:
+    # Spring's AntPathMatcher trims each segment (trimTokens): `..%09` is `..` there.
+    return "/".join(s.strip(_BLANK) for s in path.split("/"))
+
+
+def _trim_path(path: str) -> str:
+    # Python's `$` matches before a final `\n`: Starlette's `^/payments$` takes `/payments\n`.
+    return path.rstrip(_BLANK)  # the path starts with `/`: only its end can be trimmed
 
 
 def _merge_slashes(path: str) -> str:
@@ -43,6 +72,8 @@ def _merge_slashes(path: str) -> str:
 
 def remove_dot_segments(path: str) -> str:
     """RFC 3986 §5.2.4, for an absolute path."""
+    if "/." not in path:
+        return path
     output: list[str] = []
     segments = path.split("/")[1:]
     for index, segment in enumerate(segments):
@@ -62,16 +93,16 @@ def remove_dot_segments(path: str) -> str:
 
 Step = Callable[[str], str]
 # In the order a server applies them: the string ends, separators are found, parameters are
-# cut from segments, then the path is resolved.
+# cut from segments (Spring trims what is left), then the path is resolved.
 _STEPS: tuple[Step, ...] = (
     _end_at_nul,
-    _windows,
+    _backslashes,
+    _windows_trim,
     _strip_parameters,
+    _trim_segments,
+    _trim_path,
     _merge_slashes,
     remove_dot_segments,
-)
-_SUBSETS = tuple(
-    subset for size in range(1, len(_STEPS) + 1) for subset in itertools.combinations(_STEPS, size)
 )
 
 
@@ -80,13 +111,37 @@ def changeable(path: str) -> bool:
     return _CHANGEABLE.search(path) is not None
 
 
-def readings(path: str) -> Iterator[str]:
-    """Every other path a backend may take `path` for: each subset of the steps, in order."""
+def opaque(raw: str) -> str | None:
+    """The raw path decoded but for `%2F` and `%5C`, which stay one segment's characters (as
+    a WHATWG parser keeps them, RFC 3986 §2.2); None when it has neither (it is the decoded
+    path)."""
+    if _ENCODED_SEPARATOR.search(raw) is None:
+        return None
+    kept = raw.replace("%2f", "%2F").replace("%5c", "%5C")
+    pieces = kept.split("%2F")
+    return _SLASH.join(_BACKSLASH.join(map(unquote, p.split("%5C"))) for p in pieces)
+
+
+def _after_steps(path: str) -> set[str]:
+    """`path` after every subset of the steps, in their order: each step runs once on every
+    path found so far, and a path that several subsets reach is taken on once."""
+    found = {path}
+    for step in _STEPS:
+        found |= {step(p) for p in found}
+    return found
+
+
+def readings(path: str, raw: str | None = None) -> Iterator[str]:
+    """Every other path a backend may take `path` (decoded) for; with `raw` (the path as sent),
+    also those taken on it with its encoded separators kept (`opaque`), then decoded."""
     seen = {path}
-    for subset in _SUBSETS:
-        reading = path
-        for step in subset:
-            reading = step(reading)
-        if reading not in seen:
-            seen.add(reading)
-            yield reading
+    starts = [path]
+    kept = None if raw is None else opaque(raw)
+    if kept is not None:
+        starts.append(kept)
+    for start in starts:
+        for found in _after_steps(start):
+            reading = found.replace(_SLASH, "/").replace(_BACKSLASH, "\\")
+            if reading not in seen:
+                seen.add(reading)
+                yield reading

@@ -108,9 +108,11 @@ class RouteTable:
                 return route
         return None
 
-    def resolve(self, path: str, host: str | None) -> Route | None:
+    def resolve(self, path: str, host: str | None, url: URL | None = None) -> Route | None:
         """The route of a decoded path (aiohttp's `request.path`); `PathInvalid` when a backend
-        may read the path as one under another route (proxy/readings.py).
+        may read the path as one under another route (proxy/readings.py). `url` is the target
+        as sent (`request.rel_url`): its raw path is read with `%2F` kept in its segment as well,
+        and only for a path some reading may change (the URL, not its path, is passed in).
 
         The target itself is forwarded byte for byte (SPEC §10): `/x/../payments` is refused
         where `/payments` is another route than `/x`'s (with `require_key: true`, it escaped
@@ -118,7 +120,7 @@ class RouteTable:
         (one route, or `/payments/x/../y`)."""
         route = self.find(path, host)
         if self._by_prefix and changeable(path):
-            for reading in readings(path):
+            for reading in readings(path, None if url is None else url.raw_path):
                 if self.find(reading, host) is not route:
                     raise PathInvalid()
         return route
