@@ -681,7 +681,7 @@ def _reference_canonical(body: bytes) -> bytes:
         b"[3, 2, 1]",
         b"{}",
         b"{",
-        b'{"s": "\\ud800"}',  # a lone surrogate escape
+        # A lone surrogate escape is the one change: test_a_lone_surrogate_escape_is_not_...
         '{"é": "ü"}'.encode(),
         '{"a": 1}'.encode("utf-16-le"),
         '{"a": 1}'.encode("utf-16-be"),
@@ -765,3 +765,16 @@ def test_no_content_coding_fingerprints_as_before() -> None:
     assert fingerprint_of_digest(H("POST", "/p", "", None), digest) == fingerprint_of_digest(
         H("POST", "/p", "", None, None), digest
     )
+
+
+def test_a_lone_surrogate_escape_is_not_the_bytes_that_would_encode_it() -> None:
+    """`"\\ud800"` is valid JSON naming no character; the bytes ED A0 80 are no UTF-8, so a body
+    holding them is not JSON and is hashed raw: two payloads, two fingerprints."""
+    escaped = b'{"a":"\\ud800", "b": 1}'
+    raw = b'{"a":"\xed\xa0\x80","b":1}'
+    assert canonical_json(escaped) == b'{"a":"\\ud800","b":1}'
+    assert canonical_json(raw) == raw
+    assert canonical_json(escaped) != canonical_json(raw)
+    # A pair of escapes is one character, written as its UTF-8.
+    assert canonical_json(b'{"a":"\\ud83d\\ude00"}') == '{"a":"😀"}'.encode()
+    assert canonical_json(b'{"a": "\\u00e9"}') == '{"a":"é"}'.encode()

@@ -166,7 +166,20 @@ def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
         canonical = _encode(document, len(body))
     except (UnicodeDecodeError, ValueError):
         return body
-    return canonical.encode("utf-8", "surrogatepass")
+    try:
+        return canonical.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, from an escape: written as the escape
+        return _LONE_SURROGATE.sub(_escaped, canonical).encode("utf-8")
+
+
+# RFC 8259 §7-§8: `"\ud800"` is valid JSON text but names no character; written raw it would be
+# the bytes ED A0 80, which are no UTF-8, and which a body holding those very bytes (not JSON: it
+# is hashed raw) would equal. Only strings hold such code points, so escaping them is exact.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return f"\\u{ord(match.group()):04x}"
 
 
 def _parsed(text: str) -> Any:
@@ -245,9 +258,11 @@ def _decoded(body: bytes) -> str:
     """The text `json.loads` would decode a body to, found without its encoding detection (in
     Python, on every body) when the body opens an object or array in UTF-8; other bodies are
     detected as `json.loads` does, UTF-16 and UTF-32 included (RFC 8259 §8.1)."""
+    # Strictly: RFC 8259 §8.1, JSON text is UTF-8. json.loads lets the bytes of a lone surrogate
+    # (ED A0 80) through, which would make such a body the same text as `"\ud800"`.
     if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
-        return body.decode("utf-8", "surrogatepass")  # what json.loads does for UTF-8
-    return body.decode(json.detect_encoding(body), "surrogatepass")
+        return body.decode("utf-8")
+    return body.decode(json.detect_encoding(body))
 
 
 def parse_pointer(pointer: str) -> list[str]:
