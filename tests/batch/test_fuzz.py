@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.support.ports import free_port
+from tests.support.processes import START_DEADLINE
 
 from .rawserver import RawAnswer, RawUpstream, raw_upstream
 from .servers import line_count, read_results, write_jsonl
@@ -80,14 +81,15 @@ def running_proxy(folder: Path) -> Iterator[Proxy]:
 
 
 def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
-    for _ in range(200):
+    until = time.monotonic() + START_DEADLINE  # a bound in time: tries take long under load
+    while True:
         assert process.poll() is None, log.read_text()
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             return
         except OSError:
+            assert time.monotonic() < until, f"the proxy did not start: {log.read_text()}"
             time.sleep(0.05)
-    raise AssertionError(f"the proxy did not start: {log.read_text()}")
 
 
 # --- what the upstream answers ---------------------------------------------------------------
