@@ -273,14 +273,18 @@ async def _run(source: Path, out: Path, url: str, log: Path) -> int:
 
 async def _killed(source: Path, out: Path, url: str, log: Path, kill: Kill) -> None:
     process = await _start(source, out, url, log)
-    deadline = time.monotonic() + 10
-    while process.returncode is None and line_count(out) < kill.lines:
-        assert time.monotonic() < deadline, "the run neither ended nor wrote"
-        await asyncio.sleep(0.005)  # another process writes the file: polling is all there is
-    await asyncio.sleep(kill.after)
-    if process.returncode is None:
-        process.send_signal(signal.SIGKILL)
-    await process.wait()
+    try:
+        # A bound on a hung run, never waited out by one that works: its start (a loaded
+        # machine may take many seconds over a python start) and one request's --timeout.
+        deadline = time.monotonic() + START_DEADLINE + 20
+        while process.returncode is None and line_count(out) < kill.lines:
+            assert time.monotonic() < deadline, "the run neither ended nor wrote"
+            await asyncio.sleep(0.005)  # another process writes the file: polling is all
+        await asyncio.sleep(kill.after)
+    finally:  # a failed wait too: the run never outlives the example
+        if process.returncode is None:
+            process.send_signal(signal.SIGKILL)
+        await process.wait()
     if kill.torn is not None:
         _tear_last_line(out, kill.torn)
 
