@@ -329,6 +329,18 @@ def sqlite_dsn(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path}/idemproxy.db"
 
 
+# The xdist group (scripts/test runs the suite in parallel workers, `--dist loadgroup`) of every
+# test on the Citus cluster: one worker runs them all, so one cluster starts, not one a worker.
+CITUS_GROUP = "citus"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if item.get_closest_marker("citus") is not None or "citus_cluster" in fixtures:
+            item.add_marker(pytest.mark.xdist_group(CITUS_GROUP))
+
+
 @pytest.fixture(scope="session")
 def citus_cluster() -> Iterator[CitusCluster]:
     """A real Citus cluster, a coordinator and two workers (tests/support/citus.py), for the

@@ -55,22 +55,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv  # a supervisor re-runs the same command line for each worker
     try:
         return int(args.run(args))
-    except ValidationError as exc:
+    except (ValidationError, IdemproxyError) as exc:
+        # Lines logged before the failure may still be queued for the log writer's thread
+        # (logs.py): they go first, and the error is the last word on stderr.
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        return _report(exc)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _report(exc: ValidationError | IdemproxyError) -> int:
+    """The one line (one per invalid field) that ends a failed command, and its status."""
+    if isinstance(exc, ValidationError):
         for error in exc.errors():
             field = ".".join(str(part) for part in error["loc"]) or "settings"
             print(f"idemproxy: invalid configuration: {field}: {error['msg']}", file=sys.stderr)
         return 2
-    except ConfigError as exc:
+    if isinstance(exc, ConfigError):
         print(f"idemproxy: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    except StoreUnreachable as exc:  # not the line meant for HTTP clients
+    if isinstance(exc, StoreUnreachable):  # not the line meant for HTTP clients
         print(f"idemproxy: {exc.reason}", file=sys.stderr)
         return 1
-    except IdemproxyError as exc:
-        print(f"idemproxy: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    print(f"idemproxy: {exc}", file=sys.stderr)
+    return 1
 
 
 def _parser() -> argparse.ArgumentParser:

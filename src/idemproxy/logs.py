@@ -142,8 +142,9 @@ class BackgroundWriter(logging.Handler):
             self._wake.set()
 
     def flush(self) -> None:
-        """Wait (bounded) until every queued line was handed to the stream."""
-        if self._thread.is_alive() and self._lines:
+        """Wait (bounded) until every queued line was handed to the stream, the batch being
+        written too (taken off the queue already): the writer says so when it comes round."""
+        if self._thread.is_alive():
             self._idle.clear()
             self._wake.set()
             self._idle.wait(_EXIT_FLUSH_SECONDS)

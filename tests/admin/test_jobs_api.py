@@ -196,7 +196,9 @@ async def test_a_stored_body_is_shown_only_when_asked_for(
     assert ["Location", "/things/1"] in full["response"]["headers"]
 
 
-@pytest.mark.parametrize("job_id", [str(uuid.uuid4()), "not-a-uuid"])
+@pytest.mark.parametrize(
+    "job_id", [str(uuid.uuid4()), "not-a-uuid"], ids=["no-such-job", "not-a-uuid"]
+)
 async def test_show_a_missing_job_is_404(admin: Client, job_id: str) -> None:
     async with admin.get(f"/jobs/{job_id}") as response:
         await assert_problem(response, 404, "job-not-found")

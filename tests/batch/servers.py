@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from tests.support.ports import free_port
+from tests.support.processes import START_DEADLINE
 
 
 async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -28,18 +29,25 @@ async def start_app(app: web.Application) -> tuple[web.AppRunner, str]:
 
 
 async def wait_listening(port: int, process: asyncio.subprocess.Process, log: Path) -> None:
-    for _ in range(200):
+    """Until the port accepts a connection (bounded in time, not in tries: on a loaded machine
+    an attempt may take far longer than its pause)."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + START_DEADLINE
+    while True:
         if process.returncode is not None:
             raise RuntimeError(f"proxy exited: {tail(log)}")
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
         except OSError:
+            if loop.time() >= until:
+                raise RuntimeError(
+                    f"proxy did not start within {START_DEADLINE}s: {tail(log)}"
+                ) from None
             await asyncio.sleep(0.05)
             continue
         writer.close()
         await writer.wait_closed()
         return
-    raise RuntimeError(f"proxy did not start: {tail(log)}")
 
 
 def tail(log: Path) -> str:
@@ -60,7 +68,11 @@ async def start_proxy(
             "--store", f"sqlite:///{folder}/idemproxy.db",
             stdout=sink, stderr=sink, env=env,
         )  # fmt: skip
-    await wait_listening(port, process, log)
+    try:
+        await wait_listening(port, process, log)
+    except BaseException:
+        await stop_process(process)  # never outlives the test that could not use it
+        raise
     return process, f"http://127.0.0.1:{port}"
 
 

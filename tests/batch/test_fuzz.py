@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.support.ports import free_port
+from tests.support.processes import START_DEADLINE
 
 from .rawserver import RawAnswer, RawUpstream, raw_upstream
 from .servers import line_count, read_results, write_jsonl
@@ -80,14 +81,15 @@ def running_proxy(folder: Path) -> Iterator[Proxy]:
 
 
 def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
-    for _ in range(200):
+    until = time.monotonic() + START_DEADLINE  # a bound in time: tries take long under load
+    while True:
         assert process.poll() is None, log.read_text()
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             return
         except OSError:
+            assert time.monotonic() < until, f"the proxy did not start: {log.read_text()}"
             time.sleep(0.05)
-    raise AssertionError(f"the proxy did not start: {log.read_text()}")
 
 
 # --- what the upstream answers ---------------------------------------------------------------
@@ -271,14 +273,18 @@ async def _run(source: Path, out: Path, url: str, log: Path) -> int:
 
 async def _killed(source: Path, out: Path, url: str, log: Path, kill: Kill) -> None:
     process = await _start(source, out, url, log)
-    deadline = time.monotonic() + 10
-    while process.returncode is None and line_count(out) < kill.lines:
-        assert time.monotonic() < deadline, "the run neither ended nor wrote"
-        await asyncio.sleep(0.005)  # another process writes the file: polling is all there is
-    await asyncio.sleep(kill.after)
-    if process.returncode is None:
-        process.send_signal(signal.SIGKILL)
-    await process.wait()
+    try:
+        # A bound on a hung run, never waited out by one that works: its start (a loaded
+        # machine may take many seconds over a python start) and one request's --timeout.
+        deadline = time.monotonic() + START_DEADLINE + 20
+        while process.returncode is None and line_count(out) < kill.lines:
+            assert time.monotonic() < deadline, "the run neither ended nor wrote"
+            await asyncio.sleep(0.005)  # another process writes the file: polling is all
+        await asyncio.sleep(kill.after)
+    finally:  # a failed wait too: the run never outlives the example
+        if process.returncode is None:
+            process.send_signal(signal.SIGKILL)
+        await process.wait()
     if kill.torn is not None:
         _tear_last_line(out, kill.torn)
 

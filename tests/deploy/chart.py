@@ -8,6 +8,7 @@ in CI). Both take the same arguments: `[NAME] CHART [-f values.yaml]... [--set a
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -34,14 +35,26 @@ class HelmMissing(RuntimeError):
 
 def build_helm_template() -> Path:
     """An executable taking `helm template`'s arguments: `helm` itself when on PATH, else the
-    stand-in, built (its build script installs the Debian packages it needs)."""
-    binary = ROOT / "build" / "helm-template"
-    binary.parent.mkdir(exist_ok=True)
+    stand-in, built (its build script installs the Debian packages it needs).
+
+    Test processes running at once (the xdist workers of `scripts/test`) take turns, under a
+    lock: the build may install packages, one apt at a time; and each puts its file in place
+    whole (a rename), never writing over one that another process is running."""
+    build = ROOT / "build"
+    build.mkdir(exist_ok=True)
+    with (build / "helm-template.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _build_helm_template(build)
+
+
+def _build_helm_template(build: Path) -> Path:
+    partial = build / f"helm-template.{os.getpid()}.partial"
     helm = shutil.which("helm")
     if helm is not None:
-        wrapper = binary.with_name("helm-template-via-helm")
-        wrapper.write_text(f'#!/bin/sh\nexec "{helm}" template "$@"\n')
-        wrapper.chmod(0o755)
+        wrapper = build / "helm-template-via-helm"
+        partial.write_text(f'#!/bin/sh\nexec "{helm}" template "$@"\n')
+        partial.chmod(0o755)
+        os.replace(partial, wrapper)
         return wrapper
     default = ROOT.parent / "shared" / "tools" / "helm-template"
     tool = Path(os.environ.get("HELM_TEMPLATE_DIR", default))
@@ -50,11 +63,20 @@ def build_helm_template() -> Path:
             f"no `helm` on PATH and no helm-template stand-in at {tool} (HELM_TEMPLATE_DIR):"
             " install Helm 3 to run the chart tests"
         )
+    binary = build / "helm-template"
+    # Built once a run: the workers of one xdist run share its id; a run without one builds.
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")
+    stamp = build / "helm-template.run"
+    if run and binary.is_file() and stamp.is_file() and stamp.read_text() == run:
+        return binary
     built = subprocess.run(
-        ["sh", str(tool / "build"), str(binary)], capture_output=True, text=True, check=False
+        ["sh", str(tool / "build"), str(partial)], capture_output=True, text=True, check=False
     )
     if built.returncode != 0:
+        partial.unlink(missing_ok=True)
         raise RuntimeError(f"building helm-template failed:\n{built.stderr}")
+    os.replace(partial, binary)
+    stamp.write_text(run)
     return binary
 
 

@@ -133,7 +133,7 @@ async def test_sigterm_closes_the_listener_and_turns_readyz_to_draining(
     )
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{proxy.admin_url}/readyz") as ready:
-            assert (ready.status, await ready.json()) == (200, {"status": "ready"})
+            assert (ready.status, await ready.json()) == (200, {"status": "ready", "store": "ok"})
         # A request in flight keeps the process draining for a while (2 x the timeout).
         first = asyncio.create_task(_send_or_error(session, proxy.url + PATH))
         await _until_in_flight(dsn)

@@ -27,7 +27,9 @@ import pytest
 from tests.support.backend import Ledger, serving
 from tests.support.ports import free_port
 
-START_DEADLINE = 20.0  # seconds for a proxy to accept connections (imports + store + migrate)
+# Seconds for a proxy to accept connections (imports + store + migrate): a bound on a hung
+# start, never waited out by a proxy that starts, so generous for a loaded machine.
+START_DEADLINE = 30.0
 STOP_DEADLINE = 10.0  # seconds between SIGTERM and SIGKILL in teardown
 _ADDRESS_IN_USE = ("address already in use", "errno 98")
 
@@ -102,17 +104,24 @@ class ProxyProcess:
         )
 
     async def wait_ready(self, deadline: float = START_DEADLINE) -> None:
-        """Until the port accepts a connection; fails fast when the process dies first."""
+        """Until the port accepts a connection, and the admin port too (if it has one: the
+        process opens it after the proxy's, and a test may call it at once); fails fast when
+        the process dies first."""
+        until = asyncio.get_running_loop().time() + deadline
+        for port in (self.port, self.admin_port):
+            if port:
+                await self._wait_accepting(port, until, deadline)
+
+    async def _wait_accepting(self, port: int, until: float, deadline: float) -> None:
         loop = asyncio.get_running_loop()
-        until = loop.time() + deadline
         while True:
             if self._popen.poll() is not None:
                 raise ProcessDied(self.describe())
             try:
-                _reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                _reader, writer = await asyncio.open_connection("127.0.0.1", port)
             except OSError as exc:
                 if loop.time() >= until:
-                    message = f"not accepting after {deadline}s: {self.describe()}"
+                    message = f"not accepting on {port} after {deadline}s: {self.describe()}"
                     raise TimeoutError(message) from exc
                 await asyncio.sleep(0.05)
                 continue

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
 import threading
 import time
 
+import pytest
+
 from idemproxy import logs
+from idemproxy.cli import main
 from idemproxy.logs import BackgroundWriter
 
 
@@ -96,3 +100,52 @@ def test_a_stream_of_lines_is_written_in_batches_without_a_wake_up_per_line() ->
     assert stream.getvalue().splitlines() == [f"line {n}" for n in range(100)]
     # One write per wake-up: about one per 50 ms of the stream (it was one per line).
     assert stream.writes <= elapsed / logs._LINGER_SECONDS * 1.5 + 3, (stream.writes, elapsed)
+
+
+class Transcript(io.StringIO):
+    """sys.stderr for the command itself: its writes land in `lines` at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+        self.written = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.lines.append(text)
+        self.written.set()
+        return len(text)
+
+
+class LaggingStream(io.StringIO):
+    """The log writer's stderr, lagging: a write lands in the transcript only once the command
+    wrote there itself, or after 1.5 s (within the bound of a flush)."""
+
+    def __init__(self, transcript: Transcript) -> None:
+        super().__init__()
+        self.transcript = transcript
+
+    def write(self, text: str) -> int:
+        self.transcript.written.wait(1.5)
+        self.transcript.lines.append(text)
+        return len(text)
+
+
+def test_a_failed_command_says_why_after_the_lines_it_logged_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The error that ends a command is the last word on stderr: lines still queued for the
+    writer's thread when the command failed are written before it, not after."""
+    transcript = Transcript()
+    writer = BackgroundWriter(LaggingStream(transcript))
+    root = logging.getLogger()
+    root.addHandler(writer)
+    monkeypatch.setattr(sys, "stderr", transcript)
+    try:
+        writer.emit(_record(1))  # queued: the writer is still writing it when the command fails
+        assert main(["serve", "--upstream", "ftp://x"]) == 2
+    finally:
+        root.removeHandler(writer)
+        writer.close()
+    said = "".join(transcript.lines).splitlines()
+    assert said[0] == "line 1", said
+    assert said[-1].startswith("idemproxy: invalid configuration: upstream: "), said
