@@ -4,8 +4,10 @@ Anthropic's, a bill per Idempotency-Key, and request and token limits that answe
     POST /v1/chat/completions   usage.prompt_tokens / completion_tokens / total_tokens
     POST /v1/messages           usage.input_tokens / output_tokens
 
-The usage it reports is a function of the request alone (the prompt at a token per 4 bytes,
-and up to `max_tokens` of answer), so a test knows what every item costs. Limits work as
+The usage it reports is a function of the request alone (the prompt at a token per 4 bytes, or
+by the `tokenizer` a test gives — per character, per byte — plus `per_message` tokens a message,
+as a chat template adds; and up to `max_tokens` of answer), so a test knows what every item
+costs. Limits work as
 providers' do, scaled down: a bucket of `requests` and one of `tokens` per `window` seconds
 (the test's "minute"), refilled continuously; a request takes one request and its prompt plus
 its `max_tokens` at arrival, corrected to what it used once answered. Over a limit it answers
@@ -20,6 +22,7 @@ import asyncio
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +47,18 @@ class Bucket:
         return max(0.0, (amount - self.level) * self.window / self.capacity)
 
 
+def quarter_bytes(text: str) -> int:
+    return math.ceil(len(text.encode()) / 4)
+
+
+def per_character(text: str) -> int:
+    return len(text)
+
+
+def per_byte(text: str) -> int:
+    return len(text.encode())
+
+
 @dataclass
 class LlmApi:
     requests: float | None = None  # per window
@@ -51,6 +66,8 @@ class LlmApi:
     window: float = 1.0
     reset_headers: bool = False
     delay: float = 0.0
+    tokenizer: Callable[[str], int] = quarter_bytes
+    per_message: int = 0  # tokens a chat template adds to each message (and to start the reply)
     executions: Counter[str] = field(default_factory=Counter)  # billed calls per key
     billed: Counter[str] = field(default_factory=Counter)  # tokens billed per key
     arrivals: list[float] = field(default_factory=list)  # every request, refused ones too
@@ -119,10 +136,13 @@ def prompt_text(body: dict[str, Any]) -> str:
     return str(body.get("system", "")) + "".join(parts)
 
 
-def usage_of(body: dict[str, Any]) -> tuple[int, int]:
+def usage_of(
+    body: dict[str, Any], tokenizer: Callable[[str], int] = quarter_bytes, per_message: int = 0
+) -> tuple[int, int]:
     """(input, output) tokens a request uses: known to the tests before they send it."""
     text = prompt_text(body)
-    prompt = math.ceil(len(text.encode()) / 4)
+    messages = len(body.get("messages", []))
+    prompt = tokenizer(text) + per_message * (messages + 1 if messages else 0)
     return prompt, min(int(body.get("max_tokens", 16)), 3 + len(text) % 13)
 
 
@@ -133,7 +153,7 @@ async def _complete(request: web.Request) -> web.Response:
     api = request.app[API]
     api.arrivals.append(time.monotonic())
     body = await request.json()
-    prompt, output = usage_of(body)
+    prompt, output = usage_of(body, api.tokenizer, api.per_message)
     reserved = prompt + int(body.get("max_tokens", 16))
     refused = api.admit(reserved)
     if refused is not None:

@@ -11,7 +11,7 @@ from idemproxy.batch.input import Item
 from idemproxy.batch.ledger import Ledger
 from idemproxy.batch.prices import price_table
 from idemproxy.batch.records import Outcome, ResultRecord
-from idemproxy.batch.usage import Estimate, WorstCase
+from idemproxy.batch.usage import WorstCase
 
 from .factory import record
 
@@ -66,7 +66,7 @@ def test_an_edited_item_sent_again_is_a_second_key_and_counts_again() -> None:
 def test_the_budget_counts_the_file_and_the_items_in_flight_at_their_worst() -> None:
     ledger = Ledger.of([_used("a", (100, 0))])
     budget = Budget(Limits(max_tokens=300), PRICES, ledger)
-    worst = budget.worst_case(Estimate(50, 50), "cheap", assumed_output=0)
+    worst = budget.at_worst(WorstCase(50, 50, "cheap"))
     assert worst == Charge(100, Decimal("0.00015"))
     assert budget.fits(worst)
     budget.reserve("b", worst)
@@ -80,8 +80,8 @@ def test_the_budget_counts_the_file_and_the_items_in_flight_at_their_worst() -> 
 
 
 def test_a_cost_budget_prices_unknown_models_at_the_dearest_rates() -> None:
-    budget = Budget(Limits(max_cost=Decimal("0.001")), PRICES, Ledger())
-    unknown = budget.worst_case(Estimate(40, None), "typo-model", assumed_output=10)
+    budget = Budget(Limits(max_cost=Decimal("0.001")), PRICES, Ledger(), assumed_output=10)
+    unknown = budget.at_worst(WorstCase(40, None, "typo-model"))
     assert unknown == Charge(50, Decimal("0.0006"))  # 40 x 10 + 10 x 20, per million
     assert budget.fits(unknown)
     budget.reserve("a", unknown)

@@ -1,16 +1,17 @@
 """Pure: the budget stop (`--max-tokens`, `--max-cost`).
 
-What is counted against a limit is what the results file says was used — every key once,
-replays included, since their execution was paid by some run of this file (ledger.py) — plus
-each item in flight at its worst case: its estimated input and the most output its request
-allows (usage.py). An item is started only if that sum, with it, stays within every limit;
-when it would not, and nothing is in flight whose settling could make room, the run stops
-starting items. Once an item's result is written its reservation is replaced by the usage the
-result records (a failure without usage costs nothing) — unless it was sent and never answered
-(a timeout, a connection lost after sending, `outcome-unknown`): it may have executed and been
-paid, so the result keeps its worst case (`worst_case`), and the ledger keeps counting it, in
-this run and in every resume, until an answer for its key says what it used (SPEC §14). Sending
-such an item again reserves nothing more: behind the proxy its key executes at most once.
+What is counted against a limit is what the results file says was used — every key once, replays
+included, since their execution was paid by some run of this file (ledger.py) — plus each item in
+flight at its worst case: its prompt at one token per byte (a true upper bound, not the estimate
+`--tpm` uses) and the most output its request allows (usage.py). An item is started only if that
+sum, with it, stays within every limit; when it would not, and nothing is in flight whose settling
+could make room, the run stops starting items. Once an item's result is written its reservation is
+replaced by the usage the result records (a failure without usage costs nothing) — unless it was
+sent and never answered (a timeout, a connection lost after sending, `outcome-unknown`): it may have
+executed and been paid, so the result keeps its worst case (`worst_case`), and the ledger keeps
+counting it, in this run and in every resume, until an answer for its key says what it used (SPEC
+§14). Sending such an item again reserves nothing more: behind the proxy its key executes at most
+once.
 
 A model the price table lacks is counted at the table's dearest rates, so that a typo in a
 model name cannot let a batch spend past `--max-cost`.
@@ -23,7 +24,7 @@ from decimal import Decimal
 
 from idemproxy.batch.ledger import Column, Ledger
 from idemproxy.batch.prices import PriceTable, money
-from idemproxy.batch.usage import Estimate
+from idemproxy.batch.usage import WorstCase
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,7 @@ class Budget:
         """The items sent and never answered, each at its worst case."""
         total = NOTHING
         for worst in self.ledger.in_doubt.values():
-            output = worst.output_tokens
-            output = self.assumed_output if output is None else output
-            total += self.charge(worst.input_tokens, output, worst.model)
+            total += self.at_worst(worst)
         return total
 
     def counted(self, key: str) -> bool:
@@ -84,9 +83,10 @@ class Budget:
         price = self.prices.price(model) or self.prices.highest()
         return Charge(input_tokens + output_tokens, price.of(input_tokens, output_tokens))
 
-    def worst_case(self, estimate: Estimate, model: str | None, assumed_output: int) -> Charge:
-        output = estimate.output_tokens if estimate.output_tokens is not None else assumed_output
-        return self.charge(estimate.input_tokens, output, model)
+    def at_worst(self, worst: WorstCase) -> Charge:
+        """An item's worst case as a charge (`assumed_output` where nothing capped its answer)."""
+        output = self.assumed_output if worst.output_tokens is None else worst.output_tokens
+        return self.charge(worst.input_tokens, output, worst.model)
 
     def committed(self) -> Charge:
         # computed once: the ledger is not touched while this runs

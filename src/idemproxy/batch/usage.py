@@ -10,9 +10,16 @@ pointers (RFC 6901):
                               over-counts cache reads rather than missing them)
 
 Before sending, an item's tokens are estimated the way providers count a request against a
-tokens-per-minute limit: the prompt at one token per 4 bytes of the request body (the JSON
-around the prompt makes this an overestimate, the safe side for a budget), plus the most the
-answer may hold — the body's `max_tokens`, `max_completion_tokens` or `max_output_tokens`.
+tokens-per-minute limit: the prompt at one token per 4 bytes of the request body, plus the most
+the answer may hold — the body's `max_tokens`, `max_completion_tokens` or `max_output_tokens`.
+
+A budget needs more than an estimate: its worst case (`worst_case`) must be a true upper bound,
+and 4 bytes a token is not one (a CJK character is 3 bytes and often a token of its own). The
+tokenizers of LLM APIs (OpenAI's, Anthropic's, Llama's) are byte-level BPE: every token of the
+text stands for at least one byte, so the prompt counts at most one token per byte of the request
+body. The body holds every byte of the prompt's text, and its JSON around each message (at least
+`{"content":"","role":""}`, 24 bytes) more than pays for the few tokens a chat template adds per
+message (OpenAI counts 3, and 3 to start the reply).
 """
 
 from __future__ import annotations
@@ -187,10 +194,17 @@ class WorstCase:
 
 
 def worst_case(item: Item, assumed_output: int | None) -> WorstCase:
-    """What the item may use at most: its estimated prompt and the most its answer may hold."""
-    tokens = estimate(item)
-    output = tokens.output_tokens if tokens.output_tokens is not None else assumed_output
-    return WorstCase(tokens.input_tokens, output, request_model(item))
+    """What the item may use at most: its prompt's bound and the most its answer may hold."""
+    output = output_limit(item.body)
+    output = output if output is not None else assumed_output
+    return WorstCase(prompt_bound(item), output, request_model(item))
+
+
+def prompt_bound(item: Item) -> int:
+    """The most tokens the request's prompt may count: one per byte of its body (a byte-level
+    BPE token is at least one byte; the body's JSON pays for a chat template's tokens)."""
+    data, _ = item.payload()
+    return len(data) if data else 0
 
 
 def estimate(item: Item) -> Estimate:
