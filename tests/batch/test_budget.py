@@ -53,15 +53,22 @@ async def test_items_in_flight_count_at_their_worst_case(
     assert not summary.stopped and not summary.complete
 
 
-async def test_answers_without_usage_spend_nothing_and_a_budget_never_stops_them(
+async def test_answers_without_usage_count_at_their_worst_case_and_the_budget_stops(
     api_url: str, tmp_path: Path
 ) -> None:
+    # JSON answers that say nothing of usage were paid all the same: before, they counted 0 and
+    # a budget never stopped them (all six sent, "complete").
     items = [{"id": f"i{n}", "method": "POST", "path": "/x", "body": {"max_tokens": 100}}
              for n in range(6)]  # fmt: skip
+    worst = worst_case(item_from_object(items[0], 1), None)
+    assert worst.to_json()["total_tokens"] == 118  # {"max_tokens":100}: 18 bytes, and 100
     options = BatchOptions(target=api_url, concurrency=3, max_tokens=300)
     summary = await run_batch(items, tmp_path / "out.jsonl", options)
-    assert summary.complete and summary.budget_stop is None
-    assert summary.ledger.unmetered == 6 and "6 done answer(s) without usage" in summary.describe()
+    assert summary.done == 2 and summary.interrupted == 4 and not summary.complete
+    assert summary.budget_stop is not None and "count at worst 236 tokens" in summary.budget_stop
+    assert summary.ledger.unmetered == 2 and "usage unknown 2 done answer(s)" in summary.describe()
+    results = read_results(tmp_path / "out.jsonl")
+    assert [r["worst_case"] for r in results] == [worst.to_json()] * 2
 
 
 async def test_assume_max_output_gives_uncapped_items_a_worst_case(
