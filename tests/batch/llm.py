@@ -4,8 +4,15 @@ Anthropic's, a bill per Idempotency-Key, and request and token limits that answe
     POST /v1/chat/completions   usage.prompt_tokens / completion_tokens / total_tokens
     POST /v1/messages           usage.input_tokens / output_tokens
 
-The usage it reports is a function of the request alone (the prompt at a token per 4 bytes,
-and up to `max_tokens` of answer), so a test knows what every item costs. Limits work as
+`"stream": true` answers server-sent events as each API streams: OpenAI's chunks, with a last
+chunk carrying the usage only if `"stream_options": {"include_usage": true}`, and Anthropic's
+`message_start` (the input) … `message_delta` (the output). With `plain_text` every answer is a
+`text/plain` body that says nothing of its usage — billed all the same.
+
+The usage it reports is a function of the request alone (the prompt at a token per 4 bytes, or
+by the `tokenizer` a test gives — per character, per byte — plus `per_message` tokens a message,
+as a chat template adds; and up to `max_tokens` of answer), so a test knows what every item
+costs. Limits work as
 providers' do, scaled down: a bucket of `requests` and one of `tokens` per `window` seconds
 (the test's "minute"), refilled continuously; a request takes one request and its prompt plus
 its `max_tokens` at arrival, corrected to what it used once answered. Over a limit it answers
@@ -17,9 +24,11 @@ again), and bills nothing.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +53,18 @@ class Bucket:
         return max(0.0, (amount - self.level) * self.window / self.capacity)
 
 
+def quarter_bytes(text: str) -> int:
+    return math.ceil(len(text.encode()) / 4)
+
+
+def per_character(text: str) -> int:
+    return len(text)
+
+
+def per_byte(text: str) -> int:
+    return len(text.encode())
+
+
 @dataclass
 class LlmApi:
     requests: float | None = None  # per window
@@ -51,6 +72,9 @@ class LlmApi:
     window: float = 1.0
     reset_headers: bool = False
     delay: float = 0.0
+    tokenizer: Callable[[str], int] = quarter_bytes
+    per_message: int = 0  # tokens a chat template adds to each message (and to start the reply)
+    plain_text: bool = False
     executions: Counter[str] = field(default_factory=Counter)  # billed calls per key
     billed: Counter[str] = field(default_factory=Counter)  # tokens billed per key
     arrivals: list[float] = field(default_factory=list)  # every request, refused ones too
@@ -119,21 +143,24 @@ def prompt_text(body: dict[str, Any]) -> str:
     return str(body.get("system", "")) + "".join(parts)
 
 
-def usage_of(body: dict[str, Any]) -> tuple[int, int]:
+def usage_of(
+    body: dict[str, Any], tokenizer: Callable[[str], int] = quarter_bytes, per_message: int = 0
+) -> tuple[int, int]:
     """(input, output) tokens a request uses: known to the tests before they send it."""
     text = prompt_text(body)
-    prompt = math.ceil(len(text.encode()) / 4)
+    messages = len(body.get("messages", []))
+    prompt = tokenizer(text) + per_message * (messages + 1 if messages else 0)
     return prompt, min(int(body.get("max_tokens", 16)), 3 + len(text) % 13)
 
 
 API = web.AppKey("api", LlmApi)
 
 
-async def _complete(request: web.Request) -> web.Response:
+async def _complete(request: web.Request) -> web.StreamResponse:
     api = request.app[API]
     api.arrivals.append(time.monotonic())
     body = await request.json()
-    prompt, output = usage_of(body)
+    prompt, output = usage_of(body, api.tokenizer, api.per_message)
     reserved = prompt + int(body.get("max_tokens", 16))
     refused = api.admit(reserved)
     if refused is not None:
@@ -150,6 +177,10 @@ async def _complete(request: web.Request) -> web.Response:
     api.executions[key] += 1
     api.billed[key] += prompt + output
     model = str(body.get("model", "unnamed"))
+    if api.plain_text:
+        return web.Response(text="A question.", content_type="text/plain")
+    if body.get("stream"):
+        return await _stream(request, _events(request.path, body, prompt, output))
     if request.path == "/v1/messages":
         answer: dict[str, Any] = {
             "id": f"msg_{api.executions.total()}",
@@ -168,6 +199,58 @@ async def _complete(request: web.Request) -> web.Response:
                       "total_tokens": prompt + output},
         }  # fmt: skip
     return web.json_response(answer)
+
+
+def _events(path: str, body: dict[str, Any], prompt: int, output: int) -> list[str]:
+    """The `event:`/`data:` blocks of a streamed answer, in OpenAI's or Anthropic's shape."""
+    if path == "/v1/messages":
+        start = {
+            "type": "message_start",
+            "message": {"id": "msg", "usage": {"input_tokens": prompt, "output_tokens": 1}},
+        }
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn"},
+            "usage": {"output_tokens": output},
+        }
+        text = {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "A"}}
+        named = [
+            ("message_start", start),
+            ("content_block_delta", text),
+            ("message_delta", delta),
+            ("message_stop", {"type": "message_stop"}),
+        ]
+        return [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in named]
+    chunks: list[Any] = [
+        {
+            "object": "chat.completion.chunk",
+            "usage": None,
+            "choices": [{"index": 0, "delta": {"content": word}}],
+        }
+        for word in ("A ", "question.")
+    ]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append(
+            {
+                "object": "chat.completion.chunk",
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": output,
+                    "total_tokens": prompt + output,
+                },
+            }
+        )
+    return [*(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks), "data: [DONE]\n\n"]
+
+
+async def _stream(request: web.Request, events: list[str]) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for event in events:
+        await response.write(event.encode())
+    await response.write_eof()
+    return response
 
 
 def llm_app(api: LlmApi) -> web.Application:

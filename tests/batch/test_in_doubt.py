@@ -20,7 +20,7 @@ import pytest
 
 from idemproxy.batch import BatchOptions, run_batch
 from idemproxy.batch.input import item_from_object
-from idemproxy.batch.usage import estimate
+from idemproxy.batch.usage import worst_case
 
 from .llm import LlmApi, llm_app, llm_items
 from .servers import read_results, start_app, start_proxy, stop_process, write_jsonl
@@ -49,7 +49,10 @@ async def _until_idle(api: LlmApi) -> None:
 
 
 def _two_fit(items: list[dict[str, Any]]) -> int:
-    worst = [estimate(item_from_object(item, n)).tokens() for n, item in enumerate(items, 1)]
+    worst = [
+        int(worst_case(item_from_object(item, n), None).to_json()["total_tokens"])
+        for n, item in enumerate(items, 1)
+    ]
     limit = 2 * max(worst) + 1  # room for any two items at their worst, never for three
     assert 3 * min(worst) > limit
     return limit

@@ -6,12 +6,12 @@ import json
 from decimal import Decimal
 from typing import Any
 
-from idemproxy.batch.budget import Budget, Charge, Limits
+from idemproxy.batch.budget import NOTHING, Budget, Charge, Limits
 from idemproxy.batch.input import Item
 from idemproxy.batch.ledger import Ledger
 from idemproxy.batch.prices import price_table
 from idemproxy.batch.records import Outcome, ResultRecord
-from idemproxy.batch.usage import Estimate, WorstCase
+from idemproxy.batch.usage import WorstCase
 
 from .factory import record
 
@@ -44,7 +44,7 @@ def test_executed_and_replayed_are_apart_and_each_key_counts_once() -> None:
     assert report["replayed"]["total_tokens"] == 15 and report["total_tokens"] == 165
     assert report["unmetered"] == 1 and report["unpriced_models"] == []
     assert ledger.to_json(None).keys() == {
-        "executed", "replayed", "total_tokens", "unmetered", "in_doubt"
+        "executed", "replayed", "total_tokens", "unmetered", "unmetered_worst_case", "in_doubt"
     }  # fmt: skip
 
 
@@ -66,7 +66,7 @@ def test_an_edited_item_sent_again_is_a_second_key_and_counts_again() -> None:
 def test_the_budget_counts_the_file_and_the_items_in_flight_at_their_worst() -> None:
     ledger = Ledger.of([_used("a", (100, 0))])
     budget = Budget(Limits(max_tokens=300), PRICES, ledger)
-    worst = budget.worst_case(Estimate(50, 50), "cheap", assumed_output=0)
+    worst = budget.at_worst(WorstCase(50, 50, "cheap"))
     assert worst == Charge(100, Decimal("0.00015"))
     assert budget.fits(worst)
     budget.reserve("b", worst)
@@ -80,8 +80,8 @@ def test_the_budget_counts_the_file_and_the_items_in_flight_at_their_worst() -> 
 
 
 def test_a_cost_budget_prices_unknown_models_at_the_dearest_rates() -> None:
-    budget = Budget(Limits(max_cost=Decimal("0.001")), PRICES, Ledger())
-    unknown = budget.worst_case(Estimate(40, None), "typo-model", assumed_output=10)
+    budget = Budget(Limits(max_cost=Decimal("0.001")), PRICES, Ledger(), assumed_output=10)
+    unknown = budget.at_worst(WorstCase(40, None, "typo-model"))
     assert unknown == Charge(50, Decimal("0.0006"))  # 40 x 10 + 10 x 20, per million
     assert budget.fits(unknown)
     budget.reserve("a", unknown)
@@ -161,3 +161,31 @@ def test_a_line_of_an_older_version_has_no_doubt() -> None:
     parsed = ResultRecord.from_object(older)
     assert parsed.worst_case is None and not parsed.sent_before
     assert Ledger.of([parsed]).in_doubt == {}
+
+
+def test_an_answer_without_usage_counts_at_the_worst_case_its_line_keeps() -> None:
+    # A stream without usage, a body that is not JSON: executed and paid, amount not said.
+    worst = WorstCase(40, 60, "cheap").to_json()
+    ledger = Ledger.of([_used("a", (100, 0)), record("b", worst_case=worst), record("c")])
+    assert ledger.unmetered == 2 and list(ledger.unmetered_worst) == [record("b").key]
+    assert not ledger.in_doubt and ledger.total_tokens == 100 and ledger.metered
+    budget = Budget(Limits(max_tokens=250), PRICES, ledger)
+    assert budget.committed().tokens == 200 and not budget.fits(Charge(51, Decimal(0)))
+    assert "1 answer(s) without usage count at worst 100 tokens" in budget.describe(NOTHING)
+    report = ledger.to_json(PRICES)["unmetered_worst_case"]
+    assert report == {"items": 1, "input_tokens": 40, "output_tokens": 60,
+                      "total_tokens": 100, "cost": 0.00016}  # fmt: skip
+    lines = ledger.describe(None, replay_note="")
+    assert "usage unknown 1 done answer(s), counted at worst 100 tokens (in 40, out 60)" in lines[1]
+    assert lines[2].startswith("1 done answer(s) without usage and no worst case")
+    # A later line of the key that says what it used replaces the worst case.
+    ledger.add(_used("b", (5, 5)))
+    assert not ledger.unmetered_worst and ledger.total_tokens == 110
+
+
+def test_an_answer_without_usage_to_a_try_in_doubt_moves_it_to_the_worst_case_spent() -> None:
+    worst = WorstCase(40, 60, "cheap").to_json()
+    late = record("a", worst_case=worst, replayed=True, sent_before=True)
+    ledger = Ledger.of([_in_doubt("a", (40, 60)), late])
+    assert not ledger.in_doubt and len(ledger.unmetered_worst) == 1
+    assert Budget(Limits(max_tokens=100), PRICES, ledger).committed().tokens == 100

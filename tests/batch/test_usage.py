@@ -13,12 +13,14 @@ from idemproxy.batch.usage import (
     Estimate,
     Usage,
     UsagePointers,
+    WorstCase,
     answer_tokens,
     check_pointer,
     estimate,
     extract_usage,
     resolve,
     with_usage,
+    worst_case,
 )
 
 from .factory import record
@@ -132,3 +134,16 @@ def test_the_estimate_is_body_bytes_over_four_plus_the_output_cap() -> None:
     assert estimate(uncapped).output_tokens is None
     assert estimate(uncapped).tokens(assumed_output=50) == estimate(uncapped).input_tokens + 50
     assert estimate(Item("d", "GET", "/x")) == Estimate(0, None)
+
+
+@pytest.mark.parametrize("text", ["x" * 40, "漢" * 900, "🙂 é " * 50, '\n\t"' * 10])
+def test_the_worst_case_counts_the_prompt_at_a_token_per_byte_of_the_body(text: str) -> None:
+    # A byte-level BPE token is at least one byte of the text: the body's bytes bound the
+    # prompt's tokens, where 4 bytes a token does not (a CJK character is 3 bytes, often 1 token).
+    body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": text}]}
+    item = Item("a", "POST", "/v1/chat/completions", body=body)
+    size = len(item.payload()[0] or b"")
+    assert worst_case(item, None) == WorstCase(size, 100, "m")
+    assert size >= len(text.encode()) + 24 >= len(text) + 24
+    assert worst_case(Item("b", "POST", "/x", body={"prompt": "hi"}), 7).output_tokens == 7
+    assert worst_case(Item("d", "GET", "/x"), None) == WorstCase(0, None)

@@ -18,7 +18,7 @@ from idemproxy.batch.input import Item
 from idemproxy.batch.keys import Identity
 from idemproxy.batch.ratelimit import RateLimiter
 from idemproxy.batch.stop import Stop
-from idemproxy.batch.usage import UsagePointers, answer_tokens, estimate, request_model
+from idemproxy.batch.usage import UsagePointers, answer_tokens, estimate, worst_case
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Admission:
             # behind the proxy its key executes at most once. Its answer may make room.
             budget.reserve(item.id, NOTHING)
             return True
-        charge = budget.worst_case(estimate(item), request_model(item), self._assumed_output)
+        charge = budget.at_worst(worst_case(item, self._assumed_output))
         if budget.fits(charge):
             budget.reserve(item.id, charge)
             return True

@@ -1,16 +1,18 @@
 """Pure: the budget stop (`--max-tokens`, `--max-cost`).
 
-What is counted against a limit is what the results file says was used — every key once,
-replays included, since their execution was paid by some run of this file (ledger.py) — plus
-each item in flight at its worst case: its estimated input and the most output its request
-allows (usage.py). An item is started only if that sum, with it, stays within every limit;
-when it would not, and nothing is in flight whose settling could make room, the run stops
-starting items. Once an item's result is written its reservation is replaced by the usage the
-result records (a failure without usage costs nothing) — unless it was sent and never answered
-(a timeout, a connection lost after sending, `outcome-unknown`): it may have executed and been
-paid, so the result keeps its worst case (`worst_case`), and the ledger keeps counting it, in
-this run and in every resume, until an answer for its key says what it used (SPEC §14). Sending
-such an item again reserves nothing more: behind the proxy its key executes at most once.
+What is counted against a limit is what the results file says was used — every key once, replays
+included, since their execution was paid by some run of this file (ledger.py) — plus each item in
+flight at its worst case: its prompt at one token per byte (a true upper bound, not the estimate
+`--tpm` uses) and the most output its request allows (usage.py). An item is started only if that
+sum, with it, stays within every limit; when it would not, and nothing is in flight whose settling
+could make room, the run stops starting items. Once an item's result is written its reservation is
+replaced by the usage the result records (a failure without usage costs nothing; an answer that
+executed and did not say what it used — a stream without usage, a body that is not JSON — keeps its
+worst case, counted as spent) — unless it was sent and never answered (a timeout, a connection lost
+after sending, `outcome-unknown`): it may have executed and been paid, so the result keeps its worst
+case (`worst_case`), and the ledger keeps counting it, in this run and in every resume, until an
+answer for its key says what it used (SPEC §14). Sending such an item again reserves nothing more:
+behind the proxy its key executes at most once.
 
 A model the price table lacks is counted at the table's dearest rates, so that a typo in a
 model name cannot let a batch spend past `--max-cost`.
@@ -18,12 +20,13 @@ model name cannot let a batch spend past `--max-cost`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 
 from idemproxy.batch.ledger import Column, Ledger
 from idemproxy.batch.prices import PriceTable, money
-from idemproxy.batch.usage import Estimate
+from idemproxy.batch.usage import WorstCase
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,12 @@ class Budget:
     @property
     def in_doubt(self) -> Charge:
         """The items sent and never answered, each at its worst case."""
-        total = NOTHING
-        for worst in self.ledger.in_doubt.values():
-            output = worst.output_tokens
-            output = self.assumed_output if output is None else output
-            total += self.charge(worst.input_tokens, output, worst.model)
-        return total
+        return self._at_worst(self.ledger.in_doubt.values())
+
+    @property
+    def unmetered(self) -> Charge:
+        """The answers that did not say what they used, each at its worst case."""
+        return self._at_worst(self.ledger.unmetered_worst.values())
 
     def counted(self, key: str) -> bool:
         """Whether the key is in doubt: its worst case is counted already."""
@@ -84,13 +87,14 @@ class Budget:
         price = self.prices.price(model) or self.prices.highest()
         return Charge(input_tokens + output_tokens, price.of(input_tokens, output_tokens))
 
-    def worst_case(self, estimate: Estimate, model: str | None, assumed_output: int) -> Charge:
-        output = estimate.output_tokens if estimate.output_tokens is not None else assumed_output
-        return self.charge(estimate.input_tokens, output, model)
+    def at_worst(self, worst: WorstCase) -> Charge:
+        """An item's worst case as a charge (`assumed_output` where nothing capped its answer)."""
+        output = self.assumed_output if worst.output_tokens is None else worst.output_tokens
+        return self.charge(worst.input_tokens, output, worst.model)
 
     def committed(self) -> Charge:
         # computed once: the ledger is not touched while this runs
-        total = self.spent + self.in_doubt
+        total = self.spent + self.unmetered + self.in_doubt
         for charge in self.reserved.values():
             total += charge
         return total
@@ -116,6 +120,11 @@ class Budget:
 
     def describe(self, charge: Charge) -> str:
         spent = f"spent {self._amount(self.spent)}"
+        if self.ledger.unmetered_worst:
+            spent += (
+                f", and {len(self.ledger.unmetered_worst)} answer(s) without usage count at "
+                f"worst {self._amount(self.unmetered)}"
+            )
         if self.ledger.in_doubt:
             spent += (
                 f", and {len(self.ledger.in_doubt)} item(s) sent and never answered count at "
@@ -128,6 +137,12 @@ class Budget:
         if self.limits.max_cost is not None:
             amount += f", {money(charge.cost, self.prices.currency)}"
         return amount
+
+    def _at_worst(self, worst_cases: Iterable[WorstCase]) -> Charge:
+        total = NOTHING
+        for worst in worst_cases:
+            total += self.at_worst(worst)
+        return total
 
     def _column(self, column: Column) -> Charge:
         total = NOTHING

@@ -10,7 +10,11 @@ Two columns, because only one of them was paid for now, and the items still in d
   killed before it could write the answer), and are shown apart;
 * **in doubt** — keys whose last line was sent without an answer (`worst_case`): they may have
   executed and been paid, and count at their worst case against a budget (budget.py) until a
-  later line of the same key says what they used.
+  later line of the same key says what they used;
+* **unmetered** — `done` answers that did not say what they used (a stream without usage, a body
+  that is not JSON): executed and paid, and counted at the worst case their line keeps
+  (`worst_case`). A line without one (nothing capped the answer, or an older version wrote it):
+  its tokens are not known.
 
 Each key is counted once (a key is one execution, SPEC §4): a later line of the same key — a
 replay after `--retry-failed`, say — adds nothing. The ledger of a results file counts every
@@ -86,7 +90,9 @@ class Ledger:
     executed: Column = field(default_factory=Column)
     replayed: Column = field(default_factory=Column)
     unmetered: int = 0  # done answers that carried no usage
-    in_doubt: dict[str, WorstCase] = field(default_factory=dict)  # by key: sent, not answered
+    # By key: answered without usage (counted at worst), and sent without an answer (in doubt).
+    unmetered_worst: dict[str, WorstCase] = field(default_factory=dict)
+    in_doubt: dict[str, WorstCase] = field(default_factory=dict)
     _keys: set[str] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -107,19 +113,23 @@ class Ledger:
         self._keys.add(record.key)
         # SPEC §14: the answer to a try of this batch that went unanswered is its execution.
         doubted = self.in_doubt.pop(record.key, None) is not None
+        self.unmetered_worst.pop(record.key, None)
         own = record.sent_before or doubted
         (self.replayed if record.replayed and not own else self.executed).add(usage)
 
     def _doubt(self, record: ResultRecord) -> None:
-        """A line without usage: in doubt if it says so; else an answer of the execution came
-        without saying what it used, and the doubt of an earlier line of its key is over."""
+        """A line without usage: a `done` answer that did not say what it used (at its worst
+        case if the line keeps one), or in doubt if it says so; an answer of the execution ends
+        the doubt of an earlier line of its key."""
         if record.key in self._keys:
             return  # the key's execution was counted already
         worst = WorstCase.from_json(record.worst_case)
-        if worst is not None:
+        if worst is not None and record.outcome is not Outcome.DONE:
             self.in_doubt[record.key] = worst
-        else:
-            self.in_doubt.pop(record.key, None)
+            return
+        self.in_doubt.pop(record.key, None)
+        if worst is not None:
+            self.unmetered_worst[record.key] = worst
 
     @property
     def total_tokens(self) -> int:
@@ -128,14 +138,15 @@ class Ledger:
     @property
     def metered(self) -> bool:
         """Whether there is anything to report: tokens used, or items in doubt."""
-        return bool(self.total_tokens or self.in_doubt)
+        return bool(self.total_tokens or self.in_doubt or self.unmetered_worst)
 
     def doubt(self) -> Column:
         """The items in doubt at their worst case (an uncapped answer counted as 0 here)."""
-        column = Column()
-        for worst in self.in_doubt.values():
-            column.add(Usage(worst.input_tokens, worst.output_tokens or 0, worst.model))
-        return column
+        return _at_worst(self.in_doubt.values())
+
+    def unmetered_column(self) -> Column:
+        """The answers without usage at their worst case (an uncapped answer counted as 0)."""
+        return _at_worst(self.unmetered_worst.values())
 
     @property
     def uncapped(self) -> int:
@@ -149,6 +160,7 @@ class Ledger:
             "replayed": _tokens_json(replayed),
             "total_tokens": executed.total + replayed.total,
             "unmetered": self.unmetered,
+            "unmetered_worst_case": self._unmetered_json(),
             "in_doubt": self._doubt_json(),
         }
         if prices is not None:
@@ -157,6 +169,7 @@ class Ledger:
             report["executed"]["cost"] = float(executed_cost)
             report["replayed"]["cost"] = float(replayed_cost)
             report["in_doubt"]["cost"] = float(self.doubt().cost(prices)[0])
+            report["unmetered_worst_case"]["cost"] = float(self.unmetered_column().cost(prices)[0])
             report["cost"] = float(executed_cost + replayed_cost)
             report["currency"] = prices.currency
             report["unpriced_models"] = sorted({str(m) for m in unpriced + more})
@@ -167,6 +180,10 @@ class Ledger:
         report = _tokens_json(tokens)
         del report["answers"]
         return {"items": tokens.answers, **report, "uncapped": self.uncapped}
+
+    def _unmetered_json(self) -> dict[str, Any]:
+        report = _tokens_json(self.unmetered_column().tokens())
+        return {"items": report.pop("answers"), **report}
 
     def describe(self, prices: PriceTable | None, *, replay_note: str) -> list[str]:
         """`executed …` and `replayed …` lines; `replay_note` says what a replay cost."""
@@ -179,11 +196,25 @@ class Ledger:
             )
         if self.in_doubt:
             lines.append(self._describe_doubt(prices))
-        if self.unmetered:
+        if self.unmetered_worst:
+            lines.append(self._describe_unmetered(prices))
+        unknown = self.unmetered - len(self.unmetered_worst)
+        if unknown > 0:
             lines.append(
-                f"{self.unmetered} done answer(s) without usage: their tokens are not known"
+                f"{unknown} done answer(s) without usage and no worst case (no output cap, or "
+                "written by an older version): their tokens are not known"
             )
         return lines
+
+    def _describe_unmetered(self, prices: PriceTable | None) -> str:
+        column = self.unmetered_column()
+        tokens = column.tokens()
+        return (
+            f"usage unknown {tokens.answers} done answer(s), counted at worst {tokens.total:,} "
+            f"tokens (in {tokens.input:,}, out {tokens.output:,}){self._cost(column, prices)} — "
+            "the answer did not say what it used (a stream without usage, a body that is not "
+            "JSON)"
+        )
 
     def _describe_doubt(self, prices: PriceTable | None) -> str:
         doubt = self.doubt()
@@ -207,6 +238,13 @@ class Ledger:
             else ""
         )
         return f", {money(amount, prices.currency)}{missing}"
+
+
+def _at_worst(worst_cases: Iterable[WorstCase]) -> Column:
+    column = Column()
+    for worst in worst_cases:
+        column.add(Usage(worst.input_tokens, worst.output_tokens or 0, worst.model))
+    return column
 
 
 def _tokens_json(tokens: Tokens) -> dict[str, Any]:

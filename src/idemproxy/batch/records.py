@@ -22,7 +22,9 @@ and the `model`), null when it reported none (usage.py); `run` names the run tha
 (the time it started), so that `batch status` can total the last run apart.
 `worst_case` (null unless set) says a try was sent and no answer said what it did — a timeout, a
 connection lost after sending, `outcome-unknown`: it may have executed and been paid, and a budget
-counts it at this worst case until an answer for its key says what it used. `sent_before` marks a
+counts it at this worst case until an answer for its key says what it used. On a `done` line it
+says the answer did not say what it used (a stream without usage, a plain-text body): it was paid,
+and a budget counts it at this worst case. `sent_before` marks a
 replay that answers such a try of this batch: its execution was this batch's, and paid.
 `omitted` is a final answer whose body the proxy did not store (`Idempotency-Replay: omitted`,
 SPEC §7): the request executed once, but its body is gone and a rerun cannot bring it back.
@@ -70,7 +72,8 @@ class ResultRecord:
     usage: Any = None  # {"input_tokens", "output_tokens", "total_tokens", "model"} (usage.py)
     run: str | None = None  # when the run that wrote the line started; None in older files
     # Set when a try was sent and no answer said what it did (usage.WorstCase.to_json): it may
-    # have executed and been paid. None once an answer of the execution came, and in older files.
+    # have executed and been paid; or when the answer of the execution did not say what it used.
+    # None once an answer of the execution said it, and in older files.
     worst_case: Any = None
     # A replay answering a try of this batch that was sent without an answer (in this run, or
     # one whose line has a `worst_case`): the replayed execution is this batch's own, and paid.

@@ -336,7 +336,9 @@ async def _result(sending: _Sending, request: Request, gate: AttemptGate) -> Res
         record = await send(
             sending.session, request, sending.policy, stop=sending.stop.requested, gate=gate
         )
-        record = replace(with_usage(record, request.item, sending.pointers), run=sending.run)
+        # SPEC §14: an answer that does not say what it used keeps the item's worst case.
+        record = with_usage(record, request.item, sending.pointers, request.worst_case)
+        record = replace(record, run=sending.run)
         record.to_line()  # proves the line can be written before the worker relies on it
     except Exception as exc:  # one item's failure must never end the whole batch
         return replace(failed_record(request, started_at, exc), run=sending.run)

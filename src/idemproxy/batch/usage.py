@@ -1,7 +1,7 @@
 """Pure: the tokens an answer says it used, and the tokens a request may use before it is sent.
 
 Answers are read in the two shapes LLM APIs report usage in, then in any shape given as JSON
-pointers (RFC 6901):
+pointers (RFC 6901), from a JSON body or from the events of a streamed one (stream.py):
 
     OpenAI chat completions   usage.prompt_tokens, usage.completion_tokens (usage.total_tokens)
     OpenAI responses,         usage.input_tokens, usage.output_tokens; Anthropic's
@@ -10,9 +10,16 @@ pointers (RFC 6901):
                               over-counts cache reads rather than missing them)
 
 Before sending, an item's tokens are estimated the way providers count a request against a
-tokens-per-minute limit: the prompt at one token per 4 bytes of the request body (the JSON
-around the prompt makes this an overestimate, the safe side for a budget), plus the most the
-answer may hold — the body's `max_tokens`, `max_completion_tokens` or `max_output_tokens`.
+tokens-per-minute limit: the prompt at one token per 4 bytes of the request body, plus the most
+the answer may hold — the body's `max_tokens`, `max_completion_tokens` or `max_output_tokens`.
+
+A budget needs more than an estimate: its worst case (`worst_case`) must be a true upper bound,
+and 4 bytes a token is not one (a CJK character is 3 bytes and often a token of its own). The
+tokenizers of LLM APIs (OpenAI's, Anthropic's, Llama's) are byte-level BPE: every token of the
+text stands for at least one byte, so the prompt counts at most one token per byte of the request
+body. The body holds every byte of the prompt's text, and its JSON around each message (at least
+`{"content":"","role":""}`, 24 bytes) more than pays for the few tokens a chat template adds per
+message (OpenAI counts 3, and 3 to start the reply).
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from idemproxy.batch.input import Item
-from idemproxy.batch.records import ResultRecord, encode_body
+from idemproxy.batch.records import Outcome, ResultRecord, encode_body
+from idemproxy.batch.stream import is_event_stream, usage_documents
 
 # The request fields that cap the answer's tokens (OpenAI chat, OpenAI responses, Anthropic).
 OUTPUT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -187,10 +195,17 @@ class WorstCase:
 
 
 def worst_case(item: Item, assumed_output: int | None) -> WorstCase:
-    """What the item may use at most: its estimated prompt and the most its answer may hold."""
-    tokens = estimate(item)
-    output = tokens.output_tokens if tokens.output_tokens is not None else assumed_output
-    return WorstCase(tokens.input_tokens, output, request_model(item))
+    """What the item may use at most: its prompt's bound and the most its answer may hold."""
+    output = output_limit(item.body)
+    output = output if output is not None else assumed_output
+    return WorstCase(prompt_bound(item), output, request_model(item))
+
+
+def prompt_bound(item: Item) -> int:
+    """The most tokens the request's prompt may count: one per byte of its body (a byte-level
+    BPE token is at least one byte; the body's JSON pays for a chat template's tokens)."""
+    data, _ = item.payload()
+    return len(data) if data else 0
 
 
 def estimate(item: Item) -> Estimate:
@@ -208,16 +223,44 @@ def output_limit(body: Any) -> int | None:
 
 
 def with_usage(
-    record: ResultRecord, item: Item, pointers: Sequence[UsagePointers] = BUILT_IN_POINTERS
+    record: ResultRecord,
+    item: Item,
+    pointers: Sequence[UsagePointers] = BUILT_IN_POINTERS,
+    worst: WorstCase | None = None,
 ) -> ResultRecord:
-    """The record with the usage its (parsed JSON) answer reports; as it was without one."""
-    if record.body_encoding != "json":
-        return record
-    tokens = extract_usage(record.body, pointers)
+    """The record with the usage its answer reports: a JSON body's, or a stream's events'.
+
+    An answer of the execution that reports none (a stream without usage, a body that is not
+    JSON) was paid all the same: it keeps `worst`, the item's worst case, as its `worst_case`,
+    counted against a budget in place of the usage it did not say (SPEC §14) — if the answer
+    was capped (else it has no worst case: an API that bills no tokens, with no budget).
+    """
+    tokens = reported_usage(record.body, record.body_encoding, record.content_type, pointers)
     if tokens is None:
-        return record
+        return _at_worst(record, worst)
     model = request_model(item) or answer_model(record.body)
     return replace(record, usage=Usage(*tokens, model).to_json())
+
+
+def _at_worst(record: ResultRecord, worst: WorstCase | None) -> ResultRecord:
+    if worst is None or worst.output_tokens is None or record.worst_case is not None:
+        return record
+    executed = record.outcome in (Outcome.DONE, Outcome.OMITTED)
+    return replace(record, worst_case=worst.to_json()) if executed else record
+
+
+def reported_usage(
+    body: Any, encoding: str, content_type: str | None, pointers: Sequence[UsagePointers]
+) -> tuple[int, int] | None:
+    """(input, output) tokens an answer kept as `encode_body` keeps it reports, if any."""
+    if encoding == "json":
+        return extract_usage(body, pointers)
+    if encoding == "text" and is_event_stream(content_type):
+        for document in usage_documents(body):
+            tokens = extract_usage(document, pointers)
+            if tokens is not None:
+                return tokens
+    return None
 
 
 def answer_tokens(
@@ -225,7 +268,5 @@ def answer_tokens(
 ) -> int | None:
     """The total tokens a raw answer reports (for correcting a rate limit's estimate)."""
     parsed, encoding = encode_body(body, content_type)
-    if encoding != "json":
-        return None
-    tokens = extract_usage(parsed, pointers)
+    tokens = reported_usage(parsed, encoding, content_type, pointers)
     return None if tokens is None else sum(tokens)
