@@ -43,6 +43,7 @@ from idemproxy import constants as c
 from idemproxy.config_keys import KeySourceSettings, WebhookSettings, check_one_route_per_sender
 from idemproxy.config_quotas import QuotaSettings
 from idemproxy.config_upstream import (
+    PROXY_HEADERS,
     UpstreamHeaderSettings,
     UpstreamSettings,
     UpstreamTlsSettings,
@@ -553,6 +554,10 @@ class SweeperSettings(BaseModel):
 _ENV_PREFIX = "IDEMPROXY_"
 # Headers that carry a caller's credential: never logged, so never the request id.
 _CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+# Headers the proxy frames, speaks or sets on the way upstream itself (SPEC §10): an id made up
+# here goes upstream in the request id header, and would replace the proxy's own value there
+# (X-Forwarded-For, Content-Length) or invent one (a job id, an idempotency key).
+_PROXY_SET_HEADERS = PROXY_HEADERS | c.FORWARDING_HEADERS
 
 
 class Settings(BaseSettings):
@@ -791,6 +796,23 @@ class Settings(BaseSettings):
                 "name another header (default X-Request-Id), or empty to turn ids off"
             )
         return self
+
+    @model_validator(mode="after")
+    def _request_id_is_no_proxy_header(self) -> Settings:
+        # A route's own `key.header` may be the request id header: what a client sends there
+        # goes upstream untouched, and an id is made up only when it sent none (correlation.py).
+        name = self.request_id_header.lower()
+        if name == self.key_header.lower():
+            why = "is the idempotency key header (key_header)"
+        elif name in _PROXY_SET_HEADERS:
+            why = "is framed, forwarded or set by the proxy itself (SPEC §10)"
+        else:
+            return self
+        raise ValueError(
+            f"request_id_header: {self.request_id_header} {why}, and an id made up here would "
+            "go upstream in it; name another header (default X-Request-Id), or empty to turn "
+            "ids off"
+        )
 
     @model_validator(mode="after")
     def _one_route_per_sender(self) -> Settings:

@@ -29,7 +29,7 @@ _FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
 # by a route would give the backend another job's id, or a replay marker it never made. The
 # client's `Idempotency-Key` is its intent: one value set for every client would make the owners
 # collide at a backend that deduplicates on it (the configured key headers: `key_headers_kept`).
-_PROXY_HEADERS = frozenset(
+PROXY_HEADERS = frozenset(
     {
         *c.HOP_BY_HOP_HEADERS,
         "host",
@@ -205,7 +205,7 @@ def _check_readable(path: Path) -> None:
 def _check_name(name: str) -> None:
     if not _TOKEN.fullmatch(name):
         raise ValueError(f"{name!r} is not a header name")
-    if name.lower() in _PROXY_HEADERS:
+    if name.lower() in PROXY_HEADERS:
         raise ValueError(
             f"{name} is framed, answered or set by the proxy itself: a route may not change it"
             " (SPEC §10)"

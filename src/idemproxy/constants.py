@@ -34,6 +34,34 @@ HOP_BY_HOP_HEADERS: Final = frozenset(
     }
 )
 
+# SPEC §10: what a client may claim about the hops before this proxy; believed only from a
+# trusted proxy (proxy/upstream/target.py), dropped from anyone else (http/headers.py).
+FORWARDING_HEADERS: Final = frozenset(
+    {
+        "forwarded",  # RFC 7239
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-forwarded-port",
+        "x-forwarded-prefix",
+        "x-forwarded-server",
+        "x-forwarded-ssl",
+        "x-forwarded-scheme",
+        "x-forwarded-uri",
+        "x-forwarded-path",
+        # The client's address as other proxies and CDNs name it.
+        "x-real-ip",
+        "true-client-ip",
+        "x-client-ip",
+        "x-cluster-client-ip",
+        "cf-connecting-ip",
+        # The path some frameworks (IIS, Symfony) route by instead of the request line's: from
+        # a client, a way past this proxy's routing (and a route's require_key).
+        "x-original-url",
+        "x-rewrite-url",
+    }
+)
+
 # SPEC §7: not stored or replayed by default (per-user or per-challenge values).
 DEFAULT_UNREPLAYED_HEADERS: Final = ("set-cookie", "www-authenticate", "proxy-authenticate")
 

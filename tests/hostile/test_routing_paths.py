@@ -10,6 +10,9 @@ aiohttp's client would normalise the path.
 
 from __future__ import annotations
 
+import json
+from urllib.parse import unquote
+
 import pytest
 
 from tests.support.backend import Ledger
@@ -272,3 +275,74 @@ async def test_an_encoded_slash_or_a_blank_that_stays_in_its_route_is_forwarded(
     answer = await exchange(three_routes, post(target))
     assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:200])
     assert ledger.count() == 1
+
+
+# RFC 3986 §4.2: a path that starts with two separators is a network-path reference to a backend
+# that parses it alone (Python's `urlsplit(path).path`, PHP's `parse_url`, Java's
+# `URI.getPath()`, Go's `url.Parse`, Node's `new URL(req.url, base).pathname`): `//evil` is an
+# authority and `/payments` the path it runs. WHATWG takes `\` for `/` and skips every leading
+# separator (`///evil/payments` has the host `evil`). Matched as sent, each went to the `/` route
+# and passed through untracked.
+AUTHORITY_ESCAPES = [
+    "//evil/payments",
+    "//evil/payments/charge",
+    "http://proxy//evil/payments",  # absolute-form (RFC 9112 §3.2.2)
+    "//evil/public/../payments",
+    "//x@y/payments/charge",
+    "/\\evil/payments/refund",
+    "///evil/payments",
+    "//evil:443/payments",
+    "/%2F/evil/payments",  # read once decoded
+]
+
+
+@pytest.mark.parametrize("target", AUTHORITY_ESCAPES)
+async def test_a_leading_authority_before_another_route_is_400(
+    three_routes: tuple[str, int], counting_store: CountingStore, ledger: Ledger, target: str
+) -> None:
+    for key in (False, True):
+        answer = await exchange(three_routes, post(target, key))
+        assert answer.startswith(b"HTTP/1.1 400 "), (target, answer[:200])
+        assert b"Idempotency-Error: path-invalid\r\n" in answer
+    assert counting_store.calls == []
+    assert ledger.count() == 0
+
+
+@pytest.mark.parametrize("target", ["//evil/payments", "///evil/payments", "/\\evil/payments"])
+async def test_a_leading_authority_before_another_route_is_400_with_two_routes(
+    payments_proxy: tuple[str, int], ledger: Ledger, target: str
+) -> None:
+    answer = await exchange(payments_proxy, post(target))
+    assert b"Idempotency-Error: path-invalid\r\n" in answer, (target, answer[:200])
+    assert ledger.count() == 0
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "//evil/things",  # `/things` is the `/` route too
+        "//cdn.example/images/a.png",
+        "/\\evil/things",
+    ],
+)
+async def test_a_leading_authority_that_stays_in_its_route_is_forwarded(
+    three_routes: tuple[str, int], ledger: Ledger, target: str
+) -> None:
+    answer = await exchange(three_routes, post(target))
+    assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:200])
+    assert ledger.count() == 1
+
+
+@pytest.mark.parametrize("target", [*AUTHORITY_ESCAPES, "/bucket/logs//2026.txt"])
+async def test_one_route_forwards_a_leading_authority_as_sent(
+    listening_proxy: ListeningProxy, counting_store: CountingStore, ledger: Ledger, target: str
+) -> None:
+    """With the one `/` route every reading is that route: nothing to refuse (SPEC §10)."""
+    address = await listening_proxy(inject_store=counting_store)
+    answer = await exchange(address, post(target))
+    assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:200])
+    assert ledger.count() == 1
+    # The backend's own reading of the path (aiohttp: `//evil` stays in the path).
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["path"] == unquote(
+        target.removeprefix("http://proxy")
+    )

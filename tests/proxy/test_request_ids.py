@@ -177,6 +177,44 @@ def test_a_credential_is_never_the_request_id(header: str, owner: str) -> None:
         )
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        "X-Forwarded-For",
+        "forwarded",
+        "X-Forwarded-Host",
+        "X-Forwarded-Proto",
+        "X-Original-URL",
+        "Content-Length",
+        "Transfer-Encoding",
+        "Host",
+        "Connection",
+        "TE",
+        "Upgrade",
+        "Idempotency-Job",
+        "Idempotency-Attempt",
+        "Idempotent-Replayed",
+        "Idempotency-Error",
+    ],
+)
+def test_a_header_the_proxy_sets_is_never_the_request_id(header: str) -> None:
+    """A made-up id goes upstream in the request id header: it would replace the proxy's own
+    forwarding value or framing, or hand the backend a job id or a key no client sent."""
+    with pytest.raises(ValidationError, match=r"request_id_header: .* by the proxy itself"):
+        load_settings(upstream="http://127.0.0.1:9", request_id_header=header)
+
+
+def test_the_key_header_is_never_the_request_id() -> None:
+    upstream = "http://127.0.0.1:9"
+    with pytest.raises(ValidationError, match=r"request_id_header: .*\(key_header\)"):
+        load_settings(upstream=upstream, key_header="X-Op-Id", request_id_header="x-op-id")
+    # `Idempotency-Key` is the proxy's own too, even where another header is the key.
+    with pytest.raises(ValidationError, match="request_id_header: Idempotency-Key is framed"):
+        load_settings(upstream=upstream, key_header="X-Op", request_id_header="Idempotency-Key")
+    # Any other name is fine.
+    assert load_settings(upstream=upstream, request_id_header="X-Trace").request_id_header
+
+
 async def test_problem_documents_and_every_line_of_the_request_carry_it(
     sqlite_dsn: str, upstream: tuple[str, Seen], lines: Lines
 ) -> None:

@@ -8,7 +8,13 @@ import pytest
 from yarl import URL
 
 from idemproxy.errors import PathInvalid
-from idemproxy.proxy.readings import changeable, opaque, readings, remove_dot_segments
+from idemproxy.proxy.readings import (
+    changeable,
+    opaque,
+    readings,
+    remove_dot_segments,
+    without_authority,
+)
 from idemproxy.proxy.routing import Route, RouteTable
 
 
@@ -54,6 +60,39 @@ def test_a_reading_is_what_some_server_resolves_the_path_to(path: str, reading: 
     assert reading in set(readings(path))
 
 
+@pytest.mark.parametrize(
+    ("path", "reading"),
+    [
+        # RFC 3986 §4.2 (urlsplit, parse_url, URI.getPath, url.Parse): `//evil` is an authority.
+        ("//evil/payments", "/payments"),
+        ("//x@y/payments/charge", "/payments/charge"),
+        ("//evil:8080/payments", "/payments"),
+        ("//evil/public/../payments", "/payments"),  # then dot segments removed
+        ("//evil/x/..;/payments", "/payments"),
+        # WHATWG (Node's `new URL(path, base)`): any run of `/` and `\`, the host ending at `\`.
+        ("///evil/payments", "/payments"),
+        ("////evil/payments", "/payments"),
+        ("/\\evil/payments/refund", "/payments/refund"),
+        ("/\\/evil/payments", "/payments"),
+        ("//evil\\payments", "/payments"),
+        ("//evil", "/"),
+        ("//evil?x/payments", "/"),  # a decoded `%3F`: what follows is a query
+    ],
+)
+def test_a_leading_authority_is_dropped_before_the_path_is_read(path: str, reading: str) -> None:
+    assert changeable(path)
+    assert reading in set(readings(path))
+
+
+def test_an_authority_is_dropped_as_each_parser_ends_it() -> None:
+    # Python's urlsplit: `///evil/x` has an empty authority; WHATWG skips to the host `evil`.
+    assert without_authority("///evil/x") == {"/evil/x", "/x"}
+    # RFC 3986 ends the authority at `/` only; WHATWG at `\\` too.
+    assert without_authority("//a\\b/x") == {"/x", "/b/x"}
+    for path in ("/", "/evil/payments", "/a//b", "/.//evil/payments"):
+        assert without_authority(path) == set()
+
+
 @pytest.mark.parametrize("path", ["/", "/v1/payments/charge", "/a.b/c-d_e~f", "/a%2Fb", "/a b/c"])
 def test_a_path_no_server_resolves_otherwise_has_no_other_reading(path: str) -> None:
     assert not changeable(path)
@@ -95,6 +134,12 @@ def test_a_path_with_encoded_separators_and_nothing_to_resolve_has_no_other_read
     assert list(readings(unquote(raw), raw)) == []
 
 
+def target(raw: str) -> URL:
+    """`request.rel_url` for an origin-form target (a path, no query): `URL(raw)` would take a
+    leading `//evil` for an authority."""
+    return URL.build(path=raw, encoded=True)
+
+
 ROUTES = RouteTable(
     [
         Route("/payments", None, "http://backend", True, 60.0),
@@ -107,11 +152,14 @@ SINGLE = RouteTable([Route("/", None, "http://backend", False, 60.0)])
 
 @pytest.mark.parametrize(
     "raw", ["a;b.txt", "logs//2026.txt", "x/../y.txt", "./rel.txt", "my%20file%20/z.txt",
-            "a%2Fb/../payments", "payments%0a", "x%2Fy/..%09/payments"],
+            "a%2Fb/../payments", "payments%0a", "x%2Fy/..%09/payments",
+            # A leading `//authority` (`//evil/payments`): the one route either way.
+            "/evil/payments", "//evil/payments", "\\evil/payments/refund", "/x@y/payments/charge",
+            "/evil/public/../payments", "/", "%2F/evil/payments"],
 )  # fmt: skip
 def test_one_route_refuses_no_path(raw: str) -> None:
     raw = "/" + raw
-    assert SINGLE.resolve(unquote(raw), None, URL(raw, encoded=True)) is SINGLE.routes[0]
+    assert SINGLE.resolve(unquote(raw), None, target(raw)) is SINGLE.routes[0]
 
 
 @pytest.mark.parametrize(
@@ -122,17 +170,33 @@ def test_one_route_refuses_no_path(raw: str) -> None:
         ("/public/a%2Fb/../c", "/public"),
         ("/public/my%20file%20/z.txt", "/public"),
         ("/things/a%09b", "/"),
+        ("//cdn/images/a.png", "/"),  # no reading leaves the `/` route
+        ("//evil", "/"),
+        ("/logs//payments", "/"),  # a repeated slash inside the path is no authority
     ],
 )
 def test_a_path_whose_every_reading_stays_in_its_route_is_routed(raw: str, prefix: str) -> None:
-    route = ROUTES.resolve(unquote(raw), None, URL(raw, encoded=True))
+    route = ROUTES.resolve(unquote(raw), None, target(raw))
     assert route is not None
     assert route.prefix == prefix
 
 
 @pytest.mark.parametrize(
-    "raw", ["/a%2Fb/../payments/charge", "/payments%0a", "/public/..%20/payments"]
+    "raw",
+    [
+        "/a%2Fb/../payments/charge",
+        "/payments%0a",
+        "/public/..%20/payments",
+        "//evil/payments",
+        "///evil/payments",
+        "/\\evil/payments/refund",
+        "//x@y/payments/charge",
+        "//evil/public/../payments",
+        "//evil/public/x",  # out of the `/` route into `/public`
+        "/%2F/evil/payments",  # decoded before it is parsed
+        "/%5C/evil/payments",
+    ],
 )
 def test_a_path_with_a_reading_under_another_route_is_refused(raw: str) -> None:
     with pytest.raises(PathInvalid):
-        ROUTES.resolve(unquote(raw), None, URL(raw, encoded=True))
+        ROUTES.resolve(unquote(raw), None, target(raw))

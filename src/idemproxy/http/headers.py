@@ -18,6 +18,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from idemproxy.constants import (
     ATTEMPT_HEADER,
     ERROR_HEADER,
+    FORWARDING_HEADERS,
     HOP_BY_HOP_HEADERS,
     JOB_HEADER,
     REPLAY_OMITTED_HEADER,
@@ -36,33 +37,6 @@ PROXY_OWNED = frozenset(
 _FRAMING = frozenset({"content-length", "host", "expect"})
 # SPEC §7: a replay gets a fresh Date and a recomputed Content-Length.
 _NOT_STORED = frozenset({"content-length", "date"})
-# SPEC §10: what a client may claim about the hops before this proxy; believed only from a
-# trusted proxy (proxy/upstream/target.py), dropped from anyone else.
-_FORWARDING = frozenset(
-    {
-        "forwarded",  # RFC 7239
-        "x-forwarded-for",
-        "x-forwarded-proto",
-        "x-forwarded-host",
-        "x-forwarded-port",
-        "x-forwarded-prefix",
-        "x-forwarded-server",
-        "x-forwarded-ssl",
-        "x-forwarded-scheme",
-        "x-forwarded-uri",
-        "x-forwarded-path",
-        # The client's address as other proxies and CDNs name it.
-        "x-real-ip",
-        "true-client-ip",
-        "x-client-ip",
-        "x-cluster-client-ip",
-        "cf-connecting-ip",
-        # The path some frameworks (IIS, Symfony) route by instead of the request line's: from
-        # a client, a way past this proxy's routing (and a route's require_key).
-        "x-original-url",
-        "x-rewrite-url",
-    }
-)
 # RFC 7239 §4: a parameter value is a token or a quoted-string; RFC 9110 §5.6.2's tchar.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 # RFC 7239 §4: Forwarded = 1#forwarded-element, an element `pair *( ";" pair )` with
@@ -77,7 +51,9 @@ _ITEM = rf"[ \t]*(?:{_PAIR}[ \t]*)?"
 _FORWARDED = re.compile(rf"{_ITEM}(?:[;,]{_ITEM})*")
 # What each filter drops when `Connection` names nothing beyond the fixed list.
 _REQUEST_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _FRAMING
-_UNTRUSTED_DROPPED = _REQUEST_DROPPED | _FORWARDING
+# SPEC §10: what a client claims about the hops before this proxy is believed only from a
+# trusted proxy (proxy/upstream/target.py).
+_UNTRUSTED_DROPPED = _REQUEST_DROPPED | FORWARDING_HEADERS
 _RESPONSE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | frozenset({"content-length"})
 _STORE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _NOT_STORED
 _NONE: frozenset[str] = frozenset()

@@ -15,6 +15,13 @@ A WHATWG URL parser (Node's `new URL(req.url)`) removes dot segments from the ra
 `/a/payments` once decoded. So the steps also run on the path with its encoded separators kept
 opaque (`opaque`), and each result is then decoded.
 
+A path that starts with two separators is a network-path reference (RFC 3986 §4.2) to a parser
+given it alone: Python's `urlsplit`, PHP's `parse_url`, Java's `URI`, Go's `url.Parse` take
+`//evil/payments` as the authority `evil` and the path `/payments`; a WHATWG parser does so
+with any run of `/` and `\\` (`///evil/payments`, `/\\evil/payments`), its host ending at `/`,
+`\\`, `?` or `#`. So a path is also read with that authority dropped (`without_authority`),
+before the steps.
+
 The proxy refuses a path only when one of its readings falls under another route (routing.py):
 with one route, or a path none of the steps changes, there is nothing to refuse.
 """
@@ -37,6 +44,11 @@ _BLANK = "".join(map(chr, range(0x21))) + "\x7f"
 # (UTF-8, errors replaced) never yields.
 _SLASH, _BACKSLASH = "\udc2f", "\udc5c"
 _ENCODED_SEPARATOR = re.compile(r"%(?:2[fF]|5[cC])")
+# RFC 3986 §4.2, a network-path reference: two separators (WHATWG takes `\\` for `/`), then the
+# authority, which ends at `/`, `?` or `#` (RFC 3986 §3.2), or also `\\` (WHATWG host state).
+_AUTHORITY = re.compile(r"[/\\]{2}")
+_RFC_AUTHORITY = re.compile(r"[^/?#]*")
+_WHATWG_HOST = re.compile(r"[^/\\?#]*")
 
 
 def _end_at_nul(path: str) -> str:
@@ -122,6 +134,24 @@ def opaque(raw: str) -> str | None:
     return _SLASH.join(_BACKSLASH.join(map(unquote, p.split("%5C"))) for p in pieces)
 
 
+def without_authority(path: str) -> set[str]:
+    """The paths left once a leading `//authority` is dropped from `path`: as RFC 3986 §3.2 reads
+    it (after exactly `//`, up to `/`, `?` or `#`) and as WHATWG does for a special scheme
+    (after every leading `/` and `\\`, up to any of those or `\\`); none when `path` starts with
+    fewer than two separators."""
+    if _AUTHORITY.match(path) is None:
+        return set()
+    found = {_rest(_WHATWG_HOST.sub("", path.lstrip("/\\"), count=1))}
+    if path.startswith("//"):
+        found.add(_rest(_RFC_AUTHORITY.sub("", path[2:], count=1)))
+    return found
+
+
+def _rest(rest: str) -> str:
+    # What follows the authority: a path (WHATWG takes `\\` for its `/`), or else none: `/`.
+    return "/" + rest[1:] if rest[:1] in ("/", "\\") else "/"
+
+
 def _after_steps(path: str) -> set[str]:
     """`path` after every subset of the steps, in their order: each step runs once on every
     path found so far, and a path that several subsets reach is taken on once."""
@@ -133,15 +163,17 @@ def _after_steps(path: str) -> set[str]:
 
 def readings(path: str, raw: str | None = None) -> Iterator[str]:
     """Every other path a backend may take `path` (decoded) for; with `raw` (the path as sent),
-    also those taken on it with its encoded separators kept (`opaque`), then decoded."""
+    also those taken on it with its encoded separators kept (`opaque`), then decoded. Each is
+    taken as it is and with a leading `//authority` dropped (`without_authority`)."""
     seen = {path}
     starts = [path]
     kept = None if raw is None else opaque(raw)
     if kept is not None:
         starts.append(kept)
     for start in starts:
-        for found in _after_steps(start):
-            reading = found.replace(_SLASH, "/").replace(_BACKSLASH, "\\")
+        found = set().union(*map(_after_steps, (start, *without_authority(start))))
+        for path_read in found:
+            reading = path_read.replace(_SLASH, "/").replace(_BACKSLASH, "\\")
             if reading not in seen:
                 seen.add(reading)
                 yield reading

@@ -102,7 +102,7 @@ def forwarded_headers(
         host=client_host(request) or request.host,
         trusted=is_trusted(peer, trusted_proxies),
     )
-    for edit in edits:  # none sets or removes Host (config_upstream.py, _PROXY_HEADERS)
+    for edit in edits:  # none sets or removes Host (config_upstream.py, PROXY_HEADERS)
         edit.apply(headers)
     if host is not None:
         headers[hdrs.HOST] = host
