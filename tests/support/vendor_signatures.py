@@ -159,6 +159,7 @@ STABLE_SIGNED_LOOKING = [
     "type=aad&ver=1.0&sig=eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJhIn0.c2ln",
     "type=resource&ver=1.0&sig=c2lnbmF0dXJl",
     "type%3Daad%26ver%3D1.0%26sig%3DeyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJhIn0.c2ln",
+    "ver=1.0&sig=c2lnbmF0dXJl&type=resource",
     # API keys that hold a time: no MAC, no nonce, no signing scheme.
     "MyKey k=abc&date=2026",
     "abc&time=1",

@@ -57,6 +57,7 @@ SIGNED = {
     "upper-nonce": "Custom id=a;NONCE=n",
     "cosmos-master-plain": "type=master&ver=1.0&sig=c2lnbmF0dXJl",
     "cosmos-master-upper": "type%3Dmaster%26ver%3D1.0%26sig%3Dc2ln%2Bbg%3D%3D",
+    "cosmos-master-reordered": "ver=1.0&sig=c2lnbmF0dXJl&type=master",
     "obs": "OBS AKIDEXAMPLE:c2lnbmF0dXJl",
     "acs": "acs AKIDEXAMPLE:c2lnbmF0dXJl",
     "upyun": "UPYUN operator:c2lnbmF0dXJl",

@@ -97,9 +97,9 @@ def decode(body: bytes, codings: list[str], limit: int, budget: Budget | None = 
     """`body` with every coding in `codings` undone, last applied first; `Undecodable` when one
     is not `gzip` or `deflate`, the bytes are not what it says, or the result exceeds `limit`
     bytes (SPEC §9: `max_stored_body` bounds what a replay holds), or there are more than
-    `MAX_CODINGS` of them, or more streams than the stored bytes can hold at one layer (a
-    member is at least 18 bytes; each further layer brings one: a server applies one stream
-    per coding). `OverBudget` when `budget` is spent first. The work is linear in `body` and
+    `MAX_CODINGS` of them, or more streams over all of them than the stored bytes can hold at
+    one layer (a member is at least 18 bytes) and `MAX_CODINGS` more (a server codes one
+    stream per coding). `OverBudget` when `budget` is spent first. The work is linear in `body` and
     the output (SPEC §7)."""
     if len(codings) > MAX_CODINGS or any(coding not in DECODABLE for coding in codings):
         raise Undecodable()
@@ -183,7 +183,8 @@ def _inflate(body: bytes, limit: int, meter: _Meter) -> bytes:
 
 def _zlib_header(body: bytes) -> bool:
     """RFC 1950 §2.2: method 8 (deflate), a window of at most 32 KiB, and a check that makes
-    the two bytes a multiple of 31. (A raw stream rarely begins so: 1 in about 500.)"""
+    the two bytes a multiple of 31. A raw stream begins so only with a stored block whose
+    padding bits are set, which encoders do not write (RFC 1951 §3.2.4)."""
     if len(body) < 2:
         return False
     cmf, flg = body[0], body[1]

@@ -78,7 +78,7 @@ _SIGNED_PARAM: Final = re.compile(
 # Azure Cosmos DB: `type={master|resource|aad}&ver=1.0&sig=…`, URL-encoded as its
 # documentation requires or not. Only a master key's signs the request (its verb, resource
 # and `x-ms-date`); a resource token or an Entra ID token is the same on every try.
-_COSMOS: Final = re.compile(r"type=(\w+)&ver=[^&]*&sig=", re.IGNORECASE)
+_COSMOS_PARAMS: Final = frozenset({"type", "ver", "sig"})
 # RFC 9421 §4: a message signature travels in these two fields, whatever else authenticates.
 _MESSAGE_SIGNATURE: Final = ("Signature-Input", "Signature")
 # Query parameters of a presigned URL: its signature is in the URL (SigV4 §"query string
@@ -113,8 +113,9 @@ def _signed_scheme(authorization: str) -> str | None:
     for prefix, vendor in _SIGNED_PREFIXES.items():
         if lowered.startswith(prefix):
             return vendor
-    if lowered.startswith(("type=", "type%3d")):
-        return _cosmos(credential)
+    cosmos = _cosmos_type(credential)
+    if cosmos is not None:
+        return "Azure Cosmos DB master key signature (type=master)" if cosmos == "master" else None
     # RFC 9110 §11.4 puts one space after the scheme; clients send tabs and more as well.
     scheme = (lowered.split(None, 1) or [""])[0]
     named = _SIGNED_SCHEMES.get(scheme)
@@ -129,15 +130,15 @@ def _signed_scheme(authorization: str) -> str | None:
     return _generic(credential)
 
 
-def _cosmos(credential: str) -> str | None:
-    """An Azure Cosmos DB token: per request with a master key, else stable; any other
-    credential that begins so is read by its parameters' names as any other is."""
-    cosmos = _COSMOS.match(unquote(credential))
-    if cosmos is None:
-        return _generic(credential)
-    if cosmos.group(1).lower() == "master":
-        return "Azure Cosmos DB master key signature (type=master)"
-    return None
+def _cosmos_type(credential: str) -> str | None:
+    """The `type` of an Azure Cosmos DB token (one token: no scheme, no whitespace, its
+    three parameters in any order); None for any other credential."""
+    if "type" not in credential.lower() or any(c.isspace() for c in credential):
+        return None
+    params = {name.lower(): value for name, value in parse_qsl(unquote(credential))}
+    if not _COSMOS_PARAMS.issubset(params):
+        return None
+    return params["type"].strip().lower()
 
 
 def _generic(credential: str) -> str | None:
