@@ -22,7 +22,7 @@ from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyClient
 from tests.support.proxychecks import KEY, REPLAYED, assert_problem
 from tests.support.signatures import digest_authorization, hawk_authorization, message_signature
-from tests.support.vendor_signatures import SIGNERS, qbox
+from tests.support.vendor_signatures import SIGNERS, STABLE_SIGNED_LOOKING, qbox
 
 from .conftest import ProxyFactory
 
@@ -147,8 +147,10 @@ async def test_a_status_lookup_is_refused_as_its_request_would_be(
 async def test_a_vendor_signature_signed_again_a_second_later_is_refused(
     proxy: ProxyFactory, ledger: Ledger, vendor: str
 ) -> None:
-    """Tencent COS, Azure's HMAC-SHA256, Baidu's bce-auth-v1, GOOG1 and Qiniu: each try,
-    signed again, was an owner of its own and the retry executed again."""
+    """Tencent COS, Azure's HMAC-SHA256, Baidu's bce-auth-v1, GOOG1, Qiniu, a Cosmos DB master
+    key token (URL-encoded), Huawei OBS, Alibaba ROA (`acs`), UPYUN, Vuforia (`VWS`) and ruby
+    api-auth (`APIAuth`): each try, signed again, was an owner of its own and the retry
+    executed again."""
     client = await proxy()
     sign, now = SIGNERS[vendor], time.time()
     tries = [sign("POST", f"127.0.0.1:{client.port}", "/orders", now + s) for s in (0, 1)]
@@ -198,7 +200,9 @@ async def test_a_qbox_signature_is_refused_though_it_signs_no_time(
 async def test_credentials_sent_the_same_on_every_try_still_replay(
     proxy: ProxyFactory, ledger: Ledger
 ) -> None:
-    """The wider detection leaves static credentials alone: each retry is replayed."""
+    """The wider detection leaves static credentials alone: each retry is replayed. Azure SAS
+    tokens (`sig` and `se`), Cosmos DB resource and Entra ID tokens, and API keys holding a
+    `date` or `ts` were refused 400 owner-unstable, though each try sends them unchanged."""
     client = await proxy()
     stable = [
         "Bearer sk-live-4f9a1c2e7b",
@@ -208,6 +212,7 @@ async def test_credentials_sent_the_same_on_every_try_still_replay(
         "DPoP eyJhbGciOiJFUzI1NiJ9.eyJzdWIiOiJhIn0.c2ln",
         "sk-live-without-a-scheme",
         "Custom key=abc&tenant=42",
+        *STABLE_SIGNED_LOOKING,
     ]
     for n, authorization in enumerate(stable):
         headers = {"Authorization": authorization, KEY: f"k-stable-{n}"}

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from idemproxy.http.codings import MAX_CODINGS, Undecodable, decode
+from idemproxy.http.codings import MAX_CODINGS, Budget, OverBudget, Undecodable, decode
 
 TEXT = b"hello, replay " * 50
 LIMIT = 8 * 1024 * 1024  # the default max_stored_body
@@ -109,3 +109,49 @@ def test_a_chain_longer_than_any_server_sends_is_not_decoded() -> None:
     assert decode(zlib.decompress(body), ["deflate"] * MAX_CODINGS, 10_000) == TEXT
     with pytest.raises(Undecodable):
         decode(body, ["deflate"] * (MAX_CODINGS + 1), 10_000)
+
+
+def nested_empty_members() -> bytes:
+    """The review's body: 8 MiB of empty gzip members (20 bytes each), gzipped twice over, in
+    about 150 stored bytes; about 420,000 decoders at the innermost layer."""
+    inner = gzip.compress(b"", mtime=0) * (LIMIT // 20)
+    return gzip.compress(gzip.compress(inner, mtime=0), mtime=0)
+
+
+def test_an_inner_layer_cannot_hold_more_streams_than_the_stored_bytes() -> None:
+    body = nested_empty_members()
+    assert len(body) < 400
+    started = time.perf_counter()
+    with pytest.raises(Undecodable):
+        decode(body, ["gzip"] * 3, LIMIT)
+    assert time.perf_counter() - started < 0.3  # 0.4 to 0.55 s of 420,000 decoders before
+    # One stream per layer, as servers code, still decodes.
+    assert decode(gzip.compress(zlib.compress(TEXT)), ["deflate", "gzip"], 10_000) == TEXT
+
+
+@pytest.mark.parametrize("codings", [["gzip"], ["deflate"], ["gzip", "gzip"]])
+def test_a_budget_stops_a_decode_that_writes_more_than_it(codings: list[str]) -> None:
+    body = b"0" * 100_000
+    for coding in codings:
+        body = gzip.compress(body, mtime=0) if coding == "gzip" else zlib.compress(body)
+    with pytest.raises(OverBudget):
+        decode(body, codings, LIMIT, Budget(output=10_000, streams=64))
+    assert decode(body, codings, LIMIT, Budget(output=300_000, streams=64)) == b"0" * 100_000
+    # Past the limit, it is refused rather than sent elsewhere to be refused again.
+    with pytest.raises(Undecodable):
+        decode(body, codings, 1_000, Budget(output=300_000, streams=64))
+
+
+def test_a_budget_counts_streams_that_write_nothing() -> None:
+    with pytest.raises(OverBudget):
+        decode(gzip.compress(b"", mtime=0) * 100, ["gzip"], LIMIT, Budget(10_000, streams=64))
+
+
+def test_a_zlib_stream_that_fails_after_its_header_is_not_read_as_raw_deflate() -> None:
+    """`78 01` is a valid zlib header; the stream after it is not valid zlib, but read as raw
+    deflate from its first byte it decoded to other bytes than the server coded."""
+    body = bytes.fromhex("7801 00FEFF 5801 0500FAFF") + b"hello"
+    with pytest.raises(Undecodable):
+        decode(body, ["deflate"], 10_000)
+    raw = zlib.compressobj(wbits=-15)
+    assert decode(raw.compress(TEXT) + raw.flush(), ["deflate"], 10_000) == TEXT

@@ -3,8 +3,12 @@ tests, tests/proxy/test_replay_fit.py, send it through every store)."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import threading
+import time
 import zlib
+from typing import Any
 
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -12,7 +16,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from idemproxy.core.types import StoredResponse
 from idemproxy.errors import EncodingNotAcceptable
 from idemproxy.http.codings import Undecodable, accepts, coding_names, decode
-from idemproxy.proxy.server.fit import Fit, fit_response, unfit
+from idemproxy.proxy.server import fit as fit_module
+from idemproxy.proxy.server.fit import Fit, fit_response, fitted, unfit
+from tests.unit.test_codings import nested_empty_members
 
 TEXT = b"hello, replay " * 50
 
@@ -175,3 +181,70 @@ def test_two_origin_fields_are_no_origin() -> None:
 def test_a_grant_to_any_origin_is_kept() -> None:
     anyone = StoredResponse(200, (("Access-Control-Allow-Origin", "*"),), b"{}")
     assert unfit(anyone, headers(Origin="https://b.example")) is None
+
+
+def _decodes_where(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The threads `fitted` decodes on, the last one of a decode begun again elsewhere."""
+    threads: list[int] = []
+
+    def recorded(*args: Any) -> bytes:
+        threads.append(threading.get_ident())
+        return decode(*args)
+
+    monkeypatch.setattr(fit_module, "decode", recorded)
+    return threads
+
+
+async def _ticks_while(work: Any) -> tuple[Any, float]:
+    """What `work` returns and the longest the loop went without running a 1 ms ticker."""
+    longest, last, done = 0.0, time.perf_counter(), asyncio.Event()
+
+    async def tick() -> None:
+        nonlocal longest, last
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            longest, last = max(longest, now - last), now
+
+    ticker = asyncio.ensure_future(tick())
+    await asyncio.sleep(0.01)
+    last = time.perf_counter()
+    try:
+        return await work, longest
+    finally:
+        done.set()
+        await ticker
+
+
+async def test_a_decode_that_grows_past_its_stored_bytes_leaves_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The review's 150 stored bytes of `gzip, gzip, gzip` decoded on the loop, 0.4 to 0.55 s
+    each (the stored size decided): now the work decides, and the decode is refused."""
+    threads = _decodes_where(monkeypatch)
+    coded = (("Content-Encoding", "gzip, gzip, gzip"),)
+    stored = StoredResponse(201, coded, nested_empty_members())
+    fit = Fit(False, ("gzip", "gzip", "gzip"))
+    refused = asyncio.ensure_future(fitted(stored, fit, 8 * 1024 * 1024))
+    _, longest = await _ticks_while(asyncio.wait([refused]))
+    with pytest.raises(EncodingNotAcceptable):
+        refused.result()
+    assert threads[-1] != threading.get_ident()
+    assert longest < 0.25  # generous for a busy machine; 0.4 s and more before
+
+
+async def test_a_small_body_that_decodes_large_is_decoded_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads = _decodes_where(monkeypatch)
+    document = b"0" * (4 * 1024 * 1024)
+    body = gzip.compress(gzip.compress(document, mtime=0), mtime=0)
+    assert len(body) < 64 * 1024
+    stored = StoredResponse(200, (("Content-Encoding", "gzip, gzip"),), body)
+    answer = await fitted(stored, Fit(False, ("gzip", "gzip")), 8 * 1024 * 1024)
+    assert answer.body == document and threads[-1] != threading.get_ident()
+    # A light one stays on the loop: the hand-off would cost more than the decode.
+    threads.clear()
+    light = StoredResponse(200, (("Content-Encoding", "gzip"),), gzip.compress(TEXT))
+    assert (await fitted(light, Fit(False, ("gzip",)), 10_000)).body == TEXT
+    assert threads == [threading.get_ident()]

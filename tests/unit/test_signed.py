@@ -19,7 +19,7 @@ from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential,
 from idemproxy.identity.signed import per_request_signature
 from idemproxy.ops.purge import owners_of_credential
 from tests.support.signatures import digest_authorization, hawk_authorization, message_signature
-from tests.support.vendor_signatures import SIGNERS, qbox
+from tests.support.vendor_signatures import SIGNERS, STABLE_SIGNED_LOOKING, qbox
 
 
 def sigv4(url: str = "http://127.0.0.1/bucket/object?uploads") -> CIMultiDict[str]:
@@ -54,9 +54,15 @@ SIGNED = {
     "ksc": "KSC AKLTexample:c2lnbmF0dXJl",
     "vendor-hmac": "SDK-HMAC-SHA256 Access=AK, SignedHeaders=host;x-sdk-date, Signature=ab12",
     "ampersand-sig": "Custom id=a&sig=c2ln",
-    "x-date": "Custom id=a, X-Date=20261206T050000Z",
     "upper-nonce": "Custom id=a;NONCE=n",
-    "time": "Custom id=a\ttime=1796533200",
+    "cosmos-master-plain": "type=master&ver=1.0&sig=c2lnbmF0dXJl",
+    "cosmos-master-upper": "type%3Dmaster%26ver%3D1.0%26sig%3Dc2ln%2Bbg%3D%3D",
+    "cosmos-master-reordered": "ver=1.0&sig=c2lnbmF0dXJl&type=master",
+    "obs": "OBS AKIDEXAMPLE:c2lnbmF0dXJl",
+    "acs": "acs AKIDEXAMPLE:c2lnbmF0dXJl",
+    "upyun": "UPYUN operator:c2lnbmF0dXJl",
+    "vws": "VWS ak:c2lnbmF0dXJl",
+    "apiauth": "APIAuth 1044:c2lnbmF0dXJl",
 }
 
 
@@ -81,6 +87,7 @@ def test_a_per_request_signature_is_recognised(authorization: str) -> None:
         "Token abc123",
         "ApiKey key=abc, signature=never-looked-at",
         "Basic c2lnPXNpZw==",
+        *STABLE_SIGNED_LOOKING,
     ],
 )
 def test_a_credential_sent_the_same_on_every_try_is_not(authorization: str) -> None:

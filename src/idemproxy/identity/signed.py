@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Final
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 # RFC 9110 §11.4: `Authorization: <auth-scheme> [ token68 / #auth-param ]`. The schemes whose
 # credentials are computed afresh for each request, by the name their specifications give them.
@@ -48,6 +48,11 @@ _SIGNED_SCHEMES: Final = {
     "scram-sha-256": "SCRAM (RFC 7804)",
     "negotiate": "Negotiate (Kerberos, RFC 4559)",
     "ntlm": "NTLM",
+    "obs": "Huawei Cloud OBS signature",
+    "acs": "Alibaba Cloud ROA signature",
+    "upyun": "UPYUN signature",
+    "vws": "Vuforia Web Services signature",
+    "apiauth": "api-auth HMAC signature",
 }
 # Credentials with no scheme before their first space, known by how they begin (the rest is
 # the signature, never echoed): Baidu's BCE and Tencent COS's.
@@ -55,16 +60,25 @@ _SIGNED_PREFIXES: Final = {
     "bce-auth-v1/": "Baidu Cloud BCE signature (bce-auth-v1)",
     "q-sign-algorithm=": "Tencent Cloud COS signature (q-sign-algorithm)",
 }
-# Schemes whose credential is a token sent unchanged on every try: never second-guessed.
-_STABLE_SCHEMES: Final = frozenset({"bearer", "basic", "token", "apikey", "api-key", "dpop"})
-# An auth-param with one of these names makes any other scheme a per-request signature (a
-# nonce, a time or a MAC over them: OAuth's MAC draft, vendors' HMAC schemes), wherever it is
-# in the credential and whichever of the separators vendors use comes before it.
+# Schemes whose credential is a token sent unchanged on every try: never second-guessed. An
+# Azure Service Bus, Event Hubs or IoT Hub SAS token signs its resource and expiry (`sr`,
+# `se`): the same token is sent until it expires, though it holds a `sig`.
+_STABLE_SCHEMES: Final = frozenset(
+    {"bearer", "basic", "token", "apikey", "api-key", "dpop", "sharedaccesssignature"}
+)
+# An auth-param with one of these names makes any other scheme a per-request signature (a MAC
+# or a nonce: OAuth's MAC draft, vendors' HMAC schemes), wherever it is in the credential and
+# whichever of the separators vendors use comes before it. A time alone (`date`, `ts`) does
+# not: an API key may hold one, and a signature of a time has a MAC beside it.
 _SIGNED_PARAM: Final = re.compile(
-    r"(?:^|[\s,;&])(?:signature|q-signature|sig|mac|nonce|cnonce|oauth_signature|oauth_nonce"
-    r"|ts|timestamp|x-date|date|time)\s*=",
+    r"(?:^|[\s,;&])(?:signature|q-signature|sig|mac|nonce|cnonce|oauth_signature|oauth_nonce)"
+    r"\s*=",
     re.IGNORECASE,
 )
+# Azure Cosmos DB: `type={master|resource|aad}&ver=1.0&sig=…`, URL-encoded as its
+# documentation requires or not. Only a master key's signs the request (its verb, resource
+# and `x-ms-date`); a resource token or an Entra ID token is the same on every try.
+_COSMOS_PARAMS: Final = frozenset({"type", "ver", "sig"})
 # RFC 9421 §4: a message signature travels in these two fields, whatever else authenticates.
 _MESSAGE_SIGNATURE: Final = ("Signature-Input", "Signature")
 # Query parameters of a presigned URL: its signature is in the URL (SigV4 §"query string
@@ -99,6 +113,9 @@ def _signed_scheme(authorization: str) -> str | None:
     for prefix, vendor in _SIGNED_PREFIXES.items():
         if lowered.startswith(prefix):
             return vendor
+    cosmos = _cosmos_type(credential)
+    if cosmos is not None:
+        return "Azure Cosmos DB master key signature (type=master)" if cosmos == "master" else None
     # RFC 9110 §11.4 puts one space after the scheme; clients send tabs and more as well.
     scheme = (lowered.split(None, 1) or [""])[0]
     named = _SIGNED_SCHEMES.get(scheme)
@@ -110,9 +127,24 @@ def _signed_scheme(authorization: str) -> str | None:
         # A scheme named after its MAC (`SDK-HMAC-SHA256`, `ACS3-HMAC-SHA256`): a vendor's
         # request signature; the name is one scheme token, but it comes from the request.
         return "an Authorization scheme named after an HMAC"
+    return _generic(credential)
+
+
+def _cosmos_type(credential: str) -> str | None:
+    """The `type` of an Azure Cosmos DB token (one token: no scheme, no whitespace, its
+    three parameters in any order); None for any other credential."""
+    if "type" not in credential.lower() or any(c.isspace() for c in credential):
+        return None
+    params = {name.lower(): value for name, value in parse_qsl(unquote(credential))}
+    if not _COSMOS_PARAMS.issubset(params):
+        return None
+    return params["type"].strip().lower()
+
+
+def _generic(credential: str) -> str | None:
     if _SIGNED_PARAM.search(credential) is None:
         return None
-    return "an Authorization scheme that signs a nonce or timestamp"
+    return "an Authorization scheme that signs with a MAC or a nonce"
 
 
 def _presigned(raw_query: str) -> str | None:
