@@ -35,7 +35,9 @@ async def _held_across_replicas(
     make_store: CachedStoreFactory, make_proxy: ProxyFactory, url: str | None
 ) -> float:
     """Seconds between the first answer (replica A) and its held duplicate's (replica B)."""
-    stores = [await make_store(listen=False, url=url) for _ in range(2)]
+    # The feed's socket operations are bounded by write_timeout: the tests' 0.3 s is shorter
+    # than a loaded machine's stalls of the event loop, and a feed given up on wakes nobody.
+    stores = [await make_store(listen=False, url=url, write_timeout=2.0) for _ in range(2)]
     first_proxy, second_proxy = [await make_proxy(store) for store in stores]
     first = asyncio.create_task(_post(first_proxy))
     await wait_for(lambda: _claimed(stores[0]))
