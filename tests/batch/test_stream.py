@@ -124,3 +124,18 @@ def test_an_answer_without_usage_keeps_the_worst_case() -> None:
     assert with_usage(plain, item).worst_case is None
     uncapped = WorstCase(30, None, "m")  # no max_tokens, no --assume-max-output: not known
     assert with_usage(plain, item, BUILT_IN_POINTERS, uncapped).worst_case is None
+
+
+def test_a_stream_cut_off_says_no_usage() -> None:
+    """What an unfinished stream said is not what it used: an Anthropic stream ended by an
+    `error` event after its text, or never past `message_start` (whose output count is a
+    placeholder), reports none, and the budget counts the item at its worst case."""
+    start = ANTHROPIC_STREAM.split("event: content_block_delta")[0]
+    text = start + _sse(
+        ("content_block_delta", {"type": "content_block_delta", "delta": {"text": "x " * 500}}),
+        ("error", {"type": "error", "error": {"type": "overloaded_error"}}),
+    )
+    assert _usage(text) is None
+    assert _usage(start) is None
+    errored = OPENAI_STREAM.replace("[DONE]", json.dumps({"type": "error"}))
+    assert _usage(errored) is None

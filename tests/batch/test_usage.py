@@ -147,3 +147,29 @@ def test_the_worst_case_counts_the_prompt_at_a_token_per_byte_of_the_body(text: 
     assert size >= len(text.encode()) + 24 >= len(text) + 24
     assert worst_case(Item("b", "POST", "/x", body={"prompt": "hi"}), 7).output_tokens == 7
     assert worst_case(Item("d", "GET", "/x"), None) == WorstCase(0, None)
+
+
+@pytest.mark.parametrize(
+    ("body", "worst_output"),
+    [
+        ({"max_tokens": 100, "n": 8}, 800),  # OpenAI: each of the n choices up to max_tokens
+        ({"max_completion_tokens": 50, "n": 3}, 150),
+        ({"max_tokens": 100, "best_of": 5, "n": 2}, 500),  # completions: best_of generated
+        ({"max_tokens": 100, "n": 1}, 100),
+        ({"max_tokens": 100, "n": 0}, 100),
+        ({"max_tokens": 100, "n": True}, 100),  # not a count
+        ({"max_tokens": 100}, 100),
+    ],
+)
+def test_every_choice_an_answer_bills_is_in_its_worst_case(
+    body: dict[str, Any], worst_output: int
+) -> None:
+    """A budget counted `max_tokens` once for `n` choices: a run spent several budgets."""
+    item = Item("a", "POST", "/v1/chat/completions", body={"model": "m", **body})
+    assert worst_case(item, None).output_tokens == worst_output
+    assert estimate(item).output_tokens == worst_output
+
+
+def test_an_assumed_output_counts_every_choice_too() -> None:
+    item = Item("a", "POST", "/v1/chat/completions", body={"model": "m", "n": 4})
+    assert worst_case(item, 25).output_tokens == 100

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.postgres.quota import OwnerTurns
+from idemproxy.store.postgres.quota import OneAtATime, OwnerTurns
 
 
 async def test_one_claim_per_owner_at_a_time_and_other_owners_go_on() -> None:
@@ -43,3 +43,42 @@ async def test_a_turn_waited_for_too_long_is_the_store_unavailable() -> None:
     async with turns.turn("a"):  # the one that gave up left the turns as they were
         pass
     assert not turns
+
+
+async def test_an_owners_usage_is_read_by_one_claim_at_a_time() -> None:
+    """While an owner's turn is taken, its claims read its usage without the lock to refuse
+    a flood at once; each read holds a pooled connection, so one owner reads one at a time
+    and every other owner's reads go on (a read each took the whole pool)."""
+    reads = OneAtATime()
+    active: dict[str, int] = {"a": 0, "b": 0}
+    most: dict[str, int] = {"a": 0, "b": 0}
+
+    async def read(owner: str) -> None:
+        async with reads.slot(owner):
+            active[owner] += 1
+            most[owner] = max(most[owner], active[owner])
+            await asyncio.sleep(0.005)
+            active[owner] -= 1
+
+    await asyncio.gather(*(read("a") for _ in range(20)), *(read("b") for _ in range(3)))
+    assert most == {"a": 1, "b": 1}
+    assert reads._slots == {}  # no entry outlives its last user
+
+
+async def test_a_slot_is_given_up_when_its_holder_is_cancelled() -> None:
+    reads = OneAtATime()
+    entered = asyncio.Event()
+
+    async def hold() -> None:
+        async with reads.slot("a"):
+            entered.set()
+            await asyncio.sleep(10)
+
+    holder = asyncio.create_task(hold())
+    await entered.wait()
+    holder.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await holder
+    async with asyncio.timeout(1.0), reads.slot("a"):
+        pass
+    assert reads._slots == {}

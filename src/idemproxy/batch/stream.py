@@ -12,7 +12,9 @@ LLM APIs put the usage in some of them:
 
 The pointers (the run's, then the built-in ones) are tried on each event, the last first; then
 on the usage objects of all events merged in order, a later count replacing an earlier one. A
-stream without usage reports none: the budget then counts the item at its worst case (SPEC §14).
+stream without usage reports none, and so does one that did not finish (an `error` event, or an
+Anthropic stream cut off after `message_start`): the budget then counts the item at its worst
+case (SPEC §14).
 """
 
 from __future__ import annotations
@@ -38,11 +40,23 @@ def usage_documents(text: str) -> list[Mapping[str, Any]]:
     """Where to look for the stream's usage, in order: its events, last first, then their usage
     objects merged (`{"usage": {…}}`), for the usage pointers to read (usage.py)."""
     events = list(_events(text))
+    if not _finished(events):
+        return []  # what it said so far is not what it used: counted at its worst case
     merged: dict[str, Any] = {}
     for event in events:
         for path in _HOLDERS:
             merged.update(_usage_in(event, path) or {})
     return [*reversed(events), {"usage": merged}] if merged else events[::-1]
+
+
+def _finished(events: list[Mapping[str, Any]]) -> bool:
+    """Whether the stream's counts are final: no `error` event (an Anthropic stream cut off by
+    `overloaded_error` has generated text it never counted), and an Anthropic stream got past
+    `message_start`, whose output count is a placeholder, to a `message_delta` or its stop."""
+    kinds = {event.get("type") for event in events}
+    if "error" in kinds:
+        return False
+    return "message_start" not in kinds or bool(kinds & {"message_delta", "message_stop"})
 
 
 def _usage_in(event: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any] | None:

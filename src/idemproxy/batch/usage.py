@@ -35,6 +35,7 @@ from idemproxy.batch.stream import is_event_stream, usage_documents
 
 # The request fields that cap the answer's tokens (OpenAI chat, OpenAI responses, Anthropic).
 OUTPUT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+CHOICE_FIELDS = ("n", "best_of")
 BYTES_PER_TOKEN = 4
 
 
@@ -197,7 +198,8 @@ class WorstCase:
 def worst_case(item: Item, assumed_output: int | None) -> WorstCase:
     """What the item may use at most: its prompt's bound and the most its answer may hold."""
     output = output_limit(item.body)
-    output = output if output is not None else assumed_output
+    if output is None and assumed_output is not None:
+        output = assumed_output * choices(item.body)
     return WorstCase(prompt_bound(item), output, request_model(item))
 
 
@@ -215,11 +217,21 @@ def estimate(item: Item) -> Estimate:
 
 
 def output_limit(body: Any) -> int | None:
+    """The most output tokens the answer may bill: the cap of one choice times the choices."""
     if not isinstance(body, Mapping):
         return None
     limits = [_count(body.get(name)) for name in OUTPUT_LIMIT_FIELDS]
     known = [limit for limit in limits if limit is not None]
-    return max(known) if known else None
+    return max(known) * choices(body) if known else None
+
+
+def choices(body: Any) -> int:
+    """How many answers one request generates and bills: OpenAI's `n` (chat and completions),
+    or its completions' `best_of`, each capped by `max_tokens` on its own; else one."""
+    if not isinstance(body, Mapping):
+        return 1
+    counts = [_count(body.get(name)) for name in CHOICE_FIELDS]
+    return max([1, *(count for count in counts if count)])
 
 
 def with_usage(

@@ -112,3 +112,25 @@ async def limit_reached(
         usage["in_flight"], usage["recent"], usage["stored_bytes"], usage["pending"]
     )
     return exceeded(limits, counted)
+
+
+class OneAtATime:
+    """One holder of a slot per owner at a time; the others wait in the process, holding no
+    pooled connection. The owner's entry goes with its last user."""
+
+    def __init__(self) -> None:
+        self._slots: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def slot(self, owner: str) -> AsyncIterator[None]:
+        lock, users = self._slots.get(owner, (asyncio.Lock(), 0))
+        self._slots[owner] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._slots[owner]
+            if users == 1:
+                del self._slots[owner]
+            else:
+                self._slots[owner] = (lock, users - 1)

@@ -58,7 +58,12 @@ from idemproxy.store.postgres.errors import (
 )
 from idemproxy.store.postgres.kept import KeptConnections
 from idemproxy.store.postgres.listen import listen_forever
-from idemproxy.store.postgres.quota import OwnerTurns, claim_row_within, limit_reached
+from idemproxy.store.postgres.quota import (
+    OneAtATime,
+    OwnerTurns,
+    claim_row_within,
+    limit_reached,
+)
 from idemproxy.store.postgres.renewals import RenewalConnections
 from idemproxy.store.queries import load_migrations, load_queries, statements
 from idemproxy.store.rows import (
@@ -125,6 +130,7 @@ class PostgresStore(Store):
         self._kept: KeptConnections | None = None
         # SPEC §9: one owner's quota claims take turns before taking a connection.
         self._quota_turns = OwnerTurns(command_timeout)
+        self._quota_reads = OneAtATime()  # an owner's usage read without its lock
         self._listener: asyncio.Task[None] | None = None
         # The Citus version when the database is a Citus coordinator (read at open): job
         # changes are then announced from the coordinator and the sweep takes its variant.
@@ -299,10 +305,14 @@ class PostgresStore(Store):
         claim = self._claim_in_transaction(args, float(ttl), upstream, float(lease))
         owner_key = (intent.owner, intent.key)
         if self._quota_turns.busy(intent.owner):
-            # SPEC §9: a refused flood is answered at once, not one by one through the lock.
-            limit = await self._run(
-                "quota_usage", lambda c: limit_reached(c, self._sql, owner_key, limits)
-            )
+            # SPEC §9: a refused flood is answered without the lock, one read of the owner's
+            # usage at a time (a read each would take the pool from every other owner).
+            async with self._quota_reads.slot(intent.owner):
+                limit = None
+                if self._quota_turns.busy(intent.owner):
+                    limit = await self._run(
+                        "quota_usage", lambda c: limit_reached(c, self._sql, owner_key, limits)
+                    )
             if limit is not None:
                 return limit
         async with self._quota_turns.turn(intent.owner):
