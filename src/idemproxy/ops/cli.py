@@ -135,8 +135,8 @@ def _add_show(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=_runner(_show))
 
 
-def _add_find(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("key", metavar="KEY", help="the key as the client sent it")
+def _owner_flags(parser: argparse.ArgumentParser, *, sender: bool = False) -> None:
+    """--owner HASH or --credential-file FILE (or --sender NAME), exactly one of them."""
     who = parser.add_mutually_exclusive_group(required=True)
     who.add_argument("--owner", metavar="OWNER", help="the owner hash, as shown by show")
     who.add_argument(
@@ -145,7 +145,13 @@ def _add_find(parser: argparse.ArgumentParser) -> None:
         help="the owner's credential (its Authorization or owner header value), hashed as the"
         " proxy hashes it under owner.* of --config; - for stdin",
     )
-    who.add_argument("--sender", metavar="NAME", help="a webhook route's sender (webhook.name)")
+    if sender:
+        who.add_argument("--sender", metavar="NAME", help="a webhook route's sender (webhook.name)")
+
+
+def _add_find(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("key", metavar="KEY", help="the key as the client sent it")
+    _owner_flags(parser, sender=True)
     parser.add_argument("--json", action="store_true", help="one job (SPEC §13)")
     parser.add_argument(
         "--include-response",
@@ -201,14 +207,7 @@ def _add_delete(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_purge(parser: argparse.ArgumentParser) -> None:
-    who = parser.add_mutually_exclusive_group(required=True)
-    who.add_argument("--owner", metavar="OWNER", help="the owner hash, as shown by show")
-    who.add_argument(
-        "--credential-file",
-        metavar="FILE",
-        help="the owner's credential (its Authorization or owner header value), hashed as the"
-        " proxy hashes it under owner.* of --config; - for stdin",
-    )
+    _owner_flags(parser)
     parser.add_argument(
         "--include-in-flight",
         action="store_true",
