@@ -27,9 +27,9 @@ from typing import Any
 import aiohttp  # noqa: F401  (imported before the freeze, as the proxy does at start-up)
 import asyncpg  # noqa: F401
 
-import idemproxy.cli
+import idemproxy.cli.main
+import idemproxy.cli.serve
 import idemproxy.proxy.app
-import idemproxy.server
 
 STATS: dict[int, dict[str, float]] = {
     generation: {"collections": 0, "seconds": 0.0, "longest": 0.0} for generation in range(3)

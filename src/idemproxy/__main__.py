@@ -1,5 +1,5 @@
 from __future__ import annotations
 
-from idemproxy.cli import main
+from idemproxy.cli.main import main
 
 raise SystemExit(main())

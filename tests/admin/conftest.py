@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from idemproxy.admin.app import Readiness, create_admin_app
-from idemproxy.config import Settings, load_settings
+from idemproxy.config.settings import Settings, load_settings
 from idemproxy.proxy.app import create_app
 from idemproxy.store.base import Store
 

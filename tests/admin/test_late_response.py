@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from idemproxy.cli.ops import _resolution
 from idemproxy.core.types import AttemptState, Job, JobState, StoredResponse
 from idemproxy.errors import InvalidRequest
-from idemproxy.ops.cli import _resolution
 from idemproxy.ops.resolution import ResponseRules
 from idemproxy.store.base import Store
 

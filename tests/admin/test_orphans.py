@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from idemproxy.core.types import AttemptState, Intent, Job, JobState
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.store.base import Store
 
@@ -54,7 +54,7 @@ async def proxy_with_metrics(
     sweeper: dict[str, float] = TAKEOVER,
     **overrides: Any,
 ) -> Client:
-    # A renewal must fit in the lease: config.py refuses store_timeout >= 2/3 of it.
+    # A renewal must fit in the lease: config/settings.py refuses store_timeout >= 2/3 of it.
     overrides.setdefault("pool", {"store_timeout": 0.15})
     settings = make_settings(lease=LEASE, sweeper=sweeper, **overrides)
     client = TestClient(TestServer(create_app(settings, store=store, metrics=metrics)))

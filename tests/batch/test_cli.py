@@ -14,7 +14,7 @@ import pytest
 from idemproxy.batch.checkpoint import CheckpointWriter
 from idemproxy.batch.input import Item
 from idemproxy.batch.records import Outcome
-from idemproxy.cli import main
+from idemproxy.cli.main import main
 
 from .factory import record
 from .servers import write_jsonl

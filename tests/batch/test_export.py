@@ -9,7 +9,7 @@ import pytest
 from idemproxy.batch.checkpoint import CheckpointWriter
 from idemproxy.batch.input import Item, read_input
 from idemproxy.batch.records import Outcome
-from idemproxy.cli import main
+from idemproxy.cli.main import main
 
 from .factory import record
 

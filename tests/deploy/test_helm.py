@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from idemproxy.config import Settings, load_settings, parse_listen
+from idemproxy.config.settings import Settings, load_settings, parse_listen
 from idemproxy.proxy.idp.policy import build_owner_policy
 
 from .chart import (

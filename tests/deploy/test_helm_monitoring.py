@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from idemproxy.admin.peers import merge_metrics
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 
 from .chart import (
     CHART,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from idemproxy.cli import _parser
+from idemproxy.cli.main import _parser
 
 from .chart import (
     CHART,

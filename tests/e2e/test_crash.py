@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 LEASE = 1.0
-# A renewal must fit in the lease (config.py refuses store_timeout >= 2/3 of it).
+# A renewal must fit in the lease (config/settings.py refuses store_timeout >= 2/3 of it).
 STORE_ENV = {"IDEMPROXY_POOL__STORE_TIMEOUT": "0.5"}
 OWNER = hash_credential("Bearer e2e-user")  # the Authorization header `client.send` sets
 KEY = "crash-1"

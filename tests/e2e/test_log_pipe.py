@@ -1,4 +1,4 @@
-"""A reader of stderr that stops reading must not stop the proxy (idemproxy/logs.py).
+"""A reader of stderr that stops reading must not stop the proxy (idemproxy/observe/logs.py).
 
 A real `idemproxy serve` process logs every governed request to a pipe that nobody reads until
 the end: far more than the pipe holds (64 KiB on Linux). Written in place, the first write past

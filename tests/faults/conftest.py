@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import pytest
 from aiohttp.test_utils import TestClient
 
-from idemproxy.config import PoolSettings, load_settings
+from idemproxy.config.settings import PoolSettings, load_settings
 from idemproxy.proxy.app import create_app
 from tests.support.backend import Ledger, serving
 from tests.support.loop import run_private

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.proxy.app import create_app
 
 

@@ -22,7 +22,7 @@ import aiohttp
 import asyncpg
 import pytest
 
-from idemproxy.config import PoolSettings
+from idemproxy.config.settings import PoolSettings
 from tests.support.backend import Ledger
 
 from .conftest import FaultDatabase, StartApp

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.core.types import JobState
 from idemproxy.proxy.app import create_app
 from idemproxy.store.factory import create_store

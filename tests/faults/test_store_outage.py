@@ -21,7 +21,7 @@ import time
 import aiohttp
 import pytest
 
-from idemproxy.config import PoolSettings
+from idemproxy.config.settings import PoolSettings
 from idemproxy.constants import JOB_HEADER
 from tests.support.backend import Ledger
 

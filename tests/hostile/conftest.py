@@ -21,9 +21,9 @@ from urllib.parse import urlsplit
 import pytest
 from aiohttp import web
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.core.types import Intent
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.server.listener import GuardedSite

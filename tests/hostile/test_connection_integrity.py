@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from idemproxy.core.types import JobState
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.jobs import attempt as attempt_module
 from idemproxy.store.base import Store
 from idemproxy.store.factory import sqlite_path

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from idemproxy.metrics import DisconnectStage
+from idemproxy.observe.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT
 from tests.support.backend import Ledger
 from tests.support.metrics import counted

@@ -15,9 +15,9 @@ import uvloop
 from pydantic import ValidationError
 from yarl import URL
 
-from idemproxy.cli import main
-from idemproxy.config import load_settings
-from idemproxy.config_upstream import UpstreamSettings, UpstreamTlsSettings
+from idemproxy.cli.main import main
+from idemproxy.config.settings import load_settings
+from idemproxy.config.upstream import UpstreamSettings, UpstreamTlsSettings
 from idemproxy.core.types import JobState
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.client import UpstreamClient

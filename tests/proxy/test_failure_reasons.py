@@ -15,7 +15,7 @@ import pytest
 
 from idemproxy.core.attempts import Failure
 from idemproxy.errors import StoreUnavailable
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.reasons import FailureReason, upstream_reason
 from idemproxy.proxy.server.trace import Trace, record
 from idemproxy.proxy.upstream.client import UpstreamFailure

@@ -17,7 +17,7 @@ import pytest
 
 from idemproxy.core.types import Claimed, Intent, JobState, StoredResponse
 from idemproxy.errors import StoreRefused
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store

@@ -108,7 +108,7 @@ async def test_a_trusted_peers_repeated_proto_is_replaced_not_guessed(
 def test_a_bad_trusted_proxies_entry_is_refused_naming_the_field(
     entries: str, fragment: str
 ) -> None:
-    from idemproxy.config import load_settings
+    from idemproxy.config.settings import load_settings
 
     with pytest.raises(ValueError, match="trusted_proxies") as caught:
         load_settings(upstream="http://127.0.0.1:1", trusted_proxies=entries)

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
 from idemproxy.core.types import JobState
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.context import CONTEXT
 
 from .conftest import ProxyFactory, RawUpstream

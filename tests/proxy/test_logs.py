@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.identity.owner import hash_credential
-from idemproxy.logs import JsonFormatter, PlainFormatter, configure_logging
-from idemproxy.metrics import Metrics
+from idemproxy.observe.logs import JsonFormatter, PlainFormatter, configure_logging
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.server import trace as trace_module
 from idemproxy.proxy.server.trace import Trace, record

@@ -11,8 +11,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from idemproxy.admin.app import Readiness, create_admin_app
-from idemproxy.config import load_settings
-from idemproxy.metrics import Metrics, UnsentOutcome
+from idemproxy.config.settings import load_settings
+from idemproxy.observe.metrics import Metrics, UnsentOutcome
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.factory import create_store

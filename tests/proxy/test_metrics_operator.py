@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import idemproxy
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import merge_metrics
-from idemproxy.config import load_settings
-from idemproxy.metrics import Metrics
+from idemproxy.config.settings import load_settings
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.store.factory import create_store
 from tests.support.backend import Ledger, backend_app

@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from idemproxy.admin.app import Readiness, create_admin_app
-from idemproxy.config import load_settings
-from idemproxy.metrics import Metrics
+from idemproxy.config.settings import load_settings
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import serving_store

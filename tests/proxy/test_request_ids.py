@@ -16,8 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import ValidationError
 
-from idemproxy.config import load_settings
-from idemproxy.logs import JsonFormatter, PlainFormatter
+from idemproxy.config.settings import load_settings
+from idemproxy.observe.logs import JsonFormatter, PlainFormatter
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.tracing import Tracing
 

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
 from idemproxy.admin.app import Readiness, create_admin_app
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.store.factory import create_store
 from tests.support.proxyapp import ProxyClient, ProxyFactory, RawUpstream
 

@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.proxy.app import create_app
 
 MiB = 1024 * 1024

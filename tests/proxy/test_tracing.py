@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.tracing import Tracing
 from idemproxy.store.base import Store

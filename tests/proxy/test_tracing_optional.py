@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from pydantic import ValidationError
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy import tracing
 from idemproxy.proxy.app import tracing_from_settings
@@ -24,7 +24,7 @@ SERVE_TRACING_OFF = textwrap.dedent(
     """
     import asyncio
     from aiohttp.test_utils import TestClient, TestServer
-    from idemproxy.config import load_settings
+    from idemproxy.config.settings import load_settings
     from idemproxy.proxy.app import create_app
 
     async def requests():
@@ -52,7 +52,7 @@ WITHOUT_OTEL = (
     + SERVE_TRACING_OFF
     + textwrap.dedent(
         """
-    from idemproxy.cli import main
+    from idemproxy.cli.main import main
     os.environ["IDEMPROXY_TRACING__ENABLED"] = "true"
     code = main(["serve", "--upstream", "http://127.0.0.1:9", "--store", "sqlite://:memory:"])
     print("exit", code)

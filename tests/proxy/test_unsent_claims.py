@@ -22,7 +22,7 @@ from aiohttp.test_utils import TestClient
 
 from idemproxy.core.types import AttemptState, Claimed, Intent, Job, JobState
 from idemproxy.errors import StoreUnavailable
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.background.unsent import NEVER_FORWARDED, UnsentClaims
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store

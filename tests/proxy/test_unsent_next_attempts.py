@@ -18,7 +18,7 @@ from aiohttp import web
 
 from idemproxy.core.types import AttemptState, Intent, JobState
 from idemproxy.errors import StoreUnavailable
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.background.unsent import NEVER_FORWARDED, UnsentClaims
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import AttemptFailure, Store

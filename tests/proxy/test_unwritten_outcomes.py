@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient
 
 from idemproxy.core.types import AttemptState, JobState
 from idemproxy.errors import StoreUnavailable
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger

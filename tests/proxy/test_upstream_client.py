@@ -29,7 +29,7 @@ from cryptography.x509.oid import NameOID
 from multidict import CIMultiDict
 from yarl import URL
 
-from idemproxy.config import ContractSettings
+from idemproxy.config.settings import ContractSettings
 from idemproxy.core.attempts import Failure
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
 from idemproxy.proxy.upstream.contract import Contract, check_upstream

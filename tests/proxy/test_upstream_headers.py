@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.core.types import JobState
 from idemproxy.proxy.routing import RouteTable
 from idemproxy.proxy.upstream.client import UpstreamClient

@@ -16,8 +16,8 @@ import uvloop
 from pydantic import ValidationError
 from yarl import URL
 
-from idemproxy.config import load_settings
-from idemproxy.config_upstream import UpstreamSettings, UpstreamTlsSettings
+from idemproxy.config.settings import load_settings
+from idemproxy.config.upstream import UpstreamSettings, UpstreamTlsSettings
 from idemproxy.core.attempts import Failure
 from idemproxy.core.types import JobState
 from idemproxy.errors import ConfigError

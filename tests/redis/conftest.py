@@ -22,7 +22,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from redis.asyncio import Redis
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.proxy.app import create_app
 from idemproxy.store.redis.cache import RedisCachedStore, RedisCacheOptions
 from tests.support.backend import Ledger, backend_app

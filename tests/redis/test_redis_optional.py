@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from idemproxy import cli
-from idemproxy.config import Settings, load_settings
+from idemproxy.cli import main as cli
+from idemproxy.config.settings import Settings, load_settings
 from idemproxy.store.factory import create_store, wrap_with_cache
 from idemproxy.store.redis.cache import RedisCachedStore
 
@@ -27,11 +27,11 @@ WITHOUT_REDIS = textwrap.dedent(
     for info in pkgutil.walk_packages(idemproxy.__path__, "idemproxy."):
         if info.name != "idemproxy.__main__" and not info.name.startswith("idemproxy.store.redis"):
             importlib.import_module(info.name)
-    from idemproxy.config import load_settings
+    from idemproxy.config.settings import load_settings
     from idemproxy.store.factory import create_store, wrap_with_cache
     store = create_store("sqlite://:memory:")
     assert wrap_with_cache(store, load_settings(upstream="http://127.0.0.1:9")) is store
-    from idemproxy.cli import main
+    from idemproxy.cli.main import main
     code = main(["serve", "--upstream", "http://127.0.0.1:9", "--store", "sqlite://:memory:",
                  "--redis", "redis://127.0.0.1:9/0"])
     print("exit", code)
@@ -54,7 +54,7 @@ def test_the_core_imports_and_runs_without_redis_and_asking_for_it_fails_clearly
 
 def test_the_flag_sets_redis(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[Settings] = []
-    monkeypatch.setattr("idemproxy.server.serve", lambda settings, *_: seen.append(settings))
+    monkeypatch.setattr("idemproxy.cli.serve.serve", lambda settings, *_: seen.append(settings))
     argv = ["serve", "--upstream", UPSTREAM, "--redis", "redis://cache:6379/0"]
     assert cli.main(argv) == 0
     assert seen[0].redis.url == "redis://cache:6379/0"

@@ -12,8 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 from redis.asyncio import Redis
 
-from idemproxy import cli
-from idemproxy.config import load_settings
+from idemproxy.cli import main as cli
+from idemproxy.config.settings import load_settings
 from idemproxy.constants import REDIS_GONE_PREFIX
 from idemproxy.core.types import Claimed, Existing, Intent, JobState, StoredResponse
 from idemproxy.proxy.app import create_app

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.core.types import Claimed, Intent
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store

@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.core.types import Claimed, ClaimResult, Existing, JobState, StoredResponse
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store

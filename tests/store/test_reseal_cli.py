@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from idemproxy import cli
+from idemproxy.cli import main as cli
 from idemproxy.core.types import SealedResponse
 from idemproxy.ops import service
 from idemproxy.ops.view import job_to_json

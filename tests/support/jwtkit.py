@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 
-from idemproxy.config import JwtSettings
+from idemproxy.config.settings import JwtSettings
 from idemproxy.identity.jwt_owner import JwtVerifier
 
 AUDIENCE = "https://api.example.test"

@@ -24,7 +24,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
-from idemproxy.config import ServerSettings, load_settings
+from idemproxy.config.settings import ServerSettings, load_settings
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.server.listener import GuardedSite
@@ -50,7 +50,7 @@ class ProxyFactory(Protocol):
 class Server(TestServer):
     """aiohttp's TestServer always cancels handlers when a client hangs up; real servers may not.
 
-    `idemproxy.server.serve` runs with handler_cancellation=False, and so does a typical backend.
+    `idemproxy.cli.serve.serve` runs with handler_cancellation=False, and so does a typical backend.
     """
 
     def __init__(self, app: web.Application, *, handler_cancellation: bool = False) -> None:
@@ -109,7 +109,7 @@ async def make_proxy(backend_url: str) -> AsyncIterator[ProxyFactory]:
     """Start a proxy app with `load_settings(upstream=backend_url, **overrides)`; needs `store=`.
 
     The app owns its store unless `inject_store` is given. `handler_cancellation` defaults to
-    False as in `idemproxy.server.serve`, and the proxy then listens as that command's does
+    False as in `idemproxy.cli.serve.serve`, and the proxy then listens as that command's does
     (`ServeListener`); with True it is aiohttp's test server, which cancels on hang-up. The
     client never decompresses (byte-identity checks) and keeps no cookies (a replay must not
     depend on what the first response set).

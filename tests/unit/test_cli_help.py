@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from idemproxy.cli import _parser
-from idemproxy.cli_help import SETTING_FLAGS, env_variable, setting_default
+from idemproxy.cli.help import SETTING_FLAGS, env_variable, setting_default
+from idemproxy.cli.main import _parser
 
 
 def _commands(

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from idemproxy.config import Settings, load_settings
-from idemproxy.metrics import Metrics
+from idemproxy.config.settings import Settings, load_settings
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.routing import RouteTable
 
 EXAMPLE = Path(__file__).parents[2] / "config" / "idemproxy.example.yaml"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 
 CONFIG_DIR = Path(__file__).parents[2] / "config"
 CONFIG_FILES = sorted(CONFIG_DIR.glob("*.yaml"))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from idemproxy.cli import main
+from idemproxy.cli.main import main
 
 
 @pytest.fixture

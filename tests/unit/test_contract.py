@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from idemproxy.config import ContractSettings
+from idemproxy.config.settings import ContractSettings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.contract import Contract, load_samples
 from tests.support.named_upstream import CHAT_SCHEMA

@@ -9,7 +9,7 @@ import json
 import uuid
 from pathlib import Path
 
-from idemproxy.config import ContractSettings
+from idemproxy.config.settings import ContractSettings
 from idemproxy.core.types import Claimed, Intent, JobState
 from idemproxy.proxy.upstream.contract import Contract
 from idemproxy.store.base import Store

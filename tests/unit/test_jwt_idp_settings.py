@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from idemproxy.cli import main
-from idemproxy.config import load_settings
+from idemproxy.cli.main import main
+from idemproxy.config.settings import load_settings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.idp.fetch import max_age
 from idemproxy.proxy.idp.policy import build_owner_policy

@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import NameOID
 from pydantic import ValidationError
 
-from idemproxy.cli import main
-from idemproxy.config import JwtSettings, OwnerSettings, load_settings
+from idemproxy.cli.main import main
+from idemproxy.config.settings import JwtSettings, OwnerSettings, load_settings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.jwt_keys import load_keys, parse_jwks
 from idemproxy.identity.jwt_owner import JwtVerifier

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from idemproxy.config import JwtSettings
+from idemproxy.config.settings import JwtSettings
 from idemproxy.constants import ANONYMOUS_OWNER
 from idemproxy.errors import OwnerMissing
 from idemproxy.identity.jwt_owner import JwtVerifier, hash_claim

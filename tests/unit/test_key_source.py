@@ -6,7 +6,7 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 from pydantic import ValidationError
 
-from idemproxy.config_keys import KeySourceSettings
+from idemproxy.config.keys import KeySourceSettings
 from idemproxy.errors import KeyInvalid
 from idemproxy.identity.key_source import KeySource, pointer_tokens
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.proxy.routing import Route, RouteTable
 from idemproxy.proxy.upstream.contract import Contract
 
@@ -55,7 +55,7 @@ def test_the_chat_route_is_a_hedged_group_with_a_contract(chat_route: Route) -> 
 
 def test_each_provider_gets_its_own_key_and_the_chat_route_its_timeout(chat_route: Route) -> None:
     """The gateway holds the providers' keys: each upstream of the group replaces the client's
-    Authorization with its own (config_upstream.py), samples included."""
+    Authorization with its own (config/upstream.py), samples included."""
     keys = {
         url: {name: value for edit in edits for name, value in edit.set}["Authorization"]
         for url, edits in chat_route.header_edits.items()

@@ -1,4 +1,4 @@
-"""The background log writer (idemproxy/logs.py): lines wait for a slow stderr up to a bound,
+"""The background log writer (observe/logs.py): lines wait for a slow stderr up to a bound,
 then are dropped and counted; nothing waits on the caller's thread."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from idemproxy import logs
-from idemproxy.cli import main
-from idemproxy.logs import BackgroundWriter
+from idemproxy.cli.main import main
+from idemproxy.observe import logs
+from idemproxy.observe.logs import BackgroundWriter
 
 
 class StalledStream(io.StringIO):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict
 from pydantic import ValidationError
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, OwnerMissing
 from idemproxy.identity.owner import (

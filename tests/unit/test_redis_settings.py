@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from idemproxy import cli
-from idemproxy.config import Settings, load_settings, log_renamed_keys
+from idemproxy.cli import main as cli
+from idemproxy.config.settings import Settings, load_settings, log_renamed_keys
 from idemproxy.errors import ConfigError
 
 UPSTREAM = "http://127.0.0.1:9"
@@ -141,7 +141,7 @@ def test_the_flag_sets_the_url_beside_old_options_quietly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[Settings] = []
-    monkeypatch.setattr("idemproxy.server.serve", lambda settings, *_: seen.append(settings))
+    monkeypatch.setattr("idemproxy.cli.serve.serve", lambda settings, *_: seen.append(settings))
     path = _file(tmp_path, "redis_options:\n  ttl: 60\n")
     assert cli.main(["serve", "--config", str(path), "--redis", URL]) == 0
     assert _options(seen[0])[::3] == (URL, 60)
@@ -177,7 +177,7 @@ def test_both_forms_in_the_environment_are_refused(
 def test_the_command_line_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("idemproxy.server.serve", lambda _settings: None)
+    monkeypatch.setattr("idemproxy.cli.serve.serve", lambda _settings: None)
     path = _file(tmp_path, f"redis:\n  url: {URL}\nredis_options:\n  ttl: 60\n")
     assert cli.main(["serve", "--config", str(path)]) == 2
     assert "`redis_options` and `redis` are both given" in capsys.readouterr().err
@@ -188,7 +188,7 @@ def test_each_warning_is_logged_once(
 ) -> None:
     monkeypatch.setenv("IDEMPROXY_REDIS", URL)
     settings = load_settings(_file(tmp_path, f"redis: {URL}\n"))
-    with caplog.at_level(logging.WARNING, logger="idemproxy.config"):
+    with caplog.at_level(logging.WARNING, logger="idemproxy.config.settings"):
         log_renamed_keys(settings)
     assert [record.getMessage() for record in caplog.records] == [
         "settings: IDEMPROXY_REDIS is deprecated: set IDEMPROXY_REDIS__URL instead",

@@ -11,8 +11,8 @@ from aiohttp.test_utils import make_mocked_request
 from prometheus_client import generate_latest
 
 from idemproxy.constants import ANONYMOUS_OWNER
-from idemproxy.logs import JsonFormatter, PlainFormatter
-from idemproxy.metrics import (
+from idemproxy.observe.logs import JsonFormatter, PlainFormatter
+from idemproxy.observe.metrics import (
     AttemptOutcome,
     Metrics,
     RequestOutcome,

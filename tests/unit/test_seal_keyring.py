@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.core.types import Job, JobState, SealedResponse, StoredResponse
 from idemproxy.errors import ConfigError, ResponseUnreadable
 from idemproxy.store.cache.delegating import DelegatingStore

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from idemproxy.cli import main
-from idemproxy.config import load_settings
+from idemproxy.cli.main import main
+from idemproxy.config.settings import load_settings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.jwt_owner import JwtVerifier
 

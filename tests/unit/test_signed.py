@@ -13,7 +13,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from multidict import CIMultiDict
 
-from idemproxy.config import OwnerSettings
+from idemproxy.config.settings import OwnerSettings
 from idemproxy.errors import InvalidRequest, OwnerUnstable
 from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential, log_owner_hint
 from idemproxy.identity.signed import per_request_signature

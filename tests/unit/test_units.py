@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from idemproxy.cli import main
-from idemproxy.config import Settings, load_settings
-from idemproxy.units import parse_duration, parse_size
+from idemproxy.cli.main import main
+from idemproxy.config.settings import Settings, load_settings
+from idemproxy.config.units import parse_duration, parse_size
 
 UPSTREAM = "http://127.0.0.1:9"
 
@@ -254,7 +254,7 @@ def test_the_longest_duration_and_size_are_accepted() -> None:
 def test_the_forward_host_flag_sets_the_upstream_routes_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from idemproxy.cli import _parser, _settings
+    from idemproxy.cli.main import _parser, _settings
 
     args = _parser().parse_args(
         ["serve", "--upstream", UPSTREAM, "--forward-host", "backend.internal:8080"]

@@ -7,7 +7,7 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from idemproxy.config import load_settings, log_renamed_keys, unknown_variables
+from idemproxy.config.settings import load_settings, log_renamed_keys, unknown_variables
 
 UPSTREAM = "http://127.0.0.1:9"
 
@@ -50,7 +50,7 @@ def test_logged_once_at_start_up(
     monkeypatch.setenv("IDEMPROXY_UPSTREAM_TIMEOUTT", "5")
     settings = load_settings(upstream=UPSTREAM)
     assert settings.upstream_timeout == 30  # ignored, as before: only now it is said
-    with caplog.at_level(logging.WARNING, logger="idemproxy.config"):
+    with caplog.at_level(logging.WARNING, logger="idemproxy.config.settings"):
         log_renamed_keys(settings)
     assert [r.getMessage() for r in caplog.records] == [
         "settings: environment variable IDEMPROXY_UPSTREAM_TIMEOUTT names no setting and is"

@@ -13,9 +13,9 @@ import yaml
 from multidict import CIMultiDict, CIMultiDictProxy
 from pydantic import ValidationError
 
-from idemproxy.cli import main
-from idemproxy.config import load_settings
-from idemproxy.config_keys import WebhookSettings
+from idemproxy.cli.main import main
+from idemproxy.config.keys import WebhookSettings
+from idemproxy.config.settings import load_settings
 from idemproxy.errors import SignatureInvalid
 from idemproxy.identity.webhooks import (
     WebhookVerifier,

@@ -6,7 +6,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from idemproxy.admin.peers import merge_metrics
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 
 
 def _exposition(new: int, unknown: int, claim_seconds: float) -> str:

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from idemproxy.cli import main
-from idemproxy.config import load_settings
+from idemproxy.cli.main import main
+from idemproxy.config.settings import load_settings
 from idemproxy.workers.role import WorkerRole
 
 PG = "postgresql://u@127.0.0.1:5432/db"

@@ -121,7 +121,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end }}
 
 {{/* The settings file: the user's proxy.config with what the chart owns set over it. */}}
-{{- define "idemproxy.config" -}}
+{{- define "idemproxy.config.settings" -}}
 {{- $config := deepCopy (.Values.proxy.config | default dict) }}
 {{- $admin := deepCopy ($config.admin | default dict) }}
 {{- $_ := set $admin "listen" (printf "0.0.0.0:%d" (int .Values.proxy.adminPort)) }}

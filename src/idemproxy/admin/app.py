@@ -14,10 +14,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from idemproxy.admin.jobs import add_jobs_routes, client_max_size
 from idemproxy.admin.peers import Peers, merge_metrics
-from idemproxy.config import Settings
+from idemproxy.config.settings import Settings
 from idemproxy.errors import StoreUnavailable, Unauthorized
 from idemproxy.http.problems import problem_response
-from idemproxy.metrics import Metrics, metrics_handler
+from idemproxy.observe.metrics import Metrics, metrics_handler
 from idemproxy.proxy.server.whole import own_server_header
 from idemproxy.store.base import Store
 

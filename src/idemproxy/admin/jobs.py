@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from idemproxy.config import Settings
+from idemproxy.config.settings import Settings
 from idemproxy.core.types import JobState
 from idemproxy.errors import InvalidRequest, ProblemError
 from idemproxy.http.offload import off_loop

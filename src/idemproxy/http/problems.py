@@ -12,8 +12,8 @@ from idemproxy.constants import (
     PROBLEM_CONTENT_TYPE,
     PROBLEM_TYPE_PREFIX,
 )
-from idemproxy.correlation import CURRENT
 from idemproxy.errors import NEVER, NO_JOB, OperatorError, PayloadMismatch, ProblemError, one_line
+from idemproxy.http.correlation import CURRENT
 
 # SPEC §8 / draft-ietf-httpapi-idempotency-key-header-07 §2.7: a reused key with another
 # payload is 422 in the ietf profile.

@@ -30,7 +30,8 @@ from typing import Any
 
 import jwt
 
-from idemproxy.config import JwtSettings
+from idemproxy.config.secret_files import read_secret
+from idemproxy.config.settings import JwtSettings
 from idemproxy.errors import ConfigError, OwnerMissing
 from idemproxy.identity.jwt_keys import (
     SECRET_FILE_FIELD,
@@ -40,7 +41,6 @@ from idemproxy.identity.jwt_keys import (
     load_keys,
     unobserved,
 )
-from idemproxy.secret_files import read_secret
 
 log = logging.getLogger("idemproxy.identity.owner")
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from multidict import MultiMapping
 
-from idemproxy.config import OwnerSettings, check_strategy
+from idemproxy.config.settings import OwnerSettings, check_strategy
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, HeaderInvalid, OwnerMissing, OwnerUnstable
 from idemproxy.identity.jwt_keys import FetchObserver, KeySource, unobserved

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from idemproxy.config import OwnerSettings
+from idemproxy.config.settings import OwnerSettings
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import InvalidRequest, OwnerMissing, OwnerUnstable
 from idemproxy.identity.jwt_owner import KeyNotLoaded

@@ -16,7 +16,7 @@ from typing import Any
 
 from multidict import CIMultiDict
 
-from idemproxy.config import Settings
+from idemproxy.config.settings import Settings
 from idemproxy.constants import MAX_RESOLVED_HEADER_BYTES
 from idemproxy.core.types import HeaderPairs, JobState, StoredResponse
 from idemproxy.errors import InvalidRequest

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from idemproxy.config import Settings
+from idemproxy.config.settings import Settings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.owner import OwnerPolicy
-from idemproxy.metrics import KeyFetchResult, Metrics, refresh_gauges, watch_store
+from idemproxy.observe.metrics import KeyFetchResult, Metrics, refresh_gauges, watch_store
 from idemproxy.proxy.background.orphans import take_over_forever
 from idemproxy.proxy.background.sweeper import sweep_forever
 from idemproxy.proxy.context import CONTEXT, ProxyContext, Services

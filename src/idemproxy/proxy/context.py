@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from idemproxy.config import Settings
+from idemproxy.config.settings import Settings
 from idemproxy.core.attempts import StatusPolicy
 from idemproxy.core.decision import Policy
 from idemproxy.core.quota import QuotaLimits
 from idemproxy.identity.owner import OwnerPolicy
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.proxy.failpoints import Failpoints

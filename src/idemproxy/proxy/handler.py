@@ -6,7 +6,6 @@ from aiohttp import HttpVersion11, hdrs, web
 
 from idemproxy.constants import ERROR_HEADER
 from idemproxy.core.types import Intent
-from idemproxy.correlation import CURRENT, correlation_of
 from idemproxy.errors import (
     BodyTooLarge,
     ClientDisconnected,
@@ -16,13 +15,14 @@ from idemproxy.errors import (
     PathInvalid,
     ProblemError,
 )
+from idemproxy.http.correlation import CURRENT, correlation_of
 from idemproxy.http.host import host_problem
 from idemproxy.http.offload import heavy
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owners
-from idemproxy.metrics import DisconnectStage
+from idemproxy.observe.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.intent import intent_of, intent_off_loop, owners_after_refresh
 from idemproxy.proxy.jobs.governed import handle_governed

@@ -14,7 +14,7 @@ from idemproxy.core.attempts import Outcome, classify_failure
 from idemproxy.errors import NEVER
 from idemproxy.http.headers import response_headers_for_client
 from idemproxy.http.problems import problem_response
-from idemproxy.metrics import DisconnectStage
+from idemproxy.observe.metrics import DisconnectStage
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.reasons import upstream_reason
 from idemproxy.proxy.routing import Route, upstream_origin

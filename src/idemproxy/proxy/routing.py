@@ -11,9 +11,9 @@ from urllib.parse import unquote
 from yarl import URL
 
 from idemproxy import constants as c
-from idemproxy.config import RouteSettings, Settings
-from idemproxy.config_keys import WebhookSettings
-from idemproxy.config_upstream import UpstreamHeaderSettings
+from idemproxy.config.keys import WebhookSettings
+from idemproxy.config.settings import RouteSettings, Settings
+from idemproxy.config.upstream import UpstreamHeaderSettings
 from idemproxy.errors import PathInvalid
 from idemproxy.identity.key_source import KeySource
 from idemproxy.identity.webhooks import WebhookVerifier

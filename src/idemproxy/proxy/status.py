@@ -14,7 +14,7 @@ from aiohttp import web
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import KeyNotFound
 from idemproxy.identity.key import parse_key
-from idemproxy.metrics import RequestOutcome
+from idemproxy.observe.metrics import RequestOutcome
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.intent import request_owners
 from idemproxy.proxy.routing import Route

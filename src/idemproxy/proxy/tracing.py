@@ -52,8 +52,8 @@ from idemproxy import __version__
 from idemproxy.constants import ANONYMOUS_OWNER, ERROR_HEADER
 from idemproxy.core.attempts import Outcome
 from idemproxy.core.types import Claimed, ClaimResult, JobState
-from idemproxy.correlation import CURRENT, traced
 from idemproxy.errors import ConfigError, ProblemError
+from idemproxy.http.correlation import CURRENT, traced
 from idemproxy.proxy.server.trace import Trace
 
 log = logging.getLogger(__name__)

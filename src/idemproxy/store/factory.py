@@ -12,7 +12,7 @@ from idemproxy.store.base import Store
 from idemproxy.store.batching import DEFAULT_BATCH
 
 if TYPE_CHECKING:
-    from idemproxy.config import Settings
+    from idemproxy.config.settings import Settings
 
 
 def create_store(

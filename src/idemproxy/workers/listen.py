@@ -18,7 +18,7 @@ from __future__ import annotations
 import socket
 import sys
 
-from idemproxy.config import parse_listen
+from idemproxy.config.settings import parse_listen
 from idemproxy.errors import ListenFailed
 
 _LOCK_PREFIX = "\0idemproxy-workers-listen:"

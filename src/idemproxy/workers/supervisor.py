@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-from idemproxy.config import Settings, log_renamed_keys
+from idemproxy.config.settings import Settings, log_renamed_keys
 from idemproxy.identity.owner import log_owner_hint
-from idemproxy.logs import configure_logging
+from idemproxy.observe.logs import configure_logging
 from idemproxy.store.factory import create_store
 from idemproxy.workers.listen import claim_listen
 from idemproxy.workers.role import WORKER_ROLE_FLAG, WorkerRole

@@ -32,7 +32,7 @@ from prometheus_client import Counter
 
 from idemproxy.core.decision import Unsent, unsent_claim
 from idemproxy.core.types import Job, JobState
-from idemproxy.metrics import UnsentOutcome
+from idemproxy.observe.metrics import UnsentOutcome
 from idemproxy.proxy.background.followups import FollowUps
 from idemproxy.store.base import Store
 

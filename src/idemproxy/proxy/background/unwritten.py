@@ -22,7 +22,7 @@ from typing import NamedTuple
 from prometheus_client import Counter
 
 from idemproxy.core.types import Job, JobState, StoredResponse
-from idemproxy.metrics import UnwrittenOutcome
+from idemproxy.observe.metrics import UnwrittenOutcome
 from idemproxy.proxy.background.followups import FollowUps
 from idemproxy.store.base import Store
 

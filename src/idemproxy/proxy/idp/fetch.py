@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from idemproxy import constants as c
-from idemproxy.config import JwtSettings, check_https_url
+from idemproxy.config.settings import JwtSettings, check_https_url
 from idemproxy.errors import ConfigError
 from idemproxy.identity.jwt_keys import KeyRing, parse_jwks
 from idemproxy.redact import escaped, redact_url

@@ -34,7 +34,7 @@ import logging
 import math
 import time
 
-from idemproxy.config import IdpSettings
+from idemproxy.config.settings import IdpSettings
 from idemproxy.errors import IdentityUnavailable
 from idemproxy.identity.jwt_keys import (
     FetchObserver,

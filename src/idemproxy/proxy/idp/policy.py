@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from idemproxy.config import OwnerSettings
+from idemproxy.config.settings import OwnerSettings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.owner import OwnerPolicy, owner_policy
 from idemproxy.proxy.idp.fetch import JwksClient

@@ -40,7 +40,7 @@ from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
 from idemproxy.http.offload import off_loop
 from idemproxy.http.problems import problem_response
-from idemproxy.metrics import AttemptOutcome, UpstreamOutcome
+from idemproxy.observe.metrics import AttemptOutcome, UpstreamOutcome
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.lease import KeptLease
 from idemproxy.proxy.jobs.request import GovernedRequest

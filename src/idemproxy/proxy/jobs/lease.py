@@ -36,7 +36,7 @@ class KeptLease:
     the lease was sent (for the first one, from the start of this block), by this process's
     clock; the database's clock only started later, so the lease ends no sooner than that.
     Settings whose `pool.store_timeout` leaves no room for a try are refused at start-up
-    (config.py).
+    (config/settings.py).
     """
 
     def __init__(self, store: Store, job: Job, *, lease: float) -> None:

@@ -10,7 +10,7 @@ import logging
 
 from aiohttp import web
 
-from idemproxy.metrics import DisconnectStage, Metrics
+from idemproxy.observe.metrics import DisconnectStage, Metrics
 
 log = logging.getLogger("idemproxy.proxy")
 

@@ -32,12 +32,12 @@ from aiohttp import HttpVersion11, StreamReader, hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 
-from idemproxy.config import LimitsSettings, ServerSettings, parse_listen
+from idemproxy.config.settings import LimitsSettings, ServerSettings, parse_listen
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import RequestTimeout
 from idemproxy.http.deadline import Deadline
 from idemproxy.http.problems import problem_response
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.server.any_path import RequestHandler, direct_handler
 from idemproxy.proxy.server.gate import ConnectionGate, listening_sockets
 from idemproxy.proxy.server.head import HeadWriter

@@ -17,7 +17,7 @@ import logging
 
 from aiohttp import web
 
-from idemproxy.metrics import Metrics
+from idemproxy.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
 _STARTED = web.RequestKey("idemproxy_started_response", web.StreamResponse)

@@ -39,7 +39,7 @@ from idemproxy.errors import (
     StoreUnavailable,
     TooManyWaiters,
 )
-from idemproxy.metrics import STATUS_CLASSES, UNROUTED, Metrics, RequestOutcome, Source
+from idemproxy.observe.metrics import STATUS_CLASSES, UNROUTED, Metrics, RequestOutcome, Source
 from idemproxy.proxy.reasons import FailureReason
 from idemproxy.proxy.routing import upstream_origin
 from idemproxy.redact import redact_query

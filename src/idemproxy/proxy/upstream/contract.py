@@ -21,7 +21,7 @@ from jsonschema.exceptions import SchemaError
 from multidict import CIMultiDict
 from yarl import URL
 
-from idemproxy.config import ContractSettings
+from idemproxy.config.settings import ContractSettings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
 from idemproxy.proxy.upstream.target import Edits

@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 from urllib.parse import unquote, urlsplit
 
-from idemproxy.config_upstream import NO_PROXY, UpstreamSettings, check_proxy_url, origin_of
+from idemproxy.config.upstream import NO_PROXY, UpstreamSettings, check_proxy_url, origin_of
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.h1 import Connection, Origin
 from idemproxy.proxy.upstream.tls import tls_context
 from idemproxy.redact import escaped, redact_url
 
 if TYPE_CHECKING:
-    from idemproxy.config import Settings
+    from idemproxy.config.settings import Settings
 
 log = logging.getLogger(__name__)
 # A CONNECT answer's head larger than this is no proxy's.

@@ -18,7 +18,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 from yarl import URL
 
-from idemproxy.correlation import stamp
+from idemproxy.http.correlation import stamp
 from idemproxy.http.headers import request_headers_for_upstream
 from idemproxy.http.host import split_absolute_form
 
@@ -102,7 +102,7 @@ def forwarded_headers(
         host=client_host(request) or request.host,
         trusted=is_trusted(peer, trusted_proxies),
     )
-    for edit in edits:  # none sets or removes Host (config_upstream.py, PROXY_HEADERS)
+    for edit in edits:  # none sets or removes Host (config/upstream.py, PROXY_HEADERS)
         edit.apply(headers)
     if host is not None:
         headers[hdrs.HOST] = host

@@ -7,7 +7,7 @@ import ssl
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the settings validate themselves by building their context
-    from idemproxy.config_upstream import UpstreamTlsSettings
+    from idemproxy.config.upstream import UpstreamTlsSettings
 
 
 @functools.cache

@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from idemproxy.cli_help import describe_setting_flags
-from idemproxy.config import Settings, load_settings
+from idemproxy.cli.help import describe_setting_flags
+from idemproxy.config.settings import Settings, load_settings
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import (
     ConfigError,

@@ -1,7 +1,7 @@
 """Settings of where a route finds its key (`routes[].key`) and of webhook routes
 (`routes[].webhook`), SPEC §4.1, §4.2.
 
-Part of the settings model of `config.py`. Webhook secrets are read while the settings are
+Part of the settings model of `config/settings.py`. Webhook secrets are read while the settings are
 validated (`env:NAME`, `file:PATH`, as `upstream_headers` values are), so that a missing one
 stops the start with the field's name, never with the value.
 """
@@ -17,8 +17,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from idemproxy import constants as c
-from idemproxy.config_upstream import read_value
-from idemproxy.units import Duration
+from idemproxy.config.units import Duration
+from idemproxy.config.upstream import read_value
 
 _STRICT = ConfigDict(extra="forbid")
 # RFC 9110 §5.1: a field name is a token.

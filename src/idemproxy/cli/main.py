@@ -14,10 +14,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from idemproxy import __version__
-from idemproxy.cli_help import describe_defaults, describe_setting_flags
-from idemproxy.config import Settings, load_settings, parse_listen
+from idemproxy.cli.help import describe_defaults, describe_setting_flags
+from idemproxy.config.settings import Settings, load_settings, parse_listen
+from idemproxy.config.units import DURATION_HELP, SIZE_HELP
 from idemproxy.errors import ConfigError, IdemproxyError, NotDistributable, StoreUnreachable
-from idemproxy.units import DURATION_HELP, SIZE_HELP
 
 # Flag name → settings field (dotted for nested settings).
 _SERVE_FLAGS = {
@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except (ValidationError, IdemproxyError) as exc:
         # Lines logged before the failure may still be queued for the log writer's thread
-        # (logs.py): they go first, and the error is the last word on stderr.
+        # (observe/logs.py): they go first, and the error is the last word on stderr.
         for handler in logging.getLogger().handlers:
             handler.flush()
         return _report(exc)
@@ -114,11 +114,11 @@ def _parser() -> argparse.ArgumentParser:
 
     add_batch_commands(commands)
 
-    from idemproxy.contract_cli import add_contract_commands
+    from idemproxy.cli.contract import add_contract_commands
 
     add_contract_commands(commands)
 
-    from idemproxy.ops.cli import add_jobs_commands, add_store_commands
+    from idemproxy.cli.ops import add_jobs_commands, add_store_commands
 
     add_jobs_commands(commands)
     add_store_commands(commands)
@@ -251,9 +251,9 @@ def _settings(args: argparse.Namespace, flags: dict[str, str], **extra: Any) -> 
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from idemproxy.cli.serve import serve
     from idemproxy.proxy.idp.policy import build_owner_policy
     from idemproxy.proxy.upstream.dial import Dialing
-    from idemproxy.server import serve
 
     settings = _settings(args, _SERVE_FLAGS)
     parse_listen(settings.listen)
@@ -314,9 +314,9 @@ def _migrate(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     if args.webhooks:
-        from idemproxy.demo_webhooks import run_webhooks_demo
+        from idemproxy.cli.demo_webhooks import run_webhooks_demo
 
         return asyncio.run(run_webhooks_demo())
-    from idemproxy.demo import run_demo
+    from idemproxy.cli.demo import run_demo
 
     return asyncio.run(run_demo())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from idemproxy.config import Settings
+from idemproxy.config.settings import Settings
 
 CONFIG_VARIABLE = "IDEMPROXY_CONFIG"
 _ENV_PREFIX = "IDEMPROXY_"

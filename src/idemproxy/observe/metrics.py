@@ -35,15 +35,15 @@ from prometheus_client.registry import Collector
 from idemproxy import __version__
 from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
-from idemproxy.logs import dropped_log_lines
+from idemproxy.observe.logs import dropped_log_lines
 from idemproxy.store.base import Store
 from idemproxy.store.cache.delegating import DelegatingStore
 from idemproxy.store.cache.memory import MemoryReplayCache
 
 if TYPE_CHECKING:
-    from idemproxy.config import Settings
+    from idemproxy.config.settings import Settings
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("idemproxy.metrics")
 C = TypeVar("C", bound=MetricWrapperBase)
 L = TypeVar("L", bound=str)  # a label value: one of the enums below, or a store operation
 K = TypeVar("K", bound=Hashable)  # a child's key: a label value, or a tuple of them

@@ -1,11 +1,11 @@
 """Settings of the quotas per owner (`quotas`, SPEC §9; core/quota.py decides with them). Part
-of the settings model of `config.py`. Every limit is optional and off by default."""
+of the settings model of `config/settings.py`. Every limit is optional and off by default."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from idemproxy.units import ByteSize
+from idemproxy.config.units import ByteSize
 
 
 class QuotaSettings(BaseModel):

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from idemproxy.config import Settings, load_settings
+from idemproxy.config.settings import Settings, load_settings
 from idemproxy.proxy.app import create_app
 
 EXECUTIONS = web.AppKey("executions", list)

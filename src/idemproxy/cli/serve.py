@@ -24,11 +24,11 @@ from aiohttp import web
 
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
-from idemproxy.config import Settings, log_renamed_keys, parse_listen
+from idemproxy.config.settings import Settings, log_renamed_keys, parse_listen
 from idemproxy.errors import ListenFailed, StoreUnreachable
 from idemproxy.identity.owner import OwnerPolicy, log_owner_hint
-from idemproxy.logs import configure_logging
-from idemproxy.metrics import Metrics
+from idemproxy.observe.logs import configure_logging
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app, tracing_from_settings
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import close_connections, drain, start_draining

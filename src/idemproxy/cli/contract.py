@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from idemproxy.config import load_settings
+from idemproxy.config.settings import load_settings
 from idemproxy.proxy.routing import Route, RouteTable
 from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.proxy.upstream.contract import check_upstream

@@ -40,9 +40,11 @@ from pydantic_settings import (
 )
 
 from idemproxy import constants as c
-from idemproxy.config_keys import KeySourceSettings, WebhookSettings, check_one_route_per_sender
-from idemproxy.config_quotas import QuotaSettings
-from idemproxy.config_upstream import (
+from idemproxy.config.keys import KeySourceSettings, WebhookSettings, check_one_route_per_sender
+from idemproxy.config.quotas import QuotaSettings
+from idemproxy.config.secret_files import read_secret_files
+from idemproxy.config.units import ByteSize, Duration
+from idemproxy.config.upstream import (
     PROXY_HEADERS,
     UpstreamHeaderSettings,
     UpstreamSettings,
@@ -54,8 +56,6 @@ from idemproxy.config_upstream import (
 )
 from idemproxy.errors import ConfigError
 from idemproxy.http.host import valid_host
-from idemproxy.secret_files import read_secret_files
-from idemproxy.units import ByteSize, Duration
 
 _STRICT = ConfigDict(extra="forbid")
 log = logging.getLogger("idemproxy.config")
@@ -607,7 +607,7 @@ class Settings(BaseSettings):
     unknown_ttl: Duration | None = Field(default=None, gt=0)
     upstream_timeout: Duration = Field(default=c.DEFAULT_UPSTREAM_TIMEOUT, gt=0)
     connect_timeout: Duration = Field(default=c.DEFAULT_CONNECT_TIMEOUT, gt=0)
-    # --- the upstream leg (config_upstream.py, proxy/upstream/dial.py) ----------------------
+    # --- the upstream leg (config/upstream.py, proxy/upstream/dial.py) ----------------------
     # TLS and egress proxy per upstream, keyed by its URL as the routes name it.
     upstreams: dict[str, UpstreamSettings] = Field(default_factory=dict)
     # http://[user:password@]host:port: the forward proxy every upstream is reached through

@@ -18,8 +18,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from idemproxy.config import Settings, load_settings
-from idemproxy.demo import start_app
+from idemproxy.cli.demo import start_app
+from idemproxy.config.settings import Settings, load_settings
 from idemproxy.identity.webhooks import standard_signature, stripe_signature
 from idemproxy.proxy.app import create_app
 
@@ -46,7 +46,7 @@ async def show_ledger(request: web.Request) -> web.Response:
 
 def sample_receiver(_argv: list[str] | None = None) -> web.Application:
     """Also runnable on its own, for docs/webhooks.md:
-    `python -m aiohttp.web -H 127.0.0.1 -P 3000 idemproxy.demo_webhooks:sample_receiver`."""
+    `python -m aiohttp.web -H 127.0.0.1 -P 3000 idemproxy.cli.demo_webhooks:sample_receiver`."""
     app = web.Application()
     app[LEDGER] = []
     app.router.add_post("/hooks/stripe", fulfil)

@@ -1,7 +1,7 @@
 """Settings of the upstream leg: TLS and the egress proxy per upstream (`upstreams`), and the
 headers a route sets or removes on the way upstream (`routes[].upstream_headers`), SPEC §10, §12.
 
-Part of the settings model of `config.py`; every file and secret named here is read while the
+Part of the settings model (settings.py); every file and secret named here is read while the
 settings are validated, so that a missing one stops the start with the field's name.
 """
 

@@ -1,0 +1,1 @@
+"""The command line: `idemproxy serve`, the operator commands, the demo (SPEC §12)."""
