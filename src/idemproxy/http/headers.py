@@ -64,8 +64,10 @@ Headers = CIMultiDictProxy[str] | CIMultiDict[str]
 def connection_named(headers: Headers) -> frozenset[str]:
     """The header names listed in `Connection` (RFC 9110 §7.6.1), lower-cased."""
     values = headers.getall("Connection", None)
-    if values is None:
-        return _NONE
+    return _NONE if values is None else _named(values)
+
+
+def _named(values: list[str]) -> frozenset[str]:
     return frozenset(
         token.strip().lower() for value in values for token in value.split(",") if token.strip()
     )
@@ -73,18 +75,24 @@ def connection_named(headers: Headers) -> frozenset[str]:
 
 def hop_by_hop(headers: Headers) -> frozenset[str]:
     """RFC 9110 §7.6.1: the fixed list plus every header named in `Connection`."""
-    return _with_named(HOP_BY_HOP_HEADERS, headers)
+    values = headers.getall("Connection", None)
+    return HOP_BY_HOP_HEADERS if values is None else _with_named(HOP_BY_HOP_HEADERS, values)
 
 
-def _with_named(dropped: frozenset[str], headers: Headers) -> frozenset[str]:
-    named = connection_named(headers)
+def _with_named(dropped: frozenset[str], values: list[str]) -> frozenset[str]:
+    named = _named(values)
     # `Connection: keep-alive` or `close` adds nothing that is not dropped already (or, for
     # `close`, only a header name nobody sends): no new set for the common case.
     return dropped if named <= dropped else dropped | named
 
 
-def _without(headers: Headers, dropped: Collection[str]) -> CIMultiDict[str]:
-    """A copy minus every header named in `dropped` (lower-case), repeated ones kept in order."""
+def _without(headers: Headers, dropped: frozenset[str]) -> CIMultiDict[str]:
+    """A copy minus every header named in `dropped` (lower-case) or in `Connection`, repeated
+    ones kept in order. Most messages have no `Connection` header (HTTP/1.1 keeps alive by
+    default): they cost no call beyond this one."""
+    values = headers.getall("Connection", None)
+    if values is not None:
+        dropped = _with_named(dropped, values)
     out = CIMultiDict[str](headers)
     for name in dropped:
         if name in out:
@@ -108,8 +116,7 @@ def request_headers_for_upstream(
     and Forwarded are appended to; from any other peer they are replaced by what this proxy saw.
     `host` is the Host the client sent (None: an HTTP/1.0 request without one).
     """
-    dropped = _REQUEST_DROPPED if trusted else _UNTRUSTED_DROPPED
-    out = _without(headers, _with_named(dropped, headers))
+    out = _without(headers, _REQUEST_DROPPED if trusted else _UNTRUSTED_DROPPED)
     earlier = headers.getall("X-Forwarded-For", None) if trusted else None
     if earlier is None:
         forwarded_for = client_ip
@@ -118,10 +125,27 @@ def request_headers_for_upstream(
     if forwarded_for:
         out.popall("X-Forwarded-For", None)
         out["X-Forwarded-For"] = forwarded_for
-    _set_once(out, "X-Forwarded-Proto", scheme)
-    if host:
-        _set_once(out, "X-Forwarded-Host", host)
-    _append_forwarded(out, forwarded_element(client_ip, scheme, host))
+    for name, value in (("X-Forwarded-Proto", scheme), ("X-Forwarded-Host", host)):
+        if not value:
+            continue  # no Host: an HTTP/1.0 request without one
+        # A trusted proxy's one value stands; a repeated one (two hops that appended) cannot
+        # say which is the client's, so this proxy's view replaces both.
+        values = out.getall(name, None)
+        if values is None or len(values) > 1:
+            out.popall(name, None)
+            out[name] = value
+    # RFC 7239 §4: each proxy appends its element to the list; a trusted peer's elements (kept,
+    # in `out`) come first, in the order their lines came, and the whole list is one line. A
+    # line that is not a forwarded-element list (`for=x;host="y`, relayed by the trusted peer
+    # from its client) is replaced by this hop's element, as nginx's documented recipe does:
+    # appended, it would sit inside the open quoted string, and the backend would read none of
+    # this proxy's element.
+    element = forwarded_element(client_ip, scheme, host)
+    earlier = out.popall("Forwarded", None)
+    if earlier is None or not all(_is_forwarded(line) for line in earlier):
+        out["Forwarded"] = element
+    else:
+        out["Forwarded"] = ", ".join([*earlier, element])
     return out
 
 
@@ -141,42 +165,18 @@ def forwarded_element(client_ip: str | None, scheme: str, host: str | None) -> s
     return f"for={node};host={value};proto={scheme}"
 
 
-def _append_forwarded(out: CIMultiDict[str], element: str) -> None:
-    # RFC 7239 §4: each proxy appends its element to the list; a trusted peer's elements (kept,
-    # in `out`) come first, in the order their lines came, and the whole list is one line. A
-    # line that is not a forwarded-element list (`for=x;host="y`, relayed by the trusted peer
-    # from its client) is replaced by this hop's element, as nginx's documented recipe does:
-    # appended, it would sit inside the open quoted string, and the backend would read none of
-    # this proxy's element.
-    earlier = out.popall("Forwarded", None)
-    if earlier is None or not all(_is_forwarded(line) for line in earlier):
-        out["Forwarded"] = element
-    else:
-        out["Forwarded"] = ", ".join([*earlier, element])
-
-
 def _is_forwarded(line: str) -> bool:
     return "=" in line and _FORWARDED.fullmatch(line) is not None
 
 
-def _set_once(out: CIMultiDict[str], name: str, value: str) -> None:
-    # A trusted proxy's one value stands; a repeated one (two hops that appended) cannot say
-    # which is the client's, so this proxy's view replaces both.
-    values = out.getall(name, None)
-    if values is None or len(values) > 1:
-        out.popall(name, None)
-        out[name] = value
-
-
 def response_headers_for_client(headers: Headers) -> CIMultiDict[str]:
     """The upstream's response headers minus hop-by-hop, framing and proxy-owned ones."""
-    return _without(headers, _with_named(_RESPONSE_DROPPED, headers))
+    return _without(headers, _RESPONSE_DROPPED)
 
 
 def headers_to_store(headers: Headers, unreplayed: Collection[str]) -> HeaderPairs:
     """SPEC §7: end-to-end headers only; Set-Cookie and auth challenges not kept by default."""
-    dropped = _with_named(_store_dropped(tuple(unreplayed)), headers)
-    return tuple(_without(headers, dropped).items())
+    return tuple(_without(headers, _store_dropped(tuple(unreplayed))).items())
 
 
 @functools.lru_cache(maxsize=16)

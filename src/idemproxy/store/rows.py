@@ -39,21 +39,29 @@ class Row(Protocol):
 
 
 def job_from_row(row: Row, attempts: tuple[Attempt, ...] = ()) -> Job:
+    # Flat: every claim, completion and store read turns a row into a Job here.
+    value = row["state"]
+    state = JOB_STATE_OF.get(value)
+    if state is None:
+        state = JobState(value)  # an unknown value raises ValueError
+    created, updated, expires = row["created_at"], row["updated_at"], row["expires_at"]
+    if not isinstance(created, datetime):  # SQLite's Unix seconds (PostgreSQL's are aware)
+        created, updated, expires = as_datetime(created), as_datetime(updated), as_datetime(expires)
     return Job(
         id=str(row["id"]),
         owner=row["owner"],
         key=row["key"],
         fingerprint=row["fingerprint"],
-        state=_job_state(row["state"]),
+        state=state,
         version=row["version"],
         attempt_count=row["attempt_count"],
         method=row["method"],
         path=row["path"],
         completed_by=row["completed_by"],
-        response=_response(row),
-        created_at=as_datetime(row["created_at"]),
-        updated_at=as_datetime(row["updated_at"]),
-        expires_at=as_datetime(row["expires_at"]),
+        response=None if row["response_status"] is None else _response(row),
+        created_at=created,
+        updated_at=updated,
+        expires_at=expires,
         expired=bool(row["expired"]),
         lease_expired=bool(row["lease_expired"]),
         resolution=row["resolution"],
@@ -102,12 +110,10 @@ class ResponseColumns(NamedTuple):
 def response_columns(response: KeptResponse) -> ResponseColumns:
     if isinstance(response, SealedResponse):
         return ResponseColumns(None, response.sealed, response.key_id)
-    return ResponseColumns(encode_headers(response.headers), response.body, None)
-
-
-def _job_state(value: str) -> JobState:
-    state = JOB_STATE_OF.get(value)
-    return JobState(value) if state is None else state  # an unknown value raises ValueError
+    # `encode_headers`, written out: every completion's.
+    return ResponseColumns(
+        _HEADERS_JSON.encode(pairs_to_json(response.headers)), response.body, None
+    )
 
 
 def _attempt_state(value: str) -> AttemptState:

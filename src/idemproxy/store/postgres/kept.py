@@ -134,7 +134,7 @@ class KeptConnections:
     @contextlib.asynccontextmanager
     async def lend(self) -> AsyncIterator[Pooled]:
         """A connection for a block of statements, kept after it when the block completed
-        (`PostgresStore._call` does the same inline, for its one statement)."""
+        (`PostgresStore._run` does the same inline, for its one statement)."""
         conn = await self.take()
         try:
             yield conn

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import operator
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -144,7 +145,11 @@ class PostgresStore(Store):
         )
         # Group commit (store/batching.py): one statement and one commit for concurrent calls.
         self.claims = GroupCommit[ClaimRequest, ClaimResult](
-            "claim", self._claim_batch, group=claim_group, distinct=claim_distinct, limit=batch
+            "claim",
+            self._claim_batch,
+            group=claim_group,
+            distinct=claim_distinct,
+            limit=batch,
         )
         self.completions = GroupCommit[CompleteRequest, bool](
             "complete",
@@ -154,6 +159,8 @@ class PostgresStore(Store):
             limit=batch,
             size=complete_size,
         )
+        self.claims.alone = self._claim_alone  # as `_claim_batch` sends a batch of one
+        self.completions.alone = self._complete_alone
 
     async def open(self) -> None:
         async with translate_connect_errors(self._dsn):
@@ -270,7 +277,9 @@ class PostgresStore(Store):
         return results
 
     async def _claim_alone(self, request: ClaimRequest) -> ClaimResult:
-        intent, timeout = request.intent, self._time_left(request.submitted)
+        intent = request.intent
+        # `_time_left`, written out: one call less on every claim and completion.
+        timeout = max(request.submitted + self._command_timeout - time.monotonic(), _LEAST_TIMEOUT)
         args = (
             intent.owner,
             intent.key,
@@ -279,8 +288,18 @@ class PostgresStore(Store):
             intent.method,
             intent.path,
         )
+        ttl, upstream, lease = request.ttl, request.upstream, request.lease
+        job = (*args, ttl, lease)  # the distributed form's
         for _ in range(_CLAIM_RETRIES):
-            row = await self._claim_row(args, request, timeout)
+            row: ClaimRow | None
+            if self.citus is None:
+                row = await self._fetchrow(
+                    "claim", *args, ttl, upstream, lease, observe=False, timeout=timeout
+                )
+            else:
+                row = await self._run(
+                    "claim", lambda c: claim_distributed(c, self._sql, job, upstream), False
+                )
             if row is None:
                 # A concurrent claim committed while this one waited: read it afresh.
                 row = await self._fetchrow(
@@ -336,19 +355,6 @@ class PostgresStore(Store):
         job = (*args, ttl, lease)
         return lambda c: read_or_insert_claim(c, self._sql, job, upstream)
 
-    async def _claim_row(
-        self, args: tuple[str, ...], request: ClaimRequest, timeout: float | None
-    ) -> ClaimRow | None:
-        ttl, upstream, lease = request.ttl, request.upstream, request.lease
-        if self.citus is None:
-            return await self._fetchrow(
-                "claim", *args, ttl, upstream, lease, observe=False, timeout=timeout
-            )
-        job = (*args, ttl, lease)
-        return await self._run(
-            "claim", lambda c: claim_distributed(c, self._sql, job, upstream), False
-        )
-
     async def get(self, owner: str, key: str) -> Job | None:
         row = await self._fetchrow("get_job", owner, key)
         return None if row is None else job_from_row(row)
@@ -387,9 +393,13 @@ class PostgresStore(Store):
     async def _complete_alone(self, request: CompleteRequest) -> bool:
         job, response = request.job, request.response
         headers, body, key_id = response_columns(response)
+        # `_time_left`, written out: one call less on every claim and completion.
+        timeout = max(request.submitted + self._command_timeout - time.monotonic(), _LEAST_TIMEOUT)
         row = await self._fetchrow(
             "complete",
-            *_cas(job),
+            job.owner,
+            job.id,
+            job.version,
             request.attempt,
             response.status,
             headers,
@@ -400,8 +410,10 @@ class PostgresStore(Store):
             key_id,
             job.key,
             observe=False,
-            timeout=self._time_left(request.submitted),
+            timeout=timeout,
         )
+        if self.citus is None:
+            return row is not None
         return await self._announced(job, row, watched_only=True)
 
     async def settle(
@@ -644,7 +656,7 @@ class PostgresStore(Store):
             return False
         if self.citus is not None and (not watched_only or row["watched"]):
             # The change is committed: its caller must hear so even if the announcement fails
-            # (which `_call` logs).
+            # (which `_run` logs).
             with contextlib.suppress(StoreUnavailable):
                 await self._execute("notify", job.id)
         return True
@@ -653,8 +665,10 @@ class PostgresStore(Store):
         self, name: str, *args: Any, observe: bool = True, timeout: float | None = None
     ) -> asyncpg.Record | None:
         """`timeout`: the statement's own (seconds), else `pool.store_timeout`."""
-        sql = self._sql[name]
-        return await self._run(name, lambda c: c.fetchrow(sql, *args, timeout=timeout), observe)
+        # `conn.fetchrow(sql, *args, timeout=…)` by a C-level caller: no frame of its own.
+        fetch = operator.methodcaller("fetchrow", self._sql[name], *args, timeout=timeout)
+        row: asyncpg.Record | None = await self._run(name, fetch, observe)
+        return row
 
     def _time_left(self, submitted: float) -> float:
         """What is left of a request's deadline, `pool.store_timeout` after its caller asked
@@ -671,25 +685,17 @@ class PostgresStore(Store):
         return await self._run(name, lambda c: c.execute(self._sql[name], *args))
 
     async def _run(
-        self, what: str, call: Callable[[Pooled], Awaitable[T]], observe: bool = True
-    ) -> T:
-        """`observe=False`: a statement of a batch, timed by its callers (`claim`, `complete`)."""
-        try:
-            return await self._call(what, call, observe)
-        except StoreUnavailable as exc:
-            # A pooled session the server had just ended, handed out before asyncpg noticed:
-            # asyncpg refuses the statement before sending it, so one retry on a fresh
-            # connection cannot run anything twice (and every write here is a CAS anyway).
-            if not isinstance(exc.__cause__, asyncpg.InternalClientError):
-                raise
-        return await self._call(what, call, observe)
-
-    async def _call(
-        self, what: str, call: Callable[[Pooled], Awaitable[T]], observe: bool = True
+        self,
+        what: str,
+        call: Callable[[Pooled], Awaitable[T]],
+        observe: bool = True,
+        *,
+        retry: bool = True,
     ) -> T:
         """One statement on a pooled connection: timed for the metrics (SPEC §13), its driver
         errors translated (SPEC §11). What `_connection` and `KeptConnections.lend` do, flattened
-        into one frame: the hot path makes two or three of these per request."""
+        into one frame: the hot path makes two or three of these per request. `observe=False`:
+        a statement of a batch, timed by its callers (`claim`, `complete`)."""
         kept = self._kept
         if kept is None:
             raise StoreUnavailable("The store is not open.")
@@ -707,10 +713,16 @@ class PostgresStore(Store):
             return result
         except DRIVER_ERRORS as exc:
             failed = True
-            raise unavailable(what, exc) from exc
+            error = unavailable(what, exc)
+            # A pooled session the server had just ended, handed out before asyncpg noticed:
+            # asyncpg refuses the statement before sending it, so one retry on a fresh
+            # connection cannot run anything twice (and every write here is a CAS anyway).
+            if not (retry and isinstance(exc, asyncpg.InternalClientError)):
+                raise error from exc
         finally:
             if observe and self.observer is not None:
                 self.observer(what, time.perf_counter() - started, failed)
+        return await self._run(what, call, observe, retry=False)
 
     @contextlib.asynccontextmanager
     async def _connection(self, what: str) -> AsyncIterator[Pooled]:
