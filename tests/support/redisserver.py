@@ -104,9 +104,11 @@ class SpyStore(PostgresStore):
         super().__init__(dsn, **kwargs)
         self.calls: Counter[str] = Counter()
 
-    async def _call(self, what: str, call: Any, observe: bool = True) -> Any:  # one statement
+    async def _run(
+        self, what: str, call: Any, observe: bool = True, *, retry: bool = True
+    ) -> Any:  # one statement (its one retry counted again)
         self.calls[what] += 1
-        return await super()._call(what, call, observe)
+        return await super()._run(what, call, observe, retry=retry)
 
     @contextlib.asynccontextmanager
     async def _connection(self, what: str) -> AsyncIterator[Any]:  # several (operators' reads)
