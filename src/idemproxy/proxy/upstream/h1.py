@@ -83,9 +83,22 @@ class _Stage(enum.Enum):
 
 
 class UpstreamResponse:
-    """One exchange on one connection: the response head, then its body as it arrives."""
+    """One exchange on one connection: the response head, then its body as it arrives.
+
+    It is its own llhttp parser's protocol (httptools calls its `on_*` methods): one parser per
+    exchange, so that each callback is one call into the exchange, not a call into the
+    connection handed on to it."""
 
     def __init__(self, connection: Connection, method: str, timeout: float) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        # The leniencies aiohttp's client applies to responses, so that backends it accepted
+        # (bare LF line ends, obs-fold, spaces after a chunk size) keep working; values are
+        # still checked for control characters (`on_header`).
+        self.parser.set_dangerous_leniencies(
+            lenient_headers=True,
+            lenient_optional_cr_before_lf=True,
+            lenient_spaces_after_chunk_size=True,
+        )
         self._connection = connection
         self._loop = connection.loop
         self._timeout = timeout
@@ -98,7 +111,7 @@ class UpstreamResponse:
         # Names of fields left out for a control character in their value (`on_header`).
         self.dropped_headers: list[str] = []
         self._reason_bytes = b""
-        self._stage = _Stage.HEAD
+        self.stage = _Stage.HEAD  # read by the connection for every read of the upstream
         self._interim = False
         self._until_close = False  # the body ends when the upstream closes the connection
         self._chunks: collections.deque[bytes] = collections.deque()
@@ -114,7 +127,7 @@ class UpstreamResponse:
     # --- reading, for the proxy -------------------------------------------------------------
 
     async def wait_head(self) -> None:
-        while self._stage is _Stage.HEAD:
+        while self.stage is _Stage.HEAD:
             await self._wait("upstream timed out")
 
     async def read_chunk(self) -> bytes:
@@ -129,17 +142,17 @@ class UpstreamResponse:
                 return chunk
             if self._error is not None:
                 raise self._error
-            if self._stage is _Stage.DONE:
+            if self.stage is _Stage.DONE:
                 return b""
             await self._wait("upstream body timed out")
 
     @property
     def complete(self) -> bool:
-        return self._stage is _Stage.DONE
+        return self.stage is _Stage.DONE
 
     @property
     def awaiting_head(self) -> bool:
-        return self._stage is _Stage.HEAD
+        return self.stage is _Stage.HEAD
 
     async def _wait(self, reason: str) -> None:
         """Wait for the upstream, at most `timeout` (SPEC §3.2: a timeout is unknown)."""
@@ -168,11 +181,17 @@ class UpstreamResponse:
             waiter.set_result(None)
 
     def fail(self, error: UpstreamFailure) -> None:
-        if self._stage is not _Stage.DONE and self._error is None:
+        if self.stage is not _Stage.DONE and self._error is None:
             self._error = error
         self._wake()
 
-    # --- llhttp callbacks (httptools), via the connection ------------------------------------
+    # --- llhttp callbacks (httptools) -------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.stage is _Stage.DONE:
+            # A second message after the answer (a body longer than declared, a forged
+            # response): never parsed into this exchange, and the connection is not reused.
+            raise ConnectionAbortedError("bytes after the upstream's response")
 
     def on_status(self, reason: bytes) -> None:
         self._reason_bytes += reason
@@ -195,7 +214,8 @@ class UpstreamResponse:
             (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
         )
 
-    def on_headers_complete(self, status: int, version: str) -> None:
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
         if 100 <= status < 200:
             # RFC 9110 §15.2: interim responses (103 Early Hints, an unasked-for 100) are not
             # the answer; the final response follows on the same connection.
@@ -214,18 +234,25 @@ class UpstreamResponse:
         length = headers.get("Content-Length")
         self.content_length = int(length) if length is not None and length.isdigit() else None
         bodiless = self.method == "HEAD" or status in (204, 304)
-        fault = None if bodiless else framing_fault(headers, version)
+        # `framing_fault` finds none without a Transfer-Encoding (most answers).
+        fault = (
+            None
+            if bodiless or "Transfer-Encoding" not in headers
+            else framing_fault(headers, self.parser.get_http_version())
+        )
         if fault is not None:
             # SPEC §10: a malformed response (unknown once sent); raised while the head is not
             # yet the exchange's, so that no path relays it.
             raise ValueError(fault)
-        self._stage = _Stage.BODY
+        self.stage = _Stage.BODY
         if bodiless:
             self._done()  # RFC 9110 §6.4.1: no body, whatever the headers say
             return
         if length is None and not _chunked(headers):
             self._until_close = True  # RFC 9112 §6.3 (4, 7): read until the connection closes
-        self._wake()
+        waiter = self._waiter  # `_wake`, written out here and below: once per read of a body
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         self._chunks.append(body)
@@ -233,32 +260,38 @@ class UpstreamResponse:
         if not self._paused and self._buffered > _HIGH_WATER:
             self._paused = True
             self._connection.pause_reading()
-        self._wake()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def on_message_complete(self) -> None:
+        # Read here: llhttp resets the message's flags once this callback returns.
+        self._connection.keep_alive = self.parser.should_keep_alive()
         if self._interim:
             self._interim = False
             return
         self._done()
 
     def _done(self) -> None:
-        if self._stage is not _Stage.DONE:
-            self._stage = _Stage.DONE
+        if self.stage is not _Stage.DONE:
+            self.stage = _Stage.DONE
             self.finished_at = time.perf_counter()
-        self._wake()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def on_connection_lost(self, exc: BaseException | None) -> None:
-        if self._stage is _Stage.BODY and self._until_close and exc is None:
+        if self.stage is _Stage.BODY and self._until_close and exc is None:
             self._done()  # a close-delimited body ends here
             return
         # Only on a connection's first exchange: the handshake is long done on a reused one.
         first = self.head_bytes == 0 and self._connection.fresh
         refusal = _handshake_refusal(exc) if first else None
-        if refusal is not None and self._stage is _Stage.HEAD:
+        if refusal is not None and self.stage is _Stage.HEAD:
             self.fail(
                 UpstreamFailure(Failure.CONNECT, f"upstream refused the TLS handshake: {refusal}")
             )
-        elif self.request_sent or self._stage is not _Stage.HEAD:
+        elif self.request_sent or self.stage is not _Stage.HEAD:
             self.fail(UpstreamFailure(Failure.BROKEN, "upstream closed the connection"))
         else:
             self.fail(UpstreamFailure(Failure.BROKEN, "upstream closed before the request"))
@@ -284,15 +317,6 @@ class Connection(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        # The leniencies aiohttp's client applies to responses, so that backends it accepted
-        # (bare LF line ends, obs-fold, spaces after a chunk size) keep working; values are
-        # still checked for control characters (UpstreamResponse.on_header).
-        self.parser.set_dangerous_leniencies(
-            lenient_headers=True,
-            lenient_optional_cr_before_lf=True,
-            lenient_spaces_after_chunk_size=True,
-        )
         self.exchange: UpstreamResponse | None = None
         self.closed = False
         self.keep_alive = False
@@ -309,10 +333,10 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         exchange = self.exchange
-        if exchange is None or exchange.complete:
+        if exchange is None or exchange.stage is _Stage.DONE:
             self.abort()  # bytes nobody asked for: this connection can not be trusted again
             return
-        if exchange.awaiting_head:
+        if exchange.stage is _Stage.HEAD:
             # llhttp sets no limit on a response head; aiohttp's parser allowed 128 fields of
             # 8 KiB. Past this much without a whole head, the upstream is broken.
             exchange.head_bytes += len(data)
@@ -321,7 +345,7 @@ class Connection(asyncio.Protocol):
                 self.abort()
                 return
         try:
-            self.parser.feed_data(data)
+            exchange.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             exchange.fail(UpstreamFailure(Failure.BROKEN, "upstream switched protocols"))
             self.abort()
@@ -351,37 +375,6 @@ class Connection(asyncio.Protocol):
         drained = self._drained
         if drained is not None and not drained.done():
             drained.set_result(None)
-
-    # httptools callbacks, handed to the exchange in progress
-    def on_message_begin(self) -> None:
-        exchange = self.exchange
-        if exchange is None or exchange.complete:
-            # A second message after the answer (a body longer than declared, a forged
-            # response): never parsed into this exchange, and the connection is not reused.
-            raise ConnectionAbortedError("bytes after the upstream's response")
-
-    def on_status(self, status: bytes) -> None:
-        if self.exchange is not None:
-            self.exchange.on_status(status)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.exchange is not None:
-            self.exchange.on_header(name, value)
-
-    def on_headers_complete(self) -> None:
-        if self.exchange is not None:
-            parser = self.parser
-            self.exchange.on_headers_complete(parser.get_status_code(), parser.get_http_version())
-
-    def on_body(self, body: bytes) -> None:
-        if self.exchange is not None:
-            self.exchange.on_body(body)
-
-    def on_message_complete(self) -> None:
-        # Read here: llhttp resets the message's flags once this callback returns.
-        self.keep_alive = self.parser.should_keep_alive()
-        if self.exchange is not None:
-            self.exchange.on_message_complete()
 
     # for the exchange and the pool
     def _expire_exchange(self) -> None:
@@ -447,7 +440,7 @@ class Connection(asyncio.Protocol):
         return (
             not self.closed
             and exchange is not None
-            and exchange.complete
+            and exchange.stage is _Stage.DONE
             and exchange.request_sent
             and exchange.method != "HEAD"  # llhttp would wait for the body HEAD announced
             and self.keep_alive
@@ -514,10 +507,13 @@ class ConnectionPool:
             connection.exchange = None
             connection.idle_since = asyncio.get_running_loop().time()
             self._idle.setdefault(origin, []).append(connection)
-            self._schedule_sweep()
+            if self._sweeper is None:
+                self._schedule_sweep()
         else:
             connection.abort()
-        self._give_back()
+        self._in_use -= 1
+        if self._waiters:
+            self._wake_waiter()
 
     def close(self) -> None:
         self._closing = True
@@ -564,6 +560,9 @@ class ConnectionPool:
 
     def _give_back(self) -> None:
         self._in_use -= 1
+        self._wake_waiter()
+
+    def _wake_waiter(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
