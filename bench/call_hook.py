@@ -8,7 +8,8 @@ A thread listens on the Unix socket CONTROL_SOCKET for one connection at a time 
 the calls recorded in between, in order: `[callee file, callee qualified name, caller file or
 null]` each. Only calls of functions defined under the `idemproxy` package's directory are
 recorded, in every thread, each frame once: the profile hook's "call" event also comes each
-time a generator or coroutine resumes (at `await`, `yield`), and those are not new calls.
+time a generator or coroutine resumes (at `await`, `yield`) or is closed, and those are not new
+calls.
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ class Recorder:
         code = frame.f_code
         if not code.co_filename.startswith(self.package):
             return
-        # A frame starts at its RESUME with oparg 0; a generator or coroutine resumed after a
-        # yield or an await enters at a RESUME with oparg 1 to 3 (the low two bits).
+        # A frame starts at its RESUME with oparg 0. A generator or coroutine resumed after a
+        # yield or an await enters at a RESUME with oparg 1 to 3 (the low two bits), and one
+        # closed or thrown into while suspended (`all()` stopping early) at its YIELD_VALUE.
         at = frame.f_lasti
-        if code.co_code[at] == _RESUME and code.co_code[at + 1] & 3:
+        if at < 0 or code.co_code[at] != _RESUME or code.co_code[at + 1] & 3:
             return
         caller = frame.f_back
         self.calls.append(

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         with (
             _store(args, work) as store,
             _backend(work) as backend,
-            _proxy(work, backend, store) as (proxy, control),
+            _proxy(work, backend, store, args.source) as (proxy, control),
         ):
             counted = _measure(proxy, control, args)
     _print(counted, args)
@@ -143,6 +143,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=0.05,
         help="seconds counted after each answer is read (what the proxy does after it)",
+    )
+    parser.add_argument(
+        "--source",
+        type=Path,
+        default=common.ROOT,
+        help="a checkout whose src/ the proxy runs (default: this tree), to count another revision",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
@@ -173,7 +179,7 @@ def _backend(work: Path) -> Iterator[common.Service]:
 
 @contextlib.contextmanager
 def _proxy(
-    work: Path, backend: common.Service, store: str
+    work: Path, backend: common.Service, store: str, source: Path
 ) -> Iterator[tuple[common.Service, socket.socket]]:
     port, admin = common.free_port(), common.free_port()
     control_path = str(work / "control.sock")
@@ -191,7 +197,7 @@ def _proxy(
         "--admin-listen",
         f"127.0.0.1:{admin}",
     ]
-    env = {"PYTHONPATH": str(common.ROOT / "src")}
+    env = {"PYTHONPATH": str(source / "src")}
     with (
         common.running(common.Service("proxy", argv, port, work, env)) as proxy,
         socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as control,
@@ -215,7 +221,8 @@ def _measure(
             _post(conn, f"calls-counted-{number}")
             time.sleep(args.settle)
             calls = [tuple(call) for call in json.loads(_command(stream, "stop"))]
-            counted.append(count(calls))  # type: ignore[arg-type]
+            package = str((args.source / "src" / "idemproxy").resolve()) + os.sep
+            counted.append(count(calls, package))  # type: ignore[arg-type]
         return counted
     finally:
         conn.close()

@@ -43,6 +43,9 @@ async def _inner() -> int:
 async def _outer() -> int:
     first = await _inner()
     await asyncio.sleep(0)
+    numbers = _numbers()
+    next(numbers)
+    numbers.close()  # closed while suspended: entered once more, at its yield
     return first + sum(_numbers())
 
 
@@ -61,7 +64,7 @@ def test_each_frame_is_counted_once_however_often_it_resumes() -> None:
     recorded = _recorded(lambda: asyncio.run(_outer()))
 
     names = [name for _file, name, _caller in recorded if "<lambda>" not in name]
-    assert names == ["_outer", "_inner", "_plain", "_numbers"]
+    assert names == ["_outer", "_inner", "_plain", "_numbers", "_numbers"]
 
 
 def test_the_caller_is_the_file_of_the_calling_frame() -> None:
