@@ -9,7 +9,7 @@ import importlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ def _plain() -> int:
     return 1
 
 
-def _numbers() -> Iterator[int]:
+def _numbers() -> Generator[int, None, None]:
     yield 1
     yield 2
 

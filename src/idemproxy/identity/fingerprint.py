@@ -36,7 +36,8 @@ def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence
 def body_digest(
     content_type: str | None, body: bytes, exclude_pointers: Sequence[str] = ()
 ) -> bytes:
-    if is_json(media_type_of(content_type)):
+    media_type = media_type_of(content_type)
+    if media_type == "application/json" or media_type.endswith("+json"):  # is_json
         body = canonical_json(body, exclude_pointers)
     return hashlib.sha256(body).digest()
 
@@ -51,7 +52,7 @@ def fingerprint_of_digest(head: FingerprintedHead, body_sha256: bytes) -> str:
     """
     method, path, query, content_type, content_encoding = head
     fields = [method.upper(), path, query, fingerprinted_media_type(content_type)]
-    if codings := _codings(content_encoding):
+    if content_encoding and (codings := _codings(content_encoding)):
         fields.append(codings)
     stream = bytearray()  # hashed in one call: the same bytes as one update per part
     for text in fields:
@@ -92,8 +93,10 @@ def fingerprinted_media_type(content_type: str | None) -> str:
     older version still match their retries. A value that does not parse is hashed whole, as
     sent, after a NUL (which no normalised value holds), so it can match only itself.
     """
-    media_type = media_type_of(content_type)
-    if content_type is None or ";" not in content_type:
+    if not content_type:
+        return ""
+    media_type = content_type.split(";", 1)[0].strip().lower()  # media_type_of
+    if ";" not in content_type:
         return media_type
     parameters = _parameters(content_type.partition(";")[2])
     if parameters == []:

@@ -22,7 +22,12 @@ def parse_key(values: Sequence[str]) -> str | None:
     if len(values) > 1:
         raise KeyInvalid("Send exactly one Idempotency-Key header.")
     raw = values[0].strip(" \t")
-    key = _unquote(raw) if raw.startswith('"') else _bare(raw)
+    if raw.startswith('"'):
+        key = _unquote(raw)
+    elif '"' in raw or "," in raw or "\\" in raw:
+        raise KeyInvalid("A bare key may not contain quotes, commas or backslashes.")
+    else:
+        key = raw
     check_characters(key)
     return key
 
@@ -46,12 +51,6 @@ def _unquote(raw: str) -> str:
         else:
             chars.append(char)
     raise KeyInvalid("The quoted key is not terminated.")
-
-
-def _bare(raw: str) -> str:
-    if '"' in raw or "," in raw or "\\" in raw:
-        raise KeyInvalid("A bare key may not contain quotes, commas or backslashes.")
-    return raw
 
 
 def check_characters(key: str) -> None:

@@ -79,6 +79,9 @@ class OwnerPolicy:
     # The owner is a hash of the Authorization as sent (`authorization`, or `header:` naming
     # it): a signature made for one request would be an owner for one try (SPEC §5).
     _hashes_authorization: bool = field(default=False, init=False, repr=False, compare=False)
+    # The header the owner comes from (None: every request is the global owner), from
+    # `strategy`: read two or three times per governed request, so worked out once.
+    header: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # An unverified "jwt" policy would hash whatever token is sent: never build one.
@@ -86,18 +89,11 @@ class OwnerPolicy:
             raise ConfigError("owner.strategy jwt goes with a verifier, and only it")
         if self.legacy_owners and self.pepper is None:
             raise ConfigError("owner.legacy_owners is the transition to owner.pepper: set both")
+        object.__setattr__(self, "header", _header_of(self.strategy))
         if self.pepper is not None:
             object.__setattr__(self, "_keyed", hmac.new(self.pepper, digestmod=hashlib.sha256))
         hashed = self.verifier is None and (self.header or "").lower() == "authorization"
         object.__setattr__(self, "_hashes_authorization", hashed)
-
-    @property
-    def header(self) -> str | None:
-        if self.strategy in ("authorization", "jwt"):
-            return "Authorization"
-        if self.strategy.startswith("header:"):
-            return self.strategy.removeprefix("header:")
-        return None
 
     def validate(self) -> None:
         check_strategy(self.strategy)
@@ -143,6 +139,14 @@ def derive_owner(policy: OwnerPolicy, headers: Mapping[str, str], raw_query: str
     (`raw_query` holds a presigned URL's) is `OwnerUnstable`: each try would be an owner.
     """
     return derive_owners(policy, headers, raw_query)[0]
+
+
+def _header_of(strategy: str) -> str | None:
+    if strategy in ("authorization", "jwt"):
+        return "Authorization"
+    if strategy.startswith("header:"):
+        return strategy.removeprefix("header:")
+    return None
 
 
 def derive_owners(

@@ -102,8 +102,12 @@ def per_request_signature(
     the credential, and neither is anything the proxy verified."""
     if authorization:
         return _signed_scheme(authorization)
-    if all(name in headers for name in _MESSAGE_SIGNATURE):
+    signature_input, signature = _MESSAGE_SIGNATURE
+    if signature_input in headers and signature in headers:
         return "HTTP Message Signatures (RFC 9421: Signature-Input, Signature)"
+    # The common case, a query without any signature, costs one case-insensitive search.
+    if "signature" not in raw_query.lower():
+        return None
     return _presigned(raw_query)
 
 
@@ -148,9 +152,6 @@ def _generic(credential: str) -> str | None:
 
 
 def _presigned(raw_query: str) -> str | None:
-    # The common case, a query without any signature, costs one case-insensitive search.
-    if "signature" not in raw_query.lower():
-        return None
     names = {name.lower() for name, _ in parse_qsl(raw_query, keep_blank_values=True)}
     if "signature" in names and not names & {"expires", "awsaccesskeyid"}:
         names.discard("signature")  # a `signature` that is not a presigned URL's

@@ -49,34 +49,28 @@ async def handle(request: web.Request) -> web.StreamResponse:
     if header := settings.request_id_header:
         correlated = CURRENT.set(correlation_of(header, request.headers.getall(header, [])))
     try:
-        response = await _handle(ctx, request)
+        trace = Trace(request=request)
+        ctx.requests_in_flight += 1
+        try:
+            routing = _route(ctx, request, trace)
+            if ctx.tracing is not None:
+                routing = ctx.tracing.serve(request, trace, routing)
+            response = await routing
+        finally:
+            ctx.requests_in_flight -= 1
+        response = only_response(ctx.metrics, request, response)
+        trace.by_proxy = ERROR_HEADER in response.headers
+        record(
+            ctx.metrics,
+            trace,
+            response.status,
+            log_requests=settings.log_requests,
+            access_log=settings.access_log,
+            log_query=settings.log_query,
+        )
     finally:
         if correlated is not None:
             CURRENT.reset(correlated)
-    return response
-
-
-async def _handle(ctx: ProxyContext, request: web.Request) -> web.StreamResponse:
-    trace = Trace(request=request)
-    ctx.requests_in_flight += 1
-    try:
-        routing = _route(ctx, request, trace)
-        if ctx.tracing is not None:
-            routing = ctx.tracing.serve(request, trace, routing)
-        response = await routing
-    finally:
-        ctx.requests_in_flight -= 1
-    response = only_response(ctx.metrics, request, response)
-    settings = ctx.settings
-    trace.by_proxy = ERROR_HEADER in response.headers
-    record(
-        ctx.metrics,
-        trace,
-        response.status,
-        log_requests=settings.log_requests,
-        access_log=settings.access_log,
-        log_query=settings.log_query,
-    )
     return response
 
 
