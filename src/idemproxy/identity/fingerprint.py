@@ -36,8 +36,9 @@ def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence
 def body_digest(
     content_type: str | None, body: bytes, exclude_pointers: Sequence[str] = ()
 ) -> bytes:
-    media_type = media_type_of(content_type)
-    if media_type == "application/json" or media_type.endswith("+json"):  # is_json
+    # `is_json(media_type_of(content_type))`, in place: every governed request's.
+    media_type = content_type.split(";", 1)[0].strip().lower() if content_type else ""
+    if media_type == "application/json" or media_type.endswith("+json"):
         body = canonical_json(body, exclude_pointers)
     return hashlib.sha256(body).digest()
 

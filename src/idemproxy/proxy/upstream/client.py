@@ -112,7 +112,8 @@ class UpstreamClient:
         default the URL's authority."""
         if self._link is None:
             raise RuntimeError("UpstreamClient.open() was not called")
-        origin, authority = self._origin(url)
+        found = self._origins.get((url.scheme, url.raw_host, url.port))
+        origin, authority = self._origin(url) if found is None else found
         framing = framing_for(method, body, content_length)
         host = headers.get("Host") or authority
         head = request_head(method, url.raw_path_qs, host, headers, framing)
@@ -122,20 +123,18 @@ class UpstreamClient:
         return Exchange(self._link, origin, method, head, _StreamedBody(body, content_length), wait)
 
     def _origin(self, url: URL) -> tuple[Origin, str]:
-        """(host, port, TLS) and the Host header for an upstream URL; cached per upstream."""
-        cache_key = (url.scheme, url.raw_host, url.port)
-        found = self._origins.get(cache_key)
-        if found is None:
-            if url.scheme not in _DEFAULT_PORTS or not url.raw_host:
-                raise UpstreamFailure(Failure.CONNECT, f"unsupported upstream URL: {url}")
-            port = url.port or _DEFAULT_PORTS[url.scheme]
-            host = url.raw_host
-            # RFC 9110 §7.2: the port is left out when it is the scheme's default.
-            authority = f"[{host}]" if ":" in host else host
-            if url.explicit_port and port != _DEFAULT_PORTS[url.scheme]:
-                authority = f"{authority}:{port}"
-            found = ((host, port, url.scheme == "https"), authority)
-            self._origins[cache_key] = found
+        """(host, port, TLS) and the Host header for an upstream URL, the first time; `request`
+        finds them in the cache afterwards."""
+        if url.scheme not in _DEFAULT_PORTS or not url.raw_host:
+            raise UpstreamFailure(Failure.CONNECT, f"unsupported upstream URL: {url}")
+        port = url.port or _DEFAULT_PORTS[url.scheme]
+        host = url.raw_host
+        # RFC 9110 §7.2: the port is left out when it is the scheme's default.
+        authority = f"[{host}]" if ":" in host else host
+        if url.explicit_port and port != _DEFAULT_PORTS[url.scheme]:
+            authority = f"{authority}:{port}"
+        found = ((host, port, url.scheme == "https"), authority)
+        self._origins[(url.scheme, url.raw_host, url.port)] = found
         return found
 
     @staticmethod
@@ -200,7 +199,14 @@ class Exchange:
         body = self._body
         try:
             if body is None or isinstance(body, bytes | bytearray):
-                self._send_whole(connection, exchange, bytes(body or b""))
+                whole = bytes(body or b"")
+                if len(whole) <= ONE_WRITE:
+                    connection.write(self._head + whole)
+                else:
+                    connection.writelines((self._head, whole))
+                exchange.request_sent = True
+                if link.hooks.on_sent is not None:
+                    connection.loop.call_soon(link.hooks.on_sent)
             else:
                 connection.write(self._head)
                 self._sender = asyncio.create_task(
@@ -237,16 +243,6 @@ class Exchange:
 
     async def __aexit__(self, *_exc: object) -> None:
         self._finish()
-
-    def _send_whole(self, connection: Connection, exchange: UpstreamResponse, body: bytes) -> None:
-        if len(body) <= ONE_WRITE:
-            connection.write(self._head + body)
-        else:
-            connection.writelines((self._head, body))
-        exchange.request_sent = True
-        on_sent = self._link.hooks.on_sent
-        if on_sent is not None:
-            connection.loop.call_soon(on_sent)
 
     def _finish(self) -> None:
         connection, self._connection = self._connection, None

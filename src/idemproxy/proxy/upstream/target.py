@@ -50,7 +50,8 @@ def upstream_url(upstream: str, request: web.Request) -> URL:
     re-encoding. Callers must pass this URL object on as it is: str() of it is re-parsed and
     re-quoted by aiohttp (%2F -> /)."""
     target = request.raw_path
-    absolute = split_absolute_form(target)
+    # Origin-form (`/…`, nearly every request) is decided on its first character, here.
+    absolute = None if target.startswith("/") else split_absolute_form(target)
     if absolute is not None:
         # RFC 9112 §3.2.2: absolute-form ("POST http://host/p"). Its path and query go on as
         # sent, in origin-form; glued to the upstream URL whole it made an invalid one.
@@ -79,7 +80,8 @@ def outgoing_host(forward_host: str, upstream: str, request: web.Request) -> str
     if forward_host == "auto":
         forward_host = "upstream" if upstream.startswith("https://") else "client"
     if forward_host == "client":
-        return client_host(request)
+        host = request.headers.get(hdrs.HOST)  # `client_host`'s common case, in place
+        return host if host is not None else client_host(request)
     if forward_host == "upstream":
         return None
     return forward_host
@@ -95,12 +97,16 @@ def forwarded_headers(
     """The headers sent upstream; `host` (`outgoing_host`) is the Host among them, which the
     upstream client sends in its place (None: the upstream URL's authority)."""
     peer = request.remote
+    host_sent = request.headers.get(hdrs.HOST)  # `client_host`'s common case, in place
+    if host_sent is None:
+        host_sent = client_host(request)
     headers = request_headers_for_upstream(
         request.headers,
         client_ip=peer,
         scheme=request.scheme,
-        host=client_host(request) or request.host,
-        trusted=is_trusted(peer, trusted_proxies),
+        host=host_sent or request.host,
+        # None trusted (the default): no address to parse.
+        trusted=bool(trusted_proxies) and is_trusted(peer, trusted_proxies),
     )
     for edit in edits:  # none sets or removes Host (config/upstream.py, PROXY_HEADERS)
         edit.apply(headers)
