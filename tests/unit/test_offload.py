@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing
+import os
 import sys
 import threading
 
+import pytest
+
+from idemproxy.errors import KeyInvalid
 from idemproxy.http import offload
 
 
@@ -60,3 +65,62 @@ async def test_a_collector_turned_off_stays_off() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+# --- worker processes: a large body's work, away from this interpreter ----------------------
+
+LARGE = b" " * (offload.IN_PROCESS_BYTES + 1)
+
+
+async def test_a_large_body_is_worked_on_in_a_worker_process() -> None:
+    work = offload.Offload(processes=2)
+    try:
+        assert await work(b"{}", os.getpid) == os.getpid()  # a small body: in place
+        assert await work(LARGE[:-1], _where) != _where()  # up to the bound: on a thread
+        pid = await work(LARGE, os.getpid)
+        assert pid != os.getpid()
+        assert pid in {child.pid for child in multiprocessing.active_children()}
+    finally:
+        await work.close()
+    assert pid not in {child.pid for child in multiprocessing.active_children()}
+
+
+async def test_without_worker_processes_a_large_body_goes_to_a_thread() -> None:
+    work = offload.Offload(processes=0)
+    thread, collecting, _ = await work(LARGE, _where)
+    assert thread != threading.get_ident() and not collecting
+    assert multiprocessing.active_children() == []
+
+
+async def test_what_the_work_raises_arrives_as_it_was_raised() -> None:
+    work = offload.Offload(processes=1)
+    try:
+        with pytest.raises(KeyInvalid) as raised:
+            await work(LARGE, _refuse, "not a key")
+    finally:
+        await work.close()
+    assert raised.value.detail == "not a key"
+    assert (raised.value.status, raised.value.code) == (400, "key-invalid")
+
+
+def _refuse(detail: str) -> None:
+    raise KeyInvalid(detail)
+
+
+async def test_a_worker_that_died_is_replaced_and_its_body_parsed_on_a_thread() -> None:
+    """A worker killed under its work (the OOM killer): that body is parsed here, on a thread,
+    and the next one in a new worker."""
+    work = offload.Offload(processes=1)
+    try:
+        first = await work(LARGE, os.getpid)
+        assert await work(LARGE, _dies_unless_in, os.getpid()) == os.getpid()
+        second = await work(LARGE, os.getpid)
+    finally:
+        await work.close()
+    assert len({first, second, os.getpid()}) == 3
+
+
+def _dies_unless_in(pid: int) -> int:
+    if os.getpid() != pid:
+        os._exit(1)
+    return pid
