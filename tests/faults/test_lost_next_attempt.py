@@ -11,6 +11,7 @@ runs the request once: never `409 outcome-unknown` for a request that never ran.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
@@ -23,7 +24,7 @@ from idemproxy.store.queries import load_queries
 from tests.support.backend import Ledger
 from tests.support.faultproxy import FaultProxy
 
-from .conftest import APPLICATION_NAME, FaultDatabase, GovernedProxy, StartApp
+from .conftest import APPLICATION_NAME, FaultDatabase, GovernedProxy
 from .pgcut import StatementCut
 from .test_db_faults import job_of, no_leak
 from .traffic import PATH, Answer, send
@@ -115,8 +116,10 @@ async def test_a_cut_after_start_next_attempt_committed(
     await no_leak(fault_db)
 
 
+@pytest.mark.parametrize("kind", ["app", "process"])
 async def test_a_cut_after_fail_over_committed(
-    proxy_app: StartApp,
+    kind: str,
+    governed_proxy: GovernedProxy,
     fault_db: FaultDatabase,
     recording_backend: tuple[str, Ledger],
     cut: StatementCut,
@@ -126,15 +129,20 @@ async def test_a_cut_after_fail_over_committed(
     await dead.start()
     await dead.refuse()  # the first upstream refuses: nothing executed, the fallback is next
     routes = [{"prefix": PATH, "upstream": dead.url, "fallbacks": [backend_url]}]
-    client = await proxy_app(store=through(fault_db, cut), routes=routes, lease=LEASE)
-    url = f"http://{client.server.host}:{client.server.port}"
+    proxy = await governed_proxy(
+        kind,
+        store=through(fault_db, cut),
+        # A process reads its settings from the environment: a list as JSON.
+        routes=routes if kind == "app" else json.dumps(routes),
+        lease=LEASE,
+    )
     async with aiohttp.ClientSession() as session:
         cut.arm(SQL["fail_over"])
-        lost = await send(session, url, "over")
+        lost = await send(session, proxy.url, "over")
         await cut.cut()
         attempts = await released_unsent(fault_db, "over")
-        retry = await send(session, url, "over")
-        replay = await send(session, url, "over")
+        retry = await send(session, proxy.url, "over")
+        replay = await send(session, proxy.url, "over")
 
     assert_lost(lost)
     assert cut.cuts == 1
