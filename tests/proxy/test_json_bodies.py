@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import multiprocessing
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from idemproxy.http.offload import IN_PROCESS_BYTES
 from idemproxy.identity import fingerprint
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
@@ -194,3 +196,19 @@ async def test_a_pass_through_request_is_answered_within_50_ms_during_large_uplo
     assert len(latencies) >= 50, latencies
     p99 = sorted(latencies)[int(0.99 * (len(latencies) - 1))]
     assert p99 < 0.05, (p99, sorted(latencies)[-10:])
+
+
+@pytest.mark.parametrize(("processes", "started"), [(0, False), (1, True)])
+async def test_parse_processes_say_where_a_large_body_is_parsed(
+    make_proxy: ProxyFactory, sqlite_dsn: str, quiet_upstream: str, processes: int, started: bool
+) -> None:
+    """`server.parse_processes: 0`: on a thread of this process, as before there were any."""
+    server = {"parse_processes": processes}
+    client = await orders(
+        lambda **kw: make_proxy(store=sqlite_dsn, server=server, **kw), quiet_upstream
+    )
+    assert multiprocessing.active_children() == []
+    body = large_order("mid", size=IN_PROCESS_BYTES * 2)
+    assert await post(client, body) == (201, False)
+    assert await post(client, body) == (201, True)
+    assert bool(multiprocessing.active_children()) is started

@@ -10,7 +10,10 @@ import sys
 import threading
 
 import pytest
+from pydantic import ValidationError
 
+from idemproxy.config.settings import load_settings
+from idemproxy.constants import MAX_PARSE_PROCESSES
 from idemproxy.errors import KeyInvalid
 from idemproxy.http import offload
 
@@ -124,3 +127,14 @@ def _dies_unless_in(pid: int) -> int:
     if os.getpid() != pid:
         os._exit(1)
     return pid
+
+
+def test_parse_processes_default_to_two_and_are_bounded() -> None:
+    assert load_settings(upstream="http://x:1").server.parse_processes == 2
+    assert (
+        load_settings(upstream="http://x:1", server={"parse_processes": 0}).server.parse_processes
+        == 0
+    )
+    for wrong in (-1, MAX_PARSE_PROCESSES + 1):
+        with pytest.raises(ValidationError, match="parse_processes"):
+            load_settings(upstream="http://x:1", server={"parse_processes": wrong})
