@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from idemproxy.config.settings import load_settings
 from idemproxy.constants import MAX_PARSE_PROCESSES
-from idemproxy.errors import KeyInvalid
+from idemproxy.errors import KeyInvalid, ProblemError
 from idemproxy.http import offload
 
 
@@ -110,17 +110,29 @@ def _refuse(detail: str) -> None:
     raise KeyInvalid(detail)
 
 
-async def test_a_worker_that_died_is_replaced_and_its_body_parsed_on_a_thread() -> None:
-    """A worker killed under its work (the OOM killer): that body is parsed here, on a thread,
-    and the next one in a new worker."""
+async def test_a_worker_that_died_fails_its_body_and_is_replaced() -> None:
+    """A worker killed under its work (the OOM killer picks the largest process): that body is
+    refused rather than parsed here, where it could take the serving process with it; the next
+    one goes to a new worker."""
     work = offload.Offload(processes=1)
     try:
         first = await work(LARGE, os.getpid)
-        assert await work(LARGE, _dies_unless_in, os.getpid()) == os.getpid()
+        with pytest.raises(ProblemError, match="ended before it was done") as died:
+            await work(LARGE, _dies_unless_in, os.getpid())
         second = await work(LARGE, os.getpid)
     finally:
         await work.close()
+    assert died.value.status == 500
     assert len({first, second, os.getpid()}) == 3
+
+
+async def test_a_body_after_close_goes_to_a_thread_and_starts_no_process() -> None:
+    work = offload.Offload(processes=1)
+    await work(LARGE, os.getpid)
+    await work.close()
+    thread, _, _ = await work(LARGE, _where)
+    assert thread != threading.get_ident()
+    assert multiprocessing.active_children() == []
 
 
 def _dies_unless_in(pid: int) -> int:

@@ -32,6 +32,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import ParamSpec, TypeVar
 
+from idemproxy.errors import ProblemError
+
 log = logging.getLogger(__name__)
 
 OFF_LOOP_BYTES = 16 * 1024
@@ -131,26 +133,33 @@ class Offload:
     def __init__(self, processes: int) -> None:
         self._processes = processes
         self._pool: ProcessPoolExecutor | None = None
+        self._closed = False
 
     async def __call__(
         self, body: bytes, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs
     ) -> T:
-        """`work(*args, **kwargs)` where `body`, the body it reads, is best worked on."""
-        if self._processes == 0 or len(body) <= IN_PROCESS_BYTES:
+        """`work(*args, **kwargs)` where `body`, the body it reads, is best worked on.
+        `ProblemError` (500) if the process working on it dies meanwhile."""
+        if self._processes == 0 or self._closed or len(body) <= IN_PROCESS_BYTES:
             return await off_loop(body, work, *args, **kwargs)
-        call = functools.partial(work, *args, **kwargs)
         pool = self._started()
+        call = functools.partial(work, *args, **kwargs)
         try:
             return await asyncio.wrap_future(pool.submit(_collector_paused, call))
-        except BrokenProcessPool:  # a process died (the OOM killer): a new pool for the next
-            log.warning("a body parsing process died; this body is parsed on a thread instead")
+        except BrokenProcessPool as exc:
+            # Killed under the body, most likely by the OOM killer, which picks the largest
+            # process: parsed here instead, that body would take the proxy process with it.
+            # The next body gets a new pool.
+            log.warning("a body parsing process died (out of memory?): %s", exc)
             if self._pool is pool:
                 self._pool = None
                 pool.shutdown(wait=False)
-            return await in_thread(call)
+            raise ProblemError(_DIED) from exc
 
     async def close(self) -> None:
-        """Stop the processes, after the work they were given."""
+        """Stop the processes, after the work they were given; a body after this is worked on
+        on a thread."""
+        self._closed = True
         pool, self._pool = self._pool, None
         if pool is not None:
             await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
@@ -165,6 +174,7 @@ class Offload:
         return self._pool
 
 
+_DIED = "The process parsing the request body ended before it was done (out of memory?)."
 # Worker processes yield the CPU to the serving process (nice(2): 0 to 19, higher is lower).
 _WORKER_NICENESS = 10
 
