@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -24,7 +24,7 @@ from idemproxy.store.queries import load_queries
 from tests.support.backend import Ledger
 from tests.support.faultproxy import FaultProxy
 
-from .conftest import APPLICATION_NAME, FaultDatabase, GovernedProxy
+from .conftest import FaultDatabase, GovernedProxy
 from .pgcut import StatementCut
 from .test_db_faults import job_of, no_leak
 from .traffic import PATH, Answer, send
@@ -34,23 +34,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 # Long enough that the job is released by the proxy, not taken over after its lease.
 LEASE = 10.0
 SQL = load_queries("postgres")
-
-
-@pytest.fixture
-async def cut(fault_db: FaultDatabase) -> AsyncIterator[StatementCut]:
-    relay = StatementCut(fault_db.server.port)
-    await relay.start()
-    try:
-        yield relay
-    finally:
-        await relay.close()
-
-
-def through(db: FaultDatabase, relay: StatementCut) -> str:
-    """The proxy's DSN through the relay, which reads the protocol in the clear."""
-    return db.server.dsn(
-        db.name, port=relay.port, application_name=APPLICATION_NAME, sslmode="disable"
-    )
 
 
 async def released_unsent(db: FaultDatabase, key: str) -> list[tuple[str, str | None]]:
@@ -92,7 +75,7 @@ async def test_a_cut_after_start_next_attempt_committed(
     await upstream.refuse()  # the first attempt: refused, so released (SPEC §3.2)
     try:
         proxy = await governed_proxy(
-            kind, store=through(fault_db, cut), upstream=upstream.url, lease=LEASE
+            kind, store=fault_db.dsn_through(cut), upstream=upstream.url, lease=LEASE
         )
         async with aiohttp.ClientSession() as session:
             refused = await send(session, proxy.url, "next")
@@ -131,7 +114,7 @@ async def test_a_cut_after_fail_over_committed(
     routes = [{"prefix": PATH, "upstream": dead.url, "fallbacks": [backend_url]}]
     proxy = await governed_proxy(
         kind,
-        store=through(fault_db, cut),
+        store=fault_db.dsn_through(cut),
         # A process reads its settings from the environment: a list as JSON.
         routes=routes if kind == "app" else json.dumps(routes),
         lease=LEASE,
