@@ -34,7 +34,7 @@ CASES = {
 
 
 async def retries_until_answered(session: aiohttp.ClientSession, url: str) -> list[Answer]:
-    """Retries a second apart (the client's `Retry-After`) until one gets a 201."""
+    """Retries a second apart (the proxy's `Retry-After`) until one gets a 201."""
     answers: list[Answer] = []
     until = time.monotonic() + LEASE
     while not answers or answers[-1].status != 201:
@@ -79,7 +79,9 @@ async def test_a_cut_after_the_commit_runs_the_request_once(
     assert (lost.status, lost.error) == (503, "store-unavailable"), lost
     assert cut.cuts == 1
     assert left is not None and left[0] == state, left
-    assert [(a.status, a.error) for a in retries[:-1]] == [], retries  # the first retry runs it
+    # Until the proxy's follow-up released the job, a retry is held back (on a loaded machine).
+    assert {a.problem for a in retries[:-1]} <= {(409, "request-in-flight")}, retries
+    assert retries[-1].replayed is (state == "completed"), retries
     assert (replay.status, replay.replayed) == (201, True), replay
     assert ledger.count("lost") == 1
     await no_leak(fault_db)
