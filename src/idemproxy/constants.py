@@ -98,6 +98,8 @@ DEFAULT_MAX_CONNECTIONS: Final = 1024
 DEFAULT_BACKLOG: Final = 1024
 # server.workers: each worker holds its own store pool, so a typo must not open thousands.
 MAX_WORKERS: Final = 64
+# server.parse_processes: each holds a parsed body (several times its size) while it works.
+MAX_PARSE_PROCESSES: Final = 64
 DEFAULT_RETRY_AFTER_SECONDS: Final = 1
 # SPEC §3.5, pool.lease_connections: renewals are short statements; more is a typo.
 MAX_LEASE_CONNECTIONS: Final = 16

@@ -10,6 +10,8 @@
   backend, on `fault_db`, with a short store timeout and lease.
 * `governed_proxy(kind, **overrides)`: the same settings either in-process (`"app"`) or as a
   real `python -m idemproxy serve` process (`"process"`, via tests/support/processes.py).
+* `cut`: a relay in front of `fault_db`'s server that cuts a connection once a statement
+  committed (tests/faults/pgcut.py); `fault_db.dsn_through(cut)` is the proxy's DSN through it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from tests.support.prerequisites import missing
 from tests.support.processes import ProxyProcess, StartProxy, start_proxy
 from tests.support.proxyapp import ProxyClient, Server
 from tests.support.stores import migrate_postgres
+
+from .pgcut import StatementCut
 
 __all__ = ["start_proxy"]
 
@@ -75,6 +79,12 @@ class FaultDatabase:
         """The proxy's DSN through a relay listening on `port`."""
         return self.server.dsn(self.name, port=port, application_name=APPLICATION_NAME)
 
+    def dsn_through(self, relay: StatementCut) -> str:
+        """The proxy's DSN through `relay`, which reads the protocol: in the clear."""
+        return self.server.dsn(
+            self.name, port=relay.port, application_name=APPLICATION_NAME, sslmode="disable"
+        )
+
     @property
     def admin_dsn(self) -> str:
         """For the test's own look at the data (another application_name)."""
@@ -97,6 +107,16 @@ def fault_db(throwaway_pg: ThrowawayPostgres) -> Iterator[FaultDatabase]:
         throwaway_pg.resume()
         throwaway_pg.start()
         run_private(throwaway_pg.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+async def cut(fault_db: FaultDatabase) -> AsyncIterator[StatementCut]:
+    relay = StatementCut(fault_db.server.port)
+    await relay.start()
+    try:
+        yield relay
+    finally:
+        await relay.close()
 
 
 @pytest.fixture

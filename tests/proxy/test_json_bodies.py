@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import multiprocessing
 import statistics
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from idemproxy.identity import fingerprint, key_source
+from idemproxy.http.offload import IN_PROCESS_BYTES
+from idemproxy.identity import fingerprint
+from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyClient, Server
@@ -120,22 +122,26 @@ def large_order(order_id: str, size: int = 9 * 1024 * 1024) -> bytes:
     return json.dumps({"order_id": order_id, "items": items}).encode()
 
 
-def on_threads(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> set[int]:
-    """The threads that called `module.name` (the key's parse, the canonical form)."""
-    threads: set[int] = set()
-    wrapped: Callable[..., Any] = getattr(module, name)
-
-    def spy(*args: Any) -> Any:
-        threads.add(threading.get_ident())
-        return wrapped(*args)
-
-    monkeypatch.setattr(module, name, spy)
-    return threads
+def many_members(order_id: str, size: int = 9 * 1024 * 1024) -> bytes:
+    """One flat object of about 700,000 small members (the issue's defect 2, as measured): the C
+    parser reads it in one call, which lets no other thread of the process run until it ends."""
+    members = b",".join(b'"m%07d":1' % n for n in range(size // 13))
+    return b'{"order_id":"%s",%s}' % (order_id.encode(), members)
 
 
-async def pass_through_latencies(client: ProxyClient, until: asyncio.Task[Any]) -> list[float]:
+BODIES = {"items": large_order, "members": many_members}
+
+
+async def stored_fingerprint(client: ProxyClient, key: str) -> str:
+    [job] = [job for job in await client.app[CONTEXT].store.list_jobs() if job.key == key]
+    return job.fingerprint
+
+
+async def pass_through_latencies(
+    client: ProxyClient, until: asyncio.Future[Any], *, limit: int = 10_000
+) -> list[float]:
     latencies: list[float] = []
-    while not until.done():
+    while not until.done() and len(latencies) < limit:
         started = time.perf_counter()
         async with client.get("/ping") as response:
             await response.read()
@@ -145,21 +151,18 @@ async def pass_through_latencies(client: ProxyClient, until: asyncio.Task[Any]) 
     return latencies
 
 
+@pytest.mark.parametrize("shape", list(BODIES))
 async def test_a_large_json_body_is_parsed_off_the_event_loop(
-    make_proxy: ProxyFactory,
-    sqlite_dsn: str,
-    quiet_upstream: str,
-    monkeypatch: pytest.MonkeyPatch,
+    make_proxy: ProxyFactory, sqlite_dsn: str, quiet_upstream: str, shape: str
 ) -> None:
     """The issue's defect 2: a 9 MiB JSON body on a pointer route held the loop for about 2 s
-    (its key, then its canonical form), and every other client of the process with it."""
-    key_threads = on_threads(monkeypatch, key_source, "_document")
-    canonical_threads = on_threads(monkeypatch, fingerprint, "canonical_json")
+    (its key, then its canonical form), and every other client of the process with it; on a
+    worker thread, a flat object of 700,000 members still held it for about 1.2 s."""
     client = await orders(
         lambda **kw: make_proxy(store=sqlite_dsn, **kw),
         quiet_upstream,  # one store is enough
     )
-    bodies = [large_order(f"big-{n}") for n in range(2)]
+    bodies = [BODIES[shape](f"big-{n}") for n in range(2)]
 
     async def upload() -> None:
         for body in bodies:
@@ -168,13 +171,46 @@ async def test_a_large_json_body_is_parsed_off_the_event_loop(
     uploading = asyncio.create_task(upload())
     latencies = await pass_through_latencies(client, uploading)
     await uploading
-    loop_thread = threading.get_ident()
-    assert key_threads and loop_thread not in key_threads
-    assert canonical_threads and loop_thread not in canonical_threads
-    # Held for the parse, the loop answered nothing for 1.5 to 3 s. Now a pass-through request
-    # waits at most for the worker thread's turns with the interpreter (5 ms each,
-    # sys.getswitchinterval), several times as its client and upstream share this loop: about
-    # 1 ms typically and 60 to 110 ms at worst on a busy 2-core machine.
+    # Held for the parse, the loop answered nothing for 1.2 to 3 s. The parse now runs in a
+    # worker process (http/offload.py): a pass-through request waits only for the loop's own
+    # share of the uploads (reading, hashing and forwarding 9 MiB), and for the machine (at
+    # worst about half a second, on a 2-core machine running four times slower than idle).
+    # The next test measures the 99th percentile.
     assert len(latencies) >= 20, latencies
     assert statistics.median(latencies) < 0.05, latencies
-    assert max(latencies) < 0.5, latencies
+    assert max(latencies) < 1.0, latencies
+    # SPEC §6: the canonical fingerprint, whichever process computed it.
+    head = ("POST", "/orders", "", JSON["Content-Type"], "")
+    for n, body in enumerate(bodies):
+        assert await stored_fingerprint(client, f"big-{n}") == fingerprint.fingerprint(head, body)
+
+
+async def test_a_pass_through_request_is_answered_within_50_ms_during_large_uploads(
+    make_proxy: ProxyFactory, sqlite_dsn: str, quiet_upstream: str
+) -> None:
+    """The issue's defect 2, as it asks: several 700,000-member uploads at once, and a pass-
+    through request meanwhile answered within 50 ms (the 99th percentile of a bounded loop)."""
+    client = await orders(lambda **kw: make_proxy(store=sqlite_dsn, **kw), quiet_upstream)
+    bodies = [many_members(f"many-{n}") for n in range(3)]
+    uploads = asyncio.gather(*(post(client, body) for body in bodies))
+    latencies = await pass_through_latencies(client, uploads, limit=2_000)
+    assert await uploads == [(201, False)] * len(bodies)
+    assert len(latencies) >= 50, latencies
+    p99 = sorted(latencies)[int(0.99 * (len(latencies) - 1))]
+    assert p99 < 0.05, (p99, sorted(latencies)[-10:])
+
+
+@pytest.mark.parametrize(("processes", "started"), [(0, False), (1, True)])
+async def test_parse_processes_say_where_a_large_body_is_parsed(
+    make_proxy: ProxyFactory, sqlite_dsn: str, quiet_upstream: str, processes: int, started: bool
+) -> None:
+    """`server.parse_processes: 0`: on a thread of this process, as before there were any."""
+    server = {"parse_processes": processes}
+    client = await orders(
+        lambda **kw: make_proxy(store=sqlite_dsn, server=server, **kw), quiet_upstream
+    )
+    assert multiprocessing.active_children() == []
+    body = large_order("mid", size=IN_PROCESS_BYTES * 2)
+    assert await post(client, body) == (201, False)
+    assert await post(client, body) == (201, True)
+    assert bool(multiprocessing.active_children()) is started

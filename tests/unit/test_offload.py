@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing
+import os
 import sys
 import threading
 
+import pytest
+from pydantic import ValidationError
+
+from idemproxy.config.settings import load_settings
+from idemproxy.constants import MAX_PARSE_PROCESSES
+from idemproxy.errors import KeyInvalid, ProblemError
 from idemproxy.http import offload
 
 
@@ -60,3 +68,85 @@ async def test_a_collector_turned_off_stays_off() -> None:
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+# --- worker processes: a large body's work, away from this interpreter ----------------------
+
+LARGE = b" " * (offload.IN_PROCESS_BYTES + 1)
+
+
+async def test_a_large_body_is_worked_on_in_a_worker_process() -> None:
+    work = offload.Offload(processes=2)
+    try:
+        assert await work(b"{}", os.getpid) == os.getpid()  # a small body: in place
+        assert await work(LARGE[:-1], _where) != _where()  # up to the bound: on a thread
+        pid = await work(LARGE, os.getpid)
+        assert pid != os.getpid()
+        assert pid in {child.pid for child in multiprocessing.active_children()}
+    finally:
+        await work.close()
+    assert pid not in {child.pid for child in multiprocessing.active_children()}
+
+
+async def test_without_worker_processes_a_large_body_goes_to_a_thread() -> None:
+    work = offload.Offload(processes=0)
+    thread, collecting, _ = await work(LARGE, _where)
+    assert thread != threading.get_ident() and not collecting
+    assert multiprocessing.active_children() == []
+
+
+async def test_what_the_work_raises_arrives_as_it_was_raised() -> None:
+    work = offload.Offload(processes=1)
+    try:
+        with pytest.raises(KeyInvalid) as raised:
+            await work(LARGE, _refuse, "not a key")
+    finally:
+        await work.close()
+    assert raised.value.detail == "not a key"
+    assert (raised.value.status, raised.value.code) == (400, "key-invalid")
+
+
+def _refuse(detail: str) -> None:
+    raise KeyInvalid(detail)
+
+
+async def test_a_worker_that_died_fails_its_body_and_is_replaced() -> None:
+    """A worker killed under its work (the OOM killer picks the largest process): that body is
+    refused rather than parsed here, where it could take the serving process with it; the next
+    one goes to a new worker."""
+    work = offload.Offload(processes=1)
+    try:
+        first = await work(LARGE, os.getpid)
+        with pytest.raises(ProblemError, match="ended before it was done") as died:
+            await work(LARGE, _dies_unless_in, os.getpid())
+        second = await work(LARGE, os.getpid)
+    finally:
+        await work.close()
+    assert died.value.status == 500
+    assert len({first, second, os.getpid()}) == 3
+
+
+async def test_a_body_after_close_goes_to_a_thread_and_starts_no_process() -> None:
+    work = offload.Offload(processes=1)
+    await work(LARGE, os.getpid)
+    await work.close()
+    thread, _, _ = await work(LARGE, _where)
+    assert thread != threading.get_ident()
+    assert multiprocessing.active_children() == []
+
+
+def _dies_unless_in(pid: int) -> int:
+    if os.getpid() != pid:
+        os._exit(1)
+    return pid
+
+
+def test_parse_processes_default_to_two_and_are_bounded() -> None:
+    assert load_settings(upstream="http://x:1").server.parse_processes == 2
+    assert (
+        load_settings(upstream="http://x:1", server={"parse_processes": 0}).server.parse_processes
+        == 0
+    )
+    for wrong in (-1, MAX_PARSE_PROCESSES + 1):
+        with pytest.raises(ValidationError, match="parse_processes"):
+            load_settings(upstream="http://x:1", server={"parse_processes": wrong})

@@ -354,6 +354,10 @@ class ServerSettings(BaseModel):
     # The Server field of the proxy's own answers (problems, admin); empty: none. An upstream's
     # answer, first or replayed, carries the upstream's Server field, or none (SPEC §10).
     server_token: str = Field(default="idemproxy", max_length=256, pattern=r"^[!-~]*( [!-~]+)*$")
+    # Worker processes (per proxy process) that parse JSON bodies over 64 KiB for their key and
+    # fingerprint (http/offload.py), started with the first; 0: on a thread of the proxy process,
+    # which a large body then holds (SPEC §9).
+    parse_processes: int = Field(default=2, ge=0, le=c.MAX_PARSE_PROCESSES)
 
 
 class PoolSettings(BaseModel):

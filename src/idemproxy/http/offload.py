@@ -8,6 +8,12 @@ where it costs less than the hand-off (about 50 µs) would save until a few KiB,
 about 1 ms at the threshold. A small body with many containers may be nested too deep for the
 C parser, whose pure-Python fallback (identity/deep_json.py) is 10 to 20 times slower: it goes
 to the thread too.
+
+A thread is not enough for a large body: the C parser reads a flat object or array in one call
+that never lets another thread have the interpreter (a 9 MiB object of 700,000 members held the
+loop for about 1.2 s from a worker thread). A body above `IN_PROCESS_BYTES` is parsed in a worker
+process instead (`Offload`): a small pool, started with the first such body, each process with
+its own interpreter; the body goes to it and the small result (a key, a fingerprint) comes back.
 """
 
 from __future__ import annotations
@@ -15,12 +21,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import logging
+import multiprocessing
+import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import ParamSpec, TypeVar
 
+from idemproxy.errors import ProblemError
+
+log = logging.getLogger(__name__)
+
 OFF_LOOP_BYTES = 16 * 1024
+# Above this, a body's work goes to a worker process (when there are any, `Offload`): parsed on
+# a thread, a flat 64 KiB body may hold the interpreter for about 4 ms in one C call.
+IN_PROCESS_BYTES = 64 * 1024
 # Fewer containers than the C parser's recursion limit (about 1,000, less the loop's own frames)
 # cannot nest too deep for it.
 OFF_LOOP_CONTAINERS = 256
@@ -98,3 +117,80 @@ def _collector_paused(work: Callable[[], T]) -> T:
         return work()
     finally:
         _PAUSES.leave()
+
+
+class Offload:
+    """Where a body's work runs: in place, on a worker thread (`off_loop`), or, for a body above
+    `IN_PROCESS_BYTES`, in one of at most `processes` worker processes (0: on a thread).
+
+    The processes are started (`spawn`: nothing of this process's state is copied, no thread of
+    it forked) with the first such body, and stopped by `close`. They run at a lower scheduling
+    priority than the serving process: on a busy host the event loop gets the CPU first. `work`
+    and its arguments go to the process by pickling: a function of a module, or a method of an
+    object that pickles, and what it raises must pickle too (an `IdemproxyError` does).
+    """
+
+    def __init__(self, processes: int) -> None:
+        self._processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+        self._closed = False
+
+    async def __call__(
+        self, body: bytes, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """`work(*args, **kwargs)` where `body`, the body it reads, is best worked on.
+        `ProblemError` (500) if the process working on it dies meanwhile."""
+        if self._processes == 0 or self._closed or len(body) <= IN_PROCESS_BYTES:
+            return await off_loop(body, work, *args, **kwargs)
+        pool = self._started()
+        call = functools.partial(work, *args, **kwargs)
+        try:
+            return await asyncio.wrap_future(pool.submit(_collector_paused, call))
+        except BrokenProcessPool as exc:
+            # Killed under the body, most likely by the OOM killer, which picks the largest
+            # process: parsed here instead, that body would take the proxy process with it.
+            # The next body gets a new pool.
+            log.warning("a body parsing process died (out of memory?): %s", exc)
+            if self._pool is pool:
+                self._pool = None
+                pool.shutdown(wait=False)
+            raise ProblemError(_DIED) from exc
+
+    async def close(self) -> None:
+        """Stop the processes, after the work they were given; a body after this is worked on
+        on a thread."""
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+
+    def _started(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                self._processes,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_worker_started,
+            )
+        return self._pool
+
+
+_DIED = "The process parsing the request body ended before it was done (out of memory?)."
+# Worker processes yield the CPU to the serving process (nice(2): 0 to 19, higher is lower).
+_WORKER_NICENESS = 10
+
+
+def _worker_started() -> None:
+    """In each worker process: lower priority, Ctrl-C (SIGINT to the terminal's process group)
+    left to the serving process, which stops the workers as it shuts down, and an exit of its
+    own if the serving process dies without doing so (SIGKILL, the OOM killer): a worker would
+    otherwise wait for work forever, since it holds both ends of its queue's pipe."""
+    os.nice(_WORKER_NICENESS)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+
+
+def _exit_with(parent: multiprocessing.process.BaseProcess) -> None:
+    parent.join()  # returns when the parent process has ended
+    os._exit(1)

@@ -39,9 +39,14 @@ class KeySource:
     def key(self, headers: CIMultiDictProxy[str], body: bytes) -> str | None:
         """The key, or None when the source is absent; `KeyInvalid` when it is not a key."""
         if self.pointer is not None:
-            value = _pointed(body, self.pointer)
-        else:
-            value = parse_key(headers.getall(self.header or "", []))
+            return self.body_key(body)
+        value = parse_key(headers.getall(self.header or "", []))
+        return None if value is None else self.prefixed(value)
+
+    def body_key(self, body: bytes) -> str | None:
+        """`key` of a pointer source, from the body alone (it may run in another process:
+        http/offload.py)."""
+        value = None if self.pointer is None else _pointed(body, self.pointer)
         return None if value is None else self.prefixed(value)
 
     def prefixed(self, value: str) -> str:

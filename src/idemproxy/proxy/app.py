@@ -113,6 +113,7 @@ def _lifecycle(
                 stack.push_async_callback(spans.shutdown)  # after the drain: its last spans
             services = Services(failpoints, metrics, owner, spans)
             ctx = ProxyContext.build(settings, store, upstream, services)
+            stack.push_async_callback(ctx.offload.close)  # after the drain: no body left
             # After the drain, before the store.
             stack.push_async_callback(ctx.unsent.close)
             stack.push_async_callback(ctx.unwritten.close)

@@ -12,6 +12,7 @@ from idemproxy.config.settings import Settings
 from idemproxy.core.attempts import StatusPolicy
 from idemproxy.core.decision import Policy
 from idemproxy.core.quota import QuotaLimits
+from idemproxy.http.offload import Offload
 from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
@@ -60,6 +61,8 @@ class ProxyContext:
     budget: ResponseBudget
     # Large stored bodies being replayed, one copy per job (proxy/server/replay.py).
     replays: SharedBodies
+    # Where a request body's key and fingerprint are worked out (http/offload.py).
+    offload: Offload
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -107,6 +110,7 @@ class ProxyContext:
             unwritten=UnwrittenOutcomes(store, metrics.unwritten_outcome),
             budget=budget,
             replays=_replays(budget, metrics),
+            offload=Offload(settings.server.parse_processes),
             tracing=tracing,
             status_header=settings.status_header,
             quotas=_quotas(settings),

@@ -6,7 +6,7 @@ from aiohttp import hdrs, web
 
 from idemproxy.core.types import Intent
 from idemproxy.errors import OwnerMissing
-from idemproxy.http.offload import heavy, in_thread
+from idemproxy.http.offload import heavy
 from idemproxy.identity.fingerprint import FingerprintedHead, fingerprint, fingerprint_of_digest
 from idemproxy.identity.jwt_owner import UNVERIFIED, KeyNotLoaded
 from idemproxy.identity.owner import derive_owners
@@ -68,12 +68,12 @@ def intent_of(
 async def intent_off_loop(
     ctx: ProxyContext, request: web.Request, owner: str, key: str, body: RequestBody
 ) -> Intent:
-    """`intent_of`, with a `heavy` body canonicalised on a worker thread (http/offload.py)."""
+    """`intent_of`, with a `heavy` body canonicalised off the event loop (http/offload.py)."""
     if body.spooled or not heavy(body.memory):
         return intent_of(ctx, request, owner, key, body)
     head = _head(request)
     exclude = ctx.settings.fingerprint_exclude
-    digest = await in_thread(fingerprint, head, body.memory, exclude)
+    digest = await ctx.offload(body.memory, fingerprint, head, body.memory, exclude)
     return _intent(head, owner, key, digest)
 
 

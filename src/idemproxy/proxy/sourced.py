@@ -34,7 +34,7 @@ async def identify_sourced(
         except OwnerUnstable as unstable:  # refused only if the body turns out to have a key
             owners = unstable
         body = await governed_body(ctx, request, in_memory=True)
-        key = await _key(route, source, request, b"" if body.spooled else body.memory)
+        key = await _key(ctx, route, source, request, b"" if body.spooled else body.memory)
         if key is None:
             return None, body, None
         if isinstance(owners, OwnerUnstable):
@@ -43,7 +43,7 @@ async def identify_sourced(
     else:
         # SPEC §4, §9: without its key header the request is not governed and passes through
         # with its body unread (and not bounded), as on a route keyed by `key_header`.
-        key = await _key(route, source, request, b"")
+        key = await _key(ctx, route, source, request, b"")
         if key is None:
             return None, None, None
         refuse_hidden(request, source.header)
@@ -66,18 +66,23 @@ async def _identify_delivery(
     The owner is the sender, so the owner header is no part of the delivery's identity."""
     body = await governed_body(ctx, request, in_memory=True)
     await off_loop(body.memory, webhook.verify, request.headers, body.memory)
-    key = await _key(route, source, request, body.memory)
+    key = await _key(ctx, route, source, request, body.memory)
     if key is None:
         return None, body
     refuse_hidden(request, source.header)
     return await intent_off_loop(ctx, request, webhook.owner, key, body), body
 
 
-async def _key(route: Route, source: KeySource, request: web.Request, body: bytes) -> str | None:
+async def _key(
+    ctx: ProxyContext, route: Route, source: KeySource, request: web.Request, body: bytes
+) -> str | None:
     """SPEC §4.1: a source that is absent or not a valid key is `require_key`'s to decide. A
-    large body is parsed on a worker thread (http/offload.py)."""
+    large body is parsed off the event loop (http/offload.py)."""
     try:
-        key = await off_loop(body, source.key, request.headers, body)
+        if source.needs_body:
+            key = await ctx.offload(body, source.body_key, body)
+        else:
+            key = source.key(request.headers, body)
     except KeyInvalid:
         if route.require_key:
             raise
