@@ -5,7 +5,7 @@ job over as `unknown` once the lease ran out, but until one comes the job would 
 missing from `idemproxy_unknown_jobs` and `jobs list --state unknown`, refused by `jobs
 resolve`, never released by `unknown_ttl`. So every proxy looks for such jobs every
 `sweeper.takeover_interval` seconds and takes them over with the same compare-and-swap a request
-uses (`Store.take_over`): of the proxies and requests that try at once exactly one wins.
+uses (`JobStore.take_over`): of the proxies and requests that try at once exactly one wins.
 
 Only leases that ran out at least one `lease` ago by the database clock are taken: a live proxy
 whose renewal is merely late keeps its job unless a request for the key notices first, as before.
@@ -17,15 +17,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.base import Store
+from idemproxy.store.ports import Housekeeping, JobStore
 
 log = logging.getLogger(__name__)
 
 
+class OrphanedStore(Housekeeping, JobStore, Protocol):
+    """The takeover's store: housekeeping's read of expired leases, and the request path's
+    takeover (SPEC §3.5), which announces the change to every waiter."""
+
+
 async def take_over_forever(
-    store: Store,
+    store: OrphanedStore,
     *,
     interval: float,
     lease: float,
@@ -46,7 +52,7 @@ async def take_over_forever(
             log.exception("takeover: unexpected error; will retry in %.1fs", interval)
 
 
-async def take_over_orphans(store: Store, *, older_than: float, batch_size: int) -> int:
+async def take_over_orphans(store: OrphanedStore, *, older_than: float, batch_size: int) -> int:
     """Take over every job whose lease ran out `older_than` seconds ago, a small batch at a
     time (one short read, then one CAS per job); returns how many this process won."""
     total = 0
