@@ -3,16 +3,19 @@ every backend shares (SPEC §11)."""
 
 from __future__ import annotations
 
+import abc
 import time
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from types import TracebackType
 from typing import Any
 
-from idemproxy.core.types import Job, KeptResponse, SealedResponse, StoredResponse
+from idemproxy.core.types import Job, JobState, KeptResponse, SealedResponse, StoredResponse
 from idemproxy.errors import ResponseUnreadable, StoreUnavailable
 from idemproxy.store.batching import GroupCommit
 from idemproxy.store.ports import (
     AttemptFailure,
+    Change,
+    ChangeHook,
     Housekeeping,
     JobStore,
     LateResponse,
@@ -20,6 +23,7 @@ from idemproxy.store.ports import (
     Observer,
     Operators,
     Resealing,
+    ResponseSeal,
 )
 from idemproxy.store.watch import JobWatch
 
@@ -46,11 +50,22 @@ def key_of(response: KeptResponse | None) -> str | None:
 
 
 class Store(JobStore, Operators, Housekeeping, Resealing, Lifecycle):
-    """A durable home for jobs and attempts, the store of record: every port (store/ports.py)."""
+    """A durable home for jobs and attempts, the store of record: every port (store/ports.py).
+
+    The layers in front of its hot path (store/layers.py) learn of the changes the other
+    interfaces make through `hooks`, and the seal of responses (`seal`) applies to them too:
+    an operator's resolution, deletion and resealing reach this store directly, not through
+    the layers. A backend implements the statements (`_resolve`, `_delete`, `_reseal`); this
+    class calls the hooks around them.
+    """
 
     def __init__(self) -> None:
         self.watch = JobWatch()
         self.observer: Observer | None = None
+        # Replay caches in front, in the order they were put there (innermost first).
+        self.hooks: list[ChangeHook] = []
+        # The key ring's codec when responses are sealed at rest (SPEC §11), else None.
+        self.seal: ResponseSeal | None = None
 
     def observed(self, operation: str) -> AbstractContextManager[None]:
         """Times the block for `observer`; it failed if it raised StoreUnavailable."""
@@ -63,8 +78,9 @@ class Store(JobStore, Operators, Housekeeping, Resealing, Lifecycle):
         return self.watch.subscribe(job_id)
 
     def opened(self, job: Job, response: KeptResponse) -> StoredResponse:
-        """A store with no key ring refuses a sealed response (store/seal/store.py has the
-        ring)."""
+        """With no key ring, a sealed response does not open (SPEC §11)."""
+        if self.seal is not None:
+            return self.seal.open(job, response)
         if isinstance(response, StoredResponse):
             return response
         raise ResponseUnreadable(missing_key(job, response.key_id))
@@ -72,6 +88,61 @@ class Store(JobStore, Operators, Housekeeping, Resealing, Lifecycle):
     def group_commits(self) -> tuple[GroupCommit[Any, Any], ...]:
         """None by default."""
         return ()
+
+    # --- the writes every replay cache must learn of ---------------------------------------------
+
+    async def resolve(
+        self,
+        job: Job,
+        state: JobState,
+        *,
+        response: KeptResponse | None = None,
+        ttl: float = 0.0,
+        resolution: str = "operator",
+    ) -> bool:
+        if response is not None and self.seal is not None:
+            response = self.seal.seal(job, response)  # SPEC §11: before any layer keeps it
+        won = await self._resolve(job, state, response=response, ttl=ttl, resolution=resolution)
+        for hook in self.hooks:
+            hook.changed(job, Change.RESOLVED, won)
+        return won
+
+    async def delete(self, job: Job, *, force: bool = False) -> bool:
+        for hook in reversed(self.hooks):  # the outermost first, as a call through them went
+            await hook.deleting(job)
+        won = False
+        try:
+            won = await self._delete(job, force=force)
+        finally:  # failed too: a read under way meanwhile may predate the deletion
+            for hook in self.hooks:
+                hook.changed(job, Change.DELETED, won)
+        return won
+
+    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
+        won = await self._reseal(job, sealed)
+        for hook in self.hooks:
+            hook.changed(job, Change.RESEALED, won)
+        return won
+
+    @abc.abstractmethod
+    async def _resolve(
+        self,
+        job: Job,
+        state: JobState,
+        *,
+        response: KeptResponse | None,
+        ttl: float,
+        resolution: str,
+    ) -> bool:
+        """`resolve`'s statement, `response` as it is to be kept."""
+
+    @abc.abstractmethod
+    async def _delete(self, job: Job, *, force: bool) -> bool:
+        """`delete`'s statement."""
+
+    @abc.abstractmethod
+    async def _reseal(self, job: Job, sealed: SealedResponse) -> bool:
+        """`reseal`'s statement."""
 
 
 class _Observed(AbstractContextManager[None]):

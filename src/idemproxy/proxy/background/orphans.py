@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.ports import Housekeeping, JobStore
@@ -25,13 +24,9 @@ from idemproxy.store.ports import Housekeeping, JobStore
 log = logging.getLogger(__name__)
 
 
-class OrphanedStore(Housekeeping, JobStore, Protocol):
-    """The takeover's store: housekeeping's read of expired leases, and the request path's
-    takeover (SPEC §3.5), which announces the change to every waiter."""
-
-
 async def take_over_forever(
-    store: OrphanedStore,
+    store: Housekeeping,
+    jobs: JobStore,
     *,
     interval: float,
     lease: float,
@@ -42,7 +37,7 @@ async def take_over_forever(
     while True:
         await asyncio.sleep(interval)
         try:
-            taken = await take_over_orphans(store, older_than=lease, batch_size=batch_size)
+            taken = await take_over_orphans(store, jobs, older_than=lease, batch_size=batch_size)
             if taken and on_taken is not None:
                 await on_taken(taken)
         except StoreUnavailable:
@@ -52,15 +47,18 @@ async def take_over_forever(
             log.exception("takeover: unexpected error; will retry in %.1fs", interval)
 
 
-async def take_over_orphans(store: OrphanedStore, *, older_than: float, batch_size: int) -> int:
+async def take_over_orphans(
+    store: Housekeeping, jobs: JobStore, *, older_than: float, batch_size: int
+) -> int:
     """Take over every job whose lease ran out `older_than` seconds ago, a small batch at a
-    time (one short read, then one CAS per job); returns how many this process won."""
+    time (one short read of `store`, then one CAS per job on the hot path, `jobs`, whose
+    layers announce it as a request's takeover is); returns how many this process won."""
     total = 0
     while True:
         orphans = await store.expired_leases(older_than, batch_size)
         won = 0
         for job in orphans:
-            if await store.take_over(job):
+            if await jobs.take_over(job):
                 won += 1
                 log.warning(
                     "job %s: its lease ran out (its proxy died mid-attempt); taken over as "
