@@ -1,4 +1,8 @@
-"""The store contract (SPEC §2, §3, §11): every test runs against SQLite and PostgreSQL alike."""
+"""The store contract of the hot path (SPEC §2, §3, §11): claim, complete, settle, the next
+attempt, expiry and watching, through the layers in front of the store (`hot`), on every store
+of tests/store/conftest.py. Leases, takeover, fail-over and hedging: test_contract_attempts.py;
+the other interfaces: test_contract_{operators,housekeeping,lifecycle}.py, and sealing and
+resealing: test_contract_sealed.py."""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
-from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -22,11 +24,9 @@ from idemproxy.core.types import (
     JobState,
     StoredResponse,
 )
-from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.store.ports import Housekeeping, JobStore, Lifecycle, Operators
-from idemproxy.store.queries import load_migrations
+from idemproxy.store.ports import JobStore, Operators
 
 TTL = 3600.0
 LEASE = 30.0
@@ -369,54 +369,6 @@ async def test_forget_with_a_stale_version_loses(hot: JobStore, operators: Opera
     assert await operators.get_by_id(claimed.job.id) is not None
 
 
-async def test_sweep_deletes_expired_terminal_jobs_in_batches(
-    hot: JobStore, operators: Operators, housekeeping: Housekeeping
-) -> None:
-    gone = [await completed(hot, operators, f"c{i}", ttl=0) for i in range(5)]
-    gone += [await settled(hot, operators, JobState.RELEASED, f"r{i}", ttl=0) for i in range(2)]
-    assert [await housekeeping.sweep_expired(3) for _ in range(4)] == [3, 3, 1, 0]
-    for job in gone:
-        assert await operators.get_by_id(job.id) is None
-
-
-async def test_sweep_never_deletes_in_flight_unknown_or_live_jobs(
-    hot: JobStore, operators: Operators, housekeeping: Housekeeping
-) -> None:
-    kept = [
-        (await claim(hot, "in-flight", ttl=0)).job,
-        await settled(hot, operators, JobState.UNKNOWN, "unknown", ttl=0),
-        await completed(hot, operators, "live"),
-        await settled(hot, operators, JobState.RELEASED, "live-released"),
-    ]
-    assert await housekeeping.sweep_expired(100) == 0
-    for job in kept:
-        assert await operators.get_by_id(job.id) is not None
-
-
-# --- listing and health -----------------------------------------------------------------------
-
-
-async def test_list_jobs_filters_by_state_and_owner(hot: JobStore, operators: Operators) -> None:
-    done = await completed(hot, operators, "a")
-    unknown = await settled(hot, operators, JobState.UNKNOWN, "b")
-    bobs = (await claim(hot, "a", owner="bob")).job
-    assert ids(await operators.list_jobs()) == {done.id, unknown.id, bobs.id}
-    assert ids(await operators.list_jobs(state=JobState.UNKNOWN)) == {unknown.id}
-    assert ids(await operators.list_jobs(owner="bob")) == {bobs.id}
-    assert ids(await operators.list_jobs(state=JobState.IN_FLIGHT, owner="alice")) == set()
-    assert len(await operators.list_jobs(limit=2)) == 2
-
-
-async def test_listed_jobs_carry_their_response(hot: JobStore, operators: Operators) -> None:
-    done = await completed(hot, operators)
-    [listed] = await operators.list_jobs(state=JobState.COMPLETED)
-    assert (listed.id, listed.response, listed.version) == (done.id, RESPONSE, done.version)
-
-
-async def test_ping(lifecycle: Lifecycle) -> None:
-    await lifecycle.ping()
-
-
 # --- watching ---------------------------------------------------------------------------------
 
 
@@ -473,54 +425,6 @@ async def test_changes_of_unwatched_jobs_cost_no_notification(replicated_dsn: st
             assert not await sub.wait(QUIET * 4)
 
 
-# --- migrations -------------------------------------------------------------------------------
-
-
-async def test_migrate_again_applies_nothing(hot: JobStore, lifecycle: Lifecycle) -> None:
-    assert await lifecycle.migrate() == []
-    await claim(hot)
-
-
-async def test_migrate_a_new_sqlite_database(sqlite_dsn: str) -> None:
-    async with open_store(sqlite_dsn) as store:
-        assert await store.migrate() == [version for version, _ in load_migrations("sqlite")]
-        assert await store.migrate() == []
-
-
-# --- store errors -----------------------------------------------------------------------------
-
-
-@pytest.mark.postgres
-async def test_unreachable_postgres_is_store_unavailable() -> None:
-    store = create_store("postgresql://postgres@127.0.0.1:1/postgres", command_timeout=1.0)
-    try:
-        with pytest.raises(StoreUnavailable):  # from open(), or from the first call at the latest
-            await store.open()
-            await store.ping()
-    finally:
-        await store.close()
-
-
-@pytest.mark.postgres
-async def test_postgres_going_away_is_store_unavailable(pg_dsn: str, pg_server_dsn: str) -> None:
-    database = urlsplit(pg_dsn).path.lstrip("/")
-    async with open_store(pg_dsn) as store:
-        await store.ping()
-        admin = await asyncpg.connect(pg_server_dsn)
-        try:
-            await allow_connections(admin, database, allow=False)
-            await end_connections(admin, database)
-            with pytest.raises(StoreUnavailable):
-                await store.ping()
-            with pytest.raises(StoreUnavailable):
-                await store.claim(intent(), str(uuid.uuid4()), "primary", ttl=TTL, lease=LEASE)
-            await allow_connections(admin, database, allow=True)
-        finally:
-            await admin.close()
-        await store.ping()  # the pool reconnects on its own
-        await wait_until_listening(store)  # and so does the change feed
-
-
 async def allow_connections(admin: asyncpg.Connection, database: str, *, allow: bool) -> None:
     await admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS {str(allow).lower()}')
 
@@ -531,22 +435,3 @@ async def end_connections(admin: asyncpg.Connection, database: str) -> None:
         "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = $1",
         database,
     )
-
-
-async def test_a_corrupt_sqlite_file_is_store_unavailable(tmp_path: Path) -> None:
-    (tmp_path / "idemproxy.db").write_bytes(b"this is not a database" * 100)
-    store = create_store(f"sqlite:///{tmp_path}/idemproxy.db")
-    try:
-        with pytest.raises(StoreUnavailable):
-            await store.open()
-            await store.migrate()
-    finally:
-        await store.close()
-
-
-async def test_a_closed_store_is_store_unavailable(hot: JobStore, lifecycle: Lifecycle) -> None:
-    await lifecycle.close()
-    with pytest.raises(StoreUnavailable):
-        await lifecycle.ping()
-    with pytest.raises(StoreUnavailable):
-        await hot.get("alice", "k1")

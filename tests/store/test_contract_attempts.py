@@ -1,5 +1,6 @@
-"""The store contract for leases, takeover, fail-over, hedging and operator resolution
-(SPEC §3.2-§3.5): every test runs against SQLite and PostgreSQL alike.
+"""The store contract of the hot path's leases, takeover, fail-over and hedging (SPEC §3.2-§3.5),
+on every store of tests/store/conftest.py; the operators' resolution and deletion are in
+test_contract_operators.py.
 
 Lease tests use leases of a fraction of a second: every lease time comes from the database
 clock, so they only sleep past it, never compare it with the test's own clock.
@@ -11,11 +12,10 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from datetime import timedelta
 
 import pytest
 
-from idemproxy.core.decision import Policy, Replay, TakeOver, decide
+from idemproxy.core.decision import Policy, TakeOver, decide
 from idemproxy.core.types import (
     AttemptState,
     Claimed,
@@ -27,7 +27,7 @@ from idemproxy.core.types import (
 )
 from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.factory import create_store
-from idemproxy.store.ports import Housekeeping, JobStore, Operators
+from idemproxy.store.ports import JobStore, Operators
 from idemproxy.store.watch import JobWatch
 
 TTL = 3600.0
@@ -513,296 +513,10 @@ async def test_a_hedged_attempt_shares_the_version_and_extends_the_lease(hot: Jo
 # --- resolve (SPEC §3.3) ----------------------------------------------------------------------
 
 
-async def test_resolve_as_completed_stores_a_response_to_replay(
-    hot: JobStore, operators: Operators
-) -> None:
-    job = await unknown_job(hot, operators)
-    assert await operators.resolve(job, JobState.COMPLETED, response=OPERATOR, ttl=TTL)
-
-    found = await current(hot, job)
-    assert (found.state, found.version, found.resolution, found.completed_by) == (
-        JobState.COMPLETED,
-        job.version + 1,
-        "operator",
-        0,
-    )
-    assert found.response == OPERATOR
-    assert found.expires_at is not None and found.updated_at is not None
-    assert abs(found.expires_at - found.updated_at - timedelta(seconds=TTL)) < timedelta(seconds=1)
-    assert not found.expired
-    # A retry of the intent now gets the operator's response (SPEC §7).
-    assert decide(found, "fp1", Policy()) == Replay(OPERATOR)
-    again = await hot.claim(intent(), str(uuid.uuid4()), "primary", ttl=TTL, lease=LEASE)
-    assert isinstance(again, Existing) and again.job.response == OPERATOR
-    # The attempt history is not rewritten: it really did end unknown.
-    assert attempts(await job_of(operators, job.id)) == [(1, AttemptState.UNKNOWN, None, "timeout")]
-    assert await operators.count_unknown() == 0
-
-
-async def test_resolve_as_released_lets_the_next_retry_run(
-    hot: JobStore, operators: Operators
-) -> None:
-    job = await unknown_job(hot, operators)
-    assert await operators.resolve(job, JobState.RELEASED, resolution="unknown_ttl")
-
-    found = await current(hot, job)
-    assert (found.state, found.version, found.resolution, found.response) == (
-        JobState.RELEASED,
-        job.version + 1,
-        "unknown_ttl",
-        None,
-    )
-    started = await hot.start_next_attempt(found, "primary", lease=LEASE)
-    assert started is not None and started.attempt == 2
-    assert await hot.complete(started.job, 2, RESPONSE, ttl=TTL)
-    done = await job_of(operators, job.id)
-    assert (done.state, done.completed_by) == (JobState.COMPLETED, 2)
-    assert [a.state for a in done.attempts] == [AttemptState.UNKNOWN, AttemptState.SUCCEEDED]
-
-
-async def test_resolve_a_job_that_was_taken_over(hot: JobStore, operators: Operators) -> None:
-    job = await expired_lease(hot)
-    assert await hot.take_over(job)
-    taken = await current(hot, job)
-    assert await operators.resolve(taken, JobState.COMPLETED, response=OPERATOR, ttl=TTL)
-    assert (await current(hot, job)).response == OPERATOR
-
-
-@pytest.mark.parametrize("state", [JobState.COMPLETED, JobState.RELEASED])
-async def test_resolve_only_settles_unknown_jobs(
-    hot: JobStore, operators: Operators, state: JobState
-) -> None:
-    in_flight = (await claim(hot, "in-flight")).job
-    done = await claim(hot, "done")
-    assert await hot.complete(done.job, 1, RESPONSE, ttl=TTL)
-    released = await claim(hot, "released")
-    assert await hot.settle(released.job, 1, JobState.RELEASED, status=503)
-    for job in (in_flight, await current(hot, done.job), await current(hot, released.job)):
-        assert not await operators.resolve(job, state, response=OPERATOR, ttl=TTL)
-        after = await current(hot, job)
-        assert (after.state, after.version, after.resolution) == (job.state, job.version, None)
-    assert (await current(hot, done.job)).response == RESPONSE
-
-
-async def test_resolve_with_a_stale_version_loses(hot: JobStore, operators: Operators) -> None:
-    job = await unknown_job(hot, operators)
-    assert await operators.resolve(job, JobState.RELEASED)
-    assert not await operators.resolve(job, JobState.COMPLETED, response=OPERATOR, ttl=TTL)
-    assert not await operators.resolve(job, JobState.RELEASED)
-    after = await current(hot, job)
-    assert (after.state, after.version, after.response) == (
-        JobState.RELEASED,
-        job.version + 1,
-        None,
-    )
-
-
-async def test_of_two_concurrent_resolutions_exactly_one_wins(
-    hot: JobStore, operators: Operators, store_dsn: str
-) -> None:
-    job = await unknown_job(hot, operators)
-    async with open_store(store_dsn) as other_operator:
-        results = await asyncio.gather(
-            operators.resolve(job, JobState.COMPLETED, response=OPERATOR, ttl=TTL),
-            other_operator.resolve(job, JobState.RELEASED),
-            operators.resolve(job, JobState.RELEASED),
-            other_operator.resolve(job, JobState.COMPLETED, response=OPERATOR, ttl=TTL),
-        )
-    assert results.count(True) == 1, results
-    after = await current(hot, job)
-    assert after.version == job.version + 1
-    winner = results.index(True)
-    if winner in (0, 3):
-        assert (after.state, after.response) == (JobState.COMPLETED, OPERATOR)
-    else:
-        assert (after.state, after.response) == (JobState.RELEASED, None)
-
-
-@pytest.mark.parametrize("response", [None, StoredResponse(200, (), None)], ids=["none", "omitted"])
-async def test_resolve_as_completed_needs_a_body(
-    hot: JobStore, operators: Operators, response: StoredResponse | None
-) -> None:
-    job = await unknown_job(hot, operators)
-    with pytest.raises(ValueError, match="needs a response"):
-        await operators.resolve(job, JobState.COMPLETED, response=response)
-    with pytest.raises(ValueError):
-        await operators.resolve(job, JobState.IN_FLIGHT)
-    assert (await current(hot, job)).state is JobState.UNKNOWN
-
-
-@pytest.mark.parametrize("state", [JobState.COMPLETED, JobState.RELEASED])
-async def test_resolve_wakes_waiters(hot: JobStore, operators: Operators, state: JobState) -> None:
-    job = await unknown_job(hot, operators)
-    await wait_until_listening(hot)
-    async with hot.watching(job.id) as sub:
-        assert await operators.resolve(job, state, response=OPERATOR, ttl=TTL)
-        assert await sub.wait(WAKE_TIMEOUT)
-
-
 # --- delete, stale_unknown, count_unknown (SPEC §3.3, §13) ------------------------------------
 
 
-async def test_delete_removes_the_job_and_its_attempts(hot: JobStore, operators: Operators) -> None:
-    job = await unknown_job(hot, operators)
-    assert await operators.delete(job)
-    assert await operators.get_by_id(job.id) is None
-    assert await hot.get(job.owner, job.key) is None
-    assert not await operators.delete(job)
-    # The key is free again: a new job with a fresh first attempt.
-    fresh = await claim(hot)
-    assert fresh.job.id != job.id
-    assert attempts(await job_of(operators, fresh.job.id)) == [
-        (1, AttemptState.STARTED, None, None)
-    ]
-
-
-async def test_delete_is_a_cas_on_the_version_and_names_the_owner(
-    hot: JobStore, operators: Operators
-) -> None:
-    alice = await unknown_job(hot, operators)
-    bob = await claim(hot, owner="bob")
-    assert not await operators.delete(alice._replace(owner="bob"))  # bob's key, alice's id
-    assert not await operators.delete(alice._replace(version=alice.version - 1))  # changed since
-    assert not await operators.delete(alice._replace(version=alice.version + 7), force=True)
-    assert await operators.get_by_id(alice.id) is not None
-    assert await operators.delete(alice)
-    assert await operators.get_by_id(alice.id) is None
-    assert await operators.get_by_id(bob.job.id) is not None
-
-
-async def test_delete_refuses_a_job_in_flight_with_a_live_lease_unless_forced(
-    hot: JobStore,
-    operators: Operators,
-) -> None:
-    running = await claim(hot)
-    assert not await operators.delete(running.job)
-    assert await operators.get_by_id(running.job.id) is not None
-    assert await operators.delete(running.job, force=True)
-    assert await operators.get_by_id(running.job.id) is None
-    # Its lease ran out by the database clock (its proxy died): no force needed.
-    dead = await expired_lease(hot, "k2")
-    assert await operators.delete(dead)
-
-
-async def test_delete_of_a_released_job_a_retry_restarted_loses(
-    hot: JobStore, operators: Operators
-) -> None:
-    claimed = await claim(hot)
-    assert await hot.settle(claimed.job, 1, JobState.RELEASED, status=503)
-    read = await current(hot, claimed.job)  # what an operator saw: released
-    assert await hot.start_next_attempt(read, "primary", lease=LEASE) is not None
-    assert not await operators.delete(read)
-    assert not await operators.delete(read, force=True)
-    assert (await current(hot, read)).state is JobState.IN_FLIGHT
-
-
-async def test_delete_wakes_waiters(hot: JobStore, operators: Operators) -> None:
-    claimed = await claim(hot)
-    async with held(hot, claimed.job) as sub:
-        assert await operators.delete(claimed.job, force=True)
-        assert await sub.wait(WAKE_TIMEOUT)
-
-
-async def test_stale_unknown_lists_old_unknown_jobs_oldest_first(
-    hot: JobStore, operators: Operators, housekeeping: Housekeeping
-) -> None:
-    # "young" must stay younger than `stale_after` through the checks below, which on a loaded
-    # machine (a Citus cluster's multi-shard reads included) take a good part of a second.
-    stale_after, aged = 1.5, 1.8
-    old = []
-    for i in range(3):
-        old.append(await unknown_job(hot, operators, f"old-{i}"))
-        await asyncio.sleep(0.01)  # distinct updated_at, even at SQLite's millisecond clock
-    assert all(job.updated_at is not None for job in old)
-    done = await claim(hot, "done")
-    assert await hot.complete(done.job, 1, RESPONSE, ttl=TTL)
-    await claim(hot, "in-flight")
-    released = await claim(hot, "released")
-    assert await hot.settle(released.job, 1, JobState.RELEASED, status=503)
-    resolved = await unknown_job(hot, operators, "resolved")
-    assert await operators.resolve(resolved, JobState.RELEASED)
-    await asyncio.sleep(aged)
-    young = await unknown_job(hot, operators, "young")
-
-    stale = await housekeeping.stale_unknown(stale_after, 10)
-    assert [job.id for job in stale] == [job.id for job in old]
-    assert all(job.state is JobState.UNKNOWN for job in stale)
-    first_two = await housekeeping.stale_unknown(stale_after, 2)
-    assert [job.id for job in first_two] == [job.id for job in old[:2]]
-    assert young.id in {job.id for job in await housekeeping.stale_unknown(0, 10)}
-    assert await housekeeping.stale_unknown(60, 10) == []
-
-    # A job becomes stale when it last changed, not when it was created.
-    assert await housekeeping.stale_unknown(stale_after, 10) == stale
-    settled_late = await claim(hot, "settled-late")
-    await asyncio.sleep(aged)
-    assert await hot.settle(settled_late.job, 1, JobState.UNKNOWN, error="timeout")
-    assert settled_late.job.id not in {
-        job.id for job in await housekeeping.stale_unknown(stale_after, 10)
-    }
-
-
-async def test_stale_unknown_jobs_can_be_released_by_their_version(
-    hot: JobStore, operators: Operators, housekeeping: Housekeeping
-) -> None:
-    # What unknown_ttl does with them: resolve by CAS on the version it listed.
-    job = await unknown_job(hot, operators)
-    await asyncio.sleep(0.1)
-    [stale] = await housekeeping.stale_unknown(0.05, 10)
-    assert stale.version == job.version
-    assert await operators.resolve(stale, JobState.RELEASED, resolution="unknown_ttl")
-    assert await housekeeping.stale_unknown(0, 10) == []
-
-
-async def test_count_unknown(hot: JobStore, operators: Operators) -> None:
-    assert await operators.count_unknown() == 0
-    first = await unknown_job(hot, operators, "a")
-    second = await unknown_job(hot, operators, "b")
-    done = await claim(hot, "c")
-    assert await hot.complete(done.job, 1, RESPONSE, ttl=TTL)
-    await claim(hot, "d")
-    stalled = await expired_lease(hot, "e")  # in flight with an expired lease: not unknown yet
-    assert await operators.count_unknown() == 2
-    assert await hot.take_over(stalled)
-    assert await operators.count_unknown() == 3
-    assert await operators.resolve(first, JobState.RELEASED)
-    assert await operators.delete(second)
-    assert await operators.count_unknown() == 1
-
-
 # --- expired_leases: the background takeover (SPEC §3.5) ---------------------------------------
-
-
-async def test_expired_leases_lists_jobs_in_flight_whose_lease_ran_out_long_enough_ago(
-    hot: JobStore,
-    operators: Operators,
-    housekeeping: Housekeeping,
-) -> None:
-    first = await expired_lease(hot, "dead-1")
-    second = await expired_lease(hot, "dead-2")
-    await claim(hot, "alive")  # a live lease
-    done = await claim(hot, "done", lease=0.05)
-    assert await hot.complete(done.job, 1, RESPONSE, ttl=TTL)
-    await unknown_job(hot, operators, "unknown")
-
-    found = await housekeeping.expired_leases(0.0, 10)
-    assert [job.id for job in found] == [first.id, second.id]  # the oldest lease first
-    assert all(job.state is JobState.IN_FLIGHT and job.lease_expired for job in found)
-    assert [job.id for job in await housekeeping.expired_leases(0.0, 1)] == [first.id]
-    # Not yet one `older_than` past the lease's end, by the database clock.
-    assert await housekeeping.expired_leases(60.0, 10) == []
-
-    # What the background pass does with each: the request's own takeover CAS.
-    assert await hot.take_over(found[0])
-    assert not await hot.take_over(found[0])
-    taken = await job_of(operators, first.id)
-    assert taken.state is JobState.UNKNOWN
-    assert attempts(taken) == [(1, AttemptState.UNKNOWN, None, "lease expired")]
-    assert [job.id for job in await housekeeping.expired_leases(0.0, 10)] == [second.id]
-    # A lease renewed meanwhile (a live proxy that was only late) is not taken over.
-    assert await hot.renew_lease(found[1], lease=LEASE)
-    assert not await hot.take_over(found[1])
-    assert await housekeeping.expired_leases(0.0, 10) == []
 
 
 # --- late responses kept for the operator (SPEC §3.3) ------------------------------------------

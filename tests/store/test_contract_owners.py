@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
-from datetime import UTC, datetime, timedelta
 
 from idemproxy.core.quota import QuotaLimits
-from idemproxy.core.types import Claimed, Existing, Intent, JobState, StoredResponse
+from idemproxy.core.types import Claimed, Existing, Intent, StoredResponse
 from idemproxy.identity.ids import new_job_id
-from idemproxy.store.ports import JobStore, Operators
+from idemproxy.store.ports import JobStore
 
 TTL, LEASE = 600.0, 30.0
 UPSTREAM = "http://upstream:3000"
@@ -55,36 +53,6 @@ async def test_rate_and_stored_bytes(hot: JobStore) -> None:
     assert isinstance(
         await _claim_within(hot, "s2", QuotaLimits(stored_bytes=6), owner="carol"), Claimed
     )
-
-
-async def test_owner_jobs_pages_one_owners_jobs_in_id_order(
-    hot: JobStore, operators: Operators
-) -> None:
-    ids = []
-    for key in ("k1", "k2", "k3"):
-        claimed = await hot.claim(_intent(key), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE)
-        assert isinstance(claimed, Claimed)
-        ids.append(claimed.job.id)
-    legacy = str(uuid.uuid4())  # an id of the versions before UUIDv7 ids
-    assert isinstance(
-        await hot.claim(_intent("old"), legacy, UPSTREAM, ttl=TTL, lease=LEASE), Claimed
-    )
-    assert isinstance(
-        await hot.claim(_intent("k1", "bob"), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE),
-        Claimed,
-    )
-    later = datetime.now(UTC) + timedelta(minutes=1)
-    seen: list[str] = []
-    after = FIRST
-    while batch := await operators.owner_jobs("alice", after=after, before=later, limit=2):
-        assert len(batch) <= 2 and all(job.owner == "alice" for job in batch)
-        seen.extend(job.id for job in batch)
-        after = batch[-1].id
-    assert seen == sorted([*ids, legacy])
-    every = await operators.owner_jobs("alice", after=FIRST, before=later, limit=10)
-    assert {job.state for job in every} == {JobState.IN_FLIGHT}
-    earlier = datetime.now(UTC) - timedelta(minutes=1)
-    assert await operators.owner_jobs("alice", after=FIRST, before=earlier, limit=10) == []
 
 
 async def test_concurrent_new_keys_cannot_store_past_the_bytes_limit(hot: JobStore) -> None:
