@@ -4,6 +4,7 @@ which a layer learns of the operators' changes (store.ports.ChangeHook)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.errors import StoreUnavailable
+from idemproxy.proxy.background.orphans import take_over_orphans
 from idemproxy.store.base import Store
 from idemproxy.store.layers import JobLayer, StoreStack
 from idemproxy.store.ports import Change
@@ -197,3 +199,29 @@ async def test_the_record_seals_an_operators_resolution_with_its_ring(
     assert done is not None and done.response is not None
     assert done.response != RESPONSE and ring.open(done, done.response) == RESPONSE
     assert record.opened(done, done.response) == RESPONSE
+
+
+class Takeovers(JobLayer):
+    """A layer that acts on takeovers only (as the Redis cache announces them)."""
+
+    def __init__(self, inner: Store | JobLayer) -> None:
+        super().__init__(inner)
+        self.taken: list[str] = []
+
+    async def take_over(self, job: Job) -> bool:
+        self.taken.append(job.id)
+        return await self.inner.take_over(job)
+
+
+async def test_the_background_takeover_goes_through_the_hot_paths_layers(
+    record: SqliteStore,
+) -> None:
+    """SPEC §3.5: an orphan taken over in the background is announced as a request's takeover
+    is; the expired leases are read from the store of record."""
+    layer = Takeovers(record)
+    intent = Intent("alice", "orphan", "fp", "POST", "/pay")
+    claimed = await layer.claim(intent, str(uuid.uuid4()), "primary", ttl=60, lease=0.05)
+    assert isinstance(claimed, Claimed)
+    await asyncio.sleep(0.3)
+    assert await take_over_orphans(record, layer, older_than=0.1, batch_size=10) == 1
+    assert layer.taken == [claimed.job.id]

@@ -157,18 +157,18 @@ async def _stores(
 
 
 async def _start_housekeeping(
-    ctx: ProxyContext, store: Store, stack: contextlib.AsyncExitStack
+    ctx: ProxyContext, record: Store, stack: contextlib.AsyncExitStack
 ) -> None:
     settings = ctx.settings
     # SPEC §3.4: fallbacks are eligible only once they passed their contract check.
     gates = [route.gate for route in ctx.routes.routes if route.gate is not None]
     await asyncio.gather(*(gate.check(ctx.upstream) for gate in gates))
     tasks = [
-        asyncio.create_task(refresh_gauges(ctx.metrics, store, settings.sweeper.interval)),
+        asyncio.create_task(refresh_gauges(ctx.metrics, record, settings.sweeper.interval)),
         asyncio.create_task(keep_checking(gates, ctx.upstream)),
         asyncio.create_task(
             sweep_forever(
-                store,
+                record,
                 interval=settings.sweeper.interval,
                 batch_size=settings.sweeper.batch_size,
                 unknown_ttl=settings.unknown_ttl,
@@ -176,12 +176,12 @@ async def _start_housekeeping(
         ),
         asyncio.create_task(
             take_over_forever(
-                store,
-                ctx.store,
+                record,
+                ctx.store,  # the hot path: its layers announce a takeover as a request's
                 interval=settings.sweeper.takeover_interval,
                 lease=settings.lease,
                 batch_size=settings.sweeper.batch_size,
-                on_taken=_counted(ctx.metrics, store),
+                on_taken=_counted(ctx.metrics, record),
             )
         ),
     ]
