@@ -1,6 +1,6 @@
 """The layers in front of the hot path and the store of record behind them (store/layers.py):
 which layers a call crosses, the order the stack opens and closes in, and the hooks through
-which a layer learns of the operators' changes (store.ports.ChangeHook)."""
+which a layer learns of the operators' changes (store.hooks.ChangeHook)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from idemproxy.core.types import (
 from idemproxy.errors import StoreUnavailable
 from idemproxy.proxy.background.orphans import take_over_orphans
 from idemproxy.store.base import Store
+from idemproxy.store.hooks import Change
 from idemproxy.store.layers import JobLayer, StoreStack
-from idemproxy.store.ports import Change
 from idemproxy.store.sqlite.store import SqliteStore
 from tests.support.keyring import OLD, codec
 

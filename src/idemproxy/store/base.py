@@ -12,10 +12,9 @@ from typing import Any
 from idemproxy.core.types import Job, JobState, KeptResponse, SealedResponse, StoredResponse
 from idemproxy.errors import ResponseUnreadable, StoreUnavailable
 from idemproxy.store.batching import GroupCommit
+from idemproxy.store.hooks import Change, ChangeHook, ResponseSeal
 from idemproxy.store.ports import (
     AttemptFailure,
-    Change,
-    ChangeHook,
     Housekeeping,
     JobStore,
     LateResponse,
@@ -23,7 +22,6 @@ from idemproxy.store.ports import (
     Observer,
     Operators,
     Resealing,
-    ResponseSeal,
 )
 from idemproxy.store.watch import JobWatch
 

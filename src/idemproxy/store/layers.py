@@ -4,7 +4,8 @@ A replay cache (store/cache/memory.py, store/redis/cache.py) or the sealing of r
 (store/seal/store.py) is a `JobLayer`: it wraps `JobStore`, the request path's interface, and
 nothing else. The operators, housekeeping and resealing reach the store of record directly;
 what a layer must learn of their changes, it learns through the record's hooks
-(`store.ports.ChangeHook`), and the record seals and opens with the layer's key ring.
+(`store.hooks.ChangeHook`), and the record seals and opens with the same key ring as the
+sealing layer (store/factory.py `wrap_with_seal`).
 
 A call a layer adds nothing to does not pass through it: each layer binds the methods it does
 not override straight to the next layer (or store) that does, once, when it is built, so that

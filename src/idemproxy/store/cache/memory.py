@@ -49,8 +49,8 @@ from idemproxy.store.cache.replay import (
     body_bytes,
     seconds_left,
 )
+from idemproxy.store.hooks import Change
 from idemproxy.store.layers import JobLayer
-from idemproxy.store.ports import Change
 
 log = logging.getLogger(__name__)
 # Bytes counted for an entry besides its body and headers' text: the entry, job, Existing and
@@ -155,7 +155,7 @@ class MemoryReplayCache(ReplayCache):
         self._drop_job(job.id)
         return await self.inner.forget(job)
 
-    # --- changes made past the hot path (store.ports.ChangeHook) ---------------------------------
+    # --- changes made past the hot path (store.hooks.ChangeHook) ---------------------------------
 
     async def deleting(self, job: Job) -> None:
         # Announced locally before and after: a read under way keeps nothing, and the feed's

@@ -48,8 +48,8 @@ from idemproxy.store.cache.replay import (
     seconds_left,
 )
 from idemproxy.store.feed import stop_feed
+from idemproxy.store.hooks import Change
 from idemproxy.store.layers import JobLayer
-from idemproxy.store.ports import Change
 from idemproxy.store.redis.client import EntryKeys, RedisCache, connect
 from idemproxy.store.redis.codec import decode, encode, entry_name, tombstone_name, watch_name
 from idemproxy.store.redis.feed import listen_forever
@@ -182,7 +182,7 @@ class RedisCachedStore(ReplayCache):
             self._drop_soon(job)
         return forgotten
 
-    # --- changes made past the hot path (store.ports.ChangeHook) ---------------------------------
+    # --- changes made past the hot path (store.hooks.ChangeHook) ---------------------------------
 
     async def deleting(self, job: Job) -> None:
         # Invalidate first: from here on no replica replays it from Redis, and a cache write
