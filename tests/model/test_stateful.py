@@ -93,8 +93,9 @@ from idemproxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from idemproxy.store.base import AttemptFailure, Store
+from idemproxy.store.base import AttemptFailure
 from idemproxy.store.cache.memory import MemoryReplayCache
+from idemproxy.store.layers import HOT_PATH, StoreStack
 from idemproxy.store.postgres.store import Connections, PostgresStore
 from idemproxy.store.sqlite.store import SqliteStore
 
@@ -444,7 +445,7 @@ class IdempotencyMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.model = ModelStore()
-        self.store: Store | None = None
+        self.store: StoreStack | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ids = itertools.count(1)
         self.winners: dict[str, StoredResponse] = {}  # job id -> its one winning response
@@ -472,7 +473,9 @@ class IdempotencyMachine(RuleBasedStateMachine):
         if self.store is None:
             return expected
         assert self.loop is not None
-        actual = self.loop.run_until_complete(getattr(self.store, name)(*args, **kwargs))
+        # The request path's calls go through the stack's layers, the rest to the record.
+        port = self.store.jobs if name in HOT_PATH else self.store.record
+        actual = self.loop.run_until_complete(getattr(port, name)(*args, **kwargs))
         assert agree(actual, expected), f"{name}: the store said {actual!r}, the model {expected!r}"
         return actual
 
@@ -920,13 +923,13 @@ class IdempotencyMachine(RuleBasedStateMachine):
             deleted = candidates[:batch]
         else:
             assert self.loop is not None
-            count = self.loop.run_until_complete(self.store.sweep_expired(batch))
+            count = self.loop.run_until_complete(self.store.record.sweep_expired(batch))
             assert count == min(batch, len(candidates)), (count, candidates)
             # Which of them went first is the store's choice (oldest expiry): ask it.
             deleted = [
                 job
                 for job in candidates
-                if self.loop.run_until_complete(self.store.get(job.owner, job.key)) is None
+                if self.loop.run_until_complete(self.store.jobs.get(job.owner, job.key)) is None
             ]
             assert len(deleted) == count, (count, deleted)
         for job in deleted:
@@ -941,7 +944,7 @@ class IdempotencyMachine(RuleBasedStateMachine):
             jobs = self.model.list_jobs(limit=1000)
         else:
             assert self.loop is not None
-            jobs = self.loop.run_until_complete(self.store.list_jobs(limit=1000))
+            jobs = self.loop.run_until_complete(self.store.record.list_jobs(limit=1000))
             by_slot = {(job.owner, job.key): job for job in jobs}
             assert len(by_slot) == len(jobs), "two jobs under one (owner, key)"
             assert by_slot.keys() == self.model.jobs.keys(), (by_slot.keys(), self.model.jobs)
@@ -985,7 +988,7 @@ class StoreMachine(IdempotencyMachine):
             self.loop.close()
             raise
 
-    async def open_store(self) -> Store:
+    async def open_store(self) -> StoreStack:
         raise NotImplementedError
 
     def teardown(self) -> None:
@@ -1012,11 +1015,11 @@ class SqliteMachine(StoreMachine):
         self.folder = Path(tempfile.mkdtemp(prefix="idemproxy-model-", dir=_RAM_DIR))
         super().__init__()
 
-    async def open_store(self) -> Store:
+    async def open_store(self) -> StoreStack:
         store = SqliteStore(str(self.folder / "idemproxy.db"))
         await store.open()
         await store.migrate()
-        return store
+        return StoreStack.of(store)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -1025,11 +1028,11 @@ class SqliteMachine(StoreMachine):
 class PostgresMachine(StoreMachine):
     dsn: ClassVar[str]
 
-    async def open_store(self) -> Store:
+    async def open_store(self) -> StoreStack:
         await self.empty_database()
         store = PostgresStore(self.dsn, connections=Connections(1, 2), listen=False)
         await store.open()
-        return store
+        return StoreStack.of(store)
 
     async def empty_database(self) -> None:
         conn = await asyncpg.connect(self.dsn)
@@ -1046,19 +1049,21 @@ class CachedPostgresMachine(PostgresMachine):
 
     hits: ClassVar[list[int]]  # per example: claims the cache answered
 
-    async def open_store(self) -> Store:
+    async def open_store(self) -> StoreStack:
         await self.empty_database()
         inner = PostgresStore(self.dsn, connections=Connections(1, 2))
         store = MemoryReplayCache(inner, max_bytes=1 << 20, max_body=1 << 16, ttl=60.0)
-        await store.open()
+        stack = StoreStack.of(store)
+        await stack.open()
         async with asyncio.timeout(10):  # the cache serves only once the change feed is live
             while not store.watch.live:  # noqa: ASYNC110 - a flag set by the feed task
                 await asyncio.sleep(0.01)
-        return store
+        return stack
 
     def teardown(self) -> None:
-        if isinstance(self.store, MemoryReplayCache):
-            self.hits.append(self.store.hits)
+        cache = None if self.store is None else self.store.layer(MemoryReplayCache)
+        if cache is not None:
+            self.hits.append(cache.hits)
         super().teardown()
 
 

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from idemproxy.proxy.context import CONTEXT
+from idemproxy.proxy.app import STORES
 from tests.support.backend import Ledger
 from tests.support.proxychecks import KEY
 from tests.support.slowreplies import SlowReplies
@@ -51,7 +51,7 @@ async def test_a_completion_whose_batch_answer_was_lost_replays_its_own_response
         for round_ in range(2):
             await asyncio.gather(*(post(f"warm-{round_}-{i}") for i in range(CONCURRENT)))
         batched: list[int] = []
-        for batcher in client.app[CONTEXT].store.group_commits():
+        for batcher in client.app[STORES].record.group_commits():
             batcher.observer = functools.partial(_late_batch_answers, relay, batched)
 
         keys = [f"lost-{i}" for i in range(CONCURRENT)]

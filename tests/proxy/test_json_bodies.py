@@ -17,7 +17,7 @@ from aiohttp import web
 
 from idemproxy.http.offload import IN_PROCESS_BYTES
 from idemproxy.identity import fingerprint
-from idemproxy.proxy.context import CONTEXT
+from idemproxy.proxy.app import STORES
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyClient, Server
@@ -133,7 +133,7 @@ BODIES = {"items": large_order, "members": many_members}
 
 
 async def stored_fingerprint(client: ProxyClient, key: str) -> str:
-    [job] = [job for job in await client.app[CONTEXT].store.list_jobs() if job.key == key]
+    [job] = [job for job in await client.app[STORES].record.list_jobs() if job.key == key]
     return job.fingerprint
 
 

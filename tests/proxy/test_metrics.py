@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.config.settings import load_settings
 from idemproxy.observe.metrics import Metrics, UnsentOutcome
-from idemproxy.proxy.app import create_app
+from idemproxy.proxy.app import STORES, create_app
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.factory import create_store
 from tests.support.backend import Ledger, backend_app
@@ -149,7 +149,7 @@ async def test_waiters_gauge_counts_held_duplicates(clients: Clients) -> None:
 
 async def test_store_errors_are_counted(clients: Clients, sqlite_dsn: str) -> None:
     proxy, admin = clients
-    store = proxy.app[CONTEXT].store
+    store = proxy.app[STORES].record
     await store.close()  # the store goes away under the proxy
     response = await proxy.post("/pay", data=b"a", headers={"Idempotency-Key": "down"})
     assert response.status == 503

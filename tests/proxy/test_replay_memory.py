@@ -18,6 +18,7 @@ from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import serving_store
+from idemproxy.store.layers import StoreStack
 from tests.support.backend import Ledger
 from tests.support.proxychecks import JOB, KEY, REPLAYED, eventually
 
@@ -64,17 +65,17 @@ async def proxy(replicated_dsn: str, backend_url: str) -> AsyncIterator[Proxy]:
     )
     store = serving_store(settings)
     assert isinstance(store, MemoryReplayCache)
-    await store.open()
+    await StoreStack.of(store).open()
     metrics = Metrics()
     app = create_app(settings, store=store, metrics=metrics)
-    admin_app = create_admin_app(settings, store, Readiness(), metrics=metrics)
+    admin_app = create_admin_app(settings, store.record, Readiness(), metrics=metrics)
     async with (
         TestClient(ServeListener(app, settings.server)) as client,
         TestClient(TestServer(admin_app)) as admin,
     ):
         await eventually(lambda: store.watch.live, timeout=10.0)
         yield Proxy(client, admin, store)
-    await store.close()
+    await StoreStack.of(store).close()
 
 
 async def test_duplicates_are_replayed_from_memory_with_what_the_store_would_give(

@@ -23,10 +23,12 @@ from aiohttp.test_utils import TestClient
 from idemproxy.core.types import AttemptState, Claimed, Intent, Job, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.observe.metrics import Metrics
+from idemproxy.proxy.app import STORES
 from idemproxy.proxy.background.unsent import NEVER_FORWARDED, UnsentClaims
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
+from idemproxy.store.ports import JobStore
 from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyClient
 from tests.support.proxychecks import (
@@ -42,7 +44,7 @@ from .conftest import ProxyFactory
 Claim = Callable[..., Awaitable[Any]]
 
 
-def _fail_claims(client: ProxyClient, *, commit: bool) -> Store:
+def _fail_claims(client: ProxyClient, *, commit: bool) -> JobStore:
     """Every claim fails after the store committed it (`commit`) or without it."""
     store = client.app[CONTEXT].store
     real: Claim = store.claim
@@ -56,7 +58,7 @@ def _fail_claims(client: ProxyClient, *, commit: bool) -> Store:
     return store
 
 
-def _restore_claims(store: Store) -> None:
+def _restore_claims(store: JobStore) -> None:
     del store.claim  # the class's method again
 
 
@@ -83,7 +85,7 @@ async def test_a_claim_that_committed_after_its_503_is_released_and_its_retry_ru
     unsent = client.app[CONTEXT].unsent
     await eventually(lambda: len(unsent) == 0)
 
-    job = await job_with_attempts(store, "late")
+    job = await job_with_attempts(client.app[STORES].record, "late")
     assert job.state is JobState.RELEASED and job.attempt_count == 1
     assert [(a.state, a.error) for a in job.attempts] == [(AttemptState.FAILED, NEVER_FORWARDED)]
     assert _unsent(client, "released") == 1
@@ -112,7 +114,7 @@ async def test_a_claim_committed_after_its_caller_was_cancelled_is_released(
     _restore_claims(store)
     unsent = client.app[CONTEXT].unsent
     await eventually(lambda: _unsent(client, "released") == 1)
-    job = await job_with_attempts(store, "cancelled")
+    job = await job_with_attempts(client.app[STORES].record, "cancelled")
     assert job.state is JobState.RELEASED
     assert [(a.state, a.error) for a in job.attempts] == [(AttemptState.FAILED, NEVER_FORWARDED)]
     assert len(unsent) == 0 and ledger.count() == 0
@@ -162,7 +164,9 @@ async def test_nothing_is_released_when_the_request_went_upstream_anyway(
     _restore_claims(store)
     await settle_quietly(0.3)
     assert len(client.app[CONTEXT].unsent) == 0
-    assert (await job_with_attempts(store, "forwarded")).state is JobState.IN_FLIGHT
+    assert (
+        await job_with_attempts(client.app[STORES].record, "forwarded")
+    ).state is JobState.IN_FLIGHT
     assert ledger.count("forwarded") == 1
 
 

@@ -19,10 +19,12 @@ from aiohttp import web
 from idemproxy.core.types import AttemptState, Intent, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.observe.metrics import Metrics
+from idemproxy.proxy.app import STORES
 from idemproxy.proxy.background.unsent import NEVER_FORWARDED, UnsentClaims
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import AttemptFailure, Store
 from idemproxy.store.factory import create_store
+from idemproxy.store.ports import JobStore
 from tests.support.backend import Ledger
 from tests.support.proxyapp import ProxyClient
 from tests.support.proxychecks import (
@@ -39,7 +41,7 @@ Call = Callable[..., Awaitable[Any]]
 _REFUSED, _FAILED = AttemptState.FAILED, AttemptState.FAILED
 
 
-def _lose_answers(client: ProxyClient, name: str) -> Store:
+def _lose_answers(client: ProxyClient, name: str) -> JobStore:
     """Every call of the store's `name` commits, then fails as a lost answer does."""
     store = client.app[CONTEXT].store
     real: Call = getattr(store, name)
@@ -95,7 +97,7 @@ async def test_a_lost_answer_to_start_next_attempt_is_released_and_the_retry_run
     del store.start_next_attempt  # the class's method again
 
     await eventually(lambda: len(client.app[CONTEXT].unsent) == 0)
-    job = await job_with_attempts(store, "next")
+    job = await job_with_attempts(client.app[STORES].record, "next")
     assert (job.state, job.attempt_count) == (JobState.RELEASED, 2)
     assert [(a.state, a.error) for a in job.attempts][1] == (_FAILED, NEVER_FORWARDED)
     assert executions == []
@@ -115,7 +117,7 @@ async def test_a_lost_answer_to_fail_over_is_released_and_the_retry_runs_once(
     del store.fail_over  # the class's method again
 
     await eventually(lambda: len(client.app[CONTEXT].unsent) == 0)
-    job = await job_with_attempts(store, "over")
+    job = await job_with_attempts(client.app[STORES].record, "over")
     assert (job.state, job.attempt_count) == (JobState.RELEASED, 2)
     assert [(a.state, a.upstream) for a in job.attempts] == [
         (_REFUSED, dead),

@@ -19,8 +19,10 @@ from aiohttp.test_utils import TestClient
 from idemproxy.core.types import AttemptState, JobState
 from idemproxy.errors import StoreUnavailable
 from idemproxy.observe.metrics import Metrics
+from idemproxy.proxy.app import STORES
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.store.base import Store
+from idemproxy.store.ports import JobStore
 from tests.support.backend import Ledger
 from tests.support.proxychecks import KEY, assert_problem, eventually, job_with_attempts
 
@@ -31,7 +33,8 @@ class FailingWrites:
     """The store's `method` raises StoreUnavailable until `heal()` (or for `seconds`)."""
 
     def __init__(self, client: TestClient[Any, Any], method: str, seconds: float = 0.0) -> None:
-        self.store: Store = client.app[CONTEXT].store
+        self.store: JobStore = client.app[CONTEXT].store
+        self.record: Store = client.app[STORES].record
         self.method = method
         self.until = time.monotonic() + seconds if seconds else float("inf")
         real = getattr(self.store, method)
@@ -63,7 +66,7 @@ async def _post(
         return response.status, response.headers.get("Idempotent-Replayed"), body
 
 
-async def _state(store: Store, key: str) -> JobState | None:
+async def _state(store: JobStore, key: str) -> JobState | None:
     job = await store.get("anonymous", key)
     return None if job is None else job.state
 
@@ -77,10 +80,9 @@ async def test_a_completion_the_store_missed_is_written_and_retries_get_it(
         problem = await assert_problem(response, "store-unavailable", 503)
         assert "was forwarded" in problem["detail"]
     failing.heal()
-    store = failing.store
     await eventually(lambda: len(client.app[CONTEXT].unwritten) == 0)
 
-    job = await job_with_attempts(store, "k")
+    job = await job_with_attempts(failing.record, "k")
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 1)
     assert [a.state for a in job.attempts] == [AttemptState.SUCCEEDED]
     assert _counted(client, "written") == 1
@@ -117,13 +119,13 @@ async def test_a_settlement_the_store_missed_is_written(
         await assert_problem(response, "store-unavailable", 503)
     failing.heal()
     await eventually(lambda: len(client.app[CONTEXT].unwritten) == 0)
-    job = await job_with_attempts(failing.store, "k")
+    job = await job_with_attempts(failing.record, "k")
     assert job.state is JobState.RELEASED
     assert [a.state for a in job.attempts] == [AttemptState.FAILED]
     status, replayed, _ = await _post(client, "k", "/payments?status=503")
     assert (status, replayed) == (503, None)  # the retry ran: the upstream's own 503 again
     assert ledger.count("k") == 2
-    job = await job_with_attempts(failing.store, "k")
+    job = await job_with_attempts(failing.record, "k")
     assert job.state is JobState.RELEASED
     assert [a.state for a in job.attempts] == [AttemptState.FAILED, AttemptState.FAILED]
 

@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 
 from idemproxy.config.settings import load_settings
 from idemproxy.proxy.app import create_app
+from idemproxy.store.layers import StoreStack
 from idemproxy.store.redis.cache import RedisCachedStore, RedisCacheOptions
 from tests.support.backend import Ledger, backend_app
 from tests.support.prerequisites import missing
@@ -72,7 +73,7 @@ async def make_store(pg_dsn: str, redis_server: RedisServer) -> AsyncIterator[Ca
         store = RedisCachedStore.from_url(
             inner, url or redis_server.url, RedisCacheOptions(**options)
         )
-        await store.open()
+        await StoreStack.of(store).open()
         stores.append(store)
         return store
 
@@ -80,7 +81,7 @@ async def make_store(pg_dsn: str, redis_server: RedisServer) -> AsyncIterator[Ca
         yield make
     finally:
         for store in reversed(stores):
-            await store.close()
+            await StoreStack.of(store).close()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
+from idemproxy.store.layers import StoreStack
 from idemproxy.store.redis.cache import RedisCachedStore
 from idemproxy.store.sqlite.store import SqliteStore
 from tests.support.redisserver import RedisServer, wait_for
@@ -43,13 +44,13 @@ async def test_close_stops_a_feed_whose_cancellation_redis_py_swallowed(
 
     monkeypatch.setattr(PubSub, "get_message", losing)
     inner = SqliteStore(str(tmp_path / "feed.db"))
-    store = RedisCachedStore.from_url(inner, redis_server.url)
-    await store.open()
+    stack = StoreStack.of(RedisCachedStore.from_url(inner, redis_server.url))
+    await stack.open()
     try:
         await wait_for(lambda: _subscribed(redis_client))
         await asyncio.sleep(0.1)  # the feed is waiting in get_message
         async with asyncio.timeout(5):
-            await store.close()
+            await stack.close()
     finally:
         # Were the feed still running (the bug), end it here rather than hang the teardown:
         # without the wrapper, a second cancellation reaches it.

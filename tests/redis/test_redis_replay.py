@@ -135,11 +135,11 @@ async def test_deleting_a_job_invalidates_it_and_refuses_a_late_cache_write(
     make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
 ) -> None:
     store, client, _ = await _cached_once(make_store, make_proxy, redis_client)
-    [listed] = await store.list_jobs()
-    job = await store.get_by_id(listed.id)
+    [listed] = await store.record.list_jobs()
+    job = await store.record.get_by_id(listed.id)
     assert job is not None and job.state is JobState.COMPLETED
 
-    assert await store.delete(job)
+    assert await store.record.delete(job)  # an operator's, on the store of record
     assert await cached_entries(redis_client) == 0
     name = entry_name(job.owner, job.key)
     gone = await redis_client.pttl(tombstone_name(name, job.id))
@@ -162,8 +162,8 @@ async def test_lookups_are_timed_through_the_store_metrics_hook(
 ) -> None:
     store, client, _ = await _cached_once(make_store, make_proxy, redis_client)
     seen: list[str] = []
-    store.observer = lambda operation, _seconds, _failed: seen.append(operation)
-    assert store.inner.observer is store.observer  # the inner store's statements are timed too
+    store.record.observer = lambda operation, _seconds, _failed: seen.append(operation)
+    assert store.observer is store.record.observer  # the store's statements are timed too
     await _post(client, "k1")
     await _post(client, "k2")
     assert seen[:2] == ["redis_hit", "redis_miss"]
@@ -194,7 +194,7 @@ async def test_the_jobs_cli_deletes_through_the_cache_when_given_redis(
     ledger: Ledger,
 ) -> None:
     store, client, _ = await _cached_once(make_store, make_proxy, redis_client)
-    [job] = await store.list_jobs()
+    [job] = await store.record.list_jobs()
     argv = ["jobs", "delete", job.id, "--store", pg_dsn, "--redis", redis_server.url]
     assert await asyncio.to_thread(cli.main, argv) == 0
     assert await cached_entries(redis_client) == 0

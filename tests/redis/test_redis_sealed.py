@@ -47,7 +47,7 @@ async def _sealed_and_cached(
     status, _, body = await _post(client)
     assert status == 201 and SECRET in body
     await wait_for(lambda: _any_entry(redis_client))
-    store.inner.inner.calls.clear()  # type: ignore[attr-defined]
+    store.record.calls.clear()  # type: ignore[attr-defined]
     return store, client, body
 
 
@@ -65,7 +65,7 @@ async def test_redis_holds_only_sealed_bytes_and_a_hit_replays_them_opened(
 
     status, _, again = await _post(client)
     assert (status, again) == (201, body)
-    assert store.inner.inner.calls == {}, "a hit must not touch the store"  # type: ignore[attr-defined]
+    assert store.record.calls == {}, "a hit must not touch the store"  # type: ignore[attr-defined]
     assert ledger.count("k1") == 1
 
 
@@ -104,7 +104,7 @@ async def test_reseal_drops_the_entry_that_holds_the_old_box(
 ) -> None:
     store, _, _ = await _sealed_and_cached(make_store, make_proxy, redis_client)
     ring = codec(NEW, OLD)
-    report = await reseal_store(SealingStore(store.inner, ring), ring, batch_size=10)
+    report = await reseal_store(store.record, ring, batch_size=10)
     assert report.responses.resealed == 1
     await wait_for(lambda: _no_entry(redis_client))  # the old key may be retired next
 

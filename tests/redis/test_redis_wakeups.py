@@ -49,7 +49,7 @@ async def _held_across_replicas(
 
 
 async def _claimed(store: Any) -> bool:
-    return bool(await store.list_jobs())
+    return bool(await store.record.list_jobs())
 
 
 async def test_a_held_duplicate_on_another_replica_is_woken_through_redis(

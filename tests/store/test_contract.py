@@ -1,4 +1,8 @@
-"""The store contract (SPEC §2, §3, §11): every test runs against SQLite and PostgreSQL alike."""
+"""The store contract of the hot path (SPEC §2, §3, §11): claim, complete, settle, the next
+attempt, expiry and watching, through the layers in front of the store (`hot`), on every store
+of tests/store/conftest.py. Leases, takeover, fail-over and hedging: test_contract_attempts.py;
+the other interfaces: test_contract_{operators,housekeeping,lifecycle}.py, and sealing and
+resealing: test_contract_sealed.py."""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
-from pathlib import Path
-from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -22,10 +24,9 @@ from idemproxy.core.types import (
     JobState,
     StoredResponse,
 )
-from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
-from idemproxy.store.queries import load_migrations
+from idemproxy.store.ports import JobStore, Operators
 
 TTL = 3600.0
 LEASE = 30.0
@@ -44,30 +45,30 @@ def intent(key: str = "k1", owner: str = "alice", fingerprint: str = "fp1") -> I
     return Intent(owner=owner, key=key, fingerprint=fingerprint, method="POST", path="/charges")
 
 
-async def claim(store: Store, key: str = "k1", owner: str = "alice", ttl: float = TTL) -> Claimed:
-    result = await store.claim(
-        intent(key, owner), str(uuid.uuid4()), "primary", ttl=ttl, lease=LEASE
-    )
+async def claim(hot: JobStore, key: str = "k1", owner: str = "alice", ttl: float = TTL) -> Claimed:
+    result = await hot.claim(intent(key, owner), str(uuid.uuid4()), "primary", ttl=ttl, lease=LEASE)
     assert isinstance(result, Claimed)
     return result
 
 
-async def job_of(store: Store, job_id: str) -> Job:
-    job = await store.get_by_id(job_id)
+async def job_of(operators: Operators, job_id: str) -> Job:
+    job = await operators.get_by_id(job_id)
     assert job is not None
     return job
 
 
-async def completed(store: Store, key: str = "k1", ttl: float = TTL) -> Job:
-    claimed = await claim(store, key, ttl=ttl)
-    assert await store.complete(claimed.job, 1, RESPONSE, ttl=ttl)
-    return await job_of(store, claimed.job.id)
+async def completed(hot: JobStore, operators: Operators, key: str = "k1", ttl: float = TTL) -> Job:
+    claimed = await claim(hot, key, ttl=ttl)
+    assert await hot.complete(claimed.job, 1, RESPONSE, ttl=ttl)
+    return await job_of(operators, claimed.job.id)
 
 
-async def settled(store: Store, state: JobState, key: str = "k1", ttl: float = TTL) -> Job:
-    claimed = await claim(store, key, ttl=ttl)
-    assert await store.settle(claimed.job, 1, state, status=503, error="upstream said 503")
-    return await job_of(store, claimed.job.id)
+async def settled(
+    hot: JobStore, operators: Operators, state: JobState, key: str = "k1", ttl: float = TTL
+) -> Job:
+    claimed = await claim(hot, key, ttl=ttl)
+    assert await hot.settle(claimed.job, 1, state, status=503, error="upstream said 503")
+    return await job_of(operators, claimed.job.id)
 
 
 def ids(jobs: list[Job]) -> set[str]:
@@ -88,21 +89,21 @@ async def open_store(dsn: str) -> AsyncIterator[Store]:
         await store.close()
 
 
-async def wait_until_listening(store: Store) -> None:
+async def wait_until_listening(hot: JobStore) -> None:
     """PostgreSQL starts LISTEN in the background: once a probe job's wake-up arrives, it is up."""
-    probe = await claim(store, key="feed-probe")
-    async with store.watching(probe.job.id) as sub:
-        await store.watch_job(probe.job.owner, probe.job.key)
-        assert await store.complete(probe.job, 1, RESPONSE, ttl=TTL)
+    probe = await claim(hot, key="feed-probe")
+    async with hot.watching(probe.job.id) as sub:
+        await hot.watch_job(probe.job.owner, probe.job.key)
+        assert await hot.complete(probe.job, 1, RESPONSE, ttl=TTL)
         assert await sub.wait(WAKE_TIMEOUT)
 
 
 # --- claim ------------------------------------------------------------------------------------
 
 
-async def test_claim_creates_job_and_first_attempt(store: Store) -> None:
-    claimed = await claim(store)
-    job = await job_of(store, claimed.job.id)
+async def test_claim_creates_job_and_first_attempt(hot: JobStore, operators: Operators) -> None:
+    claimed = await claim(hot)
+    job = await job_of(operators, claimed.job.id)
     assert claimed.attempt == 1
     assert job == claimed.job._replace(attempts=job.attempts)
     assert (job.owner, job.key, job.fingerprint) == ("alice", "k1", "fp1")
@@ -115,61 +116,67 @@ async def test_claim_creates_job_and_first_attempt(store: Store) -> None:
     assert job.attempts[0].finished_at is None
 
 
-async def test_times_are_aware_datetimes_from_one_clock(store: Store) -> None:
-    job = (await claim(store)).job
+async def test_times_are_aware_datetimes_from_one_clock(hot: JobStore) -> None:
+    job = (await claim(hot)).job
     assert job.created_at is not None and job.created_at.tzinfo is not None
     assert job.expires_at is not None and job.expires_at.tzinfo is not None
     assert abs(job.expires_at - job.created_at - timedelta(seconds=TTL)) < timedelta(seconds=1)
     assert not job.expired
 
 
-async def test_get_finds_the_job_by_owner_and_key(store: Store) -> None:
-    claimed = await claim(store)
-    found = await store.get("alice", "k1")
+async def test_get_finds_the_job_by_owner_and_key(hot: JobStore, operators: Operators) -> None:
+    claimed = await claim(hot)
+    found = await hot.get("alice", "k1")
     assert found is not None and found.id == claimed.job.id
-    assert await store.get("bob", "k1") is None
-    assert await store.get("alice", "k2") is None
-    assert await store.get_by_id(str(uuid.uuid4())) is None
-    assert await store.get_by_id("not-a-job-id") is None  # not a store outage
+    assert await hot.get("bob", "k1") is None
+    assert await hot.get("alice", "k2") is None
+    assert await operators.get_by_id(str(uuid.uuid4())) is None
+    assert await operators.get_by_id("not-a-job-id") is None  # not a store outage
 
 
-async def test_second_claim_returns_the_existing_job_untouched(store: Store) -> None:
-    first = await claim(store)
+async def test_second_claim_returns_the_existing_job_untouched(
+    hot: JobStore, operators: Operators
+) -> None:
+    first = await claim(hot)
     other_id = str(uuid.uuid4())
-    second = await store.claim(intent(fingerprint="fp2"), other_id, "other", ttl=TTL, lease=LEASE)
+    second = await hot.claim(intent(fingerprint="fp2"), other_id, "other", ttl=TTL, lease=LEASE)
     assert isinstance(second, Existing)
     assert second.job == first.job  # same id, fingerprint, version
-    job = await job_of(store, first.job.id)
+    job = await job_of(operators, first.job.id)
     assert job.version == first.job.version
     assert states(job) == [AttemptState.STARTED]
-    assert await store.get_by_id(other_id) is None
+    assert await operators.get_by_id(other_id) is None
 
 
-async def test_same_key_under_different_owners_is_two_jobs(store: Store) -> None:
-    alice = await claim(store, owner="alice")
-    bob = await claim(store, owner="bob")
+async def test_same_key_under_different_owners_is_two_jobs(
+    hot: JobStore, operators: Operators
+) -> None:
+    alice = await claim(hot, owner="alice")
+    bob = await claim(hot, owner="bob")
     assert alice.job.id != bob.job.id
-    assert [job.id for job in await store.list_jobs(owner="bob")] == [bob.job.id]
+    assert [job.id for job in await operators.list_jobs(owner="bob")] == [bob.job.id]
 
 
-async def test_concurrent_claims_of_one_key_have_one_winner(store: Store) -> None:
+async def test_concurrent_claims_of_one_key_have_one_winner(
+    hot: JobStore, operators: Operators
+) -> None:
     ids = [str(uuid.uuid4()) for _ in range(50)]
     results = await asyncio.gather(
-        *(store.claim(intent(), job_id, "primary", ttl=TTL, lease=LEASE) for job_id in ids)
+        *(hot.claim(intent(), job_id, "primary", ttl=TTL, lease=LEASE) for job_id in ids)
     )
     winners = [r for r in results if isinstance(r, Claimed)]
     assert len(winners) == 1
     assert {r.job.id for r in results} == {winners[0].job.id}
-    assert len((await job_of(store, winners[0].job.id)).attempts) == 1
+    assert len((await job_of(operators, winners[0].job.id)).attempts) == 1
 
 
 # --- complete ---------------------------------------------------------------------------------
 
 
-async def test_complete_stores_the_response_exactly(store: Store) -> None:
-    claimed = await claim(store)
-    assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
-    job = await job_of(store, claimed.job.id)
+async def test_complete_stores_the_response_exactly(hot: JobStore, operators: Operators) -> None:
+    claimed = await claim(hot)
+    assert await hot.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    job = await job_of(operators, claimed.job.id)
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 1)
     assert job.version == claimed.job.version + 1
     assert job.response == RESPONSE  # status, header order and duplicates, raw body bytes
@@ -178,52 +185,56 @@ async def test_complete_stores_the_response_exactly(store: Store) -> None:
 
 
 @pytest.mark.parametrize("body", [None, b""], ids=["omitted", "empty"])
-async def test_omitted_and_empty_bodies_round_trip(store: Store, body: bytes | None) -> None:
-    claimed = await claim(store)
-    assert await store.complete(claimed.job, 1, StoredResponse(200, (), body), ttl=TTL)
-    response = (await job_of(store, claimed.job.id)).response
+async def test_omitted_and_empty_bodies_round_trip(
+    hot: JobStore, operators: Operators, body: bytes | None
+) -> None:
+    claimed = await claim(hot)
+    assert await hot.complete(claimed.job, 1, StoredResponse(200, (), body), ttl=TTL)
+    response = (await job_of(operators, claimed.job.id)).response
     assert response == StoredResponse(200, (), body)
     assert response.omitted is (body is None)
 
 
-async def test_complete_wins_only_once(store: Store) -> None:
-    claimed = await claim(store)
-    assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
-    assert not await store.complete(claimed.job, 1, LATE_RESPONSE, ttl=TTL)
-    job = await job_of(store, claimed.job.id)
+async def test_complete_wins_only_once(hot: JobStore, operators: Operators) -> None:
+    claimed = await claim(hot)
+    assert await hot.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    assert not await hot.complete(claimed.job, 1, LATE_RESPONSE, ttl=TTL)
+    job = await job_of(operators, claimed.job.id)
     assert (job.response, job.version) == (RESPONSE, claimed.job.version + 1)
     assert states(job) == [AttemptState.SUCCEEDED]
 
 
-async def test_losing_attempt_is_discarded(store: Store) -> None:
-    claimed = await claim(store)
-    assert await store.add_attempt(claimed.job, "fallback", lease=LEASE) == 2
-    assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
-    assert not await store.complete(claimed.job, 2, LATE_RESPONSE, ttl=TTL)
-    job = await job_of(store, claimed.job.id)
+async def test_losing_attempt_is_discarded(hot: JobStore, operators: Operators) -> None:
+    claimed = await claim(hot)
+    assert await hot.add_attempt(claimed.job, "fallback", lease=LEASE) == 2
+    assert await hot.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    assert not await hot.complete(claimed.job, 2, LATE_RESPONSE, ttl=TTL)
+    job = await job_of(operators, claimed.job.id)
     assert (job.completed_by, job.response) == (1, RESPONSE)
     assert states(job) == [AttemptState.SUCCEEDED, AttemptState.DISCARDED]
 
 
-async def test_attempts_completing_in_reverse_order(store: Store) -> None:
+async def test_attempts_completing_in_reverse_order(hot: JobStore, operators: Operators) -> None:
     # The seed's race: attempt 2 finishes first and wins; attempt 1's late result is discarded.
-    claimed = await claim(store)
-    assert await store.add_attempt(claimed.job, "fallback", lease=LEASE) == 2
-    assert (await job_of(store, claimed.job.id)).version == claimed.job.version
-    assert await store.complete(claimed.job, 2, RESPONSE, ttl=TTL)
-    assert not await store.complete(claimed.job, 1, LATE_RESPONSE, ttl=TTL)
-    job = await job_of(store, claimed.job.id)
+    claimed = await claim(hot)
+    assert await hot.add_attempt(claimed.job, "fallback", lease=LEASE) == 2
+    assert (await job_of(operators, claimed.job.id)).version == claimed.job.version
+    assert await hot.complete(claimed.job, 2, RESPONSE, ttl=TTL)
+    assert not await hot.complete(claimed.job, 1, LATE_RESPONSE, ttl=TTL)
+    job = await job_of(operators, claimed.job.id)
     assert (job.state, job.completed_by, job.response) == (JobState.COMPLETED, 2, RESPONSE)
     assert states(job) == [AttemptState.DISCARDED, AttemptState.SUCCEEDED]
     assert [a.upstream for a in job.attempts] == ["primary", "fallback"]
 
 
-async def test_add_attempt_needs_the_current_in_flight_version(store: Store) -> None:
-    claimed = await claim(store)
-    assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
-    assert await store.add_attempt(claimed.job, "fallback", lease=LEASE) is None
-    job = await job_of(store, claimed.job.id)
-    assert await store.add_attempt(job, "fallback", lease=LEASE) is None  # completed
+async def test_add_attempt_needs_the_current_in_flight_version(
+    hot: JobStore, operators: Operators
+) -> None:
+    claimed = await claim(hot)
+    assert await hot.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    assert await hot.add_attempt(claimed.job, "fallback", lease=LEASE) is None
+    job = await job_of(operators, claimed.job.id)
+    assert await hot.add_attempt(job, "fallback", lease=LEASE) is None  # completed
     assert (job.attempt_count, len(job.attempts)) == (1, 1)
 
 
@@ -235,10 +246,12 @@ async def test_add_attempt_needs_the_current_in_flight_version(store: Store) -> 
     [(JobState.RELEASED, AttemptState.FAILED), (JobState.UNKNOWN, AttemptState.UNKNOWN)],
     ids=["released", "unknown"],
 )
-async def test_settle(store: Store, state: JobState, attempt_state: AttemptState) -> None:
-    claimed = await claim(store)
-    assert await store.settle(claimed.job, 1, state, status=503, error="upstream said 503")
-    job = await job_of(store, claimed.job.id)
+async def test_settle(
+    hot: JobStore, operators: Operators, state: JobState, attempt_state: AttemptState
+) -> None:
+    claimed = await claim(hot)
+    assert await hot.settle(claimed.job, 1, state, status=503, error="upstream said 503")
+    job = await job_of(operators, claimed.job.id)
     assert (job.state, job.version, job.response) == (state, claimed.job.version + 1, None)
     [attempt] = job.attempts
     assert (attempt.state, attempt.status, attempt.error) == (
@@ -249,38 +262,40 @@ async def test_settle(store: Store, state: JobState, attempt_state: AttemptState
     assert attempt.finished_at is not None
 
 
-async def test_settle_with_a_stale_version_loses(store: Store) -> None:
-    claimed = await claim(store)
-    assert await store.settle(claimed.job, 1, JobState.RELEASED, status=503)
-    assert not await store.settle(claimed.job, 1, JobState.UNKNOWN, error="timeout")
-    job = await job_of(store, claimed.job.id)
+async def test_settle_with_a_stale_version_loses(hot: JobStore, operators: Operators) -> None:
+    claimed = await claim(hot)
+    assert await hot.settle(claimed.job, 1, JobState.RELEASED, status=503)
+    assert not await hot.settle(claimed.job, 1, JobState.UNKNOWN, error="timeout")
+    job = await job_of(operators, claimed.job.id)
     assert (job.state, job.version) == (JobState.RELEASED, claimed.job.version + 1)
     [attempt] = job.attempts
     assert (attempt.state, attempt.status, attempt.error) == (AttemptState.FAILED, 503, None)
 
 
-async def test_settle_cannot_undo_a_completion(store: Store) -> None:
-    claimed = await claim(store)
-    assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
-    assert not await store.settle(claimed.job, 1, JobState.UNKNOWN, error="timeout")
-    job = await job_of(store, claimed.job.id)
+async def test_settle_cannot_undo_a_completion(hot: JobStore, operators: Operators) -> None:
+    claimed = await claim(hot)
+    assert await hot.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    assert not await hot.settle(claimed.job, 1, JobState.UNKNOWN, error="timeout")
+    job = await job_of(operators, claimed.job.id)
     assert (job.state, job.response) == (JobState.COMPLETED, RESPONSE)
 
 
 @pytest.mark.parametrize("state", [JobState.COMPLETED, JobState.IN_FLIGHT])
-async def test_settle_only_releases_or_marks_unknown(store: Store, state: JobState) -> None:
-    claimed = await claim(store)
+async def test_settle_only_releases_or_marks_unknown(hot: JobStore, state: JobState) -> None:
+    claimed = await claim(hot)
     with pytest.raises(ValueError, match="settle cannot"):
-        await store.settle(claimed.job, 1, state)
+        await hot.settle(claimed.job, 1, state)
 
 
 # --- start_next_attempt -----------------------------------------------------------------------
 
 
-async def test_one_of_many_retries_starts_the_next_attempt(store: Store) -> None:
-    job = await settled(store, JobState.RELEASED)
+async def test_one_of_many_retries_starts_the_next_attempt(
+    hot: JobStore, operators: Operators
+) -> None:
+    job = await settled(hot, operators, JobState.RELEASED)
     results = await asyncio.gather(
-        *(store.start_next_attempt(job, "fallback", lease=LEASE) for _ in range(10))
+        *(hot.start_next_attempt(job, "fallback", lease=LEASE) for _ in range(10))
     )
     winners = [r for r in results if r is not None]
     assert len(winners) == 1
@@ -288,136 +303,94 @@ async def test_one_of_many_retries_starts_the_next_attempt(store: Store) -> None
     assert started.attempt == 2
     assert (started.job.state, started.job.attempt_count) == (JobState.IN_FLIGHT, 2)
     assert started.job.version == job.version + 1
-    after = await job_of(store, job.id)
+    after = await job_of(operators, job.id)
     assert states(after) == [AttemptState.FAILED, AttemptState.STARTED]
     assert after.attempts[1].upstream == "fallback"
-    assert await store.complete(started.job, 2, RESPONSE, ttl=TTL)
+    assert await hot.complete(started.job, 2, RESPONSE, ttl=TTL)
 
 
-async def test_no_next_attempt_for_an_unknown_job(store: Store) -> None:
-    job = await settled(store, JobState.UNKNOWN)
-    assert await store.start_next_attempt(job, "fallback", lease=LEASE) is None
-    assert (await job_of(store, job.id)).attempt_count == 1
+async def test_no_next_attempt_for_an_unknown_job(hot: JobStore, operators: Operators) -> None:
+    job = await settled(hot, operators, JobState.UNKNOWN)
+    assert await hot.start_next_attempt(job, "fallback", lease=LEASE) is None
+    assert (await job_of(operators, job.id)).attempt_count == 1
 
 
-async def test_no_next_attempt_for_a_completed_job(store: Store) -> None:
-    job = await completed(store)
-    assert await store.start_next_attempt(job, "fallback", lease=LEASE) is None
-    assert (await job_of(store, job.id)).state is JobState.COMPLETED
+async def test_no_next_attempt_for_a_completed_job(hot: JobStore, operators: Operators) -> None:
+    job = await completed(hot, operators)
+    assert await hot.start_next_attempt(job, "fallback", lease=LEASE) is None
+    assert (await job_of(operators, job.id)).state is JobState.COMPLETED
 
 
-async def test_no_next_attempt_for_a_job_in_flight(store: Store) -> None:
-    claimed = await claim(store)
-    assert await store.start_next_attempt(claimed.job, "fallback", lease=LEASE) is None
+async def test_no_next_attempt_for_a_job_in_flight(hot: JobStore) -> None:
+    claimed = await claim(hot)
+    assert await hot.start_next_attempt(claimed.job, "fallback", lease=LEASE) is None
 
 
 # --- expiry -----------------------------------------------------------------------------------
 
 
-async def test_forget_deletes_an_expired_completed_job(store: Store) -> None:
-    job = await completed(store, ttl=0)
+async def test_forget_deletes_an_expired_completed_job(hot: JobStore, operators: Operators) -> None:
+    job = await completed(hot, operators, ttl=0)
     assert job.expired
-    assert await store.forget(job)
-    assert await store.get_by_id(job.id) is None
-    await claim(store)  # the key is free again
+    assert await hot.forget(job)
+    assert await operators.get_by_id(job.id) is None
+    await claim(hot)  # the key is free again
 
 
-async def test_forget_deletes_an_expired_released_job(store: Store) -> None:
-    job = await settled(store, JobState.RELEASED, ttl=0)
+async def test_forget_deletes_an_expired_released_job(hot: JobStore, operators: Operators) -> None:
+    job = await settled(hot, operators, JobState.RELEASED, ttl=0)
     assert job.expired
-    assert await store.forget(job)
-    assert await store.get_by_id(job.id) is None
+    assert await hot.forget(job)
+    assert await operators.get_by_id(job.id) is None
 
 
-async def test_forget_keeps_a_job_that_has_not_expired(store: Store) -> None:
-    job = await completed(store)
+async def test_forget_keeps_a_job_that_has_not_expired(hot: JobStore, operators: Operators) -> None:
+    job = await completed(hot, operators)
     assert not job.expired
-    assert not await store.forget(job)
-    assert await store.get_by_id(job.id) is not None
+    assert not await hot.forget(job)
+    assert await operators.get_by_id(job.id) is not None
 
 
-async def test_forget_never_deletes_in_flight_or_unknown_jobs(store: Store) -> None:
-    in_flight = await job_of(store, (await claim(store, "k1", ttl=0)).job.id)
-    unknown = await settled(store, JobState.UNKNOWN, key="k2", ttl=0)
+async def test_forget_never_deletes_in_flight_or_unknown_jobs(
+    hot: JobStore, operators: Operators
+) -> None:
+    in_flight = await job_of(operators, (await claim(hot, "k1", ttl=0)).job.id)
+    unknown = await settled(hot, operators, JobState.UNKNOWN, key="k2", ttl=0)
     for job in (in_flight, unknown):
         assert job.expired
-        assert not await store.forget(job)
-        assert await store.get_by_id(job.id) is not None
+        assert not await hot.forget(job)
+        assert await operators.get_by_id(job.id) is not None
 
 
-async def test_forget_with_a_stale_version_loses(store: Store) -> None:
-    claimed = await claim(store, ttl=0)
-    assert await store.complete(claimed.job, 1, RESPONSE, ttl=0)
-    assert not await store.forget(claimed.job)
-    assert await store.get_by_id(claimed.job.id) is not None
-
-
-async def test_sweep_deletes_expired_terminal_jobs_in_batches(store: Store) -> None:
-    gone = [await completed(store, f"c{i}", ttl=0) for i in range(5)]
-    gone += [await settled(store, JobState.RELEASED, f"r{i}", ttl=0) for i in range(2)]
-    assert [await store.sweep_expired(3) for _ in range(4)] == [3, 3, 1, 0]
-    for job in gone:
-        assert await store.get_by_id(job.id) is None
-
-
-async def test_sweep_never_deletes_in_flight_unknown_or_live_jobs(store: Store) -> None:
-    kept = [
-        (await claim(store, "in-flight", ttl=0)).job,
-        await settled(store, JobState.UNKNOWN, "unknown", ttl=0),
-        await completed(store, "live"),
-        await settled(store, JobState.RELEASED, "live-released"),
-    ]
-    assert await store.sweep_expired(100) == 0
-    for job in kept:
-        assert await store.get_by_id(job.id) is not None
-
-
-# --- listing and health -----------------------------------------------------------------------
-
-
-async def test_list_jobs_filters_by_state_and_owner(store: Store) -> None:
-    done = await completed(store, "a")
-    unknown = await settled(store, JobState.UNKNOWN, "b")
-    bobs = (await claim(store, "a", owner="bob")).job
-    assert ids(await store.list_jobs()) == {done.id, unknown.id, bobs.id}
-    assert ids(await store.list_jobs(state=JobState.UNKNOWN)) == {unknown.id}
-    assert ids(await store.list_jobs(owner="bob")) == {bobs.id}
-    assert ids(await store.list_jobs(state=JobState.IN_FLIGHT, owner="alice")) == set()
-    assert len(await store.list_jobs(limit=2)) == 2
-
-
-async def test_listed_jobs_carry_their_response(store: Store) -> None:
-    done = await completed(store)
-    [listed] = await store.list_jobs(state=JobState.COMPLETED)
-    assert (listed.id, listed.response, listed.version) == (done.id, RESPONSE, done.version)
-
-
-async def test_ping(store: Store) -> None:
-    await store.ping()
+async def test_forget_with_a_stale_version_loses(hot: JobStore, operators: Operators) -> None:
+    claimed = await claim(hot, ttl=0)
+    assert await hot.complete(claimed.job, 1, RESPONSE, ttl=0)
+    assert not await hot.forget(claimed.job)
+    assert await operators.get_by_id(claimed.job.id) is not None
 
 
 # --- watching ---------------------------------------------------------------------------------
 
 
-async def test_complete_wakes_watchers_of_that_job_only(store: Store) -> None:
-    await wait_until_listening(store)
-    claimed, other = await claim(store, "k1"), await claim(store, "k2")
-    async with store.watching(claimed.job.id) as sub, store.watching(other.job.id) as idle:
-        await store.watch_job(claimed.job.owner, claimed.job.key)
-        await store.watch_job(other.job.owner, other.job.key)
+async def test_complete_wakes_watchers_of_that_job_only(hot: JobStore) -> None:
+    await wait_until_listening(hot)
+    claimed, other = await claim(hot, "k1"), await claim(hot, "k2")
+    async with hot.watching(claimed.job.id) as sub, hot.watching(other.job.id) as idle:
+        await hot.watch_job(claimed.job.owner, claimed.job.key)
+        await hot.watch_job(other.job.owner, other.job.key)
         assert not await sub.wait(QUIET)
-        assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+        assert await hot.complete(claimed.job, 1, RESPONSE, ttl=TTL)
         assert await sub.wait(WAKE_TIMEOUT)
         assert not await idle.wait(QUIET)
 
 
 @pytest.mark.parametrize("state", [JobState.RELEASED, JobState.UNKNOWN])
-async def test_settle_wakes_watchers(store: Store, state: JobState) -> None:
-    await wait_until_listening(store)
-    claimed = await claim(store)
-    async with store.watching(claimed.job.id) as sub:
-        await store.watch_job(claimed.job.owner, claimed.job.key)
-        assert await store.settle(claimed.job, 1, state)
+async def test_settle_wakes_watchers(hot: JobStore, state: JobState) -> None:
+    await wait_until_listening(hot)
+    claimed = await claim(hot)
+    async with hot.watching(claimed.job.id) as sub:
+        await hot.watch_job(claimed.job.owner, claimed.job.key)
+        assert await hot.settle(claimed.job, 1, state)
         assert await sub.wait(WAKE_TIMEOUT)
 
 
@@ -434,12 +407,12 @@ async def test_a_second_replica_is_woken_through_notify(replicated_dsn: str) -> 
         assert (await job_of(second, claimed.job.id)).response == RESPONSE
 
 
-async def test_watch_job_of_a_finished_job_returns_it_as_it_is(store: Store) -> None:
-    claimed = await claim(store)
-    assert await store.complete(claimed.job, 1, RESPONSE, ttl=TTL)
-    watched = await store.watch_job(claimed.job.owner, claimed.job.key)
+async def test_watch_job_of_a_finished_job_returns_it_as_it_is(hot: JobStore) -> None:
+    claimed = await claim(hot)
+    assert await hot.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    watched = await hot.watch_job(claimed.job.owner, claimed.job.key)
     assert watched is not None and watched.state is JobState.COMPLETED
-    assert await store.watch_job(claimed.job.owner, "no-such-key") is None
+    assert await hot.watch_job(claimed.job.owner, "no-such-key") is None
 
 
 async def test_changes_of_unwatched_jobs_cost_no_notification(replicated_dsn: str) -> None:
@@ -452,54 +425,6 @@ async def test_changes_of_unwatched_jobs_cost_no_notification(replicated_dsn: st
             assert not await sub.wait(QUIET * 4)
 
 
-# --- migrations -------------------------------------------------------------------------------
-
-
-async def test_migrate_again_applies_nothing(store: Store) -> None:
-    assert await store.migrate() == []
-    await claim(store)
-
-
-async def test_migrate_a_new_sqlite_database(sqlite_dsn: str) -> None:
-    async with open_store(sqlite_dsn) as store:
-        assert await store.migrate() == [version for version, _ in load_migrations("sqlite")]
-        assert await store.migrate() == []
-
-
-# --- store errors -----------------------------------------------------------------------------
-
-
-@pytest.mark.postgres
-async def test_unreachable_postgres_is_store_unavailable() -> None:
-    store = create_store("postgresql://postgres@127.0.0.1:1/postgres", command_timeout=1.0)
-    try:
-        with pytest.raises(StoreUnavailable):  # from open(), or from the first call at the latest
-            await store.open()
-            await store.ping()
-    finally:
-        await store.close()
-
-
-@pytest.mark.postgres
-async def test_postgres_going_away_is_store_unavailable(pg_dsn: str, pg_server_dsn: str) -> None:
-    database = urlsplit(pg_dsn).path.lstrip("/")
-    async with open_store(pg_dsn) as store:
-        await store.ping()
-        admin = await asyncpg.connect(pg_server_dsn)
-        try:
-            await allow_connections(admin, database, allow=False)
-            await end_connections(admin, database)
-            with pytest.raises(StoreUnavailable):
-                await store.ping()
-            with pytest.raises(StoreUnavailable):
-                await store.claim(intent(), str(uuid.uuid4()), "primary", ttl=TTL, lease=LEASE)
-            await allow_connections(admin, database, allow=True)
-        finally:
-            await admin.close()
-        await store.ping()  # the pool reconnects on its own
-        await wait_until_listening(store)  # and so does the change feed
-
-
 async def allow_connections(admin: asyncpg.Connection, database: str, *, allow: bool) -> None:
     await admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS {str(allow).lower()}')
 
@@ -510,22 +435,3 @@ async def end_connections(admin: asyncpg.Connection, database: str) -> None:
         "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity WHERE datname = $1",
         database,
     )
-
-
-async def test_a_corrupt_sqlite_file_is_store_unavailable(tmp_path: Path) -> None:
-    (tmp_path / "idemproxy.db").write_bytes(b"this is not a database" * 100)
-    store = create_store(f"sqlite:///{tmp_path}/idemproxy.db")
-    try:
-        with pytest.raises(StoreUnavailable):
-            await store.open()
-            await store.migrate()
-    finally:
-        await store.close()
-
-
-async def test_a_closed_store_is_store_unavailable(store: Store) -> None:
-    await store.close()
-    with pytest.raises(StoreUnavailable):
-        await store.ping()
-    with pytest.raises(StoreUnavailable):
-        await store.get("alice", "k1")

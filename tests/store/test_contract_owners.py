@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
-from datetime import UTC, datetime, timedelta
 
 from idemproxy.core.quota import QuotaLimits
-from idemproxy.core.types import Claimed, Existing, Intent, JobState, StoredResponse
+from idemproxy.core.types import Claimed, Existing, Intent, StoredResponse
 from idemproxy.identity.ids import new_job_id
-from idemproxy.store.base import Store
+from idemproxy.store.ports import JobStore
 
 TTL, LEASE = 600.0, 30.0
 UPSTREAM = "http://upstream:3000"
@@ -21,81 +19,53 @@ def _intent(key: str, owner: str = "alice") -> Intent:
 
 
 async def _claim_within(
-    store: Store, key: str, limits: QuotaLimits, owner: str = "alice"
+    hot: JobStore, key: str, limits: QuotaLimits, owner: str = "alice"
 ) -> object:
-    return await store.claim_within(
+    return await hot.claim_within(
         _intent(key, owner), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE, limits=limits
     )
 
 
 async def test_in_flight_cap_counts_live_jobs_and_never_refuses_an_existing_key(
-    store: Store,
+    hot: JobStore,
 ) -> None:
     limits = QuotaLimits(in_flight=1)
-    first = await _claim_within(store, "a", limits)
+    first = await _claim_within(hot, "a", limits)
     assert isinstance(first, Claimed)
-    assert await _claim_within(store, "b", limits) == "in_flight"
-    assert await store.get("alice", "b") is None  # nothing claimed
-    assert isinstance(await _claim_within(store, "a", limits), Existing)  # a duplicate
-    assert isinstance(await _claim_within(store, "b", limits, owner="bob"), Claimed)
+    assert await _claim_within(hot, "b", limits) == "in_flight"
+    assert await hot.get("alice", "b") is None  # nothing claimed
+    assert isinstance(await _claim_within(hot, "a", limits), Existing)  # a duplicate
+    assert isinstance(await _claim_within(hot, "b", limits, owner="bob"), Claimed)
     done = StoredResponse(201, (), b"ok")
-    assert await store.complete(first.job, 1, done, ttl=TTL)
-    assert isinstance(await _claim_within(store, "b", limits), Claimed)
+    assert await hot.complete(first.job, 1, done, ttl=TTL)
+    assert isinstance(await _claim_within(hot, "b", limits), Claimed)
 
 
-async def test_rate_and_stored_bytes(store: Store) -> None:
-    assert isinstance(await _claim_within(store, "r1", QuotaLimits(new_per_second=1)), Claimed)
-    assert await _claim_within(store, "r2", QuotaLimits(new_per_second=1)) == "new_per_second"
-    claimed = await _claim_within(store, "s1", QuotaLimits(stored_bytes=4), owner="carol")
+async def test_rate_and_stored_bytes(hot: JobStore) -> None:
+    assert isinstance(await _claim_within(hot, "r1", QuotaLimits(new_per_second=1)), Claimed)
+    assert await _claim_within(hot, "r2", QuotaLimits(new_per_second=1)) == "new_per_second"
+    claimed = await _claim_within(hot, "s1", QuotaLimits(stored_bytes=4), owner="carol")
     assert isinstance(claimed, Claimed)
-    assert await store.complete(claimed.job, 1, StoredResponse(200, (), b"12345"), ttl=TTL)
-    assert await _claim_within(store, "s2", QuotaLimits(stored_bytes=4), owner="carol") == (
+    assert await hot.complete(claimed.job, 1, StoredResponse(200, (), b"12345"), ttl=TTL)
+    assert await _claim_within(hot, "s2", QuotaLimits(stored_bytes=4), owner="carol") == (
         "stored_bytes"
     )
     assert isinstance(
-        await _claim_within(store, "s2", QuotaLimits(stored_bytes=6), owner="carol"), Claimed
+        await _claim_within(hot, "s2", QuotaLimits(stored_bytes=6), owner="carol"), Claimed
     )
 
 
-async def test_owner_jobs_pages_one_owners_jobs_in_id_order(store: Store) -> None:
-    ids = []
-    for key in ("k1", "k2", "k3"):
-        claimed = await store.claim(_intent(key), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE)
-        assert isinstance(claimed, Claimed)
-        ids.append(claimed.job.id)
-    legacy = str(uuid.uuid4())  # an id of the versions before UUIDv7 ids
-    assert isinstance(
-        await store.claim(_intent("old"), legacy, UPSTREAM, ttl=TTL, lease=LEASE), Claimed
-    )
-    assert isinstance(
-        await store.claim(_intent("k1", "bob"), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE),
-        Claimed,
-    )
-    later = datetime.now(UTC) + timedelta(minutes=1)
-    seen: list[str] = []
-    after = FIRST
-    while batch := await store.owner_jobs("alice", after=after, before=later, limit=2):
-        assert len(batch) <= 2 and all(job.owner == "alice" for job in batch)
-        seen.extend(job.id for job in batch)
-        after = batch[-1].id
-    assert seen == sorted([*ids, legacy])
-    every = await store.owner_jobs("alice", after=FIRST, before=later, limit=10)
-    assert {job.state for job in every} == {JobState.IN_FLIGHT}
-    earlier = datetime.now(UTC) - timedelta(minutes=1)
-    assert await store.owner_jobs("alice", after=FIRST, before=earlier, limit=10) == []
-
-
-async def test_concurrent_new_keys_cannot_store_past_the_bytes_limit(store: Store) -> None:
+async def test_concurrent_new_keys_cannot_store_past_the_bytes_limit(hot: JobStore) -> None:
     """SPEC §9: each job in flight counts as `max_body` toward `stored_bytes`, so new keys
     claimed at once are refused once their possible responses would fill the limit."""
     limits = QuotaLimits(stored_bytes=100, max_body=30)
     results = await asyncio.gather(
-        *(_claim_within(store, f"c{n}", limits, owner="dora") for n in range(40))
+        *(_claim_within(hot, f"c{n}", limits, owner="dora") for n in range(40))
     )
     claimed = [result for result in results if isinstance(result, Claimed)]
     assert len(claimed) == 4  # 0, 30, 60, 90 < 100: the fifth would make 120
     assert results.count("stored_bytes") == 36
     for one in claimed:
-        assert await store.complete(one.job, 1, StoredResponse(200, (), b"x" * 30), ttl=TTL)
+        assert await hot.complete(one.job, 1, StoredResponse(200, (), b"x" * 30), ttl=TTL)
     assert 30 * len(claimed) <= 100 + limits.max_body  # the bound SPEC §9 gives
-    assert await _claim_within(store, "later", limits, owner="dora") == "stored_bytes"
+    assert await _claim_within(hot, "later", limits, owner="dora") == "stored_bytes"

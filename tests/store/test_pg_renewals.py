@@ -10,14 +10,15 @@ import pytest
 
 from idemproxy.config.settings import load_settings
 from idemproxy.core.types import Claimed, Intent
-from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
+from idemproxy.store.layers import StoreStack
+from idemproxy.store.ports import JobStore
 from idemproxy.store.postgres.store import Connections, PostgresStore
 
 pytestmark = pytest.mark.postgres
 
 
-async def _claimed(store: Store, key: str) -> Claimed:
+async def _claimed(store: JobStore, key: str) -> Claimed:
     intent = Intent(owner="o", key=key, fingerprint="f", method="POST", path="/pay")
     claimed = await store.claim(intent, str(uuid.uuid4()), "http://up", ttl=60, lease=5)
     assert isinstance(claimed, Claimed)
@@ -49,12 +50,12 @@ async def test_a_renewal_does_not_wait_for_the_request_pool(pg_dsn: str) -> None
 async def test_one_store_connection_is_a_working_pool(pg_dsn: str) -> None:
     """`pool.store_connections: 1`: asyncpg refuses a min_size above max_size."""
     settings = load_settings(upstream="http://u:1", store=pg_dsn, pool={"store_connections": 1})
-    store = serving_store(settings)
-    await store.open()
+    stack = StoreStack.of(serving_store(settings))
+    await stack.open()
     try:
-        await store.migrate()
-        job = (await _claimed(store, "one")).job
-        assert await store.renew_lease(job, lease=5)
-        await store.ping()
+        await stack.record.migrate()
+        job = (await _claimed(stack.jobs, "one")).job
+        assert await stack.jobs.renew_lease(job, lease=5)
+        await stack.record.ping()
     finally:
-        await store.close()
+        await stack.close()

@@ -18,6 +18,8 @@ from idemproxy.errors import StoreUnavailable
 from idemproxy.store.base import Store
 from idemproxy.store.cache.memory import ENTRY_OVERHEAD_BYTES, MemoryReplayCache
 from idemproxy.store.factory import serving_store
+from idemproxy.store.layers import Stacked, StoreStack
+from idemproxy.store.ports import JobStore
 from idemproxy.store.postgres import listen as pg_listen
 from idemproxy.store.postgres.store import PostgresStore
 from tests.support.stores import CacheBounds
@@ -33,12 +35,13 @@ BOUNDS: CacheBounds = {"max_bytes": 1 << 20, "max_body": 4096, "ttl": 60.0}
 @pytest.fixture
 async def cached(pg_dsn: str) -> AsyncIterator[MemoryReplayCache]:
     cache = MemoryReplayCache(PostgresStore(pg_dsn), **BOUNDS)
-    await cache.open()
+    stack = StoreStack.of(cache)
+    await stack.open()
     try:
-        await wait_until_live(cache)
+        await wait_until_live(cache.watch)
         yield cache
     finally:
-        await cache.close()
+        await stack.close()
 
 
 @pytest.fixture
@@ -55,20 +58,24 @@ async def other_process(pg_dsn: str) -> AsyncIterator[Store]:
 class StoreCalls:
     """Counts the statements the PostgreSQL store runs, by operation (its metrics hook)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Stacked) -> None:
         self.seen: list[str] = []
-        store.observer = lambda operation, _seconds, _failed: self.seen.append(operation)
+        StoreStack.of(store).record.observer = lambda operation, _seconds, _failed: (
+            self.seen.append(operation)
+        )
 
     def count(self, operation: str) -> int:
         return self.seen.count(operation)
 
 
-async def again(store: Store, key: str = "k1", owner: str = "alice", fp: str = "fp1") -> Any:
+async def again(store: JobStore, key: str = "k1", owner: str = "alice", fp: str = "fp1") -> Any:
     job_id = str(uuid.uuid4())
     return await store.claim(intent(key, owner, fp), job_id, "primary", ttl=TTL, lease=LEASE)
 
 
-async def complete(store: Store, key: str = "k1", response: StoredResponse = RESPONSE) -> Claimed:
+async def complete(
+    store: JobStore, key: str = "k1", response: StoredResponse = RESPONSE
+) -> Claimed:
     claimed = await claim(store, key)
     assert await store.complete(claimed.job, 1, response, ttl=TTL)
     return claimed
@@ -137,12 +144,12 @@ async def test_a_deletion_by_another_process_is_seen_through_the_feed(
     assert isinstance(await again(cached), Claimed)  # the key is free again
 
 
-async def test_a_deletion_through_the_cache_drops_the_entry_at_once(
+async def test_an_operators_deletion_in_this_process_drops_the_entry_at_once(
     cached: MemoryReplayCache,
 ) -> None:
     claimed = await complete(cached)
-    job = await cached.get_by_id(claimed.job.id)
-    assert job is not None and await cached.delete(job)
+    job = await cached.record.get_by_id(claimed.job.id)
+    assert job is not None and await cached.record.delete(job)
     assert cached.entries == 0
     assert isinstance(await again(cached), Claimed)
 
@@ -226,7 +233,7 @@ async def test_losing_the_feed_empties_the_cache_and_serves_nothing_until_it_is_
         await conn.close()
     assert killed == 1
     await eventually(lambda: cached.entries == 0, "the cache is emptied")
-    await wait_until_live(cached)  # the feed reconnects by itself
+    await wait_until_live(cached.watch)  # the feed reconnects by itself
     assert isinstance(await again(cached, "a"), Existing)
     assert calls.count("claim") == 1  # re-read from the store, then kept again
     assert isinstance(await again(cached, "a"), Existing)
@@ -266,9 +273,10 @@ async def test_the_least_recently_replayed_go_first_and_the_bound_holds(pg_dsn: 
     response = StoredResponse(200, (), b"x" * 1000)
     entry = ENTRY_OVERHEAD_BYTES + 1000 + len("k0")
     cache = MemoryReplayCache(PostgresStore(pg_dsn), max_bytes=3 * entry, max_body=4096, ttl=60)
-    await cache.open()
+    stack = StoreStack.of(cache)
+    await stack.open()
     try:
-        await wait_until_live(cache)
+        await wait_until_live(cache.watch)
         for key in ("k0", "k1", "k2"):
             await complete(cache, key, response)
         assert isinstance(await again(cache, "k0"), Existing)  # k0 is now the most recent
@@ -281,7 +289,7 @@ async def test_the_least_recently_replayed_go_first_and_the_bound_holds(pg_dsn: 
         await again(cache, "k1")
         assert calls.count("claim") == 1
     finally:
-        await cache.close()
+        await stack.close()
 
 
 async def test_large_bodies_are_replayed_from_the_store(cached: MemoryReplayCache) -> None:
@@ -292,7 +300,7 @@ async def test_large_bodies_are_replayed_from_the_store(cached: MemoryReplayCach
 
 async def test_sweeping_and_forgetting_drop_nothing_live(cached: MemoryReplayCache) -> None:
     await complete(cached)
-    assert await cached.sweep_expired(100) == 0
+    assert await cached.record.sweep_expired(100) == 0
     assert isinstance(await again(cached), Existing)
     assert cached.hits == 1
 

@@ -12,17 +12,18 @@ from idemproxy.cli import main as cli
 from idemproxy.core.types import SealedResponse
 from idemproxy.ops import service
 from idemproxy.ops.view import job_to_json
-from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
+from idemproxy.store.layers import StoreStack
+from idemproxy.store.ports import JobStore
 from idemproxy.store.seal.store import SealingStore
 from tests.support.keyring import NEW, OLD, OTHER, codec
 from tests.support.stores import opened
 
 from .test_contract import TTL, claim, job_of
-from .test_contract_sealed import PRIVATE
+from .test_contract_sealed import PRIVATE, sealing
 
 
-async def _complete(store: Store, key: str) -> str:
+async def _complete(store: JobStore, key: str) -> str:
     claimed = await claim(store, key)
     assert await store.complete(claimed.job, 1, PRIVATE, ttl=TTL)
     return claimed.job.id
@@ -75,12 +76,11 @@ async def test_reseal_without_a_ring_is_refused(
     assert code == 2 and "needs encryption.keys" in capsys.readouterr().err
 
 
-async def test_show_opens_a_sealed_response_or_says_which_key_it_needs(store: Store) -> None:
-    job_id = await _complete(SealingStore(store, codec(OLD)), "shown")
-    job = await job_of(store, job_id)
-    with_key = job_to_json(
-        service.shown(SealingStore(store, codec(OLD)), job), include_response=True
-    )
+async def test_show_opens_a_sealed_response_or_says_which_key_it_needs(stack: StoreStack) -> None:
+    job_id = await _complete(sealing(stack, codec(OLD)), "shown")
+    job = await job_of(stack.record, job_id)
+    with_key = job_to_json(service.shown(stack.record, job), include_response=True)
     assert with_key["response"]["body"] == PRIVATE.body.decode()  # type: ignore[union-attr]
-    without = job_to_json(service.shown(store, job), include_response=True)
+    stack.record.seal = None
+    without = job_to_json(service.shown(stack.record, job), include_response=True)
     assert without["response"] == {"status": 201, "omitted": False, "sealed_with": "k1"}

@@ -30,6 +30,7 @@ from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.server.listener import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
+from idemproxy.store.layers import Stacked
 from tests.support.backend import Ledger, backend_app
 from tests.support.stores import opened
 
@@ -41,7 +42,7 @@ class ProxyFactory(Protocol):
     async def __call__(
         self,
         *,
-        inject_store: Store | None = None,
+        inject_store: Stacked | None = None,
         handler_cancellation: bool = False,
         **overrides: Any,
     ) -> ProxyClient: ...
@@ -118,7 +119,7 @@ async def make_proxy(backend_url: str) -> AsyncIterator[ProxyFactory]:
 
     async def make(
         *,
-        inject_store: Store | None = None,
+        inject_store: Stacked | None = None,
         handler_cancellation: bool = False,
         **overrides: Any,
     ) -> ProxyClient:

@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp.test_utils import TestClient
 
 from idemproxy.core.types import Job, JobState
-from idemproxy.store.base import Store
+from idemproxy.store.ports import Operators
 
 KEY = "Idempotency-Key"
 JOB = "Idempotency-Job"
@@ -63,7 +63,7 @@ async def assert_problem(
     return problem
 
 
-async def only_job(jobs: Store) -> Job:
+async def only_job(jobs: Operators) -> Job:
     """The one job in the store, with its attempts."""
     listed = await jobs.list_jobs()
     assert len(listed) == 1, listed
@@ -72,7 +72,9 @@ async def only_job(jobs: Store) -> Job:
     return job
 
 
-async def wait_for_state(jobs: Store, job_id: str, state: JobState, timeout: float = 3.0) -> Job:
+async def wait_for_state(
+    jobs: Operators, job_id: str, state: JobState, timeout: float = 3.0
+) -> Job:
     """Poll until the job reaches `state` (bounded)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -90,7 +92,7 @@ async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def job_with_attempts(store: Store, key: str, owner: str = "anonymous") -> Job:
+async def job_with_attempts(store: Operators, key: str, owner: str = "anonymous") -> Job:
     """The job under (owner, key), read by id so that its attempts come with it."""
     job = await store.get(owner, key)
     assert job is not None
@@ -136,7 +138,7 @@ async def raw_exchange(
     return status, headers, body
 
 
-async def wait_for_jobs(jobs: Store, count: int = 1, timeout: float = 3.0) -> list[Job]:
+async def wait_for_jobs(jobs: Operators, count: int = 1, timeout: float = 3.0) -> list[Job]:
     """Poll until the store holds `count` jobs (e.g. a request in flight has claimed its key)."""
     deadline = time.monotonic() + timeout
     while len(listed := await jobs.list_jobs()) < count:

@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from idemproxy.config.settings import load_settings
 from idemproxy.core.types import Job, JobState, SealedResponse, StoredResponse
 from idemproxy.errors import ConfigError, ResponseUnreadable
-from idemproxy.store.cache.delegating import DelegatingStore
 from idemproxy.store.factory import serving_store
+from idemproxy.store.layers import StoreStack
 from idemproxy.store.redis.cache import RedisCachedStore
 from idemproxy.store.seal.keyring import parse_key_ring
 from idemproxy.store.seal.store import SealingStore
@@ -80,7 +80,8 @@ def test_the_keys_come_from_a_file_and_seal_outside_every_cache(tmp_path: Path) 
     )
     store = serving_store(settings)
     assert isinstance(store, SealingStore) and store.codec.primary == "k2"
-    assert isinstance(store, DelegatingStore) and store.layer(RedisCachedStore) is not None
+    assert StoreStack.of(store).layer(RedisCachedStore) is not None
+    assert store.record.seal is store.codec  # what the operators write is sealed with it too
 
 
 def test_without_keys_nothing_seals() -> None:

@@ -7,6 +7,7 @@ import contextlib
 import hmac
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
@@ -19,7 +20,7 @@ from idemproxy.errors import StoreUnavailable, Unauthorized
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import Metrics, metrics_handler
 from idemproxy.proxy.server.whole import own_server_header
-from idemproxy.store.base import Store
+from idemproxy.store.ports import Lifecycle, Operators
 
 
 def _nothing_missing() -> str | None:
@@ -36,7 +37,11 @@ class Readiness:
     owner_not_ready: Callable[[], str | None] = _nothing_missing
 
 
-STORE = web.AppKey("idemproxy.admin.store", Store)
+class AdminStore(Operators, Lifecycle, Protocol):
+    """The admin API's store: the operators' interface (SPEC §3.3, §11 erasure) and the ping
+    of /readyz."""
+
+
 READINESS = web.AppKey("idemproxy.admin.readiness", Readiness)
 PEERS = web.AppKey("idemproxy.admin.peers", Peers)
 # Probes and scrapers cannot easily send a secret header; none of these reveal a job or a
@@ -49,7 +54,7 @@ READY_STORE_CHECK_SECONDS = 0.5
 
 def create_admin_app(
     settings: Settings,
-    store: Store,
+    store: AdminStore,
     readiness: Readiness,
     *,
     metrics: Metrics | None = None,
@@ -61,7 +66,6 @@ def create_admin_app(
         middlewares=[_bearer_auth(token)] if token else [],
         client_max_size=client_max_size(settings),
     )
-    app[STORE] = store
     app[STORE_CHECK] = check = StoreCheck(store)
     app.on_cleanup.append(lambda _app: check.close())
     app[READINESS] = readiness
@@ -135,7 +139,7 @@ class StoreCheck:
     (Kubernetes: 1 s by default), and a failed probe pulls the pod all the same: the ping is
     not cancelled but left to finish on its own bound, and probes meanwhile share it."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Lifecycle) -> None:
         self._store = store
         self._ping: asyncio.Task[None] | None = None
 

@@ -30,14 +30,14 @@ from idemproxy.http.problems import problem_response
 from idemproxy.ops import purge, service
 from idemproxy.ops.resolution import ResponseRules, resolution_from_json
 from idemproxy.ops.view import job_to_json
-from idemproxy.store.base import Store
+from idemproxy.store.ports import Operators
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 # Room for a `max_stored_body` response sent as base64 (4/3) plus the rest of the JSON.
 _JSON_OVERHEAD = 64 * 1024
 
-JOBS_STORE = web.AppKey("idemproxy.admin.jobs.store", Store)
+JOBS_STORE = web.AppKey("idemproxy.admin.jobs.store", Operators)
 JOBS_SETTINGS = web.AppKey("idemproxy.admin.jobs.settings", Settings)
 
 _LIST_PARAMETERS = frozenset({"state", "owner", "limit"})
@@ -47,7 +47,7 @@ _DELETE_PARAMETERS = frozenset({"force", "version"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def add_jobs_routes(app: web.Application, settings: Settings, store: Store) -> None:
+def add_jobs_routes(app: web.Application, settings: Settings, store: Operators) -> None:
     app[JOBS_STORE] = store
     app[JOBS_SETTINGS] = settings
     app.router.add_get("/jobs", _problems(_list))

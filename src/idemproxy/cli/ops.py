@@ -38,9 +38,9 @@ from idemproxy.ops.resolution import (
 )
 from idemproxy.ops.table import job_details, jobs_table
 from idemproxy.ops.view import job_to_json
-from idemproxy.store.base import Store
-from idemproxy.store.cache.delegating import DelegatingStore
 from idemproxy.store.factory import create_store, sqlite_path, wrap_with_cache, wrap_with_seal
+from idemproxy.store.layers import StoreStack
+from idemproxy.store.ports import Operators
 from idemproxy.store.seal.store import SealingStore
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -48,7 +48,8 @@ _MAX_LIMIT = 1000
 # Only the store and the stored-response rules matter here: no upstream is needed.
 _NO_UPSTREAM = "http://jobs.invalid"
 
-Action = Callable[[argparse.Namespace, Store, Settings], Awaitable[None]]
+# An operator's command: on the store of record, whose hooks reach the caches given (SPEC §11).
+Action = Callable[[argparse.Namespace, Operators, Settings], Awaitable[None]]
 
 
 class ResealIncomplete(Exception):
@@ -121,7 +122,7 @@ def _add_list(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--owner", metavar="OWNER", help="the owner hash, as shown by show")
     parser.add_argument("--limit", type=_limit, default=100, metavar="N", help="default 100")
     parser.add_argument("--json", action="store_true", help="an array of jobs (SPEC §13)")
-    parser.set_defaults(run=_runner(_list))
+    parser.set_defaults(run=_runner(_on_record(_list)))
 
 
 def _add_show(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +133,7 @@ def _add_show(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also print the stored response's headers and body (may hold a tenant's data)",
     )
-    parser.set_defaults(run=_runner(_show))
+    parser.set_defaults(run=_runner(_on_record(_show)))
 
 
 def _owner_flags(parser: argparse.ArgumentParser, *, sender: bool = False) -> None:
@@ -158,7 +159,7 @@ def _add_find(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also print the stored response's headers and body (may hold a tenant's data)",
     )
-    parser.set_defaults(run=_runner(_find))
+    parser.set_defaults(run=_runner(_on_record(_find)))
 
 
 def _add_resolve(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +193,7 @@ def _add_resolve(parser: argparse.ArgumentParser) -> None:
         "--expect-version", type=int, metavar="N", help="refuse if the job is not at version N"
     )
     parser.add_argument("--json", action="store_true", help="print the resolved job")
-    parser.set_defaults(run=_runner(_resolve))
+    parser.set_defaults(run=_runner(_on_record(_resolve)))
 
 
 def _add_delete(parser: argparse.ArgumentParser) -> None:
@@ -203,7 +204,7 @@ def _add_delete(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--expect-version", type=int, metavar="N", help="refuse if the job is not at version N"
     )
-    parser.set_defaults(run=_runner(_delete))
+    parser.set_defaults(run=_runner(_on_record(_delete)))
 
 
 def _add_purge(parser: argparse.ArgumentParser) -> None:
@@ -222,7 +223,7 @@ def _add_purge(parser: argparse.ArgumentParser) -> None:
         help=f"jobs read per batch, default {purge.DEFAULT_BATCH_SIZE}",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(run=_runner(_purge))
+    parser.set_defaults(run=_runner(_on_record(_purge)))
 
 
 _PURGE_WITHOUT_REDIS = (
@@ -231,7 +232,7 @@ _PURGE_WITHOUT_REDIS = (
 )
 
 
-async def _purge(args: argparse.Namespace, store: Store, settings: Settings) -> None:
+async def _purge(args: argparse.Namespace, store: Operators, settings: Settings) -> None:
     if settings.redis.url is None:  # SPEC §11, Erasure: it cannot reach the proxies' Redis
         print(_PURGE_WITHOUT_REDIS, file=sys.stderr)
     owners: tuple[str, str | None] = (args.owner, None)
@@ -265,18 +266,18 @@ class _PurgeLeftJobs(Exception):
     """A purge that left jobs: exit status 1, its report printed already."""
 
 
-async def _list(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
+async def _list(args: argparse.Namespace, store: Operators, _settings: Settings) -> None:
     state = JobState(args.state) if args.state else None
     jobs = await service.list_jobs(store, state=state, owner=args.owner, limit=args.limit)
     views = [job_to_json(job) for job in jobs]
     _print(views if args.json else jobs_table(views), as_json=args.json)
 
 
-async def _show(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
+async def _show(args: argparse.Namespace, store: Operators, _settings: Settings) -> None:
     await _print_job(args, store, await service.find_job(store, args.job_id))
 
 
-async def _find(args: argparse.Namespace, store: Store, settings: Settings) -> None:
+async def _find(args: argparse.Namespace, store: Operators, settings: Settings) -> None:
     owners: tuple[str, str | None] = (args.owner, None)
     if args.sender is not None:
         owners = (service.sender_owner(args.sender), None)
@@ -287,7 +288,7 @@ async def _find(args: argparse.Namespace, store: Store, settings: Settings) -> N
     await _print_job(args, store, job)
 
 
-async def _print_job(args: argparse.Namespace, store: Store, job: Job) -> None:
+async def _print_job(args: argparse.Namespace, store: Operators, job: Job) -> None:
     late = None
     if args.include_response:
         job, late = service.shown(store, job), await service.late_responses(store, job)
@@ -295,7 +296,7 @@ async def _print_job(args: argparse.Namespace, store: Store, job: Job) -> None:
     _print(view if args.json else job_details(view), as_json=args.json)
 
 
-async def _resolve(args: argparse.Namespace, store: Store, settings: Settings) -> None:
+async def _resolve(args: argparse.Namespace, store: Operators, settings: Settings) -> None:
     resolution = _resolution(args, ResponseRules.from_settings(settings))
     job = await service.resolve_job(store, args.job_id, resolution, default_ttl=settings.ttl)
     status = f" (status {job.response.status})" if job.response else ""
@@ -303,19 +304,19 @@ async def _resolve(args: argparse.Namespace, store: Store, settings: Settings) -
     _print(job_to_json(job) if args.json else summary, as_json=args.json)
 
 
-async def _delete(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
+async def _delete(args: argparse.Namespace, store: Operators, _settings: Settings) -> None:
     job = await service.delete_job(
         store, args.job_id, force=args.force, version=args.expect_version
     )
     print(f"job {job.id}: deleted (it was {job.state.value})")
 
 
-async def _reseal(args: argparse.Namespace, store: Store, _settings: Settings) -> None:
-    sealing = store.layer(SealingStore) if isinstance(store, DelegatingStore) else None
-    if not isinstance(sealing, SealingStore):
+async def _reseal(args: argparse.Namespace, stack: StoreStack, _settings: Settings) -> None:
+    sealing = stack.layer(SealingStore)
+    if sealing is None:
         raise InvalidRequest("store reseal needs encryption.keys (the key ring) to be set")
     report = await reseal_store(
-        store, sealing.codec, batch_size=args.batch_size, pause=max(0.0, args.pause)
+        stack.record, sealing.codec, batch_size=args.batch_size, pause=max(0.0, args.pause)
     )
     print("\n".join(report_lines(report)))
     left = (report.responses, report.late)
@@ -349,7 +350,18 @@ def _body(path: str | None) -> bytes:
         raise InvalidRequest(f"--body-file: cannot read {path}: {exc.strerror}") from exc
 
 
-def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
+def _on_record(
+    action: Action,
+) -> Callable[[argparse.Namespace, StoreStack, Settings], Awaitable[None]]:
+    async def on_record(args: argparse.Namespace, stack: StoreStack, settings: Settings) -> None:
+        await action(args, stack.record, settings)
+
+    return on_record
+
+
+def _runner(
+    action: Callable[[argparse.Namespace, StoreStack, Settings], Awaitable[None]],
+) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         settings = _settings(args)
         try:
@@ -376,15 +388,18 @@ def _runner(action: Action) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-async def _with_store(settings: Settings, args: argparse.Namespace, action: Action) -> None:
-    store = wrap_with_seal(
-        wrap_with_cache(create_store(settings.store, max_connections=2), settings), settings
-    )
-    await store.open()
+async def _with_store(
+    settings: Settings,
+    args: argparse.Namespace,
+    action: Callable[[argparse.Namespace, StoreStack, Settings], Awaitable[None]],
+) -> None:
+    record = create_store(settings.store, max_connections=2)
+    stack = StoreStack.of(wrap_with_seal(wrap_with_cache(record, settings), settings))
+    await stack.open()
     try:
-        await action(args, store, settings)
+        await action(args, stack, settings)
     finally:
-        await store.close()
+        await stack.close()
 
 
 def _settings(args: argparse.Namespace) -> Settings:

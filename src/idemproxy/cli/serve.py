@@ -33,8 +33,8 @@ from idemproxy.proxy.app import create_app, tracing_from_settings
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import close_connections, drain, start_draining
 from idemproxy.proxy.server.listener import GuardedSite
-from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store, shown_store
+from idemproxy.store.layers import StoreStack
 from idemproxy.workers.role import WorkerRole
 
 if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
@@ -67,16 +67,16 @@ async def run_server(
 ) -> None:
     # Before the store is opened: tracing asked for without its packages stops the start.
     tracing = tracing_from_settings(settings)
-    store = await _open_when_reachable(settings)
+    stores = await _open_when_reachable(settings)
     try:
         if settings.migrate:
-            await store.migrate()
-        await _serve_until_signalled(settings, owner, store, worker, tracing)
+            await stores.record.migrate()
+        await _serve_until_signalled(settings, owner, stores, worker, tracing)
     finally:
-        await store.close()
+        await stores.close()
 
 
-async def _open_when_reachable(settings: Settings) -> Store:
+async def _open_when_reachable(settings: Settings) -> StoreStack:
     """The serving store, opened (SPEC §11: with Redis and the in-process replay cache). A
     PostgreSQL server not reachable yet is tried again, each time with a store of its own, with
     a doubling pause for `store_start.max_wait` seconds: a database starting beside the proxy
@@ -87,16 +87,16 @@ async def _open_when_reachable(settings: Settings) -> Store:
     give_up = loop.time() + wait.max_wait
     pause = _FIRST_STORE_PAUSE
     while True:
-        store = serving_store(settings)
+        stores = StoreStack.of(serving_store(settings))
         try:
-            await store.open()
-            return store
+            await stores.open()
+            return stores
         except StoreUnreachable as exc:
             left = give_up - loop.time()
             if not waits or left <= 0:
                 raise
             with contextlib.suppress(Exception):  # what the failed open left half-made
-                await store.close()
+                await stores.close()
             pause = min(pause, left)
             log.warning(
                 "%s; trying again in %.1f s (store_start.max_wait: %.0f s left)",
@@ -111,14 +111,14 @@ async def _open_when_reachable(settings: Settings) -> Store:
 async def _serve_until_signalled(
     settings: Settings,
     owner: OwnerPolicy,
-    store: Store,
+    stores: StoreStack,
     worker: WorkerRole | None,
     tracing: Tracing | None,
 ) -> None:
     readiness = Readiness(owner_not_ready=owner.not_ready)
     metrics = Metrics.for_settings(settings)
     proxy = web.AppRunner(
-        create_app(settings, store=store, metrics=metrics, owner=owner, tracing=tracing),
+        create_app(settings, store=stores.top, metrics=metrics, owner=owner, tracing=tracing),
         access_log=None,  # one log line per request costs more than the proxy itself
         handler_cancellation=False,  # SPEC §2: a client hanging up cancels nothing
         keepalive_timeout=settings.server.keepalive_timeout,
@@ -127,7 +127,7 @@ async def _serve_until_signalled(
     )
     peers = Peers(worker.peers) if worker is not None and worker.peers else None
     admin = web.AppRunner(
-        create_admin_app(settings, store, readiness, metrics=metrics, peers=peers),
+        create_admin_app(settings, stores.record, readiness, metrics=metrics, peers=peers),
         access_log=None,
     )
     await proxy.setup()

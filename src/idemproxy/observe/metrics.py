@@ -36,9 +36,9 @@ from idemproxy import __version__
 from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
 from idemproxy.observe.logs import dropped_log_lines
-from idemproxy.store.base import Store
-from idemproxy.store.cache.delegating import DelegatingStore
 from idemproxy.store.cache.memory import MemoryReplayCache
+from idemproxy.store.layers import StoreStack
+from idemproxy.store.ports import Operators
 
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
@@ -450,15 +450,16 @@ class Metrics:
         self._store_batch_rows[kind].observe(rows)
 
 
-def watch_store(metrics: Metrics, store: Store) -> None:
+def watch_store(metrics: Metrics, stack: StoreStack) -> None:
     """Store call latency and errors, batch sizes and the waiters gauge, straight from the
-    store; the in-process replay cache's counts when it is there."""
+    store of record; the in-process replay cache's counts when it is there."""
+    store = stack.record
     store.observer = metrics.observe_store
     for batcher in store.group_commits():
         batcher.observer = metrics.observe_batch
     metrics.waiters.set_function(lambda: store.watch.waiting)
-    cache = store.layer(MemoryReplayCache) if isinstance(store, DelegatingStore) else None
-    if isinstance(cache, MemoryReplayCache):
+    cache = stack.layer(MemoryReplayCache)
+    if cache is not None:
         metrics.registry.register(_ReplayCacheCollector(cache))
 
 
@@ -491,7 +492,7 @@ class _ReplayCacheCollector(Collector):
         )
 
 
-async def refresh_gauges(metrics: Metrics, store: Store, interval: float) -> None:
+async def refresh_gauges(metrics: Metrics, store: Operators, interval: float) -> None:
     """Keep the unknown-jobs gauge current (an operator alerts on it, SPEC §3.3)."""
     while True:
         with contextlib.suppress(StoreUnavailable):

@@ -25,7 +25,7 @@ from idemproxy.errors import InvalidRequest, OwnerMissing, OwnerUnstable
 from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.owner import derive_owners, owner_policy
 from idemproxy.ops.service import check_owner_filter
-from idemproxy.store.base import Store
+from idemproxy.store.ports import Operators
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 100
@@ -92,7 +92,7 @@ def owners_of_credential(credential: str, settings: OwnerSettings) -> tuple[str,
 
 
 async def purge_owner(
-    store: Store,
+    store: Operators,
     owner: str,
     *,
     include_in_flight: bool = False,
@@ -121,7 +121,7 @@ async def purge_owner(
 
 
 async def _purge_one(
-    store: Store, job: Job, report: PurgeReport, *, include_in_flight: bool
+    store: Operators, job: Job, report: PurgeReport, *, include_in_flight: bool
 ) -> None:
     if job.state in _RISKY and not include_in_flight:
         report.left.append(LeftJob(job.id, job.state.value, "may have executed or be executing"))

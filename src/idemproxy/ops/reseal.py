@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from idemproxy.core.types import KeptResponse, SealedResponse
 from idemproxy.errors import ResponseUnreadable
-from idemproxy.store.base import LateResponse, Store
+from idemproxy.store.ports import LateResponse, Resealing
 from idemproxy.store.seal.codec import ResponseCodec
 
 
@@ -45,7 +45,7 @@ class ResealReport:
 
 
 async def reseal_store(
-    store: Store, codec: ResponseCodec, *, batch_size: int, pause: float = 0.0
+    store: Resealing, codec: ResponseCodec, *, batch_size: int, pause: float = 0.0
 ) -> ResealReport:
     """Reseal every response and late response not sealed with the primary key."""
     primary = codec.primary
@@ -57,7 +57,7 @@ async def reseal_store(
 
 
 async def _reseal_responses(
-    store: Store, codec: ResponseCodec, batch_size: int, pause: float
+    store: Resealing, codec: ResponseCodec, batch_size: int, pause: float
 ) -> ResealCounts:
     counts = ResealCounts()
     jobs = await store.to_reseal(codec.primary, None, batch_size)
@@ -77,7 +77,7 @@ async def _reseal_responses(
 
 
 async def _reseal_late(
-    store: Store, codec: ResponseCodec, batch_size: int, pause: float
+    store: Resealing, codec: ResponseCodec, batch_size: int, pause: float
 ) -> ResealCounts:
     counts = ResealCounts()
     batch: list[LateResponse] = await store.late_to_reseal(codec.primary, None, batch_size)

@@ -28,13 +28,13 @@ from idemproxy.errors import (
     VersionMismatch,
 )
 from idemproxy.ops.resolution import Resolution
-from idemproxy.store.base import Store
+from idemproxy.store.ports import Operators
 
 log = logging.getLogger(__name__)
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
 
 
-async def find_job(store: Store, job_id: str) -> Job:
+async def find_job(store: Operators, job_id: str) -> Job:
     """The job with its attempts."""
     job = await store.get_by_id(job_id)
     if job is None:
@@ -43,7 +43,7 @@ async def find_job(store: Store, job_id: str) -> Job:
 
 
 async def list_jobs(
-    store: Store, *, state: JobState | None, owner: str | None, limit: int
+    store: Operators, *, state: JobState | None, owner: str | None, limit: int
 ) -> list[Job]:
     """Newest first, each with its attempts (SPEC §13: a listed job has them too)."""
     if owner is not None:
@@ -53,7 +53,7 @@ async def list_jobs(
     return [job for job in full if job is not None]  # deleted meanwhile: gone from the list
 
 
-async def find_by_key(store: Store, key: str, owners: tuple[str, str | None]) -> Job:
+async def find_by_key(store: Operators, key: str, owners: tuple[str, str | None]) -> Job:
     """The job of the client's `key` in the owner's scope (support's "what happened to
     order-1234?"); the legacy owner's too, during a switch to `owner.pepper` (SPEC §5). Always
     a point lookup on `(owner, key)`: never a search of every owner's keys."""
@@ -86,7 +86,7 @@ def check_owner_filter(owner: str) -> None:
 
 
 async def resolve_job(
-    store: Store, job_id: str, resolution: Resolution, *, default_ttl: float
+    store: Operators, job_id: str, resolution: Resolution, *, default_ttl: float
 ) -> Job:
     """SPEC §3.3: CAS an `unknown` job to `completed` or `released`; one of many callers wins."""
     job = await find_job(store, job_id)
@@ -119,7 +119,7 @@ async def resolve_job(
 
 
 async def delete_job(
-    store: Store, job_id: str, *, force: bool = False, version: int | None = None
+    store: Operators, job_id: str, *, force: bool = False, version: int | None = None
 ) -> Job:
     """Delete a job and its attempts; its key can then be claimed afresh.
 
@@ -163,7 +163,7 @@ def _in_flight(job: Job) -> JobInFlight:
     )
 
 
-async def _late_response(store: Store, job: Job, number: int) -> KeptResponse:
+async def _late_response(store: Operators, job: Job, number: int) -> KeptResponse:
     if not any(a.number == number for a in job.attempts):
         raise InvalidRequest(f"job {job.id} has no attempt {number}")
     kept = await store.late_response(job, number)
@@ -180,7 +180,7 @@ async def _late_response(store: Store, job: Job, number: int) -> KeptResponse:
     return kept
 
 
-async def late_responses(store: Store, job: Job) -> dict[int, KeptResponse]:
+async def late_responses(store: Operators, job: Job) -> dict[int, KeptResponse]:
     """The late responses kept on the job's attempts, by attempt number (for `show`), opened
     when they are sealed and their key is in the ring (SPEC §11)."""
     kept = {}
@@ -192,7 +192,7 @@ async def late_responses(store: Store, job: Job) -> dict[int, KeptResponse]:
     return kept
 
 
-def shown(store: Store, job: Job) -> Job:
+def shown(store: Operators, job: Job) -> Job:
     """`job` with its response opened for an operator who asked to see it (SPEC §11); one that
     does not open stays sealed, and is shown as such."""
     if job.response is None:
@@ -200,7 +200,7 @@ def shown(store: Store, job: Job) -> Job:
     return job._replace(response=readable(store, job, job.response))
 
 
-def readable(store: Store, job: Job, response: KeptResponse) -> KeptResponse:
+def readable(store: Operators, job: Job, response: KeptResponse) -> KeptResponse:
     try:
         return store.opened(job, response)
     except ResponseUnreadable as exc:

@@ -30,25 +30,30 @@ from idemproxy.proxy.upstream.contract import keep_checking
 from idemproxy.proxy.upstream.dial import Dialing
 from idemproxy.store.base import Store
 from idemproxy.store.factory import serving_store
+from idemproxy.store.layers import Stacked, StoreStack
+from idemproxy.store.ports import Operators
 
 if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
     from idemproxy.proxy.tracing import Tracing
 
 log = logging.getLogger(__name__)
+# The process's store: the hot path, which the requests use, and the store of record.
+STORES = web.AppKey("idemproxy.stores", StoreStack)
 
 
 def create_app(
     settings: Settings,
     *,
-    store: Store | None = None,
+    store: Stacked | None = None,
     metrics: Metrics | None = None,
     owner: OwnerPolicy | None = None,
     tracing: Tracing | None = None,
 ) -> web.Application:
-    """The proxy app. An injected `store` is owned (opened, migrated, closed) by the caller;
-    `metrics` are shared with the admin listener that serves them; `owner`, when not given, is
-    built from `settings.owner` as the app starts, and so is `tracing` from `settings.tracing`
-    (`tracing_from_settings`). The app shuts its tracing down after the drain."""
+    """The proxy app. An injected `store` (the outermost of its layers) is owned (opened,
+    migrated, closed) by the caller; `metrics` are shared with the admin listener that serves
+    them; `owner`, when not given, is built from `settings.owner` as the app starts, and so is
+    `tracing` from `settings.tracing` (`tracing_from_settings`). The app shuts its tracing down
+    after the drain."""
     app = web.Application(
         handler_args={
             "max_line_size": settings.server.max_line_size,
@@ -93,7 +98,7 @@ def tracing_from_settings(settings: Settings) -> Tracing | None:
 
 def _lifecycle(
     settings: Settings,
-    injected: Store | None,
+    injected: Stacked | None,
     metrics: Metrics,
     owner: OwnerPolicy | None,
     tracing: Tracing | None,
@@ -103,7 +108,8 @@ def _lifecycle(
         # Whatever was opened is closed again, also when a later step fails (a bad contract
         # file, an unreadable JWT key): the exit stack unwinds in reverse order.
         async with contextlib.AsyncExitStack() as stack:
-            store = injected or await _own_store(settings, stack)
+            stores = await _stores(settings, injected, stack)
+            app[STORES] = stores
             failpoints = Failpoints.from_env()
             upstream = _upstream_client(settings, failpoints, metrics)
             await upstream.open()
@@ -112,7 +118,7 @@ def _lifecycle(
             if spans is not None:
                 stack.push_async_callback(spans.shutdown)  # after the drain: its last spans
             services = Services(failpoints, metrics, owner, spans)
-            ctx = ProxyContext.build(settings, store, upstream, services)
+            ctx = ProxyContext.build(settings, stores.jobs, upstream, services)
             stack.push_async_callback(ctx.offload.close)  # after the drain: no body left
             # After the drain, before the store.
             stack.push_async_callback(ctx.unsent.close)
@@ -121,8 +127,8 @@ def _lifecycle(
             # SPEC §5: an identity provider's keys are fetched (once, bounded) before serving.
             await ctx.owner.start(_fetch_counter(metrics))
             stack.push_async_callback(ctx.owner.close)
-            watch_store(metrics, store)
-            await _start_housekeeping(ctx, stack)
+            watch_store(metrics, stores)
+            await _start_housekeeping(ctx, stores.record, stack)
             # A no-op after `idemproxy serve` drained; tests and the demo stop here.
             stack.push_async_callback(_drain_now, ctx)
             yield
@@ -138,26 +144,32 @@ def _fetch_counter(metrics: Metrics) -> Callable[[bool], None]:
     return count
 
 
-async def _own_store(settings: Settings, stack: contextlib.AsyncExitStack) -> Store:
-    store = serving_store(settings)
-    await store.open()
-    stack.push_async_callback(store.close)
+async def _stores(
+    settings: Settings, injected: Stacked | None, stack: contextlib.AsyncExitStack
+) -> StoreStack:
+    if injected is not None:
+        return StoreStack.of(injected)
+    stores = StoreStack.of(serving_store(settings))
+    await stores.open()
+    stack.push_async_callback(stores.close)
     if settings.migrate:
-        await store.migrate()
-    return store
+        await stores.record.migrate()
+    return stores
 
 
-async def _start_housekeeping(ctx: ProxyContext, stack: contextlib.AsyncExitStack) -> None:
-    settings, store = ctx.settings, ctx.store
+async def _start_housekeeping(
+    ctx: ProxyContext, record: Store, stack: contextlib.AsyncExitStack
+) -> None:
+    settings = ctx.settings
     # SPEC §3.4: fallbacks are eligible only once they passed their contract check.
     gates = [route.gate for route in ctx.routes.routes if route.gate is not None]
     await asyncio.gather(*(gate.check(ctx.upstream) for gate in gates))
     tasks = [
-        asyncio.create_task(refresh_gauges(ctx.metrics, store, settings.sweeper.interval)),
+        asyncio.create_task(refresh_gauges(ctx.metrics, record, settings.sweeper.interval)),
         asyncio.create_task(keep_checking(gates, ctx.upstream)),
         asyncio.create_task(
             sweep_forever(
-                store,
+                record,
                 interval=settings.sweeper.interval,
                 batch_size=settings.sweeper.batch_size,
                 unknown_ttl=settings.unknown_ttl,
@@ -165,18 +177,19 @@ async def _start_housekeeping(ctx: ProxyContext, stack: contextlib.AsyncExitStac
         ),
         asyncio.create_task(
             take_over_forever(
-                store,
+                record,
+                ctx.store,  # the hot path: its layers announce a takeover as a request's
                 interval=settings.sweeper.takeover_interval,
                 lease=settings.lease,
                 batch_size=settings.sweeper.batch_size,
-                on_taken=_counted(ctx.metrics, store),
+                on_taken=_counted(ctx.metrics, record),
             )
         ),
     ]
     stack.push_async_callback(_cancel, tasks)
 
 
-def _counted(metrics: Metrics, store: Store) -> Callable[[int], Awaitable[None]]:
+def _counted(metrics: Metrics, store: Operators) -> Callable[[int], Awaitable[None]]:
     async def taken(count: int) -> None:
         metrics.orphans_taken_over.inc(count)
         # At once, not at the gauge's next refresh: operators alert on it (SPEC §13).

@@ -23,7 +23,7 @@ from idemproxy.proxy.routing import RouteTable
 from idemproxy.proxy.server.budget import ResponseBudget
 from idemproxy.proxy.server.replay import SharedBodies
 from idemproxy.proxy.upstream.client import UpstreamClient
-from idemproxy.store.base import Store
+from idemproxy.store.ports import JobStore
 
 if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
     from idemproxy.proxy.tracing import Tracing
@@ -44,7 +44,8 @@ class Services:
 @dataclass(slots=True)
 class ProxyContext:
     settings: Settings
-    store: Store
+    # The hot path: the replay caches and the seal in front of the store of record.
+    store: JobStore
     upstream: UpstreamClient
     routes: RouteTable
     policy: Policy
@@ -82,7 +83,7 @@ class ProxyContext:
     def build(
         cls,
         settings: Settings,
-        store: Store,
+        store: JobStore,
         upstream: UpstreamClient,
         services: Services | None = None,
     ) -> ProxyContext:

@@ -10,6 +10,7 @@ from idemproxy.errors import ConfigError
 from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
 from idemproxy.store.batching import DEFAULT_BATCH
+from idemproxy.store.layers import Stacked
 
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
@@ -51,11 +52,11 @@ def create_store(
     raise ConfigError(f"store: unsupported DSN scheme in {dsn.split(':', 1)[0]!r}")
 
 
-def serving_store(settings: Settings) -> Store:
+def serving_store(settings: Settings) -> Stacked:
     """The store a proxy process serves from: the configured store, behind Redis when
     `redis.url` is set, behind the in-process replay cache when the store is PostgreSQL
     (SPEC §11)."""
-    store = create_store(
+    store: Stacked = create_store(
         settings.store,
         max_connections=settings.pool.store_connections,
         command_timeout=settings.pool.store_timeout,
@@ -75,10 +76,11 @@ def serving_store(settings: Settings) -> Store:
     return wrap_with_seal(store, settings)
 
 
-def wrap_with_seal(store: Store, settings: Settings) -> Store:
+def wrap_with_seal(store: Stacked, settings: Settings) -> Stacked:
     """`store` behind the sealing of responses when `encryption.keys` is set (SPEC §11), else
-    `store`: outermost, so that no cache below ever sees a response in the clear. A key ring
-    that does not parse is a `ConfigError` at start-up."""
+    `store`: outermost, so that no cache below ever sees a response in the clear; the store
+    of record seals and opens with the same ring what the operators write and read there. A
+    key ring that does not parse is a `ConfigError` at start-up."""
     keys = settings.encryption.keys
     if keys is None:
         return store
@@ -88,14 +90,16 @@ def wrap_with_seal(store: Store, settings: Settings) -> Store:
 
     ring = parse_key_ring(keys.get_secret_value())
     codec = ResponseCodec(ring, require_sealed=settings.encryption.require_sealed)
-    return SealingStore(store, codec)
+    sealing = SealingStore(store, codec)
+    sealing.record.seal = codec
+    return sealing
 
 
 def _is_postgres(dsn: str) -> bool:
     return dsn.startswith(("postgresql://", "postgres://"))
 
 
-def wrap_with_cache(store: Store, settings: Settings) -> Store:
+def wrap_with_cache(store: Stacked, settings: Settings) -> Stacked:
     """`store` behind the Redis replay cache when `redis.url` is set (SPEC §11), else `store`.
 
     Redis is an optional extra (`idemproxy[redis]`): its client is imported only here, only when

@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 from prometheus_client import Counter
 
 from idemproxy.errors import StoreRefused, StoreUnavailable
-from idemproxy.store.base import Store
+from idemproxy.store.ports import JobStore
 
 log = logging.getLogger(__name__)
 # Seconds between rounds, doubling while the store stays away or nothing was settled.
@@ -41,7 +41,7 @@ Done = TypeVar("Done", bound=enum.StrEnum)  # what became of an item: a metric's
 class FollowUps(abc.ABC, Generic[Item, Done]):
     def __init__(
         self,
-        store: Store,
+        store: JobStore,
         counted: Mapping[Done, Counter],
         *,
         dropped: Done,
@@ -85,7 +85,7 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
     # --- what each kind defines ---------------------------------------------------------------
 
     @abc.abstractmethod
-    async def _settle(self, store: Store, item: Item) -> Done | None:
+    async def _settle(self, store: JobStore, item: Item) -> Done | None:
         """One try: the outcome to count when the item is done, None to try again later.
         StoreUnavailable: the store is still away."""
 

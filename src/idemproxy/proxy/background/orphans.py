@@ -5,7 +5,7 @@ job over as `unknown` once the lease ran out, but until one comes the job would 
 missing from `idemproxy_unknown_jobs` and `jobs list --state unknown`, refused by `jobs
 resolve`, never released by `unknown_ttl`. So every proxy looks for such jobs every
 `sweeper.takeover_interval` seconds and takes them over with the same compare-and-swap a request
-uses (`Store.take_over`): of the proxies and requests that try at once exactly one wins.
+uses (`JobStore.take_over`): of the proxies and requests that try at once exactly one wins.
 
 Only leases that ran out at least one `lease` ago by the database clock are taken: a live proxy
 whose renewal is merely late keeps its job unless a request for the key notices first, as before.
@@ -19,13 +19,14 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.base import Store
+from idemproxy.store.ports import Housekeeping, JobStore
 
 log = logging.getLogger(__name__)
 
 
 async def take_over_forever(
-    store: Store,
+    store: Housekeeping,
+    jobs: JobStore,
     *,
     interval: float,
     lease: float,
@@ -36,7 +37,7 @@ async def take_over_forever(
     while True:
         await asyncio.sleep(interval)
         try:
-            taken = await take_over_orphans(store, older_than=lease, batch_size=batch_size)
+            taken = await take_over_orphans(store, jobs, older_than=lease, batch_size=batch_size)
             if taken and on_taken is not None:
                 await on_taken(taken)
         except StoreUnavailable:
@@ -46,15 +47,18 @@ async def take_over_forever(
             log.exception("takeover: unexpected error; will retry in %.1fs", interval)
 
 
-async def take_over_orphans(store: Store, *, older_than: float, batch_size: int) -> int:
+async def take_over_orphans(
+    store: Housekeeping, jobs: JobStore, *, older_than: float, batch_size: int
+) -> int:
     """Take over every job whose lease ran out `older_than` seconds ago, a small batch at a
-    time (one short read, then one CAS per job); returns how many this process won."""
+    time (one short read of `store`, then one CAS per job on the hot path, `jobs`, whose
+    layers announce it as a request's takeover is); returns how many this process won."""
     total = 0
     while True:
         orphans = await store.expired_leases(older_than, batch_size)
         won = 0
         for job in orphans:
-            if await store.take_over(job):
+            if await jobs.take_over(job):
                 won += 1
                 log.warning(
                     "job %s: its lease ran out (its proxy died mid-attempt); taken over as "

@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol
 
 from idemproxy.constants import RESOLUTION_UNKNOWN_TTL
 from idemproxy.core.types import JobState
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.base import Store
+from idemproxy.store.ports import Housekeeping, Operators
 
 log = logging.getLogger(__name__)
 
 
+class SweptStore(Housekeeping, Operators, Protocol):
+    """The sweeper's store: housekeeping's reads and deletes, and the operator's resolution
+    with which an unknown job past `unknown_ttl` is released (SPEC §3.3)."""
+
+
 async def sweep_forever(
-    store: Store, *, interval: float, batch_size: int, unknown_ttl: float | None = None
+    store: SweptStore, *, interval: float, batch_size: int, unknown_ttl: float | None = None
 ) -> None:
     while True:
         await asyncio.sleep(interval)
@@ -30,7 +36,7 @@ async def sweep_forever(
             log.exception("sweeper: unexpected error; will retry in %.0fs", interval)
 
 
-async def sweep_once(store: Store, *, batch_size: int) -> int:
+async def sweep_once(store: Housekeeping, *, batch_size: int) -> int:
     """Delete every expired terminal job, one small batch (one short transaction) at a time."""
     total = 0
     while True:
@@ -41,7 +47,7 @@ async def sweep_once(store: Store, *, batch_size: int) -> int:
         await asyncio.sleep(0)  # let traffic in between batches
 
 
-async def release_stale_unknown(store: Store, *, older_than: float, batch_size: int) -> int:
+async def release_stale_unknown(store: SweptStore, *, older_than: float, batch_size: int) -> int:
     """SPEC §3.3 (opt-in): release unknown jobs unchanged for `older_than` seconds.
 
     Each release is the same compare-and-swap an operator's is, so replicas sweeping at once,

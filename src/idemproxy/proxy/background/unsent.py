@@ -34,7 +34,7 @@ from idemproxy.core.decision import Unsent, unsent_claim
 from idemproxy.core.types import Job, JobState
 from idemproxy.observe.metrics import UnsentOutcome
 from idemproxy.proxy.background.followups import FollowUps
-from idemproxy.store.base import Store
+from idemproxy.store.ports import JobStore
 
 log = logging.getLogger(__name__)
 # Recorded on the attempt (SPEC §3.2 "failed"): what the operator reads in `jobs show`.
@@ -61,7 +61,7 @@ class _Claim(NamedTuple):
 class UnsentClaims(FollowUps[_Claim, UnsentOutcome]):
     def __init__(
         self,
-        store: Store,
+        store: JobStore,
         counted: Mapping[UnsentOutcome, Counter],
         *,
         lease: float,
@@ -96,7 +96,7 @@ class UnsentClaims(FollowUps[_Claim, UnsentOutcome]):
         )
         self._add(job.id, claim)
 
-    async def _settle(self, store: Store, claim: _Claim) -> UnsentOutcome | None:
+    async def _settle(self, store: JobStore, claim: _Claim) -> UnsentOutcome | None:
         job = await store.get(claim.owner, claim.key)
         verdict = unsent_claim(
             job, claim.job_id, version=claim.version, attempt=claim.attempt, token=claim.token

@@ -24,7 +24,7 @@ from prometheus_client import Counter
 from idemproxy.core.types import Job, JobState, StoredResponse
 from idemproxy.observe.metrics import UnwrittenOutcome
 from idemproxy.proxy.background.followups import FollowUps
-from idemproxy.store.base import Store
+from idemproxy.store.ports import JobStore
 
 log = logging.getLogger(__name__)
 # At most this many outcomes, and this many bytes of responses, wait per process; one more is
@@ -45,7 +45,7 @@ class _Outcome(NamedTuple):
 
 
 class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
-    def __init__(self, store: Store, counted: Mapping[UnwrittenOutcome, Counter]) -> None:
+    def __init__(self, store: JobStore, counted: Mapping[UnwrittenOutcome, Counter]) -> None:
         """`counted`: Metrics.unwritten_outcome."""
         super().__init__(
             store,
@@ -72,7 +72,7 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
         headers = sum(len(name) + len(value) for name, value in response.headers)
         return len(response.body or b"") + headers
 
-    async def _settle(self, store: Store, outcome: _Outcome) -> UnwrittenOutcome:
+    async def _settle(self, store: JobStore, outcome: _Outcome) -> UnwrittenOutcome:
         job, attempt = outcome.job, outcome.attempt
         if outcome.response is not None:
             won = await store.complete(job, attempt, outcome.response, ttl=outcome.ttl)

@@ -9,7 +9,7 @@ from types import TracebackType
 
 from idemproxy.core.types import Job
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.base import Store
+from idemproxy.store.ports import JobStore
 
 log = logging.getLogger(__name__)
 # A failed renewal is tried again this soon, then twice as late each time (up to lease / 10):
@@ -39,7 +39,7 @@ class KeptLease:
     (config/settings.py).
     """
 
-    def __init__(self, store: Store, job: Job, *, lease: float) -> None:
+    def __init__(self, store: JobStore, job: Job, *, lease: float) -> None:
         self._store = store
         self._job = job
         self._lease = lease
@@ -72,7 +72,7 @@ class KeptLease:
         )
 
 
-async def _renew(store: Store, job: Job, lease: float, granted: float) -> None:
+async def _renew(store: JobStore, job: Job, lease: float, granted: float) -> None:
     loop = asyncio.get_running_loop()
     while True:
         renewed = await _renew_once(store, job, lease, expires=granted + lease)
@@ -82,7 +82,7 @@ async def _renew(store: Store, job: Job, lease: float, granted: float) -> None:
         await asyncio.sleep(max(granted + lease / 3 - loop.time(), 0.0))
 
 
-async def _renew_once(store: Store, job: Job, lease: float, *, expires: float) -> float | None:
+async def _renew_once(store: JobStore, job: Job, lease: float, *, expires: float) -> float | None:
     """Try until the store renews the lease: when the successful try was sent, or None when
     the lease is lost (taken over, or the job settled by another attempt)."""
     loop = asyncio.get_running_loop()

@@ -43,12 +43,14 @@ from idemproxy.core.types import (
     SealedResponse,
 )
 from idemproxy.store.base import Store
-from idemproxy.store.cache.delegating import (
+from idemproxy.store.cache.replay import (
     MIN_ENTRY_SECONDS,
     ReplayCache,
     body_bytes,
     seconds_left,
 )
+from idemproxy.store.hooks import Change
+from idemproxy.store.layers import JobLayer
 
 log = logging.getLogger(__name__)
 # Bytes counted for an entry besides its body and headers' text: the entry, job, Existing and
@@ -67,7 +69,9 @@ class _Entry(NamedTuple):
 
 
 class MemoryReplayCache(ReplayCache):
-    def __init__(self, inner: Store, *, max_bytes: int, max_body: int, ttl: float) -> None:
+    def __init__(
+        self, inner: Store | JobLayer, *, max_bytes: int, max_body: int, ttl: float
+    ) -> None:
         super().__init__(inner)
         self._max_bytes = max_bytes
         self._max_body = max_body
@@ -81,9 +85,9 @@ class MemoryReplayCache(ReplayCache):
         self._floor = 0
         self.hits = 0
         self.watch.on_change(self._on_change)
+        self.record.hooks.append(self)
 
     async def open(self) -> None:
-        await self.inner.open()
         log.info(
             "in-process replay cache: up to %d bytes, bodies up to %d bytes, %g s per entry",
             self._max_bytes,
@@ -151,13 +155,15 @@ class MemoryReplayCache(ReplayCache):
         self._drop_job(job.id)
         return await self.inner.forget(job)
 
-    async def delete(self, job: Job, *, force: bool = False) -> bool:
+    # --- changes made past the hot path (store.hooks.ChangeHook) ---------------------------------
+
+    async def deleting(self, job: Job) -> None:
         # Announced locally before and after: a read under way keeps nothing, and the feed's
         # own announcement reaches the other replicas.
         self._on_change(job.id)
-        try:
-            return await self.inner.delete(job, force=force)
-        finally:
+
+    def changed(self, job: Job, change: Change, won: bool) -> None:
+        if change is Change.DELETED:
             self._on_change(job.id)
 
     # --- the cache ------------------------------------------------------------------------------

@@ -531,7 +531,7 @@ class PostgresStore(Store):
         row = await self._fetchrow("get_late_response", job.owner, uuid.UUID(job.id), attempt)
         return None if row is None else late_response_from_row(row)
 
-    async def resolve(
+    async def _resolve(
         self,
         job: Job,
         state: JobState,
@@ -566,7 +566,7 @@ class PostgresStore(Store):
         )
         return [job_from_row(row) for row in rows]
 
-    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
+    async def _reseal(self, job: Job, sealed: SealedResponse) -> bool:
         read_with = key_of(job.response)
         row = await self._fetchrow(
             "reseal_response", *_cas(job), read_with, sealed.sealed, sealed.key_id
@@ -599,7 +599,7 @@ class PostgresStore(Store):
         )
         return status == "UPDATE 1"
 
-    async def delete(self, job: Job, *, force: bool = False) -> bool:
+    async def _delete(self, job: Job, *, force: bool = False) -> bool:
         return await self._announced(job, await self._fetchrow("delete_job", *_cas(job), force))
 
     async def stale_unknown(self, older_than: float, limit: int) -> list[Job]:

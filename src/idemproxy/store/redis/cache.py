@@ -1,7 +1,7 @@
 """A Redis replay cache and cross-replica wake-ups in front of a store (SPEC §11, optional).
 
-`RedisCachedStore(inner, client)` is a `Store` that delegates every decision to `inner` (the
-source of truth; PostgreSQL in production) and adds two things:
+`RedisCachedStore(inner, client)` is a layer in front of the hot path (store/layers.py): every
+decision is the store of record's (PostgreSQL in production), and it adds two things:
 
 * a hot replay cache: `claim` first looks up a cached *completed* job for (owner, key), with a
   short timeout; a hit is `Existing(job)`, and the decision core replays it or answers
@@ -10,14 +10,16 @@ source of truth; PostgreSQL in production) and adds two things:
   Winning completions, and completed jobs that `claim`/`get` read from the store, are written
   back in the background for at most `ttl` seconds and never past the job's own expiry.
 * wake-ups across replicas: a held duplicate marks its key watched in Redis, and each state
-  change of a watched job made through this store is published on a channel that every replica
-  subscribes to (store/redis/feed.py), waking held duplicates there too. The `watch` is the inner
-  store's own, so the store's feed (PostgreSQL LISTEN) and Redis wake the same waiters.
+  change of a watched job made through this process is published on a channel that every
+  replica subscribes to (store/redis/feed.py), waking held duplicates there too. The `watch` is
+  the store of record's own, so its feed (PostgreSQL LISTEN) and Redis wake the same waiters.
 
-Deletion: `delete` invalidates the entry and tombstones the job in Redis *before* deleting it in
-the store; the cache write script refuses a tombstoned job, so a write that was already on its
-way cannot resurrect it, and readers reject an entry whose job has expired. Redis failing is a
-cache miss; its errors never leave store/redis/client.py.
+An operator's deletion, resolution or resealing reaches the store of record directly; this
+cache learns of it through the record's hooks (`deleting`, `changed`). Deletion: the entry is
+invalidated and the job tombstoned in Redis *before* it is deleted in the store; the cache
+write script refuses a tombstoned job, so a write that was already on its way cannot resurrect
+it, and readers reject an entry whose job has expired. Redis failing is a cache miss; its
+errors never leave store/redis/client.py.
 """
 
 from __future__ import annotations
@@ -37,16 +39,17 @@ from idemproxy.core.types import (
     Job,
     JobState,
     KeptResponse,
-    SealedResponse,
 )
 from idemproxy.store.base import Store
-from idemproxy.store.cache.delegating import (
+from idemproxy.store.cache.replay import (
     MIN_ENTRY_SECONDS,
     ReplayCache,
     body_bytes,
     seconds_left,
 )
 from idemproxy.store.feed import stop_feed
+from idemproxy.store.hooks import Change
+from idemproxy.store.layers import JobLayer
 from idemproxy.store.redis.client import EntryKeys, RedisCache, connect
 from idemproxy.store.redis.codec import decode, encode, entry_name, tombstone_name, watch_name
 from idemproxy.store.redis.feed import listen_forever
@@ -69,7 +72,7 @@ _DEFAULT_OPTIONS = RedisCacheOptions()
 
 class RedisCachedStore(ReplayCache):
     def __init__(
-        self, inner: Store, client: Redis, options: RedisCacheOptions = _DEFAULT_OPTIONS
+        self, inner: Store | JobLayer, client: Redis, options: RedisCacheOptions = _DEFAULT_OPTIONS
     ) -> None:
         super().__init__(inner)
         self.cache = RedisCache(
@@ -78,15 +81,15 @@ class RedisCachedStore(ReplayCache):
         self._ttl = options.ttl
         self._max_body = options.max_body
         self._feed: asyncio.Task[None] | None = None
+        self.record.hooks.append(self)
 
     @classmethod
     def from_url(
-        cls, inner: Store, url: str, options: RedisCacheOptions = _DEFAULT_OPTIONS
+        cls, inner: Store | JobLayer, url: str, options: RedisCacheOptions = _DEFAULT_OPTIONS
     ) -> RedisCachedStore:
         return cls(inner, connect(url, timeout=options.write_timeout), options)
 
     async def open(self) -> None:
-        await self.inner.open()
         where = self.cache.client.connection_pool.connection_kwargs  # never the password
         log.info("replay cache and wake-ups on redis %s", where.get("path") or where.get("host"))
         # Redis may be down at start-up: the feed keeps trying, lookups miss until it is up.
@@ -98,7 +101,6 @@ class RedisCachedStore(ReplayCache):
         if self._feed is not None:
             await stop_feed(self._feed)
         await self.cache.close()
-        await self.inner.close()
 
     # --- the hot path -------------------------------------------------------------------------
 
@@ -180,43 +182,25 @@ class RedisCachedStore(ReplayCache):
             self._drop_soon(job)
         return forgotten
 
-    # --- operators and housekeeping -----------------------------------------------------------
+    # --- changes made past the hot path (store.hooks.ChangeHook) ---------------------------------
 
-    async def resolve(
-        self,
-        job: Job,
-        state: JobState,
-        *,
-        response: KeptResponse | None = None,
-        ttl: float = 0.0,
-        resolution: str = "operator",
-    ) -> bool:
-        won = await self.inner.resolve(
-            job, state, response=response, ttl=ttl, resolution=resolution
-        )
-        if won:  # an unknown job is never cached; dropped all the same, then announced
-            self._drop_soon(job)
-            self._announce(job)
-        return won
-
-    async def delete(self, job: Job, *, force: bool = False) -> bool:
+    async def deleting(self, job: Job) -> None:
         # Invalidate first: from here on no replica replays it from Redis, and a cache write
         # for it still on its way is refused by the tombstone until the job would have expired.
         name = entry_name(job.owner, job.key)
         expires = job.expires_at.timestamp() if job.expires_at else time.time() + self._ttl
         until = max(expires, time.time()) + CLOCK_MARGIN_SECONDS
         await self.cache.drop(name, tombstone_name(name, job.id), until)
-        deleted = await self.inner.delete(job, force=force)
-        if deleted:
-            self._announce(job)
-        return deleted
 
-    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
-        # SPEC §11: the entry holds the box under the old key, which may be retired next.
-        won = await self.inner.reseal(job, sealed)
-        if won:
+    def changed(self, job: Job, change: Change, won: bool) -> None:
+        if not won:
+            return
+        if change is not Change.DELETED:
+            # A resolved job was unknown, never cached: dropped all the same. A resealed one's
+            # entry holds the box under the old key, which may be retired next (SPEC §11).
             self._drop_soon(job)
-        return won
+        if change is not Change.RESEALED:
+            self._announce(job)
 
     # --- the cache ------------------------------------------------------------------------------
 

@@ -220,7 +220,7 @@ class SqliteStore(Store):
         row = await self._read("late_response", self._q.one, "get_late_response", params)
         return None if row is None else late_response_from_row(row)
 
-    async def resolve(
+    async def _resolve(
         self,
         job: Job,
         state: JobState,
@@ -253,7 +253,7 @@ class SqliteStore(Store):
             params |= {"owner": after.owner, "id": after.id}
         return await self._read("to_reseal", self._q.jobs, "responses_to_reseal", params)
 
-    async def reseal(self, job: Job, sealed: SealedResponse) -> bool:
+    async def _reseal(self, job: Job, sealed: SealedResponse) -> bool:
         params = cas(job) | {
             "read_with": key_of(job.response),
             "box": sealed.sealed,
@@ -281,7 +281,7 @@ class SqliteStore(Store):
         }
         return await self._write("reseal", self._q.changed, "reseal_late_response", params)
 
-    async def delete(self, job: Job, *, force: bool = False) -> bool:
+    async def _delete(self, job: Job, *, force: bool = False) -> bool:
         params = cas(job) | {"force": force}
         won = await self._write("write", self._q.changed, "delete_job", params)
         return self._notify_if(won, job)
