@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, assert_never
+from typing import assert_never
 
 from aiohttp import web
 
@@ -46,19 +46,15 @@ from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import Claimed, ClaimResult, Job
 from idemproxy.errors import JobLost, ProblemError, StoreUnavailable
 from idemproxy.identity.ids import new_job_id
-from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.jobs.jobrun import run_job
+from idemproxy.proxy.jobs.observed import JobObserver, job_observer
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.jobs.shielded import Shield
 from idemproxy.proxy.server.fit import fitted, unfit
 from idemproxy.proxy.server.replay import SharedBodies, replay_response
 from idemproxy.store.base import Store
-
-if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
-    from idemproxy.proxy.tracing import Tracing
 
 log = logging.getLogger(__name__)
 # The states whose I/O is off the hot path.
@@ -96,9 +92,8 @@ class Collaborators:
     # Runs the attempts of a claimed job; their tasks outlive a client that hangs up (SPEC §2).
     shield: Shield
     replays: SharedBodies
-    failpoints: Failpoints
-    metrics: Metrics
-    tracing: Tracing | None
+    # Told what happened: the request's record, metrics, failpoints and spans listen.
+    observer: JobObserver
 
 
 class Governor:
@@ -130,9 +125,7 @@ class Governor:
                 unsent=ctx.unsent,
                 shield=Shield(run_job, ctx.attempts),
                 replays=ctx.replays,
-                failpoints=ctx.failpoints,
-                metrics=ctx.metrics,
-                tracing=ctx.tracing,
+                observer=job_observer(ctx.metrics, ctx.failpoints, ctx.tracing),
             )
         )
 
@@ -171,15 +164,12 @@ class Governor:
                         if fit is not None:
                             stored = await fitted(stored, fit, at.max_stored_body)
                         job_id = state.seen.job.id
-                        governed.trace.replayed(job_id)
-                        if at.tracing is not None:
-                            at.tracing.replay(job_id, stored.status)
+                        at.observer.replayed(governed.trace, job_id, stored.status)
                         decoded = fit is not None and bool(fit.codings)
                         return replay_response(job_id, stored, at.replays, decoded=decoded)
                     case NeedRun():
                         claimed = state.claimed
-                        governed.trace.ran(claimed.job.id, claimed.attempt)
-                        at.failpoints.hit("after_claim")
+                        at.observer.running(governed.trace, claimed)
                         response = await at.shield.run(governed, claimed)
                         if response is not None:
                             return response
@@ -208,11 +198,9 @@ class Governor:
                 found = await at.store.lookup(intent.owner, intent.key)
                 return state.next(found, clock())
             case NeedHold():
-                governed.trace.held = True
                 holding = self._hold(governed, state, clock)
-                if at.tracing is not None:
-                    holding = at.tracing.hold(state.seen.job.id, holding)
-                return (await holding)[0]
+                job_id = state.seen.job.id
+                return (await at.observer.holding(governed.trace, job_id, holding))[0]
             case NeedReread():
                 return state.next(await self._reread(governed, state.seen), clock())
             case NeedTakeOver():
@@ -249,10 +237,8 @@ class Governor:
             claiming = at.store.claim(
                 intent, job_id, governed.route.upstream, ttl=governed.route.ttl, lease=at.lease
             )
-        if at.tracing is not None:
-            claiming = at.tracing.claim(claiming)
         try:
-            return await claiming
+            return await at.observer.claiming(claiming)
         except (StoreUnavailable, asyncio.CancelledError):
             # The store may still commit it (a stalled server; or a cancelled caller's batch,
             # which runs to its end for the others: store/batching.py): a job nobody runs.
@@ -272,7 +258,7 @@ class Governor:
             governed.intent, job_id, route.upstream, ttl=route.ttl, lease=at.lease, limits=limits
         )
         if isinstance(result, str):
-            at.metrics.quota_refusals.labels(result).inc()
+            at.observer.over_quota(result)
             raise over_quota(result)
         return result
 
