@@ -117,8 +117,25 @@ Step = Callable[[Any], object]
 # (state, what its I/O gave, the next state). The events are calls of `next` (or `lost`).
 TABLE: list[tuple[str, object, Step, object]] = [
     # --- the start ---
-    ("begin", TERMS, begin, NeedAdmission(TERMS, None)),
-    ("begin in the transition", LEGACY, begin, NeedLegacy(LEGACY, None)),
+    ("begin", TERMS, lambda t: begin(t, False), NeedClaim(TERMS, None)),
+    (
+        "begin while draining: refused before any claim",
+        TERMS,
+        lambda t: begin(t, True),
+        Refused(ShuttingDown, None, Unnamed.FIRST),
+    ),
+    (
+        "begin with quotas: looked up first",
+        replace(TERMS, rules=QUOTAS),
+        lambda t: begin(t, False),
+        NeedLookup(replace(TERMS, rules=QUOTAS), None),
+    ),
+    (
+        "begin in the transition: the legacy owner's job first, whatever the drain",
+        LEGACY,
+        lambda t: begin(t, True),
+        NeedLegacy(LEGACY, None),
+    ),
     # --- SPEC §8: nothing new is claimed once a shutdown began ---
     (
         "draining: the first claim is refused",

@@ -1,16 +1,23 @@
 """A governed request's life at the job level, as one state machine (SPEC §2.2-§2.4, §3, §5, §8,
 §9). Pure: no I/O, no clock, no asyncio.
 
-Every state is a frozen value; `state.next(...)` takes what the I/O of that state gave and returns
-the next state. The states named `Need…` ask the driver (proxy/jobs/governed.py) for one I/O step:
-a store call, the process's drain flag, a wait, the attempts; the others end the request:
-`Replaying` (answer with the stored response), `Refused` (answer with a problem), `JobGone` (this
-request's own job was lost under its attempt). What an attempt does is core/attempts.py's; what
-to do with a job read is core/decision.py's `decide`, which this machine applies.
+Every state is a value; `state.next(...)` takes what the I/O of that state gave and returns the
+next state (never changing the one it is called on). The states named `Need…` ask the driver
+(proxy/jobs/governed.py) for one I/O step: a store call, the process's drain flag, a wait, the
+attempts; the others end the request: `Replaying` (answer with the stored response), `Refused`
+(answer with a problem), `JobGone` (this request's own job was lost under its attempt). What an
+attempt does is core/attempts.py's; what to do with a job read is core/decision.py's `decide`,
+which this machine applies.
 
 `Terms` are what the request brings (its fingerprint, `max_wait`, the legacy owner of SPEC §5),
 `Seen` what it learnt so far (the job it last read, the one whose attempt it ran, its deadline).
 Each state knows what a problem raised while in it is about (`standing`, SPEC §8).
+
+The values made per request (`Terms`, `Seen`, the states) are slotted dataclasses that nothing
+assigns to once made, not frozen ones: a frozen dataclass sets each field through
+`object.__setattr__`, which made the five of a replay cost about 4.5 µs more than these (4 % of
+a replay's instructions by bench/compare); `GovernedRequest` and `Job` are built the same way for
+the same reason (bench/findings.md).
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ class Rules:
     quotas: bool  # SPEC §9: a new key is looked up, then claimed within the owner's quotas
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Terms:
     """What one request brings: its fingerprint (SPEC §6), how long it may be held (`max_wait`
     of its route) and, in the transition to `owner.pepper`, its legacy owner (SPEC §5)."""
@@ -78,7 +85,7 @@ class Terms:
     legacy: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Seen:
     """What a request learnt once its first claim answered: the job it last read (reads go under
     that job's owner, SPEC §5), the one it ran an attempt of once that attempt lost its CAS
@@ -126,7 +133,7 @@ def _about(seen: Seen) -> About:
 # --- the end of a request -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Replaying:
     """Answer with the job's stored response (SPEC §7), opened first when sealed (§11)."""
 
@@ -137,7 +144,7 @@ class Replaying:
         return _about(self.seen)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Refused:
     """Answer with `problem` (its `detail`, if given); nothing goes upstream."""
 
@@ -153,7 +160,7 @@ class Refused:
         return self.about
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class JobGone:
     """SPEC §3.3: the job this request ran an attempt of was deleted or resolved under that
     attempt, whose outcome could not be stored: 409 outcome-unknown (JobLost), never run again."""
@@ -169,7 +176,7 @@ class JobGone:
 # --- claiming (SPEC §2.2, §5, §9) ---------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedAdmission:
     """Read the drain flag: once a shutdown began nothing new is claimed (SPEC §8)."""
 
@@ -178,17 +185,21 @@ class NeedAdmission:
     no_job: bool = False  # a claim afresh after the job under the key was forgotten
 
     def next(self, draining: bool) -> State:
-        if draining:
-            return Refused(ShuttingDown, None, _claim_standing(self.seen, self.no_job))
-        if self.terms.rules.quotas:
-            return NeedLookup(self.terms, self.seen, self.no_job)
-        return NeedClaim(self.terms, self.seen, self.no_job)
+        return _admitted(self.terms, self.seen, self.no_job, draining)
 
     def standing(self) -> Standing:
         return _claim_standing(self.seen, self.no_job)
 
 
-@dataclass(frozen=True, slots=True)
+def _admitted(terms: Terms, seen: Seen | None, no_job: bool, draining: bool) -> State:
+    if draining:
+        return Refused(ShuttingDown, None, _claim_standing(seen, no_job))
+    if terms.rules.quotas:
+        return NeedLookup(terms, seen, no_job)
+    return NeedClaim(terms, seen, no_job)
+
+
+@dataclass(slots=True)
 class NeedLookup:
     """SPEC §9: look the key up before counting a new job against the owner's quotas: a key
     that has a job is a duplicate, read as a claim would read it, never refused."""
@@ -206,7 +217,7 @@ class NeedLookup:
         return _claim_standing(self.seen, self.no_job)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedClaim:
     """Claim the key (SPEC §2.2): within the owner's quotas when there are any (SPEC §9; a
     refusal is `over_quota`'s problem), under the peppered owner in the transition (SPEC §5)."""
@@ -227,7 +238,7 @@ class NeedClaim:
         return _claim_standing(self.seen, self.no_job)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedLegacy:
     """SPEC §5, `owner.legacy_owners`: read the job under the legacy owner. Such a job is this
     request's (replayed, held, retried under that owner), never claimed afresh beside it: looked
@@ -255,7 +266,7 @@ class NeedLegacy:
         return _claim_standing(self.seen, self.no_job)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedLegacyForgotten:
     """Forget the expired legacy job (CAS on its version), then go on as if there was none."""
 
@@ -274,7 +285,7 @@ class NeedLegacyForgotten:
         return _claim_standing(self.seen, self.no_job)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedClaimDropped:
     """SPEC §5: the job just claimed, forwarded nowhere yet, is deleted (a duplicate held on it
     wakes, claims again and finds the legacy job too); the request follows the legacy one."""
@@ -368,7 +379,7 @@ def _read(terms: Terms, seen: Seen, found: Job | None, now: float) -> State:
     return _claim_afresh(terms, seen, no_job=False)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedRun:
     """Run the attempts of the job this request claimed (proxy/jobs/jobrun.py). They answer the
     client, or `lost()`: another attempt won the completion CAS, and the winner's answer is
@@ -385,7 +396,7 @@ class NeedRun:
         return _about(self.seen)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedReread:
     """Read the job under the key (under the owner of the job last read, SPEC §5)."""
 
@@ -399,7 +410,7 @@ class NeedReread:
         return _about(self.seen)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedTakeOver:
     """SPEC §3.5: CAS the job whose lease ran out to `unknown`; winners and losers alike re-read."""
 
@@ -413,7 +424,7 @@ class NeedTakeOver:
         return _about(self.seen)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedNextAdmission:
     """Read the drain flag before starting the next attempt of a released job (SPEC §8)."""
 
@@ -429,7 +440,7 @@ class NeedNextAdmission:
         return _about(self.seen)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedNextAttempt:
     """SPEC §2.3: try to win the CAS that starts the next attempt of the released job; a lost
     CAS (None) re-reads the job."""
@@ -446,7 +457,7 @@ class NeedNextAttempt:
         return _about(self.seen)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedForget:
     """SPEC §3.1, §11: delete the expired job by CAS on its version, then claim the key afresh."""
 
@@ -463,7 +474,7 @@ class NeedForget:
 # --- holding a duplicate (SPEC §2.3, §8, §9) ----------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedHold:
     """Count the requests held already: beyond a limit, 503 too-many-waiters (SPEC §9)."""
 
@@ -480,7 +491,7 @@ class NeedHold:
         return _about(self.seen)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedWatch:
     """Subscribe to the job's changes, then read it (after subscribing, so that a change just
     before cannot be missed); hold, without a pooled connection, until it leaves `in_flight`,
@@ -496,7 +507,7 @@ class NeedWatch:
         return _about(self.seen)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NeedWait:
     """Wait up to `seconds` for a change of the job, then read it again."""
 
@@ -530,11 +541,12 @@ def _watched(
     return _read(terms, seen, found, now)
 
 
-def begin(terms: Terms) -> State:
-    """The first state of a governed request: its claim."""
+def begin(terms: Terms, draining: bool) -> State:
+    """The first state of a governed request: its claim, admitted by the drain flag as read now
+    (or, in the transition, once the legacy owner has no job)."""
     if terms.legacy is not None:
         return NeedLegacy(terms, None)
-    return NeedAdmission(terms, None)
+    return _admitted(terms, None, False, draining)
 
 
 # Every state of the main loop; a hold's own (NeedWatch, NeedWait) stay inside the hold.

@@ -142,15 +142,13 @@ class Governor:
             governed.route.max_wait,
             None if transition is None else transition.legacy,
         )
-        state = begin(terms)
+        state = begin(terms, at.draining())
         clock = asyncio.get_running_loop().time
         try:
             while True:
                 # Class patterns without captures: a capture makes CPython build a set of the
                 # attribute names (match_class), on every request.
                 match state:
-                    case NeedAdmission():
-                        state = state.next(at.draining())
                     case NeedClaim():
                         state = state.next(await self._claim(governed, state), clock())
                     case Replaying():
@@ -174,6 +172,8 @@ class Governor:
                         if response is not None:
                             return response
                         state = state.lost()  # lost the CAS: the winner's answer
+                    case NeedAdmission():
+                        state = state.next(at.draining())
                     case Refused() | JobGone():
                         raise _refusal(state)
                     case _:
