@@ -110,7 +110,8 @@ async def wait_until_listening(store: Store) -> None:
 
 @contextlib.asynccontextmanager
 async def held(store: Store, job: Job) -> AsyncIterator[JobWatch.Subscription]:
-    """Subscribe the way a held duplicate does (`governed._hold`): subscribe, then mark."""
+    """Subscribe the way a held duplicate does (`Governor._hold`, proxy/jobs/governed.py):
+    subscribe, then mark."""
     await wait_until_listening(store)
     async with store.watching(job.id) as sub:
         await store.watch_job(job.owner, job.key)
