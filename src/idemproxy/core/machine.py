@@ -15,9 +15,9 @@ Each state knows what a problem raised while in it is about (`standing`, SPEC §
 
 The values made per request (`Terms`, `Seen`, the states) are slotted dataclasses that nothing
 assigns to once made, not frozen ones: a frozen dataclass sets each field through
-`object.__setattr__`, which made the five of a replay cost about 4.5 µs more than these (4 % of
-a replay's instructions by bench/compare); `GovernedRequest` and `Job` are built the same way for
-the same reason (bench/findings.md).
+`object.__setattr__`, and with them frozen a replay took 1.046 times main's instructions by
+`bench/compare` (1.010 times as they are); `GovernedRequest` and `Job` are built the same way
+for the same reason (bench/findings.md).
 """
 
 from __future__ import annotations
