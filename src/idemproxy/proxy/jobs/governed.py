@@ -57,8 +57,8 @@ from idemproxy.proxy.server.replay import SharedBodies, replay_response
 from idemproxy.store.base import Store
 
 log = logging.getLogger(__name__)
-# The states whose I/O is off the hot path.
-Step = (
+# The states whose I/O is off the hot path (`Governor._step`).
+OffHotPath = (
     NeedLookup
     | NeedHold
     | NeedReread
@@ -188,7 +188,7 @@ class Governor:
             raise
 
     async def _step(
-        self, governed: GovernedRequest, state: Step, clock: Callable[[], float]
+        self, governed: GovernedRequest, state: OffHotPath, clock: Callable[[], float]
     ) -> State:
         """One I/O step off the hot path (new keys and replays do without it)."""
         at = self._with
