@@ -109,7 +109,8 @@ async def wait_until_listening(hot: JobStore) -> None:
 
 @contextlib.asynccontextmanager
 async def held(hot: JobStore, job: Job) -> AsyncIterator[JobWatch.Subscription]:
-    """Subscribe the way a held duplicate does (`governed._hold`): subscribe, then mark."""
+    """Subscribe the way a held duplicate does (`Governor._hold`, proxy/jobs/governed.py):
+    subscribe, then mark."""
     await wait_until_listening(hot)
     async with hot.watching(job.id) as sub:
         await hot.watch_job(job.owner, job.key)

@@ -103,7 +103,7 @@ def test_about_a_job(problem: type[errors.ProblemError], state: str) -> None:
 
 def test_a_claim_refused_after_a_job_was_forgotten_names_no_job() -> None:
     """A re-claim's store-unavailable is about no job, not the forgotten one it is raised under
-    (proxy/jobs/governed.py `_reclaim`)."""
+    (core/machine.py: a claim afresh after `NeedForget`)."""
     error = errors.StoreUnavailable().about_no_job().about("forgotten", "completed")
     body = _body(error)
     assert "instance" not in body and body["job_state"] == "none" and body["retry"] == "same-key"

@@ -21,6 +21,7 @@ from idemproxy.proxy.context import CONTEXT, ProxyContext, Services
 from idemproxy.proxy.drain import drain
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.handler import expect_continue, handle
+from idemproxy.proxy.jobs.governed import GOVERNOR, Governor
 from idemproxy.proxy.server.any_path import AnyPath
 from idemproxy.proxy.server.listener import close_when_closing
 from idemproxy.proxy.server.one_response import note_started
@@ -124,6 +125,7 @@ def _lifecycle(
             stack.push_async_callback(ctx.unsent.close)
             stack.push_async_callback(ctx.unwritten.close)
             app[CONTEXT] = ctx
+            app[GOVERNOR] = Governor.of(ctx)
             # SPEC §5: an identity provider's keys are fetched (once, bounded) before serving.
             await ctx.owner.start(_fetch_counter(metrics))
             stack.push_async_callback(ctx.owner.close)

@@ -25,7 +25,7 @@ from idemproxy.identity.owner import derive_owners
 from idemproxy.observe.metrics import DisconnectStage
 from idemproxy.proxy.context import CONTEXT, ProxyContext
 from idemproxy.proxy.intent import intent_of, intent_off_loop, owners_after_refresh
-from idemproxy.proxy.jobs.governed import handle_governed
+from idemproxy.proxy.jobs.governed import GOVERNOR
 from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route
@@ -141,7 +141,8 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         intent, body, transition = await _identify(ctx, request, key)
         trace.owner = intent.owner
         # Positional: a dataclass's keyword call costs twice as much, on every governed request.
-        response = await handle_governed(
+        govern = request.app[GOVERNOR]
+        response = await govern(
             GovernedRequest(ctx, request, route, intent, body, trace, transition)
         )
         if response is None:
@@ -171,9 +172,8 @@ async def _govern_sourced(
     if intent is None or body is None:
         return await passthrough(ctx, request, route, body, trace=trace)
     trace.owner = intent.owner
-    response = await handle_governed(
-        GovernedRequest(ctx, request, route, intent, body, trace, transition)
-    )
+    govern = request.app[GOVERNOR]
+    response = await govern(GovernedRequest(ctx, request, route, intent, body, trace, transition))
     if response is None:  # SPEC §11, as in `_route`
         return await passthrough(ctx, request, route, body, trace=trace)
     return response

@@ -51,7 +51,7 @@ from yarl import URL
 from idemproxy import __version__
 from idemproxy.constants import ANONYMOUS_OWNER, ERROR_HEADER
 from idemproxy.core.attempts import Outcome
-from idemproxy.core.types import Claimed, ClaimResult, JobState
+from idemproxy.core.types import Claimed, ClaimResult, Job, JobState
 from idemproxy.errors import ConfigError, ProblemError
 from idemproxy.http.correlation import CURRENT, traced
 from idemproxy.proxy.server.trace import Trace
@@ -162,10 +162,15 @@ class Tracing:
                 span.set_attribute(ATTEMPT, result.attempt)
             return result
 
-    async def hold(self, job_id: str, holding: Awaitable[ClaimResult]) -> ClaimResult:
+    async def hold(
+        self, job_id: str, holding: Awaitable[tuple[T, Job | None]]
+    ) -> tuple[T, Job | None]:
+        """The span of a held duplicate's wait; `holding` gives what follows it and the job as
+        read at its end (none when the key has none now)."""
         with self._step("idemproxy.hold", {JOB_ID: job_id}) as span:
             result = await _failing(span, holding)
-            span.set_attribute("idemproxy.job.state", result.job.state.value)
+            if (found := result[1]) is not None:
+                span.set_attribute("idemproxy.job.state", found.state.value)
             return result
 
     def replay(self, job_id: str, status: int) -> None:

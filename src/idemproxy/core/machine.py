@@ -1,0 +1,570 @@
+"""A governed request's life at the job level, as one state machine (SPEC §2.2-§2.4, §3, §5, §8,
+§9). Pure: no I/O, no clock, no asyncio.
+
+Every state is a value; `state.next(...)` takes what the I/O of that state gave and returns the
+next state (never changing the one it is called on). The states named `Need…` ask the driver
+(proxy/jobs/governed.py) for one I/O step: a store call, the process's drain flag, a wait, the
+attempts; the others end the request: `Replaying` (answer with the stored response), `Refused`
+(answer with a problem), `JobGone` (this request's own job was lost under its attempt). What an
+attempt does is core/attempts.py's; what to do with a job read is core/decision.py's `decide`,
+which this machine applies.
+
+`Terms` are what the request brings (its fingerprint, `max_wait`, the legacy owner of SPEC §5),
+`Seen` what it learnt so far (the job it last read, the one whose attempt it ran, its deadline).
+Each state knows what a problem raised while in it is about (`standing`, SPEC §8).
+
+The values made per request (`Terms`, `Seen`, the states) are slotted dataclasses that nothing
+assigns to once made, not frozen ones: a frozen dataclass sets each field through
+`object.__setattr__`, and with them frozen a replay took 1.046 times main's instructions by
+`bench/compare` (1.010 times as they are); `GovernedRequest` and `Job` are built the same way
+for the same reason (bench/findings.md).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import assert_never
+
+from idemproxy.constants import WAITER_RECHECK_SECONDS
+from idemproxy.core import decision
+from idemproxy.core.decision import Policy, decide
+from idemproxy.core.quota import IN_FLIGHT, RATE, STORED_BYTES, retry_after
+from idemproxy.core.states import EXPIRABLE
+from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, JobState, KeptResponse
+from idemproxy.errors import (
+    ProblemError,
+    QuotaExceeded,
+    RequestInFlight,
+    ShuttingDown,
+    TooManyWaiters,
+)
+
+# Every turn makes progress (a state changed or time passed); this only guards against a bug.
+MAX_TURNS = 32
+HELD_AT_SHUTDOWN = (
+    "The proxy is shutting down; the request with this key is still in flight. Retry with the "
+    "same Idempotency-Key to get its result."
+)
+_QUOTA_DETAIL = {
+    IN_FLIGHT: "This owner has as many requests in flight as its quota allows; nothing was "
+    "claimed or forwarded. Retry with the same Idempotency-Key after Retry-After.",
+    RATE: "This owner started as many new requests this second as its quota allows; nothing "
+    "was claimed or forwarded. Retry with the same Idempotency-Key after Retry-After.",
+    STORED_BYTES: "This owner's stored responses fill its quota; nothing was claimed or "
+    "forwarded. Retry with the same Idempotency-Key after Retry-After.",
+}
+
+
+def over_quota(limit: str) -> QuotaExceeded:
+    """SPEC §9: the answer to a new job refused by quota `limit`, before anything was claimed."""
+    return QuotaExceeded(_QUOTA_DETAIL[limit], retry_after=retry_after(limit))
+
+
+# --- what a request brings and what it learnt ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """The process's rules for every governed request (its settings)."""
+
+    policy: Policy
+    max_waiters_per_key: int  # SPEC §9: held duplicates of one job, and in all
+    max_waiters: int
+    quotas: bool  # SPEC §9: a new key is looked up, then claimed within the owner's quotas
+
+
+@dataclass(slots=True)
+class Terms:
+    """What one request brings: its fingerprint (SPEC §6), how long it may be held (`max_wait`
+    of its route) and, in the transition to `owner.pepper`, its legacy owner (SPEC §5)."""
+
+    rules: Rules
+    fingerprint: str
+    max_wait: float
+    legacy: str | None = None
+
+
+@dataclass(slots=True)
+class Seen:
+    """What a request learnt once its first claim answered: the job it last read (reads go under
+    that job's owner, SPEC §5), the one it ran an attempt of once that attempt lost its CAS
+    (`ran`: from then on it answers only from that job and never claims or starts an attempt
+    again, one request, one execution at most), its hold deadline (by the driver's clock) and
+    how many results it has acted on."""
+
+    job: Job
+    ran: str | None
+    deadline: float
+    turn: int
+
+
+class Unnamed(enum.Enum):
+    """What a problem raised before the request has a job is about (SPEC §8)."""
+
+    FIRST = "first"  # its first claim: nothing to add (and a store failure may pass it through)
+    NO_JOB = "no_job"  # a claim afresh after its job was forgotten: not the job that is gone
+
+
+@dataclass(frozen=True, slots=True)
+class About:
+    """A problem is about this job, in this state as last read (SPEC §8)."""
+
+    job_id: str
+    state: str
+
+
+Standing = About | Unnamed
+
+
+def stand(problem: ProblemError, standing: Standing) -> ProblemError:
+    """`problem`, saying what it is about (SPEC §8: `instance`, `job_state`)."""
+    if isinstance(standing, About):
+        return problem.about(standing.job_id, standing.state)
+    if standing is Unnamed.NO_JOB:
+        return problem.about_no_job()
+    return problem
+
+
+def _about(seen: Seen) -> About:
+    return About(seen.ran or seen.job.id, seen.job.state.value)
+
+
+# --- the end of a request -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Replaying:
+    """Answer with the job's stored response (SPEC §7), opened first when sealed (§11)."""
+
+    seen: Seen
+    response: KeptResponse
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class Refused:
+    """Answer with `problem` (its `detail`, if given); nothing goes upstream."""
+
+    problem: type[ProblemError]
+    detail: str | None
+    about: Standing
+
+    def error(self) -> ProblemError:
+        error = self.problem(self.detail) if self.detail is not None else self.problem()
+        return stand(error, self.about)
+
+    def standing(self) -> Standing:
+        return self.about
+
+
+@dataclass(slots=True)
+class JobGone:
+    """SPEC §3.3: the job this request ran an attempt of was deleted or resolved under that
+    attempt, whose outcome could not be stored: 409 outcome-unknown (JobLost), never run again."""
+
+    job_id: str
+    why: str
+    about: Standing
+
+    def standing(self) -> Standing:
+        return self.about
+
+
+# --- claiming (SPEC §2.2, §5, §9) ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class NeedAdmission:
+    """Read the drain flag: once a shutdown began nothing new is claimed (SPEC §8)."""
+
+    terms: Terms
+    seen: Seen | None  # None: the request's first claim
+    no_job: bool = False  # a claim afresh after the job under the key was forgotten
+
+    def next(self, draining: bool) -> State:
+        return _admitted(self.terms, self.seen, self.no_job, draining)
+
+    def standing(self) -> Standing:
+        return _claim_standing(self.seen, self.no_job)
+
+
+def _admitted(terms: Terms, seen: Seen | None, no_job: bool, draining: bool) -> State:
+    if draining:
+        return Refused(ShuttingDown, None, _claim_standing(seen, no_job))
+    if terms.rules.quotas:
+        return NeedLookup(terms, seen, no_job)
+    return NeedClaim(terms, seen, no_job)
+
+
+@dataclass(slots=True)
+class NeedLookup:
+    """SPEC §9: look the key up before counting a new job against the owner's quotas: a key
+    that has a job is a duplicate, read as a claim would read it, never refused."""
+
+    terms: Terms
+    seen: Seen | None
+    no_job: bool = False
+
+    def next(self, found: Job | None, now: float) -> State:
+        if found is not None:
+            return _turn(self.terms, self.seen, found, now)
+        return NeedClaim(self.terms, self.seen, self.no_job)
+
+    def standing(self) -> Standing:
+        return _claim_standing(self.seen, self.no_job)
+
+
+@dataclass(slots=True)
+class NeedClaim:
+    """Claim the key (SPEC §2.2): within the owner's quotas when there are any (SPEC §9; a
+    refusal is `over_quota`'s problem), under the peppered owner in the transition (SPEC §5)."""
+
+    terms: Terms
+    seen: Seen | None
+    no_job: bool = False
+
+    def next(self, result: ClaimResult, now: float) -> State:
+        if isinstance(result, Existing):
+            return _turn(self.terms, self.seen, result.job, now)
+        if self.terms.legacy is not None:
+            # SPEC §5: a proxy without the pepper may have claimed the legacy key meanwhile.
+            return NeedLegacy(self.terms, self.seen, self.no_job, result)
+        return _turn(self.terms, self.seen, result, now)
+
+    def standing(self) -> Standing:
+        return _claim_standing(self.seen, self.no_job)
+
+
+@dataclass(slots=True)
+class NeedLegacy:
+    """SPEC §5, `owner.legacy_owners`: read the job under the legacy owner. Such a job is this
+    request's (replayed, held, retried under that owner), never claimed afresh beside it: looked
+    for before every claim, and again after a claim that created a job (`claimed`)."""
+
+    terms: Terms
+    seen: Seen | None
+    no_job: bool = False
+    claimed: Claimed | None = None
+
+    def next(self, found: Job | None, now: float) -> State:
+        if found is not None and found.expired and found.state in EXPIRABLE:
+            # SPEC §3.1: gone, whatever the sweeper has not deleted yet; forgotten, so that a
+            # new job is claimed under the peppered owner, not the legacy one.
+            return NeedLegacyForgotten(self.terms, self.seen, self.no_job, found, self.claimed)
+        if found is not None:
+            if self.claimed is None:
+                return _turn(self.terms, self.seen, found, now)
+            return NeedClaimDropped(self.terms, self.seen, self.no_job, self.claimed, found)
+        if self.claimed is None:
+            return NeedAdmission(self.terms, self.seen, self.no_job)
+        return _turn(self.terms, self.seen, self.claimed, now)
+
+    def standing(self) -> Standing:
+        return _claim_standing(self.seen, self.no_job)
+
+
+@dataclass(slots=True)
+class NeedLegacyForgotten:
+    """Forget the expired legacy job (CAS on its version), then go on as if there was none."""
+
+    terms: Terms
+    seen: Seen | None
+    no_job: bool
+    job: Job
+    claimed: Claimed | None
+
+    def next(self, now: float) -> State:
+        if self.claimed is None:
+            return NeedAdmission(self.terms, self.seen, self.no_job)
+        return _turn(self.terms, self.seen, self.claimed, now)
+
+    def standing(self) -> Standing:
+        return _claim_standing(self.seen, self.no_job)
+
+
+@dataclass(slots=True)
+class NeedClaimDropped:
+    """SPEC §5: the job just claimed, forwarded nowhere yet, is deleted (a duplicate held on it
+    wakes, claims again and finds the legacy job too); the request follows the legacy one."""
+
+    terms: Terms
+    seen: Seen | None
+    no_job: bool
+    claimed: Claimed
+    legacy_job: Job
+
+    def next(self, now: float) -> State:
+        return _turn(self.terms, self.seen, self.legacy_job, now)
+
+    def standing(self) -> Standing:
+        return _claim_standing(self.seen, self.no_job)
+
+
+def _claim_standing(seen: Seen | None, no_job: bool) -> Standing:
+    if seen is None:
+        return Unnamed.FIRST
+    return Unnamed.NO_JOB if no_job else _about(seen)
+
+
+def _claim_afresh(terms: Terms, seen: Seen, *, no_job: bool) -> State:
+    if terms.legacy is not None:
+        return NeedLegacy(terms, seen, no_job)
+    return NeedAdmission(terms, seen, no_job)
+
+
+# --- acting on a job (SPEC §2.3) ----------------------------------------------------------------
+
+
+def _turn(terms: Terms, seen: Seen | None, result: Job | Claimed, now: float) -> State:
+    """One result acted on: a job this request claimed (run it) or found (decide)."""
+    turn = 1 if seen is None else seen.turn + 1
+    if seen is not None and turn > MAX_TURNS:
+        return Refused(RequestInFlight, None, _about(seen))
+    deadline = now + terms.max_wait if seen is None else seen.deadline
+    ran = None if seen is None else seen.ran
+    if isinstance(result, Claimed):
+        return NeedRun(terms, Seen(result.job, ran, deadline, turn), result)
+    job = result
+    now_seen = Seen(job, ran, deadline, turn)
+    if ran is not None and job.id != ran:
+        # An operator deleted this request's job (and a retry claimed the key afresh).
+        return JobGone(ran, f"job {job.id} holds its key now", _about(now_seen))
+    return _act(terms, now_seen, now)
+
+
+def _act(terms: Terms, seen: Seen, now: float) -> State:
+    job = seen.job
+    wait_expired = now >= seen.deadline
+    outcome = decide(job, terms.fingerprint, terms.rules.policy, wait_expired=wait_expired)
+    # Class patterns without captures: a capture makes CPython build a set of the attribute
+    # names (match_class), on every replay.
+    match outcome:
+        case decision.Replay():
+            return Replaying(seen, outcome.response)
+        case decision.Reject():
+            return Refused(outcome.problem, None, _about(seen))
+        case decision.Hold():
+            return NeedHold(terms, seen)
+        case decision.TakeOver():
+            return NeedTakeOver(terms, seen)
+        case decision.StartNextAttempt():
+            if seen.ran is not None:
+                return _ran_already(seen)
+            return NeedNextAdmission(terms, seen)
+        case decision.Forget():
+            if seen.ran is not None:
+                return _ran_already(seen)
+            return NeedForget(terms, seen)
+        case _:
+            assert_never(outcome)
+
+
+def _ran_already(seen: Seen) -> JobGone:
+    """Released (an operator resolved the job taken over from under this request's attempt) or
+    expired: running it again would be this request's second execution."""
+    return JobGone(seen.job.id, f"it is {seen.job.state.value} again", _about(seen))
+
+
+def _read(terms: Terms, seen: Seen, found: Job | None, now: float) -> State:
+    """The job under the key now; none: claim it afresh, unless this request ran an attempt of
+    the job that was there (an operator deleted it under that attempt, whose outcome could not
+    be stored): a claim now would execute the request a second time."""
+    if found is not None:
+        return _turn(terms, seen, found, now)
+    if seen.ran is not None:
+        return JobGone(seen.ran, "it was deleted", _about(seen))
+    return _claim_afresh(terms, seen, no_job=False)
+
+
+@dataclass(slots=True)
+class NeedRun:
+    """Run the attempts of the job this request claimed (proxy/jobs/jobrun.py). They answer the
+    client, or `lost()`: another attempt won the completion CAS, and the winner's answer is
+    read from the job."""
+
+    terms: Terms
+    seen: Seen
+    claimed: Claimed
+
+    def lost(self) -> NeedReread:
+        return NeedReread(self.terms, replace(self.seen, ran=self.claimed.job.id))
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedReread:
+    """Read the job under the key (under the owner of the job last read, SPEC §5)."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self, found: Job | None, now: float) -> State:
+        return _read(self.terms, self.seen, found, now)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedTakeOver:
+    """SPEC §3.5: CAS the job whose lease ran out to `unknown`; winners and losers alike re-read."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self) -> NeedReread:
+        return NeedReread(self.terms, self.seen)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedNextAdmission:
+    """Read the drain flag before starting the next attempt of a released job (SPEC §8)."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self, draining: bool) -> State:
+        if draining:
+            return Refused(ShuttingDown, None, _about(self.seen))
+        return NeedNextAttempt(self.terms, self.seen)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedNextAttempt:
+    """SPEC §2.3: try to win the CAS that starts the next attempt of the released job; a lost
+    CAS (None) re-reads the job."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self, claimed: Claimed | None, now: float) -> State:
+        if claimed is None:
+            return NeedReread(self.terms, self.seen)
+        return _turn(self.terms, self.seen, claimed, now)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedForget:
+    """SPEC §3.1, §11: delete the expired job by CAS on its version, then claim the key afresh."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self) -> State:
+        return _claim_afresh(self.terms, self.seen, no_job=True)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+# --- holding a duplicate (SPEC §2.3, §8, §9) ----------------------------------------------------
+
+
+@dataclass(slots=True)
+class NeedHold:
+    """Count the requests held already: beyond a limit, 503 too-many-waiters (SPEC §9)."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self, waiting_for_job: int, waiting: int) -> Refused | NeedWatch:
+        rules = self.terms.rules
+        if waiting_for_job >= rules.max_waiters_per_key or waiting >= rules.max_waiters:
+            return Refused(TooManyWaiters, None, _about(self.seen))
+        return NeedWatch(self.terms, self.seen)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedWatch:
+    """Subscribe to the job's changes, then read it (after subscribing, so that a change just
+    before cannot be missed); hold, without a pooled connection, until it leaves `in_flight`,
+    its lease runs out or the deadline passes."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self, found: Job | None, now: float, draining: bool) -> NeedWait | State:
+        return _watched(self.terms, self.seen, found, now, draining)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedWait:
+    """Wait up to `seconds` for a change of the job, then read it again."""
+
+    terms: Terms
+    seen: Seen
+    seconds: float
+
+    def next(self, found: Job | None, now: float, draining: bool) -> NeedWait | State:
+        return _watched(self.terms, self.seen, found, now, draining)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+def _watched(
+    terms: Terms, seen: Seen, found: Job | None, now: float, draining: bool
+) -> NeedWait | State:
+    held = seen.job
+    still_running = (
+        found is not None
+        and found.id == held.id
+        and found.state is JobState.IN_FLIGHT
+        and not found.lease_expired
+    )
+    if still_running:
+        if draining:  # SPEC §8: an answer now, not a disconnect at the drain's end
+            return Refused(ShuttingDown, HELD_AT_SHUTDOWN, _about(seen))
+        remaining = seen.deadline - now
+        if remaining > 0:
+            return NeedWait(terms, seen, min(remaining, WAITER_RECHECK_SECONDS))
+    return _read(terms, seen, found, now)
+
+
+def begin(terms: Terms, draining: bool) -> State:
+    """The first state of a governed request: its claim, admitted by the drain flag as read now
+    (or, in the transition, once the legacy owner has no job)."""
+    if terms.legacy is not None:
+        return NeedLegacy(terms, None)
+    return _admitted(terms, None, False, draining)
+
+
+# Every state of the main loop; a hold's own (NeedWatch, NeedWait) stay inside the hold.
+State = (
+    NeedAdmission
+    | NeedLookup
+    | NeedClaim
+    | NeedLegacy
+    | NeedLegacyForgotten
+    | NeedClaimDropped
+    | NeedRun
+    | NeedReread
+    | NeedTakeOver
+    | NeedNextAdmission
+    | NeedNextAttempt
+    | NeedForget
+    | NeedHold
+    | Replaying
+    | Refused
+    | JobGone
+)
