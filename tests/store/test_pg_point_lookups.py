@@ -242,7 +242,11 @@ def _without_their_index(used: dict[str, set[str]]) -> dict[str, set[str]]:
 
 async def test_housekeeping_keeps_an_index_path(conn: asyncpg.Connection) -> None:
     statements = {name: args for name, (args, _) in _HOUSEKEEPING.items()}
+    await conn.execute("SET plan_cache_mode = force_generic_plan")
+    await _prepared(conn, statements)  # the generic plans, made on the empty tables
     await conn.execute(_LOAD)
+    assert _without_their_index(await _index_paths(conn)) == {}
+    await conn.execute("RESET plan_cache_mode")
     await _prepared(conn, statements)  # planned for their arguments, on the unanalyzed tables
     assert _without_their_index(await _index_paths(conn)) == {}
     await conn.execute("SET plan_cache_mode = force_generic_plan")

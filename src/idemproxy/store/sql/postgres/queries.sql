@@ -432,11 +432,14 @@ WHERE owner = $1 AND id = $2 AND version = $3 AND state IN ('completed', 'releas
 -- SPEC §11: small batches, terminal jobs only; in_flight and unknown jobs are never swept.
 -- Read by `sweep_after`, a lower bound of the expiry, NULL for the unknown jobs (migration 0007):
 -- the jobs it reads that are not expired yet are the ones completed since their claim's expiry
--- passed (or still in flight), few.
+-- passed (or still in flight), few. Its range names both ends: what a planner without statistics
+-- takes for a small part of the table, so that a generic plan made on an empty table reads the
+-- index, not every job (tests/store/test_pg_point_lookups.py).
 DELETE FROM idemproxy.jobs
 WHERE (owner, id) IN (
     SELECT owner, id FROM idemproxy.jobs
-    WHERE sweep_after <= now() AND expires_at <= now() AND state IN ('completed', 'released')
+    WHERE sweep_after > '-infinity' AND sweep_after <= now()
+      AND expires_at <= now() AND state IN ('completed', 'released')
     ORDER BY sweep_after
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -449,7 +452,8 @@ WHERE (owner, id) IN (
 DELETE FROM idemproxy.jobs
 WHERE expires_at <= now() AND state IN ('completed', 'released') AND (owner, id) IN (
     SELECT owner, id FROM idemproxy.jobs
-    WHERE sweep_after <= now() AND expires_at <= now() AND state IN ('completed', 'released')
+    WHERE sweep_after > '-infinity' AND sweep_after <= now()
+      AND expires_at <= now() AND state IN ('completed', 'released')
     ORDER BY sweep_after
     LIMIT $1
 );
