@@ -4,9 +4,11 @@ Runs on a throwaway PostgreSQL server of its own (tests/support/pgserver.py), so
 else's WAL is counted: the store's claim and completion, one new key at a time (as at c=1),
 200 unmeasured, then 1,000 measured, read with pg_walinspect. `--upto N` applies only the first
 N migrations (the schema before a change; the `started_by` column is added either way, since the
-store reads it). docs/benchmarks.md, "Write cost per new key".
+store reads it). `--concurrency N`: N keys at a time (as at c=N: the store batches their claims
+and completions, and a page holds the versions of several jobs in flight at once).
+docs/benchmarks.md, "Write cost per new key".
 
-    .venv/bin/python bench/write_cost.py [--upto 4]
+    .venv/bin/python bench/write_cost.py [--upto 4] [--concurrency 32]
 """
 
 from __future__ import annotations
@@ -61,17 +63,26 @@ async def _new_key(store: PostgresStore, key: str) -> None:
     assert await store.complete(claimed.job, 1, RESPONSE, ttl=86400.0)
 
 
-async def measure(dsn: str, upto: int) -> None:
+async def _new_keys(store: PostgresStore, prefix: str, count: int, concurrency: int) -> None:
+    """`count` new keys, `concurrency` at a time."""
+
+    async def one_at_a_time(worker: int) -> None:
+        for number in range(worker, count, concurrency):
+            await _new_key(store, f"{prefix}-{number}")
+
+    await asyncio.gather(*(one_at_a_time(worker) for worker in range(concurrency)))
+
+
+async def measure(dsn: str, upto: int, concurrency: int) -> None:
     conn = await asyncpg.connect(dsn)
     await _schema(conn, upto)
-    store = PostgresStore(dsn, connections=Connections(2, 2), listen=False)
+    pool = max(2, min(concurrency, 20))
+    store = PostgresStore(dsn, connections=Connections(2, pool), listen=False)
     await store.open()
     try:
-        for number in range(WARM):
-            await _new_key(store, f"warm-{number}")
+        await _new_keys(store, "warm", WARM, concurrency)
         start = await conn.fetchval("SELECT pg_current_wal_lsn()")
-        for number in range(MEASURED):
-            await _new_key(store, f"key-{number}")
+        await _new_keys(store, "key", MEASURED, concurrency)
         end = await conn.fetchval("SELECT pg_current_wal_lsn()")
     finally:
         await store.close()
@@ -85,18 +96,21 @@ async def measure(dsn: str, upto: int) -> None:
     print("WAL records per new key:", {kind: round(n, 2) for kind, n in records.items()})
     for row in await conn.fetch(UPDATES):  # every key's, the unmeasured ones too
         print(f"{row['relname']}: {row['n_tup_upd']} updates, {row['n_tup_hot_upd']} HOT")
+    heap = await conn.fetchval("SELECT pg_relation_size('idemproxy.jobs')")
+    print(f"jobs heap bytes per key (before any vacuum): {heap / (WARM + MEASURED):,.0f}")
     await conn.close()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--upto", type=int, default=None, help="apply the first N migrations")
+    parser.add_argument("--concurrency", type=int, default=1, help="new keys at a time")
     args = parser.parse_args()
     server = ThrowawayPostgres()
     server.start()
     try:
         asyncio.run(server.execute('CREATE DATABASE "write_cost"'))
-        asyncio.run(measure(server.dsn("write_cost"), args.upto or 10_000))
+        asyncio.run(measure(server.dsn("write_cost"), args.upto or 10_000, args.concurrency))
     finally:
         server.destroy()
 

@@ -246,9 +246,16 @@ def test_the_statements_follow_the_table(dialect: str, operation: Operation) -> 
     assert changed == wanted, f"{dialect} {operation}: attempt states"
     renewed = {source for source, target in attempts if target is None}
     running = {frozenset(state.value for state in RUNNING)}
-    assert renewed == (running if operation is Operation.RENEW_LEASE else set()), operation
+    renews_attempts = operation is Operation.RENEW_LEASE and _RENEWS_ATTEMPTS[dialect]
+    assert renewed == (running if renews_attempts else set()), operation
     inserts_attempt = bool(_ATTEMPT_INSERT.search(sql))
     assert inserts_attempt == transition.new_attempt, f"{dialect} {operation}: a new attempt"
+
+
+# Whether a renewal renews the running attempts' leases too. On PostgreSQL the job alone holds
+# the lease as renewed (an update in place) and each attempt the lease it started with, by which
+# the lease scan finds it (migration 0007, queries.sql `expired_leases`).
+_RENEWS_ATTEMPTS = {"postgres": False, "sqlite": True}
 
 
 def _job_untouched(transition: Transition) -> bool:

@@ -20,9 +20,9 @@ WITH existing AS (
     SELECT * FROM idemproxy.jobs WHERE owner = $1 AND key = $2
 ), new_job AS (
     INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
-                                lease_expires_at)
+                                sweep_after, lease_expires_at)
     SELECT $1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7),
-           now() + make_interval(secs => $9)
+           now() + make_interval(secs => $7), now() + make_interval(secs => $9)
     WHERE NOT EXISTS (SELECT 1 FROM existing)
     ON CONFLICT (owner, key) DO NOTHING
     RETURNING *
@@ -58,9 +58,9 @@ WITH input AS (
     ) AS job
 ), new_job AS (
     INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
-                                lease_expires_at)
+                                sweep_after, lease_expires_at)
     SELECT $1, key, id, fingerprint, method, path, now() + make_interval(secs => ttl),
-           now() + make_interval(secs => lease)
+           now() + make_interval(secs => ttl), now() + make_interval(secs => lease)
     FROM input
     WHERE NOT EXISTS (SELECT 1 FROM existing WHERE existing.key = input.key)
     ORDER BY key
@@ -158,14 +158,17 @@ WHERE owner = $1 AND job_id = $2 AND number = $3 AND late_body IS NOT NULL;
 -- resolves the job (SPEC §3.3), within $10 bytes of kept bodies per job in all; a hedging
 -- loser's (the job completed) is not needed by anyone and is not kept. $11: the key a sealed
 -- response is sealed with (SPEC §11; then $6 is NULL and $7 the box), NULL in the clear. $12: the
--- job's key, so that both indexes holding `owner` are looked up by their leading column.
+-- job's key, so that both indexes holding `owner` are looked up by their leading column. It
+-- changes no column that an index of `jobs` names (`sweep_after` keeps its value unless a shorter
+-- ttl makes the new expiry earlier), so the job is updated in place (HOT, migration 0007).
 WITH won AS (
     UPDATE idemproxy.jobs
     SET state = 'completed', version = version + 1, completed_by = $4,
         response_status = $5, response_headers = $6, response_body = $7, response_omitted = $8,
         response_key = $11,
         lease_expires_at = NULL, updated_at = now(),
-        expires_at = now() + make_interval(secs => $9)
+        expires_at = now() + make_interval(secs => $9),
+        sweep_after = least(sweep_after, now() + make_interval(secs => $9))
     WHERE owner = $1 AND key = $12 AND id = $2 AND version = $3 AND completed_by IS NULL
       AND state = 'in_flight'
     RETURNING owner, id, watched
@@ -215,7 +218,8 @@ WITH input AS (
         response_body = input.body, response_omitted = input.omitted,
         response_key = input.response_key,
         lease_expires_at = NULL, updated_at = now(),
-        expires_at = now() + make_interval(secs => input.ttl)
+        expires_at = now() + make_interval(secs => input.ttl),
+        sweep_after = least(jobs.sweep_after, now() + make_interval(secs => input.ttl))
     FROM input
     WHERE jobs.owner = $1 AND jobs.key = ANY($12::text[]) AND jobs.id = ANY($2::uuid[])
       AND jobs.id = input.id
@@ -226,8 +230,9 @@ WITH input AS (
 ), keep AS (
     SELECT input.id FROM input
     WHERE input.id NOT IN (SELECT id FROM won) AND input.body IS NOT NULL AND NOT input.omitted
+      -- OFFSET 0: a lookup per id, never a join the planner may turn into a scan of `jobs`.
       AND EXISTS (SELECT 1 FROM idemproxy.jobs
-                  WHERE owner = $1 AND id = input.id AND state = 'unknown')
+                  WHERE owner = $1 AND id = input.id AND state = 'unknown' OFFSET 0)
       AND (SELECT coalesce(sum(octet_length(late_body)), 0) FROM idemproxy.attempts
            WHERE owner = $1 AND job_id = input.id) + octet_length(input.body) <= $11
 ), attempt AS (
@@ -247,10 +252,11 @@ SELECT id, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM
 -- name: settle
 -- Release (nothing executed) or mark unknown (may have executed): $5 is the new job state and
 -- $6 the attempt's. Only an attempt holding the current version may settle the job. $9: its key
--- (as in `complete`).
+-- (as in `complete`). A release is HOT; an unknown job is never swept (migration 0007).
 WITH settled AS (
     UPDATE idemproxy.jobs
-    SET state = $5, version = version + 1, lease_expires_at = NULL, updated_at = now()
+    SET state = $5, version = version + 1, lease_expires_at = NULL, updated_at = now(),
+        sweep_after = CASE WHEN $5::text <> 'unknown' THEN sweep_after END
     WHERE owner = $1 AND key = $9 AND id = $2 AND version = $3 AND state = 'in_flight'
     RETURNING owner, id, watched
 ), attempt AS (
@@ -321,29 +327,22 @@ RETURNING number;
 
 -- name: renew_lease
 -- SPEC §3.5: the proxy running an attempt keeps its lease alive while the upstream call runs.
--- $5: the job's key (as in `complete`).
-WITH job AS (
-    UPDATE idemproxy.jobs
-    SET lease_expires_at = now() + make_interval(secs => $4)
-    WHERE owner = $1 AND key = $5 AND id = $2 AND version = $3 AND state = 'in_flight'
-    RETURNING owner, id, lease_expires_at
-), attempts AS (
-    UPDATE idemproxy.attempts a
-    SET lease_expires_at = job.lease_expires_at
-    FROM job
-    -- Parameters, not `job.owner` and `job.id`: only a parameter lets Citus route it to one
-    -- shard, and the planner look the attempts up by their key rather than by a join.
-    WHERE a.owner = $1 AND a.job_id = $2 AND a.state = 'started'
-)
--- Renewed when the job is still ours, whether or not an attempt row is still `started`.
-SELECT id FROM job;
+-- $5: the job's key (as in `complete`). The job's lease alone, which no index names: an update in
+-- place (HOT). Its attempts keep the lease they started with, by which `expired_leases` finds
+-- them (migration 0007). Renewed when the job is still ours, whether or not an attempt row is
+-- still `started`.
+UPDATE idemproxy.jobs
+SET lease_expires_at = now() + make_interval(secs => $4)
+WHERE owner = $1 AND key = $5 AND id = $2 AND version = $3 AND state = 'in_flight'
+RETURNING id;
 
 -- name: take_over
 -- SPEC §3.5: the proxy running the job died (its lease expired by the database clock). Exactly
 -- one of the requests that notice wins this CAS and marks the job and its attempts `unknown`.
 WITH job AS (
     UPDATE idemproxy.jobs
-    SET state = 'unknown', version = version + 1, lease_expires_at = NULL, updated_at = now()
+    SET state = 'unknown', version = version + 1, lease_expires_at = NULL, updated_at = now(),
+        sweep_after = NULL
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'in_flight'
       AND lease_expires_at <= now()
     RETURNING owner, id
@@ -359,10 +358,21 @@ SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 -- SPEC §3.5: jobs in flight whose lease ran out at least $1 seconds ago by the database clock
 -- (their proxy died, or cannot reach the store), oldest first, for the background takeover
 -- (proxy/background/orphans.py). Each is then taken over by the `take_over` CAS, as a request would.
-SELECT *, expires_at <= now() AS expired, true AS lease_expired
-FROM idemproxy.jobs
-WHERE state = 'in_flight' AND lease_expires_at <= now() - make_interval(secs => $1)
-ORDER BY lease_expires_at
+-- Found from the attempts not finished whose starting lease ran out as long ago (their index,
+-- migration 0007): a job's lease is never earlier than the one its latest attempt started with.
+-- Then one point lookup per job (a lateral subquery, as in `claim_batch`), on its lease as renewed.
+SELECT job.*, job.expires_at <= now() AS expired, true AS lease_expired
+FROM (
+    SELECT DISTINCT owner, job_id FROM idemproxy.attempts
+    WHERE finished_at IS NULL AND lease_expires_at <= now() - make_interval(secs => $1)
+) AS started
+CROSS JOIN LATERAL (
+    SELECT * FROM idemproxy.jobs
+    WHERE id = started.job_id AND owner = started.owner AND state = 'in_flight'
+      AND lease_expires_at <= now() - make_interval(secs => $1)
+    OFFSET 0
+) AS job
+ORDER BY job.lease_expires_at
 LIMIT $2;
 
 -- name: resolve_completed
@@ -373,7 +383,8 @@ WITH job AS (
     SET state = 'completed', version = version + 1, completed_by = 0, resolution = $4,
         response_status = $5, response_headers = $6, response_body = $7,
         response_omitted = false, response_key = $9, updated_at = now(),
-        expires_at = now() + make_interval(secs => $8)
+        expires_at = now() + make_interval(secs => $8),
+        sweep_after = now() + make_interval(secs => $8)
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'unknown'
     RETURNING owner, id
 )
@@ -383,7 +394,8 @@ SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 -- SPEC §3.3: an operator (or unknown_ttl) states that nothing executed; a retry runs again.
 WITH job AS (
     UPDATE idemproxy.jobs
-    SET state = 'released', version = version + 1, resolution = $4, updated_at = now()
+    SET state = 'released', version = version + 1, resolution = $4, updated_at = now(),
+        sweep_after = expires_at
     WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'unknown'
     RETURNING owner, id
 )
@@ -393,7 +405,7 @@ SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 -- SPEC §3.3: unknown jobs older than unknown_ttl, for the auto-release (off by default).
 SELECT *, expires_at <= now() AS expired, false AS lease_expired
 FROM idemproxy.jobs
-WHERE state = 'unknown' AND updated_at <= now() - make_interval(secs => $1)
+WHERE sweep_after IS NULL AND state = 'unknown' AND updated_at <= now() - make_interval(secs => $1)
 ORDER BY updated_at
 LIMIT $2;
 
@@ -418,11 +430,17 @@ WHERE owner = $1 AND id = $2 AND version = $3 AND state IN ('completed', 'releas
 
 -- name: sweep_expired
 -- SPEC §11: small batches, terminal jobs only; in_flight and unknown jobs are never swept.
+-- Read by `sweep_after`, a lower bound of the expiry, NULL for the unknown jobs (migration 0007):
+-- the jobs it reads that are not expired yet are the ones completed since their claim's expiry
+-- passed (or still in flight), few. Its range names both ends: what a planner without statistics
+-- takes for a small part of the table, so that a generic plan made on an empty table reads the
+-- index, not every job (tests/store/test_pg_point_lookups.py).
 DELETE FROM idemproxy.jobs
 WHERE (owner, id) IN (
     SELECT owner, id FROM idemproxy.jobs
-    WHERE expires_at <= now() AND state IN ('completed', 'released')
-    ORDER BY expires_at
+    WHERE sweep_after > '-infinity' AND sweep_after <= now()
+      AND expires_at <= now() AND state IN ('completed', 'released')
+    ORDER BY sweep_after
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 );
@@ -434,8 +452,9 @@ WHERE (owner, id) IN (
 DELETE FROM idemproxy.jobs
 WHERE expires_at <= now() AND state IN ('completed', 'released') AND (owner, id) IN (
     SELECT owner, id FROM idemproxy.jobs
-    WHERE expires_at <= now() AND state IN ('completed', 'released')
-    ORDER BY expires_at
+    WHERE sweep_after > '-infinity' AND sweep_after <= now()
+      AND expires_at <= now() AND state IN ('completed', 'released')
+    ORDER BY sweep_after
     LIMIT $1
 );
 
@@ -459,7 +478,8 @@ ORDER BY id
 LIMIT $4;
 
 -- name: count_unknown
-SELECT count(*) AS unknown FROM idemproxy.jobs WHERE state = 'unknown';
+-- From the index of the unknown jobs, the ones without a `sweep_after` (migration 0007).
+SELECT count(*) AS unknown FROM idemproxy.jobs WHERE sweep_after IS NULL AND state = 'unknown';
 
 -- name: ping
 SELECT 1;
@@ -514,8 +534,9 @@ WHERE owner = $1 AND job_id = $2 AND number = $3 AND late_body IS NOT NULL
 -- name: claim_job_distributed
 -- `claim` without its reads: the caller read the job first (`get_job`) and found none.
 INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, expires_at,
-                            lease_expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7), now() + make_interval(secs => $8))
+                            sweep_after, lease_expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7), now() + make_interval(secs => $7),
+        now() + make_interval(secs => $8))
 ON CONFLICT (owner, key) DO NOTHING
 RETURNING *, false AS expired, false AS lease_expired;
 

@@ -1,0 +1,163 @@
+"""The job's changes on the way of a new key update it in place (HOT, migration 0007), and the
+housekeeping that no longer reads the columns they change still finds what SPEC says it finds:
+the sweep (§11, ttl counted from the completion), the unknown jobs (§3.3) and the jobs whose
+lease ran out (§3.5).
+
+The statements run as the store sends them (queries.sql), on one connection, so that the
+transaction's own statistics (`pg_stat_xact_user_tables`) count their updates.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from idemproxy.store.queries import load_queries
+
+pytestmark = pytest.mark.postgres
+
+_SQL = load_queries("postgres")
+_OWNER = "acme"
+_UPDATES = """
+SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables
+WHERE relid = 'idemproxy.jobs'::regclass
+"""
+
+
+@pytest.fixture
+async def conn(pg_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(pg_dsn)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def _claim(
+    conn: asyncpg.Connection, key: str, *, ttl: float = 60.0, lease: float = 30.0
+) -> uuid.UUID:
+    row = await conn.fetchrow(
+        _SQL["claim"], _OWNER, key, uuid.uuid4(), "fp", "POST", "/pay", ttl, "http://up", lease
+    )
+    assert row is not None and row["created"]
+    job: uuid.UUID = row["id"]
+    return job
+
+
+async def _complete(conn: asyncpg.Connection, key: str, job: uuid.UUID, *, ttl: float) -> None:
+    won = await conn.fetch(
+        _SQL["complete"], _OWNER, job, 1, 1, 201, None, b"{}", False, ttl, 1 << 20, None, key
+    )
+    assert len(won) == 1
+
+
+async def _settle(conn: asyncpg.Connection, key: str, job: uuid.UUID, state: str) -> None:
+    attempt = "failed" if state == "released" else "unknown"
+    settled = await conn.fetch(_SQL["settle"], _OWNER, job, 1, 1, state, attempt, None, "test", key)
+    assert len(settled) == 1
+
+
+async def test_a_new_keys_renewal_completion_and_release_are_hot(
+    conn: asyncpg.Connection,
+) -> None:
+    async with conn.transaction():
+        job = await _claim(conn, "done")
+        assert await conn.fetch(_SQL["renew_lease"], _OWNER, job, 1, 30.0, "done")
+        await _complete(conn, "done", job, ttl=60.0)
+        await _settle(conn, "released", await _claim(conn, "released"), "released")
+        updates = await conn.fetchrow(_UPDATES)
+    assert updates is not None
+    assert (updates["n_tup_upd"], updates["n_tup_hot_upd"]) == (3, 3)
+
+
+async def _keys(conn: asyncpg.Connection) -> set[str]:
+    return {row["key"] for row in await conn.fetch("SELECT key FROM idemproxy.jobs")}
+
+
+async def _age(conn: asyncpg.Connection, key: str, seconds: float) -> None:
+    """The job as if claimed `seconds` earlier: its claim's expiry and lease moved back."""
+    shift = "make_interval(secs => $2)"
+    await conn.execute(
+        f"UPDATE idemproxy.jobs SET created_at = created_at - {shift},"
+        f" expires_at = expires_at - {shift}, sweep_after = sweep_after - {shift},"
+        f" lease_expires_at = lease_expires_at - {shift} WHERE key = $1",
+        key,
+        seconds,
+    )
+    await conn.execute(
+        f"UPDATE idemproxy.attempts SET lease_expires_at = lease_expires_at - {shift}"
+        " WHERE job_id = (SELECT id FROM idemproxy.jobs WHERE key = $1)",
+        key,
+        seconds,
+    )
+
+
+async def test_the_sweep_counts_ttl_from_the_completion(conn: asyncpg.Connection) -> None:
+    # Both claimed with a ttl of 60 s, 120 s ago, completed now: one with 60 s (SPEC §11: kept
+    # 60 s from now), one with 1 ms (expired at once, though its claim's expiry was later).
+    for key in ("kept", "short"):
+        await _claim(conn, key, ttl=60.0)
+        await _age(conn, key, 120.0)
+    kept = await conn.fetchval("SELECT id FROM idemproxy.jobs WHERE key = 'kept'")
+    short = await conn.fetchval("SELECT id FROM idemproxy.jobs WHERE key = 'short'")
+    await _complete(conn, "kept", kept, ttl=60.0)
+    await _claim(conn, "fresh-short", ttl=3600.0)
+    fresh = await conn.fetchval("SELECT id FROM idemproxy.jobs WHERE key = 'fresh-short'")
+    await _complete(conn, "fresh-short", fresh, ttl=0.001)
+    await _complete(conn, "short", short, ttl=0.001)
+    await conn.execute("SELECT pg_sleep(0.01)")
+    await conn.execute(_SQL["sweep_expired"], 100)
+    assert await _keys(conn) == {"kept"}
+
+
+async def test_unknown_jobs_are_listed_counted_and_never_swept(conn: asyncpg.Connection) -> None:
+    job = await _claim(conn, "unknown", ttl=60.0)
+    await _settle(conn, "unknown", job, "unknown")
+    await _age(conn, "unknown", 120.0)  # past the claim's expiry, the only one it has
+    await conn.execute("UPDATE idemproxy.jobs SET updated_at = updated_at - interval '2 minutes'")
+    assert await conn.fetchval(_SQL["count_unknown"]) == 1
+    stale = await conn.fetch(_SQL["stale_unknown"], 60.0, 10)
+    assert [row["key"] for row in stale] == ["unknown"]
+    await conn.execute(_SQL["sweep_expired"], 100)
+    assert await _keys(conn) == {"unknown"}
+    # Released by an operator: the expiry it had, so the sweep takes it.
+    assert await conn.fetch(_SQL["resolve_released"], _OWNER, job, 2, "operator")
+    assert await conn.fetchval(_SQL["count_unknown"]) == 0
+    await conn.execute(_SQL["sweep_expired"], 100)
+    assert await _keys(conn) == set()
+
+
+async def test_a_resolved_job_is_kept_for_its_ttl_from_the_resolution(
+    conn: asyncpg.Connection,
+) -> None:
+    job = await _claim(conn, "resolved", ttl=60.0)
+    await _settle(conn, "resolved", job, "unknown")
+    await _age(conn, "resolved", 120.0)
+    resolved = await conn.fetch(
+        _SQL["resolve_completed"], _OWNER, job, 2, "operator", 200, None, b"{}", 60.0, None
+    )
+    assert resolved
+    await conn.execute(_SQL["sweep_expired"], 100)
+    assert await _keys(conn) == {"resolved"}
+
+
+async def test_the_lease_scan_reads_the_lease_as_renewed(conn: asyncpg.Connection) -> None:
+    # Three jobs whose attempts started with a lease that ran out 60 s ago: one renewed since
+    # (alive), one hedged with a second attempt (found once), one completed (not in flight).
+    for key in ("renewed", "hedged", "done"):
+        await _claim(conn, key, lease=30.0)
+        await _age(conn, key, 90.0)
+    ids = {row["key"]: row["id"] for row in await conn.fetch("SELECT key, id FROM idemproxy.jobs")}
+    renewed, hedged, done = ids["renewed"], ids["hedged"], ids["done"]
+    assert await conn.fetch(_SQL["renew_lease"], _OWNER, renewed, 1, 30.0, "renewed")
+    await conn.fetch(_SQL["add_attempt"], _OWNER, hedged, 1, "http://other", -90.0)
+    await _complete(conn, "done", done, ttl=60.0)
+    orphans = await conn.fetch(_SQL["expired_leases"], 30.0, 10)
+    assert [row["key"] for row in orphans] == ["hedged"]
+    taken = await conn.fetch(_SQL["take_over"], _OWNER, hedged, 1)
+    assert len(taken) == 1
+    assert await conn.fetch(_SQL["expired_leases"], 30.0, 10) == []
+    assert await conn.fetchval(_SQL["count_unknown"]) == 1
