@@ -362,3 +362,22 @@ def test_a_hedge(state: AddHedge, started: bool | None, expected: object) -> Non
 def test_a_racer_ends_by_its_outcome() -> None:
     assert racer_end(RELEASE) is R
     assert racer_end(UNKNOWN) is U
+
+
+# --- the states are values ----------------------------------------------------------------------
+
+
+def test_states_are_values_equal_by_class_and_fields() -> None:
+    assert Try(0, 2) == Try(0, 2)
+    other: object = FailOver(0, 2)
+    assert Try(0, 2) != other  # same fields, another state
+    assert hash(Race(3)) == hash(Race(3))
+    assert {Lost(), Lost()} == {Lost()}
+
+
+def test_states_are_frozen_for_the_type_checker() -> None:
+    """mypy --strict (warn_unused_ignores) fails this file if the ignore is not needed: nothing
+    assigns to a state's field once built (core/frozen.py)."""
+    state = Try(0, 2)
+    state.index = 1  # type: ignore[misc]
+    assert not hasattr(state, "__dict__")  # slots: no attribute besides the fields

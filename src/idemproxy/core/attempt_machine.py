@@ -1,8 +1,8 @@
 """One attempt's life as a pure machine: which step follows which (SPEC §2.4, §3.2, §3.4, §7).
 
-Each state is a frozen dataclass; `state.next(event)` gives the next one. A state that needs
-I/O is a command that the driver (proxy/jobs/attempt.py) carries out before feeding back what
-happened:
+Each state is a frozen dataclass (core/frozen.py); `state.next(event)` gives the next one. A
+state that needs I/O is a command that the driver (proxy/jobs/attempt.py) carries out before
+feeding back what happened:
 
     Forward --Head--> KeepReply | HandBack | Stream | Capture
     Forward --TransportFailed--> HandBack | Settle --> AnswerProblem (`fail`)
@@ -21,7 +21,6 @@ The terminal states (`Answer`, `Finish`, `Abort`, `AnswerProblem`, `HandBack`, `
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 from idemproxy.core.attempts import (
     Failure,
@@ -38,10 +37,11 @@ from idemproxy.core.attempts import (
     handed_back,
     response_handling,
 )
+from idemproxy.core.frozen import frozen
 from idemproxy.errors import ProblemError, UpstreamUnavailable
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Failed:
     """An attempt that ended without a result to complete its job with (SPEC §3.2)."""
 
@@ -61,7 +61,7 @@ class Body(enum.Enum):
 # --- events -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Head:
     """The upstream's response head arrived."""
 
@@ -69,7 +69,7 @@ class Head:
     event_stream: bool  # a stream of events (server-sent events, NDJSON)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TransportFailed:
     """No response head: refused, timed out, reset (SPEC §3.2)."""
 
@@ -77,26 +77,26 @@ class TransportFailed:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BodyCaptured:
     """The body was read up to max_stored_body: `whole` if all of it fit."""
 
     whole: bool
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Checked:
     """The captured response was checked against the route's contract (SPEC §3.4)."""
 
     violations: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BodyEnded:
     """The rest of the body reached the client whole."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BodyCut:
     """The upstream's body broke off after the head went to the client (SPEC §3.2)."""
 
@@ -106,36 +106,36 @@ class BodyCut:
 # --- terminal states ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Answer:
     """Send the captured response to the client as a whole."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Finish:
     """End the response already streaming to the client."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Abort:
     """Cut the client's connection: its response started and cannot end well (SPEC §7)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AnswerProblem:
     """The job is settled: answer with the problem of `failed` (SPEC §3.2)."""
 
     failed: Failed
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class HandBack:
     """The caller decides what the failure does to the job (SPEC §3.4); the body is not needed."""
 
     failed: Failed
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class KeepReply:
     """Hand back in a race, with the upstream's answer kept: it may be the last one the race
     gets (SPEC §3.2)."""
@@ -143,7 +143,7 @@ class KeepReply:
     failed: Failed
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Lost:
     """Another attempt won the completion CAS: this result is discarded (SPEC §1)."""
 
@@ -151,7 +151,7 @@ class Lost:
 # --- command states -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Complete:
     """Command: the completion CAS with the response, its body `body`."""
 
@@ -166,7 +166,7 @@ class Complete:
         return self.then if won or self.after_head else Lost()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Settle:
     """Command: settle the job as `failed` says (SPEC §3.2); a lost CAS is only logged."""
 
@@ -185,7 +185,7 @@ def fail(failed: Failed, mode: Mode) -> HandBack | Settle:
     return Settle(failed, after_head=False, then=AnswerProblem(failed))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Forward:
     """Command: send the request upstream; wait for the head of its response."""
 
@@ -210,7 +210,7 @@ class Forward:
         return KeepReply(failed) if handling is Handling.HAND_BACK_WITH_REPLY else HandBack(failed)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Capture:
     """Command: read the body up to max_stored_body (SPEC §7)."""
 
@@ -225,7 +225,7 @@ class Capture:
         return _captured(self.outcome, self.status, self.mode, event.whole)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CheckContract:
     """Command: check the captured response against the route's contract (SPEC §3.4)."""
 
@@ -256,7 +256,7 @@ def _captured(outcome: Outcome, status: int, mode: Mode, whole: bool) -> Attempt
     return StreamThrough(outcome, status, completed=False)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StreamThrough:
     """Command: pass the rest of a body too large to keep to the client (SPEC §7)."""
 
@@ -277,7 +277,7 @@ class StreamThrough:
         return Complete(Body.OMITTED, after_head=True, then=Finish())
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Stream:
     """Command: a stream of events to the client as it arrives, kept up to max_stored_body, and
     stored once it ended (SPEC §2 step 4)."""

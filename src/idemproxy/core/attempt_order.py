@@ -13,7 +13,7 @@ tasks, the timer and the responses; no I/O, no clock, no asyncio here.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import assert_never
 
 from idemproxy.core.attempts import (
@@ -27,11 +27,12 @@ from idemproxy.core.attempts import (
     race_end,
     settling_index,
 )
+from idemproxy.core.frozen import frozen
 
 # --- in order -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Try:
     """Command: run an attempt on the `index`-th of `upstreams`; its response or a lost CAS
     ends the job's run, a hand-back is the event."""
@@ -50,7 +51,7 @@ class Try:
         return FailOver(self.index + 1, self.upstreams)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class FailOver:
     """Command: record the failed attempt and start the next one, on the `index`-th upstream;
     the event is whether the store started it (not when another attempt completed the job)."""
@@ -82,7 +83,7 @@ def racer_end(outcome: Outcome) -> RacerEnd:
     return RacerEnd.RELEASED if outcome is Outcome.RELEASE else RacerEnd.UNKNOWN
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Race:
     """The bookkeeping of one hedged request (SPEC §3.4)."""
 
@@ -145,7 +146,7 @@ class Race:
                 assert_never(end)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Wait:
     """Command: wait for the racers, at most hedge_after if another upstream is `admitted`
     (checked before the wait); the event is how those that ended did, none if the timer fired.
@@ -166,7 +167,7 @@ class Wait:
         return race.go_on()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AddHedge:
     """Command: one more attempt on upstream number `race.started` (counting from 0); the event
     is whether the job took it (not once it completed), or None for a store error."""
@@ -185,17 +186,17 @@ class AddHedge:
         return race.go_on()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RaceLost:
     """Another attempt completed the job: the caller re-reads it."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RaceStoreError:
     """A racer's outcome, or the next attempt, could not be written: the store's 503 (SPEC §11)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SettleRace:
     """Command: every racer failed; settle the job with the `index`-th failure, in the order
     they ended, and answer with it (SPEC §3.4)."""
