@@ -1,5 +1,9 @@
 """A job's attempts across its upstream group as a pure machine (SPEC §3.4).
 
+The race's rules: `none_executed`, `may_hedge` and `brings_in_next` say when another upstream
+may come in; `race_outcome`, `race_end` and `settling_index` what a race of hedged attempts
+ends in, and which failure settles its job.
+
 In order: `Try` the upstream at `index`; a failure it hands back (released: nothing executed)
 `FailOver`s to the next one, the last runs in `Mode.FINAL` and never hands back.
 
@@ -13,21 +17,72 @@ tasks, the timer and the responses; no I/O, no clock, no asyncio here.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import assert_never
 
-from idemproxy.core.attempts import (
-    Mode,
-    Outcome,
-    RaceEnd,
-    brings_in_next,
-    may_hedge,
-    none_executed,
-    order_mode,
-    race_end,
-    settling_index,
-)
+from idemproxy.core.attempts import Mode, Outcome, moves_on, order_mode
 from idemproxy.core.frozen import frozen
+
+# --- the race's rules -----------------------------------------------------------------------------
+
+
+class RaceEnd(enum.Enum):
+    """How a race of hedged attempts ended when none of them answered this client (SPEC §3.4)."""
+
+    LOST = "lost"  # an attempt lost the completion CAS: another one completed the job
+    STORE_ERROR = "store-error"  # a racer's outcome was not written: the race cannot settle
+    ALL_FAILED = "all-failed"  # every racer failed: the race settles the job
+
+
+def race_outcome(outcomes: Iterable[Outcome]) -> Outcome:
+    """The job's outcome when every attempt of a race failed (SPEC §3.4): unknown if any of
+    them may have executed, else released."""
+    return Outcome.RELEASE if all(moves_on(o) for o in outcomes) else Outcome.UNKNOWN
+
+
+def none_executed(failures: Iterable[Outcome], *, store_errors: bool) -> bool:
+    """SPEC §3.4: whether no racer so far may have executed. A racer that ended with a store
+    error (its outcome not written, or its answer not stored) is one whose outcome the race does
+    not know: it may have executed."""
+    return not store_errors and race_outcome(failures) is Outcome.RELEASE
+
+
+def may_hedge(*, started: int, upstreams: int, lost: bool, none_executed: bool) -> bool:
+    """Whether the race may still bring in another upstream (SPEC §3.4): one is left, no racer
+    lost the completion CAS (another attempt completed the job), and none may have executed."""
+    return started < upstreams and not lost and none_executed
+
+
+def brings_in_next(*, admitted: bool, none_executed: bool, timed_out: bool, racing: bool) -> bool:
+    """After one wait of the race: whether the next upstream comes in now. It must have been
+    admitted before the wait (`may_hedge`) and still be (no racer that ended meanwhile may have
+    executed), and either no answer came within hedge_after (`timed_out`) or every racer failed
+    (none is `racing` any more)."""
+    return admitted and none_executed and (timed_out or not racing)
+
+
+def race_end(*, lost: bool, store_errors: bool) -> RaceEnd:
+    """What a race without a winner for this client ends in: another attempt's completion
+    first (its response is the job's), then a store error (SPEC §11: 503), else every racer
+    failed."""
+    if lost:
+        return RaceEnd.LOST
+    if store_errors:
+        return RaceEnd.STORE_ERROR
+    return RaceEnd.ALL_FAILED
+
+
+def settling_index(outcomes: Sequence[Outcome]) -> int:
+    """Which of a race's failures, in the order they ended, settles the job and answers the
+    client (SPEC §3.4): the last unknown one if any racer may have executed, else the last."""
+    if not outcomes:
+        raise ValueError("a race that ended without a winner had failures")
+    for index in range(len(outcomes) - 1, -1, -1):
+        if outcomes[index] is Outcome.UNKNOWN:
+            return index
+    return len(outcomes) - 1
+
 
 # --- in order -----------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Running one attempt: the driver of core/attempt_machine.py (SPEC §2.4, §3.2).
+"""Running one attempt: the driver of core/attempts.py (SPEC §2.4, §3.2).
 
 `AttemptRunner.run` carries out each command state (forward, capture, check the contract,
 complete, settle, stream to the client) and feeds back what happened, until a terminal state
@@ -21,7 +21,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, STREAMING_MEDIA_TYPES
-from idemproxy.core.attempt_machine import (
+from idemproxy.core.attempts import (
     Abort,
     Answer,
     AnswerProblem,
@@ -41,13 +41,16 @@ from idemproxy.core.attempt_machine import (
     Head,
     KeepReply,
     Lost,
+    Mode,
+    Outcome,
     Settle,
+    StatusPolicy,
     Stream,
     StreamThrough,
     TransportFailed,
     cut_off,
+    settled_state,
 )
-from idemproxy.core.attempts import Mode, Outcome, StatusPolicy, settled_state
 from idemproxy.core.types import HeaderPairs, Job, StoredResponse
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
@@ -67,7 +70,6 @@ from idemproxy.proxy.upstream.target import forwarded_headers, outgoing_host, up
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
     from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
-    from idemproxy.proxy.context import ProxyContext
     from idemproxy.proxy.failpoints import Failpoints
     from idemproxy.proxy.server.budget import ResponseBudget
     from idemproxy.proxy.tracing import Tracing
@@ -123,13 +125,6 @@ class AttemptRunner:
     failpoints: Failpoints
     tracing: Tracing | None
 
-    @classmethod
-    def of(cls, ctx: ProxyContext) -> AttemptRunner:
-        return cls(
-            ctx.settings, ctx.store, ctx.upstream, ctx.statuses, ctx.budget, ctx.unwritten,
-            ctx.metrics, ctx.failpoints, ctx.tracing,
-        )  # fmt: skip
-
     async def run(self, governed: GovernedRequest, attempt: AttemptRun) -> Step:
         request, route, job = governed.request, governed.route, attempt.job
         headers = forwarded_headers(
@@ -166,7 +161,9 @@ class AttemptRunner:
                     timeout=governed.route.upstream_timeout,
                 ) as upstream,
             ):
-                head = Head(upstream.status, _is_stream(upstream))
+                media_type = upstream.headers.get("Content-Type", "").partition(";")[0]
+                stream = media_type.strip().lower() in STREAMING_MEDIA_TYPES
+                head = Head(upstream.status, stream)
                 step = await self._drive(governed, attempt, upstream, forward.next(head))
                 # Until the upstream's answer was whole, not until it was stored: the store's
                 # time is idemproxy_store_seconds' (SPEC §13).
@@ -408,13 +405,14 @@ class AttemptRunner:
 
     def _client_headers(self, upstream: UpstreamResponse, job: Job) -> CIMultiDict[str]:
         headers = response_headers_for_client(upstream.headers)
-        headers.extend(_head_length(upstream))
+        if upstream.method == "HEAD":
+            headers.extend(_head_length(upstream))
         headers[JOB_HEADER] = job.id
         return headers
 
     def _stored_headers(self, upstream: UpstreamResponse) -> HeaderPairs:
-        unreplayed = self.settings.unreplayed_headers
-        return headers_to_store(upstream.headers, unreplayed) + _head_length(upstream)
+        stored = headers_to_store(upstream.headers, self.settings.unreplayed_headers)
+        return stored + _head_length(upstream) if upstream.method == "HEAD" else stored
 
 
 def _handed_back(failed: Failed, reply: web.StreamResponse | None = None) -> HandedBack:
@@ -432,11 +430,6 @@ def _log_breach(attempt: AttemptRun, status: int, broken: list[str]) -> None:
         status,
         "contract: " + "; ".join(broken),
     )
-
-
-def _is_stream(upstream: UpstreamResponse) -> bool:
-    media_type = upstream.headers.get("Content-Type", "").partition(";")[0]
-    return media_type.strip().lower() in STREAMING_MEDIA_TYPES
 
 
 async def _after_head(attempt: AttemptRun, storing: Awaitable[bool | None]) -> bool | None:

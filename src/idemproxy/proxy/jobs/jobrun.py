@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, assert_never
 
 from aiohttp import web
 
-from idemproxy.core.attempt_machine import Failed
 from idemproxy.core.attempt_order import (
     AddHedge,
     FailOver,
@@ -31,7 +30,7 @@ from idemproxy.core.attempt_order import (
     Wait,
     racer_end,
 )
-from idemproxy.core.attempts import Mode, settled_state
+from idemproxy.core.attempts import Failed, Mode, settled_state
 from idemproxy.core.types import Claimed, Job
 from idemproxy.errors import StoreUnavailable
 from idemproxy.identity.ids import new_job_id
@@ -51,11 +50,21 @@ Ended = list[tuple[AttemptRun, HandedBack]]  # the racers that failed, in the or
 
 async def run_job(governed: GovernedRequest, claimed: Claimed) -> web.StreamResponse | None:
     """The client's response, or None when another attempt won: the caller re-reads the job."""
-    ctx = governed.ctx
-    runner = JobRunner(
-        AttemptRunner.of(ctx), ctx.store, ctx.unsent, ctx.attempts, ctx.settings.lease
-    )
-    return await runner.run(governed, claimed)
+    ctx, route = governed.ctx, governed.route
+    attempts = AttemptRunner(
+        ctx.settings, ctx.store, ctx.upstream, ctx.statuses, ctx.budget, ctx.unwritten,
+        ctx.metrics, ctx.failpoints, ctx.tracing,
+    )  # fmt: skip
+    upstreams = route.upstreams  # the fallbacks eligible now (SPEC §3.4), for the whole job
+    if len(upstreams) == 1:  # neither fail-over nor race: the attempt is final (Mode.FINAL)
+        only = AttemptRun(claimed.job, claimed.attempt, upstreams[0])
+        step = await attempts.run(governed, only)
+        assert not isinstance(step, HandedBack), "a final attempt settles its job"
+        return step
+    runner = JobRunner(attempts, ctx.store, ctx.unsent, ctx.attempts, ctx.settings.lease)
+    if route.hedge_after is not None:
+        return await runner.hedged(governed, claimed, upstreams, route.hedge_after)
+    return await runner.in_order(governed, claimed, upstreams)
 
 
 @dataclass(slots=True)
@@ -70,14 +79,7 @@ class JobRunner:
     attempts: set[asyncio.Task[Any]]
     lease: float
 
-    async def run(self, governed: GovernedRequest, claimed: Claimed) -> web.StreamResponse | None:
-        route = governed.route
-        upstreams = route.upstreams  # the fallbacks eligible now (SPEC §3.4), for the whole job
-        if route.hedge_after is not None and len(upstreams) > 1:
-            return await self._hedged(governed, claimed, upstreams, route.hedge_after)
-        return await self._in_order(governed, claimed, upstreams)
-
-    async def _in_order(
+    async def in_order(
         self, governed: GovernedRequest, claimed: Claimed, upstreams: tuple[str, ...]
     ) -> web.StreamResponse | None:
         job, number = claimed.job, claimed.attempt
@@ -134,7 +136,7 @@ class JobRunner:
             self.unsent.note_next(job, token)
             raise
 
-    async def _hedged(
+    async def hedged(
         self,
         governed: GovernedRequest,
         claimed: Claimed,

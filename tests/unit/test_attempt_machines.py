@@ -1,5 +1,5 @@
 """SPEC §2.4, §3.2, §3.4, §7: an attempt's life, and its job's attempts, as tables of
-state x event -> next state (core/attempt_machine.py, core/attempt_order.py)."""
+state x event -> next state (core/attempts.py, core/attempt_order.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,19 @@ from collections.abc import Iterator
 import pytest
 
 from idemproxy.constants import DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES
-from idemproxy.core.attempt_machine import (
+from idemproxy.core.attempt_order import (
+    AddHedge,
+    FailOver,
+    Race,
+    RaceLost,
+    RacerEnd,
+    RaceStoreError,
+    SettleRace,
+    Try,
+    Wait,
+    racer_end,
+)
+from idemproxy.core.attempts import (
     Abort,
     Answer,
     AnswerProblem,
@@ -22,31 +34,22 @@ from idemproxy.core.attempt_machine import (
     Checked,
     Complete,
     Failed,
+    Failure,
     Finish,
     Forward,
     HandBack,
     Head,
     KeepReply,
     Lost,
+    Mode,
+    Outcome,
     Settle,
+    StatusPolicy,
     Stream,
     StreamThrough,
     TransportFailed,
     cut_off,
 )
-from idemproxy.core.attempt_order import (
-    AddHedge,
-    FailOver,
-    Race,
-    RaceLost,
-    RacerEnd,
-    RaceStoreError,
-    SettleRace,
-    Try,
-    Wait,
-    racer_end,
-)
-from idemproxy.core.attempts import Failure, Mode, Outcome, StatusPolicy
 from idemproxy.errors import ContractViolation, UpstreamTimeout, UpstreamUnavailable
 
 STATUSES = StatusPolicy(DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES)
