@@ -189,7 +189,7 @@ class AttemptRunner:
             await asyncio.shield(self.settle(attempt, cut_off("cut off by shutdown")))
             raise
 
-    async def _drive(  # noqa: C901, PLR0912, PLR0915 -- one flat loop over the machine's commands
+    async def _drive(  # noqa: C901, PLR0912, PLR0915 -- one case per state of the machine
         self,
         governed: GovernedRequest,
         attempt: AttemptRun,
@@ -206,19 +206,12 @@ class AttemptRunner:
                         kept = await self._capture(upstream)
                         state = state.next(BodyCaptured(kept.whole))
                     case CheckContract():
-                        assert kept is not None and governed.route.gate is not None
-                        contract = governed.route.gate.contract
-                        content = await kept.content() if kept.whole else None
-                        # http/offload.py: a large body is parsed and validated on a worker thread.
-                        broken = await off_loop(
-                            content or b"", contract.violations, upstream.status, content
-                        )
-                        if broken:
-                            governed.trace.failed(attempt.upstream, FailureReason.CONTRACT)
+                        assert kept is not None
+                        broken = await self._violations(governed, attempt, upstream, kept)
+                        if broken:  # neither stored nor passed on
                             kept.close()
                             kept = None
-                            _log_breach(attempt, upstream.status, broken)
-                        state = state.next(Checked(tuple(broken)))
+                        state = state.next(Checked(broken))
                     case Complete():
                         stored = StoredResponse(
                             upstream.status,
@@ -246,9 +239,7 @@ class AttemptRunner:
                             await settling
                         state = state.next()
                     case Stream():
-                        response = self._streamed(upstream, attempt.job)
-                        client = ClientSink(governed.request, response)
-                        await client.write(b"")  # the head goes out now
+                        response, client = await self._open(governed, upstream, attempt.job)
                         try:
                             kept = await tee(
                                 upstream, client, self.settings.max_stored_body, self.budget
@@ -260,22 +251,11 @@ class AttemptRunner:
                     case StreamThrough():
                         # SPEC §7: a body over max_stored_body streams through and is not kept.
                         assert kept is not None
-                        response = self._streamed(upstream, attempt.job)
-                        if upstream.content_length is not None:
-                            response.content_length = upstream.content_length
-                        client = ClientSink(governed.request, response)
-                        await client.write(b"")  # the head goes out now, not with the body
-                        async for piece in kept.pieces():
-                            await client.write(piece)
-                        kept.close()
-                        kept = None
-                        try:
-                            async for chunk in UpstreamClient.iter_body(upstream):
-                                await client.write(chunk)
-                        except UpstreamFailure as failure:
-                            state = state.next(BodyCut(failure.reason))
-                        else:
-                            state = state.next(BodyEnded())
+                        response, client = await self._open(
+                            governed, upstream, attempt.job, sized=True
+                        )
+                        head, kept = kept, None
+                        state = state.next(await _pass_through(head, upstream, client))
                     case Answer():
                         assert kept is not None
                         answered, kept = kept, None  # the response owns it now
@@ -331,10 +311,42 @@ class AttemptRunner:
         headers = self._client_headers(upstream, attempt.job)
         return answer(captured, upstream.status, upstream.reason, headers)
 
-    def _streamed(self, upstream: UpstreamResponse, job: Job) -> AsSentStreamResponse:
+    async def _open(
+        self,
+        governed: GovernedRequest,
+        upstream: UpstreamResponse,
+        job: Job,
+        *,
+        sized: bool = False,
+    ) -> tuple[web.StreamResponse, ClientSink]:
+        """The client's response, its head sent now rather than with the first byte of the body;
+        `sized` keeps the upstream's Content-Length (a body passed through whole)."""
         response = AsSentStreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(self._client_headers(upstream, job))
-        return response
+        if sized and upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        client = ClientSink(governed.request, response)
+        await client.write(b"")
+        return response, client
+
+    async def _violations(
+        self,
+        governed: GovernedRequest,
+        attempt: AttemptRun,
+        upstream: UpstreamResponse,
+        kept: Captured,
+    ) -> tuple[str, ...]:
+        """What the captured response breaks of the route's contract (SPEC §3.4); a body too
+        large to check is a breach too."""
+        gate = governed.route.gate
+        assert gate is not None
+        content = await kept.content() if kept.whole else None
+        # http/offload.py: a large body is parsed and validated on a worker thread.
+        broken = await off_loop(content or b"", gate.contract.violations, upstream.status, content)
+        if broken:
+            governed.trace.failed(attempt.upstream, FailureReason.CONTRACT)
+            _log_breach(attempt, upstream.status, broken)
+        return tuple(broken)
 
     def problem(self, attempt: AttemptRun, failed: Failed) -> web.StreamResponse:
         problem = failed.problem().about(attempt.job.id, settled_state(failed.outcome).value)
@@ -413,6 +425,23 @@ class AttemptRunner:
     def _stored_headers(self, upstream: UpstreamResponse) -> HeaderPairs:
         stored = headers_to_store(upstream.headers, self.settings.unreplayed_headers)
         return stored + _head_length(upstream) if upstream.method == "HEAD" else stored
+
+
+async def _pass_through(
+    head: Captured, upstream: UpstreamResponse, client: ClientSink
+) -> BodyEnded | BodyCut:
+    """What was captured, then the rest of the upstream's body, to the client."""
+    try:
+        async for piece in head.pieces():
+            await client.write(piece)
+    finally:
+        head.close()
+    try:
+        async for chunk in UpstreamClient.iter_body(upstream):
+            await client.write(chunk)
+    except UpstreamFailure as failure:
+        return BodyCut(failure.reason)
+    return BodyEnded()
 
 
 def _handed_back(failed: Failed, reply: web.StreamResponse | None = None) -> HandedBack:
