@@ -53,6 +53,7 @@ from hypothesis.stateful import (
 )
 
 from idemproxy.constants import DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES
+from idemproxy.core.attempt_order import race_outcome
 from idemproxy.core.attempts import (
     Failure,
     Outcome,
@@ -61,7 +62,6 @@ from idemproxy.core.attempts import (
     classify_failure,
     classify_response,
     moves_on,
-    race_outcome,
 )
 from idemproxy.core.decision import (
     Decision,

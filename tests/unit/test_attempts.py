@@ -1,4 +1,5 @@
-"""SPEC §3.2, §3.4: what an attempt's result means (core/attempts.py)."""
+"""SPEC §3.2, §3.4: what an attempt's result means (core/attempts.py), and the rules of a
+race (core/attempt_order.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from idemproxy.constants import DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES
+from idemproxy.core.attempt_order import (
+    RaceEnd,
+    brings_in_next,
+    may_hedge,
+    none_executed,
+    race_end,
+    race_outcome,
+    settling_index,
+)
 from idemproxy.core.attempts import (
     Failure,
     Handling,
     Mode,
     Outcome,
-    RaceEnd,
     StatusPolicy,
-    brings_in_next,
     checks_contract,
     classify_breach,
     classify_cut_off,
@@ -24,15 +32,10 @@ from idemproxy.core.attempts import (
     classify_response,
     completes_before_head,
     handed_back,
-    may_hedge,
     moves_on,
-    none_executed,
     order_mode,
-    race_end,
-    race_outcome,
     response_handling,
     settled_state,
-    settling_index,
 )
 from idemproxy.core.types import JobState
 from idemproxy.errors import ContractViolation, UpstreamTimeout, UpstreamUnavailable

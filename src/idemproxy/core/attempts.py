@@ -1,25 +1,38 @@
-"""What an attempt's result means: pure code over plain data, no I/O, no clock (SPEC §3.2, §3.4).
+"""One attempt: what its result means, and its life as a pure machine (SPEC §2.4, §3.2, §3.4, §7).
 
 * `classify_response`, `classify_failure`, `classify_breach` and `classify_cut_off` give the
-  outcome of an attempt (complete, release, unknown) for what its upstream did;
+  outcome of an attempt (complete, release, unknown) for what its upstream did; `settled_state`
+  the job state a failed outcome settles the job in;
 * `handed_back` and `response_handling` say, by the attempt's `Mode`, whether its caller decides
-  what a failed outcome does to the job, and how the response is carried on;
-* `settled_state` is the job state a failed outcome settles the job in;
-* `moves_on`, `none_executed`, `may_hedge` and `brings_in_next` say when another upstream may
-  come in (fail-over and hedging); `race_outcome`, `race_end` and `settling_index` what a race
-  of hedged attempts ends in, and which failure settles its job.
+  what a failed outcome does to the job, and how the response is carried on.
 
-The I/O around them is in proxy/jobs/attempt.py (one attempt) and proxy/jobs/jobrun.py (the
-attempts of one job).
+The machine: each state is a frozen dataclass (core/frozen.py); `state.next(event)` gives the
+next one. A state that needs I/O is a command that the driver (proxy/jobs/attempt.py) carries
+out before feeding back what happened:
+
+    Forward --Head--> KeepReply | HandBack | Stream | Capture
+    Forward --TransportFailed--> HandBack | Settle --> AnswerProblem (`fail`)
+    Capture --BodyCaptured--> CheckContract | Complete | Settle | StreamThrough
+    CheckContract --Checked--> `fail` (a breach) | as Capture without the check
+    Stream, StreamThrough --BodyEnded | BodyCut--> Complete | Settle | Finish | Abort
+    Complete --won--> then | Lost;  Settle --> then
+
+`Complete` and `Settle` carry the state that follows them (`then`) and whether the response's
+head went out already (`after_head`): then a store error is not the client's answer (SPEC §7,
+one response per request), and a lost completion CAS changes nothing that was sent. The
+terminal states (`Answer`, `Finish`, `Abort`, `AnswerProblem`, `HandBack`, `KeepReply`, `Lost`)
+say what the attempt ends with. A job's attempts across its upstream group (fail-over, the
+hedged race) are core/attempt_order.py's. No I/O, no clock, no asyncio here.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import assert_never
 
+from idemproxy.core.frozen import frozen
 from idemproxy.core.types import JobState
 from idemproxy.errors import ContractViolation, ProblemError, UpstreamTimeout, UpstreamUnavailable
 
@@ -55,14 +68,6 @@ class Handling(enum.Enum):
     HAND_BACK_WITH_REPLY = "hand-back-with-reply"  # a failed racer: its answer kept for the race
     STREAM = "stream"  # a stream of events: to the client as it arrives, stored at its end
     CAPTURE = "capture"  # read up to max_stored_body (and checked against a contract), then on
-
-
-class RaceEnd(enum.Enum):
-    """How a race of hedged attempts ended when none of them answered this client (SPEC §3.4)."""
-
-    LOST = "lost"  # an attempt lost the completion CAS: another one completed the job
-    STORE_ERROR = "store-error"  # a racer's outcome was not written: the race cannot settle
-    ALL_FAILED = "all-failed"  # every racer failed: the race settles the job
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,50 +174,280 @@ def moves_on(outcome: Outcome) -> bool:
     return outcome is Outcome.RELEASE
 
 
-def race_outcome(outcomes: Iterable[Outcome]) -> Outcome:
-    """The job's outcome when every attempt of a race failed (SPEC §3.4): unknown if any of
-    them may have executed, else released."""
-    return Outcome.RELEASE if all(moves_on(o) for o in outcomes) else Outcome.UNKNOWN
+# --- the machine of one attempt -------------------------------------------------------------------
 
 
-def none_executed(failures: Iterable[Outcome], *, store_errors: bool) -> bool:
-    """SPEC §3.4: whether no racer so far may have executed. A racer that ended with a store
-    error (its outcome not written, or its answer not stored) is one whose outcome the race does
-    not know: it may have executed."""
-    return not store_errors and race_outcome(failures) is Outcome.RELEASE
+@frozen
+class Failed:
+    """An attempt that ended without a result to complete its job with (SPEC §3.2)."""
+
+    outcome: Outcome
+    status: int | None
+    error: str | None
+    problem: type[ProblemError] = UpstreamUnavailable
 
 
-def may_hedge(*, started: int, upstreams: int, lost: bool, none_executed: bool) -> bool:
-    """Whether the race may still bring in another upstream (SPEC §3.4): one is left, no racer
-    lost the completion CAS (another attempt completed the job), and none may have executed."""
-    return started < upstreams and not lost and none_executed
+class Body(enum.Enum):
+    """What a completion stores of the response's body (SPEC §7)."""
+
+    KEPT = "kept"  # the body as captured (or teed), if it was whole
+    OMITTED = "omitted"  # over max_stored_body: stored without it
 
 
-def brings_in_next(*, admitted: bool, none_executed: bool, timed_out: bool, racing: bool) -> bool:
-    """After one wait of the race: whether the next upstream comes in now. It must have been
-    admitted before the wait (`may_hedge`) and still be (no racer that ended meanwhile may have
-    executed), and either no answer came within hedge_after (`timed_out`) or every racer failed
-    (none is `racing` any more)."""
-    return admitted and none_executed and (timed_out or not racing)
+# --- events -------------------------------------------------------------------------------------
 
 
-def race_end(*, lost: bool, store_errors: bool) -> RaceEnd:
-    """What a race without a winner for this client ends in: another attempt's completion
-    first (its response is the job's), then a store error (SPEC §11: 503), else every racer
-    failed."""
-    if lost:
-        return RaceEnd.LOST
-    if store_errors:
-        return RaceEnd.STORE_ERROR
-    return RaceEnd.ALL_FAILED
+@frozen
+class Head:
+    """The upstream's response head arrived."""
+
+    status: int
+    event_stream: bool  # a stream of events (server-sent events, NDJSON)
 
 
-def settling_index(outcomes: Sequence[Outcome]) -> int:
-    """Which of a race's failures, in the order they ended, settles the job and answers the
-    client (SPEC §3.4): the last unknown one if any racer may have executed, else the last."""
-    if not outcomes:
-        raise ValueError("a race that ended without a winner had failures")
-    for index in range(len(outcomes) - 1, -1, -1):
-        if outcomes[index] is Outcome.UNKNOWN:
-            return index
-    return len(outcomes) - 1
+@frozen
+class TransportFailed:
+    """No response head: refused, timed out, reset (SPEC §3.2)."""
+
+    failure: Failure
+    reason: str
+
+
+@frozen
+class BodyCaptured:
+    """The body was read up to max_stored_body: `whole` if all of it fit."""
+
+    whole: bool
+
+
+@frozen
+class Checked:
+    """The captured response was checked against the route's contract (SPEC §3.4)."""
+
+    violations: tuple[str, ...]
+
+
+@frozen
+class BodyEnded:
+    """The rest of the body reached the client whole."""
+
+
+@frozen
+class BodyCut:
+    """The upstream's body broke off after the head went to the client (SPEC §3.2)."""
+
+    reason: str
+
+
+# --- terminal states ----------------------------------------------------------------------------
+
+
+@frozen
+class Answer:
+    """Send the captured response to the client as a whole."""
+
+
+@frozen
+class Finish:
+    """End the response already streaming to the client."""
+
+
+@frozen
+class Abort:
+    """Cut the client's connection: its response started and cannot end well (SPEC §7)."""
+
+
+@frozen
+class AnswerProblem:
+    """The job is settled: answer with the problem of `failed` (SPEC §3.2)."""
+
+    failed: Failed
+
+
+@frozen
+class HandBack:
+    """The caller decides what the failure does to the job (SPEC §3.4); the body is not needed."""
+
+    failed: Failed
+
+
+@frozen
+class KeepReply:
+    """Hand back in a race, with the upstream's answer kept: it may be the last one the race
+    gets (SPEC §3.2)."""
+
+    failed: Failed
+
+
+@frozen
+class Lost:
+    """Another attempt won the completion CAS: this result is discarded (SPEC §1)."""
+
+
+# --- command states -----------------------------------------------------------------------------
+
+
+@frozen
+class Complete:
+    """Command: the completion CAS with the response, its body `body`."""
+
+    body: Body
+    after_head: bool
+    then: AttemptState
+
+    def next(self, won: bool | None) -> AttemptState:
+        """`won` is None when the store could not be reached after the head went out: the
+        outcome is kept to write later, and the response is on its way whatever the CAS says
+        (SPEC §7)."""
+        return self.then if won or self.after_head else Lost()
+
+
+@frozen
+class Settle:
+    """Command: settle the job as `failed` says (SPEC §3.2); a lost CAS is only logged."""
+
+    failed: Failed
+    after_head: bool
+    then: AttemptState
+
+    def next(self) -> AttemptState:
+        return self.then
+
+
+def fail(failed: Failed, mode: Mode) -> HandBack | Settle:
+    """No response to pass on: hand it back, or settle the job and answer its problem."""
+    if handed_back(failed.outcome, mode):
+        return HandBack(failed)
+    return Settle(failed, after_head=False, then=AnswerProblem(failed))
+
+
+@frozen
+class Forward:
+    """Command: send the request upstream; wait for the head of its response."""
+
+    mode: Mode
+    gated: bool  # the route's group has a response contract (SPEC §3.4)
+    statuses: StatusPolicy
+
+    def next(self, event: Head | TransportFailed) -> AttemptState:
+        if isinstance(event, TransportFailed):
+            outcome, problem = classify_failure(event.failure)
+            return fail(Failed(outcome, None, event.reason, problem), self.mode)
+        outcome = classify_response(event.status, self.statuses)
+        handling = response_handling(
+            outcome, self.mode, event_stream=event.event_stream, gated=self.gated
+        )
+        if handling is Handling.CAPTURE:
+            check = self.gated and checks_contract(outcome)
+            return Capture(outcome, event.status, self.mode, check)
+        if handling is Handling.STREAM:
+            return Stream(outcome, event.status)
+        failed = Failed(outcome, event.status, None)
+        return KeepReply(failed) if handling is Handling.HAND_BACK_WITH_REPLY else HandBack(failed)
+
+
+@frozen
+class Capture:
+    """Command: read the body up to max_stored_body (SPEC §7)."""
+
+    outcome: Outcome
+    status: int
+    mode: Mode
+    check: bool  # against the route's contract, before anything is stored or sent
+
+    def next(self, event: BodyCaptured) -> AttemptState:
+        if self.check:
+            return CheckContract(self.outcome, self.status, self.mode, event.whole)
+        return _captured(self.outcome, self.status, self.mode, event.whole)
+
+
+@frozen
+class CheckContract:
+    """Command: check the captured response against the route's contract (SPEC §3.4)."""
+
+    outcome: Outcome
+    status: int
+    mode: Mode
+    whole: bool
+
+    def next(self, event: Checked) -> AttemptState:
+        if event.violations:
+            # The upstream acted: unknown, never released (SPEC §3.4).
+            outcome, problem = classify_breach()
+            error = "contract: " + "; ".join(event.violations)
+            return fail(Failed(outcome, self.status, error, problem), self.mode)
+        return _captured(self.outcome, self.status, self.mode, self.whole)
+
+
+def _captured(outcome: Outcome, status: int, mode: Mode, whole: bool) -> AttemptState:
+    """After the capture: the outcome is stored before the client sees a byte of a whole body,
+    so that a client that retries after a lost response always finds it; a larger one streams
+    through (SPEC §7), in a race only once it won the CAS."""
+    if whole:
+        if outcome is Outcome.COMPLETE:
+            return Complete(Body.KEPT, after_head=False, then=Answer())
+        return Settle(Failed(outcome, status, None), after_head=False, then=Answer())
+    if completes_before_head(outcome, mode):
+        return Complete(Body.OMITTED, after_head=False, then=StreamThrough(outcome, status, True))
+    return StreamThrough(outcome, status, completed=False)
+
+
+@frozen
+class StreamThrough:
+    """Command: pass the rest of a body too large to keep to the client (SPEC §7)."""
+
+    outcome: Outcome
+    status: int
+    completed: bool  # in a race, it completed the job before its head went out
+
+    def next(self, event: BodyEnded | BodyCut) -> AttemptState:
+        if isinstance(event, BodyCut):
+            if self.completed:
+                return Abort()  # the job is completed; what broke off is the client's loss
+            cut = Failed(classify_cut_off(), self.status, event.reason)
+            return Settle(cut, after_head=True, then=Abort())
+        if self.outcome is not Outcome.COMPLETE:
+            return Settle(Failed(self.outcome, self.status, None), after_head=True, then=Finish())
+        if self.completed:
+            return Finish()
+        return Complete(Body.OMITTED, after_head=True, then=Finish())
+
+
+@frozen
+class Stream:
+    """Command: a stream of events to the client as it arrives, kept up to max_stored_body, and
+    stored once it ended (SPEC §2 step 4)."""
+
+    outcome: Outcome
+    status: int
+
+    def next(self, event: BodyEnded | BodyCut) -> AttemptState:
+        if isinstance(event, BodyCut):
+            cut = Failed(classify_cut_off(), self.status, event.reason)
+            return Settle(cut, after_head=True, then=Abort())
+        if self.outcome is Outcome.COMPLETE:
+            return Complete(Body.KEPT, after_head=True, then=Finish())
+        return Settle(Failed(self.outcome, self.status, None), after_head=True, then=Finish())
+
+
+def cut_off(reason: str) -> Failed:
+    """An attempt cut off by shutdown: its request may have reached the upstream (SPEC §3.2)."""
+    return Failed(classify_cut_off(), None, reason)
+
+
+AttemptState = (
+    Forward
+    | Capture
+    | CheckContract
+    | Stream
+    | StreamThrough
+    | Complete
+    | Settle
+    | Answer
+    | Finish
+    | Abort
+    | AnswerProblem
+    | HandBack
+    | KeepReply
+    | Lost
+)

@@ -61,7 +61,7 @@ T = TypeVar("T")
 
 
 class HandedBack(Protocol):
-    """An attempt that ended without a result and left its job to the next one (`Failed`,
+    """An attempt that ended without a result and left its job to the next one (`HandedBack`,
     proxy/jobs/attempt.py)."""
 
     @property
