@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from idemproxy.proxy.failpoints import Failpoints
     from idemproxy.proxy.server.budget import ResponseBudget
     from idemproxy.proxy.tracing import Tracing
-    from idemproxy.store.base import Store
+    from idemproxy.store.ports import JobStore
 
 log = logging.getLogger(__name__)
 # After forwarding, "the request was not forwarded" (StoreUnavailable's default) would be a lie.
@@ -116,7 +116,7 @@ class AttemptRunner:
     """Runs attempts with the collaborators of one process, given when it is built."""
 
     settings: Settings
-    store: Store
+    store: JobStore
     upstream: UpstreamClient
     statuses: StatusPolicy
     budget: ResponseBudget

@@ -41,7 +41,7 @@ from idemproxy.store.base import AttemptFailure
 
 if TYPE_CHECKING:
     from idemproxy.proxy.background.unsent import UnsentClaims
-    from idemproxy.store.base import Store
+    from idemproxy.store.ports import JobStore
 
 log = logging.getLogger(__name__)
 Racing = dict["asyncio.Task[Step]", AttemptRun]
@@ -72,7 +72,7 @@ class JobRunner:
     """Runs the attempts of jobs with the collaborators of one process, given when built."""
 
     runner: AttemptRunner
-    store: Store
+    store: JobStore
     unsent: UnsentClaims
     # Racers run in tasks of their own: a loser keeps running after the client has its answer;
     # shutdown waits for them.
