@@ -87,7 +87,8 @@ class GuardedHandler(web.RequestHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._arm()  # a new connection owes its first head within the deadline
+        # A new connection owes its first head within the deadline.
+        self.head_deadline.start(self.header_timeout)
 
     def data_received(self, data: bytes) -> None:
         body = self.body
@@ -97,8 +98,8 @@ class GuardedHandler(web.RequestHandler):
             self._pipelined(body, data)
         else:
             self.head_started = True
-            if not self.head_deadline.running:
-                self._arm()  # the first byte of the next head on a kept-alive connection
+            if not self.head_deadline.running:  # the first byte of the next head
+                self.head_deadline.start(self.header_timeout)
             super().data_received(data)
 
     def _pipelined(self, body: StreamReader, data: bytes) -> None:
@@ -130,12 +131,14 @@ class GuardedHandler(web.RequestHandler):
         """aiohttp read a request's head and hands it to the handler: no deadline until the
         response."""
         self.serving, self.body, self.queued = True, body, False
-        self._disarm()
+        self.head_deadline.stop()
 
     def head_read(self) -> None:
-        """The request's head arrived and its handler runs: no deadline until the response."""
-        self.serving = True
-        self._disarm()
+        """The request's head arrived and its handler runs: no deadline until the response
+        (`request_started` stopped it already; this is for a handler run some other way)."""
+        if not self.serving:
+            self.serving = True
+            self.head_deadline.stop()
 
     async def respond(
         self, request: web.BaseRequest, response: web.StreamResponse
@@ -196,7 +199,7 @@ class GuardedHandler(web.RequestHandler):
     def served(self, request: web.BaseRequest, status: int) -> None:
         """The response is out: the next byte starts a new head (unless it is unread body)."""
         self.serving = self.head_started = False
-        self._disarm()
+        self.head_deadline.stop()
         body = request.content
         self.body, self.unread = None, None if body.is_eof() else body
         if status == 408 and self.unread is not None:
@@ -232,12 +235,6 @@ class GuardedHandler(web.RequestHandler):
             return True
         self.unread = None
         return False
-
-    def _arm(self) -> None:
-        self.head_deadline.start(self.header_timeout)
-
-    def _disarm(self) -> None:
-        self.head_deadline.stop()
 
     def _head_timed_out(self) -> None:
         transport = self.transport
