@@ -175,8 +175,10 @@ class GuardedHandler(web.RequestHandler):
         writer.output_size += len(whole.data)
         if whole.body:
             await self._write_large(request, response, whole)
-        else:
-            await writer.drain()  # waits only while the transport has paused writing
+        elif transport.get_write_buffer_size():
+            # Writing pauses only above the high-water mark: with nothing left in the buffer
+            # (the socket took it all, nearly always) there is nothing to wait for.
+            await writer.drain()
         return _KEPT_ALIVE if whole.keep_alive else _CLOSED
 
     async def _write_large(
