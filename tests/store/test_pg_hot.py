@@ -226,3 +226,18 @@ async def test_attempts_keep_their_lease_until_their_job_ends(conn: asyncpg.Conn
     assert len(await conn.fetch(_SQL["take_over"], _OWNER, ids["taken"], 1)) == 1
 
     assert await _leased(conn) == {("running", 1), ("running", 2)}
+
+
+async def test_an_attempt_that_ends_after_its_job_keeps_no_lease(conn: asyncpg.Connection) -> None:
+    # A hedge added while the completion waited for the job's row: the completion's snapshot
+    # does not hold it, so the completion leaves its lease. Ending it then clears it.
+    job = await _claim(conn, "late-hedge")
+    await _complete(conn, "late-hedge", job, ttl=60.0)
+    await conn.execute(
+        "INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)"
+        " VALUES ($1, $2, 2, 'http://other', now() + interval '30 seconds')",
+        _OWNER,
+        job,
+    )
+    await conn.execute(_SQL["finish_attempt"], _OWNER, job, 2, "failed", 503, "busy")
+    assert await _leased(conn) == set()

@@ -293,8 +293,14 @@ FROM settled;
 -- One attempt of several (hedging) ended without a result; the job is left to the others. The
 -- attempt keeps the lease it started with until the job ends (migration 0009): should this be
 -- the last one running and its proxy die before settling the job, the lease scan finds the job.
+-- A job that ended already may not have cleared this attempt's lease (a hedge added while the
+-- completion waited for the job's row is not in the completion's snapshot): then it is cleared.
+WITH job AS (
+    SELECT state = 'in_flight' AS in_flight FROM idemproxy.jobs WHERE owner = $1 AND id = $2
+)
 UPDATE idemproxy.attempts
-SET state = $4, status = $5, error = $6, finished_at = now()
+SET state = $4, status = $5, error = $6, finished_at = now(),
+    lease_expires_at = CASE WHEN (SELECT in_flight FROM job) THEN lease_expires_at END
 WHERE owner = $1 AND job_id = $2 AND number = $3 AND state = 'started';
 
 -- name: start_next_attempt

@@ -6,9 +6,9 @@
 -- ending the last racer and before settling the job leaves a job in flight with no attempt
 -- running, which a scan of the running attempts never finds. So:
 -- * the index holds the attempts that have a lease, whether or not they finished;
--- * `finish_attempt` keeps the attempt's lease (on Citus, also the one that ends the attempt a
---   fail-over leaves); `fail_over` clears the failed one's, the next attempt holding the job's
---   lease from then on;
+-- * `finish_attempt` keeps the attempt's lease while its job is in flight (on Citus it also
+--   ends the attempt a fail-over leaves); `fail_over` clears the failed one's, the next attempt
+--   holding the job's lease from then on;
 -- * every statement that ends a job in flight (`complete` and its batch, `settle`, `take_over`)
 --   clears the lease of all its attempts; a deletion drops them. A resolution starts from a
 --   job these ended, whose attempts hold no lease any more.
