@@ -396,7 +396,8 @@ SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 -- (proxy/background/orphans.py). Each is then taken over by the `take_over` CAS, as a request would.
 -- Found from the attempts whose starting lease ran out as long ago (their index, migrations
 -- 0007 and 0009): a job's lease is never earlier than the one its latest attempt started with,
--- which that attempt keeps, finished or not, until the job leaves `in_flight`. Then one point
+-- which that attempt keeps, finished or not, until the job leaves `in_flight`. The range names
+-- that index's predicate (`> '-infinity'`), without which no plan may take it. Then one point
 -- lookup per job (a lateral subquery, as in `claim_batch`), on its lease as renewed.
 SELECT job.*, job.expires_at <= now() AS expired, true AS lease_expired
 FROM (
