@@ -142,8 +142,18 @@ class Offload:
         `ProblemError` (500) if the process working on it dies meanwhile."""
         if self._processes == 0 or self._closed or len(body) <= IN_PROCESS_BYTES:
             return await off_loop(body, work, *args, **kwargs)
+        return await self._in_process(functools.partial(work, *args, **kwargs))
+
+    async def coded(self, work: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`work(*args, **kwargs)` on a body sent with a content coding, whatever its size: its
+        decoded size is known only once decoded (9 KiB of gzip can be 9 MiB of JSON), so it is
+        never worked on in place: in a worker process, or on a thread without them."""
+        if self._processes == 0 or self._closed:
+            return await in_thread(work, *args, **kwargs)
+        return await self._in_process(functools.partial(work, *args, **kwargs))
+
+    async def _in_process(self, call: Callable[[], T]) -> T:
         pool = self._started()
-        call = functools.partial(work, *args, **kwargs)
         try:
             return await asyncio.wrap_future(pool.submit(_collector_paused, call))
         except BrokenProcessPool as exc:

@@ -90,7 +90,7 @@ async def _key(
             codings = coding_names(request.headers.getall("Content-Encoding", ()))
             if codings:
                 limit = ctx.settings.max_request_body
-                key = await ctx.offload(body, coded_body_key, source, body, codings, limit)
+                key = await ctx.offload.coded(coded_body_key, source, body, codings, limit)
             else:
                 key = await ctx.offload(body, source.body_key, body)
         else:
