@@ -135,6 +135,14 @@ class KeyInvalid(ProblemError):
     retry = NEW_KEY_SAFE
 
 
+class KeyAmbiguous(KeyInvalid):
+    """The body repeats the member name on the key's path (RFC 8259 §4 leaves which value counts
+    to the parser): the key cannot be told, and the request was not forwarded."""
+
+    # SPEC §4.1: refused whatever `require_key` says: passed through untracked, the intent it
+    # names might run once per retry.
+
+
 class HeaderInvalid(ProblemError):
     """A header that identifies or routes the request is repeated, malformed or in Connection."""
 

@@ -18,6 +18,7 @@ from tests.support.proxychecks import KEY, REPLAYED, assert_problem, raw_exchang
 from .conftest import ProxyFactory
 
 SHOPIFY_ID = "X-Shopify-Webhook-Id"
+JSON_TYPE = {"Content-Type": "application/json"}
 
 
 async def orders(proxy: ProxyFactory, backend_url: str, **route: Any) -> ProxyClient:
@@ -324,3 +325,24 @@ async def test_a_body_whose_coding_cannot_be_undone_is_refused_not_passed_throug
             await assert_problem(response, "body-encoding-unsupported", 415)
     assert ledger.count() == 0
     assert await jobs.list_jobs() == []
+
+
+async def test_a_repeated_member_name_hides_no_key_and_an_ambiguous_key_is_refused(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    """SPEC §4.1: a name repeated elsewhere in a valid body does not hide its key (a re-review
+    saw such a body executed on every retry); one repeated on the key's path cannot be told
+    apart, and is refused rather than passed through untracked, whatever `require_key` says."""
+    client = await orders(proxy, backend_url)
+    repeated_elsewhere = b'{"order_id": "R-1", "x": {"a": 1, "a": 2}}'
+    assert await post(client, "/orders", repeated_elsewhere) == (201, False)
+    assert await post(client, "/orders", repeated_elsewhere) == (201, True)
+    assert ledger.count() == 1
+    for body in (
+        b'{"order_id": "R-2", "order_id": "R-3"}',
+        b'{"order_id": "R-2", "order_id": "R-2"}',
+    ):
+        async with client.post("/orders", data=body, headers=JSON_TYPE) as response:
+            await assert_problem(response, "key-invalid", 400)
+    assert ledger.count() == 1
+    assert [job.key for job in await jobs.list_jobs()] == ["order:R-1"]

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from idemproxy.errors import BodyTooLarge, KeyInvalid
+from idemproxy.errors import BodyTooLarge, KeyAmbiguous, KeyInvalid
 from idemproxy.identity import deep_json, key_source
 from idemproxy.identity import fingerprint as fingerprint_module
 from idemproxy.identity.fingerprint import canonical_json, fingerprint
@@ -46,8 +46,10 @@ def test_a_key_10000_levels_deep_is_found() -> None:
 
 def test_a_deep_body_keeps_every_rule_of_the_shallow_one() -> None:
     deep = b"[" * DEPTH + b"]" * DEPTH
-    with pytest.raises(KeyInvalid):  # a repeated name anywhere: no key can be told
-        pointed("/id", b'{"id": "k", "x": %s, "d": {"m": 1, "m": 2}}' % deep)
+    # A repeated name elsewhere hides nothing; on the key's path no key can be told.
+    assert pointed("/id", b'{"id": "k", "x": %s, "d": {"m": 1, "m": 2}}' % deep) == "k"
+    with pytest.raises(KeyAmbiguous):
+        pointed("/d/m", b'{"id": "k", "x": %s, "d": {"m": "1", "m": "2"}}' % deep)
     assert pointed("/id", b'{"id": "k", "x": %s, "n": NaN}' % deep) is None
     assert pointed("/id", b'{"id": "k", "x": %s' % deep) is None  # truncated
     assert pointed("/id", b'{"id": "k", "x": %s}]' % deep) is None  # extra data
@@ -101,7 +103,7 @@ def _old_canonical_parts(node: Any, encoder: json.JSONEncoder) -> Iterator[str]:
 
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 _DECODERS = [
-    key_source._DECODER,  # the key's: integers as text, a repeated name is KeyInvalid
+    key_source._DECODER,  # the key's: integers as text, repeated names noted
     fingerprint_module._DECODER,  # the canonical form's, and its decoder for -0
     fingerprint_module._WITH_NEGATIVE_ZERO,
     json.JSONDecoder(),

@@ -11,7 +11,7 @@ from typing import Any
 
 from multidict import CIMultiDictProxy
 
-from idemproxy.errors import KeyInvalid
+from idemproxy.errors import KeyAmbiguous, KeyInvalid
 from idemproxy.identity import deep_json
 from idemproxy.identity.key import check_characters, parse_key
 
@@ -62,7 +62,8 @@ def pointer_tokens(pointer: str) -> tuple[str, ...]:
 
 def _pointed(body: bytes, tokens: Sequence[str]) -> str | None:
     """The string (or integer, as Shopify's ids are) at `tokens`; None when the body is not
-    JSON or nothing is there; `KeyInvalid` for any other value or a repeated member name."""
+    JSON or nothing is there; `KeyInvalid` for any other value, `KeyAmbiguous` when an object on
+    the way repeats the name the pointer takes."""
     node = _document(body)
     if node is _NOT_JSON:
         return None
@@ -70,6 +71,8 @@ def _pointed(body: bytes, tokens: Sequence[str]) -> str | None:
         if isinstance(node, dict):
             if token not in node:
                 return None
+            if isinstance(node, _Repeating) and token in node.repeated:
+                raise KeyAmbiguous()
             node = node[token]
         elif isinstance(node, list) and _ARRAY_INDEX.fullmatch(token):
             index = int(token)
@@ -96,18 +99,32 @@ def _refuse_constant(token: str) -> Any:
     raise ValueError(f"{token} is not JSON")  # RFC 8259 §6: no NaN or Infinity
 
 
-def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """RFC 8259 §4 leaves a repeated member name to the parser: which value would be the key
-    cannot be told, so the body names none (SPEC §6 hashes such a body's raw bytes)."""
+class _Repeating(dict[str, Any]):
+    """An object that repeats member names (`repeated`). RFC 8259 §4 leaves which value counts
+    to the parser, so a pointer through such a name names no key that can be told; through any
+    other member it reads as usual (SPEC §4.1; §6 hashes such a body's raw bytes)."""
+
+    __slots__ = ("repeated",)
+
+    def __init__(self, pairs: list[tuple[str, Any]], repeated: frozenset[str]) -> None:
+        super().__init__(pairs)
+        self.repeated = repeated
+
+
+def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     members = dict(pairs)
-    if len(members) != len(pairs):
-        raise KeyInvalid("The body repeats a member name.")
-    return members
+    if len(members) == len(pairs):
+        return members
+    seen: set[str] = set()
+    repeated: set[str] = set()
+    for name, _ in pairs:
+        (repeated if name in seen else seen).add(name)
+    return _Repeating(pairs, frozenset(repeated))
 
 
 # Strict RFC 8259: an integer stays its text, a float is parsed (it is never a key anyway).
 _DECODER = json.JSONDecoder(
-    parse_int=_IntegerText, parse_constant=_refuse_constant, object_pairs_hook=_unique_members
+    parse_int=_IntegerText, parse_constant=_refuse_constant, object_pairs_hook=_members
 )
 _NOT_JSON = object()
 

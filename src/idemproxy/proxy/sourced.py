@@ -9,6 +9,7 @@ from idemproxy.core.types import Intent
 from idemproxy.errors import (
     BodyEncodingUnsupported,
     HeaderInvalid,
+    KeyAmbiguous,
     KeyInvalid,
     KeyMissing,
     OwnerUnstable,
@@ -95,8 +96,8 @@ async def _key(
                 key = await ctx.offload(body, source.body_key, body)
         else:
             key = source.key(request.headers, body)
-    except KeyInvalid:
-        if route.require_key:
+    except KeyInvalid as invalid:
+        if route.require_key or isinstance(invalid, KeyAmbiguous):
             raise
         return None
     if key is None and route.require_key:
