@@ -127,6 +127,7 @@ WEBHOOK_OWNER_PREFIX: Final = "webhook:"
 # the store from testing guesses of a short credential (docs/operations.md asks for 32 random
 # bytes).
 MIN_PEPPER_BYTES: Final = 32
+MIN_PEPPER_DISTINCT_BYTES: Final = 10
 
 # Webhook senders' headers (SPEC §4.2): Standard Webhooks, GitHub, Stripe.
 STANDARD_WEBHOOK_ID: Final = "webhook-id"

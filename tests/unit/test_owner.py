@@ -226,10 +226,13 @@ def test_the_pepper_comes_from_a_file_and_the_transition_needs_it(tmp_path: Path
         OwnerPolicy(legacy_owners=True)
 
 
-@pytest.mark.parametrize("pepper", ["", "short", "x" * 31, "é" * 15 + "x"])
+@pytest.mark.parametrize(
+    "pepper", ["", "short", "x" * 31, "é" * 15 + "x", " " * 32, "y" * 32, "abcd" * 16]
+)
 def test_an_empty_or_short_pepper_is_refused(pepper: str, tmp_path: Path) -> None:
     """SPEC §5: an empty pepper is an HMAC under an empty key while the operator believes owners
-    are peppered; at least 32 bytes (not characters), given or read from a file."""
+    are peppered; at least 32 bytes (not characters) of at least 10 different values, given or
+    read from a file."""
     with pytest.raises(ConfigError, match=r"^owner\.pepper: .*at least 32 bytes") as refused:
         load_settings(upstream="http://x:1", owner={"pepper": pepper})
     assert pepper not in str(refused.value) or not pepper  # the secret is never echoed
@@ -237,7 +240,7 @@ def test_an_empty_or_short_pepper_is_refused(pepper: str, tmp_path: Path) -> Non
     secret.write_text(pepper + "\n")
     with pytest.raises(ConfigError, match=r"^owner\.pepper_file: "):
         load_settings(upstream="http://x:1", owner={"pepper_file": str(secret)})
-    assert load_settings(upstream="http://x:1", owner={"pepper": "y" * 32}).owner.pepper
+    assert load_settings(upstream="http://x:1", owner={"pepper": "0123456789" * 4}).owner.pepper
 
 
 def test_an_operator_names_an_owner_by_its_credential() -> None:

@@ -262,10 +262,16 @@ def _check_pepper(pepper: object, setting: str) -> None:
     believes owners are peppered. A ConfigError, not a ValueError: pydantic would echo the
     secret in its error."""
     value = pepper.get_secret_value() if isinstance(pepper, SecretStr) else pepper
-    if isinstance(value, str) and len(value.encode()) < c.MIN_PEPPER_BYTES:
+    if not isinstance(value, str):
+        return
+    raw = value.encode()
+    if len(raw) < c.MIN_PEPPER_BYTES or len(set(raw)) < c.MIN_PEPPER_DISTINCT_BYTES:
+        # Distinct bytes, not entropy: no test tells random from chosen, but 32 spaces or one
+        # character repeated is no secret (32 random bytes, hex or base64, have 16 or more).
         raise ConfigError(
-            f"{setting}: the pepper must be at least {c.MIN_PEPPER_BYTES} bytes, random "
-            "(docs/operations.md, Owner pepper); remove it to run without one"
+            f"{setting}: the pepper must be at least {c.MIN_PEPPER_BYTES} bytes, random, with "
+            f"at least {c.MIN_PEPPER_DISTINCT_BYTES} different ones (docs/operations.md, Owner "
+            "pepper); remove it to run without one"
         )
 
 
