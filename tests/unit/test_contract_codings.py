@@ -47,9 +47,10 @@ def test_a_decoded_body_that_breaks_the_schema_says_how(tmp_path: Path) -> None:
         (b"\x28\xb5\x2f\xfd opaque", ["zstd"], "zstd"),
         (b"not gzip at all", ["gzip"], "gzip"),
         (gzip.compress(b"[" + b"0," * 2000 + b"0]"), ["gzip"], "gzip"),  # over the limit
-        (b"x", ["x-\x00odd"], "x-\\x00odd"),  # the upstream's words, escaped
+        (b"x", ["x-\x00odd"], "x-\\x00odd"),  # the upstream's words, escaped: a NUL
+        (b"x", ["caf\udce9"], "caf\\udce9"),  # and obs-text read as a lone surrogate
     ],
-    ids=["br", "zstd", "corrupt", "over-limit", "escaped"],
+    ids=["br", "zstd", "corrupt", "over-limit", "nul", "surrogate"],
 )
 def test_a_body_that_cannot_be_decoded_is_a_breach_naming_its_coding(
     tmp_path: Path, body: bytes, codings: list[str], named: str
