@@ -54,7 +54,6 @@ from idemproxy.core.attempts import (
 from idemproxy.core.types import HeaderPairs, Job, StoredResponse
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
-from idemproxy.http.offload import off_loop
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import AttemptOutcome, Metrics, UpstreamOutcome
 from idemproxy.proxy.jobs.lease import KeptLease
@@ -65,6 +64,7 @@ from idemproxy.proxy.server.capture import Captured, answer, capture, tee
 from idemproxy.proxy.server.sink import ClientSink
 from idemproxy.proxy.server.whole import AsSentStreamResponse
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
+from idemproxy.proxy.upstream.contract import ask_checkable
 from idemproxy.proxy.upstream.target import forwarded_headers, outgoing_host, upstream_url
 
 if TYPE_CHECKING:
@@ -135,6 +135,8 @@ class AttemptRunner:
         )
         headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
         headers[ATTEMPT_HEADER] = str(attempt.number)
+        if route.gate is not None:  # SPEC §3.4: only answers the contract check can decode
+            ask_checkable(headers)
         url = upstream_url(attempt.upstream, request)
         governed.trace.upstream = attempt.upstream
         forwarding = self._forward(governed, attempt, url, headers)
@@ -341,8 +343,8 @@ class AttemptRunner:
         gate = governed.route.gate
         assert gate is not None
         content = await kept.content() if kept.whole else None
-        # http/offload.py: a large body is parsed and validated on a worker thread.
-        broken = await off_loop(content or b"", gate.contract.violations, upstream.status, content)
+        limit = self.settings.max_stored_body
+        broken = await gate.contract.check(upstream.status, upstream.headers, content, limit)
         if broken:
             governed.trace.failed(attempt.upstream, FailureReason.CONTRACT)
             _log_breach(attempt, upstream.status, broken)

@@ -4,6 +4,11 @@ A group may declare a response contract (a JSON Schema for its 2xx bodies) and s
 A fallback is eligible only after its answers to the samples validated; at run time, a 2xx
 from any upstream of the group that violates the contract is never stored, replayed or passed
 on, and makes the job unknown (core/attempts.py, classify_breach): the upstream acted.
+
+A coded answer (`Content-Encoding: gzip`, which most HTTP clients ask for) is checked decoded;
+the bytes stored and sent stay as the upstream sent them. So that an upstream preferring `br`
+does not make every answer uncheckable, a contract route asks its upstreams only for codings the
+proxy can undo (`ask_checkable`).
 """
 
 from __future__ import annotations
@@ -11,24 +16,32 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from aiohttp import hdrs
 from jsonschema import validators
 from jsonschema.exceptions import SchemaError
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from idemproxy.config.settings import ContractSettings
 from idemproxy.errors import ConfigError
+from idemproxy.http.codings import DECODABLE, Undecodable, coding_names, decode
+from idemproxy.http.offload import in_thread, off_loop
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
 from idemproxy.proxy.upstream.target import Edits
 from idemproxy.redact import escaped, redact_url
 
 log = logging.getLogger(__name__)
 _MAX_REPORTED = 5
+# What a sample's answer is read up to, decoded or not.
+_SAMPLE_LIMIT = 1024 * 1024
+# The `Accept-Encoding` elements a contract route passes upstream: codings the proxy can undo
+# (http/codings.py; `x-gzip` is `gzip`, RFC 9110 §8.4.1.3) and `identity`.
+_CHECKABLE = DECODABLE | {"x-gzip", "identity"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +67,40 @@ class Contract:
         self._validator = validator_class(schema)
         self.samples = load_samples(settings.samples_file)
 
+    async def check(
+        self, status: int, headers: CIMultiDictProxy[str], body: bytes | None, limit: int
+    ) -> list[str]:
+        """`coded_violations` of a captured response, off the event loop when it is long work
+        (http/offload.py). A coded body always is: a decode's work follows what it decodes to,
+        not its coded size (SPEC §7)."""
+        codings = coding_names(headers.getall(hdrs.CONTENT_ENCODING, ()))
+        if codings and body and _checked(status):
+            return await in_thread(self.coded_violations, status, body, codings, limit)
+        return await off_loop(body or b"", self.violations, status, body)
+
+    def coded_violations(
+        self, status: int, body: bytes | None, codings: Sequence[str], limit: int
+    ) -> list[str]:
+        """`violations` of the body with its content `codings` undone, to at most `limit` bytes.
+        A body the proxy cannot decode (a coding other than gzip and deflate, bytes that are
+        not what the coding says, more than `limit` decoded) cannot be checked: a breach that
+        names the coding (SPEC §3.4)."""
+        if not codings or not body or not _checked(status):
+            return self.violations(status, body)
+        try:
+            decoded = decode(body, list(codings), limit)
+        except Undecodable:
+            # The names are the upstream's: escaped for the attempt's `error` column.
+            named = escaped(", ".join(codings))
+            return [
+                f"body coded with {named} cannot be checked against the contract: only gzip and"
+                " deflate are decoded, up to max_stored_body bytes"
+            ]
+        return self.violations(status, decoded)
+
     def violations(self, status: int, body: bytes | None) -> list[str]:
         """Why a response breaks the contract; empty when it honours it (or is not a 2xx)."""
-        if not 200 <= status < 300:
+        if not _checked(status):
             return []
         if body is None:
             return ["body too large to check against the contract"]
@@ -115,7 +159,7 @@ async def check_upstream(
     for number, sample in enumerate(contract.samples, start=1):
         try:
             async with asyncio.timeout(contract.settings.timeout):
-                status, body = await _send(client, base, sample, edits, upstream_timeout)
+                status, body, codings = await _send(client, base, sample, edits, upstream_timeout)
         except (UpstreamFailure, TimeoutError) as exc:
             problems.append(f"sample {number}: no answer ({exc})")
             continue
@@ -123,13 +167,31 @@ async def check_upstream(
             # An error answer proves nothing about the contract: the upstream must show it.
             problems.append(f"sample {number}: answered {status}, not a 2xx response")
             continue
-        problems += [f"sample {number}: {v}" for v in contract.violations(status, body)]
+        broken = contract.coded_violations(status, body, codings, _SAMPLE_LIMIT)
+        problems += [f"sample {number}: {v}" for v in broken]
     return problems
+
+
+def ask_checkable(headers: CIMultiDict[str]) -> None:
+    """SPEC §3.4: the request's `Accept-Encoding` with only the codings the proxy can undo to
+    check an answer (gzip, deflate, identity); `identity` when it named none of them. A
+    request without the field goes without it."""
+    fields = headers.getall(hdrs.ACCEPT_ENCODING, None)
+    if fields is None:
+        return
+    elements = (element.strip() for field in fields for element in field.split(","))
+    kept = [e for e in elements if e.partition(";")[0].strip().lower() in _CHECKABLE]
+    headers[hdrs.ACCEPT_ENCODING] = ", ".join(kept) if kept else "identity"
+
+
+def _checked(status: int) -> bool:
+    """Only a 2xx is held to the contract: an error answer has a shape of its own."""
+    return 200 <= status < 300
 
 
 async def _send(
     client: UpstreamClient, base: str, sample: Sample, edits: Edits, timeout: float | None
-) -> tuple[int, bytes | None]:
+) -> tuple[int, bytes | None, list[str]]:
     url = URL(base + sample.path, encoded=True)
     headers = CIMultiDict(sample.headers)
     # The client sends the Host among the headers in the URL's place (SPEC §10): a sample's
@@ -137,10 +199,12 @@ async def _send(
     headers.popall("Host", None)
     for edit in edits:
         edit.apply(headers)
+    ask_checkable(headers)  # as requests of the route are sent
     request = client.request(sample.method, url, headers, sample.body, timeout=timeout)
     async with request as response:
-        body, whole = await UpstreamClient.read_body(response, 1024 * 1024)
-        return response.status, body if whole else None
+        body, whole = await UpstreamClient.read_body(response, _SAMPLE_LIMIT)
+        codings = coding_names(response.headers.getall(hdrs.CONTENT_ENCODING, ()))
+        return response.status, body if whole else None, codings
 
 
 def load_samples(path: Any) -> list[Sample]:
