@@ -123,6 +123,22 @@ async def test_the_next_heads_deadline_counts_from_its_own_first_byte(
     assert [e.path_qs for e in ledger.executions] == ["/first"]
 
 
+async def test_a_next_head_begun_while_a_request_is_served_owes_the_deadline(
+    listening_proxy: ListeningProxy, ledger: Ledger
+) -> None:
+    """The start of a pipelined head that arrives with the end of a body, then nothing more:
+    its deadline runs from the response on, not until `keepalive_timeout` (5 s here)."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(b"POST /first HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\n\r\n{")
+    await asyncio.sleep(0.1)  # the request is being served, its body half read
+    await client.send(b"}GET /second HTTP/1.1\r\nHost: proxy\r\n")
+    answer = await client.result(timeout=3.0)
+    assert answer.startswith(b"HTTP/1.1 201 Created")
+    assert b"HTTP/1.1 408 Request Timeout" in answer
+    assert client.closed_after is not None and client.closed_after < 2.0
+    assert [e.path_qs for e in ledger.executions] == ["/first"]
+
+
 async def test_the_head_deadline_never_cuts_a_slow_upstream_or_a_body_in_time(
     listening_proxy: ListeningProxy, ledger: Ledger
 ) -> None:

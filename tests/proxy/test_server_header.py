@@ -71,6 +71,9 @@ async def test_problem_answers_name_the_configured_token(
     fields = await _head(_port(client), bad_host)
     assert "Idempotency-Error" in fields  # the proxy's own answer
     assert fields.getall("Server", []) == expected
+    # Refused by the HTTP parser, before any request exists (no application hook runs).
+    for malformed in (b"GARBAGE\r\n\r\n", b"POST / HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n"):
+        assert (await _head(_port(client), malformed)).getall("Server", []) == expected
 
 
 @pytest.mark.parametrize("shape", [SMALL, STREAMED])

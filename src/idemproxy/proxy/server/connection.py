@@ -19,12 +19,13 @@ are extended, never aiohttp's private fields (tests/unit/test_public_aiohttp.py)
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import HttpVersion11, StreamReader, hdrs, web
+from aiohttp import HttpVersion, HttpVersion11, StreamReader, hdrs, web
 
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import RequestTimeout
@@ -200,8 +201,14 @@ class GuardedHandler(web.RequestHandler):
 
     def served(self, request: web.BaseRequest, status: int) -> None:
         """The response is out: the next byte starts a new head (unless it is unread body)."""
-        self.serving = self.head_started = False
+        self.serving = False
         self.head_deadline.stop()
+        # Bytes of the next request arrived while this one was served (pipelined, or a head
+        # begun early): that head owes the deadline from now, not from a first byte that will
+        # never come again (a client could stall it until keepalive_timeout otherwise).
+        self.head_started = self.queued
+        if self.queued:
+            self.head_deadline.start(self.header_timeout)
         body = request.content
         self.body, self.unread = None, None if body.is_eof() else body
         if status == 408 and self.unread is not None:
@@ -227,9 +234,13 @@ class GuardedHandler(web.RequestHandler):
         log.info("malformed request from %s refused with %d", request.remote, status)
         if request.writer.output_size > 0:
             raise ConnectionError("the response has started; no room for the 4xx")
-        response = web.Response(status=status, text=f"{status} {_phrase(status)}\n")
-        response.force_close()
-        return response
+        # Written here, whole: a refusal before any request exists passes no application hook,
+        # and aiohttp's own response would name it (`Server: Python/x aiohttp/y`, SPEC §10).
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(_refusal(request.version, status, self.server_token))
+        self.force_close()
+        return _CLOSED
 
     def _draining(self) -> bool:
         """Whether bytes are the rest of an unread body (aiohttp's lingering_time bounds it)."""
@@ -243,7 +254,7 @@ class GuardedHandler(web.RequestHandler):
         if self.serving or transport is None or transport.is_closing():
             return
         if self.head_started:  # RFC 9110 §15.5.9; a connection that sent nothing just closes
-            transport.write(_REQUEST_TIMEOUT)
+            transport.write(_request_timeout(self.server_token))
         self.force_close()
 
 
@@ -259,19 +270,33 @@ def _phrase(status: int) -> str:
         return "Client Error"
 
 
-def _request_timeout_bytes() -> bytes:
+def _refusal(version: HttpVersion, status: int, server_token: str) -> bytes:
+    """A complete plain-text 4xx that closes the connection, in the version aiohttp read (1.0
+    when the request line itself was refused), naming the proxy as its other answers do (SPEC
+    §8: the offending bytes are never echoed; §10: the Server field)."""
+    body = f"{status} {_phrase(status)}\n".encode("ascii")
+    server = f"Server: {server_token}\r\n" if server_token else ""
+    head = (
+        f"HTTP/{version.major}.{version.minor} {status} {_phrase(status)}\r\n"
+        "Content-Type: text/plain; charset=utf-8\r\n"
+        f"{server}Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("latin-1") + body
+
+
+@functools.cache
+def _request_timeout(server_token: str) -> bytes:
     """A complete 408 problem response (SPEC §8), written straight to the socket."""
     error = RequestTimeout("The request head did not arrive in time.")
     body = problem_response(error).body
     assert isinstance(body, bytes)
+    server = f"Server: {server_token}\r\n" if server_token else ""
     head = (
         "HTTP/1.1 408 Request Timeout\r\n"
         f"Content-Type: {PROBLEM_CONTENT_TYPE}\r\n"
         f"{ERROR_HEADER}: {error.code}\r\n"
-        f"Content-Length: {len(body)}\r\n"
+        f"{server}Content-Length: {len(body)}\r\n"
         "Connection: close\r\n\r\n"
     )
-    return head.encode("ascii") + body
-
-
-_REQUEST_TIMEOUT = _request_timeout_bytes()
+    return head.encode("latin-1") + body
