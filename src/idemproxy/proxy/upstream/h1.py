@@ -209,7 +209,7 @@ class UpstreamResponse:
             return
         # Decoded as aiohttp decodes request headers: UTF-8, any other byte as a surrogate
         # escape. The proxy writes such a value back with the same codec (proxy/server/head.py) and
-        # stores it losslessly (store/header_json.py): obs-text passes byte for byte (SPEC §7).
+        # stores it losslessly (store/rows.py): obs-text passes byte for byte (SPEC §7).
         self._raw_headers.append(
             (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
         )
