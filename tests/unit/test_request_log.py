@@ -169,6 +169,10 @@ def _value(metrics: Metrics, name: str, **labels: str) -> float | None:
         (200, False, RequestOutcome.STATUS_LOOKUP, ("2xx", "proxy")),
         (101, False, RequestOutcome.PASSTHROUGH, ("1xx", "upstream")),
         (499, True, RequestOutcome.REJECTED, ("4xx", "proxy")),
+        # Outside 100-599 (an upstream may send any three digits): the nearest class.
+        (99, False, RequestOutcome.PASSTHROUGH, ("1xx", "upstream")),
+        (600, False, RequestOutcome.PASSTHROUGH, ("5xx", "upstream")),
+        (999, False, RequestOutcome.PASSTHROUGH, ("5xx", "upstream")),
     ],
 )
 def test_requests_carry_the_status_class_and_who_answered(
