@@ -12,7 +12,9 @@ from typing import Any
 import asyncpg
 import pytest
 
+from idemproxy.core.types import Claimed, Intent, StoredResponse
 from idemproxy.errors import StoreUnavailable
+from idemproxy.identity.ids import new_job_id
 from idemproxy.store.postgres.kept import _live_connection_next
 from idemproxy.store.postgres.store import Connections, PostgresStore
 
@@ -88,6 +90,35 @@ async def test_other_errors_pass_through_and_the_connection_goes_back(
             await store._run("probe", _failing(KeyError("bug")))
     assert seen == [("probe", False)] * 3
     assert await store._run("probe", _failing()) == 7
+
+
+async def test_a_claim_and_a_completion_are_each_timed_once_as_a_whole(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    """SPEC §13: their statements, run for the group commit, are timed by them, not again."""
+    store, seen = pg_store
+    intent = Intent("alice", "k", "fp", "POST", "/")
+    claimed = await store.claim(intent, new_job_id(), "u", ttl=60, lease=30)
+    assert isinstance(claimed, Claimed)
+    response = StoredResponse(201, (("X-A", "1"),), b"{}")
+    assert await store.complete(claimed.job, claimed.attempt, response, ttl=60)
+    assert seen == [("claim", False), ("complete", False)]
+
+
+async def test_a_claim_the_store_refuses_is_timed_as_failed(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    store, seen = pg_store
+
+    async def refused(_request: object) -> Claimed:
+        raise StoreUnavailable("refused")
+
+    store.claims.alone = refused
+    with pytest.raises(StoreUnavailable):
+        await store.claim(
+            Intent("alice", "k", "fp", "POST", "/"), new_job_id(), "u", ttl=60, lease=30
+        )
+    assert seen == [("claim", True)]
 
 
 async def test_a_closed_store_is_unavailable_and_not_timed(

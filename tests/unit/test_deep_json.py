@@ -188,8 +188,10 @@ def _old_canonical_json(body: bytes) -> bytes:
     from idemproxy.identity import fingerprint as module
 
     try:
-        text = module._decoded(body)
-        document = module._decoder(text).decode(text)
+        # The text as json.loads finds it, and the decoder with the -0 hook (which the module
+        # uses only for bodies that may hold that token) for every body: the same values.
+        text = body.decode(json.detect_encoding(body))
+        document = module._WITH_NEGATIVE_ZERO.decode(text)
         try:
             canonical = _ENCODER.encode(document)
         except TypeError:

@@ -1,4 +1,4 @@
-"""Stored header pairs (store/header_json.py) and heads for the client (proxy/server/head.py): every
+"""Stored header pairs (store/rows.py) and heads for the client (proxy/server/head.py): every
 byte an upstream's header value may hold survives storing and sending (SPEC §7)."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from idemproxy.core.types import StoredResponse
 from idemproxy.ops.table import _response_details
 from idemproxy.ops.view import response_to_json
 from idemproxy.proxy.server.head import serialise_head
-from idemproxy.store.header_json import pairs_from_json, pairs_to_json
-from idemproxy.store.rows import decode_headers, encode_headers
+from idemproxy.store.rows import decode_headers, encode_headers, pairs_from_json, pairs_to_json
 
 # What proxy/upstream/h1.py makes of each byte an upstream's header value may hold (all but NUL, CR,
 # LF and the other control characters, which never get that far).
@@ -42,6 +41,16 @@ def test_only_pairs_that_are_not_utf8_are_marked() -> None:
         ["X-Name", "caf\xe9", "latin-1"],  # the bytes read as ISO-8859-1
         ["X-Utf8", "naïve ☃ 😀"],
     ]
+
+
+def test_an_ascii_list_is_kept_pair_for_pair() -> None:
+    assert pairs_to_json((("Content-Type", "text/plain"), ("X-A", ""))) == [
+        ["Content-Type", "text/plain"],
+        ["X-A", ""],
+    ]
+    assert pairs_to_json(()) == []
+    # One pair that is not UTF-8, after ASCII ones, is still marked.
+    assert pairs_to_json((("X-A", "1"), ("X-B", "\udce9")))[1] == ["X-B", "\xe9", "latin-1"]
 
 
 def test_pairs_stored_before_read_as_before() -> None:

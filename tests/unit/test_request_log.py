@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
+import sys
 
 import pytest
 from aiohttp import web
@@ -36,6 +38,23 @@ def test_the_plain_line_is_the_stock_formatters_across_seconds() -> None:
     formatter = PlainFormatter()
     for created in (1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.0005, 1_699_999_999.5):
         assert formatter.format(_at(created)) == STOCK_PLAIN.format(_at(created))
+
+
+def test_a_plain_line_with_a_traceback_or_stack_is_the_stock_formatters() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failed = _at(1_700_000_000.5)
+        failed.exc_info = sys.exc_info()
+    stacked = _at(1_700_000_000.5)
+    stacked.stack_info = "Stack (most recent call last):\n  here"
+    lines = []
+    for entry in (failed, stacked):
+        expected = STOCK_PLAIN.format(copy.copy(entry))
+        assert PlainFormatter().format(entry) == expected
+        lines.append(expected)
+    assert lines[0].endswith("ValueError: boom")
+    assert lines[1].endswith("  here")
 
 
 def test_json_time_is_rfc3339_utc_with_milliseconds() -> None:
@@ -150,6 +169,10 @@ def _value(metrics: Metrics, name: str, **labels: str) -> float | None:
         (200, False, RequestOutcome.STATUS_LOOKUP, ("2xx", "proxy")),
         (101, False, RequestOutcome.PASSTHROUGH, ("1xx", "upstream")),
         (499, True, RequestOutcome.REJECTED, ("4xx", "proxy")),
+        # Outside 100-599 (an upstream may send any three digits): the nearest class.
+        (99, False, RequestOutcome.PASSTHROUGH, ("1xx", "upstream")),
+        (600, False, RequestOutcome.PASSTHROUGH, ("5xx", "upstream")),
+        (999, False, RequestOutcome.PASSTHROUGH, ("5xx", "upstream")),
     ],
 )
 def test_requests_carry_the_status_class_and_who_answered(

@@ -57,7 +57,8 @@ def host_problem(host: str | None, target: str) -> str | None:
     """Why a request's Host, or its target's authority, is refused (400); None: neither is."""
     if not valid_host(host):
         return _INVALID_HOST
-    absolute = split_absolute_form(target)
+    # Origin-form (every request but one sent as to a forward proxy): nothing to split.
+    absolute = None if target.startswith("/") else split_absolute_form(target)
     if absolute is not None and not authority_agrees(absolute[0], absolute[1], host):
         return _DISAGREEING_HOST
     return None

@@ -52,7 +52,11 @@ def fingerprint_of_digest(head: FingerprintedHead, body_sha256: bytes) -> str:
     field, only when there is one, so that a request without it fingerprints as it always did.
     """
     method, path, query, content_type, content_encoding = head
-    fields = [method.upper(), path, query, fingerprinted_media_type(content_type)]
+    if content_type and ";" not in content_type:
+        media_type = content_type.strip().lower()  # `fingerprinted_media_type` of no parameters
+    else:
+        media_type = fingerprinted_media_type(content_type)
+    fields = [method.upper(), path, query, media_type]
     if content_encoding and (codings := _codings(content_encoding)):
         fields.append(codings)
     stream = bytearray()  # hashed in one call: the same bytes as one update per part
@@ -163,8 +167,7 @@ def canonical_json(body: bytes, exclude_pointers: Sequence[str] = ()) -> bytes:
     is `BodyTooLarge` beyond `deep_json.MAX_DEEP_TEXT` (SPEC §9).
     """
     try:
-        text = _decoded(body)
-        document = _parsed(text)
+        document = _document(body)
         for pointer in exclude_pointers:
             _remove(document, parse_pointer(pointer))
         canonical = _encode(document, len(body))
@@ -186,8 +189,24 @@ def _escaped(match: re.Match[str]) -> str:
     return f"\\u{ord(match.group()):04x}"
 
 
-def _parsed(text: str) -> Any:
-    decoder = _decoder(text)
+def _document(body: bytes) -> Any:
+    """The JSON value of a body; ValueError (UnicodeDecodeError is one) when it has none.
+
+    Its text is what `json.loads` would decode it to, found without that function's encoding
+    detection (in Python, on every body) when the body opens an object or array in UTF-8; other
+    bodies are detected as `json.loads` does, UTF-16 and UTF-32 included (RFC 8259 §8.1).
+    """
+    # Strictly: RFC 8259 §8.1, JSON text is UTF-8. json.loads lets the bytes of a lone surrogate
+    # (ED A0 80) through, which would make such a body the same text as `"\ud800"`.
+    if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
+        text = body.decode("utf-8")
+    else:
+        text = body.decode(json.detect_encoding(body))
+    # The integer -0 is the one integer token an int changes. A hook on every integer would
+    # cost a call per token: only a body where the text may hold one (or a string that looks
+    # so) pays it.
+    negative_zero = "-0" in text and _NEGATIVE_ZERO.search(text)
+    decoder = _WITH_NEGATIVE_ZERO if negative_zero else _DECODER
     try:
         return decoder.decode(text)
     except RecursionError:  # deeper than the C parser goes: the same values, without recursion
@@ -219,8 +238,7 @@ def _parse_int(token: str) -> int | _Number:
 _DECODER = json.JSONDecoder(
     parse_float=_parse_float, parse_constant=_refuse_constant, object_pairs_hook=_unique_object
 )
-# The integer -0 is the one integer token an int changes. A hook on every integer would cost a
-# call per token: only a body where the text may hold one (or a string that looks so) pays it.
+# With a hook on every integer, for the bodies that may hold the integer -0 (`_document`).
 _WITH_NEGATIVE_ZERO = json.JSONDecoder(
     parse_float=_parse_float,
     parse_int=_parse_int,
@@ -228,12 +246,6 @@ _WITH_NEGATIVE_ZERO = json.JSONDecoder(
     object_pairs_hook=_unique_object,
 )
 _NEGATIVE_ZERO = re.compile(r"-0(?![0-9.eE])")
-
-
-def _decoder(text: str) -> json.JSONDecoder:
-    if "-0" in text and _NEGATIVE_ZERO.search(text):
-        return _WITH_NEGATIVE_ZERO
-    return _DECODER
 
 
 class _Number(deep_json.Verbatim):
@@ -256,17 +268,6 @@ def _encode(document: Any, size: int) -> str:
 # The C encoder writes 64 KiB in about 5 ms (sys.getswitchinterval(): how long a thread may
 # hold the interpreter before another may run), and a larger body in slices.
 _SLICED_ABOVE = 64 * 1024
-
-
-def _decoded(body: bytes) -> str:
-    """The text `json.loads` would decode a body to, found without its encoding detection (in
-    Python, on every body) when the body opens an object or array in UTF-8; other bodies are
-    detected as `json.loads` does, UTF-16 and UTF-32 included (RFC 8259 §8.1)."""
-    # Strictly: RFC 8259 §8.1, JSON text is UTF-8. json.loads lets the bytes of a lone surrogate
-    # (ED A0 80) through, which would make such a body the same text as `"\ud800"`.
-    if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
-        return body.decode("utf-8")
-    return body.decode(json.detect_encoding(body))
 
 
 def parse_pointer(pointer: str) -> list[str]:

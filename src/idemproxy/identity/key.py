@@ -28,7 +28,9 @@ def parse_key(values: Sequence[str]) -> str | None:
         raise KeyInvalid("A bare key may not contain quotes, commas or backslashes.")
     else:
         key = raw
-    check_characters(key)
+    # `check_characters`'s tests, in place for a valid key; it says what is wrong otherwise.
+    if not 1 <= len(key) <= KEY_MAX_LENGTH or _VISIBLE_ASCII.fullmatch(key) is None:
+        check_characters(key)
     return key
 
 

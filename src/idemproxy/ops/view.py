@@ -13,7 +13,7 @@ from typing import Any
 
 from idemproxy.core.types import Attempt, Job, KeptResponse, SealedResponse
 from idemproxy.redact import redact_url
-from idemproxy.store.header_json import pairs_to_json
+from idemproxy.store.rows import pairs_to_json
 
 JsonObject = dict[str, Any]
 
@@ -80,7 +80,7 @@ def response_to_json(response: KeptResponse | None) -> JsonObject | None:
     view: JsonObject = {
         "status": response.status,
         # A pair with bytes that are not UTF-8 (obs-text) comes as [name, value, "latin-1"]:
-        # JSON can not carry them otherwise (store/header_json.py).
+        # JSON can not carry them otherwise (store/rows.py).
         "headers": pairs_to_json(response.headers),
         "omitted": response.omitted,
     }

@@ -62,7 +62,7 @@ def intent_of(
         digest = fingerprint_of_digest(head, body.raw_sha256)
     else:
         digest = fingerprint(head, body.memory, ctx.settings.fingerprint_exclude)
-    return _intent(head, owner, key, digest)
+    return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])
 
 
 async def intent_off_loop(
@@ -74,7 +74,7 @@ async def intent_off_loop(
     head = _head(request)
     exclude = ctx.settings.fingerprint_exclude
     digest = await ctx.offload(body.memory, fingerprint, head, body.memory, exclude)
-    return _intent(head, owner, key, digest)
+    return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])
 
 
 def _head(request: web.Request) -> FingerprintedHead:
@@ -88,7 +88,3 @@ def _head(request: web.Request) -> FingerprintedHead:
         request.headers.get(hdrs.CONTENT_TYPE),
         content_encoding,
     )
-
-
-def _intent(head: FingerprintedHead, owner: str, key: str, digest: str) -> Intent:
-    return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])

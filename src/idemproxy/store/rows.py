@@ -1,8 +1,20 @@
-"""Turning database rows into the plain `Job`/`Attempt` data of `idemproxy.core.types`."""
+"""Turning database rows into the plain `Job`/`Attempt` data of `idemproxy.core.types`, and
+stored header pairs into JSON and back.
+
+Header pairs are kept as JSON byte for byte (SPEC §7). In the proxy a header value is the text
+aiohttp and proxy/upstream/h1.py make of its bytes: UTF-8, and each byte outside a UTF-8
+sequence (obs-text such as ISO-8859-1 `é`, RFC 9110 §5.5) as a lone surrogate escape. JSON text
+can not hold a lone surrogate: PostgreSQL's `jsonb` refuses `\\udce9`, and so do strict JSON
+readers. A pair whose name or value holds one is therefore kept as its bytes read as
+ISO-8859-1 (every byte one character), marked by a third element:
+`["X-Name", "caf\\u00e9", "latin-1"]`. Every other pair is kept as it always was, so rows and
+cache entries written before read the same.
+"""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, Protocol
@@ -19,7 +31,6 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.store.base import LateResponse
-from idemproxy.store.header_json import pairs_from_json, pairs_to_json
 
 # The key id of a row that holds no headers in the clear and names no key (SPEC §11): no ring
 # holds it (`parse_key_ring` refuses an empty id), so such a row is always refused.
@@ -30,6 +41,7 @@ _PARSED_HEADERS = 64
 # One encoder for every completion's headers: `json.dumps` with `separators` builds a new one
 # per call. The text is the same character for character.
 _HEADERS_JSON = json.JSONEncoder(separators=(",", ":"))
+_BYTES = "latin-1"  # the mark of a header pair kept as its bytes
 
 
 class Row(Protocol):
@@ -100,20 +112,23 @@ def late_from_row(row: Row) -> LateResponse:
 
 class ResponseColumns(NamedTuple):
     """A response as its columns hold it: headers as JSON text (None when sealed), the body
-    or the sealed box, and the id of the key it is sealed with (None in the clear)."""
+    or the sealed box, the id of the key it is sealed with (None in the clear), and whether
+    its body was omitted."""
 
     headers: str | None
     body: bytes | None
     key_id: str | None
+    omitted: bool
 
 
 def response_columns(response: KeptResponse) -> ResponseColumns:
     if isinstance(response, SealedResponse):
-        return ResponseColumns(None, response.sealed, response.key_id)
-    # `encode_headers`, written out: every completion's.
-    return ResponseColumns(
-        _HEADERS_JSON.encode(pairs_to_json(response.headers)), response.body, None
-    )
+        return ResponseColumns(None, response.sealed, response.key_id, response.omitted)
+    # `encode_headers`, written out: every completion's. `omitted` read from the body, not
+    # through StoredResponse's property (a frame of its own).
+    body = response.body
+    headers = _HEADERS_JSON.encode(pairs_to_json(response.headers))
+    return ResponseColumns(headers, body, None, body is None)
 
 
 def _attempt_state(value: str) -> AttemptState:
@@ -140,7 +155,7 @@ def _response(row: Row) -> KeptResponse | None:
 
 
 def encode_headers(headers: HeaderPairs) -> str:
-    # ASCII JSON (escaped), with no lone surrogate: jsonb takes it (store/header_json.py).
+    # ASCII JSON (escaped), with no lone surrogate: jsonb takes it (`pairs_to_json`).
     return _HEADERS_JSON.encode(pairs_to_json(headers))
 
 
@@ -161,6 +176,46 @@ def _parsed_headers(value: str) -> HeaderPairs:
 
 def _pairs(pairs: list[list[str]]) -> HeaderPairs:
     return pairs_from_json(pairs)
+
+
+def pairs_to_json(headers: HeaderPairs) -> list[list[str]]:
+    # An all-ASCII list (nearly every response's) holds no surrogate: each pair as it is, tested
+    # and copied by C-level calls rather than a Python call per pair.
+    if "".join(itertools.chain.from_iterable(headers)).isascii():
+        return list(map(list, headers))
+    return [_pair_to_json(name, value) for name, value in headers]
+
+
+def pairs_from_json(pairs: list[Any]) -> HeaderPairs:
+    """The pairs `pairs_to_json` made; ValueError or TypeError for anything else."""
+    return tuple([_pair_from_json(pair) for pair in pairs])
+
+
+def _pair_to_json(name: str, value: str) -> list[str]:
+    if name.isascii() and value.isascii():
+        return [name, value]
+    try:
+        name.encode(), value.encode()  # strict UTF-8: no surrogate escape in either
+    except UnicodeEncodeError:
+        return [_as_latin1(name), _as_latin1(value), _BYTES]
+    return [name, value]
+
+
+def _pair_from_json(pair: list[Any]) -> tuple[str, str]:
+    if len(pair) == 2:
+        return str(pair[0]), str(pair[1])
+    name, value, mark = pair
+    if mark != _BYTES:
+        raise ValueError(f"unknown header pair encoding {mark!r}")
+    return _from_latin1(str(name)), _from_latin1(str(value))
+
+
+def _as_latin1(text: str) -> str:
+    return text.encode("utf-8", "surrogateescape").decode("latin-1")
+
+
+def _from_latin1(text: str) -> str:
+    return text.encode("latin-1").decode("utf-8", "surrogateescape")
 
 
 def as_datetime(value: datetime | float | None) -> datetime | None:

@@ -34,15 +34,14 @@ class RequestBody:
     ) -> None:
         self._memory = memory
         self._spool = spool
+        # Whether the body is in a file rather than in memory: an attribute, not a property,
+        # as every governed request asks once or twice.
+        self.spooled = spool is not None
         self.size = size if spool is not None else len(memory)
         self.raw_sha256 = raw_sha256
         if spool is not None:
             # Closed (and so deleted) when the last attempt using it is done.
             weakref.finalize(self, spool.close)
-
-    @property
-    def spooled(self) -> bool:
-        return self._spool is not None
 
     @property
     def memory(self) -> bytes:

@@ -98,7 +98,8 @@ class ResponseBudget:
 
     def give_back(self, size: int) -> None:
         self.used -= size
-        self._wake()
+        if self._waiting:  # nobody waits for room: no call
+            self._wake()
 
     def _fits(self, size: int) -> bool:
         return self.used == 0 or self.used + size <= self.limit

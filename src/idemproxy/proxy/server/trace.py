@@ -131,7 +131,9 @@ def record(
     elapsed = time.perf_counter() - trace.started
     outcome = trace.outcome
     source = _PROXY if trace.by_proxy or outcome == _STATUS_LOOKUP else _UPSTREAM
-    key = (outcome, _status_class(status), source)
+    # `2xx` for 201 (RFC 9110 §15); a status outside 100-599 counts in the nearest class.
+    status_class = STATUS_CLASSES[min(max(status // 100, 1), 5) - 1]
+    key = (outcome, status_class, source)
     metrics.request_answer[key].inc()
     route = trace.route
     metrics.request_route[UNROUTED if route is None else route.prefix][key].observe(elapsed)
@@ -159,11 +161,6 @@ def record(
                 {"fields": fields},
             )
         )
-
-
-def _status_class(status: int) -> str:
-    """`2xx` for 201 (RFC 9110 §15); a status outside 100-599 counts in the nearest class."""
-    return STATUS_CLASSES[min(max(status // 100, 1), 5) - 1]
 
 
 def _fields(trace: Trace, status: int, elapsed: float, log_query: bool) -> dict[str, object]:

@@ -1,7 +1,8 @@
 """The upstream client (SPEC §10): pooled keep-alive, no decompression, no silent re-sends.
 
 This module is the one boundary where the upstream leg's errors become `UpstreamFailure`; the
-HTTP/1.1 work itself is in `proxy/upstream/h1.py`.
+HTTP/1.1 connections and the answer's parsing are in `proxy/upstream/h1.py`; the request's
+head is written here (`request_head`), where its one caller is.
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ from idemproxy.proxy.upstream.h1 import (
     Origin,
     UpstreamFailure,
     UpstreamResponse,
-    framing_for,
-    request_head,
     send_stream,
 )
 
 __all__ = ["UpstreamClient", "UpstreamFailure", "UpstreamHooks", "UpstreamResponse"]
 log = logging.getLogger(__name__)
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+# aiohttp's client sends `Content-Length: 0` for a body-less request of any other method.
+_NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
+# Set by this client from the request itself; a caller's copies are dropped.
+_FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,3 +256,32 @@ class Exchange:
             sender.cancel()  # answered before the whole body was sent: not reusable
             connection.abort()
         self._link.pool.release(self._origin, connection)
+
+
+def request_head(method: str, target: str, host: str, headers: Any, framing: str) -> bytes:
+    """The request line and headers (RFC 9112 §3, §5), ready for the wire."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
+    for name, value in headers.items():
+        if name.lower() not in _FRAMING:
+            lines.append(f"{name}: {value}\r\n")
+    lines.append(framing)
+    lines.append("\r\n")
+    head = "".join(lines)
+    # Values come from a parsed request, which can not hold CR or LF; a line more than the
+    # headers would be a request smuggled into the head: refuse to send it.
+    breaks = len(lines) + 1 - (framing == "")
+    if head.count("\n") != breaks or head.count("\r") != breaks:
+        raise UpstreamFailure(Failure.CONNECT, "refused to send a header with a line break")
+    return head.encode("utf-8", "surrogateescape")
+
+
+def framing_for(method: str, body: object, content_length: int | None) -> str:
+    if isinstance(body, bytes | bytearray):
+        if body or method not in _NO_BODY_METHODS:
+            return f"Content-Length: {len(body)}\r\n"
+        return ""
+    if body is None:
+        return "" if method in _NO_BODY_METHODS else "Content-Length: 0\r\n"
+    if content_length is not None:
+        return f"Content-Length: {content_length}\r\n"
+    return "Transfer-Encoding: chunked\r\n"

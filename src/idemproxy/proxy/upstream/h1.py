@@ -24,7 +24,7 @@ import select
 import ssl
 import time
 from collections.abc import AsyncIterable, Callable, Iterable
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -36,10 +36,6 @@ from idemproxy.http.deadline import Deadline
 # bytes, resume below LOW (as aiohttp's StreamReader does with its 64 KiB limit x 2).
 _HIGH_WATER = 256 * 1024
 _LOW_WATER = 64 * 1024
-# aiohttp's client sends `Content-Length: 0` for a body-less request of any other method.
-_NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
-# Set by this client from the request itself; a caller's copies are dropped.
-_FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
 # Bytes received before a response head is whole: 128 fields of 8 KiB (aiohttp's limits) plus
 # one read's worth of body behind the head.
 MAX_HEAD_BYTES = 128 * 8 * 1024 + 256 * 1024
@@ -209,7 +205,7 @@ class UpstreamResponse:
             return
         # Decoded as aiohttp decodes request headers: UTF-8, any other byte as a surrogate
         # escape. The proxy writes such a value back with the same codec (proxy/server/head.py) and
-        # stores it losslessly (store/header_json.py): obs-text passes byte for byte (SPEC §7).
+        # stores it losslessly (store/rows.py): obs-text passes byte for byte (SPEC §7).
         self._raw_headers.append(
             (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
         )
@@ -570,35 +566,6 @@ class ConnectionPool:
                 return
 
 
-def request_head(method: str, target: str, host: str, headers: Any, framing: str) -> bytes:
-    """The request line and headers (RFC 9112 §3, §5), ready for the wire."""
-    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
-    for name, value in headers.items():
-        if name.lower() not in _FRAMING:
-            lines.append(f"{name}: {value}\r\n")
-    lines.append(framing)
-    lines.append("\r\n")
-    head = "".join(lines)
-    # Values come from a parsed request, which can not hold CR or LF; a line more than the
-    # headers would be a request smuggled into the head: refuse to send it.
-    breaks = len(lines) + 1 - (framing == "")
-    if head.count("\n") != breaks or head.count("\r") != breaks:
-        raise UpstreamFailure(Failure.CONNECT, "refused to send a header with a line break")
-    return head.encode("utf-8", "surrogateescape")
-
-
-def framing_for(method: str, body: object, content_length: int | None) -> str:
-    if isinstance(body, bytes | bytearray):
-        if body or method not in _NO_BODY_METHODS:
-            return f"Content-Length: {len(body)}\r\n"
-        return ""
-    if body is None:
-        return "" if method in _NO_BODY_METHODS else "Content-Length: 0\r\n"
-    if content_length is not None:
-        return f"Content-Length: {content_length}\r\n"
-    return "Transfer-Encoding: chunked\r\n"
-
-
 async def send_stream(
     connection: Connection,
     exchange: UpstreamResponse,
@@ -608,7 +575,7 @@ async def send_stream(
     on_sent: Callable[[], None] | None,
 ) -> None:
     """Stream a request body upstream, in step with the connection's write buffer: chunked
-    when it has no declared length (framing_for)."""
+    when it has no declared length (client.py `framing_for`)."""
     chunked = content_length is None
     sent = 0
     try:

@@ -46,7 +46,6 @@ from idemproxy.store.base import Store
 from idemproxy.store.cache.replay import (
     MIN_ENTRY_SECONDS,
     ReplayCache,
-    body_bytes,
     seconds_left,
 )
 from idemproxy.store.hooks import Change
@@ -170,33 +169,38 @@ class MemoryReplayCache(ReplayCache):
 
     def _remember(self, job: Job, lifetime: float, mark: int) -> None:
         """Keep a completed job for at most `ttl` and `lifetime` seconds, unless a change of it
-        may have been announced after the read that returned it began (`mark`)."""
-        if not self._cacheable(job) or not self._unchanged_since(job.id, mark):
+        may have been announced after the read that returned it began (`mark`). Its tests in
+        place, not in helpers: every new key's completion and every read of a job come here."""
+        response = job.response
+        if (
+            not self.watch.live
+            or job.state is not JobState.COMPLETED
+            or job.expired
+            or response is None
+            or mark < self._floor  # changed since the read began: `_on_change`
+            or self._changed.get(job.id, 0) > mark
+        ):
             return
+        # The body as `body_bytes` bounds it, and the bytes the entry holds.
+        if isinstance(response, SealedResponse):
+            body = stored = len(response.sealed)  # headers and body, sealed (SPEC §11)
+        else:
+            body = len(response.body or b"")
+            stored = body + sum(map(len, chain.from_iterable(response.headers)))
+        if body > self._max_body:
+            return
+        size = ENTRY_OVERHEAD_BYTES + stored + len(job.key)
         lifetime = min(self._ttl, lifetime)
-        size = _size(job)
         if lifetime < MIN_ENTRY_SECONDS or size > self._max_bytes:
             return
         scope = (job.owner, job.key)
-        self._drop(scope)
+        if scope in self._entries:
+            self._drop(scope)
         self._entries[scope] = _Entry(Existing(job), time.monotonic() + lifetime, size)
         self._scope_of[job.id] = scope
         self._bytes += size
         while self._bytes > self._max_bytes:
             self._drop(next(iter(self._entries)))  # the least recently used
-
-    def _cacheable(self, job: Job) -> bool:
-        response = job.response
-        return (
-            self.watch.live
-            and job.state is JobState.COMPLETED
-            and not job.expired
-            and response is not None
-            and body_bytes(response) <= self._max_body
-        )
-
-    def _unchanged_since(self, job_id: str, mark: int) -> bool:
-        return mark >= self._floor and self._changed.get(job_id, 0) <= mark
 
     def _on_change(self, job_id: str | None) -> None:
         """The store's feed announced a change of `job_id`, or of anything (None)."""
@@ -225,14 +229,3 @@ class MemoryReplayCache(ReplayCache):
         if entry is not None:
             self._bytes -= entry.size
             self._scope_of.pop(entry.found.job.id, None)
-
-
-def _size(job: Job) -> int:
-    response = job.response
-    stored = 0
-    if isinstance(response, SealedResponse):
-        stored = len(response.sealed)  # headers and body, sealed (SPEC §11)
-    elif response is not None:
-        headers = sum(map(len, chain.from_iterable(response.headers)))
-        stored = len(response.body or b"") + headers
-    return ENTRY_OVERHEAD_BYTES + stored + len(job.key)

@@ -64,7 +64,12 @@ class KeptConnections:
         while True:
             while self._idle:
                 conn, _ = self._idle.pop()
-                if _usable(conn):
+                # `_usable`, written out: every statement takes a kept connection.
+                try:
+                    closed = conn.is_closed()
+                except asyncpg.InterfaceError:
+                    closed = True
+                if not closed:
                     return conn
                 await self.release(conn)  # the pool frees its place and reconnects when needed
             if self._closing:
@@ -149,7 +154,7 @@ class KeptConnections:
         it to the pool."""
         if self._closing:
             return False
-        if not self._wake_one(conn):
+        if not (self._waiters and self._wake_one(conn)):  # nobody waits: no call to hand it on
             loop = asyncio.get_running_loop()
             self._idle.append((conn, loop.time()))
             if self._sweep is None:

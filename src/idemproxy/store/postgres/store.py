@@ -243,8 +243,7 @@ class PostgresStore(Store):
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
         request = ClaimRequest(intent, job_id, upstream, float(ttl), float(lease), time.monotonic())
-        with self.observed("claim"):
-            return await self.claims.submit(request)
+        return await self._timed("claim", self.claims.submit(request))
 
     async def _claim_batch(self, batch: list[ClaimRequest]) -> Sequence[Outcome[ClaimResult]]:
         """`claims`' statement: a lone claim alone, several in one `claim_batch`. On Citus each
@@ -364,9 +363,8 @@ class PostgresStore(Store):
         return job_from_row(row) if row is not None else await self.get(owner, key)
 
     async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
-        with self.observed("complete"):
-            request = CompleteRequest(job, attempt, response, ttl, time.monotonic())
-            return await self.completions.submit(request)
+        request = CompleteRequest(job, attempt, response, ttl, time.monotonic())
+        return await self._timed("complete", self.completions.submit(request))
 
     async def _complete_batch(self, batch: list[CompleteRequest]) -> Sequence[Outcome[bool]]:
         """`completions`' statement: a lone one alone, several in one `complete_batch` (on
@@ -392,7 +390,7 @@ class PostgresStore(Store):
 
     async def _complete_alone(self, request: CompleteRequest) -> bool:
         job, response = request.job, request.response
-        headers, body, key_id = response_columns(response)
+        headers, body, key_id, omitted = response_columns(response)
         # `_time_left`, written out: one call less on every claim and completion.
         timeout = max(request.submitted + self._command_timeout - time.monotonic(), _LEAST_TIMEOUT)
         row = await self._fetchrow(
@@ -404,7 +402,7 @@ class PostgresStore(Store):
             response.status,
             headers,
             body,
-            response.omitted,
+            omitted,
             float(request.ttl),
             self._late_bytes,
             key_id,
@@ -545,7 +543,7 @@ class PostgresStore(Store):
             return await self._announced(job, row)
         if state is not JobState.COMPLETED or response is None or response.omitted:
             raise ValueError("resolve as completed needs a response with a body")
-        headers, body, key_id = response_columns(response)
+        headers, body, key_id, _ = response_columns(response)
         row = await self._fetchrow(
             "resolve_completed",
             *_cas(job),
@@ -681,6 +679,21 @@ class PostgresStore(Store):
         its rows, a slow server) leaves its rows the other half to be retried alone."""
         return max(min(self._time_left(r.submitted) for r in batch) / 2, _LEAST_TIMEOUT)
 
+    async def _timed(self, what: str, write: Awaitable[T]) -> T:
+        """`write` timed as a whole for the metrics (SPEC §13), as `observed` times a block; it
+        failed if it raised StoreUnavailable. One frame in this file, rather than the context
+        manager's four in base.py, on every claim and completion."""
+        started = time.perf_counter()
+        failed = False
+        try:
+            return await write
+        except StoreUnavailable:
+            failed = True
+            raise
+        finally:
+            if self.observer is not None:
+                self.observer(what, time.perf_counter() - started, failed)
+
     async def _execute(self, name: str, *args: Any) -> str:
         return await self._run(name, lambda c: c.execute(self._sql[name], *args))
 
@@ -800,11 +813,11 @@ def _complete_columns(batch: list[CompleteRequest]) -> tuple[list[Any], ...]:
         [r.job.version for r in batch],
         [r.attempt for r in batch],
         [r.response.status for r in batch],
-        [headers for headers, _, _ in stored],
-        [body for _, body, _ in stored],
-        [r.response.omitted for r in batch],
+        [columns.headers for columns in stored],
+        [columns.body for columns in stored],
+        [columns.omitted for columns in stored],
         [float(r.ttl) for r in batch],
-        [key_id for _, _, key_id in stored],
+        [columns.key_id for columns in stored],
     )
 
 

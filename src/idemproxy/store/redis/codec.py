@@ -19,7 +19,7 @@ from typing import Any
 
 from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX, REDIS_WATCH_PREFIX
 from idemproxy.core.types import Job, JobState, KeptResponse, SealedResponse, StoredResponse
-from idemproxy.store.header_json import pairs_from_json, pairs_to_json
+from idemproxy.store.rows import pairs_from_json, pairs_to_json
 
 _FORMAT = b"1"  # an entry of any other format is a miss, never an error
 _SEALED_FORMAT = b"2"
@@ -61,7 +61,7 @@ def encode(job: Job) -> bytes:
         meta["k"] = response.key_id
         form, body = _SEALED_FORMAT, response.sealed
     else:
-        meta["h"] = pairs_to_json(response.headers)  # no lone surrogate (store/header_json.py)
+        meta["h"] = pairs_to_json(response.headers)  # no lone surrogate (store/rows.py)
         form, body = _FORMAT, response.body or b""
     head = json.dumps(meta, separators=(",", ":")).encode()  # ASCII: never holds a newline
     return b"".join((form, head, b"\n", body))

@@ -123,14 +123,14 @@ class Statements:
 
     def complete(self, db: sqlite3.Connection, request: CompleteRequest) -> bool:
         job, response = request.job, request.response
-        headers, body, key_id = response_columns(response)
+        headers, body, key_id, omitted = response_columns(response)
         params = cas(job) | {
             "attempt": request.attempt,
             "status": response.status,
             "ttl": float(request.ttl),
             "headers": headers,
             "body": body,
-            "omitted": response.omitted,
+            "omitted": omitted,
             "key_id": key_id,
         }
         won = self.changed(db, "complete_job", params)
@@ -145,8 +145,8 @@ class Statements:
         """A late result: the attempt is `discarded`; its response is kept on it when the job
         was taken over, within the bound (queries.sql `discard_attempt`)."""
         keep = False
-        headers, body, key_id = response_columns(response)
-        if body is not None and not response.omitted:
+        headers, body, key_id, omitted = response_columns(response)
+        if body is not None and not omitted:
             bound = {"body_bytes": len(body), "kept_limit": self._late_bytes}
             keep = bool(self.one(db, "may_keep_late", attempt_row | bound)["keep"])
         params = attempt_row | {

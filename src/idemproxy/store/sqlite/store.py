@@ -234,7 +234,7 @@ class SqliteStore(Store):
             query = "resolve_released"
         elif state is JobState.COMPLETED and response is not None and not response.omitted:
             query = "resolve_completed"
-            headers, body, key_id = response_columns(response)
+            headers, body, key_id, _ = response_columns(response)
             params |= {
                 "status": response.status,
                 "headers": headers,
