@@ -134,6 +134,10 @@ SELECT coalesce(string_agg(item, E'\n' ORDER BY item), '') FROM (
   UNION ALL SELECT 'extension ' || extname || ' ' || extversion FROM pg_extension
   UNION ALL SELECT 'publication ' || pubname FROM pg_publication
   UNION ALL SELECT 'migration ' || version FROM idemproxy.schema_migrations
+  -- A TRUNCATE keeps the planner's statistics: a clone a test analyzed is not fresh.
+  UNION ALL SELECT 'statistics ' || count(*) FROM pg_statistic s
+    JOIN pg_class c ON c.oid = s.starelid JOIN pg_namespace n ON n.oid = c.relnamespace
+    WHERE {USER}
   UNION ALL SELECT 'large objects ' || count(*) FROM pg_largeobject_metadata
   UNION ALL SELECT 'prepared ' || count(*) FROM pg_prepared_xacts
     WHERE database = current_database()

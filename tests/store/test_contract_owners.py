@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from idemproxy.core.quota import QuotaLimits
-from idemproxy.core.types import Claimed, Existing, Intent, StoredResponse
+from idemproxy.core.types import Claimed, Existing, Intent, JobState, StoredResponse
 from idemproxy.identity.ids import new_job_id
 from idemproxy.store.ports import JobStore
 
 TTL, LEASE = 600.0, 30.0
+SHORT, PAST_SHORT = 0.2, 0.35  # a lease that runs out, and a sleep past it (database clock)
 UPSTREAM = "http://upstream:3000"
 FIRST = "00000000-0000-0000-0000-000000000000"
 
@@ -19,10 +20,10 @@ def _intent(key: str, owner: str = "alice") -> Intent:
 
 
 async def _claim_within(
-    hot: JobStore, key: str, limits: QuotaLimits, owner: str = "alice"
+    hot: JobStore, key: str, limits: QuotaLimits, owner: str = "alice", lease: float = LEASE
 ) -> object:
     return await hot.claim_within(
-        _intent(key, owner), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE, limits=limits
+        _intent(key, owner), new_job_id(), UPSTREAM, ttl=TTL, lease=lease, limits=limits
     )
 
 
@@ -39,6 +40,32 @@ async def test_in_flight_cap_counts_live_jobs_and_never_refuses_an_existing_key(
     done = StoredResponse(201, (), b"ok")
     assert await hot.complete(first.job, 1, done, ttl=TTL)
     assert isinstance(await _claim_within(hot, "b", limits), Claimed)
+
+
+async def test_in_flight_counts_each_job_once_while_its_renewed_lease_lives(
+    hot: JobStore,
+) -> None:
+    """SPEC §9, §3.5: a job counts by its lease as renewed, not the one its attempt started
+    with; a hedged job (two attempts, SPEC §3.4) counts once, until it ends; a job whose lease
+    ran out (its proxy died) does not count."""
+    limits = QuotaLimits(in_flight=3)
+    renewed = await _claim_within(hot, "renewed", limits, lease=SHORT)
+    assert isinstance(renewed, Claimed)
+    assert await hot.renew_lease(renewed.job, lease=LEASE)
+    hedged = await _claim_within(hot, "hedged", limits)
+    assert isinstance(hedged, Claimed)
+    assert await hot.add_attempt(hedged.job, UPSTREAM, lease=LEASE) == 2
+    await hot.finish_attempt(hedged.job, 1, JobState.RELEASED, status=503, error="busy")
+    dead = await _claim_within(hot, "dead", QuotaLimits(in_flight=1), owner="bob", lease=SHORT)
+    assert isinstance(dead, Claimed)
+    await asyncio.sleep(PAST_SHORT)
+    assert isinstance(await _claim_within(hot, "third", limits), Claimed)  # 2 in flight
+    assert await _claim_within(hot, "fourth", limits) == "in_flight"  # 3
+    assert isinstance(
+        await _claim_within(hot, "next", QuotaLimits(in_flight=1), owner="bob"), Claimed
+    )
+    assert await hot.settle(hedged.job, 2, JobState.RELEASED, status=503, error="busy")
+    assert isinstance(await _claim_within(hot, "fourth", limits), Claimed)
 
 
 async def test_rate_and_stored_bytes(hot: JobStore) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from idemproxy.core.quota import window_start_id
 from idemproxy.store.queries import load_queries
 
 pytestmark = pytest.mark.postgres
@@ -31,12 +32,18 @@ _JOBS = 100_000
 # index entries it writes); a scan of one owner's 100,000 jobs reads hundreds.
 _MOST_BLOCKS = 120
 _SQL = load_queries("postgres")
-_LIVE = ("11111111-1111-7111-8111-111111111111", "22222222-2222-7222-8222-222222222222")
+# Time-ordered ids (UUIDv7, identity/ids.py) from before the quotas' rate window, as the
+# proxy makes them: the old jobs' from a day ago, one millisecond apart, the live ones' older.
+_LIVE = ("018f0000-0000-7111-8111-111111111111", "018f0000-0000-7222-8222-222222222222")
+_OLD_ID = (
+    "(lpad(to_hex((extract(epoch FROM now() - interval '1 day') * 1000)::bigint + g), 12, '0')"
+    " || '7' || lpad(to_hex(g), 19, '0'))::uuid"
+)
 
 _LOAD = f"""
 INSERT INTO idemproxy.jobs (owner, key, id, fingerprint, method, path, state, version,
                             completed_by, response_status, response_body, expires_at, sweep_after)
-SELECT 'acme', 'old-' || g, gen_random_uuid(), 'f', 'POST', '/pay', 'completed', 2, 1, 201,
+SELECT 'acme', 'old-' || g, {_OLD_ID}, 'f', 'POST', '/pay', 'completed', 2, 1, 201,
        '\\x7b7d', now() + interval '1 day', now() + interval '1 day'
 FROM generate_series(1, {_JOBS}) g;
 INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, state, status, finished_at)
@@ -194,6 +201,58 @@ async def test_hot_statements_stay_point_lookups_on_an_unanalyzed_store(
     await conn.execute("ANALYZE idemproxy.jobs, idemproxy.attempts")
     await _prepared(conn, statements)  # and with statistics
     assert await _wasted_plans(conn, statements) == ""
+
+
+def _ran(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The nodes that ran: a part whose arguments skip it (a CASE branch) reads nothing."""
+    return (node for node in _nodes(plan) if node.get("Actual Loops", 1) > 0)
+
+
+def _beyond_live_jobs(plan: dict[str, Any]) -> list[str]:
+    """What in an executed plan reads more than the owner's live jobs (_LIVE): a sequential
+    scan, a scan that returned more rows than those or read rows it then filtered out, or more
+    blocks in all than a few lookups read."""
+    found = []
+    for node in _ran(plan):
+        kind, relation = node["Node Type"], node.get("Relation Name")
+        if relation not in ("jobs", "attempts"):
+            continue
+        rows = node["Actual Rows"] * node["Actual Loops"]
+        removed = node.get("Rows Removed by Filter", 0)
+        if kind == "Seq Scan" or rows > len(_LIVE) or removed:
+            index = node.get("Index Name")
+            found.append(f"{kind} on {relation} ({index}): {rows} rows, {removed} filtered out")
+    if _blocks(plan) > _MOST_BLOCKS:
+        found.append(f"{_blocks(plan)} blocks")
+    return found
+
+
+async def _reads_only_live_jobs(conn: asyncpg.Connection, args: str) -> list[str]:
+    """What the prepared `quota_usage`'s cached plan reads beyond the live jobs; and it counts
+    those."""
+    usage = await conn.fetchrow(f"EXECUTE quota_usage({args})")
+    assert usage is not None
+    assert (usage["taken"], usage["in_flight"], usage["recent"]) == (False, len(_LIVE), 0)
+    return _beyond_live_jobs(await _executed(conn, "quota_usage", args))
+
+
+async def test_the_quota_count_reads_only_the_owners_live_jobs(conn: asyncpg.Connection) -> None:
+    """SPEC §9: a new key under `max_in_flight` or `max_new_per_second` counts the owner's jobs
+    in flight and those of the rate window, never its other jobs, whichever generic plan the
+    statement keeps. The stored-bytes limit reads every job of the owner by design
+    (docs/operations.md): its parts do not run without it ($4)."""
+    statement = {"quota_usage": f"'acme', 'new-0', '{window_start_id()}', false"}
+    await conn.execute("SET plan_cache_mode = force_generic_plan")
+    await _prepared(conn, statement)  # the generic plan, made on the empty tables
+    await conn.execute(_LOAD)
+    stats = await conn.fetchval("SELECT count(*) FROM pg_stats WHERE schemaname = 'idemproxy'")
+    assert stats == 0, "the tables must be unanalyzed"
+    assert await _reads_only_live_jobs(conn, statement["quota_usage"]) == []
+    await _prepared(conn, statement)  # made on the loaded, unanalyzed tables
+    assert await _reads_only_live_jobs(conn, statement["quota_usage"]) == []
+    await conn.execute("ANALYZE idemproxy.jobs, idemproxy.attempts")
+    await _prepared(conn, statement)  # and with statistics
+    assert await _reads_only_live_jobs(conn, statement["quota_usage"]) == []
 
 
 # The housekeeping and operators' statements, with the index each must keep (SPEC §11, §3.3, §3.5):

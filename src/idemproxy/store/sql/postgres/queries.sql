@@ -86,15 +86,24 @@ SELECT pg_advisory_xact_lock(hashtextextended($1, 7320417));
 
 -- name: quota_usage
 -- Under `lock_owner`, in the claim's transaction. In flight: live leases only (a dead
--- replica's jobs do not hold the owner back). Recent: from the (owner, id) index, ids being
+-- replica's jobs do not hold the owner back), found from the owner's attempts that hold a lease
+-- (migration 0010: those of its jobs in flight; the range names that index's predicate), each
+-- job counted once (a hedged job has several) and looked up by id (a lateral subquery, as in
+-- `expired_leases`) on its lease as renewed. Recent: from the (owner, id) index, ids being
 -- time-ordered ($3, core/quota.py), checked on created_at too (older ids are random). Stored
 -- bytes only when that limit is set ($4): it reads every job of the owner (stored bodies, and
 -- every job in flight, which may still store one: core/quota.py `committed_bytes`) and the late
 -- responses kept on its attempts.
 SELECT EXISTS (SELECT 1 FROM idemproxy.jobs WHERE owner = $1 AND key = $2) AS taken,
-       (SELECT count(*) FROM idemproxy.jobs
-        WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid
-          AND state = 'in_flight' AND lease_expires_at > now()) AS in_flight,
+       (SELECT count(*)
+        FROM (SELECT DISTINCT job_id FROM idemproxy.attempts
+              WHERE owner = $1 AND lease_expires_at > '-infinity') AS leased
+        CROSS JOIN LATERAL (
+            SELECT 1 FROM idemproxy.jobs
+            WHERE owner = $1 AND id = leased.job_id AND state = 'in_flight'
+              AND lease_expires_at > now()
+            OFFSET 0
+        ) AS job) AS in_flight,
        (SELECT count(*) FROM idemproxy.jobs
         WHERE owner = $1 AND id >= '00000000-0000-0000-0000-000000000000'::uuid AND id >= $3::uuid
           AND created_at > now() - interval '1 second') AS recent,

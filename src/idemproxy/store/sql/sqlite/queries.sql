@@ -22,6 +22,7 @@ VALUES (:owner, :job_id, :number, :upstream,
 -- name: quota_usage
 -- SPEC §9: quotas, in the claim's transaction (BEGIN IMMEDIATE: one writer at a time). As the
 -- PostgreSQL query: live leases in flight, jobs of the last second, stored bytes when asked.
+-- The jobs in flight are read from the owner's entries of their own index (migration 0007).
 SELECT EXISTS (SELECT 1 FROM jobs WHERE owner = :owner AND key = :key) AS taken,
        (SELECT count(*) FROM jobs
         WHERE owner = :owner AND state = 'in_flight'
