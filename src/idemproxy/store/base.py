@@ -20,6 +20,7 @@ from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
+    Evidence,
     Intent,
     Job,
     JobState,
@@ -223,6 +224,18 @@ class Store(abc.ABC):
         resolution: str = "operator",
     ) -> bool:
         """CAS an `unknown` job to `completed` (with `response`) or `released` (SPEC §3.3)."""
+
+    @abc.abstractmethod
+    async def claim_check(self, job: Job, attempt: int, *, checks: int, due_after: float) -> bool:
+        """SPEC §3.6: the right to ask once more about attempt `attempt` of `job`, while the job
+        is `unknown` at `job.version`, the attempt was asked about `checks` times, and the last
+        question (or its end, for the first) was at least `due_after` seconds ago by the
+        database clock. A compare-and-swap: of several callers at once, one wins."""
+
+    @abc.abstractmethod
+    async def record_evidence(self, job: Job, attempt: int, evidence: Evidence) -> None:
+        """SPEC §3.6: keep a question about attempt `attempt` and its answer on the attempt (the
+        latest `MAX_EVIDENCE_ENTRIES`); read back by `get_by_id`."""
 
     @abc.abstractmethod
     async def delete(self, job: Job, *, force: bool = False) -> bool:

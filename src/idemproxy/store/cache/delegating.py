@@ -22,6 +22,7 @@ from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
+    Evidence,
     Intent,
     Job,
     JobState,
@@ -181,6 +182,12 @@ class DelegatingStore(Store):
         return await self.inner.resolve(
             job, state, response=response, ttl=ttl, resolution=resolution
         )
+
+    async def claim_check(self, job: Job, attempt: int, *, checks: int, due_after: float) -> bool:
+        return await self.inner.claim_check(job, attempt, checks=checks, due_after=due_after)
+
+    async def record_evidence(self, job: Job, attempt: int, evidence: Evidence) -> None:
+        await self.inner.record_evidence(job, attempt, evidence)
 
     async def delete(self, job: Job, *, force: bool = False) -> bool:
         return await self.inner.delete(job, force=force)
