@@ -552,6 +552,9 @@ class SweeperSettings(BaseModel):
     # SPEC §3.5: how often each proxy looks for jobs whose lease ran out at least one `lease`
     # ago (their proxy died) and takes them over as `unknown` (proxy/background/orphans.py).
     takeover_interval: Duration = Field(default=5.0, gt=0)
+    # SPEC §3.6: how often each proxy looks for unknown jobs due a question to their route's
+    # reconcile endpoint (proxy/background/reconcile.py); only with such a route.
+    reconcile_interval: Duration = Field(default=c.DEFAULT_RECONCILE_INTERVAL, gt=0)
 
 
 _ENV_PREFIX = "IDEMPROXY_"

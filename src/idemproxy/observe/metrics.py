@@ -296,6 +296,13 @@ class Metrics:
             "as unknown in the background.",
             [],
         )
+        self.resolutions = self._counter(
+            "resolutions",
+            "Questions about unknown jobs (SPEC §3.6), by way (reconcile, upstream_key) and "
+            "result: completed, released, unknown (the answer proved nothing) or lost (the job "
+            "was resolved otherwise meanwhile, by an operator or another replica).",
+            ["way", "result"],
+        )
         self.client_disconnects = self._counter(
             "client_disconnects",
             "Clients that hung up mid-request, by stage: request_body (before it was complete; "
