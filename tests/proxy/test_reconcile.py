@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -158,3 +159,60 @@ async def test_off_by_default(
     job = await jobs.get("anonymous", "k5")
     assert job is not None and job.state is JobState.UNKNOWN
     assert payments.questions == []
+
+
+def asked_only_by_retries(backend: str, store_dsn: str, **reconcile: Any) -> dict[str, Any]:
+    """The background reconciler runs once an hour: only retries ask."""
+    return {**settings(backend, store_dsn, **reconcile), "sweeper": {"reconcile_interval": 3600}}
+
+
+async def test_a_retry_asks_and_gets_the_response(
+    make_proxy: ProxyFactory, store_dsn: str, backend: str, payments: Payments, jobs: Store
+) -> None:
+    payments.delay = 0.5
+    client = await make_proxy(**asked_only_by_retries(backend, store_dsn))
+    assert (await pay(client, "k6"))[0] == 504
+    await asyncio.sleep(0.8)  # past the backend's execution (0.5 s after it arrived)
+    assert payments.executions["k6"] == 1
+    status, body = await pay(client, "k6")
+    assert (status, body["execution"]) == (201, 1)
+    assert len(payments.questions) == 1
+    job = await jobs.get("anonymous", "k6")
+    assert job is not None and job.resolution == "reconcile"
+    assert payments.executions["k6"] == 1
+
+
+async def test_a_still_unknown_job_says_when_it_is_next_asked(
+    make_proxy: ProxyFactory, store_dsn: str, backend: str, payments: Payments
+) -> None:
+    payments.mode, payments.drop = "error", 0.5
+    client = await make_proxy(
+        **asked_only_by_retries(backend, store_dsn, backoff=0.05, max_backoff=30, timeout=0.5)
+    )
+    assert (await pay(client, "k7"))[0] == 504
+    await asyncio.sleep(0.1)
+    response = await client.post("/payments", json={"amount": 5}, headers={"Idempotency-Key": "k7"})
+    problem = await response.json()
+    assert (response.status, problem["code"], problem["retry"]) == (409, "outcome-unknown", "never")
+    assert len(payments.questions) == 1
+    # Next due: its timeout plus the doubled backoff after the question just asked.
+    assert 1 <= int(response.headers["Retry-After"]) <= 2
+    assert datetime.fromisoformat(problem["next_check_at"]) > datetime.now(UTC)
+    # Another retry before then asks nothing, and says the same.
+    again = await client.post("/payments", json={"amount": 5}, headers={"Idempotency-Key": "k7"})
+    assert again.status == 409 and "Retry-After" in again.headers
+    assert (await again.json())["next_check_at"] == problem["next_check_at"]
+    assert len(payments.questions) == 1
+    assert payments.executions["k7"] == 0
+
+
+async def test_without_a_reconcile_endpoint_the_problem_is_as_before(
+    make_proxy: ProxyFactory, store_dsn: str, backend: str, payments: Payments
+) -> None:
+    payments.delay = 0.5
+    route = {"prefix": "/payments", "upstream": backend, "upstream_timeout": TIMEOUT}
+    client = await make_proxy(store=store_dsn, upstream=backend, routes=[route])
+    assert (await pay(client, "k8"))[0] == 504
+    response = await client.post("/payments", json={"amount": 5}, headers={"Idempotency-Key": "k8"})
+    assert response.status == 409 and "Retry-After" not in response.headers
+    assert "next_check_at" not in await response.json()

@@ -174,7 +174,9 @@ async def _start_housekeeping(ctx: ProxyContext, stack: contextlib.AsyncExitStac
         ),
     ]
     # SPEC §3.6: only with a route that names a reconcile endpoint.
-    reconciling = await start_reconciling(settings, store, ctx.metrics.resolutions, stack)
+    ctx.reconciler, reconciling = await start_reconciling(
+        settings, store, ctx.metrics.resolutions, stack
+    )
     tasks += reconciling
     stack.push_async_callback(_cancel, tasks)
 

@@ -25,6 +25,7 @@ from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.store.base import Store
 
 if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
+    from idemproxy.proxy.background.reconcile import Reconciler
     from idemproxy.proxy.tracing import Tracing
 
 
@@ -74,6 +75,9 @@ class ProxyContext:
     status_header: str | None = None
     # SPEC §9: the limits per owner; None when no quota is set (claims stay one statement).
     quotas: QuotaLimits | None = None
+    # SPEC §3.6: asks about unknown jobs (proxy/background/reconcile.py), once housekeeping
+    # started it; None without a route that names a reconcile endpoint.
+    reconciler: Reconciler | None = None
 
     @classmethod
     def build(

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from urllib.parse import unquote
 
 from prometheus_client import Counter
@@ -36,7 +38,7 @@ from idemproxy.core.resolution import (
     releasable,
 )
 from idemproxy.core.types import Attempt, Evidence, Job, JobState
-from idemproxy.errors import InvalidRequest, StoreUnavailable
+from idemproxy.errors import InvalidRequest, OutcomeUnknown, ProblemError, StoreUnavailable
 from idemproxy.ops.resolution import ResponseRules, completed
 from idemproxy.ops.service import resolution_ttl
 from idemproxy.proxy.background.ask import Answered, ReconcileClient
@@ -110,12 +112,33 @@ class Reconciler:
         # A job is asked about once a pass at most, and first after the shortest backoff.
         self.youngest = min((e.reconcile.backoff for e in known), default=0.0)
 
+    def covers(self, job: Job) -> bool:
+        """Whether a reconcile endpoint may answer for `job` (by its path: cheap, no read)."""
+        return any(e.answers_for(job.path) for e in self._endpoints)
+
+    async def for_retry(self, job: Job) -> datetime | None:
+        """SPEC §3.6: a retry of `job` asks about it too, if a question is due. Then, if the job
+        is still `unknown`, when the next question is due (None: resolved meanwhile, or none
+        will be asked)."""
+        await self.reconcile(job.id)
+        found = await self._store.get_by_id(job.id)
+        if found is None or found.state is not JobState.UNKNOWN:
+            return None
+        attempt = asked_attempt(found)
+        endpoint = None if attempt is None else endpoint_for(found, attempt, self._endpoints)
+        if attempt is None or endpoint is None:
+            return None
+        last = attempt.checked_at or attempt.finished_at or attempt.started_at
+        if last is None:
+            return None
+        return last + timedelta(seconds=_due_after(endpoint.reconcile, attempt.checks))
+
     async def run_pass(self, batch_size: int) -> list[Result]:
         """Ask about every due `unknown` job (the oldest `batch_size` first)."""
         listed = await self._store.stale_unknown(self.youngest, batch_size)
         results = []
         for job in listed:
-            if any(e.answers_for(job.path) for e in self._endpoints):
+            if self.covers(job):
                 result = await self.reconcile(job.id)
                 if result is not None:
                     results.append(result)
@@ -183,6 +206,33 @@ class Reconciler:
                 return Result.UNKNOWN
 
 
+class RetryQuestion:
+    """SPEC §3.6: a retry of an `unknown` job asks about it once (if a question is due), and
+    its problem document then says when the next question is due (Retry-After, and the member
+    `next_check_at`)."""
+
+    __slots__ = ("asked", "next_check")
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.next_check: datetime | None = None
+
+    def may_ask(self, reconciler: Reconciler | None, job: Job) -> bool:
+        return not self.asked and reconciler is not None and reconciler.covers(job)
+
+    async def ask(self, reconciler: Reconciler | None, job: Job) -> None:
+        assert reconciler is not None, "may_ask said so"
+        self.asked = True
+        self.next_check = await reconciler.for_retry(job)
+
+    def next_check_of(self, problem: ProblemError) -> ProblemError:
+        if self.next_check is not None and isinstance(problem, OutcomeUnknown):
+            wait = (self.next_check - datetime.now(UTC)).total_seconds()
+            problem.retry_after = max(math.ceil(wait), 1)
+            problem.members = {"next_check_at": self.next_check.astimezone(UTC).isoformat()}
+        return problem
+
+
 def _due_after(settings: ReconcileSettings, checks: int) -> float:
     """Seconds after the last question (or the attempt's end) the next one is due: the backoff,
     plus the time the last one may still take to answer, so that two never overlap, whichever
@@ -204,12 +254,12 @@ def _evidence(answered: Answered, reading: Reading) -> Evidence:
 
 async def start_reconciling(
     settings: Settings, store: Store, counter: Counter, stack: AsyncExitStack
-) -> list[asyncio.Task[None]]:
-    """The background reconciler's task, if any route names a reconcile endpoint; its client
-    closes with `stack`. `counter`: `idemproxy_resolutions_total`."""
+) -> tuple[Reconciler | None, list[asyncio.Task[None]]]:
+    """The reconciler and its background task, if any route names a reconcile endpoint; its
+    client closes with `stack`. `counter`: `idemproxy_resolutions_total`."""
     known = endpoints(settings)
     if not known:
-        return []
+        return None, []
     # A response of up to max_stored_body, base64-coded in JSON, with room for its headers.
     client = ReconcileClient(settings.max_stored_body * 4 // 3 + _ANSWER_OVERHEAD)
     await client.open()
@@ -223,7 +273,7 @@ async def start_reconciling(
     running = reconcile_forever(
         reconciler, interval=sweeper.reconcile_interval, batch_size=sweeper.batch_size
     )
-    return [asyncio.create_task(running)]
+    return reconciler, [asyncio.create_task(running)]
 
 
 async def reconcile_forever(reconciler: Reconciler, *, interval: float, batch_size: int) -> None:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from idemproxy.constants import WAITER_RECHECK_SECONDS
 from idemproxy.core.decision import (
+    AskAbout,
     Forget,
     Hold,
     Reject,
@@ -36,6 +37,7 @@ from idemproxy.errors import (
     UpstreamTimeout,
 )
 from idemproxy.identity.ids import new_job_id
+from idemproxy.proxy.background.reconcile import RetryQuestion
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.jobs.jobrun import run_job
 from idemproxy.proxy.jobs.request import GovernedRequest
@@ -92,11 +94,13 @@ class _Seen:
     attempt lost its CAS: from then on the request only answers from that job, and never claims
     or starts an attempt again (one request, at most one execution)."""
 
-    __slots__ = ("job", "ran")
+    __slots__ = ("job", "question", "ran")
 
     def __init__(self, job: Job) -> None:
         self.job = job
         self.ran: str | None = None
+        # SPEC §3.6 (resolve): this request's one question about an unknown job.
+        self.question = RetryQuestion()
 
 
 async def _turns(
@@ -120,7 +124,10 @@ async def _turns(
         job = result.job
         _check_own(job, seen.ran)
         fingerprint = governed.intent.fingerprint
-        decision = decide(job, fingerprint, ctx.policy, wait_expired=loop.time() >= deadline)
+        ask = seen.question.may_ask(ctx.reconciler, job)
+        decision = decide(
+            job, fingerprint, ctx.policy, wait_expired=loop.time() >= deadline, ask=ask
+        )
         # The answers are given here, without a coroutine of their own: a replay is the hot path.
         match decision:
             # Class patterns without captures: a capture makes CPython build a set of the
@@ -143,7 +150,10 @@ async def _turns(
                 decoded = fit is not None and bool(fit.codings)
                 return replay_response(job.id, stored, ctx.replays, decoded=decoded)
             case Reject():
-                raise decision.problem()
+                raise seen.question.next_check_of(decision.problem())
+            case AskAbout():  # SPEC §3.6 (resolve): ask whether it executed, then decide again
+                await seen.question.ask(ctx.reconciler, job)
+                result = await _reread(governed, seen.ran)
             case _:
                 result = await _act(governed, job, decision, deadline=deadline, ran=seen.ran)
     raise RequestInFlight()
