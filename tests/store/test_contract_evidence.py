@@ -97,3 +97,49 @@ async def test_evidence_without_an_answer(store: Store) -> None:
     await store.record_evidence(job, 1, silent)
     found = await store.get_by_id(job.id)
     assert found is not None and found.attempts[0].evidence == (silent,)
+
+
+async def test_the_digest_of_what_an_attempt_sent_is_kept(store: Store) -> None:
+    job = await unknown_job(store)
+    await store.note_sent(job, 1, "d" * 64)
+    found = await store.get_by_id(job.id)
+    assert found is not None and found.attempts[0].sent_digest == "d" * 64
+
+
+async def test_one_retry_resends_an_unknown_job_within_the_window(store: Store) -> None:
+    job = await unknown_job(store)
+    tries = [
+        store.resend(job, 1, "primary", window=60, lease=LEASE, token=str(uuid.uuid4()))
+        for _ in range(4)
+    ]
+    won = [claimed for claimed in await asyncio.gather(*tries) if claimed is not None]
+    assert len(won) == 1
+    (claimed,) = won
+    assert claimed.attempt == 2
+    assert (claimed.job.state, claimed.job.version) == (JobState.IN_FLIGHT, job.version + 1)
+    # Its answer completes the job by the usual CAS; the unknown attempt stays what it was.
+    response = StoredResponse(201, (), b"the upstream's own answer")
+    assert await store.complete(claimed.job, 2, response, ttl=TTL)
+    done = await store.get_by_id(job.id)
+    assert done is not None and (done.state, done.completed_by) == (JobState.COMPLETED, 2)
+    assert [a.state.value for a in done.attempts] == ["unknown", "succeeded"]
+
+
+async def test_no_resend_past_the_window_by_the_database_clock(store: Store) -> None:
+    job = await unknown_job(store)
+    await asyncio.sleep(0.3)
+    assert (
+        await store.resend(job, 1, "primary", window=0.2, lease=LEASE, token=str(uuid.uuid4()))
+        is None
+    )
+    found = await store.get_by_id(job.id)
+    assert found is not None and (found.state, found.version) == (JobState.UNKNOWN, job.version)
+
+
+async def test_no_resend_of_a_job_resolved_meanwhile(store: Store) -> None:
+    job = await unknown_job(store)
+    assert await store.resolve(job, JobState.RELEASED)
+    assert (
+        await store.resend(job, 1, "primary", window=60, lease=LEASE, token=str(uuid.uuid4()))
+        is None
+    )

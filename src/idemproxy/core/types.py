@@ -101,6 +101,8 @@ class Attempt:
     checks: int = 0
     checked_at: datetime | None = None
     evidence: tuple[Evidence, ...] = ()
+    # SPEC §3.6: the digest of the request it sent, kept on routes whose upstream honours keys.
+    sent_digest: str | None = None
 
 
 class Job(NamedTuple):

@@ -238,6 +238,20 @@ class Store(abc.ABC):
         latest `MAX_EVIDENCE_ENTRIES`); read back by `get_by_id`."""
 
     @abc.abstractmethod
+    async def note_sent(self, job: Job, attempt: int, digest: str) -> None:
+        """SPEC §3.6: the digest of the request attempt `attempt` sends upstream."""
+
+    @abc.abstractmethod
+    async def resend(
+        self, job: Job, attempt: int, upstream: str, *, window: float, lease: float, token: str
+    ) -> Claimed | None:
+        """SPEC §3.6: CAS an `unknown` job back to `in_flight` with a new attempt on
+        `upstream`, sending the request again under the key the upstream honours; only while
+        attempt `attempt` (the one whose outcome is unknown) started less than `window`
+        seconds ago by the database clock. None if the CAS lost or the window has passed.
+        `token`: as in `start_next_attempt`."""
+
+    @abc.abstractmethod
     async def delete(self, job: Job, *, force: bool = False) -> bool:
         """CAS-delete the job at `job.version` with its attempts (SPEC §3.3); a job in flight
         whose lease is live by the database clock only with `force`. False: nothing deleted."""

@@ -76,6 +76,7 @@ def attempt_from_row(row: Row) -> Attempt:
         checks=row["checks"],
         checked_at=as_datetime(row["checked_at"]),
         evidence=evidence_from_json(row["evidence"]),
+        sent_digest=row["sent_digest"],
     )
 
 

@@ -189,6 +189,16 @@ class DelegatingStore(Store):
     async def record_evidence(self, job: Job, attempt: int, evidence: Evidence) -> None:
         await self.inner.record_evidence(job, attempt, evidence)
 
+    async def note_sent(self, job: Job, attempt: int, digest: str) -> None:
+        await self.inner.note_sent(job, attempt, digest)
+
+    async def resend(
+        self, job: Job, attempt: int, upstream: str, *, window: float, lease: float, token: str
+    ) -> Claimed | None:
+        return await self.inner.resend(
+            job, attempt, upstream, window=window, lease=lease, token=token
+        )
+
     async def delete(self, job: Job, *, force: bool = False) -> bool:
         return await self.inner.delete(job, force=force)
 

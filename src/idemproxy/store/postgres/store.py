@@ -598,6 +598,18 @@ class PostgresStore(Store):
         args = (job.owner, job.id, attempt, entry, MAX_EVIDENCE_ENTRIES)
         await self._execute("record_evidence", *args)
 
+    async def note_sent(self, job: Job, attempt: int, digest: str) -> None:
+        await self._execute("note_sent", job.owner, job.id, attempt, digest)
+
+    async def resend(
+        self, job: Job, attempt: int, upstream: str, *, window: float, lease: float, token: str
+    ) -> Claimed | None:
+        change = ("resend_job", (*_cas(job), float(lease), token, attempt, float(window)))
+        row = await self._run(
+            "resend", lambda c: change_then_add_attempt(c, self._sql, change, upstream)
+        )
+        return _claimed(row)
+
     async def delete(self, job: Job, *, force: bool = False) -> bool:
         return await self._announced(job, await self._fetchrow("delete_job", *_cas(job), force))
 

@@ -297,6 +297,18 @@ class SqliteStore(Store):
                   "entry": evidence_to_json(evidence), "keep": MAX_EVIDENCE_ENTRIES}  # fmt: skip
         await self._write("write", self._q.changed, "record_evidence", params)
 
+    async def note_sent(self, job: Job, attempt: int, digest: str) -> None:
+        params = {"owner": job.owner, "job_id": job.id, "number": attempt, "digest": digest}
+        await self._write("write", self._q.changed, "note_sent", params)
+
+    async def resend(
+        self, job: Job, attempt: int, upstream: str, *, window: float, lease: float, token: str
+    ) -> Claimed | None:
+        fields = {"number": attempt, "window": float(window)}
+        return await self._write(
+            "write", self._q.resend, job, upstream, float(lease), token, fields
+        )
+
     async def delete(self, job: Job, *, force: bool = False) -> bool:
         params = cas(job) | {"force": force}
         won = await self._write("write", self._q.changed, "delete_job", params)

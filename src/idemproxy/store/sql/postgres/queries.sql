@@ -140,7 +140,8 @@ WHERE id = $1;
 
 -- name: get_attempts
 SELECT number, upstream, state, status, error, started_at, finished_at,
-       octet_length(late_body) AS late_bytes, checks, checked_at, evidence::text AS evidence
+       octet_length(late_body) AS late_bytes, checks, checked_at, evidence::text AS evidence,
+       sent_digest
 FROM idemproxy.attempts
 WHERE owner = $1 AND job_id = $2
 ORDER BY number;
@@ -611,3 +612,26 @@ SET evidence = (
           ORDER BY n DESC LIMIT $5) AS latest
 )
 WHERE owner = $1 AND job_id = $2 AND number = $3;
+
+-- name: note_sent
+-- SPEC §3.6: the digest of the request attempt $3 sent, on a route whose upstream honours keys.
+UPDATE idemproxy.attempts SET sent_digest = $4
+WHERE owner = $1 AND job_id = $2 AND number = $3;
+
+-- name: resend_job
+-- SPEC §3.6: of the retries of an `unknown` job, one wins this CAS and sends the request again
+-- under the key its upstream honours, as a new attempt (inserted after, by `add_attempt_row`):
+-- only while attempt $6, the one whose outcome is unknown, started less than $7 seconds ago by
+-- the database clock (the upstream's window). $5: the caller's token (`started_by`).
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now(),
+        started_by = $5
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'unknown'
+      AND EXISTS (SELECT 1 FROM idemproxy.attempts AS a
+                  WHERE a.owner = $1 AND a.job_id = $2 AND a.number = $6
+                    AND a.started_at > now() - make_interval(secs => $7))
+    RETURNING *
+)
+SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;

@@ -54,7 +54,7 @@ WHERE id = :id;
 
 -- name: get_attempts
 SELECT number, upstream, state, status, error, started_at, finished_at,
-       length(late_body) AS late_bytes, checks, checked_at, evidence
+       length(late_body) AS late_bytes, checks, checked_at, evidence, sent_digest
 FROM attempts
 WHERE owner = :owner AND job_id = :job_id
 ORDER BY number;
@@ -298,3 +298,19 @@ SET evidence = (
           ORDER BY n)
 )
 WHERE owner = :owner AND job_id = :job_id AND number = :number;
+
+-- name: note_sent
+-- SPEC §3.6: see the PostgreSQL query `note_sent`.
+UPDATE attempts SET sent_digest = :digest
+WHERE owner = :owner AND job_id = :job_id AND number = :number;
+
+-- name: resend_job
+-- SPEC §3.6: see the PostgreSQL query `resend_job`.
+UPDATE jobs
+SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
+    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0, started_by = :started_by
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'unknown'
+  AND EXISTS (SELECT 1 FROM attempts AS a
+              WHERE a.owner = :owner AND a.job_id = :id AND a.number = :number
+                AND a.started_at > (julianday('now') - 2440587.5) * 86400.0 - :window);

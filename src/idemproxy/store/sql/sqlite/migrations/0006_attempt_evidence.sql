@@ -3,3 +3,4 @@
 ALTER TABLE attempts ADD COLUMN checks INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE attempts ADD COLUMN checked_at REAL;
 ALTER TABLE attempts ADD COLUMN evidence TEXT;
+ALTER TABLE attempts ADD COLUMN sent_digest TEXT;
