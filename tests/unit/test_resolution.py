@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from idemproxy.core.attempts import Outcome
 from idemproxy.core.resolution import (
     Backoff,
     Question,
@@ -16,11 +17,13 @@ from idemproxy.core.resolution import (
     ResendAsk,
     Verdict,
     asked_attempt,
+    first_sent,
     may_resend,
     next_check,
     read_reconcile_answer,
     read_resend_answer,
     releasable,
+    resend_outcome,
 )
 from idemproxy.core.types import Attempt, AttemptState, Job, JobState, StoredResponse
 
@@ -142,50 +145,71 @@ def ask(**changes: Any) -> ResendAsk:
     return ResendAsk(**fields)
 
 
+def sent(number: int, state: AttemptState, *, at: datetime = T0, **changes: Any) -> Attempt:
+    fields: dict[str, Any] = {"upstream": UPSTREAM, "started_at": at, "sent_digest": "s1"}
+    fields.update(changes)
+    return Attempt(number, state=state, **fields)
+
+
+SENT_ONCE = unknown_job(sent(1, AttemptState.UNKNOWN))
+
+
 def test_resend_within_the_window_of_the_same_request_to_the_same_upstream() -> None:
-    assert may_resend(unknown_job(), ask(), window=3600, first_sent="s1") is Resend.ALLOWED
+    assert may_resend(SENT_ONCE, ask(), window=3600) is Resend.ALLOWED
+    # Again after a resend that proved nothing: the window still counts from the first send.
+    twice = unknown_job(
+        sent(1, AttemptState.UNKNOWN), sent(2, AttemptState.UNKNOWN, at=T0 + timedelta(hours=1))
+    )
+    assert may_resend(twice, ask(now=T0 + timedelta(minutes=61)), window=3600) is (
+        Resend.WINDOW_PASSED
+    )
+    assert may_resend(twice, ask(), window=3600) is Resend.ALLOWED
+    # A first attempt that failed (connect refused) never reached the upstream.
+    after_failure = unknown_job(
+        sent(1, AttemptState.FAILED, at=T0 - timedelta(days=3), sent_digest=None),
+        sent(2, AttemptState.UNKNOWN),
+    )
+    assert may_resend(after_failure, ask(), window=3600) is Resend.ALLOWED
+    assert first_sent(after_failure) == after_failure.attempts[1]
 
 
 @pytest.mark.parametrize(
-    ("job", "request_", "window", "first_sent", "expected"),
+    ("job", "request_", "window", "expected"),
     [
-        (unknown_job(), ask(), None, "s1", Resend.NOT_DECLARED),
-        (unknown_job()._replace(state=JobState.RELEASED), ask(), 3600, "s1", Resend.NOT_UNKNOWN),
-        (unknown_job(), ask(now=T0 + timedelta(hours=1)), 3600, "s1", Resend.WINDOW_PASSED),
-        (unknown_job(), ask(sent="s2"), 3600, "s1", Resend.DIFFERENT_REQUEST),
-        (unknown_job(), ask(), 3600, None, Resend.DIFFERENT_REQUEST),
-        (unknown_job(), ask(fingerprint="0" * 64), 3600, "s1", Resend.DIFFERENT_REQUEST),
-        (unknown_job(), ask(upstream="http://fallback"), 3600, "s1", Resend.DIFFERENT_UPSTREAM),
+        (SENT_ONCE, ask(), None, Resend.NOT_DECLARED),
+        (SENT_ONCE._replace(state=JobState.RELEASED), ask(), 3600, Resend.NOT_UNKNOWN),
+        (unknown_job(sent(1, AttemptState.FAILED)), ask(), 3600, Resend.NO_ATTEMPT),
+        (SENT_ONCE, ask(now=T0 + timedelta(hours=1)), 3600, Resend.WINDOW_PASSED),
+        (unknown_job(sent(1, AttemptState.UNKNOWN, started_at=None)), ask(), 3600,
+         Resend.WINDOW_PASSED),
+        (SENT_ONCE, ask(sent="s2"), 3600, Resend.DIFFERENT_REQUEST),
+        (unknown_job(sent(1, AttemptState.UNKNOWN, sent_digest=None)), ask(), 3600,
+         Resend.DIFFERENT_REQUEST),
+        (SENT_ONCE, ask(fingerprint="0" * 64), 3600, Resend.DIFFERENT_REQUEST),
+        (SENT_ONCE, ask(upstream="http://fallback"), 3600, Resend.DIFFERENT_UPSTREAM),
         (
             unknown_job(
-                Attempt(1, UPSTREAM, AttemptState.UNKNOWN, started_at=T0),
-                Attempt(2, "http://b", AttemptState.UNKNOWN, started_at=T0),
+                sent(1, AttemptState.UNKNOWN), sent(2, AttemptState.UNKNOWN, upstream="http://b")
             ),
             ask(),
             3600,
-            "s1",
-            Resend.NO_ATTEMPT,
-        ),
-        (
-            unknown_job(Attempt(1, UPSTREAM, AttemptState.UNKNOWN)),
-            ask(),
-            3600,
-            "s1",
-            Resend.WINDOW_PASSED,
+            Resend.DIFFERENT_UPSTREAM,
         ),
     ],
-)
+)  # fmt: skip
 def test_resend_refused(
-    job: Job, request_: ResendAsk, window: float | None, first_sent: str | None, expected: Resend
+    job: Job, request_: ResendAsk, window: float | None, expected: Resend
 ) -> None:
-    assert may_resend(job, request_, window=window, first_sent=first_sent) is expected
+    assert may_resend(job, request_, window=window) is expected
 
 
 @pytest.mark.parametrize("status", [200, 201, 400, 402, 404, 422])
 def test_a_final_answer_to_the_resend_completes(status: int) -> None:
     assert read_resend_answer(status) is Verdict.EXECUTED
+    assert resend_outcome(status) is Outcome.COMPLETE
 
 
 @pytest.mark.parametrize("status", [None, 408, 409, 425, 429, 500, 502, 503, 504])
 def test_an_answer_that_proves_nothing_leaves_it_unknown(status: int | None) -> None:
     assert read_resend_answer(status) is Verdict.UNKNOWN
+    assert resend_outcome(status) is Outcome.UNKNOWN

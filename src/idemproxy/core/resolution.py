@@ -17,11 +17,11 @@ import base64
 import binascii
 import enum
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from idemproxy.core.attempts import Outcome
 from idemproxy.core.types import Attempt, AttemptState, HeaderPairs, Job, JobState, StoredResponse
 
 
@@ -180,7 +180,7 @@ class Resend(enum.StrEnum):
     ALLOWED = "allowed"
     NOT_DECLARED = "not_declared"  # the route does not declare that its upstream honours keys
     NOT_UNKNOWN = "not_unknown"
-    NO_ATTEMPT = "no_attempt"  # no attempt of it is unknown, or several may have executed
+    NO_ATTEMPT = "no_attempt"  # no attempt of it may have executed
     WINDOW_PASSED = "window_passed"
     DIFFERENT_REQUEST = "different_request"
     DIFFERENT_UPSTREAM = "different_upstream"
@@ -197,31 +197,40 @@ class ResendAsk:
     now: datetime
 
 
-def may_resend(job: Job, ask: ResendAsk, *, window: float | None, first_sent: str | None) -> Resend:
+def first_sent(job: Job) -> Attempt | None:
+    """The first attempt of the job that may have reached its upstream (any but a failed one,
+    SPEC §3.2): the upstream's window for the key counts from its start."""
+    return next((a for a in job.attempts if a.state is not AttemptState.FAILED), None)
+
+
+def may_resend(job: Job, ask: ResendAsk, *, window: float | None) -> Resend:
     """SPEC §3.6: only on a route that declares its upstream honours the key (`window`), within
-    that window counted from the unknown attempt's start, for the very request the attempt sent
-    (`first_sent`, its digest; the fingerprint alone ignores excluded JSON members and key
-    order), to the very upstream it went to."""
+    that window counted from the first attempt that may have reached it, for the very request
+    every such attempt sent (their `sent_digest`: the fingerprint alone ignores excluded JSON
+    members and key order), to the very upstream they all went to (hedged attempts on another
+    upstream may have executed there, under a key that upstream never connects to this one)."""
     if window is None:
         return Resend.NOT_DECLARED
     if job.state is not JobState.UNKNOWN:
         return Resend.NOT_UNKNOWN
-    attempt = asked_attempt(job)
-    if attempt is None or not _only_unknown(job.attempts, attempt.number):
+    first = first_sent(job)
+    if first is None:
         return Resend.NO_ATTEMPT
-    if attempt.started_at is None or ask.now >= attempt.started_at + timedelta(seconds=window):
+    if first.started_at is None or ask.now >= first.started_at + timedelta(seconds=window):
         return Resend.WINDOW_PASSED
-    if ask.fingerprint != job.fingerprint or first_sent is None or first_sent != ask.sent:
+    sent = [a for a in job.attempts if a.state is not AttemptState.FAILED]
+    if ask.fingerprint != job.fingerprint or any(a.sent_digest != ask.sent for a in sent):
         return Resend.DIFFERENT_REQUEST
-    if ask.upstream != attempt.upstream:
+    if any(a.upstream != ask.upstream for a in sent):
         return Resend.DIFFERENT_UPSTREAM
     return Resend.ALLOWED
 
 
-def _only_unknown(attempts: Sequence[Attempt], number: int) -> bool:
-    """Hedged attempts on several upstreams may each have executed: the key one honours says
-    nothing about another's."""
-    return all(a.number == number or a.state is AttemptState.FAILED for a in attempts)
+def resend_outcome(status: int | None) -> Outcome:
+    """What the upstream's answer to the request sent again does to the job: a final answer
+    completes it; anything else (`read_resend_answer`) leaves it unknown, never released: an
+    earlier attempt may have executed, whatever this one did."""
+    return Outcome.COMPLETE if read_resend_answer(status) is Verdict.EXECUTED else Outcome.UNKNOWN
 
 
 # RFC 9110 §15.5.9 408, §15.5.10 409 (Stripe and others: the first request is still being

@@ -247,9 +247,9 @@ class Store(abc.ABC):
     ) -> Claimed | None:
         """SPEC §3.6: CAS an `unknown` job back to `in_flight` with a new attempt on
         `upstream`, sending the request again under the key the upstream honours; only while
-        attempt `attempt` (the one whose outcome is unknown) started less than `window`
-        seconds ago by the database clock. None if the CAS lost or the window has passed.
-        `token`: as in `start_next_attempt`."""
+        attempt `attempt` (the first that may have reached the upstream, where its window
+        starts) started less than `window` seconds ago by the database clock. None if the CAS
+        lost or the window has passed. `token`: as in `start_next_attempt`."""
 
     @abc.abstractmethod
     async def delete(self, job: Job, *, force: bool = False) -> bool:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from urllib.parse import unquote
 
 from prometheus_client import Counter
@@ -38,7 +37,7 @@ from idemproxy.core.resolution import (
     releasable,
 )
 from idemproxy.core.types import Attempt, Evidence, Job, JobState
-from idemproxy.errors import InvalidRequest, OutcomeUnknown, ProblemError, StoreUnavailable
+from idemproxy.errors import InvalidRequest, StoreUnavailable
 from idemproxy.ops.resolution import ResponseRules, completed
 from idemproxy.ops.service import resolution_ttl
 from idemproxy.proxy.background.ask import Answered, ReconcileClient
@@ -204,33 +203,6 @@ class Reconciler:
                 return Result.RELEASED if won else Result.LOST
             case _:
                 return Result.UNKNOWN
-
-
-class RetryQuestion:
-    """SPEC §3.6: a retry of an `unknown` job asks about it once (if a question is due), and
-    its problem document then says when the next question is due (Retry-After, and the member
-    `next_check_at`)."""
-
-    __slots__ = ("asked", "next_check")
-
-    def __init__(self) -> None:
-        self.asked = False
-        self.next_check: datetime | None = None
-
-    def may_ask(self, reconciler: Reconciler | None, job: Job) -> bool:
-        return not self.asked and reconciler is not None and reconciler.covers(job)
-
-    async def ask(self, reconciler: Reconciler | None, job: Job) -> None:
-        assert reconciler is not None, "may_ask said so"
-        self.asked = True
-        self.next_check = await reconciler.for_retry(job)
-
-    def next_check_of(self, problem: ProblemError) -> ProblemError:
-        if self.next_check is not None and isinstance(problem, OutcomeUnknown):
-            wait = (self.next_check - datetime.now(UTC)).total_seconds()
-            problem.retry_after = max(math.ceil(wait), 1)
-            problem.members = {"next_check_at": self.next_check.astimezone(UTC).isoformat()}
-        return problem
 
 
 def _due_after(settings: ReconcileSettings, checks: int) -> float:

@@ -35,6 +35,7 @@ from idemproxy.core.attempts import (
     response_handling,
     settled_state,
 )
+from idemproxy.core.resolution import resend_outcome
 from idemproxy.core.types import HeaderPairs, Job, StoredResponse
 from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
@@ -83,6 +84,10 @@ class AttemptRun:
     number: int
     upstream: str
     mode: Mode = Mode.FINAL
+    # SPEC §3.6 (resolve): the request sent again under the key its upstream honours, after an
+    # attempt whose outcome is unknown: only a final answer completes the job, anything else
+    # leaves it unknown (never released: the earlier attempt may have executed).
+    resend: bool = False
 
 
 Step = web.StreamResponse | Failed | None
@@ -141,6 +146,8 @@ async def _forward(
             return step
     except UpstreamFailure as failure:
         outcome, problem = classify_failure(failure.failure)
+        if attempt.resend:  # SPEC §3.6 (resolve)
+            outcome = resend_outcome(None)
         _observe_upstream(ctx, attempt, started, UpstreamOutcome(outcome.value))
         _log_failure(governed, attempt, failure)
         if ctx.tracing is not None:
@@ -158,6 +165,8 @@ async def _on_response(
 ) -> Step:
     ctx = governed.ctx
     outcome = classify_response(upstream.status, ctx.statuses)
+    if attempt.resend:  # SPEC §3.6 (resolve)
+        outcome = resend_outcome(upstream.status)
     handling = response_handling(
         outcome,
         attempt.mode,

@@ -37,10 +37,9 @@ from idemproxy.errors import (
     UpstreamTimeout,
 )
 from idemproxy.identity.ids import new_job_id
-from idemproxy.proxy.background.reconcile import RetryQuestion
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.jobs.jobrun import run_job
 from idemproxy.proxy.jobs.request import GovernedRequest
+from idemproxy.proxy.jobs.unknown import RetryQuestion, run_claimed
 from idemproxy.proxy.server.capture import drop_unsent
 from idemproxy.proxy.server.fit import fitted, unfit
 from idemproxy.proxy.server.replay import replay_response
@@ -124,7 +123,7 @@ async def _turns(
         job = result.job
         _check_own(job, seen.ran)
         fingerprint = governed.intent.fingerprint
-        ask = seen.question.may_ask(ctx.reconciler, job)
+        ask = seen.question.may_ask(ctx, job)
         decision = decide(
             job, fingerprint, ctx.policy, wait_expired=loop.time() >= deadline, ask=ask
         )
@@ -151,9 +150,9 @@ async def _turns(
                 return replay_response(job.id, stored, ctx.replays, decoded=decoded)
             case Reject():
                 raise seen.question.next_check_of(decision.problem())
-            case AskAbout():  # SPEC §3.6 (resolve): ask whether it executed, then decide again
-                await seen.question.ask(ctx.reconciler, job)
-                result = await _reread(governed, seen.ran)
+            case AskAbout():  # SPEC §3.6 (resolve): send again or ask, then decide again
+                resent = await seen.question.ask(governed, job, ran=seen.ran is not None)
+                result = resent or await _reread(governed, seen.ran)
             case _:
                 result = await _act(governed, job, decision, deadline=deadline, ran=seen.ran)
     raise RequestInFlight()
@@ -234,7 +233,7 @@ def _check_own(job: Job, ran: str | None) -> None:
 async def run_shielded(governed: GovernedRequest, claimed: Claimed) -> web.StreamResponse | None:
     """SPEC §2: the client disconnecting must not cancel the upstream call or the completion."""
     ctx = governed.ctx
-    task = asyncio.create_task(run_job(governed, claimed))
+    task = asyncio.create_task(run_claimed(governed, claimed))  # SPEC §3.6 (resolve)
     ctx.attempts.add(task)
     task.add_done_callback(ctx.attempts.discard)
     try:
