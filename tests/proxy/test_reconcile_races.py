@@ -143,3 +143,17 @@ async def test_never_executed_does_not_release_a_job_another_attempt_may_have_ru
     found = await store.get_by_id(claimed.job.id)
     assert found is not None and found.state is JobState.UNKNOWN
     assert found.attempts[1].evidence[-1].reason == "never executed, but another attempt may have"
+
+
+async def test_old_jobs_no_answer_resolves_never_keep_new_ones_waiting(
+    store: Store, client: ReconcileClient, backend: str, payments: Payments
+) -> None:
+    for n in range(3):  # on a route without an endpoint: never asked about
+        intent = Intent("alice", f"old-{n}", "fp", "POST", "/elsewhere")
+        old = await store.claim(intent, str(uuid.uuid4()), backend, ttl=TTL, lease=30)
+        assert isinstance(old, Claimed)
+        assert await store.settle(old.job, 1, JobState.UNKNOWN, error="timeout")
+    await asyncio.sleep(0.01)
+    _, job = await unknown_job(store, backend, "new")
+    executed(payments, job)
+    assert await reconciler(store, client, backend).run_pass(batch_size=2) == [Result.COMPLETED]

@@ -108,8 +108,6 @@ class Reconciler:
         self._endpoints = tuple(known)
         self._rules = rules
         self._on_result = on_result
-        # A job is asked about once a pass at most, and first after the shortest backoff.
-        self.youngest = min((e.reconcile.backoff for e in known), default=0.0)
 
     def covers(self, job: Job) -> bool:
         """Whether a reconcile endpoint may answer for `job` (by its path: cheap, no read)."""
@@ -133,8 +131,9 @@ class Reconciler:
         return last + timedelta(seconds=_due_after(endpoint.reconcile, attempt.checks))
 
     async def run_pass(self, batch_size: int) -> list[Result]:
-        """Ask about every due `unknown` job (the oldest `batch_size` first)."""
-        listed = await self._store.stale_unknown(self.youngest, batch_size)
+        """Ask about every due `unknown` job among the newest `batch_size`: old ones that no
+        answer resolves (or on routes without an endpoint) never keep new ones waiting."""
+        listed = await self._store.list_jobs(state=JobState.UNKNOWN, limit=batch_size)
         results = []
         for job in listed:
             if self.covers(job):
