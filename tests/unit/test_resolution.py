@@ -19,7 +19,6 @@ from idemproxy.core.resolution import (
     asked_attempt,
     first_sent,
     may_resend,
-    next_check,
     read_reconcile_answer,
     read_resend_answer,
     releasable,
@@ -127,13 +126,10 @@ def test_never_executed_releases_only_when_no_other_attempt_may_have() -> None:
     assert not releasable(one._replace(state=JobState.COMPLETED), 2)
 
 
-def test_backoff_doubles_up_to_its_longest() -> None:
-    backoff = Backoff(5.0, 60.0)
-    assert next_check(T0, 0, None, backoff) == T0 + timedelta(seconds=5)
-    assert next_check(T0, 1, T0, backoff) == T0 + timedelta(seconds=10)
-    assert next_check(T0, 3, T0, backoff) == T0 + timedelta(seconds=40)
-    assert next_check(T0, 4, T0, backoff) == T0 + timedelta(seconds=60)
-    assert next_check(T0, 10_000, T0, backoff) == T0 + timedelta(seconds=60)
+def test_backoff_doubles_up_to_its_longest_after_each_answer_was_due() -> None:
+    backoff = Backoff(5.0, 60.0, answer_within=2.0)
+    assert backoff.due_after(0) == 5
+    assert [backoff.due_after(n) for n in (1, 2, 3, 4, 10_000)] == [12, 22, 42, 62, 62]
 
 
 def ask(**changes: Any) -> ResendAsk:

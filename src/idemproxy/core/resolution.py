@@ -4,7 +4,7 @@
 * `read_reconcile_answer` says what a reconcile endpoint's answer proves about the attempt it
   was asked about: executed (with its response), never executed, or nothing;
 * `releasable` says whether "never executed" about one attempt releases its job;
-* `next_check` says when the next question is due (backoff), from the evidence kept;
+* `Backoff` says when the next question is due;
 * `may_resend` says whether a retry of an `unknown` job may go upstream again under the key
   the upstream honours; `read_resend_answer` what that upstream's answer proves.
 
@@ -155,23 +155,20 @@ def releasable(job: Job, attempt: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
-    """The wait before the first question, doubled after each, up to `longest`."""
+    """When questions about an attempt are due: `first` seconds after it ended, then each time
+    the time a question may take (`answer_within`, the endpoint's timeout) plus a wait that
+    doubles from `first` up to `longest`, so that two questions never overlap, whichever
+    replica asks them."""
 
     first: float
     longest: float
+    answer_within: float
 
-    def after(self, checks: int) -> float:
-        return min(self.first * float(2 ** min(checks, 32)), self.longest)
-
-
-def next_check(
-    unknown_since: datetime, checks: int, last_checked: datetime | None, backoff: Backoff
-) -> datetime:
-    """When the next question about an attempt is due: `backoff.first` after it became
-    unknown, then doubling after each question asked (`checks`, the last at `last_checked`)."""
-    if checks == 0 or last_checked is None:
-        return unknown_since + timedelta(seconds=backoff.first)
-    return last_checked + timedelta(seconds=backoff.after(checks))
+    def due_after(self, checks: int) -> float:
+        """Seconds after the last of `checks` questions (or the attempt's end, for the first)."""
+        if checks == 0:
+            return self.first
+        return self.answer_within + min(self.first * float(2 ** min(checks, 32)), self.longest)
 
 
 class Resend(enum.StrEnum):

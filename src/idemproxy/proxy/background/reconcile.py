@@ -205,11 +205,7 @@ class Reconciler:
 
 
 def _due_after(settings: ReconcileSettings, checks: int) -> float:
-    """Seconds after the last question (or the attempt's end) the next one is due: the backoff,
-    plus the time the last one may still take to answer, so that two never overlap, whichever
-    replica asks (a slow endpoint is not asked again while it may still be answering)."""
-    backoff = Backoff(settings.backoff, settings.max_backoff)
-    return backoff.first if checks == 0 else settings.timeout + backoff.after(checks)
+    return Backoff(settings.backoff, settings.max_backoff, settings.timeout).due_after(checks)
 
 
 def _evidence(answered: Answered, reading: Reading) -> Evidence:
