@@ -303,6 +303,9 @@ class Metrics:
             "was resolved otherwise meanwhile, by an operator or another replica).",
             ["way", "result"],
         )
+        for way in ("reconcile", "upstream_key"):  # core/resolution.py `Way`
+            for result in ("completed", "released", "unknown", "lost"):
+                self.resolutions.labels(way, result)  # every series from the start
         self.client_disconnects = self._counter(
             "client_disconnects",
             "Clients that hung up mid-request, by stage: request_body (before it was complete; "
