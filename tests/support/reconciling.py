@@ -28,7 +28,10 @@ from tests.support.proxyapp import Server
 
 HONEST = "honest"
 # Hostile answers: none of them proves anything.
-HOSTILE = ("garbage", "html", "error", "other_job", "other_attempt", "slow", "maybe", "reset")
+HOSTILE = (
+    "garbage", "html", "error", "other_job", "other_attempt", "slow", "maybe", "reset",
+    "unreplayable",
+)  # fmt: skip
 
 
 @dataclass
@@ -105,6 +108,9 @@ class Payments:
                 return web.json_response({**honest, "executed": False})
             case "maybe":
                 return web.json_response({**honest, "executed": "probably not"})
+            case "unreplayable":  # a header no replay may carry
+                response = {"status": 200, "headers": [["Transfer-Encoding", "chunked"]]}
+                return web.json_response({**honest, "executed": True, "response": response})
             case "reset":
                 assert request.transport is not None
                 request.transport.close()

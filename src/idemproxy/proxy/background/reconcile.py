@@ -174,14 +174,16 @@ class Reconciler:
         reading = read_reconcile_answer(question, answered.status, answered.body)
         if reading.verdict is Verdict.NOT_EXECUTED and not releasable(job, question.attempt):
             return Reading(Verdict.UNKNOWN, "never executed, but another attempt may have")
-        if reading.response is not None:
-            # Replayed to every client of the job: held to what an operator's may be (§3.3).
-            response = reading.response
-            try:
-                completed(response.status, response.headers, response.body or b"", self._rules)
-            except InvalidRequest as refused:
-                return Reading(Verdict.UNKNOWN, f"executed, but not replayable: {refused}")
-        return reading
+        if reading.response is None:
+            return reading
+        # Replayed to every client of the job: held to what an operator's may be (§3.3), and
+        # stored as one is.
+        given = reading.response
+        try:
+            checked = completed(given.status, given.headers, given.body or b"", self._rules)
+        except InvalidRequest as refused:
+            return Reading(Verdict.UNKNOWN, f"executed, but not replayable: {refused}")
+        return Reading(Verdict.EXECUTED, reading.reason, checked.response)
 
     async def _settle(self, job: Job, reading: Reading, endpoint: Endpoint) -> Result:
         match reading.verdict:
