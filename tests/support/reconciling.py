@@ -76,22 +76,32 @@ class Payments:
         self.question_headers.append(dict(request.headers))
         if self.before_answer is not None:
             await self.before_answer(question)
-        return await self._answer(question, request)
+        if self.mode == HONEST:
+            return self._honest(question)
+        return await self._hostile(question, request)
 
-    async def _answer(self, question: dict[str, Any], request: web.Request) -> web.StreamResponse:
+    def _honest(self, question: dict[str, Any]) -> web.Response:
         job, attempt = question["job"], question["attempt"]
-        if self.mode == HONEST and (job, attempt) in self.running:
+        if (job, attempt) in self.running:
             return web.json_response({"job": job, "attempt": attempt}, status=409)
-        executed = (job, attempt) in self.answers
-        if not executed and self.mode == HONEST:
+        if (job, attempt) not in self.answers:
             self.tombstones.add((job, attempt))
-        honest: dict[str, Any] = {"job": job, "attempt": attempt, "executed": executed}
+        return web.json_response(self._truth(question))
+
+    def _truth(self, question: dict[str, Any]) -> dict[str, Any]:
+        job, attempt = question["job"], question["attempt"]
+        executed = (job, attempt) in self.answers
+        truth: dict[str, Any] = {"job": job, "attempt": attempt, "executed": executed}
         if executed:
-            honest["response"] = {
+            truth["response"] = {
                 "status": 201,
                 "headers": [["Content-Type", "application/json"]],
                 "body": json.dumps(self.answers[(job, attempt)]),
             }
+        return truth
+
+    async def _hostile(self, question: dict[str, Any], request: web.Request) -> web.StreamResponse:
+        honest, attempt = self._truth(question), question["attempt"]
         match self.mode:
             case "garbage":
                 return web.Response(body=b"\x00{not json")
@@ -115,7 +125,8 @@ class Payments:
                 assert request.transport is not None
                 request.transport.close()
                 return web.Response()
-        return web.json_response(honest)
+            case _:
+                raise AssertionError(f"no such mode: {self.mode}")
 
 
 @asynccontextmanager

@@ -27,7 +27,7 @@ from idemproxy.core.resolution import (
     may_resend,
     read_resend_answer,
 )
-from idemproxy.core.types import Claimed, Evidence, Job
+from idemproxy.core.types import Claimed, Evidence, Job, JobState
 from idemproxy.errors import OutcomeUnknown, ProblemError, StoreUnavailable
 from idemproxy.identity.ids import new_job_id
 from idemproxy.proxy.context import ProxyContext
@@ -59,7 +59,8 @@ class RetryQuestion:
         self.next_check: datetime | None = None
 
     def may_ask(self, ctx: ProxyContext, job: Job) -> bool:
-        if self.asked:
+        # The state first: this runs on every turn of the loop, every replay's included.
+        if job.state is not JobState.UNKNOWN or self.asked:
             return False
         resender, reconciler = ctx.resender, ctx.reconciler
         return (resender is not None and resender.covers(job)) or (
