@@ -54,7 +54,7 @@ WHERE id = :id;
 
 -- name: get_attempts
 SELECT number, upstream, state, status, error, started_at, finished_at,
-       length(late_body) AS late_bytes
+       length(late_body) AS late_bytes, checks, checked_at, evidence, sent_digest
 FROM attempts
 WHERE owner = :owner AND job_id = :job_id
 ORDER BY number;
@@ -274,3 +274,43 @@ UPDATE attempts
 SET late_headers = NULL, late_body = :box, late_key = :key_id
 WHERE owner = :owner AND job_id = :job_id AND number = :number AND late_body IS NOT NULL
   AND late_key IS :read_with;
+
+-- name: claim_check
+-- SPEC §3.6: see the PostgreSQL query `claim_check`.
+UPDATE attempts
+SET checks = checks + 1, checked_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE owner = :owner AND job_id = :job_id AND number = :number AND checks = :checks
+  AND coalesce(checked_at, finished_at, started_at)
+      <= (julianday('now') - 2440587.5) * 86400.0 - :due_after
+  AND EXISTS (SELECT 1 FROM jobs
+              WHERE owner = :owner AND id = :job_id AND state = 'unknown'
+                AND version = :version);
+
+-- name: record_evidence
+-- SPEC §3.6: see the PostgreSQL query `record_evidence`.
+UPDATE attempts
+SET evidence = (
+    SELECT json_group_array(json(value))
+    FROM (SELECT value, n
+          FROM (SELECT value, key AS n
+                FROM json_each(json_insert(coalesce(evidence, '[]'), '$[#]', json(:entry)))
+                ORDER BY n DESC LIMIT :keep)
+          ORDER BY n)
+)
+WHERE owner = :owner AND job_id = :job_id AND number = :number;
+
+-- name: note_sent
+-- SPEC §3.6: see the PostgreSQL query `note_sent`.
+UPDATE attempts SET sent_digest = :digest
+WHERE owner = :owner AND job_id = :job_id AND number = :number;
+
+-- name: resend_job
+-- SPEC §3.6: see the PostgreSQL query `resend_job`.
+UPDATE jobs
+SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
+    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0, started_by = :started_by
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'unknown'
+  AND EXISTS (SELECT 1 FROM attempts AS a
+              WHERE a.owner = :owner AND a.job_id = :id AND a.number = :number
+                AND a.started_at > (julianday('now') - 2440587.5) * 86400.0 - :window);
