@@ -157,3 +157,17 @@ async def test_old_jobs_no_answer_resolves_never_keep_new_ones_waiting(
     _, job = await unknown_job(store, backend, "new")
     executed(payments, job)
     assert await reconciler(store, client, backend).run_pass(batch_size=2) == [Result.COMPLETED]
+
+
+async def test_one_pass_asks_about_every_due_job_not_only_the_newest(
+    store: Store, client: ReconcileClient, backend: str, payments: Payments
+) -> None:
+    jobs = [(await unknown_job(store, backend, f"k{n}"))[1] for n in range(5)]
+    for job in jobs:
+        executed(payments, job)
+    assert await reconciler(store, client, backend).run_pass(batch_size=2) == [
+        Result.COMPLETED
+    ] * len(jobs)
+    for job in jobs:
+        found = await store.get_by_id(job.id)
+        assert found is not None and found.state is JobState.COMPLETED

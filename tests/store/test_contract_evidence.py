@@ -9,6 +9,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from idemproxy.constants import MAX_EVIDENCE_ENTRIES
+from idemproxy.core.resolution import Backoff
 from idemproxy.core.types import Claimed, Evidence, Intent, Job, JobState, StoredResponse
 from idemproxy.store.base import Store
 
@@ -143,3 +144,37 @@ async def test_no_resend_of_a_job_resolved_meanwhile(store: Store) -> None:
         await store.resend(job, 1, "primary", window=60, lease=LEASE, token=str(uuid.uuid4()))
         is None
     )
+
+
+# SPEC §3.6: the pages of the unknown jobs due a question, read by the background reconciler.
+NOW = Backoff(first=0.0, longest=0.0, answer_within=0.0)
+BEFORE_EVERY_ID = "00000000-0000-0000-0000-000000000000"
+
+
+async def test_every_due_unknown_job_is_listed_page_by_page(store: Store) -> None:
+    jobs = [await unknown_job(store, f"k{n}") for n in range(5)]
+    intent = Intent("alice", "done", "fp1", "POST", "/charges")
+    done = await store.claim(intent, str(uuid.uuid4()), "primary", ttl=TTL, lease=LEASE)
+    assert isinstance(done, Claimed)  # completed: never listed
+    assert await store.complete(done.job, 1, StoredResponse(201, (), b"{}"), ttl=TTL)
+    await asyncio.sleep(0.05)
+    listed, after = [], BEFORE_EVERY_ID
+    while page := await store.due_unknown(NOW, after=after, limit=2):
+        assert len(page) <= 2 and all(job.id > after for job in page)
+        listed += [job.id for job in page]
+        after = page[-1].id
+    assert listed == sorted(job.id for job in jobs)
+
+
+async def test_due_by_the_backoff_of_its_latest_unknown_attempt(store: Store) -> None:
+    job = await unknown_job(store)
+    await asyncio.sleep(0.3)
+    assert await store.due_unknown(Backoff(60, 60, 0), after=BEFORE_EVERY_ID, limit=10) == []
+    (due,) = await store.due_unknown(Backoff(0.2, 60, 0), after=BEFORE_EVERY_ID, limit=10)
+    assert due.id == job.id and due.state is JobState.UNKNOWN
+    # Asked once: due again after the time an answer may take plus twice the first wait.
+    assert await store.claim_check(job, 1, checks=0, due_after=0)
+    await asyncio.sleep(0.3)
+    assert await store.due_unknown(Backoff(0.1, 60, 0.2), after=BEFORE_EVERY_ID, limit=10) == []
+    (again,) = await store.due_unknown(Backoff(0.05, 60, 0.1), after=BEFORE_EVERY_ID, limit=10)
+    assert again.id == job.id

@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any, NamedTuple, Protocol
 
 from idemproxy.core.quota import QuotaLimits
+from idemproxy.core.resolution import Backoff
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
@@ -276,6 +277,12 @@ class Housekeeping(Protocol):
     @abc.abstractmethod
     async def sweep_expired(self, batch_size: int) -> int:
         """Delete up to `batch_size` expired terminal jobs; returns how many."""
+
+    @abc.abstractmethod
+    async def due_unknown(self, backoff: Backoff, *, after: str, limit: int) -> list[Job]:
+        """SPEC §3.6: up to `limit` `unknown` jobs, with ids above `after` in id order, whose
+        asked attempt (core/resolution.py `asked_attempt`) is due a question under `backoff`
+        by the database clock: one page of them, without their attempts."""
 
     @abc.abstractmethod
     async def claim_check(self, job: Job, attempt: int, *, checks: int, due_after: float) -> bool:

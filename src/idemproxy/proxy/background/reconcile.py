@@ -45,6 +45,8 @@ from idemproxy.store.base import Store
 
 log = logging.getLogger(__name__)
 _ANSWER_OVERHEAD = 256 * 1024
+# The cursor of a pass's first page: below every job id (a UUID's text).
+_BEFORE_EVERY_ID = "00000000-0000-0000-0000-000000000000"
 
 
 class Result(enum.StrEnum):
@@ -108,6 +110,13 @@ class Reconciler:
         self._endpoints = tuple(known)
         self._rules = rules
         self._on_result = on_result
+        # Due under every endpoint's backoff is due under this one: the store lists a superset
+        # of the jobs due a question, and `claim_check` holds each to its own route's backoff.
+        self._loosest = Backoff(
+            min((e.reconcile.backoff for e in known), default=0.0),
+            min((e.reconcile.max_backoff for e in known), default=0.0),
+            min((e.reconcile.timeout for e in known), default=0.0),
+        )
 
     def covers(self, job: Job) -> bool:
         """Whether a reconcile endpoint may answer for `job` (by its path: cheap, no read)."""
@@ -134,16 +143,20 @@ class Reconciler:
         return last + timedelta(seconds=_due_after(endpoint.reconcile, attempt.checks))
 
     async def run_pass(self, batch_size: int) -> list[Result]:
-        """Ask about every due `unknown` job among the newest `batch_size`: old ones that no
-        answer resolves (or on routes without an endpoint) never keep new ones waiting."""
-        listed = await self._store.list_jobs(state=JobState.UNKNOWN, limit=batch_size)
-        results = []
-        for job in listed:
-            if self.covers(job):
-                result = await self.reconcile(job.id)
-                if result is not None:
-                    results.append(result)
-        return results
+        """Ask about every `unknown` job that is due a question, read `batch_size` at a time:
+        jobs no answer resolves (or on routes without an endpoint) never keep others waiting."""
+        results: list[Result] = []
+        after = _BEFORE_EVERY_ID
+        while True:
+            page = await self._store.due_unknown(self._loosest, after=after, limit=batch_size)
+            for job in page:
+                if self.covers(job):
+                    result = await self.reconcile(job.id)
+                    if result is not None:
+                        results.append(result)
+            if len(page) < batch_size:
+                return results
+            after = page[-1].id
 
     async def reconcile(self, job_id: str) -> Result | None:
         """One question about job `job_id`, if it is due and this process wins the right to ask

@@ -17,6 +17,7 @@ import asyncpg
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY, MAX_EVIDENCE_ENTRIES
 from idemproxy.core.quota import QuotaLimits
+from idemproxy.core.resolution import Backoff
 from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     Claimed,
@@ -600,6 +601,11 @@ class PostgresStore(Store):
             sealed.key_id,
         )
         return status == "UPDATE 1"
+
+    async def due_unknown(self, backoff: Backoff, *, after: str, limit: int) -> list[Job]:
+        args = (backoff.first, backoff.longest, backoff.answer_within, after, limit)
+        rows = await self._run("due_unknown", lambda c: c.fetch(self._sql["due_unknown"], *args))
+        return [job_from_row(row) for row in rows]
 
     async def claim_check(self, job: Job, attempt: int, *, checks: int, due_after: float) -> bool:
         args = (job.owner, job.id, attempt, job.version, checks, due_after)

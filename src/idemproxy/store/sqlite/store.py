@@ -10,6 +10,7 @@ from typing import Any, TypeVar, TypeVarTuple, Unpack
 
 from idemproxy.constants import DEFAULT_MAX_STORED_BODY, MAX_EVIDENCE_ENTRIES
 from idemproxy.core.quota import QuotaLimits
+from idemproxy.core.resolution import Backoff
 from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     Claimed,
@@ -286,6 +287,16 @@ class SqliteStore(Store):
             "key_id": sealed.key_id,
         }
         return await self._write("reseal", self._q.changed, "reseal_late_response", params)
+
+    async def due_unknown(self, backoff: Backoff, *, after: str, limit: int) -> list[Job]:
+        params = {
+            "first": backoff.first,
+            "longest": backoff.longest,
+            "answer_within": backoff.answer_within,
+            "after": after,
+            "limit": limit,
+        }
+        return await self._read("read", self._q.jobs, "due_unknown", params)
 
     async def claim_check(self, job: Job, attempt: int, *, checks: int, due_after: float) -> bool:
         params = {"owner": job.owner, "job_id": job.id, "number": attempt, "checks": checks,
