@@ -16,6 +16,7 @@ from idemproxy.core.types import Claimed, Intent, Job, JobState, StoredResponse
 from idemproxy.ops.resolution import ResponseRules
 from idemproxy.proxy.background.ask import ReconcileClient
 from idemproxy.proxy.background.reconcile import Reconciler, Result, endpoints
+from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.store.base import Store
 from tests.support.reconciling import Payments, payments_backend
 
@@ -37,10 +38,10 @@ async def backend(payments: Payments) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def client() -> AsyncIterator[ReconcileClient]:
-    asker = ReconcileClient(1 << 20)
-    await asker.open()
-    yield asker
-    await asker.close()
+    upstream = UpstreamClient(timeout=5, connect_timeout=1, connections=8, keepalive=5)
+    await upstream.open()
+    yield ReconcileClient(upstream, 1 << 20)
+    await upstream.close()
 
 
 def reconciler(store: Store, client: ReconcileClient, backend: str) -> Reconciler:

@@ -190,8 +190,8 @@ async def _start_housekeeping(
         ),
     ]
     # SPEC §3.6: only with a route that names a reconcile endpoint.
-    ctx.reconciler, reconciling = await start_reconciling(
-        settings, record, ctx.metrics.resolutions, stack
+    ctx.reconciler, reconciling = start_reconciling(
+        settings, record, ctx.upstream, ctx.metrics.resolutions
     )
     tasks += reconciling
     stack.push_async_callback(_cancel, tasks)

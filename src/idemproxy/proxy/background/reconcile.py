@@ -15,9 +15,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Sequence
-from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from urllib.parse import unquote
 
@@ -41,6 +40,9 @@ from idemproxy.errors import InvalidRequest, StoreUnavailable
 from idemproxy.ops.resolution import ResponseRules, completed
 from idemproxy.ops.service import resolution_ttl
 from idemproxy.proxy.background.ask import Answered, ReconcileClient
+from idemproxy.proxy.routing import header_edits
+from idemproxy.proxy.upstream.client import UpstreamClient
+from idemproxy.proxy.upstream.target import Edits
 from idemproxy.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,9 @@ class Endpoint:
     upstreams: frozenset[str]
     reconcile: ReconcileSettings
     ttl: float
+    # The route's `upstream_headers`, then each upstream's own (proxy/routing.py): a question
+    # about an attempt carries what the attempt carried (SPEC §10).
+    edits: Mapping[str, Edits] = field(default_factory=dict)
 
     def answers_for(self, path: str, upstream: str | None = None) -> bool:
         decoded = unquote(path.partition("?")[0])
@@ -82,6 +87,7 @@ def endpoints(settings: Settings) -> tuple[Endpoint, ...]:
             frozenset((route.upstream, *route.fallbacks)),
             route.resolve.reconcile,
             settings.ttl if route.ttl is None else route.ttl,
+            header_edits(route, settings),
         )
         for route in settings.all_routes
         if route.resolve.reconcile is not None
@@ -174,7 +180,8 @@ class Reconciler:
                                              due_after=due):  # fmt: skip
             return None
         question = Question(job.id, job.key, attempt.number, job.method, job.path)
-        answered = await self._client.ask(settings, question)
+        edits = endpoint.edits.get(attempt.upstream, ())
+        answered = await self._client.ask(settings, question, edits)
         reading = self._read(job, question, answered)
         await self._store.record_evidence(job, attempt.number, _evidence(answered, reading))
         result = await self._settle(job, reading, endpoint)
@@ -237,18 +244,17 @@ def _evidence(answered: Answered, reading: Reading) -> Evidence:
     )
 
 
-async def start_reconciling(
-    settings: Settings, store: Store, counter: Counter, stack: AsyncExitStack
+def start_reconciling(
+    settings: Settings, store: Store, upstream: UpstreamClient, counter: Counter
 ) -> tuple[Reconciler | None, list[asyncio.Task[None]]]:
-    """The reconciler and its background task, if any route names a reconcile endpoint; its
-    client closes with `stack`. `counter`: `idemproxy_resolutions_total`."""
+    """The reconciler and its background task, if any route names a reconcile endpoint; it
+    asks through `upstream`, the process's upstream client. `counter`:
+    `idemproxy_resolutions_total`."""
     known = endpoints(settings)
     if not known:
         return None, []
     # A response of up to max_stored_body, base64-coded in JSON, with room for its headers.
-    client = ReconcileClient(settings.max_stored_body * 4 // 3 + _ANSWER_OVERHEAD)
-    await client.open()
-    stack.push_async_callback(client.close)
+    client = ReconcileClient(upstream, settings.max_stored_body * 4 // 3 + _ANSWER_OVERHEAD)
 
     def counted(result: Result) -> None:
         counter.labels(Way.RECONCILE.value, result.value).inc()
