@@ -151,15 +151,12 @@ class Governor:
         can run twice."""
         at = self._with
         transition = governed.transition
-        terms = Terms(
-            at.rules,
-            governed.intent.fingerprint,
-            governed.route.max_wait,
-            None if transition is None else transition.legacy,
+        legacy = None if transition is None else transition.legacy
+        terms = (
+            Terms(at.rules, governed.intent.fingerprint, governed.route.max_wait, legacy)
+            if at.unknown is None
+            else self._resolving_terms(governed, legacy, at.unknown)
         )
-        if at.unknown is not None:
-            path = governed.request.raw_path
-            terms.resends, terms.asks = at.unknown.resends(path), at.unknown.asks(path)
         state = begin(terms, at.draining())
         clock = asyncio.get_running_loop().time
         try:
@@ -204,6 +201,16 @@ class Governor:
             # SPEC §8: the answer names the job it is about and the state it was last read in.
             stand(problem, standing)
             raise
+
+    def _resolving_terms(
+        self, governed: GovernedRequest, legacy: str | None, unknown: UnknownJobs
+    ) -> Terms:
+        """The request's terms on a process with routes that resolve unknown jobs (SPEC §3.6):
+        with what its own route can do about one."""
+        path = governed.request.raw_path
+        resends, asks = unknown.resends(path), unknown.asks(path)
+        fingerprint, max_wait = governed.intent.fingerprint, governed.route.max_wait
+        return Terms(self._with.rules, fingerprint, max_wait, legacy, resends, asks)
 
     async def _step(
         self, governed: GovernedRequest, state: OffHotPath, clock: Callable[[], float]
