@@ -231,6 +231,17 @@ class EncodingNotAcceptable(ProblemError):
     code, status, title = "encoding-not-acceptable", 406, "Stored response's coding not accepted"
 
 
+class BodyEncodingUnsupported(ProblemError):
+    """The route reads its key from the JSON body, and this request's body has a content coding
+    the proxy cannot undo (only `gzip` and `deflate`), or bytes that are not what the coding
+    says, or more than `max_request_body` once decoded: nothing was claimed or forwarded."""
+
+    # SPEC §4.1, RFC 9110 §15.5.16: a body whose key cannot be read is never passed through
+    # untracked (it may be an intent that already ran), whatever `require_key` says.
+    code, status, title = "body-encoding-unsupported", 415, "Request body's coding unsupported"
+    retry = NEW_KEY_SAFE
+
+
 class RequestTimeout(ProblemError):
     """The request body did not arrive in time."""
 

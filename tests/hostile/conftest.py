@@ -106,6 +106,7 @@ class ListeningProxy(Protocol):
 async def listening_proxy(backend_url: str, sqlite_dsn: str) -> AsyncIterator[ListeningProxy]:
     """The proxy as `idemproxy serve` runs it (server.py): AppRunner + GuardedSite."""
     runners: list[web.AppRunner] = []
+    sites: list[GuardedSite] = []
 
     async def start(
         *, inject_store: Store | None = None, metrics: Metrics | None = None, **overrides: Any
@@ -121,15 +122,17 @@ async def listening_proxy(backend_url: str, sqlite_dsn: str) -> AsyncIterator[Li
         await runner.setup()
         runners.append(runner)
         ctx = runner.app[CONTEXT]
-        await GuardedSite(
-            runner, "127.0.0.1:0", settings.server, settings.limits, ctx.metrics
-        ).start()
-        host, port = runner.addresses[0][:2]
+        site = GuardedSite(runner, "127.0.0.1:0", settings.server, settings.limits, ctx.metrics)
+        await site.start()
+        sites.append(site)
+        host, port = site.addresses[0][:2]
         return host, port
 
     try:
         yield start
     finally:
+        for site in reversed(sites):
+            await site.stop()
         for runner in reversed(runners):
             with contextlib.suppress(asyncio.TimeoutError):
                 await runner.cleanup()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
-from aiohttp.typedefs import Handler
 
-from idemproxy.proxy.server.any_path import AnyPath, direct_handler
+from idemproxy.http.host import split_absolute_form
+from idemproxy.proxy.server.any_path import AnyPath
+from idemproxy.proxy.server.listener import routable
 
 
 async def _echo(request: web.Request) -> web.Response:
@@ -63,77 +64,36 @@ async def test_a_target_not_in_origin_form_is_not_matched() -> None:
     assert matched is not None
 
 
-# --- direct_handler: Application._handle's work without the router ---------------------------
+@pytest.mark.parametrize("target", ["http://h", "http://h?x=1", "https://h:8443"])
+async def test_an_absolute_form_target_without_a_path_is_matched(target: str) -> None:
+    """RFC 9112 §3.2.1: its empty path is `/`; aiohttp's router alone answers 404, so the
+    listener routes it with its `/` (`routable`)."""
+    resource = AnyPath(_echo, expect_handler=_no_expect)
+    matched, _ = await resource.resolve(make_mocked_request("GET", target))
+    assert matched is not None
+    app = _app()
+    routed = routable(make_mocked_request("GET", target, app=app))
+    assert isinstance(routed, web.Request)
+    assert split_absolute_form(routed.raw_path) == split_absolute_form(target)
+    match = await app.router.resolve(routed)
+    assert match.http_exception is None
+    assert match.handler is _echo
+
+
+@pytest.mark.parametrize("target", ["/x", "http://h/x", "*"])
+def test_other_targets_are_routed_as_they_came(target: str) -> None:
+    request = make_mocked_request("GET", target)
+    assert routable(request) is request
+
+
+async def test_the_expect_handler_is_the_routes() -> None:
+    """aiohttp asks it before the handler (`Expect: 100-continue`, proxy/handler.py)."""
+    resource = AnyPath(_echo, expect_handler=_refuse_expect)
+    request = make_mocked_request("POST", "/x", headers={"Expect": "100-continue"})
+    response = await resource.route.handle_expect_header(request)
+    assert response is not None
+    assert response.status == 417
 
 
 async def _refuse_expect(_request: web.Request) -> web.Response:
     return web.Response(status=417)
-
-
-def _frozen(app: web.Application) -> web.Application:
-    app.freeze()  # as the runner leaves it
-    return app
-
-
-async def test_the_direct_handler_answers_as_the_app_does_and_sets_the_app() -> None:
-    app = _frozen(_app())
-    handle = direct_handler(app)
-    assert handle != app._handle
-    for target in ("/", "/orders?x=1", "/%2F/encoded"):
-        theirs = make_mocked_request("POST", target, app=app)
-        ours = make_mocked_request("POST", target, app=app)
-        expected = await app._handle(theirs)
-        got = await handle(ours)
-        assert isinstance(expected, web.Response)
-        assert isinstance(got, web.Response)
-        assert (got.status, got.text) == (expected.status, expected.text) == (200, f"POST {target}")
-        assert ours.app is app
-        assert ours.match_info.route is theirs.match_info.route
-
-
-async def test_the_direct_handler_refuses_a_target_not_in_origin_form_as_the_router_does() -> None:
-    app = _frozen(_app())
-    with pytest.raises(web.HTTPNotFound):
-        await app._handle(make_mocked_request("OPTIONS", "*", app=app))
-    with pytest.raises(web.HTTPNotFound):
-        await direct_handler(app)(make_mocked_request("OPTIONS", "*", app=app))
-
-
-async def test_the_direct_handler_asks_the_expect_handler_first() -> None:
-    refusing = web.Application()
-    refusing.router.register_resource(AnyPath(_echo, expect_handler=_refuse_expect))
-    expect = {"Expect": "100-continue"}
-    refused = await direct_handler(_frozen(refusing))(
-        make_mocked_request("POST", "/x", headers=expect, app=refusing)
-    )
-    assert refused.status == 417
-    app = _frozen(_app())
-    invited = await direct_handler(app)(make_mocked_request("POST", "/x", headers=expect, app=app))
-    assert isinstance(invited, web.Response)
-    assert (invited.status, invited.text) == (200, "POST /x")
-
-
-@web.middleware
-async def _passing(request: web.Request, handler: Handler) -> web.StreamResponse:
-    return await handler(request)
-
-
-def test_an_app_that_is_not_just_any_path_keeps_its_router() -> None:
-    with_middleware = web.Application(middlewares=[_passing])
-    with_middleware.router.register_resource(AnyPath(_echo, expect_handler=_no_expect))
-    with_more = _app()
-    with_more.router.add_get("/health", _echo)
-    for app in (with_middleware, with_more):
-        assert direct_handler(app) == app._handle
-
-
-@pytest.mark.parametrize("target", ["http://h", "http://h?x=1", "https://h:8443"])
-async def test_an_absolute_form_target_without_a_path_is_matched(target: str) -> None:
-    """RFC 9112 §3.2.1: its empty path is `/`; the router answered 404."""
-    resource = AnyPath(_echo, expect_handler=_no_expect)
-    matched, _ = await resource.resolve(make_mocked_request("GET", target))
-    assert matched is not None
-    app = _frozen(_app())
-    response = await direct_handler(app)(make_mocked_request("GET", target, app=app))
-    assert isinstance(response, web.Response)
-    assert (response.status, response.text) == (200, f"GET {target}")

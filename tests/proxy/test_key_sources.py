@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import zlib
 from typing import Any
 
 import pytest
@@ -284,4 +286,41 @@ async def test_a_header_keyed_route_passes_a_large_keyless_body_through(
     async with client.post("/shopify", data=large, headers={SHOPIFY_ID: "big"}) as response:
         await assert_problem(response, "body-too-large", 413)
     assert [e.body for e in ledger.executions] == [large]
+    assert await jobs.list_jobs() == []
+
+
+async def test_a_coded_body_gives_its_key_and_is_forwarded_as_sent(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store
+) -> None:
+    """SPEC §4.1: a gzip or deflate body names its key like any other, so a redelivery with
+    the same bytes is a replay, never a second execution; the backend gets the coded bytes."""
+    client = await orders(proxy, backend_url)
+    coded = {"gzip": gzip.compress(order("Z-1"), mtime=0), "deflate": zlib.compress(order("Z-2"))}
+    for coding, body in coded.items():
+        for replayed in (False, True):
+            assert await post(client, "/orders", body, **{"Content-Encoding": coding}) == (
+                201,
+                replayed,
+            )
+    assert ledger.count() == 2
+    assert sorted(job.key for job in await jobs.list_jobs()) == ["order:Z-1", "order:Z-2"]
+
+
+@pytest.mark.parametrize("require_key", [False, True])
+async def test_a_body_whose_coding_cannot_be_undone_is_refused_not_passed_through(
+    proxy: ProxyFactory, backend_url: str, ledger: Ledger, jobs: Store, require_key: bool
+) -> None:
+    """SPEC §4.1: the key of a body the proxy cannot decode may name an intent that already
+    ran: 415, nothing claimed or forwarded, whatever `require_key` says."""
+    client = await orders(proxy, backend_url, require_key=require_key)
+    refused = [
+        ("br", b"\x1b\x03\x00\xf8\x25"),
+        ("gzip", b"not gzip at all"),
+        ("gzip, zstd", gzip.compress(order("Z-3"))),
+    ]
+    for coding, body in refused:
+        headers = {"Content-Type": "application/json", "Content-Encoding": coding}
+        async with client.post("/orders", data=body, headers=headers) as response:
+            await assert_problem(response, "body-encoding-unsupported", 415)
+    assert ledger.count() == 0
     assert await jobs.list_jobs() == []

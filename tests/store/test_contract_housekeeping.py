@@ -130,3 +130,51 @@ async def test_expired_leases_lists_jobs_in_flight_whose_lease_ran_out_long_enou
     assert await hot.renew_lease(found[1], lease=LEASE)
     assert not await hot.take_over(found[1])
     assert await housekeeping.expired_leases(0.0, 10) == []
+
+
+async def test_expired_leases_finds_a_hedged_job_whose_every_attempt_ended_unsettled(
+    hot: JobStore,
+    operators: Operators,
+    housekeeping: Housekeeping,
+) -> None:
+    # SPEC §3.5: a hedged race (§3.4) ends each losing racer alone; a proxy that dies after the
+    # last racer ended and before it settled the job leaves it in flight with no attempt running.
+    # The background takeover must still find it once its lease ran out.
+    claimed = await claim(hot, "hedged", lease=0.05)
+    assert await hot.add_attempt(claimed.job, "hedge", lease=0.05) == 2
+    await hot.finish_attempt(claimed.job, 1, JobState.RELEASED, status=503, error="busy")
+    await hot.finish_attempt(claimed.job, 2, JobState.UNKNOWN, status=None, error="reset")
+    await asyncio.sleep(0.2)
+
+    found = await housekeeping.expired_leases(0.0, 10)
+    assert [job.id for job in found] == [claimed.job.id]
+    assert await hot.take_over(found[0])
+    taken = await job_of(operators, claimed.job.id)
+    assert taken.state is JobState.UNKNOWN
+    # Each racer keeps the outcome it ended with; none is running any more.
+    assert attempts(taken) == [
+        (1, AttemptState.FAILED, 503, "busy"),
+        (2, AttemptState.UNKNOWN, None, "reset"),
+    ]
+    assert await housekeeping.expired_leases(0.0, 10) == []
+
+
+async def test_expired_leases_forgets_the_racers_of_a_hedged_job_that_ended(
+    hot: JobStore,
+    operators: Operators,
+    housekeeping: Housekeeping,
+) -> None:
+    # A racer that ended alone while its job went on leaves the lease scan once the job ends,
+    # however it ends: completed by another racer, settled, or taken over.
+    jobs = {}
+    for key in ("completed", "settled", "taken"):
+        claimed = await claim(hot, key, lease=0.05)
+        assert await hot.add_attempt(claimed.job, "hedge", lease=0.05) == 2
+        await hot.finish_attempt(claimed.job, 1, JobState.RELEASED, status=503, error="busy")
+        jobs[key] = claimed.job
+    assert await hot.complete(jobs["completed"], 2, RESPONSE, ttl=TTL)
+    assert await hot.settle(jobs["settled"], 2, JobState.RELEASED, status=503, error="busy")
+    await asyncio.sleep(0.2)
+    assert [job.id for job in await housekeeping.expired_leases(0.0, 10)] == [jobs["taken"].id]
+    assert await hot.take_over(await job_of(operators, jobs["taken"].id))
+    assert await housekeeping.expired_leases(0.0, 10) == []

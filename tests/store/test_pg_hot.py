@@ -161,3 +161,83 @@ async def test_the_lease_scan_reads_the_lease_as_renewed(conn: asyncpg.Connectio
     assert len(taken) == 1
     assert await conn.fetch(_SQL["expired_leases"], 30.0, 10) == []
     assert await conn.fetchval(_SQL["count_unknown"]) == 1
+
+
+async def _leased(conn: asyncpg.Connection) -> set[tuple[str, int]]:
+    """The attempts that hold a lease (the lease scan's index), as (job key, number)."""
+    rows = await conn.fetch(
+        "SELECT j.key, a.number FROM idemproxy.attempts a"
+        " JOIN idemproxy.jobs j ON j.owner = a.owner AND j.id = a.job_id"
+        " WHERE a.lease_expires_at IS NOT NULL"
+    )
+    return {(row["key"], row["number"]) for row in rows}
+
+
+async def test_attempts_keep_their_lease_until_their_job_ends(conn: asyncpg.Connection) -> None:
+    # Migration 0009: a racer ended alone keeps the lease it started with while its job is in
+    # flight (the lease scan finds the job through it); each end of the job clears the leases of
+    # all its attempts, so that the scan's index holds the jobs in flight alone.
+    keys = ("completed", "batched", "settled", "taken", "running")
+    ids = {}
+    for key in keys:
+        ids[key] = await _claim(conn, key, lease=30.0)
+        assert await conn.fetch(_SQL["add_attempt"], _OWNER, ids[key], 1, "http://other", 30.0)
+        await conn.execute(_SQL["finish_attempt"], _OWNER, ids[key], 1, "failed", 503, "busy")
+    assert await _leased(conn) == {(key, number) for key in keys for number in (1, 2)}
+
+    body, limit = b"{}", 1 << 20
+    won = await conn.fetch(
+        _SQL["complete"],
+        _OWNER,
+        ids["completed"],
+        1,
+        2,
+        201,
+        None,
+        body,
+        False,
+        60.0,
+        limit,
+        None,
+        "completed",
+    )
+    assert len(won) == 1
+    batch = await conn.fetch(
+        _SQL["complete_batch"],
+        _OWNER,
+        [ids["batched"]],
+        [1],
+        [2],
+        [201],
+        [None],
+        [body],
+        [False],
+        [60.0],
+        [None],
+        limit,
+        ["batched"],
+    )
+    assert [row["id"] for row in batch] == [ids["batched"]]
+    settled = await conn.fetch(
+        _SQL["settle"], _OWNER, ids["settled"], 1, 2, "released", "failed", 503, "busy", "settled"
+    )
+    assert len(settled) == 1
+    await _age(conn, "taken", 60.0)
+    assert len(await conn.fetch(_SQL["take_over"], _OWNER, ids["taken"], 1)) == 1
+
+    assert await _leased(conn) == {("running", 1), ("running", 2)}
+
+
+async def test_an_attempt_that_ends_after_its_job_keeps_no_lease(conn: asyncpg.Connection) -> None:
+    # A hedge added while the completion waited for the job's row: the completion's snapshot
+    # does not hold it, so the completion leaves its lease. Ending it then clears it.
+    job = await _claim(conn, "late-hedge")
+    await _complete(conn, "late-hedge", job, ttl=60.0)
+    await conn.execute(
+        "INSERT INTO idemproxy.attempts (owner, job_id, number, upstream, lease_expires_at)"
+        " VALUES ($1, $2, 2, 'http://other', now() + interval '30 seconds')",
+        _OWNER,
+        job,
+    )
+    await conn.execute(_SQL["finish_attempt"], _OWNER, job, 2, "failed", 503, "busy")
+    assert await _leased(conn) == set()

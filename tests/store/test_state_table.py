@@ -168,10 +168,13 @@ def job_effect(sql: str) -> JobEffect | None:
 
 
 def attempt_effects(sql: str) -> frozenset[tuple[frozenset[str], str | None]]:
-    """(accepted attempt states, new state) of every attempt update; None: the state stays."""
+    """(accepted attempt states, new state) of every attempt update; None: the state stays.
+    An update that only clears the leases of a job's attempts is `attempt_leases_cleared`'s."""
     any_state = frozenset(state.value for state in AttemptState)
     found: set[tuple[frozenset[str], str | None]] = set()
     for update in _ATTEMPT_UPDATE.finditer(sql):
+        if _clears_leases_only(update["set"]):
+            continue
         source = _states(update["where"]) or any_state
         targets = _set_states(update["set"])
         if targets is None:
@@ -179,6 +182,15 @@ def attempt_effects(sql: str) -> frozenset[tuple[frozenset[str], str | None]]:
         else:
             found.update((source, target) for target in targets)
     return frozenset(found)
+
+
+def _clears_leases_only(assignments: str) -> bool:
+    return re.fullmatch(r"\s*lease_expires_at\s*=\s*NULL\s*", assignments) is not None
+
+
+def attempt_leases_cleared(sql: str) -> bool:
+    """Whether these statements clear the lease of attempts whose state they leave as it is."""
+    return any(_clears_leases_only(u["set"]) for u in _ATTEMPT_UPDATE.finditer(sql))
 
 
 def _expected_job(transition: Transition) -> JobEffect:
@@ -252,12 +264,19 @@ def test_the_statements_follow_the_table(dialect: str, operation: Operation) -> 
     assert renewed == (running if renews_attempts else set()), operation
     inserts_attempt = bool(_ATTEMPT_INSERT.search(sql))
     assert inserts_attempt == transition.new_attempt, f"{dialect} {operation}: a new attempt"
+    ends_job = _ENDS_ATTEMPT_LEASES[dialect] and transition.lease is Lease.CLEARED
+    assert attempt_leases_cleared(sql) == ends_job, f"{dialect} {operation}: attempts' leases"
 
 
 # Whether a renewal renews the running attempts' leases too. On PostgreSQL the job alone holds
 # the lease as renewed (an update in place) and each attempt the lease it started with, by which
 # the lease scan finds it (migration 0007, queries.sql `expired_leases`).
 _RENEWS_ATTEMPTS = {"postgres": False, "sqlite": True}
+# Whether the statements that end a job in flight (the job's lease cleared) also clear the leases
+# its attempts keep: on PostgreSQL an attempt keeps the lease it started with until its job
+# ends, finished or not, so that the lease scan finds a job whose attempts all ended unsettled
+# (migration 0009). SQLite's scan reads the jobs themselves.
+_ENDS_ATTEMPT_LEASES = {"postgres": True, "sqlite": False}
 
 
 def _job_untouched(transition: Transition) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import aiohttp
 import pytest
@@ -35,7 +35,7 @@ from tests.support.backend import Ledger, backend_app
 from tests.support.stores import opened
 
 # A test client of the proxy app (its `.app` is the proxy's aiohttp application).
-ProxyClient = TestClient[web.Request, web.Application]
+ProxyClient: TypeAlias = "TestClient[web.Request, web.Application]"
 
 
 class ProxyFactory(Protocol):
@@ -71,6 +71,7 @@ class ServeListener(Server):
     def __init__(self, app: web.Application, settings: ServerSettings) -> None:
         super().__init__(app)
         self._settings = settings
+        self.site: GuardedSite | None = None
 
     async def start_server(
         self, loop: asyncio.AbstractEventLoop | None = None, **kwargs: Any
@@ -81,12 +82,20 @@ class ServeListener(Server):
         await self.runner.setup()
         ctx = self.runner.app[CONTEXT]  # built by runner.setup(), as in `idemproxy serve`
         listen = f"{self.host}:0"
-        await GuardedSite(
+        self.site = GuardedSite(
             self.runner, listen, self._settings, ctx.settings.limits, ctx.metrics
-        ).start()
-        self.port = self.runner.addresses[0][1]
+        )
+        await self.site.start()
+        self.port = self.site.addresses[0][1]
         self.scheme = "http"
         self._root = URL(f"http://{self.host}:{self.port}")
+
+    async def close(self) -> None:
+        """The listener's connections first (they are not the runner's), then the app."""
+        site, self.site = self.site, None
+        if site is not None:
+            await site.stop()
+        await super().close()
 
 
 @pytest.fixture

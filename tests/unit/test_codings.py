@@ -47,13 +47,11 @@ def test_many_tiny_members_are_decoded_in_linear_time(monkeypatch: pytest.Monkey
     body = TINY * 160_000
     monkeypatch.setattr(zlib, "decompressobj", _Counted)
     _Counted.fed = 0
-    started = time.perf_counter()
     assert decode(body, ["gzip"], LIMIT) == b"a" * 160_000
-    elapsed = time.perf_counter() - started
     # Each byte is handed to a decoder a bounded number of times (it was 80,000 times on
-    # average: the rest of the body, once per member).
+    # average: the rest of the body, once per member). Counted, not timed: a busy machine
+    # stretches any time.
     assert _Counted.fed <= 4 * len(body)
-    assert elapsed < 2.0  # 13 s before; generous for a busy machine
 
 
 def test_the_bytes_handed_over_grow_with_the_body_not_its_square(

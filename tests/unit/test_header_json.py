@@ -83,6 +83,14 @@ def test_a_head_refuses_a_control_character_as_aiohttp_does(bad: str) -> None:
         serialise_head(f"HTTP/1.1 200 {bad}", CIMultiDict([("X-Name", "caf\udce9")]))
 
 
+@pytest.mark.parametrize("bad", ["a\r\nX-Injected: 1", "a\nb", "a\rb"])
+def test_an_ascii_head_refuses_a_line_break_as_aiohttp_does(bad: str) -> None:
+    with pytest.raises(ValueError, match="Forbidden control character"):
+        serialise_head("HTTP/1.1 200 OK", CIMultiDict([("X-Bad", bad)]))
+    with pytest.raises(ValueError, match="Forbidden control character"):
+        serialise_head(f"HTTP/1.1 200 {bad}", CIMultiDict([("X-Name", "value")]))
+
+
 def test_the_jobs_views_show_such_a_header_as_json_can_carry_it() -> None:
     response = StoredResponse(200, PAIRS[:2], b"ok")
     view = response_to_json(response)

@@ -142,16 +142,16 @@ async def _serve_until_signalled(
     # every request in flight: collections per request 0.03 -> 0, 10 µs of CPU per request at
     # c=32 (bench/findings.md). Reference cycles are still collected, a little later.
     gc.set_threshold(_YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
+    # SPEC §9: the proxy listener cuts off slow request heads (proxy/server/listener.py).
+    site = GuardedSite(
+        proxy,
+        settings.listen,
+        settings.server,
+        settings.limits,
+        metrics,
+        reuse_port=worker is not None,
+    )
     try:
-        # SPEC §9: the proxy listener cuts off slow request heads (proxy/server/listener.py).
-        site = GuardedSite(
-            proxy,
-            settings.listen,
-            settings.server,
-            settings.limits,
-            metrics,
-            reuse_port=worker is not None,
-        )
         await _listening("listen", settings.listen, site.start())
         admin_listen = settings.admin.listen
         admin_at = await _listening(
@@ -166,21 +166,22 @@ async def _serve_until_signalled(
         )
         await _wait_for_signal(supervised=worker is not None)
         readiness.draining = True
-        await _drain(proxy, settings.server.shutdown_timeout)
+        await _drain(proxy, site, settings.server.shutdown_timeout)
     finally:
+        # The listener's connections are its own, not the runner's: closed before the app.
+        await site.stop(_HANDLER_GRACE_SECONDS)
         await proxy.cleanup()
         await admin.cleanup()
 
 
-async def _drain(proxy: web.AppRunner, timeout: float) -> None:
+async def _drain(proxy: web.AppRunner, site: GuardedSite, timeout: float) -> None:
     """No new connections or claims; then one deadline for every request and attempt in flight."""
     deadline = asyncio.get_running_loop().time() + timeout
     log.info("shutting down: draining requests in flight for up to %.1fs", timeout)
     ctx = proxy.app[CONTEXT]
     start_draining(ctx)
-    for site in list(proxy.sites):
-        await site.stop()
-    close_connections(proxy.server)
+    site.close()
+    close_connections(site.server)
     await drain(ctx, deadline)
 
 

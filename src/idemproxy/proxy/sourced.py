@@ -6,7 +6,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from idemproxy.core.types import Intent
-from idemproxy.errors import HeaderInvalid, KeyInvalid, KeyMissing, OwnerUnstable
+from idemproxy.errors import (
+    BodyEncodingUnsupported,
+    HeaderInvalid,
+    KeyInvalid,
+    KeyMissing,
+    OwnerUnstable,
+)
+from idemproxy.http.codings import Undecodable, coding_names, decode
 from idemproxy.http.headers import hop_by_hop
 from idemproxy.http.offload import off_loop
 from idemproxy.identity.key_source import KeySource
@@ -80,7 +87,12 @@ async def _key(
     large body is parsed off the event loop (http/offload.py)."""
     try:
         if source.needs_body:
-            key = await ctx.offload(body, source.body_key, body)
+            codings = coding_names(request.headers.getall("Content-Encoding", ()))
+            if codings:
+                limit = ctx.settings.max_request_body
+                key = await ctx.offload(body, coded_body_key, source, body, codings, limit)
+            else:
+                key = await ctx.offload(body, source.body_key, body)
         else:
             key = source.key(request.headers, body)
     except KeyInvalid:
@@ -90,6 +102,22 @@ async def _key(
     if key is None and route.require_key:
         raise KeyMissing()
     return key
+
+
+def coded_body_key(source: KeySource, body: bytes, codings: list[str], limit: int) -> str | None:
+    """SPEC §4.1: the key of a body sent with a content coding, read from the decoded JSON (the
+    bytes forwarded and fingerprinted stay as sent). One that cannot be decoded is refused
+    rather than passed through: its key may name an intent that already ran. Module-level, so
+    that a body parsing process can run it (http/offload.py)."""
+    try:
+        decoded = decode(body, codings, limit)
+    except Undecodable:
+        raise BodyEncodingUnsupported(
+            f"The body's Content-Encoding ({', '.join(codings)}) could not be decoded to read "
+            "the route's key from it: only gzip and deflate are, up to max_request_body bytes "
+            "decoded. Send it uncoded or in one of those."
+        ) from None
+    return source.body_key(decoded)
 
 
 def refuse_hidden(request: web.Request, name: str | None) -> None:

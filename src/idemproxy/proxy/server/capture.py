@@ -240,6 +240,7 @@ class SpooledResponse(AsSentStreamResponse):
         super().__init__(status=status, reason=reason, headers=headers)
         self.content_length = captured.size
         self._captured = captured
+        self.pieces_sent = False
 
     def close(self) -> None:
         """Never to be sent: its file is closed now, not at some later garbage collection."""
@@ -254,7 +255,8 @@ class SpooledResponse(AsSentStreamResponse):
 
     async def write_eof(self, data: bytes = b"") -> None:
         try:
-            if not self._eof_sent:
+            if not self.pieces_sent:
+                self.pieces_sent = True
                 async for piece in self._captured.pieces():
                     await self.write(piece)
             await super().write_eof(data)

@@ -5,57 +5,52 @@ proxy/upstream/h1.py makes them of an upstream's: UTF-8, with each byte that is 
 sequence kept as a surrogate escape (`errors="surrogateescape"`). aiohttp's own serializer
 encodes plain UTF-8: its C version silently leaves the escapes out (`X-Name: caf\\xe9` reached
 the client as `X-Name: caf`), its Python version raises. RFC 9110 §5.5 allows obs-text
-(0x80-0xFF) in a field value, and ISO-8859-1 servlet containers send it; so every response of
-the proxy's listener is serialised here, with the codec the bytes were decoded with. A head that
-is all ASCII (nearly all of them) still goes through aiohttp's serializer: the same bytes.
-
-Private aiohttp surface used here: `http_writer._serialize_headers`, `StreamWriter._write` and
-the two fields that `StreamWriter.write_headers` sets since 3.12 (`_headers_buf`,
-`_headers_written`); the byte-fidelity tests (tests/proxy/test_header_bytes.py) would fail were
-they renamed.
+(0x80-0xFF) in a field value, and ISO-8859-1 servlet containers send it; so every response head
+of the proxy's listener is serialised here, with the codec the bytes were decoded with, and
+written by `HeadWriter` through the writer's public transport.
 """
 
 from __future__ import annotations
 
 import re
 
-from aiohttp.http_writer import StreamWriter, _serialize_headers
+from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
-# Since aiohttp 3.12 the writer holds the head back to send it with the first body bytes.
-_HELD_BACK = hasattr(StreamWriter, "send_headers")
-# RFC 9110 §5.5, RFC 9112 §4: what aiohttp's serializer refuses in a status line or field (a
-# response split into two by a CR or LF of a value).
-_FORBIDDEN = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# RFC 9110 §5.5, RFC 9112 §4: a CR or LF of a status line or field would split the response in
+# two; aiohttp refuses those in any head, and the other control characters in a head with
+# obs-text (its Python serializer's check, which ASCII heads never reached).
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 def serialise_head(status_line: str, headers: CIMultiDict[str]) -> bytes:
     """The status line and header fields, each value as the bytes it was decoded from."""
-    if status_line.isascii() and all(n.isascii() and v.isascii() for n, v in headers.items()):
-        return _serialize_headers(status_line, headers)
-    lines = [status_line, *[f"{name}: {value}" for name, value in headers.items()]]
-    for line in lines:
-        if _FORBIDDEN.search(line) is not None:
-            # aiohttp's own words, so that both paths fail alike.
-            raise ValueError(
-                "Forbidden control character detected in headers. "
-                "Potential header injection attack."
-            )
-    lines.append("\r\n")
-    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+    lines = [status_line, *[f"{name}: {value}" for name, value in headers.items()], "\r\n"]
+    text = "\r\n".join(lines)
+    # Counted rather than searched line by line: the only breaks are the ones joined in.
+    breaks = len(lines)
+    if (
+        text.count("\r") != breaks
+        or text.count("\n") != breaks
+        or (not text.isascii() and _CONTROL.search(text) is not None)
+    ):
+        # aiohttp's own words, so that the listener fails as aiohttp does.
+        raise ValueError(
+            "Forbidden control character detected in headers. Potential header injection attack."
+        )
+    return text.encode("utf-8", "surrogateescape")
 
 
 class HeadWriter(StreamWriter):
-    """aiohttp's payload writer, with the head serialised by `serialise_head`."""
+    """aiohttp's payload writer, with the head serialised by `serialise_head` and written at
+    once (aiohttp 3.12 and later hold it back to send it with the first body bytes; a whole
+    response, the common case, is one write anyway: proxy/server/whole.py)."""
 
     async def write_headers(self, status_line: str, headers: CIMultiDict[str]) -> None:
-        # As StreamWriter.write_headers: the head waits in the buffer for the first body bytes,
-        # or until `send_headers`.
-        if self._on_headers_sent is not None:
-            await self._on_headers_sent(headers)
         head = serialise_head(status_line, headers)
-        if not _HELD_BACK:
-            self._write(head)  # aiohttp before 3.12 wrote it at once
-            return
-        self._headers_written = False
-        self._headers_buf = head
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        transport.write(head)
+        self.buffer_size += len(head)
+        self.output_size += len(head)

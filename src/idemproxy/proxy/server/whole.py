@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import HttpVersion, HttpVersion10, HttpVersion11, hdrs, web
+from aiohttp.abc import AbstractStreamWriter
 from aiohttp.helpers import rfc822_formatted_time
 from multidict import CIMultiDict
 
@@ -54,7 +55,7 @@ def serialise_whole(
 ) -> WholeResponse | None:
     """The bytes aiohttp would send for `response`, or None where its usual path must run.
 
-    Adds, as aiohttp does (`Response._start`, `StreamResponse._prepare_headers`):
+    Adds, as aiohttp does when it prepares a response:
     Content-Length, Content-Type `application/octet-stream` for a non-empty body without one
     (RFC 9110 §8.3) unless the fields are an upstream's (`AsSentResponse`), Date, and
     `Connection: keep-alive` (HTTP/1.0) or `close` (HTTP/1.1) where the connection's persistence
@@ -70,7 +71,7 @@ def serialise_whole(
         type(body) is not bytes
         or response.chunked
         or response.compression
-        or response._cookies  # never set by this proxy; the property would create them
+        or response.cookies  # never set by this proxy
         or request.method == hdrs.METH_HEAD
         or response.status < 200
         or response.status in _WITHOUT_CONTENT
@@ -117,29 +118,16 @@ def _framed(headers: CIMultiDict[str]) -> bool:
     )
 
 
-def mark_sent(response: web.StreamResponse, keep_alive: bool) -> None:
-    """Leave `response` as aiohttp leaves one it sent: prepared, finished, and with the
-    persistence its connection loop reads (`resp.keep_alive`) decided."""
-    response._keep_alive = keep_alive
-    response._eof_sent = True
+def absent_fields(headers: CIMultiDict[str]) -> tuple[str, ...]:
+    """The fields that aiohttp invents when it prepares a response and that an upstream's
+    answer must not get (`name_server` removes them again): Content-Type, for a body that
+    has none (RFC 9110 §8.3: the recipient may then inspect the body; `application/octet-stream`
+    would tell it not to), and Server (`Python/3.11 aiohttp/3.14.5` would advertise the proxy's
+    versions as the upstream's)."""
+    return tuple(name for name in _INVENTED if name not in headers)
 
 
-async def _prepare_as_sent(
-    response: web.StreamResponse, prepare: Callable[[], Awaitable[None]]
-) -> None:
-    """aiohttp's header preparation, without the Content-Type it invents for a body that has
-    none: an upstream's answer without one reaches the client without one (RFC 9110 §8.3: the
-    recipient may then inspect the body; `application/octet-stream` would tell it not to).
-    Nor the Server it invents: the upstream's, or none (`Python/3.11 aiohttp/3.14.5` would
-    advertise the proxy's versions as the upstream's)."""
-    headers = response.headers
-    invented = hdrs.CONTENT_TYPE not in headers
-    unnamed = hdrs.SERVER not in headers
-    await prepare()
-    if invented:
-        headers.popall(hdrs.CONTENT_TYPE, None)
-    if unnamed:
-        headers.popall(hdrs.SERVER, None)
+_INVENTED = (hdrs.CONTENT_TYPE, hdrs.SERVER)
 
 
 def own_server_header(
@@ -147,10 +135,14 @@ def own_server_header(
 ) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
     """`on_response_prepare`: the proxy's own answers that take aiohttp's path (not
     `serialise_whole`'s) name the server `server_token`, or nothing when it is empty, instead
-    of aiohttp's `Python/x aiohttp/y`. An upstream's answer keeps what it sent."""
+    of aiohttp's `Python/x aiohttp/y`. An upstream's answer keeps what it sent: the fields
+    aiohttp invented for it are taken out again (aiohttp runs this signal after it prepared
+    the headers, before it serialises them)."""
 
     async def name_server(_request: web.Request, response: web.StreamResponse) -> None:
         if isinstance(response, AsSentResponse | AsSentStreamResponse):
+            for name in response.absent:
+                response.headers.popall(name, None)
             return
         if server_token:
             response.headers[hdrs.SERVER] = server_token
@@ -162,18 +154,27 @@ def own_server_header(
 
 class AsSentStreamResponse(web.StreamResponse):
     """A streamed response whose header fields are an upstream's, or the store's copy of them:
-    aiohttp adds the framing, Date and Server, never a Content-Type (SPEC §10)."""
+    aiohttp adds the framing and Date, never a Content-Type nor a Server (SPEC §10)."""
 
-    async def _prepare_headers(self) -> None:
-        await _prepare_as_sent(self, super()._prepare_headers)
+    absent: tuple[str, ...] = ()
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        if not self.prepared:
+            self.absent = absent_fields(self.headers)
+        return await super().prepare(request)
 
 
 class AsSentResponse(web.Response):
     """A whole response whose header fields are an upstream's, or the store's copy of them:
-    aiohttp (or `serialise_whole`) adds the framing, Date and Server, never a Content-Type."""
+    aiohttp (or `serialise_whole`) adds the framing and Date, never a Content-Type nor a
+    Server."""
 
-    async def _prepare_headers(self) -> None:
-        await _prepare_as_sent(self, super()._prepare_headers)
+    absent: tuple[str, ...] = ()
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        if not self.prepared:
+            self.absent = absent_fields(self.headers)
+        return await super().prepare(request)
 
 
 class NotifiedResponse(AsSentResponse):

@@ -172,7 +172,7 @@ WITH won AS (
         sweep_after = least(sweep_after, now() + make_interval(secs => $9))
     WHERE owner = $1 AND key = $12 AND id = $2 AND version = $3 AND completed_by IS NULL
       AND state = 'in_flight'
-    RETURNING owner, id, watched
+    RETURNING owner, id, watched, attempt_count
 ), keep AS (
     SELECT true AS late
     WHERE NOT EXISTS (SELECT 1 FROM won) AND $7::bytea IS NOT NULL AND NOT $8
@@ -188,6 +188,13 @@ WITH won AS (
         late_body = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $7::bytea END,
         late_key = CASE WHEN EXISTS (SELECT 1 FROM keep) THEN $11::text END
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state IN ('started', 'unknown')
+), ended AS (
+    -- The job ended: its other attempts leave the lease scan (migration 0009). Only a job with
+    -- several attempts has any; a job with one looks nothing up (the id is NULL).
+    UPDATE idemproxy.attempts
+    SET lease_expires_at = NULL
+    WHERE owner = $1 AND job_id = (SELECT id FROM won WHERE attempt_count > 1)
+      AND lease_expires_at IS NOT NULL AND NOT (number = $4 AND state IN ('started', 'unknown'))
 )
 -- `watched` tells a store on Citus to announce the change from the coordinator (`notify`).
 SELECT watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
@@ -227,7 +234,7 @@ WITH input AS (
       AND jobs.version = input.version
       AND jobs.completed_by IS NULL AND jobs.state = 'in_flight'
       AND jobs.id IN (SELECT id FROM locked)
-    RETURNING jobs.owner, jobs.id, jobs.watched
+    RETURNING jobs.owner, jobs.id, jobs.watched, jobs.attempt_count
 ), keep AS (
     SELECT input.id FROM input
     WHERE input.id NOT IN (SELECT id FROM won) AND input.body IS NOT NULL AND NOT input.omitted
@@ -247,6 +254,15 @@ WITH input AS (
     WHERE attempts.owner = $1 AND attempts.job_id = ANY($2::uuid[])
       AND attempts.job_id = input.id AND attempts.number = input.attempt
       AND attempts.state IN ('started', 'unknown')
+), ended AS (
+    -- As in `complete`: the other attempts of the jobs it ended with several.
+    UPDATE idemproxy.attempts
+    SET lease_expires_at = NULL
+    FROM input
+    WHERE attempts.owner = $1
+      AND attempts.job_id = ANY(ARRAY(SELECT id FROM won WHERE attempt_count > 1))
+      AND attempts.job_id = input.id AND attempts.lease_expires_at IS NOT NULL
+      AND NOT (attempts.number = input.attempt AND attempts.state IN ('started', 'unknown'))
 )
 SELECT id, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
 
@@ -259,19 +275,33 @@ WITH settled AS (
     SET state = $5, version = version + 1, lease_expires_at = NULL, updated_at = now(),
         sweep_after = CASE WHEN $5::text <> 'unknown' THEN sweep_after END
     WHERE owner = $1 AND key = $9 AND id = $2 AND version = $3 AND state = 'in_flight'
-    RETURNING owner, id, watched
+    RETURNING owner, id, watched, attempt_count
 ), attempt AS (
     UPDATE idemproxy.attempts
     SET state = $6, status = $7, error = $8, finished_at = now(), lease_expires_at = NULL
     WHERE owner = $1 AND job_id = $2 AND number = $4 AND state = 'started'
+), ended AS (
+    -- As in `complete`: the job's other attempts leave the lease scan (migration 0009).
+    UPDATE idemproxy.attempts
+    SET lease_expires_at = NULL
+    WHERE owner = $1 AND job_id = (SELECT id FROM settled WHERE attempt_count > 1)
+      AND lease_expires_at IS NOT NULL AND NOT (number = $4 AND state = 'started')
 )
 SELECT watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
 FROM settled;
 
 -- name: finish_attempt
--- One attempt of several (hedging) ended without a result; the job is left to the others.
+-- One attempt of several (hedging) ended without a result; the job is left to the others. The
+-- attempt keeps the lease it started with until the job ends (migration 0009): should this be
+-- the last one running and its proxy die before settling the job, the lease scan finds the job.
+-- A job that ended already may not have cleared this attempt's lease (a hedge added while the
+-- completion waited for the job's row is not in the completion's snapshot): then it is cleared.
+WITH job AS (
+    SELECT state = 'in_flight' AS in_flight FROM idemproxy.jobs WHERE owner = $1 AND id = $2
+)
 UPDATE idemproxy.attempts
-SET state = $4, status = $5, error = $6, finished_at = now(), lease_expires_at = NULL
+SET state = $4, status = $5, error = $6, finished_at = now(),
+    lease_expires_at = CASE WHEN (SELECT in_flight FROM job) THEN lease_expires_at END
 WHERE owner = $1 AND job_id = $2 AND number = $3 AND state = 'started';
 
 -- name: start_next_attempt
@@ -352,6 +382,12 @@ WITH job AS (
     SET state = 'unknown', error = 'lease expired', finished_at = now(), lease_expires_at = NULL
     FROM job
     WHERE a.owner = $1 AND a.job_id = $2 AND a.state = 'started'  -- parameters: as in renew_lease
+), ended AS (
+    -- The attempts that had ended keep their outcome and leave the lease scan (migration 0009).
+    UPDATE idemproxy.attempts a
+    SET lease_expires_at = NULL
+    FROM job
+    WHERE a.owner = $1 AND a.job_id = $2 AND a.state <> 'started' AND a.lease_expires_at IS NOT NULL
 )
 SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 
@@ -359,13 +395,15 @@ SELECT pg_notify('idemproxy_jobs', id::text) FROM job;
 -- SPEC §3.5: jobs in flight whose lease ran out at least $1 seconds ago by the database clock
 -- (their proxy died, or cannot reach the store), oldest first, for the background takeover
 -- (proxy/background/orphans.py). Each is then taken over by the `take_over` CAS, as a request would.
--- Found from the attempts not finished whose starting lease ran out as long ago (their index,
--- migration 0007): a job's lease is never earlier than the one its latest attempt started with.
--- Then one point lookup per job (a lateral subquery, as in `claim_batch`), on its lease as renewed.
+-- Found from the attempts whose starting lease ran out as long ago (their index, migrations
+-- 0007 and 0009): a job's lease is never earlier than the one its latest attempt started with,
+-- which that attempt keeps, finished or not, until the job leaves `in_flight`. The range names
+-- that index's predicate (`> '-infinity'`), without which no plan may take it. Then one point
+-- lookup per job (a lateral subquery, as in `claim_batch`), on its lease as renewed.
 SELECT job.*, job.expires_at <= now() AS expired, true AS lease_expired
 FROM (
     SELECT DISTINCT owner, job_id FROM idemproxy.attempts
-    WHERE finished_at IS NULL AND lease_expires_at <= now() - make_interval(secs => $1)
+    WHERE lease_expires_at > '-infinity' AND lease_expires_at <= now() - make_interval(secs => $1)
 ) AS started
 CROSS JOIN LATERAL (
     SELECT * FROM idemproxy.jobs

@@ -1,0 +1,277 @@
+"""One client connection: the slow-client deadline aiohttp lacks (SPEC §9), quiet 400s (§8).
+
+aiohttp reads a request head without a deadline of its own. Before 3.14 a connection that
+trickles header bytes (slowloris) is never cut off; since then only by `keepalive_timeout`, which
+behind a load balancer must outlast the balancer's idle timeout (60 s on AWS ALB). Each
+connection here is served by `GuardedHandler` instead: a new connection must deliver its first
+request head within `server.header_read_timeout`, and on a kept-alive connection the next head
+must arrive in full within that time of its first byte. Idle time between requests stays
+`keepalive_timeout`'s business. A head that is too slow gets 408 and the connection is closed;
+nothing of it reached the handler, so no job exists and nothing went upstream.
+
+From the moment aiohttp hands a request to the listener's request handler (`request_started`)
+only the body deadline (`server.body_read_timeout`) and the upstream timeout apply, until that
+handler has written the response (`respond`). Only aiohttp's public API is used: the protocol
+methods of asyncio (`connection_made`, `data_received`, `connection_lost`) and `handle_error`
+are extended, never aiohttp's private fields (tests/unit/test_public_aiohttp.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import HttpVersion11, StreamReader, hdrs, web
+
+from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
+from idemproxy.errors import RequestTimeout
+from idemproxy.http.deadline import Deadline
+from idemproxy.http.problems import problem_response
+from idemproxy.proxy.server.whole import NotifiedResponse, WholeResponse, serialise_whole
+
+log = logging.getLogger(__name__)
+
+
+class SentResponse(web.StreamResponse):
+    """What aiohttp's connection loop gets back for a response the listener wrote itself: its
+    own `prepare` and `write_eof` have nothing left to do, and `keep_alive` says whether the
+    connection serves another request."""
+
+    def __init__(self, *, persistent: bool) -> None:
+        super().__init__()
+        self.persistent = persistent
+
+    @property
+    def keep_alive(self) -> bool:
+        return self.persistent
+
+    async def prepare(self, request: web.BaseRequest) -> None:
+        return None
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        return None
+
+
+# Shared: aiohttp only reads `keep_alive` (and, with an access log, status and size) of them.
+_KEPT_ALIVE = SentResponse(persistent=True)
+_CLOSED = SentResponse(persistent=False)
+
+
+class GuardedHandler(web.RequestHandler):
+    """aiohttp's connection handler plus a header-read deadline and 4xx pages that echo nothing."""
+
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        header_timeout: float,
+        server_token: str,
+        on_closed: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(manager, loop=loop, **kwargs)
+        self.on_closed = on_closed  # the connection gate's count (proxy/server/gate.py)
+        self.header_timeout = header_timeout
+        self.server_token = server_token  # the Server field of the proxy's own answers
+        self.head_deadline = Deadline(loop, self._head_timed_out)  # one timer (deadline.py)
+        self.serving = False  # the head of the current request was read; its handler runs
+        self.head_started = False  # bytes of the next head arrived since the last response
+        self.body: StreamReader | None = None  # the body of the request being served
+        self.queued = False  # bytes after that body arrived: a pipelined request waits
+        self.unread: StreamReader | None = None  # a body aiohttp drains after the response
+        self.closing = False  # a shutdown began: the next response closes the connection
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        # A new connection owes its first head within the deadline.
+        self.head_deadline.start(self.header_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        body = self.body
+        if not data or self._draining():
+            super().data_received(data)
+        elif self.serving and body is not None:
+            self._pipelined(body, data)
+        else:
+            self.head_started = True
+            if not self.head_deadline.running:  # the first byte of the next head
+                self.head_deadline.start(self.header_timeout)
+            super().data_received(data)
+
+    def _pipelined(self, body: StreamReader, data: bytes) -> None:
+        """Bytes while a request is served: its body's, or (some of them) a next request's,
+        which aiohttp parses and queues now. The idleness test of a shutdown must know."""
+        done, before = body.is_eof(), body.total_bytes
+        super().data_received(data)
+        # With Content-Length the body takes exactly its bytes; a chunked body's framing makes
+        # the rest look like more than it is, and the test errs on the side of waiting.
+        if done or (body.is_eof() and len(data) > body.total_bytes - before):
+            self.queued = True
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.head_deadline.close()
+        if self.on_closed is not None:
+            self.on_closed()
+        super().connection_lost(exc)
+
+    def close_when_idle(self) -> None:
+        """A shutdown began (proxy/drain.py): close now if idle, else after the next response.
+
+        Not aiohttp's `close()` on a busy connection: from then on it drops every byte that
+        arrives, the rest of a request body too, and the request would hang on it."""
+        self.closing = True
+        if not (self.serving or self.head_started or self.queued or self._draining()):
+            self.close()
+
+    def request_started(self, body: StreamReader) -> None:
+        """aiohttp read a request's head and hands it to the handler: no deadline until the
+        response."""
+        self.serving, self.body, self.queued = True, body, False
+        self.head_deadline.stop()
+
+    def head_read(self) -> None:
+        """The request's head arrived and its handler runs: no deadline until the response
+        (`request_started` stopped it already; this is for a handler run some other way)."""
+        if not self.serving:
+            self.serving = True
+            self.head_deadline.stop()
+
+    async def respond(
+        self, request: web.BaseRequest, response: web.StreamResponse
+    ) -> web.StreamResponse:
+        """Write `response` (every answer of the listener's handler ends here), in one write
+        when it is whole (proxy/server/whole.py); what aiohttp's loop then gets back."""
+        if self.closing:
+            # A shutdown closes this connection after the response (proxy/drain.py): say so,
+            # so that the client sends its next request elsewhere (RFC 9112 §9.6).
+            response.force_close()
+        try:
+            whole = serialise_whole(request, response, server_token=self.server_token)
+            if whole is None:
+                await response.prepare(request)
+                await response.write_eof()
+                return response
+            return await self._write_whole(request, response, whole)
+        except ConnectionError:
+            self.force_close()  # the client is gone: aiohttp stops serving the connection
+            return _CLOSED
+        finally:
+            self.served(request, response.status)
+
+    async def _write_whole(
+        self, request: web.BaseRequest, response: web.StreamResponse, whole: WholeResponse
+    ) -> web.StreamResponse:
+        """What aiohttp's `prepare` and `write_eof` do for a complete response, in one write."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            _written(response)
+            raise ConnectionResetError("the client is gone")
+        transport.write(whole.data)
+        writer = request.writer
+        writer.output_size += len(whole.data)
+        if whole.body:
+            await self._write_large(request, response, whole)
+        elif transport.get_write_buffer_size():
+            # Writing pauses only above the high-water mark: with nothing left in the buffer
+            # (the socket took it all, nearly always) there is nothing to wait for.
+            await writer.drain()
+        return _KEPT_ALIVE if whole.keep_alive else _CLOSED
+
+    async def _write_large(
+        self, request: web.BaseRequest, response: web.StreamResponse, whole: WholeResponse
+    ) -> None:
+        """A large body after its head, in pieces: the transport keeps at most about its
+        high-water mark beyond what the client took, rather than a copy of the whole body."""
+        transport, writer = self.transport, request.writer
+        writer.output_size += len(whole.body)
+        try:
+            for piece in whole.pieces():
+                await writer.drain()
+                if transport is None or transport.is_closing():
+                    raise ConnectionResetError("the client is gone")
+                transport.write(piece)
+            await writer.drain()
+        finally:
+            _written(response)
+
+    def served(self, request: web.BaseRequest, status: int) -> None:
+        """The response is out: the next byte starts a new head (unless it is unread body)."""
+        self.serving = self.head_started = False
+        self.head_deadline.stop()
+        body = request.content
+        self.body, self.unread = None, None if body.is_eof() else body
+        if status == 408 and self.unread is not None:
+            # Too slow to send its body: it will not finish while aiohttp lingers over it
+            # (up to 10 s more). Close now.
+            self.force_close()
+        elif request.version < HttpVersion11 and hdrs.TRANSFER_ENCODING in request.headers:
+            # RFC 9112 §6.1: HTTP/1.0 with Transfer-Encoding has faulty framing: close after it
+            # (aiohttp kept such a connection alive for the next request).
+            self.force_close()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        # SPEC §8: never echo raw attacker bytes. aiohttp's own page quotes the offending line,
+        # and logs a traceback per malformed request (a cheap way to flood the logs).
+        log.info("malformed request from %s refused with %d", request.remote, status)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response has started; no room for the 4xx")
+        response = web.Response(status=status, text=f"{status} {_phrase(status)}\n")
+        response.force_close()
+        return response
+
+    def _draining(self) -> bool:
+        """Whether bytes are the rest of an unread body (aiohttp's lingering_time bounds it)."""
+        if self.unread is not None and not self.unread.is_eof():
+            return True
+        self.unread = None
+        return False
+
+    def _head_timed_out(self) -> None:
+        transport = self.transport
+        if self.serving or transport is None or transport.is_closing():
+            return
+        if self.head_started:  # RFC 9110 §15.5.9; a connection that sent nothing just closes
+            transport.write(_REQUEST_TIMEOUT)
+        self.force_close()
+
+
+def _written(response: web.StreamResponse) -> None:
+    if type(response) is NotifiedResponse:
+        response.written()
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Client Error"
+
+
+def _request_timeout_bytes() -> bytes:
+    """A complete 408 problem response (SPEC §8), written straight to the socket."""
+    error = RequestTimeout("The request head did not arrive in time.")
+    body = problem_response(error).body
+    assert isinstance(body, bytes)
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\n"
+        f"Content-Type: {PROBLEM_CONTENT_TYPE}\r\n"
+        f"{ERROR_HEADER}: {error.code}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+_REQUEST_TIMEOUT = _request_timeout_bytes()
