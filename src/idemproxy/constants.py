@@ -117,6 +117,19 @@ OWNER_FILTER_MAX_LENGTH: Final = 255
 # Who settled an `unknown` job, as recorded in its `resolution` (SPEC §3.3).
 RESOLUTION_OPERATOR: Final = "operator"
 RESOLUTION_UNKNOWN_TTL: Final = "unknown_ttl"
+# SPEC §3.6: an `unknown` job resolved by the backend's reconcile endpoint, or by the answer of
+# an upstream that honours the key to the request sent again under it.
+RESOLUTION_RECONCILE: Final = "reconcile"
+RESOLUTION_UPSTREAM_KEY: Final = "upstream_key"
+DEFAULT_RECONCILE_TIMEOUT: Final = 5.0
+DEFAULT_RECONCILE_BACKOFF: Final = 5.0
+DEFAULT_RECONCILE_MAX_BACKOFF: Final = 300.0
+# How often each proxy looks for `unknown` jobs due a question (proxy/background/reconcile.py).
+DEFAULT_RECONCILE_INTERVAL: Final = 1.0
+# Evidence entries kept per attempt (SPEC §3.6): the latest ones; `checks` counts them all.
+MAX_EVIDENCE_ENTRIES: Final = 20
+# Characters of a reconcile answer's reason kept as evidence.
+MAX_EVIDENCE_DETAIL: Final = 200
 
 # Owner scopes that are not hashes of a credential (SPEC §5).
 ANONYMOUS_OWNER: Final = "anonymous"

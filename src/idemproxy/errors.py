@@ -103,6 +103,8 @@ class ProblemError(IdemproxyError):
     # The job this answer is about and its state, once known (http/problems.py writes them).
     job_id: str | None = None
     job_state: str | None = None
+    # Extension members of this answer's problem document (RFC 9457 §3.2), in the proxy's words.
+    members: dict[str, object] | None = None
 
     def about(self, job_id: str, state: str) -> ProblemError:
         """This problem, about job `job_id` in `state`, unless it already names a job or is

@@ -7,12 +7,13 @@ import base64
 import io
 import json
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
-from idemproxy.core.types import Intent, Job, JobState
+from idemproxy.core.types import Evidence, Intent, Job, JobState
 from idemproxy.store.base import Store
 
 from .conftest import ALICE, BOB, TOKEN, MakeClient, MakeSettings, Upstream, post
@@ -453,3 +454,21 @@ async def test_every_jobs_route_needs_the_token_when_one_is_set(
         assert response.status == 200
     async with admin.get("/readyz") as response:
         assert response.status == 200
+
+
+async def test_show_has_the_questions_asked_about_an_unknown_attempt(
+    admin: Client, proxy: Client, upstream: Upstream, store: Store
+) -> None:
+    """SPEC §3.6: the evidence kept on the attempt, as the reconciler records it."""
+    job = await make_unknown(proxy, upstream, store, "k-evidence")
+    assert await store.claim_check(job, 1, checks=0, due_after=0)
+    asked = datetime(2026, 1, 1, 3, tzinfo=UTC)
+    await store.record_evidence(
+        job, 1, Evidence("reconcile", asked, None, None, "unknown", "timeout")
+    )
+    [attempt] = (await get_json(admin, f"/jobs/{job.id}"))["attempts"]
+    assert attempt["checks"] == 1 and attempt["checked_at"] is not None
+    assert attempt["evidence"] == [
+        {"way": "reconcile", "asked_at": asked.isoformat(), "answered_at": None, "status": None,
+         "verdict": "unknown", "reason": "timeout"}
+    ]  # fmt: skip

@@ -116,7 +116,11 @@ async def test_serve_without_migrations_fails_closed(
 def test_demo_shows_one_execution_per_intent(run_cli: RunCli) -> None:
     done = run_cli("demo")
     assert done.returncode == 0, done
-    assert "The backend charged 2 time(s) for 2 intents" in done.stdout, done.stdout
+    assert "The backend charged 3 time(s) for 3 intents" in done.stdout, done.stdout
+    # SPEC §3.6: the timeout resolved itself: 504, 409 while unknown, then its response.
+    assert "first try    → 504 upstream-timeout" in done.stdout, done.stdout
+    assert "retry        → 409 outcome-unknown, Retry-After:" in done.stdout, done.stdout
+    assert "retry        → 201 pay_3 (replayed)" in done.stdout, done.stdout
 
 
 def test_webhooks_demo_shows_one_execution_per_event(run_cli: RunCli) -> None:

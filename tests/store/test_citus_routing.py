@@ -62,6 +62,8 @@ CROSS_OWNER = {
         "sweep_expired_distributed",
         "list_jobs",
         "count_unknown",
+        # SPEC §3.6: the reconciler's pages of the unknown jobs due a question, of every owner.
+        "due_unknown",
         "ping",
         # `idemproxy store reseal` walks every owner's responses (SPEC §11).
         "responses_to_reseal",
@@ -74,6 +76,7 @@ CROSS_OWNER = {
         "sweep_expired",
         "list_jobs",
         "count_unknown",
+        "due_unknown",
         "responses_to_reseal",
         "late_responses_to_reseal",
     },

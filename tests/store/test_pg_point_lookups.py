@@ -263,6 +263,9 @@ _HOUSEKEEPING = {
     "sweep_expired": ("500", ("jobs_sweep_idx",)),
     "stale_unknown": ("0, 100", ("jobs_unknown_idx",)),
     "count_unknown": ("", ("jobs_unknown_idx",)),
+    # SPEC §3.6: the reconciler's pages of due unknown jobs, and its right to ask about one.
+    "due_unknown": ("0, 0, 0, '00000000-0000-0000-0000-000000000000', 100", ("jobs_unknown_idx",)),
+    "claim_check": (f"'acme', '{_LIVE[0]}', 1, 1, 0, 0", ("attempts_pkey",)),
     "take_over": (f"'acme', '{_LIVE[0]}', 1", _BY_ID),
     "resolve_completed": (
         f"'acme', '{_LIVE[0]}', 1, 'operator', 201, NULL, '\\x7b7d', 60, NULL",

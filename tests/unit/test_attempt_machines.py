@@ -126,6 +126,42 @@ def test_a_transport_failure(mode: Mode, failure: Failure, expected: object) -> 
     assert forward(mode).next(TransportFailed(failure, "refused")) == expected
 
 
+# --- SPEC §3.6: the request sent again under the key its upstream honours ------------------------
+
+RESEND = Forward(FINAL, False, STATUSES, resend=True)
+RESEND_HEAD_ROWS = [
+    # status, event stream -> next: a final answer completes; anything else proves nothing
+    (200, False, Capture(COMPLETE, 200, FINAL, check=False)),
+    (201, True, Stream(COMPLETE, 201)),
+    (400, False, Capture(COMPLETE, 400, FINAL, check=False)),  # final: the key's answer
+    (408, False, Capture(UNKNOWN, 408, FINAL, check=False)),
+    (409, False, Capture(UNKNOWN, 409, FINAL, check=False)),  # the first is still in progress
+    (425, False, Capture(UNKNOWN, 425, FINAL, check=False)),
+    (429, False, Capture(UNKNOWN, 429, FINAL, check=False)),
+    (500, False, Capture(UNKNOWN, 500, FINAL, check=False)),
+    (503, False, Capture(UNKNOWN, 503, FINAL, check=False)),  # never released: not RELEASE
+    (503, True, Stream(UNKNOWN, 503)),
+]
+
+
+@pytest.mark.parametrize(("status", "stream", "expected"), RESEND_HEAD_ROWS)
+def test_a_resends_head(status: int, stream: bool, expected: object) -> None:
+    assert RESEND.next(Head(status, stream)) == expected
+
+
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        # a refused connection proves nothing of the earlier attempt: unknown, never released
+        (Failure.CONNECT, problem(Failed(UNKNOWN, None, "refused", UpstreamUnavailable))),
+        (Failure.TIMEOUT, problem(TIMEOUT)),
+        (Failure.BROKEN, problem(BROKEN)),
+    ],
+)
+def test_a_resends_transport_failure(failure: Failure, expected: object) -> None:
+    assert RESEND.next(TransportFailed(failure, "refused")) == expected
+
+
 # --- Capture and the contract gate --------------------------------------------------------------
 
 CAPTURE_ROWS = [

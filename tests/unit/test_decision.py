@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from idemproxy.core.decision import (
+    AskAbout,
     Decision,
     Forget,
     Hold,
@@ -269,3 +270,16 @@ def test_a_next_attempt_not_committed_yet_is_looked_for_again() -> None:
 )
 def test_a_next_attempt_that_is_not_ours_or_moved_on_is_left_alone(job: Job) -> None:
     assert _next(job) is Unsent.MOVED_ON
+
+
+def test_an_unknown_job_is_asked_about_once_when_its_route_can() -> None:
+    """SPEC §3.6: then decided again; without `ask`, 409 outcome-unknown as before."""
+    job = make_job(JobState.UNKNOWN)
+    assert decide(job, FINGERPRINT, HOLD, ask=True) == AskAbout(VERSION)
+    assert decide(job, FINGERPRINT, HOLD) == Reject(OutcomeUnknown)
+    # The fingerprint is compared first: another payload is never asked about.
+    assert decide(job, OTHER_FINGERPRINT, HOLD, ask=True) == Reject(PayloadMismatch)
+    for state in (JobState.COMPLETED, JobState.RELEASED, JobState.IN_FLIGHT):
+        response = RESPONSE if state is JobState.COMPLETED else None
+        other = make_job(state, response=response)
+        assert not isinstance(decide(other, FINGERPRINT, HOLD, ask=True), AskAbout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from idemproxy.core.machine import (
     About,
     JobGone,
     NeedAdmission,
+    NeedAsk,
     NeedClaim,
     NeedClaimDropped,
     NeedForget,
@@ -27,6 +29,8 @@ from idemproxy.core.machine import (
     NeedNextAdmission,
     NeedNextAttempt,
     NeedReread,
+    NeedResend,
+    NeedResendAdmission,
     NeedRun,
     NeedTakeOver,
     NeedWait,
@@ -63,6 +67,11 @@ IETF = replace(RULES, policy=Policy(hold_in_flight=False))
 QUOTAS = replace(RULES, quotas=True)
 TERMS = Terms(RULES, FINGERPRINT, MAX_WAIT)
 LEGACY = Terms(RULES, FINGERPRINT, MAX_WAIT, legacy="legacy-owner")
+# SPEC §3.6: a route whose upstream honours the key, one with a reconcile endpoint, one with both.
+RESENDS = Terms(RULES, FINGERPRINT, MAX_WAIT, resends=True)
+ASKS = Terms(RULES, FINGERPRINT, MAX_WAIT, asks=True)
+BOTH = Terms(RULES, FINGERPRINT, MAX_WAIT, resends=True, asks=True)
+NEXT_CHECK = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def job(
@@ -101,8 +110,15 @@ CLAIMED = Claimed(IN_FLIGHT_JOB, 1)
 NEXT = Claimed(job(id="job-1"), 2)
 
 
-def seen(found: Job = IN_FLIGHT_JOB, *, ran: str | None = None, turn: int = 1) -> Seen:
-    return Seen(found, ran, DEADLINE, turn)
+def seen(
+    found: Job = IN_FLIGHT_JOB,
+    *,
+    ran: str | None = None,
+    turn: int = 1,
+    asked: bool = False,
+    next_check: datetime | None = None,
+) -> Seen:
+    return Seen(found, ran, DEADLINE, turn, asked, next_check)
 
 
 def about(found: Job = IN_FLIGHT_JOB, ran: str | None = None) -> About:
@@ -464,6 +480,97 @@ TABLE: list[tuple[str, object, Step, object]] = [
         lambda s: s.next(None, NOW, False),
         JobGone("job-1", "it was deleted", about(ran="job-1")),
     ),
+    # --- an unknown job that may resolve itself (SPEC §3.6) ---
+    (
+        "an unknown job on a route that resends: admitted first",
+        NeedClaim(RESENDS, None),
+        lambda s: s.next(Existing(UNKNOWN), NOW),
+        NeedResendAdmission(RESENDS, seen(UNKNOWN, asked=True)),
+    ),
+    (
+        "an unknown job on a route that only asks: ask",
+        NeedClaim(ASKS, None),
+        lambda s: s.next(Existing(UNKNOWN), NOW),
+        NeedAsk(ASKS, seen(UNKNOWN, asked=True)),
+    ),
+    (
+        "an unknown job on a route that resolves neither way: outcome-unknown",
+        NeedClaim(TERMS, None),
+        lambda s: s.next(Existing(UNKNOWN), NOW),
+        Refused(OutcomeUnknown, None, about(UNKNOWN)),
+    ),
+    (
+        "a request that ran an attempt never resends: it asks",
+        NeedReread(BOTH, seen(ran="job-1")),
+        lambda s: s.next(UNKNOWN, NOW),
+        NeedAsk(BOTH, seen(UNKNOWN, ran="job-1", turn=2, asked=True)),
+    ),
+    (
+        "a request that ran an attempt on a route that only resends: outcome-unknown",
+        NeedReread(RESENDS, seen(ran="job-1")),
+        lambda s: s.next(UNKNOWN, NOW),
+        NeedReread(RESENDS, seen(UNKNOWN, ran="job-1", turn=2, asked=True)),
+    ),
+    (
+        "asked once already: outcome-unknown, saying when it is next asked about",
+        NeedReread(ASKS, seen(UNKNOWN, asked=True, next_check=NEXT_CHECK)),
+        lambda s: s.next(UNKNOWN, NOW),
+        Refused(OutcomeUnknown, None, about(UNKNOWN), NEXT_CHECK),
+    ),
+    (
+        "asked once already, resolved meanwhile: replayed",
+        NeedReread(ASKS, seen(UNKNOWN, asked=True)),
+        lambda s: s.next(COMPLETED, NOW),
+        Replaying(seen(COMPLETED, turn=2, asked=True), RESPONSE),
+    ),
+    (
+        "draining: nothing is sent again; asked instead",
+        NeedResendAdmission(BOTH, seen(UNKNOWN, asked=True)),
+        lambda s: s.next(True),
+        NeedAsk(BOTH, seen(UNKNOWN, asked=True)),
+    ),
+    (
+        "draining on a route that only resends: read again",
+        NeedResendAdmission(RESENDS, seen(UNKNOWN, asked=True)),
+        lambda s: s.next(True),
+        NeedReread(RESENDS, seen(UNKNOWN, asked=True)),
+    ),
+    (
+        "not draining: try the resend",
+        NeedResendAdmission(RESENDS, seen(UNKNOWN, asked=True)),
+        lambda s: s.next(False),
+        NeedResend(RESENDS, seen(UNKNOWN, asked=True)),
+    ),
+    (
+        "the resend's CAS won: its attempt runs",
+        NeedResend(RESENDS, seen(UNKNOWN, asked=True)),
+        lambda s: s.next(NEXT, NOW),
+        NeedRun(RESENDS, seen(NEXT.job, turn=2, asked=True), NEXT),
+    ),
+    (
+        "no resend (refused or CAS lost), a reconcile endpoint: ask",
+        NeedResend(BOTH, seen(UNKNOWN, asked=True)),
+        lambda s: s.next(None, NOW),
+        NeedAsk(BOTH, seen(UNKNOWN, asked=True)),
+    ),
+    (
+        "no resend, no reconcile endpoint: read again",
+        NeedResend(RESENDS, seen(UNKNOWN, asked=True)),
+        lambda s: s.next(None, NOW),
+        NeedReread(RESENDS, seen(UNKNOWN, asked=True)),
+    ),
+    (
+        "asked: read again, with when the next question is due",
+        NeedAsk(ASKS, seen(UNKNOWN, asked=True)),
+        lambda s: s.next(NEXT_CHECK),
+        NeedReread(ASKS, seen(UNKNOWN, asked=True, next_check=NEXT_CHECK)),
+    ),
+    (
+        "the resend's attempt lost its CAS: never asked or sent again",
+        NeedRun(RESENDS, seen(NEXT.job, asked=True), NEXT),
+        lambda s: s.lost(),
+        NeedReread(RESENDS, seen(NEXT.job, ran="job-1", asked=True)),
+    ),
     # --- the guard against a loop that makes no progress ---
     (
         "the turn after the last one is request-in-flight",
@@ -503,6 +610,9 @@ def test_every_state_of_the_machine_is_in_the_table() -> None:
         NeedNextAdmission,
         NeedNextAttempt,
         NeedForget,
+        NeedResendAdmission,
+        NeedResend,
+        NeedAsk,
         NeedHold,
         NeedWatch,
         NeedWait,

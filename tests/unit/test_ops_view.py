@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
 
-from idemproxy.core.types import Attempt, AttemptState, Job, JobState, StoredResponse
+from idemproxy.core.types import Attempt, AttemptState, Evidence, Job, JobState, StoredResponse
 from idemproxy.ops.resolution import ResponseRules, completed, parse_header_line
 from idemproxy.ops.service import resolution_ttl
 from idemproxy.ops.table import job_details, jobs_table
@@ -85,3 +85,29 @@ def test_cli_header_lines() -> None:
     rules = ResponseRules(unreplayed_headers=["set-cookie"], max_body=10)
     resolution = completed(201, [parse_header_line("X-A: 1"), ("x-a", "2")], b"", rules)
     assert resolution.response == StoredResponse(201, (("X-A", "1"), ("x-a", "2")), b"")
+
+
+def test_the_questions_about_an_unknown_attempt_are_shown() -> None:
+    """SPEC §3.6: evidence on the attempt, in the JSON view and the text of `jobs show`."""
+    asked = Evidence("reconcile", T0, T0 + timedelta(seconds=1), 200, "executed", "executed")
+    attempt = Attempt(1, "http://u", AttemptState.UNKNOWN, None, "timeout", T0, T0,
+                      checks=3, checked_at=T0, evidence=(asked,))  # fmt: skip
+    resolved = job(attempts=(attempt,), completed_by=0, resolution="reconcile")
+    view = job_to_json(resolved)
+    (shown,) = view["attempts"]
+    assert shown["checks"] == 3
+    assert shown["evidence"] == [
+        {
+            "way": "reconcile",
+            "asked_at": T0.isoformat(),
+            "answered_at": (T0 + timedelta(seconds=1)).isoformat(),
+            "status": 200,
+            "verdict": "executed",
+            "reason": "executed",
+        }
+    ]
+    text = job_details(view)
+    assert "completed by  reconcile" in text
+    assert "attempt 1 asked about 3 time(s)" in text
+    assert "reconcile" in text.split("asked about")[1] and "executed" in text
+    assert "asked about" not in job_details(job_to_json(job()))

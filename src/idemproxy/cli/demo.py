@@ -1,7 +1,8 @@
 """`idemproxy demo`: a sample payments backend behind the proxy on the embedded store.
 
-It fires a double click, a retry after a lost response and a reused key with another amount,
-and shows that the backend executed once per intent.
+It fires a double click, a retry after a lost response, a reused key with another amount and
+an upstream timeout that resolves itself (the backend's reconcile endpoint, SPEC §3.6), and
+shows that the backend executed once per intent.
 """
 
 from __future__ import annotations
@@ -15,30 +16,39 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from idemproxy.cli.demo_reconcile import ANSWERS, Answers, attempt_of, reconcile
 from idemproxy.config.settings import Settings, load_settings
 from idemproxy.proxy.app import create_app
 
 EXECUTIONS = web.AppKey("executions", list)
+_MAX_RETRIES = 10
 
 
 async def create_payment(request: web.Request) -> web.Response:
     """The sample backend: every call is a new charge, exactly what must not happen twice."""
     payload = await request.json()
-    await asyncio.sleep(float(request.headers.get("X-Demo-Delay", "0.05")))
+    answers, attempt = request.app[ANSWERS], attempt_of(request)
+    answers.running.add(attempt)
+    try:
+        await asyncio.sleep(float(request.headers.get("X-Demo-Delay", "0.05")))
+    finally:
+        answers.running.discard(attempt)
+    if attempt in answers.tombstones:  # it told the proxy "never executed"
+        raise web.HTTPConflict()
     executions = request.app[EXECUTIONS]
     executions.append(payload)
     payment_id = f"pay_{len(executions)}"
-    return web.json_response(
-        {"id": payment_id, "amount": payload["amount"], "status": "charged"},
-        status=201,
-        headers={"Location": f"/payments/{payment_id}"},
-    )
+    answer = {"id": payment_id, "amount": payload["amount"], "status": "charged"}
+    answers.given[attempt] = answer
+    return web.json_response(answer, status=201, headers={"Location": f"/payments/{payment_id}"})
 
 
 def sample_backend() -> web.Application:
     app = web.Application()
     app[EXECUTIONS] = []
+    app[ANSWERS] = Answers()
     app.router.add_post("/payments", create_payment)
+    app.router.add_post("/reconcile", reconcile)
     return app
 
 
@@ -76,14 +86,22 @@ async def run_demo() -> int:
             await proxy_runner.cleanup()
             await backend_runner.cleanup()
     executions = backend[EXECUTIONS]
-    print(f"\nThe backend charged {len(executions)} time(s) for 2 intents:")
+    print(f"\nThe backend charged {len(executions)} time(s) for 3 intents:")
     for payload in executions:
         print(f"  {json.dumps(payload)}")
-    return 0 if len(executions) == 2 else 1
+    return 0 if len(executions) == 3 else 1
 
 
 def demo_settings(backend_url: str, database: Path) -> Settings:
-    return load_settings(upstream=backend_url, store=f"sqlite:///{database}", listen="127.0.0.1:0")
+    # SPEC §3.6: an unknown outcome is asked about at the backend's reconcile endpoint.
+    reconcile = {"url": f"{backend_url}/reconcile", "timeout": 0.5, "backoff": 0.2,
+                 "max_backoff": 0.5}  # fmt: skip
+    route = {"prefix": "/", "upstream": backend_url, "upstream_timeout": 1,
+             "resolve": {"reconcile": reconcile}}  # fmt: skip
+    return load_settings(
+        routes=[route], store=f"sqlite:///{database}", listen="127.0.0.1:0",
+        sweeper={"reconcile_interval": 0.1},
+    )  # fmt: skip
 
 
 async def _scenarios(proxy: str) -> None:
@@ -105,3 +123,34 @@ async def _scenarios(proxy: str) -> None:
 
         print("3. Same key order-1, different amount (a bug or an attack)")
         print(f"   request      → {await _post(session, proxy, 'order-1', 999)}")
+        await _resolving_itself(session, proxy)
+
+
+async def _resolving_itself(session: aiohttp.ClientSession, proxy: str) -> None:
+    print("4. Upstream timeout: the proxy gives up after 1 s, the charge takes 1.5 s")
+    answer = await _post(session, proxy, "order-3", 75, **{"X-Demo-Delay": "1.5"})
+    print(f"   first try    → {answer}: the outcome is unknown")
+    # SPEC §3.6: meanwhile the proxy asks the backend's reconcile endpoint, with backoff; a
+    # retry is told when the next question is due (Retry-After), and follows it.
+    for _ in range(_MAX_RETRIES):
+        answer, wait = await _retry(session, proxy, "order-3", 75)
+        print(f"   retry        → {answer}")
+        if wait is None:
+            return
+        await asyncio.sleep(wait)
+
+
+async def _retry(
+    session: aiohttp.ClientSession, url: str, key: str, amount: int
+) -> tuple[str, float | None]:
+    async with session.post(
+        f"{url}/payments",
+        json={"amount": amount, "currency": "EUR"},
+        headers={"Idempotency-Key": key, "Authorization": "Bearer demo-user"},
+    ) as response:
+        body: Any = await response.json(content_type=None)
+        if response.status != 409:
+            replayed = response.headers.get("Idempotent-Replayed") == "true"
+            return f"{response.status} {body.get('id')}" + (" (replayed)" if replayed else ""), None
+        wait = float(response.headers.get("Retry-After", "1"))
+        return f"409 {body.get('code')}, Retry-After: {wait:g} s", wait

@@ -42,6 +42,7 @@ from pydantic_settings import (
 from idemproxy import constants as c
 from idemproxy.config.keys import KeySourceSettings, WebhookSettings, check_one_route_per_sender
 from idemproxy.config.quotas import QuotaSettings
+from idemproxy.config.resolve import ResolveSettings
 from idemproxy.config.secret_files import read_secret_files
 from idemproxy.config.units import ByteSize, Duration
 from idemproxy.config.upstream import (
@@ -110,6 +111,8 @@ class RouteSettings(BaseModel):
     webhook: WebhookSettings | None = None
     # SPEC §10: the Host the upstream receives: auto, client, upstream, or a fixed host[:port].
     forward_host: str = c.DEFAULT_FORWARD_HOST
+    # SPEC §3.6: how this route's `unknown` jobs may resolve themselves; none by default.
+    resolve: ResolveSettings = Field(default_factory=ResolveSettings)
 
     @field_validator("forward_host")
     @classmethod
@@ -559,6 +562,9 @@ class SweeperSettings(BaseModel):
     # SPEC §3.5: how often each proxy looks for jobs whose lease ran out at least one `lease`
     # ago (their proxy died) and takes them over as `unknown` (proxy/background/orphans.py).
     takeover_interval: Duration = Field(default=5.0, gt=0)
+    # SPEC §3.6: how often each proxy looks for unknown jobs due a question to their route's
+    # reconcile endpoint (proxy/background/reconcile.py); only with such a route.
+    reconcile_interval: Duration = Field(default=c.DEFAULT_RECONCILE_INTERVAL, gt=0)
 
 
 _ENV_PREFIX = "IDEMPROXY_"

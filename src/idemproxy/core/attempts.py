@@ -149,6 +149,22 @@ def completes_before_head(outcome: Outcome, mode: Mode) -> bool:
     return mode is Mode.HEDGED and outcome is Outcome.COMPLETE
 
 
+# RFC 9110 §15.5.9 408, §15.5.10 409 (Stripe and others: the first request is still being
+# processed), RFC 8470 425, RFC 6585 429: none says what became of the first request.
+_RESEND_IN_PROGRESS = frozenset({408, 409, 425, 429})
+
+
+def resend_outcome(status: int | None) -> Outcome:
+    """What the upstream's answer to a request sent again under the key it honours does to the
+    job (SPEC §3.6): a final answer is the one the key stands for (executed now or before, the
+    upstream's guarantee) and completes it; a timeout, a reset (`None`), an answer that the
+    first one is still in progress, a refusal to take it now or a 5xx proves nothing and leaves
+    it unknown, never released: an earlier attempt may have executed, whatever this one did."""
+    if status is None or status in _RESEND_IN_PROGRESS or status >= 500:
+        return Outcome.UNKNOWN
+    return Outcome.COMPLETE
+
+
 def settled_state(outcome: Outcome) -> JobState:
     """The state a failed outcome settles its job in (SPEC §3.1, §3.2)."""
     match outcome:
@@ -328,12 +344,20 @@ class Forward:
     mode: Mode
     gated: bool  # the route's group has a response contract (SPEC §3.4)
     statuses: StatusPolicy
+    # SPEC §3.6: the request sent again under the key its upstream honours, after an attempt
+    # whose outcome is unknown: `resend_outcome` overrides the statuses' classification.
+    resend: bool = False
 
     def next(self, event: Head | TransportFailed) -> AttemptState:
         if isinstance(event, TransportFailed):
             outcome, problem = classify_failure(event.failure)
+            if self.resend:
+                outcome = resend_outcome(None)
             return fail(Failed(outcome, None, event.reason, problem), self.mode)
-        outcome = classify_response(event.status, self.statuses)
+        if self.resend:
+            outcome = resend_outcome(event.status)
+        else:
+            outcome = classify_response(event.status, self.statuses)
         handling = response_handling(
             outcome, self.mode, event_stream=event.event_stream, gated=self.gated
         )

@@ -58,7 +58,15 @@ class Forget:
     version: int
 
 
-Decision = Replay | Reject | Hold | StartNextAttempt | TakeOver | Forget
+@dataclass(frozen=True, slots=True)
+class AskAbout:
+    """SPEC §3.6: the job is `unknown` on a route that can ask whether it executed: ask (if a
+    question is due), then decide again on what the job is then."""
+
+    version: int
+
+
+Decision = Replay | Reject | Hold | StartNextAttempt | TakeOver | Forget | AskAbout
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +76,11 @@ class Policy:
     hold_in_flight: bool = True
 
 
-def decide(job: Job, fingerprint: str, policy: Policy, *, wait_expired: bool = False) -> Decision:
-    """What to do with a request for an existing job (SPEC §2.3)."""
+def decide(
+    job: Job, fingerprint: str, policy: Policy, *, wait_expired: bool = False, ask: bool = False
+) -> Decision:
+    """What to do with a request for an existing job (SPEC §2.3). `ask`: an `unknown` job may
+    be asked about once more for this request (SPEC §3.6)."""
     if job.expired and job.state in EXPIRABLE:
         # SPEC §3.1: an expired job is gone, whatever its sweeper has not deleted yet.
         return Forget(job.version)
@@ -82,7 +93,7 @@ def decide(job: Job, fingerprint: str, policy: Policy, *, wait_expired: bool = F
         case JobState.RELEASED:
             return StartNextAttempt(job.version)
         case JobState.UNKNOWN:
-            return Reject(OutcomeUnknown)
+            return AskAbout(job.version) if ask else Reject(OutcomeUnknown)
         case JobState.IN_FLIGHT:
             return _in_flight(job, policy, wait_expired=wait_expired)
         case _:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import assert_never
 
 from idemproxy.constants import WAITER_RECHECK_SECONDS
@@ -83,6 +84,10 @@ class Terms:
     fingerprint: str
     max_wait: float
     legacy: str | None = None
+    # SPEC §3.6: what the request's route can do about an `unknown` job: send it again under
+    # the key its upstream honours (`resends`), ask its reconcile endpoint (`asks`).
+    resends: bool = False
+    asks: bool = False
 
 
 @dataclass(slots=True)
@@ -97,6 +102,10 @@ class Seen:
     ran: str | None
     deadline: float
     turn: int
+    # SPEC §3.6: this request asked about its `unknown` job already (once per request), and
+    # when the reconcile endpoint is next asked about it, if it will be.
+    asked: bool = False
+    next_check: datetime | None = None
 
 
 class Unnamed(enum.Enum):
@@ -151,6 +160,8 @@ class Refused:
     problem: type[ProblemError]
     detail: str | None
     about: Standing
+    # SPEC §3.6, §8: when a still-unknown job is next asked about (Retry-After, next_check_at).
+    next_check: datetime | None = None
 
     def error(self) -> ProblemError:
         error = self.problem(self.detail) if self.detail is not None else self.problem()
@@ -325,10 +336,11 @@ def _turn(terms: Terms, seen: Seen | None, result: Job | Claimed, now: float) ->
         return Refused(RequestInFlight, None, _about(seen))
     deadline = now + terms.max_wait if seen is None else seen.deadline
     ran = None if seen is None else seen.ran
+    asked, next_check = (False, None) if seen is None else (seen.asked, seen.next_check)
     if isinstance(result, Claimed):
-        return NeedRun(terms, Seen(result.job, ran, deadline, turn), result)
+        return NeedRun(terms, Seen(result.job, ran, deadline, turn, asked, next_check), result)
     job = result
-    now_seen = Seen(job, ran, deadline, turn)
+    now_seen = Seen(job, ran, deadline, turn, asked, next_check)
     if ran is not None and job.id != ran:
         # An operator deleted this request's job (and a retry claimed the key afresh).
         return JobGone(ran, f"job {job.id} holds its key now", _about(now_seen))
@@ -338,14 +350,15 @@ def _turn(terms: Terms, seen: Seen | None, result: Job | Claimed, now: float) ->
 def _act(terms: Terms, seen: Seen, now: float) -> State:
     job = seen.job
     wait_expired = now >= seen.deadline
-    outcome = decide(job, terms.fingerprint, terms.rules.policy, wait_expired=wait_expired)
+    ask = (terms.resends or terms.asks) and not seen.asked
+    outcome = decide(job, terms.fingerprint, terms.rules.policy, wait_expired=wait_expired, ask=ask)
     # Class patterns without captures: a capture makes CPython build a set of the attribute
     # names (match_class), on every replay.
     match outcome:
         case decision.Replay():
             return Replaying(seen, outcome.response)
         case decision.Reject():
-            return Refused(outcome.problem, None, _about(seen))
+            return Refused(outcome.problem, None, _about(seen), seen.next_check)
         case decision.Hold():
             return NeedHold(terms, seen)
         case decision.TakeOver():
@@ -358,6 +371,8 @@ def _act(terms: Terms, seen: Seen, now: float) -> State:
             if seen.ran is not None:
                 return _ran_already(seen)
             return NeedForget(terms, seen)
+        case decision.AskAbout():
+            return _ask_about(terms, replace(seen, asked=True))
         case _:
             assert_never(outcome)
 
@@ -471,6 +486,72 @@ class NeedForget:
         return _about(self.seen)
 
 
+# --- an `unknown` job that may resolve itself (SPEC §3.6) -----------------------------------------
+
+
+def _ask_about(terms: Terms, seen: Seen) -> State:
+    """The request's one question about its `unknown` job: sent again under the key its upstream
+    honours, unless this request ran an attempt already (it never runs a second); else asked
+    about at the reconcile endpoint; then the job is read and decided on again."""
+    if terms.resends and seen.ran is None:
+        return NeedResendAdmission(terms, seen)
+    return _after_resend(terms, seen)
+
+
+def _after_resend(terms: Terms, seen: Seen) -> State:
+    return NeedAsk(terms, seen) if terms.asks else NeedReread(terms, seen)
+
+
+@dataclass(slots=True)
+class NeedResendAdmission:
+    """Read the drain flag: once a shutdown began, nothing is sent again (SPEC §8)."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self, draining: bool) -> State:
+        if draining:
+            return _after_resend(self.terms, self.seen)
+        return NeedResend(self.terms, self.seen)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedResend:
+    """SPEC §3.6: send the request again as a new attempt of the `unknown` job, when
+    core/resolution.py `may_resend` allows it and this request wins the store's CAS: its
+    attempt runs (`NeedRun`); else (None) the reconcile endpoint may still be asked."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self, resent: Claimed | None, now: float) -> State:
+        if resent is None:
+            return _after_resend(self.terms, self.seen)
+        return _turn(self.terms, self.seen, resent, now)
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedAsk:
+    """SPEC §3.6: ask the route's reconcile endpoint about the job, if a question is due; then
+    read the job again. `next_check`: when the next question is due, if the job is still
+    `unknown` (the answer to a retry says so)."""
+
+    terms: Terms
+    seen: Seen
+
+    def next(self, next_check: datetime | None) -> NeedReread:
+        return NeedReread(self.terms, replace(self.seen, next_check=next_check))
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
 # --- holding a duplicate (SPEC §2.3, §8, §9) ----------------------------------------------------
 
 
@@ -563,6 +644,9 @@ State = (
     | NeedNextAdmission
     | NeedNextAttempt
     | NeedForget
+    | NeedResendAdmission
+    | NeedResend
+    | NeedAsk
     | NeedHold
     | Replaying
     | Refused

@@ -66,6 +66,7 @@ class Operation(enum.StrEnum):
     ADD_ATTEMPT = "add_attempt"
     RENEW_LEASE = "renew_lease"
     TAKE_OVER = "take_over"
+    RESEND = "resend"
     RESOLVE_COMPLETED = "resolve_completed"
     RESOLVE_RELEASED = "resolve_released"
     FORGET = "forget"
@@ -190,6 +191,15 @@ TRANSITIONS: Mapping[Operation, Transition] = MappingProxyType(
             bumps_version=True,
             lease=Lease.CLEARED,
             attempts=frozenset({AttemptChange(RUNNING, AttemptState.UNKNOWN)}),
+        ),
+        # SPEC §3.6: an `unknown` job sent again under the key its upstream honours, as a new
+        # attempt; exactly one retry wins.
+        Operation.RESEND: Transition(
+            source=RESOLVABLE,
+            target=JobState.IN_FLIGHT,
+            bumps_version=True,
+            lease=Lease.RENEWED,
+            new_attempt=True,
         ),
         Operation.RESOLVE_COMPLETED: Transition(
             source=RESOLVABLE, target=JobState.COMPLETED, bumps_version=True, lease=Lease.KEPT

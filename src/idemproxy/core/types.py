@@ -70,6 +70,21 @@ class Intent:
 
 
 @dataclass(frozen=True, slots=True)
+class Evidence:
+    """One question about an `unknown` attempt and its answer (SPEC §3.6): `way` the way asked
+    (core/resolution.py `Way`), `status` the answer's HTTP status (None: none came), `verdict`
+    what it proved (`Verdict`) and `reason` why, in the proxy's words (never the answer's bytes:
+    a response is kept only as the job's, sealed like any other, SPEC §11)."""
+
+    way: str
+    asked_at: datetime
+    answered_at: datetime | None
+    status: int | None
+    verdict: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Attempt:
     number: int
     upstream: str
@@ -81,6 +96,13 @@ class Attempt:
     # Bytes of the late response kept on this attempt (SPEC §3.3: its completion lost the CAS
     # to a takeover); None when none was kept. `Store.late_response` reads it.
     late_bytes: int | None = None
+    # SPEC §3.6: how many times it was asked about since it became unknown, when last (by the
+    # database clock), and the latest questions with their answers.
+    checks: int = 0
+    checked_at: datetime | None = None
+    evidence: tuple[Evidence, ...] = ()
+    # SPEC §3.6: the digest of the request it sent, kept on routes whose upstream honours keys.
+    sent_digest: str | None = None
 
 
 class Job(NamedTuple):

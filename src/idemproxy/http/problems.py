@@ -44,6 +44,8 @@ def problem_response(
     }
     if not isinstance(error, OperatorError):
         _where_the_client_stands(body, error)
+    if error.members:
+        body.update(error.members)
     headers = {ERROR_HEADER: error.code}
     correlation = CURRENT.get()
     if correlation is not None:  # what support is asked about joins the proxy's log lines

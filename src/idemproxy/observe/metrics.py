@@ -296,6 +296,16 @@ class Metrics:
             "as unknown in the background.",
             [],
         )
+        self.resolutions = self._counter(
+            "resolutions",
+            "Questions about unknown jobs (SPEC §3.6), by way (reconcile, upstream_key) and "
+            "result: completed, released, unknown (the answer proved nothing) or lost (the job "
+            "was resolved otherwise meanwhile, by an operator or another replica).",
+            ["way", "result"],
+        )
+        for way in ("reconcile", "upstream_key"):  # core/resolution.py `Way`
+            for result in ("completed", "released", "unknown", "lost"):
+                self.resolutions.labels(way, result)  # every series from the start
         self.client_disconnects = self._counter(
             "client_disconnects",
             "Clients that hung up mid-request, by stage: request_body (before it was complete; "

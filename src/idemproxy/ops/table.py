@@ -10,6 +10,7 @@ from idemproxy.ops.view import JsonObject
 
 _LIST_COLUMNS = ("ID", "STATE", "VER", "ATT", "STATUS", "KEY", "OWNER", "UPDATED", "RESOLUTION")
 _ATTEMPT_COLUMNS = ("#", "UPSTREAM", "STATE", "STATUS", "STARTED", "FINISHED", "ERROR")
+_EVIDENCE_COLUMNS = ("WAY", "ASKED", "ANSWERED", "STATUS", "VERDICT", "REASON")
 _KEY_WIDTH = 32
 _OWNER_WIDTH = 16
 
@@ -45,7 +46,7 @@ def job_details(job: JsonObject) -> str:
         ("updated", _time(job["updated_at"])),
         ("expires", _time(job["expires_at"]) + (" (expired)" if job["expired"] else "")),
         ("resolution", job["resolution"]),
-        ("completed by", _completed_by(job["completed_by"])),
+        ("completed by", _completed_by(job["completed_by"], job["resolution"])),
         ("response", _response_line(job)),
     ]
     width = max(len(name) for name, _ in fields)
@@ -58,7 +59,25 @@ def job_details(job: JsonObject) -> str:
     ]  # fmt: skip
     lines += ["", "attempts", _indent(_table(_ATTEMPT_COLUMNS, attempts)) if attempts else "  none"]
     lines += _late_lines(job["attempts"])
+    lines += _evidence_lines(job["attempts"])
     return "\n".join(lines)
+
+
+def _evidence_lines(attempts: Sequence[JsonObject]) -> list[str]:
+    """SPEC §3.6: what the proxy asked about an unknown attempt, and what it was answered."""
+    lines = []
+    for attempt in attempts:
+        if not attempt.get("checks"):
+            continue
+        lines += ["", f"attempt {attempt['number']} asked about {attempt['checks']} time(s)"]
+        rows = [
+            [e["way"], _time(e["asked_at"]), _time(e["answered_at"]), e["status"], e["verdict"],
+             e["reason"]]
+            for e in attempt["evidence"]
+        ]  # fmt: skip
+        if rows:
+            lines.append(_indent(_table(_EVIDENCE_COLUMNS, rows)))
+    return lines
 
 
 def _late_lines(attempts: Sequence[JsonObject]) -> list[str]:
@@ -100,10 +119,11 @@ def _response_details(response: JsonObject | None) -> list[str]:
     return lines
 
 
-def _completed_by(number: int | None) -> str:
+def _completed_by(number: int | None, resolution: str | None) -> str:
     if number is None:
         return "-"
-    return "operator" if number == 0 else f"attempt {number}"
+    # 0: a resolution's response (SPEC §3.3, §3.6): an operator's, or the reconcile endpoint's.
+    return (resolution or "operator") if number == 0 else f"attempt {number}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

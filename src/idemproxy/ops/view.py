@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from idemproxy.core.types import Attempt, Job, KeptResponse, SealedResponse
+from idemproxy.core.types import Attempt, Evidence, Job, KeptResponse, SealedResponse
 from idemproxy.redact import redact_url
 from idemproxy.store.rows import pairs_to_json
 
@@ -63,6 +63,21 @@ def attempt_to_json(attempt: Attempt) -> JsonObject:
         "finished_at": timestamp(attempt.finished_at),
         # SPEC §3.3: the size of a late response kept on it (`jobs resolve --from-attempt`).
         "late_response_bytes": attempt.late_bytes,
+        # SPEC §3.6: the questions asked about it while unknown, and the latest answers.
+        "checks": attempt.checks,
+        "checked_at": timestamp(attempt.checked_at),
+        "evidence": [evidence_to_json(e) for e in attempt.evidence],
+    }
+
+
+def evidence_to_json(evidence: Evidence) -> JsonObject:
+    return {
+        "way": evidence.way,
+        "asked_at": timestamp(evidence.asked_at),
+        "answered_at": timestamp(evidence.answered_at),
+        "status": evidence.status,
+        "verdict": evidence.verdict,
+        "reason": evidence.reason,
     }
 
 

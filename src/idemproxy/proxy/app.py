@@ -16,6 +16,7 @@ from idemproxy.errors import ConfigError
 from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.observe.metrics import KeyFetchResult, Metrics, refresh_gauges, watch_store
 from idemproxy.proxy.background.orphans import take_over_forever
+from idemproxy.proxy.background.reconcile import start_reconciling
 from idemproxy.proxy.background.sweeper import sweep_forever
 from idemproxy.proxy.context import CONTEXT, ProxyContext, Services
 from idemproxy.proxy.drain import drain
@@ -188,6 +189,11 @@ async def _start_housekeeping(
             )
         ),
     ]
+    # SPEC §3.6: only with a route that names a reconcile endpoint.
+    ctx.reconciler, reconciling = start_reconciling(
+        settings, record, ctx.upstream, ctx.metrics.resolutions
+    )
+    tasks += reconciling
     stack.push_async_callback(_cancel, tasks)
 
 

@@ -19,6 +19,7 @@ from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.idp.policy import build_owner_policy
+from idemproxy.proxy.resending import Resender
 from idemproxy.proxy.routing import RouteTable
 from idemproxy.proxy.server.budget import ResponseBudget
 from idemproxy.proxy.server.replay import SharedBodies
@@ -26,6 +27,7 @@ from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.store.ports import JobStore
 
 if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
+    from idemproxy.proxy.background.reconcile import Reconciler
     from idemproxy.proxy.tracing import Tracing
 
 
@@ -78,6 +80,11 @@ class ProxyContext:
     status_header: str | None = None
     # SPEC §9: the limits per owner; None when no quota is set (claims stay one statement).
     quotas: QuotaLimits | None = None
+    # SPEC §3.6: asks about unknown jobs (proxy/background/reconcile.py), once housekeeping
+    # started it; None without a route that names a reconcile endpoint.
+    reconciler: Reconciler | None = None
+    # SPEC §3.6: the routes whose upstream honours the key; None when no route declares it.
+    resender: Resender | None = None
 
     @classmethod
     def build(
@@ -115,6 +122,7 @@ class ProxyContext:
             tracing=tracing,
             status_header=settings.status_header,
             quotas=_quotas(settings),
+            resender=Resender.from_settings(settings),
         )
 
 

@@ -127,7 +127,7 @@ class RouteTable:
 
 
 def _route(route: RouteSettings, settings: Settings) -> Route:
-    edits = _header_edits(route, settings)
+    edits = header_edits(route, settings)
     timeout = route.upstream_timeout
     return Route(
         prefix=route.prefix,
@@ -174,7 +174,7 @@ def _verifier(webhook: WebhookSettings) -> WebhookVerifier:
     return WebhookVerifier(webhook.scheme, webhook.sender, webhook.keys, webhook.tolerance)
 
 
-def _header_edits(route: RouteSettings, settings: Settings) -> Mapping[str, Edits]:
+def header_edits(route: RouteSettings, settings: Settings) -> Mapping[str, Edits]:
     """The route's `upstream_headers`, then each upstream's own, for the upstreams with any."""
     edits: dict[str, Edits] = {}
     for url in (route.upstream, *route.fallbacks):

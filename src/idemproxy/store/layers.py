@@ -23,6 +23,7 @@ from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
+    Evidence,
     Intent,
     Job,
     JobState,
@@ -52,6 +53,10 @@ HOT_PATH = (
     "take_over",
     "forget",
     "delete",
+    "resend",
+    "note_sent",
+    "get_by_id",
+    "record_evidence",
     "opened",
 )
 
@@ -170,6 +175,22 @@ class JobLayer(JobStore):
 
     async def delete(self, job: Job, *, force: bool = False) -> bool:
         return await self.inner.delete(job, force=force)
+
+    async def resend(
+        self, job: Job, attempt: int, upstream: str, *, window: float, lease: float, token: str
+    ) -> Claimed | None:
+        return await self.inner.resend(
+            job, attempt, upstream, window=window, lease=lease, token=token
+        )
+
+    async def note_sent(self, job: Job, attempt: int, digest: str) -> None:
+        await self.inner.note_sent(job, attempt, digest)
+
+    async def get_by_id(self, job_id: str) -> Job | None:
+        return await self.inner.get_by_id(job_id)
+
+    async def record_evidence(self, job: Job, attempt: int, evidence: Evidence) -> None:
+        await self.inner.record_evidence(job, attempt, evidence)
 
     def opened(self, job: Job, response: KeptResponse) -> StoredResponse:
         return self.inner.opened(job, response)

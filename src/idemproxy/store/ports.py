@@ -21,9 +21,11 @@ from datetime import datetime
 from typing import Any, NamedTuple, Protocol
 
 from idemproxy.core.quota import QuotaLimits
+from idemproxy.core.resolution import Backoff
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
+    Evidence,
     Intent,
     Job,
     JobState,
@@ -179,6 +181,30 @@ class JobStore(Protocol):
         legacy owner's job for the key turns up (SPEC §5, `owner.legacy_owners`)."""
 
     @abc.abstractmethod
+    async def resend(
+        self, job: Job, attempt: int, upstream: str, *, window: float, lease: float, token: str
+    ) -> Claimed | None:
+        """SPEC §3.6: CAS an `unknown` job back to `in_flight` with a new attempt on
+        `upstream`, sending the request again under the key the upstream honours; only while
+        attempt `attempt` (the first that may have reached the upstream, where its window
+        starts) started less than `window` seconds ago by the database clock. None if the CAS
+        lost or the window has passed. `token`: as in `start_next_attempt`."""
+
+    @abc.abstractmethod
+    async def note_sent(self, job: Job, attempt: int, digest: str) -> None:
+        """SPEC §3.6: the digest of the request attempt `attempt` sends upstream."""
+
+    @abc.abstractmethod
+    async def get_by_id(self, job_id: str) -> Job | None:
+        """As `Operators.get_by_id`: a retry of an `unknown` job reads its attempts before it
+        may send it again (SPEC §3.6)."""
+
+    @abc.abstractmethod
+    async def record_evidence(self, job: Job, attempt: int, evidence: Evidence) -> None:
+        """As `Housekeeping.record_evidence`: a retry that sent an `unknown` job again keeps
+        what the upstream answered on the attempt it was about (SPEC §3.6)."""
+
+    @abc.abstractmethod
     def opened(self, job: Job, response: KeptResponse) -> StoredResponse:
         """`response` of `job` in the clear, to be replayed (SPEC §11: only after the
         fingerprint matched); `ResponseUnreadable` if it does not open."""
@@ -251,6 +277,24 @@ class Housekeeping(Protocol):
     @abc.abstractmethod
     async def sweep_expired(self, batch_size: int) -> int:
         """Delete up to `batch_size` expired terminal jobs; returns how many."""
+
+    @abc.abstractmethod
+    async def due_unknown(self, backoff: Backoff, *, after: str, limit: int) -> list[Job]:
+        """SPEC §3.6: up to `limit` `unknown` jobs, with ids above `after` in id order, whose
+        asked attempt (core/resolution.py `asked_attempt`) is due a question under `backoff`
+        by the database clock: one page of them, without their attempts."""
+
+    @abc.abstractmethod
+    async def claim_check(self, job: Job, attempt: int, *, checks: int, due_after: float) -> bool:
+        """SPEC §3.6: the right to ask once more about attempt `attempt` of `job`, while the job
+        is `unknown` at `job.version`, the attempt was asked about `checks` times, and the last
+        question (or its end, for the first) was at least `due_after` seconds ago by the
+        database clock. A compare-and-swap: of several callers at once, one wins."""
+
+    @abc.abstractmethod
+    async def record_evidence(self, job: Job, attempt: int, evidence: Evidence) -> None:
+        """SPEC §3.6: keep a question about attempt `attempt` and its answer on the attempt (the
+        latest `MAX_EVIDENCE_ENTRIES`); read back by `get_by_id`."""
 
 
 class Resealing(Protocol):

@@ -23,6 +23,7 @@ from idemproxy.core.states import ATTEMPT_STATE_OF, JOB_STATE_OF
 from idemproxy.core.types import (
     Attempt,
     AttemptState,
+    Evidence,
     HeaderPairs,
     Job,
     JobState,
@@ -92,6 +93,43 @@ def attempt_from_row(row: Row) -> Attempt:
         started_at=as_datetime(row["started_at"]),
         finished_at=as_datetime(row["finished_at"]),
         late_bytes=row["late_bytes"],
+        checks=row["checks"],
+        checked_at=as_datetime(row["checked_at"]),
+        evidence=evidence_from_json(row["evidence"]),
+        sent_digest=row["sent_digest"],
+    )
+
+
+def evidence_to_json(evidence: Evidence) -> str:
+    """One entry of an attempt's evidence as stored (SPEC §3.6)."""
+    answered = evidence.answered_at
+    return json.dumps(
+        {
+            "way": evidence.way,
+            "asked_at": evidence.asked_at.isoformat(),
+            "answered_at": None if answered is None else answered.isoformat(),
+            "status": evidence.status,
+            "verdict": evidence.verdict,
+            "reason": evidence.reason,
+        }
+    )
+
+
+def evidence_from_json(text: str | None) -> tuple[Evidence, ...]:
+    if text is None:
+        return ()
+    return tuple(_evidence(entry) for entry in json.loads(text))
+
+
+def _evidence(entry: dict[str, Any]) -> Evidence:
+    answered = entry["answered_at"]
+    return Evidence(
+        way=entry["way"],
+        asked_at=datetime.fromisoformat(entry["asked_at"]),
+        answered_at=None if answered is None else datetime.fromisoformat(answered),
+        status=entry["status"],
+        verdict=entry["verdict"],
+        reason=entry["reason"],
     )
 
 

@@ -106,6 +106,9 @@ class AttemptRun:
     number: int
     upstream: str
     mode: Mode = Mode.FINAL
+    # SPEC §3.6: the request sent again under the key its upstream honours (core/attempts.py
+    # `Forward.resend`).
+    resend: bool = False
 
 
 Step = web.StreamResponse | HandedBack | None
@@ -149,7 +152,9 @@ class AttemptRunner:
         self, governed: GovernedRequest, attempt: AttemptRun, url: URL, headers: CIMultiDict[str]
     ) -> Step:
         request, body = governed.request, governed.body
-        forward = Forward(attempt.mode, governed.route.gate is not None, self.statuses)
+        forward = Forward(
+            attempt.mode, governed.route.gate is not None, self.statuses, attempt.resend
+        )
         started = time.perf_counter()
         try:
             async with (

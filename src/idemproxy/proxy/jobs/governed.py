@@ -18,6 +18,7 @@ from aiohttp import web
 from idemproxy.core.machine import (
     JobGone,
     NeedAdmission,
+    NeedAsk,
     NeedClaim,
     NeedClaimDropped,
     NeedForget,
@@ -28,6 +29,8 @@ from idemproxy.core.machine import (
     NeedNextAdmission,
     NeedNextAttempt,
     NeedReread,
+    NeedResend,
+    NeedResendAdmission,
     NeedRun,
     NeedTakeOver,
     NeedWait,
@@ -52,6 +55,7 @@ from idemproxy.proxy.jobs.jobrun import run_job
 from idemproxy.proxy.jobs.observed import JobObserver, job_observer
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.jobs.shielded import Shield
+from idemproxy.proxy.jobs.unknown import UnknownJobs, next_check_of
 from idemproxy.proxy.server.fit import fitted, unfit
 from idemproxy.proxy.server.replay import SharedBodies, replay_response
 from idemproxy.store.ports import JobStore
@@ -69,7 +73,12 @@ OffHotPath = (
     | NeedLegacy
     | NeedLegacyForgotten
     | NeedClaimDropped
+    | NeedResendAdmission
+    | NeedResend
+    | NeedAsk
 )
+# SPEC §3.6: the states of a retry's question about its `unknown` job.
+AboutUnknown = NeedResendAdmission | NeedResend | NeedAsk
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +103,8 @@ class Collaborators:
     replays: SharedBodies
     # Told what happened: the request's record, metrics, failpoints and spans listen.
     observer: JobObserver
+    # SPEC §3.6: resending and asking about `unknown` jobs; None when no route resolves them.
+    unknown: UnknownJobs | None = None
 
 
 class Governor:
@@ -113,6 +124,9 @@ class Governor:
             settings.max_waiters,
             quotas=ctx.quotas is not None,
         )
+        observer = job_observer(ctx.metrics, ctx.failpoints, ctx.tracing)
+        unknown = _unknown_jobs(ctx, observer)
+        run = run_job if unknown is None else unknown.run_claimed
         return cls(
             Collaborators(
                 store=ctx.store,
@@ -123,9 +137,10 @@ class Governor:
                 max_stored_body=settings.max_stored_body,
                 draining=lambda: ctx.draining,
                 unsent=ctx.unsent,
-                shield=Shield(run_job, ctx.attempts),
+                shield=Shield(run, ctx.attempts),
                 replays=ctx.replays,
-                observer=job_observer(ctx.metrics, ctx.failpoints, ctx.tracing),
+                observer=observer,
+                unknown=unknown,
             )
         )
 
@@ -136,11 +151,11 @@ class Governor:
         can run twice."""
         at = self._with
         transition = governed.transition
-        terms = Terms(
-            at.rules,
-            governed.intent.fingerprint,
-            governed.route.max_wait,
-            None if transition is None else transition.legacy,
+        legacy = None if transition is None else transition.legacy
+        terms = (
+            Terms(at.rules, governed.intent.fingerprint, governed.route.max_wait, legacy)
+            if at.unknown is None
+            else self._resolving_terms(governed, legacy, at.unknown)
         )
         state = begin(terms, at.draining())
         clock = asyncio.get_running_loop().time
@@ -187,6 +202,16 @@ class Governor:
             stand(problem, standing)
             raise
 
+    def _resolving_terms(
+        self, governed: GovernedRequest, legacy: str | None, unknown: UnknownJobs
+    ) -> Terms:
+        """The request's terms on a process with routes that resolve unknown jobs (SPEC §3.6):
+        with what its own route can do about one."""
+        path = governed.request.raw_path
+        resends, asks = unknown.resends(path), unknown.asks(path)
+        fingerprint, max_wait = governed.intent.fingerprint, governed.route.max_wait
+        return Terms(self._with.rules, fingerprint, max_wait, legacy, resends, asks)
+
     async def _step(
         self, governed: GovernedRequest, state: OffHotPath, clock: Callable[[], float]
     ) -> State:
@@ -225,6 +250,26 @@ class Governor:
             case NeedClaimDropped():
                 await at.store.delete(state.claimed.job, force=True)
                 return state.next(clock())
+            case NeedResendAdmission() | NeedResend() | NeedAsk():
+                return await self._about_unknown(governed, state, clock)
+            case _:
+                assert_never(state)
+
+    async def _about_unknown(
+        self, governed: GovernedRequest, state: AboutUnknown, clock: Callable[[], float]
+    ) -> State:
+        """SPEC §3.6: one step of a retry's question about its `unknown` job."""
+        at = self._with
+        unknown = at.unknown
+        assert unknown is not None  # the machine asks only on a route that resolves
+        match state:
+            case NeedResendAdmission():
+                return state.next(at.draining())
+            case NeedResend():
+                resent = await unknown.resend(governed, state.seen.job)
+                return state.next(resent, clock())
+            case NeedAsk():
+                return state.next(await unknown.ask(state.seen.job))
             case _:
                 assert_never(state)
 
@@ -305,13 +350,27 @@ class Governor:
 
 def _refusal(state: Refused | JobGone) -> ProblemError:
     if isinstance(state, Refused):
-        return state.error()
+        return next_check_of(state.error(), state.next_check)
     log.warning(
         "job %s: its attempt's outcome could not be stored (%s); answered 409, not run again",
         state.job_id,
         state.why,
     )
     return stand(JobLost(), state.about)
+
+
+def _unknown_jobs(ctx: ProxyContext, observer: JobObserver) -> UnknownJobs | None:
+    """SPEC §3.6: only with a route that resolves unknown jobs (either way)."""
+    reconciles = any(route.resolve.reconcile for route in ctx.settings.all_routes)
+    if ctx.resender is None and not reconciles:
+        return None
+    return UnknownJobs(
+        ctx.store,
+        ctx.resender,
+        lambda: ctx.reconciler,
+        lease=ctx.settings.lease,
+        on_resent=observer.resent,
+    )
 
 
 def _scope(governed: GovernedRequest, seen: Seen) -> str:

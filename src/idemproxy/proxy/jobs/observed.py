@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, TypeVar
 
+from idemproxy.core.resolution import Way
 from idemproxy.core.types import Claimed, ClaimResult, Job
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.failpoints import Failpoints
@@ -53,6 +54,11 @@ class JobObserver:
     def replayed(self, trace: Trace, job_id: str, status: int) -> None:
         """The stored response of `job_id` goes out again (SPEC §7)."""
         trace.replayed(job_id)
+
+    def resent(self, result: str) -> None:
+        """SPEC §3.6, §13: an `unknown` job sent again under the key its upstream honours, and
+        what became of it (`completed`, `unknown`, `lost`)."""
+        self._metrics.resolutions.labels(Way.UPSTREAM_KEY.value, result).inc()
 
 
 class TracedJobObserver(JobObserver):

@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 
-from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.constants import DEFAULT_MAX_STORED_BODY, MAX_EVIDENCE_ENTRIES
 from idemproxy.core.quota import QuotaLimits
+from idemproxy.core.resolution import Backoff
 from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
+    Evidence,
     Existing,
     Intent,
     Job,
@@ -69,6 +71,7 @@ from idemproxy.store.postgres.renewals import RenewalConnections
 from idemproxy.store.queries import load_migrations, load_queries, statements
 from idemproxy.store.rows import (
     attempt_from_row,
+    evidence_to_json,
     job_from_row,
     late_from_row,
     late_response_from_row,
@@ -596,6 +599,32 @@ class PostgresStore(Store):
             sealed.key_id,
         )
         return status == "UPDATE 1"
+
+    async def due_unknown(self, backoff: Backoff, *, after: str, limit: int) -> list[Job]:
+        args = (backoff.first, backoff.longest, backoff.answer_within, after, limit)
+        rows = await self._run("due_unknown", lambda c: c.fetch(self._sql["due_unknown"], *args))
+        return [job_from_row(row) for row in rows]
+
+    async def claim_check(self, job: Job, attempt: int, *, checks: int, due_after: float) -> bool:
+        args = (job.owner, job.id, attempt, job.version, checks, due_after)
+        return await self._fetchrow("claim_check", *args) is not None
+
+    async def record_evidence(self, job: Job, attempt: int, evidence: Evidence) -> None:
+        entry = evidence_to_json(evidence)
+        args = (job.owner, job.id, attempt, entry, MAX_EVIDENCE_ENTRIES)
+        await self._execute("record_evidence", *args)
+
+    async def note_sent(self, job: Job, attempt: int, digest: str) -> None:
+        await self._execute("note_sent", job.owner, job.id, attempt, digest)
+
+    async def resend(
+        self, job: Job, attempt: int, upstream: str, *, window: float, lease: float, token: str
+    ) -> Claimed | None:
+        change = ("resend_job", (*_cas(job), float(lease), token, attempt, float(window)))
+        row = await self._run(
+            "resend", lambda c: change_then_add_attempt(c, self._sql, change, upstream)
+        )
+        return _claimed(row)
 
     async def _delete(self, job: Job, *, force: bool = False) -> bool:
         return await self._announced(job, await self._fetchrow("delete_job", *_cas(job), force))

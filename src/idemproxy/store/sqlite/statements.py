@@ -205,6 +205,21 @@ class Statements:
             return None
         return self._started(db, job, upstream, lease)
 
+    def resend(
+        self,
+        db: sqlite3.Connection,
+        job: Job,
+        upstream: str,
+        lease: float,
+        token: str,
+        fields: Params,
+    ) -> Claimed | None:
+        """SPEC §3.6: `resend_job` moves the unknown job back in flight; then a new attempt."""
+        params = cas(job) | {"lease": lease, "started_by": token} | fields
+        if not self.changed(db, "resend_job", params):
+            return None
+        return self._started(db, job, upstream, lease)
+
     def fail_over(
         self,
         db: sqlite3.Connection,

@@ -8,12 +8,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
-from idemproxy.constants import DEFAULT_MAX_STORED_BODY
+from idemproxy.constants import DEFAULT_MAX_STORED_BODY, MAX_EVIDENCE_ENTRIES
 from idemproxy.core.quota import QuotaLimits
+from idemproxy.core.resolution import Backoff
 from idemproxy.core.states import attempt_end, settle_states
 from idemproxy.core.types import (
     Claimed,
     ClaimResult,
+    Evidence,
     Intent,
     Job,
     JobState,
@@ -32,7 +34,12 @@ from idemproxy.store.batching import (
 )
 from idemproxy.store.queries import load_queries
 from idemproxy.store.reach import sqlite_unopenable
-from idemproxy.store.rows import late_from_row, late_response_from_row, response_columns
+from idemproxy.store.rows import (
+    evidence_to_json,
+    late_from_row,
+    late_response_from_row,
+    response_columns,
+)
 from idemproxy.store.sqlite.statements import Params, Statements, cas, migrate, ping, translate
 from idemproxy.store.sqlite.worker import Worker
 
@@ -280,6 +287,38 @@ class SqliteStore(Store):
             "key_id": sealed.key_id,
         }
         return await self._write("reseal", self._q.changed, "reseal_late_response", params)
+
+    async def due_unknown(self, backoff: Backoff, *, after: str, limit: int) -> list[Job]:
+        params = {
+            "first": backoff.first,
+            "longest": backoff.longest,
+            "answer_within": backoff.answer_within,
+            "after": after,
+            "limit": limit,
+        }
+        return await self._read("read", self._q.jobs, "due_unknown", params)
+
+    async def claim_check(self, job: Job, attempt: int, *, checks: int, due_after: float) -> bool:
+        params = {"owner": job.owner, "job_id": job.id, "number": attempt, "checks": checks,
+                  "version": job.version, "due_after": due_after}  # fmt: skip
+        return await self._write("write", self._q.changed, "claim_check", params)
+
+    async def record_evidence(self, job: Job, attempt: int, evidence: Evidence) -> None:
+        params = {"owner": job.owner, "job_id": job.id, "number": attempt,
+                  "entry": evidence_to_json(evidence), "keep": MAX_EVIDENCE_ENTRIES}  # fmt: skip
+        await self._write("write", self._q.changed, "record_evidence", params)
+
+    async def note_sent(self, job: Job, attempt: int, digest: str) -> None:
+        params = {"owner": job.owner, "job_id": job.id, "number": attempt, "digest": digest}
+        await self._write("write", self._q.changed, "note_sent", params)
+
+    async def resend(
+        self, job: Job, attempt: int, upstream: str, *, window: float, lease: float, token: str
+    ) -> Claimed | None:
+        fields = {"number": attempt, "window": float(window)}
+        return await self._write(
+            "write", self._q.resend, job, upstream, float(lease), token, fields
+        )
 
     async def _delete(self, job: Job, *, force: bool = False) -> bool:
         params = cas(job) | {"force": force}

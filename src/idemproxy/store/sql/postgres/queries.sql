@@ -149,7 +149,8 @@ WHERE id = $1;
 
 -- name: get_attempts
 SELECT number, upstream, state, status, error, started_at, finished_at,
-       octet_length(late_body) AS late_bytes
+       octet_length(late_body) AS late_bytes, checks, checked_at, evidence::text AS evidence,
+       sent_digest
 FROM idemproxy.attempts
 WHERE owner = $1 AND job_id = $2
 ORDER BY number;
@@ -653,3 +654,77 @@ FROM pg_class c WHERE c.oid = $1::text::regclass;
 
 -- name: drop_local_copy
 SELECT truncate_local_data_after_distributing_table($1::text::regclass);
+
+-- name: due_unknown
+-- SPEC §3.6: the `unknown` jobs whose asked attempt (their latest `unknown` one) is due a
+-- question by the database clock, under the backoff $1 (the first wait), $2 (the longest wait)
+-- and $3 (the time an answer may take) as core/resolution.py `Backoff.due_after` counts it:
+-- those with ids above $4, in id order, $5 at most, one page of a pass that reads them all.
+-- From the index of the unknown jobs (their `sweep_after` is NULL, migration 0007), and each
+-- attempt by its key; `claim_check` decides for each by its own route's backoff.
+SELECT j.*, j.expires_at <= now() AS expired, false AS lease_expired
+FROM idemproxy.jobs AS j
+CROSS JOIN LATERAL (
+    SELECT a.checks, coalesce(a.checked_at, a.finished_at, a.started_at) AS since
+    FROM idemproxy.attempts AS a
+    WHERE a.owner = j.owner AND a.job_id = j.id AND a.state = 'unknown'
+    ORDER BY a.number DESC
+    LIMIT 1
+) AS asked
+WHERE j.sweep_after IS NULL AND j.state = 'unknown' AND j.id > $4
+  AND asked.since <= now() - make_interval(secs =>
+      CASE WHEN asked.checks = 0 THEN $1::float8
+           ELSE $3::float8 + least($1::float8 * (1::bigint << least(asked.checks, 32)), $2::float8)
+      END)
+ORDER BY j.id
+LIMIT $5;
+
+-- name: claim_check
+-- SPEC §3.6: the right to ask about attempt $3 of an `unknown` job at version $4 once more. A
+-- compare-and-swap on `checks` ($5, as read): of the replicas that find it due at once, one
+-- asks. Due once $6 seconds passed, by the database clock, since the last question, or since
+-- the attempt ended for the first.
+UPDATE idemproxy.attempts
+SET checks = checks + 1, checked_at = now()
+WHERE owner = $1 AND job_id = $2 AND number = $3 AND checks = $5
+  AND coalesce(checked_at, finished_at, started_at) <= now() - make_interval(secs => $6)
+  AND EXISTS (SELECT 1 FROM idemproxy.jobs
+              WHERE owner = $1 AND id = $2 AND state = 'unknown' AND version = $4)
+RETURNING checks;
+
+-- name: record_evidence
+-- SPEC §3.6: one question and its answer ($4, a JSON object) appended to the attempt's
+-- evidence, of which the latest $5 are kept.
+UPDATE idemproxy.attempts
+SET evidence = (
+    SELECT jsonb_agg(entry ORDER BY n)
+    FROM (SELECT entry, n
+          FROM jsonb_array_elements(coalesce(evidence, '[]'::jsonb) || jsonb_build_array($4::jsonb))
+               WITH ORDINALITY AS e(entry, n)
+          ORDER BY n DESC LIMIT $5) AS latest
+)
+WHERE owner = $1 AND job_id = $2 AND number = $3;
+
+-- name: note_sent
+-- SPEC §3.6: the digest of the request attempt $3 sent, on a route whose upstream honours keys.
+UPDATE idemproxy.attempts SET sent_digest = $4
+WHERE owner = $1 AND job_id = $2 AND number = $3;
+
+-- name: resend_job
+-- SPEC §3.6: of the retries of an `unknown` job, one wins this CAS and sends the request again
+-- under the key its upstream honours, as a new attempt (inserted after, by `add_attempt_row`):
+-- only while attempt $6, the one whose outcome is unknown, started less than $7 seconds ago by
+-- the database clock (the upstream's window). $5: the caller's token (`started_by`). No longer
+-- unknown, it has a `sweep_after` again, as a released job has (migration 0007).
+WITH job AS (
+    UPDATE idemproxy.jobs
+    SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
+        lease_expires_at = now() + make_interval(secs => $4), updated_at = now(),
+        started_by = $5, sweep_after = expires_at
+    WHERE owner = $1 AND id = $2 AND version = $3 AND state = 'unknown'
+      AND EXISTS (SELECT 1 FROM idemproxy.attempts AS a
+                  WHERE a.owner = $1 AND a.job_id = $2 AND a.number = $6
+                    AND a.started_at > now() - make_interval(secs => $7))
+    RETURNING *
+)
+SELECT *, expires_at <= now() AS expired, false AS lease_expired FROM job;

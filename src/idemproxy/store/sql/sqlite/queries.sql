@@ -55,7 +55,7 @@ WHERE id = :id;
 
 -- name: get_attempts
 SELECT number, upstream, state, status, error, started_at, finished_at,
-       length(late_body) AS late_bytes
+       length(late_body) AS late_bytes, checks, checked_at, evidence, sent_digest
 FROM attempts
 WHERE owner = :owner AND job_id = :job_id
 ORDER BY number;
@@ -275,3 +275,60 @@ UPDATE attempts
 SET late_headers = NULL, late_body = :box, late_key = :key_id
 WHERE owner = :owner AND job_id = :job_id AND number = :number AND late_body IS NOT NULL
   AND late_key IS :read_with;
+
+-- name: due_unknown
+-- SPEC §3.6: see the PostgreSQL query `due_unknown`.
+SELECT j.*, j.expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
+       0 AS lease_expired
+FROM jobs AS j
+JOIN attempts AS a ON a.owner = j.owner AND a.job_id = j.id AND a.state = 'unknown'
+WHERE j.state = 'unknown' AND j.id > :after
+  AND NOT EXISTS (SELECT 1 FROM attempts AS later
+                  WHERE later.owner = a.owner AND later.job_id = a.job_id
+                    AND later.state = 'unknown' AND later.number > a.number)
+  AND coalesce(a.checked_at, a.finished_at, a.started_at)
+      <= (julianday('now') - 2440587.5) * 86400.0
+         - CASE WHEN a.checks = 0 THEN :first
+                ELSE :answer_within + min(:first * (1 << min(a.checks, 32)), :longest) END
+ORDER BY j.id
+LIMIT :limit;
+
+-- name: claim_check
+-- SPEC §3.6: see the PostgreSQL query `claim_check`.
+UPDATE attempts
+SET checks = checks + 1, checked_at = (julianday('now') - 2440587.5) * 86400.0
+WHERE owner = :owner AND job_id = :job_id AND number = :number AND checks = :checks
+  AND coalesce(checked_at, finished_at, started_at)
+      <= (julianday('now') - 2440587.5) * 86400.0 - :due_after
+  AND EXISTS (SELECT 1 FROM jobs
+              WHERE owner = :owner AND id = :job_id AND state = 'unknown'
+                AND version = :version);
+
+-- name: record_evidence
+-- SPEC §3.6: see the PostgreSQL query `record_evidence`.
+UPDATE attempts
+SET evidence = (
+    SELECT json_group_array(json(value))
+    FROM (SELECT value, n
+          FROM (SELECT value, key AS n
+                FROM json_each(json_insert(coalesce(evidence, '[]'), '$[#]', json(:entry)))
+                ORDER BY n DESC LIMIT :keep)
+          ORDER BY n)
+)
+WHERE owner = :owner AND job_id = :job_id AND number = :number;
+
+-- name: note_sent
+-- SPEC §3.6: see the PostgreSQL query `note_sent`.
+UPDATE attempts SET sent_digest = :digest
+WHERE owner = :owner AND job_id = :job_id AND number = :number;
+
+-- name: resend_job
+-- SPEC §3.6: see the PostgreSQL query `resend_job`.
+UPDATE jobs
+SET state = 'in_flight', version = version + 1, attempt_count = attempt_count + 1,
+    lease_expires_at = (julianday('now') - 2440587.5) * 86400.0 + :lease,
+    updated_at = (julianday('now') - 2440587.5) * 86400.0, started_by = :started_by
+WHERE owner = :owner AND id = :id AND version = :version AND state = 'unknown'
+  AND EXISTS (SELECT 1 FROM attempts AS a
+              WHERE a.owner = :owner AND a.job_id = :id AND a.number = :number
+                AND a.started_at > (julianday('now') - 2440587.5) * 86400.0 - :window);
