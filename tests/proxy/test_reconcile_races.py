@@ -140,10 +140,36 @@ async def test_never_executed_does_not_release_a_job_another_attempt_may_have_ru
     await store.finish_attempt(claimed.job, 1, JobState.UNKNOWN, error="timeout")
     assert await store.settle(claimed.job, 2, JobState.UNKNOWN, error="timeout")
     await asyncio.sleep(0.05)
+    payments.running.add((claimed.job.id, 1))  # attempt 1 still runs: its answer proves nothing
     assert await reconciler(store, client, backend).reconcile(claimed.job.id) is Result.UNKNOWN
     found = await store.get_by_id(claimed.job.id)
     assert found is not None and found.state is JobState.UNKNOWN
+    assert found.attempts[0].evidence[-1].verdict == "unknown"
+    assert found.attempts[1].evidence[-1].verdict == "not_executed"
     assert found.attempts[1].evidence[-1].reason == "never executed, but another attempt may have"
+    # Once attempt 1 too is answered "never executed", nothing may have executed: released.
+    payments.running.clear()
+    await asyncio.sleep(1.1)  # the next question: after the endpoint's timeout and a backoff
+    assert await reconciler(store, client, backend).reconcile(claimed.job.id) is Result.RELEASED
+
+
+async def test_an_executed_earlier_attempt_completes_a_job_whose_last_never_executed(
+    store: Store, client: ReconcileClient, backend: str, payments: Payments
+) -> None:
+    """A later attempt that proved nothing (a resend the upstream answered "in progress") is
+    truthfully "never executed"; the first, which executed, is asked about too."""
+    intent = Intent("alice", "resent", "fp", "POST", "/payments")
+    claimed = await store.claim(intent, str(uuid.uuid4()), backend, ttl=TTL, lease=30)
+    assert isinstance(claimed, Claimed)
+    assert await store.add_attempt(claimed.job, backend, lease=30) == 2
+    await store.finish_attempt(claimed.job, 1, JobState.UNKNOWN, error="timeout")
+    assert await store.settle(claimed.job, 2, JobState.UNKNOWN, status=409)
+    executed(payments, claimed.job)
+    await asyncio.sleep(0.05)
+    assert await reconciler(store, client, backend).reconcile(claimed.job.id) is Result.COMPLETED
+    found = await store.get_by_id(claimed.job.id)
+    assert found is not None and found.state is JobState.COMPLETED
+    assert found.attempts[0].evidence[-1].verdict == "executed"
 
 
 async def test_old_jobs_no_answer_resolves_never_keep_new_ones_waiting(

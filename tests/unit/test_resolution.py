@@ -16,14 +16,23 @@ from idemproxy.core.resolution import (
     Resend,
     ResendAsk,
     Verdict,
-    asked_attempt,
+    Way,
+    asked_attempts,
     first_sent,
     may_resend,
+    never_executed,
     read_reconcile_answer,
     read_resend_answer,
     releasable,
 )
-from idemproxy.core.types import Attempt, AttemptState, Job, JobState, StoredResponse
+from idemproxy.core.types import (
+    Attempt,
+    AttemptState,
+    Evidence,
+    Job,
+    JobState,
+    StoredResponse,
+)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 UPSTREAM = "http://payments:8080"
@@ -103,26 +112,43 @@ def test_anything_else_proves_nothing(status: int | None, body: bytes | None) ->
     assert reading.reason
 
 
-def test_the_question_is_about_the_last_unknown_attempt() -> None:
+def test_questions_are_about_every_unknown_attempt() -> None:
     job = unknown_job(
-        Attempt(1, UPSTREAM, AttemptState.FAILED, 503),
-        Attempt(2, UPSTREAM, AttemptState.UNKNOWN),
+        Attempt(1, UPSTREAM, AttemptState.UNKNOWN),
+        Attempt(2, UPSTREAM, AttemptState.FAILED, 503),
+        Attempt(3, UPSTREAM, AttemptState.UNKNOWN, 409),
     )
-    attempt = asked_attempt(job)
-    assert attempt is not None and attempt.number == 2
-    assert asked_attempt(unknown_job(Attempt(1, UPSTREAM, AttemptState.FAILED))) is None
+    assert [a.number for a in asked_attempts(job)] == [1, 3]
+    assert asked_attempts(unknown_job(Attempt(1, UPSTREAM, AttemptState.FAILED))) == ()
 
 
-def test_never_executed_releases_only_when_no_other_attempt_may_have() -> None:
+def _answered(verdict: Verdict, way: Way = Way.RECONCILE) -> Evidence:
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    return Evidence(way.value, at, at, 200, verdict.value, "")
+
+
+def test_never_executed_is_read_from_reconcile_evidence() -> None:
+    job = unknown_job(
+        Attempt(1, UPSTREAM, AttemptState.UNKNOWN, evidence=(_answered(Verdict.UNKNOWN),)),
+        Attempt(2, UPSTREAM, AttemptState.UNKNOWN, evidence=(_answered(Verdict.NOT_EXECUTED),)),
+        Attempt(3, UPSTREAM, AttemptState.UNKNOWN,
+                evidence=(_answered(Verdict.NOT_EXECUTED, Way.UPSTREAM_KEY),)),
+    )  # fmt: skip
+    assert never_executed(job) == {2}
+
+
+def test_never_executed_releases_only_once_every_attempt_that_may_have_run_said_so() -> None:
     one = unknown_job(
         Attempt(1, UPSTREAM, AttemptState.FAILED), Attempt(2, UPSTREAM, AttemptState.UNKNOWN)
     )
-    assert releasable(one, 2)
+    assert releasable(one, frozenset({2}))
+    assert not releasable(one, frozenset())
     hedged = unknown_job(
         Attempt(1, UPSTREAM, AttemptState.UNKNOWN), Attempt(2, "http://b", AttemptState.UNKNOWN)
     )
-    assert not releasable(hedged, 2)
-    assert not releasable(one._replace(state=JobState.COMPLETED), 2)
+    assert not releasable(hedged, frozenset({2}))
+    assert releasable(hedged, frozenset({1, 2}))
+    assert not releasable(one._replace(state=JobState.COMPLETED), frozenset({2}))
 
 
 def test_backoff_doubles_up_to_its_longest_after_each_answer_was_due() -> None:

@@ -3,7 +3,8 @@
 
 * `read_reconcile_answer` says what a reconcile endpoint's answer proves about the attempt it
   was asked about: executed (with its response), never executed, or nothing;
-* `releasable` says whether "never executed" about one attempt releases its job;
+* `asked_attempts` says which attempts are asked about, `releasable` whether the answers
+  "never executed" release the job;
 * `Backoff` says when the next question is due;
 * `may_resend` says whether a retry of an `unknown` job may go upstream again under the key
   the upstream honours; `read_resend_answer` what that upstream's answer proves.
@@ -140,17 +141,33 @@ def _body(data: dict[str, Any]) -> bytes | None:
     return text.encode() if isinstance(text, str) else None
 
 
-def asked_attempt(job: Job) -> Attempt | None:
-    """The attempt a question is about: the job's last one whose outcome is unknown."""
-    unknown = [a for a in job.attempts if a.state is AttemptState.UNKNOWN]
-    return unknown[-1] if unknown else None
+def asked_attempts(job: Job) -> tuple[Attempt, ...]:
+    """The attempts questions are about: every one of the job's whose outcome is unknown (any
+    of them may have executed; a resend the upstream answered "in progress" is one too, and the
+    backend truthfully says "never executed" about it while the first did execute)."""
+    return tuple(a for a in job.attempts if a.state is AttemptState.UNKNOWN)
 
 
-def releasable(job: Job, attempt: int) -> bool:
-    """SPEC §3.6: "never executed" about `attempt` releases the job only if no other attempt
-    of it may have executed (each other one failed, proving nothing reached its upstream)."""
-    others = [a for a in job.attempts if a.number != attempt]
-    return job.state is JobState.UNKNOWN and all(a.state is AttemptState.FAILED for a in others)
+def never_executed(job: Job) -> frozenset[int]:
+    """The attempts of `job` a reconcile endpoint answered "never executed" about: final, as a
+    backend says so only once it is sure it never will (SPEC §3.6)."""
+    return frozenset(
+        a.number
+        for a in job.attempts
+        if any(
+            e.way == Way.RECONCILE.value and e.verdict == Verdict.NOT_EXECUTED.value
+            for e in a.evidence
+        )
+    )
+
+
+def releasable(job: Job, never: frozenset[int]) -> bool:
+    """SPEC §3.6: "never executed" releases the job only once every attempt of it that may have
+    executed was answered so (`never`, the attempts answered "never executed"), each other one
+    having failed, proving nothing reached its upstream."""
+    return job.state is JobState.UNKNOWN and all(
+        a.state is AttemptState.FAILED or a.number in never for a in job.attempts
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -281,7 +281,7 @@ class Housekeeping(Protocol):
     @abc.abstractmethod
     async def due_unknown(self, backoff: Backoff, *, after: str, limit: int) -> list[Job]:
         """SPEC §3.6: up to `limit` `unknown` jobs, with ids above `after` in id order, whose
-        asked attempt (core/resolution.py `asked_attempt`) is due a question under `backoff`
+        unknown attempts (core/resolution.py `asked_attempts`) one is due a question under `backoff`
         by the database clock: one page of them, without their attempts."""
 
     @abc.abstractmethod

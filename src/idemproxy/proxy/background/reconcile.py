@@ -31,7 +31,8 @@ from idemproxy.core.resolution import (
     Reading,
     Verdict,
     Way,
-    asked_attempt,
+    asked_attempts,
+    never_executed,
     read_reconcile_answer,
     releasable,
 )
@@ -139,14 +140,18 @@ class Reconciler:
         found = await self._store.get_by_id(job.id)
         if found is None or found.state is not JobState.UNKNOWN:
             return None
-        attempt = asked_attempt(found)
-        endpoint = None if attempt is None else endpoint_for(found, attempt, self._endpoints)
-        if attempt is None or endpoint is None:
-            return None
-        last = attempt.checked_at or attempt.finished_at or attempt.started_at
-        if last is None:
-            return None
-        return last + timedelta(seconds=_due_after(endpoint.reconcile, attempt.checks))
+        return self._next_due(found)
+
+    def _next_due(self, job: Job) -> datetime | None:
+        """When the first of the questions about `job`'s unknown attempts is next due."""
+        due = []
+        for attempt in asked_attempts(job):
+            endpoint = endpoint_for(job, attempt, self._endpoints)
+            last = attempt.checked_at or attempt.finished_at or attempt.started_at
+            if endpoint is not None and last is not None:
+                wait = _due_after(endpoint.reconcile, attempt.checks)
+                due.append(last + timedelta(seconds=wait))
+        return min(due, default=None)
 
     async def run_pass(self, batch_size: int) -> list[Result]:
         """Ask about every `unknown` job that is due a question, read `batch_size` at a time:
@@ -165,15 +170,38 @@ class Reconciler:
             after = page[-1].id
 
     async def reconcile(self, job_id: str) -> Result | None:
-        """One question about job `job_id`, if it is due and this process wins the right to ask
-        it; None when no question was asked."""
+        """A question about each unknown attempt of job `job_id` that is due one and this
+        process wins the right to ask about, until an answer resolves the job; the result of
+        the last question asked, None when none was."""
         job = await self._store.get_by_id(job_id)
         if job is None or job.state is not JobState.UNKNOWN:
             return None
-        attempt = asked_attempt(job)
-        endpoint = None if attempt is None else endpoint_for(job, attempt, self._endpoints)
-        if attempt is None or endpoint is None:
-            return None
+        # SPEC §3.6: any unknown attempt may be the one that executed; "never executed" about
+        # all of them (each answer kept on its attempt) is what releases the job.
+        never = set(never_executed(job))
+        result = None
+        for attempt in asked_attempts(job):
+            endpoint = endpoint_for(job, attempt, self._endpoints)
+            if endpoint is None:
+                continue
+            reading = await self._ask(job, attempt, endpoint, never)
+            if reading is None:
+                continue
+            result = await self._settle(job, reading, endpoint, frozenset(never))
+            log.info("job %s: reconcile said %s about attempt %d (%s): %s", job.id,
+                     reading.verdict.value, attempt.number, reading.reason,
+                     result.value)  # fmt: skip
+            if self._on_result is not None:
+                self._on_result(result)
+            if result is not Result.UNKNOWN:
+                return result
+        return result
+
+    async def _ask(
+        self, job: Job, attempt: Attempt, endpoint: Endpoint, never: set[int]
+    ) -> Reading | None:
+        """One question about `attempt`, if it is due and this process wins the right to ask
+        it, kept as evidence on it; a "never executed" joins `never`."""
         settings = endpoint.reconcile
         due = _due_after(settings, attempt.checks)
         if not await self._store.claim_check(job, attempt.number, checks=attempt.checks,
@@ -182,21 +210,19 @@ class Reconciler:
         question = Question(job.id, job.key, attempt.number, job.method, job.path)
         edits = endpoint.edits.get(attempt.upstream, ())
         answered = await self._client.ask(settings, question, edits)
-        reading = self._read(job, question, answered)
+        reading = self._read(question, answered)
+        if reading.verdict is Verdict.NOT_EXECUTED:
+            never.add(attempt.number)
+            if not releasable(job, frozenset(never)):
+                why = "never executed, but another attempt may have"
+                reading = Reading(Verdict.NOT_EXECUTED, why)
         await self._store.record_evidence(job, attempt.number, _evidence(answered, reading))
-        result = await self._settle(job, reading, endpoint)
-        log.info("job %s: reconcile said %s (%s): %s", job.id, reading.verdict.value,
-                 reading.reason, result.value)  # fmt: skip
-        if self._on_result is not None:
-            self._on_result(result)
-        return result
+        return reading
 
-    def _read(self, job: Job, question: Question, answered: Answered) -> Reading:
+    def _read(self, question: Question, answered: Answered) -> Reading:
         if answered.status is None:
             return Reading(Verdict.UNKNOWN, answered.error or "no answer")
         reading = read_reconcile_answer(question, answered.status, answered.body)
-        if reading.verdict is Verdict.NOT_EXECUTED and not releasable(job, question.attempt):
-            return Reading(Verdict.UNKNOWN, "never executed, but another attempt may have")
         if reading.response is None:
             return reading
         # Replayed to every client of the job: held to what an operator's may be (§3.3), and
@@ -208,7 +234,9 @@ class Reconciler:
             return Reading(Verdict.UNKNOWN, f"executed, but not replayable: {refused}")
         return Reading(Verdict.EXECUTED, reading.reason, checked.response)
 
-    async def _settle(self, job: Job, reading: Reading, endpoint: Endpoint) -> Result:
+    async def _settle(
+        self, job: Job, reading: Reading, endpoint: Endpoint, never: frozenset[int]
+    ) -> Result:
         match reading.verdict:
             case Verdict.EXECUTED:
                 ttl = resolution_ttl(job, endpoint.ttl)
@@ -220,7 +248,7 @@ class Reconciler:
                     resolution=RESOLUTION_RECONCILE,
                 )
                 return Result.COMPLETED if won else Result.LOST
-            case Verdict.NOT_EXECUTED:
+            case Verdict.NOT_EXECUTED if releasable(job, never):
                 won = await self._store.resolve(
                     job, JobState.RELEASED, resolution=RESOLUTION_RECONCILE
                 )

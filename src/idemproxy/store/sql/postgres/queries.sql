@@ -656,26 +656,23 @@ FROM pg_class c WHERE c.oid = $1::text::regclass;
 SELECT truncate_local_data_after_distributing_table($1::text::regclass);
 
 -- name: due_unknown
--- SPEC §3.6: the `unknown` jobs whose asked attempt (their latest `unknown` one) is due a
--- question by the database clock, under the backoff $1 (the first wait), $2 (the longest wait)
--- and $3 (the time an answer may take) as core/resolution.py `Backoff.due_after` counts it:
--- those with ids above $4, in id order, $5 at most, one page of a pass that reads them all.
--- From the index of the unknown jobs (their `sweep_after` is NULL, migration 0007), and each
--- attempt by its key; `claim_check` decides for each by its own route's backoff.
+-- SPEC §3.6: the `unknown` jobs of which an `unknown` attempt (each is asked about,
+-- core/resolution.py `asked_attempts`) is due a question by the database clock, under the
+-- backoff $1 (the first wait), $2 (the longest wait) and $3 (the time an answer may take) as
+-- core/resolution.py `Backoff.due_after` counts it: those with ids above $4, in id order, $5 at
+-- most, one page of a pass that reads them all. From the index of the unknown jobs (their
+-- `sweep_after` is NULL, migration 0007), and each attempt by its key; `claim_check` decides
+-- for each by its own route's backoff.
 SELECT j.*, j.expires_at <= now() AS expired, false AS lease_expired
 FROM idemproxy.jobs AS j
-CROSS JOIN LATERAL (
-    SELECT a.checks, coalesce(a.checked_at, a.finished_at, a.started_at) AS since
-    FROM idemproxy.attempts AS a
-    WHERE a.owner = j.owner AND a.job_id = j.id AND a.state = 'unknown'
-    ORDER BY a.number DESC
-    LIMIT 1
-) AS asked
 WHERE j.sweep_after IS NULL AND j.state = 'unknown' AND j.id > $4
-  AND asked.since <= now() - make_interval(secs =>
-      CASE WHEN asked.checks = 0 THEN $1::float8
-           ELSE $3::float8 + least($1::float8 * (1::bigint << least(asked.checks, 32)), $2::float8)
-      END)
+  AND EXISTS (
+      SELECT 1 FROM idemproxy.attempts AS a
+      WHERE a.owner = j.owner AND a.job_id = j.id AND a.state = 'unknown'
+        AND coalesce(a.checked_at, a.finished_at, a.started_at) <= now() - make_interval(secs =>
+            CASE WHEN a.checks = 0 THEN $1::float8
+                 ELSE $3::float8 + least($1::float8 * (1::bigint << least(a.checks, 32)), $2::float8)
+            END))
 ORDER BY j.id
 LIMIT $5;
 

@@ -281,15 +281,14 @@ WHERE owner = :owner AND job_id = :job_id AND number = :number AND late_body IS 
 SELECT j.*, j.expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
        0 AS lease_expired
 FROM jobs AS j
-JOIN attempts AS a ON a.owner = j.owner AND a.job_id = j.id AND a.state = 'unknown'
 WHERE j.state = 'unknown' AND j.id > :after
-  AND NOT EXISTS (SELECT 1 FROM attempts AS later
-                  WHERE later.owner = a.owner AND later.job_id = a.job_id
-                    AND later.state = 'unknown' AND later.number > a.number)
-  AND coalesce(a.checked_at, a.finished_at, a.started_at)
-      <= (julianday('now') - 2440587.5) * 86400.0
-         - CASE WHEN a.checks = 0 THEN :first
-                ELSE :answer_within + min(:first * (1 << min(a.checks, 32)), :longest) END
+  AND EXISTS (SELECT 1 FROM attempts AS a
+              WHERE a.owner = j.owner AND a.job_id = j.id AND a.state = 'unknown'
+                AND coalesce(a.checked_at, a.finished_at, a.started_at)
+                    <= (julianday('now') - 2440587.5) * 86400.0
+                       - CASE WHEN a.checks = 0 THEN :first
+                              ELSE :answer_within
+                                   + min(:first * (1 << min(a.checks, 32)), :longest) END)
 ORDER BY j.id
 LIMIT :limit;
 
