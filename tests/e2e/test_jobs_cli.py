@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
 
-from idemproxy.core.types import Claimed, Intent, Job, JobState, StoredResponse
+from idemproxy.core.types import Claimed, Evidence, Intent, Job, JobState, StoredResponse
 from idemproxy.store.factory import create_store
 from tests.support.client import send
 from tests.support.loop import run_private as run  # the tests themselves are synchronous
@@ -162,6 +163,30 @@ def test_show_one_job_with_its_attempts(dsn: str, run_cli: RunCli) -> None:
         SECRET.decode()
         in ok(run_cli("jobs", "show", done, "--store", dsn, "--include-response")).stdout
     )
+
+
+async def _resent(dsn: str, job: Job) -> None:
+    """Evidence of a resend under the key the upstream honours, on the attempt it was about:
+    a resend never counts a question (`checks`)."""
+    store = create_store(dsn)
+    await store.open()
+    try:
+        at = datetime.now(UTC)
+        why = "sent again as attempt 2: unknown"
+        await store.record_evidence(job, 1, Evidence("upstream_key", at, at, 409, "unknown", why))
+    finally:
+        await store.close()
+
+
+def test_show_lists_the_evidence_of_a_resend(dsn: str, run_cli: RunCli) -> None:
+    """SPEC §3.6: what was asked and answered is shown, by either way."""
+    lost = run(_prepare(dsn))["lost"]
+    run(_resent(dsn, lost))
+    text = ok(run_cli("jobs", "show", lost.id, "--store", dsn)).stdout
+    evidence = text.split("attempt 1 asked about", 1)[1]
+    assert "upstream_key" in evidence and "sent again as attempt 2: unknown" in evidence
+    shown = json.loads(ok(run_cli("jobs", "show", lost.id, "--store", dsn, "--json")).stdout)
+    assert [e["way"] for e in shown["attempts"][0]["evidence"]] == ["upstream_key"]
 
 
 def test_find_a_job_by_key_and_owner(dsn: str, run_cli: RunCli, tmp_path: Path) -> None:

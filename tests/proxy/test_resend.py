@@ -69,8 +69,13 @@ async def test_a_retry_sends_it_again_and_the_upstreams_answer_completes_it(
     assert [a.state.value for a in done.attempts] == ["unknown", "unknown", "succeeded"]
     assert {a.upstream for a in done.attempts} == {backend}
     # Evidence on the attempts asked about; counted by way and result.
-    reasons = [e.reason for a in done.attempts for e in a.evidence if e.way == "upstream_key"]
-    assert reasons == ["sent again as attempt 2: unknown", "sent again as attempt 3: completed"]
+    evidence = [e for a in done.attempts for e in a.evidence if e.way == "upstream_key"]
+    assert [e.reason for e in evidence] == [
+        "sent again as attempt 2: unknown",
+        "sent again as attempt 3: completed",
+    ]
+    assert [e.status for e in evidence] == [409, 201]
+    assert all(e.answered_at is not None for e in evidence)
     registry = client.app[CONTEXT].metrics.registry
     labels = {"way": "upstream_key", "result": "completed"}
     assert registry.get_sample_value("idemproxy_resolutions_total", labels) == 1
@@ -158,3 +163,6 @@ async def test_an_upstream_that_cannot_be_reached_leaves_it_unknown(
     job = await jobs.get_by_id((await jobs.get("anonymous", "k7") or pytest.fail()).id)
     assert job is not None and job.state is JobState.UNKNOWN
     assert [a.state.value for a in job.attempts] == ["unknown", "unknown"]
+    # No upstream answered: the evidence says so, not the proxy's own 502 (SPEC §3.6).
+    (resent,) = job.attempts[0].evidence
+    assert (resent.status, resent.answered_at, resent.verdict) == (None, None, "unknown")

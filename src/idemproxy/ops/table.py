@@ -67,13 +67,17 @@ def _evidence_lines(attempts: Sequence[JsonObject]) -> list[str]:
     """SPEC §3.6: what the proxy asked about an unknown attempt, and what it was answered."""
     lines = []
     for attempt in attempts:
-        if not attempt.get("checks"):
+        checks, evidence = attempt.get("checks"), attempt.get("evidence")
+        if not checks and not evidence:
             continue
-        lines += ["", f"attempt {attempt['number']} asked about {attempt['checks']} time(s)"]
+        # `checks` counts the reconcile endpoint's questions; a resend under the key the
+        # upstream honours is evidence too, and counts none.
+        times = f" {checks} time(s)" if checks else ""
+        lines += ["", f"attempt {attempt['number']} asked about{times}"]
         rows = [
             [e["way"], _time(e["asked_at"]), _time(e["answered_at"]), e["status"], e["verdict"],
              e["reason"]]
-            for e in attempt["evidence"]
+            for e in evidence or ()
         ]  # fmt: skip
         if rows:
             lines.append(_indent(_table(_EVIDENCE_COLUMNS, rows)))

@@ -137,8 +137,19 @@ class UnknownJobs:
         )
         step = await _runner(governed).run(governed, attempt)
         assert not isinstance(step, HandedBack), "a final attempt never hands back"
-        await self._record(claimed, None if step is None else step.status, lost=step is None)
+        await self._record(claimed, await self._answered(claimed), lost=step is None)
         return step
+
+    async def _answered(self, resent: Resent) -> int | None:
+        """The status the upstream answered the resend with, as its attempt keeps it: None when
+        no upstream answered (a timeout, a reset, a connect failure), whatever problem the
+        proxy gave its client then."""
+        try:
+            job = await self._store.get_by_id(resent.job.id)
+        except StoreUnavailable:
+            return None
+        attempts = () if job is None else job.attempts
+        return next((a.status for a in attempts if a.number == resent.attempt), None)
 
     async def _note_sent(self, governed: GovernedRequest, claimed: Claimed) -> None:
         """Best effort: without it, the job is never sent again (`may_resend` refuses)."""
@@ -156,7 +167,7 @@ class UnknownJobs:
         evidence = Evidence(
             way=Way.UPSTREAM_KEY.value,
             asked_at=resent.asked_at or datetime.now(UTC),
-            answered_at=datetime.now(UTC),
+            answered_at=None if status is None else datetime.now(UTC),
             status=status,
             verdict=verdict.value,
             reason=f"sent again as attempt {resent.attempt}: {result}",
