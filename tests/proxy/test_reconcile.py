@@ -194,6 +194,8 @@ async def test_a_still_unknown_job_says_when_it_is_next_asked(
     response = await client.post("/payments", json={"amount": 5}, headers={"Idempotency-Key": "k7"})
     problem = await response.json()
     assert (response.status, problem["code"], problem["retry"]) == (409, "outcome-unknown", "never")
+    assert "ask the backend again at next_check_at" in problem["detail"]
+    assert "an operator must" not in problem["detail"]
     assert len(payments.questions) == 1
     # Next due: its timeout plus the doubled backoff after the question just asked.
     assert 1 <= int(response.headers["Retry-After"]) <= 2
@@ -215,4 +217,6 @@ async def test_without_a_reconcile_endpoint_the_problem_is_as_before(
     assert (await pay(client, "k8"))[0] == 504
     response = await client.post("/payments", json={"amount": 5}, headers={"Idempotency-Key": "k8"})
     assert response.status == 409 and "Retry-After" not in response.headers
-    assert "next_check_at" not in await response.json()
+    plain = await response.json()
+    assert "next_check_at" not in plain
+    assert "an operator must resolve it" in plain["detail"]

@@ -178,12 +178,21 @@ class UnknownJobs:
             log.warning("job %s: the resend's evidence was not kept", resent.job.id)
 
 
+_ASKED_AGAIN = (
+    "The outcome of the earlier request with this key is unknown; the proxy will ask the backend"
+    " again at next_check_at (an operator may also resolve it)."
+)
+
+
 def next_check_of(problem: ProblemError, next_check: datetime | None) -> ProblemError:
-    """SPEC §8, §3.6: a still-unknown job says when it will next be asked about."""
+    """SPEC §8, §3.6: a still-unknown job says when it will next be asked about, and that it
+    need not wait for an operator."""
     if next_check is not None and isinstance(problem, OutcomeUnknown):
         wait = (next_check - datetime.now(UTC)).total_seconds()
         problem.retry_after = max(math.ceil(wait), 1)
         problem.members = {"next_check_at": next_check.astimezone(UTC).isoformat()}
+        if type(problem) is OutcomeUnknown:  # a subclass's detail says more (JobLost)
+            problem.detail = _ASKED_AGAIN
     return problem
 
 
