@@ -15,7 +15,8 @@ from idemproxy.config.settings import load_settings
 from idemproxy.core.types import Claimed, Intent, Job, JobState, StoredResponse
 from idemproxy.ops.resolution import ResponseRules
 from idemproxy.proxy.background.ask import ReconcileClient
-from idemproxy.proxy.background.reconcile import Reconciler, Result, endpoints
+from idemproxy.proxy.background.endpoints import endpoints
+from idemproxy.proxy.background.reconcile import Reconciler, Result
 from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.store.base import Store
 from tests.support.reconciling import Payments, payments_backend

@@ -19,7 +19,6 @@ from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.idp.policy import build_owner_policy
-from idemproxy.proxy.resending import Resender
 from idemproxy.proxy.routing import RouteTable
 from idemproxy.proxy.server.budget import ResponseBudget
 from idemproxy.proxy.server.replay import SharedBodies
@@ -83,8 +82,6 @@ class ProxyContext:
     # SPEC §3.6: asks about unknown jobs (proxy/background/reconcile.py), once housekeeping
     # started it; None without a route that names a reconcile endpoint.
     reconciler: Reconciler | None = None
-    # SPEC §3.6: the routes whose upstream honours the key; None when no route declares it.
-    resender: Resender | None = None
 
     @classmethod
     def build(
@@ -122,7 +119,6 @@ class ProxyContext:
             tracing=tracing,
             status_header=settings.status_header,
             quotas=_quotas(settings),
-            resender=Resender.from_settings(settings),
         )
 
 

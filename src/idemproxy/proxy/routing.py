@@ -12,6 +12,7 @@ from yarl import URL
 
 from idemproxy import constants as c
 from idemproxy.config.keys import WebhookSettings
+from idemproxy.config.resolve import ResolveSettings
 from idemproxy.config.settings import RouteSettings, Settings
 from idemproxy.config.upstream import UpstreamHeaderSettings
 from idemproxy.errors import PathInvalid
@@ -67,6 +68,9 @@ class Route:
     webhook: WebhookVerifier | None = field(default=None, compare=False, hash=False, repr=False)
     # SPEC §10: the Host its upstreams receive (proxy/upstream/target.py, `outgoing_host`).
     forward_host: str = c.DEFAULT_FORWARD_HOST
+    # SPEC §3.6: how this route's `unknown` jobs may resolve themselves: a retry does what the
+    # route it takes declares, never what another route of its path does.
+    resolve: ResolveSettings = field(default_factory=ResolveSettings, compare=False, hash=False)
 
     @property
     def upstreams(self) -> tuple[str, ...]:
@@ -150,6 +154,7 @@ def _route(route: RouteSettings, settings: Settings) -> Route:
         key_source=_key_source(route, settings.key_header),
         webhook=None if route.webhook is None else _verifier(route.webhook),
         forward_host=route.forward_host,
+        resolve=route.resolve,
     )
 
 

@@ -15,10 +15,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import datetime, timedelta
-from urllib.parse import unquote
 
 from prometheus_client import Counter
 
@@ -41,9 +39,8 @@ from idemproxy.errors import InvalidRequest, StoreUnavailable
 from idemproxy.ops.resolution import ResponseRules, completed
 from idemproxy.ops.service import resolution_ttl
 from idemproxy.proxy.background.ask import Answered, ReconcileClient
-from idemproxy.proxy.routing import header_edits
+from idemproxy.proxy.background.endpoints import Endpoint, Endpoints, endpoints
 from idemproxy.proxy.upstream.client import UpstreamClient
-from idemproxy.proxy.upstream.target import Edits
 from idemproxy.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -61,92 +58,47 @@ class Result(enum.StrEnum):
     LOST = "lost"  # resolved otherwise meanwhile (an operator, another replica)
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """A route's reconcile endpoint, and which jobs it answers for: those under its `prefix`
-    whose attempt went to one of its `upstreams`."""
-
-    prefix: str
-    upstreams: frozenset[str]
-    reconcile: ReconcileSettings
-    ttl: float
-    # The route's `upstream_headers`, then each upstream's own (proxy/routing.py): a question
-    # about an attempt carries what the attempt carried (SPEC §10).
-    edits: Mapping[str, Edits] = field(default_factory=dict)
-
-    def answers_for(self, path: str, upstream: str | None = None) -> bool:
-        decoded = unquote(path.partition("?")[0])
-        under = self.prefix in ("/", decoded) or decoded.startswith(self.prefix.rstrip("/") + "/")
-        return under and (upstream is None or upstream in self.upstreams)
-
-
-def endpoints(settings: Settings) -> tuple[Endpoint, ...]:
-    """The routes that declared a reconcile endpoint, longest prefix first (as routing)."""
-    found = [
-        Endpoint(
-            route.prefix,
-            frozenset((route.upstream, *route.fallbacks)),
-            route.resolve.reconcile,
-            settings.ttl if route.ttl is None else route.ttl,
-            header_edits(route, settings),
-        )
-        for route in settings.all_routes
-        if route.resolve.reconcile is not None
-    ]
-    return tuple(sorted(found, key=lambda e: len(e.prefix), reverse=True))
-
-
-def endpoint_for(job: Job, attempt: Attempt, known: Sequence[Endpoint]) -> Endpoint | None:
-    for endpoint in known:
-        if endpoint.answers_for(job.path, attempt.upstream):
-            return endpoint
-    return None
-
-
 class Reconciler:
     def __init__(
         self,
         store: Store,
         client: ReconcileClient,
-        known: Sequence[Endpoint],
+        known: Endpoints,
         rules: ResponseRules,
         on_result: Callable[[Result], None] | None = None,
     ) -> None:
         self._store = store
         self._client = client
-        self._endpoints = tuple(known)
+        self._endpoints = known
         self._rules = rules
         self._on_result = on_result
         # Due under every endpoint's backoff is due under this one: the store lists a superset
         # of the jobs due a question, and `claim_check` holds each to its own route's backoff.
         self._loosest = Backoff(
-            min((e.reconcile.backoff for e in known), default=0.0),
-            min((e.reconcile.max_backoff for e in known), default=0.0),
-            min((e.reconcile.timeout for e in known), default=0.0),
+            min((e.reconcile.backoff for e in known.declared), default=0.0),
+            min((e.reconcile.max_backoff for e in known.declared), default=0.0),
+            min((e.reconcile.timeout for e in known.declared), default=0.0),
         )
 
     def covers(self, job: Job) -> bool:
         """Whether a reconcile endpoint may answer for `job` (by its path: cheap, no read)."""
-        return self.covers_path(job.path)
+        return self._endpoints.may_cover(job.path)
 
-    def covers_path(self, path: str) -> bool:
-        return any(e.answers_for(path) for e in self._endpoints)
-
-    async def for_retry(self, job: Job) -> datetime | None:
-        """SPEC §3.6: a retry of `job` asks about it too, if a question is due. Then, if the job
-        is still `unknown`, when the next question is due (None: resolved meanwhile, or none
-        will be asked)."""
-        await self.reconcile(job.id)
+    async def for_retry(self, job: Job, asked_on: Endpoint) -> datetime | None:
+        """SPEC §3.6: a retry of `job` asks about it too, at `asked_on`, the endpoint of the
+        route the retry took, if a question is due. Then, if the job is still `unknown`, when
+        the next question is due (None: resolved meanwhile, or none will be asked)."""
+        await self.reconcile(job.id, asked_on)
         found = await self._store.get_by_id(job.id)
         if found is None or found.state is not JobState.UNKNOWN:
             return None
-        return self._next_due(found)
+        return self._next_due(found, asked_on)
 
-    def _next_due(self, job: Job) -> datetime | None:
+    def _next_due(self, job: Job, asked_on: Endpoint | None) -> datetime | None:
         """When the first of the questions about `job`'s unknown attempts is next due."""
         due = []
         for attempt in asked_attempts(job):
-            endpoint = endpoint_for(job, attempt, self._endpoints)
+            endpoint = self._endpoint(job, attempt, asked_on)
             last = attempt.checked_at or attempt.finished_at or attempt.started_at
             if endpoint is not None and last is not None:
                 wait = _due_after(endpoint.reconcile, attempt.checks)
@@ -169,10 +121,11 @@ class Reconciler:
                 return results
             after = page[-1].id
 
-    async def reconcile(self, job_id: str) -> Result | None:
+    async def reconcile(self, job_id: str, asked_on: Endpoint | None = None) -> Result | None:
         """A question about each unknown attempt of job `job_id` that is due one and this
         process wins the right to ask about, until an answer resolves the job; the result of
-        the last question asked, None when none was."""
+        the last question asked, None when none was. `asked_on`: a retry's endpoint
+        (`_endpoint`)."""
         job = await self._store.get_by_id(job_id)
         if job is None or job.state is not JobState.UNKNOWN:
             return None
@@ -181,7 +134,7 @@ class Reconciler:
         never = set(never_executed(job))
         result = None
         for attempt in asked_attempts(job):
-            endpoint = endpoint_for(job, attempt, self._endpoints)
+            endpoint = self._endpoint(job, attempt, asked_on)
             if endpoint is None:
                 continue
             reading = await self._ask(job, attempt, endpoint, never)
@@ -218,6 +171,15 @@ class Reconciler:
                 reading = Reading(Verdict.NOT_EXECUTED, why)
         await self._store.record_evidence(job, attempt.number, _evidence(answered, reading))
         return reading
+
+    def _endpoint(self, job: Job, attempt: Attempt, asked_on: Endpoint | None) -> Endpoint | None:
+        """SPEC §3.6: the endpoint of the route a retry took (`asked_on`), or else of the route
+        the job took, if that can be told (proxy/background/endpoints.py); and only if it
+        vouches for the attempt's upstream."""
+        endpoint = asked_on
+        if endpoint is None:
+            endpoint = self._endpoints.for_job(job.path, attempt.upstream)
+        return endpoint if endpoint is not None and endpoint.vouches_for(attempt.upstream) else None
 
     def _read(self, question: Question, answered: Answered) -> Reading:
         if answered.status is None:

@@ -207,8 +207,7 @@ class Governor:
     ) -> Terms:
         """The request's terms on a process with routes that resolve unknown jobs (SPEC §3.6):
         with what its own route can do about one."""
-        path = governed.request.raw_path
-        resends, asks = unknown.resends(path), unknown.asks(path)
+        resends, asks = unknown.resends(governed.route), unknown.asks(governed.route)
         fingerprint, max_wait = governed.intent.fingerprint, governed.route.max_wait
         return Terms(self._with.rules, fingerprint, max_wait, legacy, resends, asks)
 
@@ -269,7 +268,7 @@ class Governor:
                 resent = await unknown.resend(governed, state.seen.job)
                 return state.next(resent, clock())
             case NeedAsk():
-                return state.next(await unknown.ask(state.seen.job))
+                return state.next(await unknown.ask(governed.route, state.seen.job))
             case _:
                 assert_never(state)
 
@@ -361,12 +360,11 @@ def _refusal(state: Refused | JobGone) -> ProblemError:
 
 def _unknown_jobs(ctx: ProxyContext, observer: JobObserver) -> UnknownJobs | None:
     """SPEC §3.6: only with a route that resolves unknown jobs (either way)."""
-    reconciles = any(route.resolve.reconcile for route in ctx.settings.all_routes)
-    if ctx.resender is None and not reconciles:
+    resolves = (route.resolve for route in ctx.settings.all_routes)
+    if not any(way.upstream_honours_key or way.reconcile for way in resolves):
         return None
     return UnknownJobs(
         ctx.store,
-        ctx.resender,
         lambda: ctx.reconciler,
         lease=ctx.settings.lease,
         on_resent=observer.resent,

@@ -32,10 +32,12 @@ from idemproxy.core.resolution import (
 from idemproxy.core.types import Claimed, Evidence, Job
 from idemproxy.errors import OutcomeUnknown, ProblemError, StoreUnavailable
 from idemproxy.identity.ids import new_job_id
+from idemproxy.proxy.background.endpoints import Endpoint
 from idemproxy.proxy.jobs.attempt import AttemptRun, AttemptRunner, HandedBack
 from idemproxy.proxy.jobs.jobrun import run_job
 from idemproxy.proxy.jobs.request import GovernedRequest
-from idemproxy.proxy.resending import Resender, sent_digest
+from idemproxy.proxy.resending import sent_digest
+from idemproxy.proxy.routing import Route
 from idemproxy.store.ports import JobStore
 
 if TYPE_CHECKING:
@@ -55,47 +57,48 @@ class Resent(Claimed):
 
 
 class UnknownJobs:
-    """What a retry of an `unknown` job can do about it, with the collaborators of one process.
+    """What a retry of an `unknown` job can do about it, with the collaborators of one process:
+    what the route the retry took declares (SPEC §3.6), never another route of its path.
 
     `reconciler` is read when asked for: the background reconciler starts with housekeeping,
     after the request path was built (proxy/app.py)."""
 
-    __slots__ = ("_lease", "_on_resent", "_reconciler", "_resender", "_store")
+    __slots__ = ("_lease", "_on_resent", "_reconciler", "_store")
 
     def __init__(
         self,
         store: JobStore,
-        resender: Resender | None,
         reconciler: Callable[[], Reconciler | None],
         *,
         lease: float,
         on_resent: Callable[[str], None],
     ) -> None:
         self._store = store
-        self._resender = resender
         self._reconciler = reconciler
         self._lease = lease
         self._on_resent = on_resent  # SPEC §13: idemproxy_resolutions_total{way=upstream_key}
 
-    def resends(self, path: str) -> bool:
-        """Whether a request on `path` may send its `unknown` job again (core/machine.py
+    @staticmethod
+    def resends(route: Route) -> bool:
+        """Whether a request on `route` may send its `unknown` job again (core/machine.py
         `Terms.resends`)."""
-        return self._resender is not None and self._resender.route_of(path) is not None
+        return route.resolve.upstream_honours_key is not None
 
-    def asks(self, path: str) -> bool:
-        """Whether a reconcile endpoint answers for jobs on `path` (`Terms.asks`)."""
-        reconciler = self._reconciler()
-        return reconciler is not None and reconciler.covers_path(path)
+    def asks(self, route: Route) -> bool:
+        """Whether `route` names a reconcile endpoint to ask (`Terms.asks`)."""
+        return self._reconciler() is not None and route.resolve.reconcile is not None
 
     async def resend(self, governed: GovernedRequest, job: Job) -> Resent | None:
         """`NeedResend`: the claim of the attempt that sends `job` again, if `may_resend` allows
         it and this request wins the CAS; else None."""
-        declared = None if self._resender is None else self._resender.route_of(job.path)
+        route = governed.route
+        declared = route.resolve.upstream_honours_key
         if declared is None:
             return None
         full = await self._store.get_by_id(job.id)
         first = None if full is None else first_sent(full)
-        if full is None or first is None or first.upstream not in declared.upstreams:
+        group = (route.upstream, *route.fallbacks)
+        if full is None or first is None or first.upstream not in group:
             return None
         now = datetime.now(UTC)
         ask = ResendAsk(governed.intent.fingerprint, _sent(governed), first.upstream, now)
@@ -115,20 +118,20 @@ class UnknownJobs:
         asked = full.attempts[-1].number
         return Resent(claimed.job, claimed.attempt, first.upstream, asked, now)
 
-    async def ask(self, job: Job) -> datetime | None:
-        """`NeedAsk`: a question to the reconcile endpoint, if one is due; when the next one is
-        due if the job is still `unknown` then."""
-        reconciler = self._reconciler()
-        if reconciler is None or not reconciler.covers(job):
+    async def ask(self, route: Route, job: Job) -> datetime | None:
+        """`NeedAsk`: a question to the reconcile endpoint of `route`, the retry's, if one is
+        due; when the next one is due if the job is still `unknown` then."""
+        reconciler, endpoint = self._reconciler(), Endpoint.of_route(route)
+        if reconciler is None or endpoint is None:
             return None
-        return await reconciler.for_retry(job)
+        return await reconciler.for_retry(job, endpoint)
 
     async def run_claimed(
         self, governed: GovernedRequest, claimed: Claimed
     ) -> web.StreamResponse | None:
         """`run_job`, or the resend of a `Resent` claim; on a route whose upstream honours the
         key, the digest of what the attempt sends is kept first (SPEC §3.6)."""
-        if self._resender is not None and self._resender.route_of(claimed.job.path) is not None:
+        if self.resends(governed.route):
             await self._note_sent(governed, claimed)
         if not isinstance(claimed, Resent):
             return await run_job(governed, claimed)
