@@ -6,6 +6,7 @@ import pytest
 from multidict import CIMultiDict
 
 from idemproxy.http.headers import (
+    drop_for_client,
     forwarded_element,
     headers_to_store,
     request_headers_for_upstream,
@@ -81,6 +82,23 @@ def test_response_headers_drop_framing_and_hop_by_hop() -> None:
     assert "Content-Length" not in out and "Connection" not in out
     assert out.getall("Set-Cookie") == ["a=1", "b=2"]
     assert out["Content-Encoding"] == "gzip"
+
+
+def test_dropped_in_place_as_in_a_copy() -> None:
+    """A pass-through response's own fields, dropped in place, are what the copy would be."""
+    upstream = _headers(
+        ("Content-Length", "10"),
+        ("Connection", "close, X-Hop"),
+        ("X-Hop", "1"),
+        ("Keep-Alive", "timeout=5"),
+        ("Set-Cookie", "a=1"),
+        ("ETag", '"v1"'),
+        ("Set-Cookie", "b=2"),
+    )
+    fields = CIMultiDict[str](upstream)
+    drop_for_client(fields)
+    assert list(fields.items()) == list(response_headers_for_client(upstream).items())
+    assert list(fields.items()) == [("Set-Cookie", "a=1"), ("ETag", '"v1"'), ("Set-Cookie", "b=2")]
 
 
 def test_stored_headers_leave_out_date_length_cookies_and_challenges() -> None:

@@ -19,7 +19,7 @@ from idemproxy.errors import PayloadMismatch
 from idemproxy.http.problems import problem_response
 from idemproxy.proxy.server.connection import SentResponse
 from idemproxy.proxy.server.replay import replay_response
-from idemproxy.proxy.server.whole import own_server_header, serialise_whole
+from idemproxy.proxy.server.whole import AsSentResponse, own_server_header, serialise_whole
 
 _DATE = re.compile(rb"\r\nDate: [^\r]*")
 
@@ -179,6 +179,24 @@ def _with_cookie() -> web.Response:
     return response
 
 
+def _upstreams_with_cookie() -> web.Response:
+    response = AsSentResponse(body=b"x")
+    response.set_cookie("session", "1")
+    return response
+
+
+def _upstreams_with_jar_filled() -> web.Response:
+    response = AsSentResponse(body=b"x")
+    response.cookies["session"] = "1"
+    return response
+
+
+def _upstreams_with_cookie_deleted() -> web.Response:
+    response = AsSentResponse(body=b"x")
+    response.del_cookie("session")  # a Set-Cookie that expires it
+    return response
+
+
 def _with(header: str, value: str) -> Callable[[], web.Response]:
     return lambda: web.Response(body=b"x", headers={header: value})
 
@@ -188,6 +206,9 @@ LEFT_TO_AIOHTTP: dict[str, Callable[[], web.StreamResponse]] = {
     "chunked": _chunked,
     "compressed": _compressed,
     "cookie": _with_cookie,
+    "upstream's, with a cookie of aiohttp's jar": _upstreams_with_cookie,
+    "upstream's, its jar filled": _upstreams_with_jar_filled,
+    "upstream's, a cookie deleted": _upstreams_with_cookie_deleted,
     "no content": lambda: web.Response(status=204),
     "not modified": lambda: web.Response(status=304),
     "interim": lambda: web.Response(status=103),

@@ -90,14 +90,18 @@ def _without(headers: Headers, dropped: frozenset[str]) -> CIMultiDict[str]:
     """A copy minus every header named in `dropped` (lower-case) or in `Connection`, repeated
     ones kept in order. Most messages have no `Connection` header (HTTP/1.1 keeps alive by
     default): they cost no call beyond this one."""
+    out = CIMultiDict[str](headers)
+    _drop(out, dropped)
+    return out
+
+
+def _drop(headers: CIMultiDict[str], dropped: frozenset[str]) -> None:
     values = headers.getall("Connection", None)
     if values is not None:
         dropped = _with_named(dropped, values)
-    out = CIMultiDict[str](headers)
     for name in dropped:
-        if name in out:
-            del out[name]
-    return out
+        if name in headers:
+            del headers[name]
 
 
 def request_headers_for_upstream(
@@ -172,6 +176,12 @@ def _is_forwarded(line: str) -> bool:
 def response_headers_for_client(headers: Headers) -> CIMultiDict[str]:
     """The upstream's response headers minus hop-by-hop, framing and proxy-owned ones."""
     return _without(headers, _RESPONSE_DROPPED)
+
+
+def drop_for_client(headers: CIMultiDict[str]) -> None:
+    """`response_headers_for_client` in place, for fields already copied into a response's
+    own (aiohttp copies those it is given: one copy, not two)."""
+    _drop(headers, _RESPONSE_DROPPED)
 
 
 def headers_to_store(headers: Headers, unreplayed: Collection[str]) -> HeaderPairs:

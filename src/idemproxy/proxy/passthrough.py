@@ -12,7 +12,7 @@ from yarl import URL
 
 from idemproxy.core.attempts import Outcome, classify_failure
 from idemproxy.errors import NEVER
-from idemproxy.http.headers import response_headers_for_client
+from idemproxy.http.headers import drop_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import DisconnectStage
 from idemproxy.proxy.context import ProxyContext
@@ -135,12 +135,11 @@ def _small(length: int | None) -> bool:
 
 
 def _buffered(upstream: UpstreamResponse, content: bytes) -> web.Response:
-    return AsSentResponse(
-        status=upstream.status,
-        reason=upstream.reason,
-        body=content,
-        headers=response_headers_for_client(upstream.headers),
+    response = AsSentResponse(
+        status=upstream.status, reason=upstream.reason, body=content, headers=upstream.headers
     )
+    drop_for_client(response.headers)
+    return response
 
 
 async def _stream(
@@ -150,7 +149,8 @@ async def _stream(
     upstream: UpstreamResponse,
 ) -> None:
     response.set_status(upstream.status, upstream.reason)
-    response.headers.extend(response_headers_for_client(upstream.headers))
+    response.headers.extend(upstream.headers)  # a fresh response: no fields of its own yet
+    drop_for_client(response.headers)
     if upstream.content_length is not None:
         response.content_length = upstream.content_length
     try:

@@ -33,7 +33,10 @@ def only_response(
 ) -> web.StreamResponse:
     """`response`, unless another one was started for this request: then that one, with the
     connection closed, so that `response` is never written."""
-    started: web.StreamResponse | None = request.get(_STARTED)
+    # Only `note_started` puts anything in the request: an empty one started nothing. Asked
+    # for a key it lacks, the request's `get` raises and catches a KeyError, on every whole
+    # response (those never pass through the signal).
+    started: web.StreamResponse | None = request.get(_STARTED) if len(request) else None
     if started is None or started is response:
         return response
     metrics.second_responses.inc()

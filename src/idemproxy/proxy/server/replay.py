@@ -22,7 +22,21 @@ def replay_response(
     """Status, end-to-end headers and body as stored; Content-Length recomputed, Date fresh.
     `decoded`: the body is the stored one decoded for this retry (proxy/server/fit.py), not the
     one the job's other replays share."""
+    body = stored.body or b""
+    if shared is None or len(body) <= ONE_WRITE_BODY:
+        # aiohttp copies the fields into a CIMultiDict of its own: marked there, not copied
+        # into one of ours first.
+        response = AsSentResponse(status=stored.status, body=body, headers=stored.headers)
+        _mark_replayed(response.headers, job_id, stored)
+        return response
     headers = CIMultiDict[str](stored.headers)
+    _mark_replayed(headers, job_id, stored)
+    # A decoded body is shared with the job's other decoded replays only (all are the same).
+    held = job_id + "/identity" if decoded else job_id
+    return shared.response(held, stored.status, headers, body)
+
+
+def _mark_replayed(headers: CIMultiDict[str], job_id: str, stored: StoredResponse) -> None:
     # Stored by a version that kept the upstream's own: SPEC §8 reserves it for the proxy.
     headers.popall(ERROR_HEADER, None)
     headers[REPLAYED_HEADER] = "true"
@@ -30,12 +44,6 @@ def replay_response(
     if stored.omitted:
         # SPEC §7: the body was too large to keep; the duplicate still never re-executes.
         headers[REPLAY_OMITTED_HEADER] = "omitted"
-    body = stored.body or b""
-    if shared is None or len(body) <= ONE_WRITE_BODY:
-        return AsSentResponse(status=stored.status, body=body, headers=headers)
-    # A decoded body is shared with the job's other decoded replays only (all are the same).
-    held = job_id + "/identity" if decoded else job_id
-    return shared.response(held, stored.status, headers, body)
 
 
 class SharedBodies:

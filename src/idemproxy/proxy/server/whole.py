@@ -18,6 +18,7 @@ import asyncio
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from http.cookies import SimpleCookie
 from typing import Any
 
 from aiohttp import HttpVersion, HttpVersion10, HttpVersion11, hdrs, web
@@ -71,7 +72,7 @@ def serialise_whole(
         type(body) is not bytes
         or response.chunked
         or response.compression
-        or response.cookies  # never set by this proxy
+        or _has_cookies(response)
         or request.method == hdrs.METH_HEAD
         or response.status < 200
         or response.status in _WITHOUT_CONTENT
@@ -98,6 +99,16 @@ def serialise_whole(
     if len(body) > ONE_WRITE_BODY:
         return WholeResponse(head, keep_alive, body)
     return WholeResponse(head + body, keep_alive)
+
+
+def _has_cookies(response: web.Response) -> bool:
+    """Whether aiohttp would add Set-Cookie fields of its own cookie jar. An upstream's
+    response (`AsSentResponse`) carries its Set-Cookie fields in its headers and has a jar only
+    once something asked for it; reading `cookies` of any other response creates an empty
+    one, about 1,500 instructions a response."""
+    if isinstance(response, AsSentResponse):
+        return response.jar_used
+    return bool(response.cookies)
 
 
 def _persistence(headers: CIMultiDict[str], version: HttpVersion, keep_alive: bool) -> None:
@@ -170,6 +181,16 @@ class AsSentResponse(web.Response):
     Server."""
 
     absent: tuple[str, ...] = ()
+    jar_used = False  # `cookies` or `set_cookie` (which `del_cookie` calls) was used
+
+    @property
+    def cookies(self) -> SimpleCookie:
+        self.jar_used = True
+        return super().cookies
+
+    def set_cookie(self, name: str, value: str, **options: Any) -> None:
+        self.jar_used = True
+        super().set_cookie(name, value, **options)
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         if not self.prepared:
