@@ -82,8 +82,9 @@ async def jobs_locked(db: FaultDatabase) -> AsyncIterator[None]:
         await conn.close()
 
 
-async def blocked_backend(db: FaultDatabase, fragment: str, *, deadline: float = 5.0) -> int:
-    """The pid of the proxy's session whose statement (containing `fragment`) waits on a lock."""
+async def blocked_backend(db: FaultDatabase, fragment: str, *, deadline: float = 15.0) -> int:
+    """The pid of the proxy's session whose statement (containing `fragment`) waits on a lock
+    (within `deadline`: on a loaded machine the request may take seconds to reach it)."""
     until = time.monotonic() + deadline
     while time.monotonic() < until:
         for row in await db.server.backends(db.name):
