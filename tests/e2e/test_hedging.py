@@ -208,7 +208,12 @@ async def test_serve_checks_the_fallbacks_at_start_up_and_skips_a_violating_one(
     assert answer.status == 200, proxy.describe()
     assert json.loads(answer.body)["upstream"] == "good"
     assert wrong.count("gate-e2e") == 0
-    assert f"fallback {wrong.url} is not eligible" in proxy.stderr() + proxy.stdout()
+    # The log line is written by the proxy's log writer thread: it may reach the pipe a moment
+    # after the answer does.
+    deadline = time.monotonic() + 5.0
+    while f"fallback {wrong.url} is not eligible" not in proxy.stderr() + proxy.stdout():
+        assert time.monotonic() < deadline, proxy.describe()
+        await asyncio.sleep(0.05)
 
 
 async def test_contract_check_with_an_invalid_schema_names_the_field(
