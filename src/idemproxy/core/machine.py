@@ -412,78 +412,60 @@ class NeedRun:
 
 
 @dataclass(slots=True)
-class NeedReread:
-    """Read the job under the key (under the owner of the job last read, SPEC §5)."""
+class _OnJob:
+    """A step of a request that has read its job: what the request brings and has learnt; a
+    problem raised in it is about the job last read (SPEC §8)."""
 
     terms: Terms
     seen: Seen
+
+    def standing(self) -> Standing:
+        return _about(self.seen)
+
+
+@dataclass(slots=True)
+class NeedReread(_OnJob):
+    """Read the job under the key (under the owner of the job last read, SPEC §5)."""
 
     def next(self, found: Job | None, now: float) -> State:
         return _read(self.terms, self.seen, found, now)
 
-    def standing(self) -> Standing:
-        return _about(self.seen)
-
 
 @dataclass(slots=True)
-class NeedTakeOver:
+class NeedTakeOver(_OnJob):
     """SPEC §3.5: CAS the job whose lease ran out to `unknown`; winners and losers alike re-read."""
-
-    terms: Terms
-    seen: Seen
 
     def next(self) -> NeedReread:
         return NeedReread(self.terms, self.seen)
 
-    def standing(self) -> Standing:
-        return _about(self.seen)
-
 
 @dataclass(slots=True)
-class NeedNextAdmission:
+class NeedNextAdmission(_OnJob):
     """Read the drain flag before starting the next attempt of a released job (SPEC §8)."""
-
-    terms: Terms
-    seen: Seen
 
     def next(self, draining: bool) -> State:
         if draining:
             return Refused(ShuttingDown, None, _about(self.seen))
         return NeedNextAttempt(self.terms, self.seen)
 
-    def standing(self) -> Standing:
-        return _about(self.seen)
-
 
 @dataclass(slots=True)
-class NeedNextAttempt:
+class NeedNextAttempt(_OnJob):
     """SPEC §2.3: try to win the CAS that starts the next attempt of the released job; a lost
     CAS (None) re-reads the job."""
-
-    terms: Terms
-    seen: Seen
 
     def next(self, claimed: Claimed | None, now: float) -> State:
         if claimed is None:
             return NeedReread(self.terms, self.seen)
         return _turn(self.terms, self.seen, claimed, now)
 
-    def standing(self) -> Standing:
-        return _about(self.seen)
-
 
 @dataclass(slots=True)
-class NeedForget:
+class NeedForget(_OnJob):
     """SPEC §3.1, §11: delete the expired job by CAS on its version, then claim the key afresh."""
-
-    terms: Terms
-    seen: Seen
 
     def next(self) -> State:
         return _claim_afresh(self.terms, self.seen, no_job=True)
-
-    def standing(self) -> Standing:
-        return _about(self.seen)
 
 
 # --- an `unknown` job that may resolve itself (SPEC §3.6) -----------------------------------------
@@ -503,64 +485,43 @@ def _after_resend(terms: Terms, seen: Seen) -> State:
 
 
 @dataclass(slots=True)
-class NeedResendAdmission:
+class NeedResendAdmission(_OnJob):
     """Read the drain flag: once a shutdown began, nothing is sent again (SPEC §8)."""
-
-    terms: Terms
-    seen: Seen
 
     def next(self, draining: bool) -> State:
         if draining:
             return _after_resend(self.terms, self.seen)
         return NeedResend(self.terms, self.seen)
 
-    def standing(self) -> Standing:
-        return _about(self.seen)
-
 
 @dataclass(slots=True)
-class NeedResend:
+class NeedResend(_OnJob):
     """SPEC §3.6: send the request again as a new attempt of the `unknown` job, when
     core/resolution.py `may_resend` allows it and this request wins the store's CAS: its
     attempt runs (`NeedRun`); else (None) the reconcile endpoint may still be asked."""
-
-    terms: Terms
-    seen: Seen
 
     def next(self, resent: Claimed | None, now: float) -> State:
         if resent is None:
             return _after_resend(self.terms, self.seen)
         return _turn(self.terms, self.seen, resent, now)
 
-    def standing(self) -> Standing:
-        return _about(self.seen)
-
 
 @dataclass(slots=True)
-class NeedAsk:
+class NeedAsk(_OnJob):
     """SPEC §3.6: ask the route's reconcile endpoint about the job, if a question is due; then
     read the job again. `next_check`: when the next question is due, if the job is still
     `unknown` (the answer to a retry says so)."""
 
-    terms: Terms
-    seen: Seen
-
     def next(self, next_check: datetime | None) -> NeedReread:
         return NeedReread(self.terms, replace(self.seen, next_check=next_check))
-
-    def standing(self) -> Standing:
-        return _about(self.seen)
 
 
 # --- holding a duplicate (SPEC §2.3, §8, §9) ----------------------------------------------------
 
 
 @dataclass(slots=True)
-class NeedHold:
+class NeedHold(_OnJob):
     """Count the requests held already: beyond a limit, 503 too-many-waiters (SPEC §9)."""
-
-    terms: Terms
-    seen: Seen
 
     def next(self, waiting_for_job: int, waiting: int) -> Refused | NeedWatch:
         rules = self.terms.rules
@@ -568,24 +529,15 @@ class NeedHold:
             return Refused(TooManyWaiters, None, _about(self.seen))
         return NeedWatch(self.terms, self.seen)
 
-    def standing(self) -> Standing:
-        return _about(self.seen)
-
 
 @dataclass(slots=True)
-class NeedWatch:
+class NeedWatch(_OnJob):
     """Subscribe to the job's changes, then read it (after subscribing, so that a change just
     before cannot be missed); hold, without a pooled connection, until it leaves `in_flight`,
     its lease runs out or the deadline passes."""
 
-    terms: Terms
-    seen: Seen
-
     def next(self, found: Job | None, now: float, draining: bool) -> NeedWait | State:
         return _watched(self.terms, self.seen, found, now, draining)
-
-    def standing(self) -> Standing:
-        return _about(self.seen)
 
 
 @dataclass(slots=True)
