@@ -64,9 +64,10 @@ def time_split(before: dict[str, float], after: dict[str, float]) -> TimeSplit |
 
     outcomes: dict[str, float] = {}
     for name in after:
-        match = re.fullmatch(r'idemproxy_requests_total\{outcome="(\w+)"\}', name)
+        # Summed over the answer's other labels (status class, source: SPEC §13).
+        match = re.fullmatch(r'idemproxy_requests_total\{outcome="(\w+)"[^}]*\}', name)
         if match and delta(name):
-            outcomes[match[1]] = delta(name)
+            outcomes[match[1]] = outcomes.get(match[1], 0.0) + delta(name)
     requests = sum(outcomes.values())
     if not requests:
         return None
