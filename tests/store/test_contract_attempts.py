@@ -500,10 +500,12 @@ async def test_finish_attempt_never_rewrites_a_finished_attempt(
 
 
 async def test_a_hedged_attempt_shares_the_version_and_extends_the_lease(hot: JobStore) -> None:
-    claimed = await claim(hot, lease=0.4)
-    await asyncio.sleep(0.2)
-    assert await hot.add_attempt(claimed.job, "hedge", lease=0.4) == 2
-    await asyncio.sleep(0.3)  # past the first lease (0.4 s), not the hedge's (0.6 s)
+    # The hedge's lease ends at least 1 s after the first's, and the job is read 0.2 s after the
+    # first's: a loaded machine has 0.8 s for the statements in between.
+    claimed = await claim(hot, lease=2.0)
+    await asyncio.sleep(1.0)
+    assert await hot.add_attempt(claimed.job, "hedge", lease=2.0) == 2
+    await asyncio.sleep(1.2)  # past the first lease (2 s), not the hedge's (3 s or more)
     job = await current(hot, claimed.job)
     assert (job.version, job.lease_expired) == (claimed.job.version, False)
     # Renewal covers every running attempt of the job.
