@@ -26,8 +26,7 @@ def _late_batch_answers(relay: SlowReplies, seen: list[int], kind: str, rows: in
     timeout); the rows retried alone a moment later are answered at once."""
     if kind == "complete" and rows > 1:
         seen.append(rows)
-        relay.delay = STORE_TIMEOUT * 0.75
-        asyncio.get_running_loop().call_later(STORE_TIMEOUT * 0.25, setattr, relay, "delay", 0.0)
+        relay.delay_next_run(STORE_TIMEOUT * 0.75, lasting=STORE_TIMEOUT * 0.25)
 
 
 @pytest.mark.postgres

@@ -330,8 +330,7 @@ def _slow_batch_answers(
     alone, a moment later, are answered at once."""
     seen.append((kind, rows))
     if rows > 1:
-        relay.delay = DEADLINE * 0.75
-        asyncio.get_running_loop().call_later(DEADLINE * 0.25, setattr, relay, "delay", 0.0)
+        relay.delay_next_run(DEADLINE * 0.75, lasting=DEADLINE * 0.25)
 
 
 async def _xmins(dsn: str, keys: list[str]) -> int:

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 from urllib.parse import urlsplit
+
+# The frontend messages that start a statement's run (PostgreSQL protocol 3.0, "Message
+# Formats"): Bind, on the extended protocol, and Query, on the simple one.
+_RUNS = frozenset(b"BQ")
+_STARTUP_CODE = 196608  # protocol 3.0: the last message without a type byte
 
 
 class SlowReplies:
@@ -15,9 +21,22 @@ class SlowReplies:
     def __init__(self, dsn: str) -> None:
         self.target = urlsplit(dsn)
         self.delay = 0.0
+        self._armed: tuple[float, float] | None = None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
+
+    def delay_next_run(self, delay: float, *, lasting: float) -> None:
+        """From the next statement run sent on any connection on (not a statement being prepared
+        first: its answer comes at once), the server's bytes are delivered `delay` late, for
+        `lasting` seconds."""
+        self._armed = (delay, lasting)
+
+    def _runs(self, messages: _Frontend, chunk: bytes) -> None:
+        if messages.saw_run(chunk) and self._armed is not None:
+            self.delay, lasting = self._armed
+            self._armed = None
+            asyncio.get_running_loop().call_later(lasting, setattr, self, "delay", 0.0)
 
     async def __aenter__(self) -> str:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
@@ -57,7 +76,9 @@ class SlowReplies:
             self._tasks.add(task)
 
     async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        messages = _Frontend()
         while chunk := await source.read(65536):
+            self._runs(messages, chunk)
             sink.write(chunk)
             await sink.drain()
         sink.close()
@@ -80,3 +101,34 @@ class SlowReplies:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             sink.write(chunk)
             await sink.drain()
+
+
+class _Frontend:
+    """Where the client's messages begin, across chunks: the untyped ones up to the startup
+    message (an SSL or GSS request before it), then a type byte and a length each."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.pending = b""  # the start of a message header split across chunks
+        self.skip = 0  # the bytes of the current message still to come
+
+    def saw_run(self, chunk: bytes) -> bool:
+        data, found = self.pending + chunk, False
+        self.pending = b""
+        at = min(self.skip, len(data))
+        self.skip -= at
+        while at < len(data):
+            header = 4 if not self.started else 5
+            if len(data) - at < header + (4 if not self.started else 0):
+                self.pending = data[at:]
+                break
+            if not self.started:
+                length, code = struct.unpack_from("!ii", data, at)
+                self.started = code == _STARTUP_CODE
+            else:
+                found = found or data[at] in _RUNS
+                length = struct.unpack_from("!i", data, at + 1)[0] + 1
+            end = at + length
+            self.skip = max(end - len(data), 0)
+            at = min(end, len(data))
+        return found

@@ -380,7 +380,7 @@ class PostgresStore(Store):
         try:
             rows = await self._run(
                 "complete",
-                lambda c: c.fetch(sql, owner, *columns, self._late_bytes, keys, timeout=timeout),
+                lambda c: _planned_now(c, sql, (owner, *columns, self._late_bytes, keys), timeout),
                 False,
             )
         except StoreUnavailable:
@@ -861,6 +861,22 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
     """No session reset on release: the store never leaves session state on a pooled
     connection (LISTEN has its own connection, the migration lock is transaction-scoped), and
     asyncpg still rolls back any open transaction. Saves a round trip per store call."""
+
+
+async def _planned_now(
+    conn: Pooled | asyncpg.Connection, sql: str, args: tuple[Any, ...], timeout: float
+) -> list[asyncpg.Record]:
+    """`sql` prepared afresh and run once: PostgreSQL plans a prepared statement's first runs
+    for their arguments and the tables as they are then. For `complete_batch`, whose updates
+    join its arrays to `jobs` and `attempts`: the generic plan a connection keeps (asyncpg
+    caches its statements) may have been made while the tables were a few pages long, when a
+    scan of each cost less than a descent per row, and reads them whole once they have grown,
+    as long as nothing analyzes them (tests/store/test_pg_point_lookups.py). A batch's one more
+    round trip and plan are shared by its rows."""
+    deadline = time.monotonic() + timeout
+    statement = await conn.prepare(sql, timeout=timeout)
+    left = max(deadline - time.monotonic(), _LEAST_TIMEOUT)
+    return await statement.fetch(*args, timeout=left)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
