@@ -202,20 +202,10 @@ async def test_attempts_keep_their_lease_until_their_job_ends(conn: asyncpg.Conn
         "completed",
     )
     assert len(won) == 1
-    batch = await conn.fetch(
-        _SQL["complete_batch"],
-        _OWNER,
-        [ids["batched"]],
-        [1],
-        [2],
-        [201],
-        [None],
-        [body],
-        [False],
-        [60.0],
-        [None],
-        limit,
-        ["batched"],
+    # A batch of completions: `complete` run once per completion in one pipeline and commit.
+    batch = await conn.fetchmany(
+        _SQL["complete"],
+        [(_OWNER, ids["batched"], 1, 2, 201, None, body, False, 60.0, limit, None, "batched")],
     )
     assert [row["id"] for row in batch] == [ids["batched"]]
     settled = await conn.fetch(

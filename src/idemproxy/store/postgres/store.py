@@ -370,18 +370,22 @@ class PostgresStore(Store):
         return await self._timed("complete", self.completions.submit(request))
 
     async def _complete_batch(self, batch: list[CompleteRequest]) -> Sequence[Outcome[bool]]:
-        """`completions`' statement: a lone one alone, several in one `complete_batch` (on
-        Citus each alone, as in `_claim_batch`)."""
+        """`completions`' statement: a lone one alone; several as one pipeline of `complete`,
+        one run per completion, sent at once and committed together (asyncpg's `fetchmany`:
+        one round trip, one transaction, one commit). Each run is the single-row statement
+        whose cached plan looks its job and attempt up by key, whatever the tables' size and
+        statistics (tests/store/test_pg_point_lookups.py), which one statement over arrays
+        joined to the tables could not promise: a plan made while they were small read them
+        whole once they had grown. In job id order, so that the jobs are locked in the same
+        order by every batch and cannot deadlock. On Citus each alone, as in `_claim_batch`."""
         if len(batch) == 1 or self.citus is not None:
             return await _each(self._complete_alone, batch)
-        columns = _complete_columns(batch)
-        owner, keys = batch[0].job.owner, [r.job.key for r in batch]
-        sql, timeout = self._sql["complete_batch"], self._batch_timeout(batch)
+        runs = [self._complete_arguments(request) for request in batch]
+        runs.sort(key=operator.itemgetter(1))
+        sql, timeout = self._sql["complete"], self._batch_timeout(batch)
         try:
             rows = await self._run(
-                "complete",
-                lambda c: _planned_now(c, sql, (owner, *columns, self._late_bytes, keys), timeout),
-                False,
+                "complete", lambda c: c.fetchmany(sql, runs, timeout=timeout), False
             )
         except StoreUnavailable:
             # As in _claim_batch. A completion whose batch committed before its answer was lost
@@ -390,6 +394,25 @@ class PostgresStore(Store):
             return _apart(self._complete_alone, batch)
         won = {str(row["id"]) for row in rows}
         return [request.job.id in won for request in batch]
+
+    def _complete_arguments(self, request: CompleteRequest) -> tuple[Any, ...]:
+        """`complete`'s arguments for one completion."""
+        job, response = request.job, request.response
+        headers, body, key_id, omitted = response_columns(response)
+        return (
+            job.owner,
+            job.id,
+            job.version,
+            request.attempt,
+            response.status,
+            headers,
+            body,
+            omitted,
+            float(request.ttl),
+            self._late_bytes,
+            key_id,
+            job.key,
+        )
 
     async def _complete_alone(self, request: CompleteRequest) -> bool:
         job, response = request.job, request.response
@@ -834,22 +857,6 @@ def _claim_columns(batch: list[ClaimRequest]) -> tuple[list[Any], ...]:
     )
 
 
-def _complete_columns(batch: list[CompleteRequest]) -> tuple[list[Any], ...]:
-    """`complete_batch`'s arrays $2..$10, one element per completion."""
-    stored = [response_columns(r.response) for r in batch]
-    return (
-        [r.job.id for r in batch],
-        [r.job.version for r in batch],
-        [r.attempt for r in batch],
-        [r.response.status for r in batch],
-        [columns.headers for columns in stored],
-        [columns.body for columns in stored],
-        [columns.omitted for columns in stored],
-        [float(r.ttl) for r in batch],
-        [columns.key_id for columns in stored],
-    )
-
-
 def _claimed(row: asyncpg.Record | None) -> Claimed | None:
     if row is None:
         return None
@@ -861,22 +868,6 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
     """No session reset on release: the store never leaves session state on a pooled
     connection (LISTEN has its own connection, the migration lock is transaction-scoped), and
     asyncpg still rolls back any open transaction. Saves a round trip per store call."""
-
-
-async def _planned_now(
-    conn: Pooled | asyncpg.Connection, sql: str, args: tuple[Any, ...], timeout: float
-) -> list[asyncpg.Record]:
-    """`sql` prepared afresh and run once: PostgreSQL plans a prepared statement's first runs
-    for their arguments and the tables as they are then. For `complete_batch`, whose updates
-    join its arrays to `jobs` and `attempts`: the generic plan a connection keeps (asyncpg
-    caches its statements) may have been made while the tables were a few pages long, when a
-    scan of each cost less than a descent per row, and reads them whole once they have grown,
-    as long as nothing analyzes them (tests/store/test_pg_point_lookups.py). A batch's one more
-    round trip and plan are shared by its rows."""
-    deadline = time.monotonic() + timeout
-    statement = await conn.prepare(sql, timeout=timeout)
-    left = max(deadline - time.monotonic(), _LEAST_TIMEOUT)
-    return await statement.fetch(*args, timeout=left)
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:

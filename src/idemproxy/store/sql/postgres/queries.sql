@@ -205,75 +205,10 @@ WITH won AS (
     WHERE owner = $1 AND job_id = (SELECT id FROM won WHERE attempt_count > 1)
       AND lease_expires_at IS NOT NULL AND NOT (number = $4 AND state IN ('started', 'unknown'))
 )
--- `watched` tells a store on Citus to announce the change from the coordinator (`notify`).
-SELECT watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
+-- `watched` tells a store on Citus to announce the change from the coordinator (`notify`); `id`
+-- tells a pipeline of completions (store/postgres/store.py `_complete_batch`) which of its won.
+SELECT id, watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
 FROM won;
-
--- name: complete_batch
--- Group commit (store/batching.py): the completions of one owner that queued while the previous
--- one was in flight, as one statement and one durable commit. `complete`, row by row: $2.. are
--- arrays with one element per completion, one per job ($10: the key each is sealed with, SPEC §11);
--- $11 bounds the kept late bodies per job; $12: the jobs' keys, so that the update of the jobs
--- names the leading column of every index that holds `owner` (a point lookup in any of them).
--- The jobs are locked in id order first (`locked`), so that batches from several replicas, and
--- the single-row statements, which lock a job before its attempt, cannot deadlock. Returns the
--- ids of the jobs whose completion won.
-WITH input AS (
-    SELECT * FROM unnest($2::uuid[], $3::integer[], $4::integer[], $5::integer[], $6::text[],
-                         $7::bytea[], $8::boolean[], $9::float8[], $10::text[])
-        AS t(id, version, attempt, status, headers, body, omitted, ttl, response_key)
-), locked AS (
-    -- In id order, one point lookup per id (as `claim_batch`'s `existing`).
-    SELECT job.id FROM (SELECT DISTINCT id FROM unnest($2::uuid[]) AS u(id) ORDER BY id) AS wanted
-    CROSS JOIN LATERAL (
-        SELECT id FROM idemproxy.jobs WHERE owner = $1 AND id = wanted.id OFFSET 0 FOR UPDATE
-    ) AS job
-), won AS (
-    UPDATE idemproxy.jobs
-    SET state = 'completed', version = jobs.version + 1, completed_by = input.attempt,
-        response_status = input.status, response_headers = input.headers::jsonb,
-        response_body = input.body, response_omitted = input.omitted,
-        response_key = input.response_key,
-        lease_expires_at = NULL, updated_at = now(),
-        expires_at = now() + make_interval(secs => input.ttl),
-        sweep_after = least(jobs.sweep_after, now() + make_interval(secs => input.ttl))
-    FROM input
-    WHERE jobs.owner = $1 AND jobs.key = ANY($12::text[]) AND jobs.id = ANY($2::uuid[])
-      AND jobs.id = input.id
-      AND jobs.version = input.version
-      AND jobs.completed_by IS NULL AND jobs.state = 'in_flight'
-      AND jobs.id IN (SELECT id FROM locked)
-    RETURNING jobs.owner, jobs.id, jobs.watched, jobs.attempt_count
-), keep AS (
-    SELECT input.id FROM input
-    WHERE input.id NOT IN (SELECT id FROM won) AND input.body IS NOT NULL AND NOT input.omitted
-      -- OFFSET 0: a lookup per id, never a join the planner may turn into a scan of `jobs`.
-      AND EXISTS (SELECT 1 FROM idemproxy.jobs
-                  WHERE owner = $1 AND id = input.id AND state = 'unknown' OFFSET 0)
-      AND (SELECT coalesce(sum(octet_length(late_body)), 0) FROM idemproxy.attempts
-           WHERE owner = $1 AND job_id = input.id) + octet_length(input.body) <= $11
-), attempt AS (
-    UPDATE idemproxy.attempts
-    SET state = CASE WHEN input.id IN (SELECT id FROM won) THEN 'succeeded' ELSE 'discarded' END,
-        status = input.status, finished_at = now(), lease_expires_at = NULL,
-        late_headers = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.headers::jsonb END,
-        late_body = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.body END,
-        late_key = CASE WHEN input.id IN (SELECT id FROM keep) THEN input.response_key END
-    FROM input
-    WHERE attempts.owner = $1 AND attempts.job_id = ANY($2::uuid[])
-      AND attempts.job_id = input.id AND attempts.number = input.attempt
-      AND attempts.state IN ('started', 'unknown')
-), ended AS (
-    -- As in `complete`: the other attempts of the jobs it ended with several.
-    UPDATE idemproxy.attempts
-    SET lease_expires_at = NULL
-    FROM input
-    WHERE attempts.owner = $1
-      AND attempts.job_id = ANY(ARRAY(SELECT id FROM won WHERE attempt_count > 1))
-      AND attempts.job_id = input.id AND attempts.lease_expires_at IS NOT NULL
-      AND NOT (attempts.number = input.attempt AND attempts.state IN ('started', 'unknown'))
-)
-SELECT id, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END FROM won;
 
 -- name: settle
 -- Release (nothing executed) or mark unknown (may have executed): $5 is the new job state and
