@@ -51,8 +51,8 @@ BATCH_BYTES = 1024 * 1024
 # most statements of one group in flight at once (a store with one connection has 1).
 STALL = 0.02
 MAX_IN_FLIGHT = 4
-# The metrics hook: (kind, rows in the statement), for every batch sent (SPEC §13).
-BatchObserver = Callable[[str, int], None]
+# The metrics hook of one kind of write: the rows of each of its statements (SPEC §13).
+BatchObserver = Callable[[int], None]
 
 
 # What `run` gives each request: its result, its error, or a future of either (a row retried
@@ -124,7 +124,7 @@ class GroupCommit(Generic[Request, Result]):
             # statement in its caller's task, concurrently with the others of its group, as
             # without group commit.
             if self.observer is not None:
-                self.observer(self.kind, 1)
+                self.observer(1)
             return await self.alone(request)
         key = self._group(request)
         group = self._groups.get(key)
@@ -162,13 +162,17 @@ class GroupCommit(Generic[Request, Result]):
         group.busy.add(distinct)
         try:
             if self.observer is not None:
-                self.observer(self.kind, 1)
+                self.observer(1)
             return await self.alone(request)
         finally:
             group.flights.discard(flight)
             group.busy.discard(distinct)
             flight.set_result(None)
-            if group.idle() and self._groups.get(key) is group:
+            # `idle`'s test in place for a group nothing joined (no queue to sift).
+            if group.queue or group.flights or group.drainer is not None:
+                if group.idle() and self._groups.get(key) is group:
+                    del self._groups[key]
+            elif self._groups.get(key) is group:
                 del self._groups[key]
 
     async def close(self) -> None:
@@ -269,7 +273,7 @@ class GroupCommit(Generic[Request, Result]):
 
     async def _send(self, batch: list[_Entry[Request, Result]]) -> None:
         if self.observer is not None:
-            self.observer(self.kind, len(batch))
+            self.observer(len(batch))
         try:
             outcomes = await self._run([entry.request for entry in batch])
         except Exception as exc:  # every caller's error, as it would have been alone

@@ -292,12 +292,15 @@ class PostgresStore(Store):
         )
         ttl, upstream, lease = request.ttl, request.upstream, request.lease
         job = (*args, ttl, lease)  # the distributed form's
+        claim_sql = self._sql["claim"]
         for _ in range(_CLAIM_RETRIES):
             row: ClaimRow | None
             if self.citus is None:
-                row = await self._fetchrow(
-                    "claim", *args, ttl, upstream, lease, observe=False, timeout=timeout
+                # `_fetchrow`, written out: one call less on every claim.
+                fetch = operator.methodcaller(
+                    "fetchrow", claim_sql, *args, ttl, upstream, lease, timeout=timeout
                 )
+                row = await self._run("claim", fetch, False)
             else:
                 row = await self._run(
                     "claim", lambda c: claim_distributed(c, self._sql, job, upstream), False
@@ -396,8 +399,10 @@ class PostgresStore(Store):
         headers, body, key_id, omitted = response_columns(response)
         # `_time_left`, written out: one call less on every claim and completion.
         timeout = max(request.submitted + self._command_timeout - time.monotonic(), _LEAST_TIMEOUT)
-        row = await self._fetchrow(
-            "complete",
+        # `_fetchrow`, written out: one call less on every completion.
+        fetch = operator.methodcaller(
+            "fetchrow",
+            self._sql["complete"],
             job.owner,
             job.id,
             job.version,
@@ -410,9 +415,9 @@ class PostgresStore(Store):
             self._late_bytes,
             key_id,
             job.key,
-            observe=False,
             timeout=timeout,
         )
+        row = await self._run("complete", fetch, False)
         if self.citus is None:
             return row is not None
         return await self._announced(job, row, watched_only=True)
