@@ -67,7 +67,7 @@ from idemproxy.proxy.server.sink import ClientSink
 from idemproxy.proxy.server.whole import AsSentStreamResponse
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
 from idemproxy.proxy.upstream.contract import ask_checkable
-from idemproxy.proxy.upstream.target import forwarded_headers, outgoing_host, upstream_url
+from idemproxy.proxy.upstream.target import outgoing
 
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
@@ -139,17 +139,13 @@ class AttemptRunner:
 
     async def run(self, governed: GovernedRequest, attempt: AttemptRun) -> Step:
         request, route, job = governed.request, governed.route, attempt.job
-        headers = forwarded_headers(
-            request,
-            self.settings.trusted_proxies,
-            route.header_edits.get(attempt.upstream, ()),
-            host=outgoing_host(route.forward_host, attempt.upstream, request),
-        )
+        edits = route.header_edits.get(attempt.upstream, ())
+        trusted = self.settings.trusted_proxies
+        url, headers = outgoing(request, attempt.upstream, route.forward_host, edits, trusted)
         headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
         headers[ATTEMPT_HEADER] = str(attempt.number)
         if route.gate is not None:  # SPEC §3.4: only answers the contract check can decode
             ask_checkable(headers)
-        url = upstream_url(attempt.upstream, request)
         governed.trace.upstream = attempt.upstream
         forwarding = self._forward(governed, attempt, url, headers)
         if self.tracing is not None:  # its traceparent joins `headers` before they are sent

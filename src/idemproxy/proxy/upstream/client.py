@@ -117,7 +117,10 @@ class UpstreamClient:
             raise RuntimeError("UpstreamClient.open() was not called")
         found = self._origins.get((url.scheme, url.raw_host, url.port))
         origin, authority = self._origin(url) if found is None else found
-        framing = framing_for(method, body, content_length)
+        if isinstance(body, bytes | bytearray) and (body or method not in _NO_BODY_METHODS):
+            framing = f"Content-Length: {len(body)}\r\n"  # `framing_for`'s common case
+        else:
+            framing = framing_for(method, body, content_length)
         host = headers.get("Host") or authority
         head = request_head(method, url.raw_path_qs, host, headers, framing)
         wait = self._timeout if timeout is None else timeout

@@ -123,8 +123,19 @@ class UpstreamResponse:
     # --- reading, for the proxy -------------------------------------------------------------
 
     async def wait_head(self) -> None:
+        # `_wait`, in place: nearly every head comes in one read, so this waits once.
         while self.stage is _Stage.HEAD:
-            await self._wait("upstream timed out")
+            if self._error is not None:
+                raise self._error
+            waiter = self._waiter = self._loop.create_future()
+            self._waiting_for = "upstream timed out"
+            deadline = self._connection.deadline
+            deadline.start(self._timeout)
+            try:
+                await waiter
+            finally:
+                deadline.stop()
+                self._waiter = None
 
     async def read_chunk(self) -> bytes:
         """The next piece of the body; b"" once it is complete."""
@@ -266,7 +277,13 @@ class UpstreamResponse:
         if self._interim:
             self._interim = False
             return
-        self._done()
+        # `_done`, in place: every exchange ends here.
+        if self.stage is not _Stage.DONE:
+            self.stage = _Stage.DONE
+            self.finished_at = time.perf_counter()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _done(self) -> None:
         if self.stage is not _Stage.DONE:
@@ -430,18 +447,6 @@ class Connection(asyncio.Protocol):
         """No exchange ran on this connection before the current one (it never idled)."""
         return self.idle_since == 0.0
 
-    @property
-    def reusable(self) -> bool:
-        exchange = self.exchange
-        return (
-            not self.closed
-            and exchange is not None
-            and exchange.stage is _Stage.DONE
-            and exchange.request_sent
-            and exchange.method != "HEAD"  # llhttp would wait for the body HEAD announced
-            and self.keep_alive
-        )
-
 
 Origin = tuple[str, int, bool]  # host, port, TLS
 
@@ -499,7 +504,18 @@ class ConnectionPool:
             raise UpstreamFailure(Failure.CONNECT, f"connect failed: {exc}") from exc
 
     def release(self, origin: Origin, connection: Connection) -> None:
-        if connection.reusable and not self._closing:
+        exchange = connection.exchange
+        # Kept for the next exchange only after a whole answer to a whole request, on a
+        # connection both sides keep alive.
+        reusable = (
+            not connection.closed
+            and exchange is not None
+            and exchange.stage is _Stage.DONE
+            and exchange.request_sent
+            and exchange.method != "HEAD"  # llhttp would wait for the body HEAD announced
+            and connection.keep_alive
+        )
+        if reusable and not self._closing:
             connection.exchange = None
             connection.idle_since = asyncio.get_running_loop().time()
             self._idle.setdefault(origin, []).append(connection)
