@@ -237,10 +237,12 @@ class AttemptRunner:
                             state = state.next(await _after_head(attempt, completing))
                             continue
                         buffered = state.body is Body.KEPT
-                        if buffered:
+                        # Test-only crash points (proxy/failpoints.py): none armed in service.
+                        armed = buffered and self.failpoints.armed is not None
+                        if armed:
                             self.failpoints.hit("before_store")
                         won = await completing
-                        if won and buffered:
+                        if won and armed:
                             self.failpoints.hit("after_store")
                         state = state.next(won)
                     case Settle():

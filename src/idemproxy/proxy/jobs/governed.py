@@ -15,6 +15,7 @@ none of them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -157,7 +158,8 @@ class Governor:
                 lease=settings.lease,
                 passes_through=settings.on_store_error == "passthrough",
                 max_stored_body=settings.max_stored_body,
-                draining=lambda: ctx.draining,
+                # Read by a C-level call, not a lambda of ours: on every request.
+                draining=functools.partial(getattr, ctx, "draining"),
                 unsent=ctx.unsent,
                 shield=Shield(run, ctx.attempts),
                 replays=ctx.replays,
@@ -465,7 +467,8 @@ class JobObserver:
     def running(self, trace: Trace, claimed: Claimed) -> None:
         """The request runs the job it claimed (its attempts follow)."""
         trace.ran(claimed.job.id, claimed.attempt)
-        self._failpoints.hit("after_claim")
+        if self._failpoints.armed is not None:  # test-only (proxy/failpoints.py)
+            self._failpoints.hit("after_claim")
 
     def holding(
         self, trace: Trace, job_id: str, hold: Awaitable[tuple[T, Job | None]]
