@@ -86,6 +86,8 @@ class PlainFormatter(_SecondCache):
         correlation = CURRENT.get()
         if correlation is None:
             return line
+        if correlation.trace_id is None:  # `Correlation.fields`' common case, in place
+            return f"{line} request_id={correlation.request_id}"
         ids = " ".join(map("=".join, correlation.fields().items()))  # `name=value`, in C
         return f"{line} {ids}"
 

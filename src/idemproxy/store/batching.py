@@ -119,6 +119,10 @@ class GroupCommit(Generic[Request, Result]):
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def submit(self, request: Request) -> Result:
+        """The request's result. With nothing of its group in flight, the request goes out at
+        once, alone, in the caller's own task (a lone request costs no task switch), and
+        whatever queues meanwhile follows in one batch; cancelling this caller cancels its
+        statement, as without batching. Otherwise it is queued (`_queue`)."""
         if self.limit == 1 or (self._size is not None and self._size(request) > ALONE_BYTES):
             # `pool.store_batch: 1`, or a large request: not batched at all. It is its own
             # statement in its caller's task, concurrently with the others of its group, as
@@ -128,32 +132,9 @@ class GroupCommit(Generic[Request, Result]):
             return await self.alone(request)
         key = self._group(request)
         group = self._groups.get(key)
-        if group is None:
-            group = self._groups[key] = _Group()
-            return await self._lead(key, group, request)
-        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        group.queue.append(_Entry(request, future))
-        if group.drainer is None:
-            group.drainer = self._spawn(self._drain(key, group))
-        # A cancelled caller cancels its future: still queued, it is skipped; in flight, its
-        # result is dropped. The statement itself is never cancelled for the others' sake.
-        return await future
-
-    async def _run_alone(self, request: Request) -> Result:
-        [outcome] = await self._run([request])
-        if isinstance(outcome, asyncio.Future):
-            return await outcome
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
-    async def _lead(
-        self, key: Hashable, group: _Group[Request, Result], request: Request
-    ) -> Result:
-        """Nothing of the group in flight: this request goes out at once, alone, in the
-        caller's own task (a lone request costs no task switch), and whatever queues meanwhile
-        follows in one batch. Cancelling this caller cancels its statement, as without
-        batching."""
+        if group is not None:
+            return await self._queue(key, group, request)
+        group = self._groups[key] = _Group()
         # `_take_off` and `_land` for one request, without their list and generators: this is
         # every claim and completion of a proxy that is not under load.
         distinct = self._distinct(request)
@@ -174,6 +155,26 @@ class GroupCommit(Generic[Request, Result]):
                     del self._groups[key]
             elif self._groups.get(key) is group:
                 del self._groups[key]
+
+    async def _queue(
+        self, key: Hashable, group: _Group[Request, Result], request: Request
+    ) -> Result:
+        """Behind the group's statements in flight: sent with the next batch (`_drain`)."""
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        group.queue.append(_Entry(request, future))
+        if group.drainer is None:
+            group.drainer = self._spawn(self._drain(key, group))
+        # A cancelled caller cancels its future: still queued, it is skipped; in flight, its
+        # result is dropped. The statement itself is never cancelled for the others' sake.
+        return await future
+
+    async def _run_alone(self, request: Request) -> Result:
+        [outcome] = await self._run([request])
+        if isinstance(outcome, asyncio.Future):
+            return await outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     async def close(self) -> None:
         """Wait for the batches in flight (their callers are waiting for them)."""

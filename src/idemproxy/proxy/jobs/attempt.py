@@ -182,13 +182,15 @@ class AttemptRunner:
                 ended = upstream.finished_at or time.perf_counter()
                 handed = type(step) is HandedBack
                 answered = UpstreamOutcome.FAILED if handed else UpstreamOutcome.ANSWERED
-                self._observe(attempt, started, answered, ended)
+                by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
+                by_outcome[answered].observe(ended - started)
                 return step
         except UpstreamFailure as failure:  # no (whole) response before its head went out
             state = forward.next(TransportFailed(failure.failure, failure.reason))
             assert isinstance(state, Settle | HandBack)
             failed = state.failed
-            self._observe(attempt, started, UpstreamOutcome(failed.outcome.value))
+            by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
+            by_outcome[UpstreamOutcome(failed.outcome.value)].observe(time.perf_counter() - started)
             self._log_failure(governed, attempt, failure)
             if self.tracing is not None:
                 self.tracing.upstream_failed(failure.reason, failed.outcome)
@@ -417,17 +419,6 @@ class AttemptRunner:
             raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
         if not won:
             log.info("job %s attempt %d: settle lost the CAS", job.id, number)
-
-    def _observe(
-        self,
-        attempt: AttemptRun,
-        started: float,
-        outcome: UpstreamOutcome,
-        ended: float | None = None,
-    ) -> None:
-        finished = time.perf_counter() if ended is None else ended
-        by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
-        by_outcome[outcome].observe(finished - started)
 
     def _client_headers(self, upstream: UpstreamResponse, job: Job) -> CIMultiDict[str]:
         headers = response_headers_for_client(upstream.headers)

@@ -93,6 +93,9 @@ class Captured:
     async def content(self) -> bytes:
         """The body in memory, held against the budget until `release` (for its store write and
         a contract check). A spooled body waits for room first."""
+        chunks = self._chunks
+        if self._spool is None and len(chunks) <= 1:  # `in_memory`'s common case: one piece
+            return chunks[0] if chunks else b""
         content = self.in_memory()
         if content is not None:
             return content
