@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TextIO
 
-from idemproxy.http.correlation import CURRENT, current_fields
+from idemproxy.http.correlation import CURRENT, Correlation, current_fields
 
 _HANDLER_NAME = "idemproxy"
 # Lines that may wait for a slow stderr (about 2 MB of request lines) before lines are dropped.
@@ -79,17 +79,23 @@ class PlainFormatter(_SecondCache):
             record.asctime = msec_format % (stamp, record.msecs)
         else:
             record.asctime = self.formatTime(record)
-        return self.formatMessage(record)
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
         line = f"{record.asctime} {record.levelname} {record.name}: {record.message}"
-        correlation = CURRENT.get()
+        correlation = CURRENT.get()  # `formatMessage`, in place
         if correlation is None:
             return line
         if correlation.trace_id is None:  # `Correlation.fields`' common case, in place
             return f"{line} request_id={correlation.request_id}"
-        ids = " ".join(map("=".join, correlation.fields().items()))  # `name=value`, in C
-        return f"{line} {ids}"
+        return f"{line} {_ids(correlation)}"
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The line of a record with a traceback or stack (the stock `format` adds them)."""
+        line = f"{record.asctime} {record.levelname} {record.name}: {record.message}"
+        correlation = CURRENT.get()
+        return line if correlation is None else f"{line} {_ids(correlation)}"
+
+
+def _ids(correlation: Correlation) -> str:
+    return " ".join(map("=".join, correlation.fields().items()))  # `name=value`, in C
 
 
 class JsonFormatter(logging.Formatter):

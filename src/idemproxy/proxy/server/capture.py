@@ -201,7 +201,11 @@ def answer(
     captured: Captured, status: int, reason: str, headers: CIMultiDict[str]
 ) -> web.StreamResponse:
     """The first client's response to a whole captured body (stored, or settled, by now)."""
-    content = captured.in_memory()
+    chunks = captured._chunks
+    if captured._spool is None and len(chunks) <= 1:  # `in_memory`'s common case: one piece
+        content: bytes | None = chunks[0] if chunks else b""
+    else:
+        content = captured.in_memory()
     if content is None:
         captured.release()  # its store write, if any, is done: the client is answered from disk
         return SpooledResponse(captured, status=status, reason=reason, headers=headers)

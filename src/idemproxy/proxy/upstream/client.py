@@ -226,7 +226,7 @@ class Exchange:
                 )
             await exchange.wait_head()
         except BaseException as exc:
-            self._finish()
+            await self.__aexit__()
             if isinstance(exc, ConnectionError | OSError):
                 raise UpstreamFailure(Failure.BROKEN, f"upstream connection broke: {exc}") from exc
             raise
@@ -248,9 +248,7 @@ class Exchange:
             on_dropped(len(names))
 
     async def __aexit__(self, *_exc: object) -> None:
-        self._finish()
-
-    def _finish(self) -> None:
+        """The connection goes back to the pool, or is closed when it cannot serve again."""
         connection, self._connection = self._connection, None
         if connection is None:
             return
