@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
     from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
     from idemproxy.proxy.failpoints import Failpoints
-    from idemproxy.proxy.server.budget import ResponseBudget
+    from idemproxy.proxy.server.capture import ResponseBudget
     from idemproxy.proxy.tracing import Tracing
     from idemproxy.store.ports import JobStore
 
