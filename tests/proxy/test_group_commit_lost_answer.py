@@ -51,7 +51,7 @@ async def test_a_completion_whose_batch_answer_was_lost_replays_its_own_response
             await asyncio.gather(*(post(f"warm-{round_}-{i}") for i in range(CONCURRENT)))
         batched: list[int] = []
         for batcher in client.app[STORES].record.group_commits():
-            batcher.observer = functools.partial(_late_batch_answers, relay, batched)
+            batcher.observer = functools.partial(_late_batch_answers, relay, batched, batcher.kind)
 
         keys = [f"lost-{i}" for i in range(CONCURRENT)]
         first = await asyncio.gather(*(post(key) for key in keys))

@@ -180,7 +180,7 @@ async def test_one_refused_completion_fails_only_its_caller(pg_dsn: str) -> None
         claims = [await _claimed(store, f"job-{i}") for i in range(4)]
         responses = [FINE, REFUSED, FINE, FINE]
         sizes: list[int] = []
-        store.group_commits()[1].observer = lambda _kind, rows: sizes.append(rows)
+        store.group_commits()[1].observer = sizes.append
         results = await asyncio.gather(
             *(
                 store.complete(c.job, c.attempt, response, ttl=3600.0)
@@ -275,8 +275,8 @@ async def test_a_caller_cancelled_in_flight_leaves_the_batch_to_the_others(
     tasks = [asyncio.create_task(_claim(store, _intent(f"batch-{i}"))) for i in range(3)]
     (claims, _completions) = store.group_commits()
 
-    def cancel_one_once_sent(kind: str, rows: int) -> None:
-        batches.append((kind, rows))
+    def cancel_one_once_sent(rows: int) -> None:
+        batches.append((claims.kind, rows))
         if rows == 3:  # called as the batch goes out: its statement is in flight now
             tasks[1].cancel()
 

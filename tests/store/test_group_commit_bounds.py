@@ -100,8 +100,12 @@ def dsn(request: pytest.FixtureRequest) -> str:
 def _observe(store: Store) -> list[tuple[str, int]]:
     seen: list[tuple[str, int]] = []
     for batcher in store.group_commits():
-        batcher.observer = lambda kind, rows: seen.append((kind, rows))
+        batcher.observer = functools.partial(_note, seen, batcher.kind)
     return seen
+
+
+def _note(seen: list[tuple[str, int]], kind: str, rows: int) -> None:
+    seen.append((kind, rows))
 
 
 async def test_large_completions_are_never_batched(dsn: str) -> None:
@@ -319,7 +323,7 @@ async def _prepare_batches(store: Store, relay: SlowReplies) -> list[tuple[str, 
         await asyncio.gather(*(store.complete(c.job, c.attempt, FINE, ttl=3600.0) for c in claims))
     batches: list[tuple[str, int]] = []
     for batcher in store.group_commits():
-        batcher.observer = functools.partial(_slow_batch_answers, relay, batches)
+        batcher.observer = functools.partial(_slow_batch_answers, relay, batches, batcher.kind)
     return batches
 
 

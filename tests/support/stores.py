@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from typing import TypedDict, TypeVar
 
@@ -59,5 +60,9 @@ def record_batches(store: Store) -> list[tuple[str, int]]:
     """Every batched statement the store sends from now on: (kind, rows)."""
     seen: list[tuple[str, int]] = []
     for batcher in store.group_commits():
-        batcher.observer = lambda kind, rows: seen.append((kind, rows))
+        batcher.observer = functools.partial(_note_batch, seen, batcher.kind)
     return seen
+
+
+def _note_batch(seen: list[tuple[str, int]], kind: str, rows: int) -> None:
+    seen.append((kind, rows))

@@ -1,5 +1,5 @@
 """What the job-level driver reports reaches the request's record, the metrics and the
-failpoints through one observer (proxy/jobs/observed.py); spans only when tracing is on."""
+failpoints through one observer (proxy/jobs/governed.py); spans only when tracing is on."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from idemproxy.core.types import Claimed, Job, JobState
 from idemproxy.observe.metrics import Metrics, RequestOutcome
 from idemproxy.proxy.failpoints import Failpoints
-from idemproxy.proxy.jobs.observed import JobObserver, TracedJobObserver, job_observer
+from idemproxy.proxy.jobs.governed import JobObserver, TracedJobObserver, job_observer
 from idemproxy.proxy.server.trace import Trace
 
 JOB = Job("job-1", "owner", "key", "f" * 64, JobState.IN_FLIGHT, 1, 1)

@@ -1,4 +1,4 @@
-"""proxy/server/budget.py: the response budget's accounting, order and cancellation."""
+"""proxy/server/capture.py: the response budget's accounting, order and cancellation."""
 
 from __future__ import annotations
 
@@ -8,8 +8,13 @@ import os
 import pytest
 from multidict import CIMultiDict
 
-from idemproxy.proxy.server.budget import Held, ResponseBudget
-from idemproxy.proxy.server.capture import SpooledResponse, drop_unsent, on_disk
+from idemproxy.proxy.server.capture import (
+    Held,
+    ResponseBudget,
+    SpooledResponse,
+    drop_unsent,
+    on_disk,
+)
 from idemproxy.proxy.server.whole import NotifiedResponse
 
 

@@ -497,7 +497,7 @@ class LimitsSettings(BaseModel):
     model_config = _STRICT
     # Bytes of response bodies held in memory at once (governed answers read for storing, their
     # store writes, and the answers to their first clients); a body that does not fit waits in
-    # an unnamed temporary file instead (proxy/server/budget.py). Never a reason to refuse a
+    # an unnamed temporary file instead (proxy/server/capture.py). Never a reason to refuse a
     # request.
     response_buffer: ByteSize = Field(default=c.DEFAULT_RESPONSE_BUFFER, ge=0)
     # Seconds a body on disk waits for room in the response buffer before its store write goes

@@ -91,7 +91,12 @@ def _without(headers: Headers, dropped: frozenset[str]) -> CIMultiDict[str]:
     ones kept in order. Most messages have no `Connection` header (HTTP/1.1 keeps alive by
     default): they cost no call beyond this one."""
     out = CIMultiDict[str](headers)
-    _drop(out, dropped)
+    values = out.getall("Connection", None)  # `_drop`, in place: every request runs it thrice
+    if values is not None:
+        dropped = _with_named(dropped, values)
+    for name in dropped:
+        if name in out:
+            del out[name]
     return out
 
 

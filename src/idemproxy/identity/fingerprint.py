@@ -30,17 +30,12 @@ def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence
     JSON pointers removed, so that semantically equal JSON matches. Every field is length-prefixed
     so that no two different requests can produce the same hashed byte stream.
     """
-    return fingerprint_of_digest(head, body_digest(head[3], body, exclude_pointers))
-
-
-def body_digest(
-    content_type: str | None, body: bytes, exclude_pointers: Sequence[str] = ()
-) -> bytes:
+    content_type = head[3]
     # `is_json(media_type_of(content_type))`, in place: every governed request's.
     media_type = content_type.split(";", 1)[0].strip().lower() if content_type else ""
     if media_type == "application/json" or media_type.endswith("+json"):
         body = canonical_json(body, exclude_pointers)
-    return hashlib.sha256(body).digest()
+    return fingerprint_of_digest(head, hashlib.sha256(body).digest())
 
 
 def fingerprint_of_digest(head: FingerprintedHead, body_sha256: bytes) -> str:

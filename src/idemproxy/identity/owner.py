@@ -158,7 +158,13 @@ def derive_owners(
     header = policy.header
     if header is None:
         return GLOBAL_OWNER, None
-    credential = single_value(headers, header)
+    if isinstance(headers, MultiMapping):  # `single_value`, in place: every governed request
+        values = headers.getall(header, [])
+        if len(values) > 1:
+            raise HeaderInvalid(f"Send the {header} header exactly once.")
+        credential = values[0] if values else None
+    else:
+        credential = headers.get(header)
     if policy._hashes_authorization:
         # SPEC §5: the hash of a signature made for one try is a scope for that try alone.
         what = per_request_signature(credential, headers, raw_query)

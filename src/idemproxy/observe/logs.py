@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TextIO
 
-from idemproxy.http.correlation import CURRENT, current_fields
+from idemproxy.http.correlation import CURRENT, Correlation, current_fields
 
 _HANDLER_NAME = "idemproxy"
 # Lines that may wait for a slow stderr (about 2 MB of request lines) before lines are dropped.
@@ -68,20 +68,34 @@ class PlainFormatter(_SecondCache):
 
     def format(self, record: logging.LogRecord) -> str:
         """The stock `format`'s steps for a record without a traceback or stack (every request
-        line), called here rather than by logging: one call into this module, not three."""
+        line), with `formatTime` and `formatMessage` written out: one call into this module,
+        not three."""
         if record.exc_info or record.exc_text or record.stack_info:
             return super().format(record)
         record.message = record.getMessage()
-        record.asctime = self.formatTime(record)
-        return self.formatMessage(record)
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
+        second, stamp = self._second
+        msec_format = self.default_msec_format
+        if msec_format and int(record.created) == second:  # `formatTime`'s common case
+            record.asctime = msec_format % (stamp, record.msecs)
+        else:
+            record.asctime = self.formatTime(record)
         line = f"{record.asctime} {record.levelname} {record.name}: {record.message}"
-        correlation = CURRENT.get()
+        correlation = CURRENT.get()  # `formatMessage`, in place
         if correlation is None:
             return line
-        ids = " ".join(map("=".join, correlation.fields().items()))  # `name=value`, in C
-        return f"{line} {ids}"
+        if correlation.trace_id is None:  # `Correlation.fields`' common case, in place
+            return f"{line} request_id={correlation.request_id}"
+        return f"{line} {_ids(correlation)}"
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The line of a record with a traceback or stack (the stock `format` adds them)."""
+        line = f"{record.asctime} {record.levelname} {record.name}: {record.message}"
+        correlation = CURRENT.get()
+        return line if correlation is None else f"{line} {_ids(correlation)}"
+
+
+def _ids(correlation: Correlation) -> str:
+    return " ".join(map("=".join, correlation.fields().items()))  # `name=value`, in C
 
 
 class JsonFormatter(logging.Formatter):
@@ -184,22 +198,24 @@ class BackgroundWriter(logging.Handler):
         nothing. Lines come in streams: each one woken for cost the event loop a lock and a
         condition per request (11 futex calls, 6 % of the proxy's CPU at c=1, measured);
         while the writer lingers, `emit` only appends (`_asleep` is False)."""
+        lines = self._lines
         while True:
-            while self._lines:
-                self._write_batch()
+            while lines:
+                # Up to 256 lines a write. A loop, not a comprehension: that is a call of its
+                # own on Python 3.11, on every write.
+                batch = []
+                for _ in range(min(len(lines), 256)):
+                    batch.append(lines.popleft())
+                try:
+                    self._stream.write("\n".join(batch) + "\n")
+                    self._stream.flush()
+                except (OSError, ValueError):  # stderr closed: nothing more can be written
+                    self.dropped += len(batch)
             if self._closing:
                 return
             time.sleep(_LINGER_SECONDS)
             if not self._lines:
                 return
-
-    def _write_batch(self) -> None:
-        batch = [self._lines.popleft() for _ in range(min(len(self._lines), 256))]
-        try:
-            self._stream.write("\n".join(batch) + "\n")
-            self._stream.flush()
-        except (OSError, ValueError):  # stderr closed: nothing more can be written
-            self.dropped += len(batch)
 
 
 def configure_logging(level: str, fmt: str) -> None:

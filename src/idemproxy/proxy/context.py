@@ -20,7 +20,7 @@ from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.idp.policy import build_owner_policy
 from idemproxy.proxy.routing import RouteTable
-from idemproxy.proxy.server.budget import ResponseBudget
+from idemproxy.proxy.server.capture import ResponseBudget
 from idemproxy.proxy.server.replay import SharedBodies
 from idemproxy.proxy.upstream.client import UpstreamClient
 from idemproxy.store.ports import JobStore
@@ -59,7 +59,7 @@ class ProxyContext:
     unsent: UnsentClaims
     # Attempt outcomes the store could not take (503 after forwarding): written when it answers.
     unwritten: UnwrittenOutcomes
-    # Response bytes held in memory, for this process (proxy/server/budget.py).
+    # Response bytes held in memory, for this process (proxy/server/capture.py).
     budget: ResponseBudget
     # Large stored bodies being replayed, one copy per job (proxy/server/replay.py).
     replays: SharedBodies

@@ -57,7 +57,17 @@ def intent_of(
 ) -> Intent:
     """SPEC §6: the fingerprint over the request as it arrived, whatever the key's source; on
     the loop, for a body that is not `heavy` (see `intent_off_loop`)."""
-    head = _head(request)
+    url, headers = request.rel_url, request.headers
+    # `_head`, in place: every governed request. Every field of Content-Encoding, in order
+    # (RFC 9110 §5.3: a list may be split over several).
+    content_encoding = ",".join(headers.getall(hdrs.CONTENT_ENCODING, ()))
+    head = (
+        request.method,
+        url.raw_path,
+        url.raw_query_string,
+        headers.get(hdrs.CONTENT_TYPE),
+        content_encoding,
+    )
     if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
         digest = fingerprint_of_digest(head, body.raw_sha256)
     else:

@@ -24,7 +24,7 @@ from idemproxy.proxy.server.sink import abort
 from idemproxy.proxy.server.trace import Trace
 from idemproxy.proxy.server.whole import AsSentResponse, AsSentStreamResponse
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
-from idemproxy.proxy.upstream.target import forwarded_headers, outgoing_host, upstream_url
+from idemproxy.proxy.upstream.target import outgoing
 
 log = logging.getLogger(__name__)
 # Request bodies up to this size with a declared length are read whole rather than streamed;
@@ -56,10 +56,9 @@ async def passthrough(
     else:
         data = request.content.iter_any() if request.body_exists else None
         length = request.content_length
-    url = upstream_url(route.upstream, request)
     edits = route.header_edits.get(route.upstream, ())
-    host = outgoing_host(route.forward_host, route.upstream, request)
-    headers = forwarded_headers(request, ctx.settings.trusted_proxies, edits, host=host)
+    trusted = ctx.settings.trusted_proxies
+    url, headers = outgoing(request, route.upstream, route.forward_host, edits, trusted)
     forwarding = _forward(ctx, request, route, trace, _Outgoing(url, headers, data, length))
     if ctx.tracing is not None:  # its traceparent joins `headers` before they are sent
         return await ctx.tracing.forward(request.method, url, headers, forwarding)

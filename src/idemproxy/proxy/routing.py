@@ -66,7 +66,7 @@ class Route:
     key_source: KeySource | None = None
     # SPEC §4.2: a webhook route's signature check and owner; implies a `key_source`.
     webhook: WebhookVerifier | None = field(default=None, compare=False, hash=False, repr=False)
-    # SPEC §10: the Host its upstreams receive (proxy/upstream/target.py, `outgoing_host`).
+    # SPEC §10: the Host its upstreams receive (proxy/upstream/target.py, `outgoing`).
     forward_host: str = c.DEFAULT_FORWARD_HOST
     # SPEC §3.6: how this route's `unknown` jobs may resolve themselves: a retry does what the
     # route it takes declares, never what another route of its path does.
@@ -108,7 +108,11 @@ class RouteTable:
     def find(self, path: str, host: str | None) -> Route | None:
         name = None if host is None else host_name(host)
         for route in self._routes:
-            if route.matches(path, name):
+            # `Route.matches`, in place: it runs for every route tried on every request.
+            if route.host is not None and name != host_name(route.host):
+                continue
+            prefix = route.prefix
+            if prefix in ("/", path) or path.startswith(prefix.rstrip("/") + "/"):
                 return route
         return None
 

@@ -3,8 +3,9 @@ webhooks (SPEC §4.2): the signature is verified, and the key found, before any 
 
 from __future__ import annotations
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
+from idemproxy.constants import HOP_BY_HOP_HEADERS
 from idemproxy.core.types import Intent
 from idemproxy.errors import (
     BodyEncodingUnsupported,
@@ -132,7 +133,9 @@ def refuse_hidden_identity(ctx: ProxyContext, request: web.Request, key_header: 
     job is scoped by the owner header and keyed by the key header before that stripping, so a
     client listing them would make the backend see another identity than the job's (with a
     gateway-set `header:X-User`, the trusted header would vanish): refuse it."""
-    named = hop_by_hop(request.headers)
+    headers = request.headers
+    # `hop_by_hop`'s common case, no `Connection` header, in place: every governed request.
+    named = HOP_BY_HOP_HEADERS if hdrs.CONNECTION not in headers else hop_by_hop(headers)
     identity = {key_header.lower()}
     if ctx.owner.header is not None:
         identity.add(ctx.owner.header.lower())

@@ -51,8 +51,8 @@ BATCH_BYTES = 1024 * 1024
 # most statements of one group in flight at once (a store with one connection has 1).
 STALL = 0.02
 MAX_IN_FLIGHT = 4
-# The metrics hook: (kind, rows in the statement), for every batch sent (SPEC §13).
-BatchObserver = Callable[[str, int], None]
+# The metrics hook of one kind of write: the rows of each of its statements (SPEC §13).
+BatchObserver = Callable[[int], None]
 
 
 # What `run` gives each request: its result, its error, or a future of either (a row retried
@@ -119,18 +119,47 @@ class GroupCommit(Generic[Request, Result]):
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def submit(self, request: Request) -> Result:
+        """The request's result. With nothing of its group in flight, the request goes out at
+        once, alone, in the caller's own task (a lone request costs no task switch), and
+        whatever queues meanwhile follows in one batch; cancelling this caller cancels its
+        statement, as without batching. Otherwise it is queued (`_queue`)."""
         if self.limit == 1 or (self._size is not None and self._size(request) > ALONE_BYTES):
             # `pool.store_batch: 1`, or a large request: not batched at all. It is its own
             # statement in its caller's task, concurrently with the others of its group, as
             # without group commit.
             if self.observer is not None:
-                self.observer(self.kind, 1)
+                self.observer(1)
             return await self.alone(request)
         key = self._group(request)
         group = self._groups.get(key)
-        if group is None:
-            group = self._groups[key] = _Group()
-            return await self._lead(key, group, request)
+        if group is not None:
+            return await self._queue(key, group, request)
+        group = self._groups[key] = _Group()
+        # `_take_off` and `_land` for one request, without their list and generators: this is
+        # every claim and completion of a proxy that is not under load.
+        distinct = self._distinct(request)
+        flight: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        group.flights.add(flight)
+        group.busy.add(distinct)
+        try:
+            if self.observer is not None:
+                self.observer(1)
+            return await self.alone(request)
+        finally:
+            group.flights.discard(flight)
+            group.busy.discard(distinct)
+            flight.set_result(None)
+            # `idle`'s test in place for a group nothing joined (no queue to sift).
+            if group.queue or group.flights or group.drainer is not None:
+                if group.idle() and self._groups.get(key) is group:
+                    del self._groups[key]
+            elif self._groups.get(key) is group:
+                del self._groups[key]
+
+    async def _queue(
+        self, key: Hashable, group: _Group[Request, Result], request: Request
+    ) -> Result:
+        """Behind the group's statements in flight: sent with the next batch (`_drain`)."""
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         group.queue.append(_Entry(request, future))
         if group.drainer is None:
@@ -146,30 +175,6 @@ class GroupCommit(Generic[Request, Result]):
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
-
-    async def _lead(
-        self, key: Hashable, group: _Group[Request, Result], request: Request
-    ) -> Result:
-        """Nothing of the group in flight: this request goes out at once, alone, in the
-        caller's own task (a lone request costs no task switch), and whatever queues meanwhile
-        follows in one batch. Cancelling this caller cancels its statement, as without
-        batching."""
-        # `_take_off` and `_land` for one request, without their list and generators: this is
-        # every claim and completion of a proxy that is not under load.
-        distinct = self._distinct(request)
-        flight: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        group.flights.add(flight)
-        group.busy.add(distinct)
-        try:
-            if self.observer is not None:
-                self.observer(self.kind, 1)
-            return await self.alone(request)
-        finally:
-            group.flights.discard(flight)
-            group.busy.discard(distinct)
-            flight.set_result(None)
-            if group.idle() and self._groups.get(key) is group:
-                del self._groups[key]
 
     async def close(self) -> None:
         """Wait for the batches in flight (their callers are waiting for them)."""
@@ -269,7 +274,7 @@ class GroupCommit(Generic[Request, Result]):
 
     async def _send(self, batch: list[_Entry[Request, Result]]) -> None:
         if self.observer is not None:
-            self.observer(self.kind, len(batch))
+            self.observer(len(batch))
         try:
             outcomes = await self._run([entry.request for entry in batch])
         except Exception as exc:  # every caller's error, as it would have been alone

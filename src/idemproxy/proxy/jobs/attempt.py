@@ -1,4 +1,5 @@
-"""Running one attempt: the driver of core/attempts.py (SPEC §2.4, §3.2).
+"""Running one attempt: the driver of core/attempts.py (SPEC §2.4, §3.2), under a kept lease
+(`KeptLease`, SPEC §3.5).
 
 `AttemptRunner.run` carries out each command state (forward, capture, check the contract,
 complete, settle, stream to the client) and feeds back what happened, until a terminal state
@@ -10,10 +11,12 @@ or another attempt racing — a `HandedBack` failure, with the job left alone (S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, assert_never
 
 from aiohttp import hdrs, web
@@ -56,7 +59,6 @@ from idemproxy.errors import ProblemError, StoreUnavailable, UpstreamUnavailable
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import AttemptOutcome, Metrics, UpstreamOutcome
-from idemproxy.proxy.jobs.lease import KeptLease
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.reasons import FailureReason, upstream_reason
 from idemproxy.proxy.routing import upstream_origin
@@ -65,13 +67,13 @@ from idemproxy.proxy.server.sink import ClientSink
 from idemproxy.proxy.server.whole import AsSentStreamResponse
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
 from idemproxy.proxy.upstream.contract import ask_checkable
-from idemproxy.proxy.upstream.target import forwarded_headers, outgoing_host, upstream_url
+from idemproxy.proxy.upstream.target import outgoing
 
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
     from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
     from idemproxy.proxy.failpoints import Failpoints
-    from idemproxy.proxy.server.budget import ResponseBudget
+    from idemproxy.proxy.server.capture import ResponseBudget
     from idemproxy.proxy.tracing import Tracing
     from idemproxy.store.ports import JobStore
 
@@ -83,6 +85,13 @@ _FORWARDED_NOT_STORED = (
     "The request was forwarded, but its outcome could not be stored; retry later with the same "
     "Idempotency-Key to learn it."
 )
+# A failed renewal is tried again this soon, then twice as late each time (up to lease / 10):
+# waiting a third of the lease, as a renewal due on time does, can outlast what is left of it.
+_FIRST_RETRY_SECONDS = 0.05
+# Below this much time left, a try is bounded only by the store's own timeout: a shorter bound
+# could never succeed, and a renewal after the lease ran out still keeps a job that nobody took
+# over (the statement is a CAS on the job's version, not on its lease).
+_MIN_BOUNDED_TRY_SECONDS = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,17 +139,13 @@ class AttemptRunner:
 
     async def run(self, governed: GovernedRequest, attempt: AttemptRun) -> Step:
         request, route, job = governed.request, governed.route, attempt.job
-        headers = forwarded_headers(
-            request,
-            self.settings.trusted_proxies,
-            route.header_edits.get(attempt.upstream, ()),
-            host=outgoing_host(route.forward_host, attempt.upstream, request),
-        )
+        edits = route.header_edits.get(attempt.upstream, ())
+        trusted = self.settings.trusted_proxies
+        url, headers = outgoing(request, attempt.upstream, route.forward_host, edits, trusted)
         headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
         headers[ATTEMPT_HEADER] = str(attempt.number)
         if route.gate is not None:  # SPEC §3.4: only answers the contract check can decode
             ask_checkable(headers)
-        url = upstream_url(attempt.upstream, request)
         governed.trace.upstream = attempt.upstream
         forwarding = self._forward(governed, attempt, url, headers)
         if self.tracing is not None:  # its traceparent joins `headers` before they are sent
@@ -177,13 +182,15 @@ class AttemptRunner:
                 ended = upstream.finished_at or time.perf_counter()
                 handed = type(step) is HandedBack
                 answered = UpstreamOutcome.FAILED if handed else UpstreamOutcome.ANSWERED
-                self._observe(attempt, started, answered, ended)
+                by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
+                by_outcome[answered].observe(ended - started)
                 return step
         except UpstreamFailure as failure:  # no (whole) response before its head went out
             state = forward.next(TransportFailed(failure.failure, failure.reason))
             assert isinstance(state, Settle | HandBack)
             failed = state.failed
-            self._observe(attempt, started, UpstreamOutcome(failed.outcome.value))
+            by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
+            by_outcome[UpstreamOutcome(failed.outcome.value)].observe(time.perf_counter() - started)
             self._log_failure(governed, attempt, failure)
             if self.tracing is not None:
                 self.tracing.upstream_failed(failure.reason, failed.outcome)
@@ -232,10 +239,12 @@ class AttemptRunner:
                             state = state.next(await _after_head(attempt, completing))
                             continue
                         buffered = state.body is Body.KEPT
-                        if buffered:
+                        # Test-only crash points (proxy/failpoints.py): none armed in service.
+                        armed = buffered and self.failpoints.armed is not None
+                        if armed:
                             self.failpoints.hit("before_store")
                         won = await completing
-                        if won and buffered:
+                        if won and armed:
                             self.failpoints.hit("after_store")
                         state = state.next(won)
                     case Settle():
@@ -411,17 +420,6 @@ class AttemptRunner:
         if not won:
             log.info("job %s attempt %d: settle lost the CAS", job.id, number)
 
-    def _observe(
-        self,
-        attempt: AttemptRun,
-        started: float,
-        outcome: UpstreamOutcome,
-        ended: float | None = None,
-    ) -> None:
-        finished = time.perf_counter() if ended is None else ended
-        by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
-        by_outcome[outcome].observe(finished - started)
-
     def _client_headers(self, upstream: UpstreamResponse, job: Job) -> CIMultiDict[str]:
         headers = response_headers_for_client(upstream.headers)
         if upstream.method == "HEAD":
@@ -496,3 +494,94 @@ def _head_length(upstream: UpstreamResponse) -> HeaderPairs:
     if upstream.method == "HEAD" and upstream.content_length is not None:
         return ((hdrs.CONTENT_LENGTH, str(upstream.content_length)),)
     return ()
+
+
+class KeptLease:
+    """Renew the job's lease every third of its length until the block ends.
+
+    If this process dies, renewals stop and the next request for the key takes the job over
+    as `unknown` once the lease ran out by the database clock.
+
+    Almost every attempt ends long before its first renewal is due, so the renewing task is
+    only created when that moment comes: until then the block costs one timer.
+
+    A renewal that fails (the store's timeout, a lock, a lost connection) is retried at once,
+    each try bounded by the time the lease has left, so that one slow try does not let the lease
+    run out under a healthy attempt. The time left is counted from when the statement that set
+    the lease was sent (for the first one, from the start of this block), by this process's
+    clock; the database's clock only started later, so the lease ends no sooner than that.
+    Settings whose `pool.store_timeout` leaves no room for a try are refused at start-up
+    (config/settings.py).
+    """
+
+    def __init__(self, store: JobStore, job: Job, *, lease: float) -> None:
+        self._store = store
+        self._job = job
+        self._lease = lease
+        self._granted = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._renewer: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._granted = loop.time()
+        self._timer = loop.call_later(self._lease / 3, self._start_renewing)
+
+    async def __aexit__(
+        self,
+        _type: type[BaseException] | None,
+        _value: BaseException | None,
+        _traceback: TracebackType | None,
+    ) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        renewer = self._renewer
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+
+    def _start_renewing(self) -> None:
+        self._renewer = asyncio.get_running_loop().create_task(
+            _renew(self._store, self._job, self._lease, self._granted)
+        )
+
+
+async def _renew(store: JobStore, job: Job, lease: float, granted: float) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        renewed = await _renew_once(store, job, lease, expires=granted + lease)
+        if renewed is None:
+            return
+        granted = renewed
+        await asyncio.sleep(max(granted + lease / 3 - loop.time(), 0.0))
+
+
+async def _renew_once(store: JobStore, job: Job, lease: float, *, expires: float) -> float | None:
+    """Try until the store renews the lease: when the successful try was sent, or None when
+    the lease is lost (taken over, or the job settled by another attempt)."""
+    loop = asyncio.get_running_loop()
+    delay = _FIRST_RETRY_SECONDS
+    while True:
+        sent = loop.time()
+        left = expires - sent
+        try:
+            async with asyncio.timeout(try_bound(left)):
+                renewed = await store.renew_lease(job, lease=lease)
+        except (StoreUnavailable, TimeoutError):
+            log.warning(
+                "job %s: lease renewal failed, %.2fs of the lease left; retrying", job.id, left
+            )
+        else:
+            if not renewed:
+                log.warning("job %s: lease lost (taken over or settled elsewhere)", job.id)
+                return None
+            return sent
+        await asyncio.sleep(min(delay, lease / 10))
+        delay *= 2
+
+
+def try_bound(left: float) -> float | None:
+    """How long one renewal try may take: what is left of the lease, or only the store's own
+    timeout once too little is left to bound it usefully."""
+    return left if left >= _MIN_BOUNDED_TRY_SECONDS else None

@@ -1,17 +1,25 @@
 """The driver of a governed request's job-level machine (core/machine.py; SPEC §2.2-§2.4).
 
 The machine decides; this loop alone does its I/O: the store calls, the drain flag, the hold's
-waits and the attempts (the attempt runner, proxy/jobs/jobrun.py), feeding each result back with
+waits and the attempts (run in a task of their own by `Shield`, so that the client cannot cut
+them off; the attempt runner is proxy/jobs/jobrun.py), feeding each result back with
 `state.next(...)` until the machine answers.
+
+What the driver does is reported to one observer (`JobObserver`; STYLE: observation beside the
+path): the request's record (proxy/server/trace.py: its outcome, job and attempt for the metrics
+and the log line), the metrics, the test failpoints and, when `tracing.enabled` is set, the spans
+(proxy/tracing.py). Which of them listen is chosen once per process, so the path itself tests for
+none of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import assert_never
+from typing import TYPE_CHECKING, Any, TypeVar, assert_never
 
 from aiohttp import web
 
@@ -46,21 +54,36 @@ from idemproxy.core.machine import (
     stand,
 )
 from idemproxy.core.quota import QuotaLimits
+from idemproxy.core.resolution import Way
 from idemproxy.core.types import Claimed, ClaimResult, Job
-from idemproxy.errors import JobLost, ProblemError, StoreUnavailable
+from idemproxy.errors import JobLost, ProblemError, StoreUnavailable, UpstreamTimeout
 from idemproxy.identity.ids import new_job_id
+from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.context import ProxyContext
+from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.jobs.jobrun import run_job
-from idemproxy.proxy.jobs.observed import JobObserver, job_observer
 from idemproxy.proxy.jobs.request import GovernedRequest
-from idemproxy.proxy.jobs.shielded import Shield
 from idemproxy.proxy.jobs.unknown import UnknownJobs, next_check_of
+from idemproxy.proxy.server.capture import drop_unsent
 from idemproxy.proxy.server.fit import fitted, unfit
 from idemproxy.proxy.server.replay import SharedBodies, replay_response
+from idemproxy.proxy.server.trace import Trace
 from idemproxy.store.ports import JobStore
 
+if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
+    from idemproxy.proxy.tracing import Tracing
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+_CUT_OFF = (
+    "The proxy shut down before the upstream answered; the request may have executed. Retries "
+    "with this Idempotency-Key get 409 outcome-unknown until an operator resolves the job."
+)
+# The client's response, or None when another attempt completed the job first (jobrun.py).
+RunJob = Callable[[GovernedRequest, Claimed], Coroutine[Any, Any, web.StreamResponse | None]]
+
+
 # The states whose I/O is off the hot path (`Governor._step`).
 OffHotPath = (
     NeedLookup
@@ -135,7 +158,8 @@ class Governor:
                 lease=settings.lease,
                 passes_through=settings.on_store_error == "passthrough",
                 max_stored_body=settings.max_stored_body,
-                draining=lambda: ctx.draining,
+                # Read by a C-level call, not a lambda of ours: on every request.
+                draining=functools.partial(getattr, ctx, "draining"),
                 unsent=ctx.unsent,
                 shield=Shield(run, ctx.attempts),
                 replays=ctx.replays,
@@ -375,6 +399,122 @@ def _scope(governed: GovernedRequest, seen: Seen) -> str:
     """The owner a job is read under: the job's own in the transition (peppered or legacy,
     SPEC §5), the request's otherwise."""
     return governed.intent.owner if governed.transition is None else seen.job.owner
+
+
+class Shield:
+    """Runs a claimed job's attempts (`run_job`) in a task of their own, kept in `attempts`
+    (shutdown waits for them)."""
+
+    __slots__ = ("_attempts", "_run_job")
+
+    def __init__(self, run_job: RunJob, attempts: set[asyncio.Task[Any]]) -> None:
+        self._run_job = run_job
+        self._attempts = attempts
+
+    async def run(self, governed: GovernedRequest, claimed: Claimed) -> web.StreamResponse | None:
+        """SPEC §2: the client disconnecting must not cancel the upstream call or the
+        completion."""
+        task = asyncio.create_task(self._run_job(governed, claimed))
+        self._attempts.add(task)
+        task.add_done_callback(self._attempts.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not _cut_off_by_shutdown(task, governed.request):
+                # The client left: the attempt goes on, and its response is never sent.
+                task.add_done_callback(_drop_result)
+                raise
+        # SPEC §3.2: the drain's deadline cancelled the attempt and its job is unknown. The
+        # first client gets a 504 as for any attempt whose outcome is unknown, not a bare
+        # disconnect (unless the response had already started); retries get 409
+        # outcome-unknown.
+        raise UpstreamTimeout(_CUT_OFF)
+
+
+def _drop_result(task: asyncio.Task[web.StreamResponse | None]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        drop_unsent(task.result())
+
+
+def _cut_off_by_shutdown(
+    task: asyncio.Task[web.StreamResponse | None], request: web.Request
+) -> bool:
+    this = asyncio.current_task()
+    return (
+        task.cancelled()
+        and (this is None or not this.cancelling())
+        and request.writer.output_size == 0
+    )
+
+
+class JobObserver:
+    """The record, the metrics and the failpoints; no spans."""
+
+    __slots__ = ("_failpoints", "_metrics")
+
+    def __init__(self, metrics: Metrics, failpoints: Failpoints) -> None:
+        self._metrics = metrics
+        self._failpoints = failpoints
+
+    def claiming(self, claim: Awaitable[ClaimResult]) -> Awaitable[ClaimResult]:
+        """The claim of the key (SPEC §2.2), about to be awaited."""
+        return claim
+
+    def over_quota(self, limit: str) -> None:
+        """SPEC §9: a new job refused by `limit`, counted by limit."""
+        self._metrics.quota_refusals.labels(limit).inc()
+
+    def running(self, trace: Trace, claimed: Claimed) -> None:
+        """The request runs the job it claimed (its attempts follow)."""
+        trace.ran(claimed.job.id, claimed.attempt)
+        if self._failpoints.armed is not None:  # test-only (proxy/failpoints.py)
+            self._failpoints.hit("after_claim")
+
+    def holding(
+        self, trace: Trace, job_id: str, hold: Awaitable[tuple[T, Job | None]]
+    ) -> Awaitable[tuple[T, Job | None]]:
+        """A duplicate held on job `job_id` in flight (SPEC §2.3), about to be awaited."""
+        trace.held = True
+        return hold
+
+    def replayed(self, trace: Trace, job_id: str, status: int) -> None:
+        """The stored response of `job_id` goes out again (SPEC §7)."""
+        trace.replayed(job_id)
+
+    def resent(self, result: str) -> None:
+        """SPEC §3.6, §13: an `unknown` job sent again under the key its upstream honours, and
+        what became of it (`completed`, `unknown`, `lost`)."""
+        self._metrics.resolutions.labels(Way.UPSTREAM_KEY.value, result).inc()
+
+
+class TracedJobObserver(JobObserver):
+    """As `JobObserver`, and the spans of the claim, the hold and the replay (proxy/tracing.py)."""
+
+    __slots__ = ("_tracing",)
+
+    def __init__(self, metrics: Metrics, failpoints: Failpoints, tracing: Tracing) -> None:
+        super().__init__(metrics, failpoints)
+        self._tracing = tracing
+
+    def claiming(self, claim: Awaitable[ClaimResult]) -> Awaitable[ClaimResult]:
+        return self._tracing.claim(claim)
+
+    def holding(
+        self, trace: Trace, job_id: str, hold: Awaitable[tuple[T, Job | None]]
+    ) -> Awaitable[tuple[T, Job | None]]:
+        trace.held = True
+        return self._tracing.hold(job_id, hold)
+
+    def replayed(self, trace: Trace, job_id: str, status: int) -> None:
+        trace.replayed(job_id)
+        self._tracing.replay(job_id, status)
+
+
+def job_observer(metrics: Metrics, failpoints: Failpoints, tracing: Tracing | None) -> JobObserver:
+    """The observer of a process: with spans only when tracing is on."""
+    if tracing is None:
+        return JobObserver(metrics, failpoints)
+    return TracedJobObserver(metrics, failpoints, tracing)
 
 
 GOVERNOR = web.AppKey("idemproxy.governor", Governor)

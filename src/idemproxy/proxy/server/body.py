@@ -75,7 +75,10 @@ async def read_body(
     if content.is_eof():
         # The whole body is in aiohttp's buffer already (a small body arrives with its head):
         # nothing left to wait for, so no deadline to arm (SPEC §9) and one read takes it all.
-        return _buffered(content.read_nowait(), limit, spool_threshold)
+        data = content.read_nowait()
+        if len(data) <= limit and len(data) <= spool_threshold:  # `_buffered`'s common case
+            return RequestBody(memory=data)
+        return _buffered(data, limit, spool_threshold)
     try:
         async with asyncio.timeout(timeout):
             return await _receive(request, limit, spool_threshold)

@@ -7,8 +7,7 @@ from multidict import CIMultiDict
 
 from idemproxy.constants import ERROR_HEADER, JOB_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
 from idemproxy.core.types import StoredResponse
-from idemproxy.proxy.server.budget import ResponseBudget
-from idemproxy.proxy.server.capture import SpooledResponse, on_disk
+from idemproxy.proxy.server.capture import ResponseBudget, SpooledResponse, on_disk
 from idemproxy.proxy.server.whole import ONE_WRITE_BODY, AsSentResponse, NotifiedResponse
 
 
@@ -48,12 +47,12 @@ def _mark_replayed(headers: CIMultiDict[str], job_id: str, stored: StoredRespons
 
 class SharedBodies:
     """The large stored bodies being replayed right now, one bytes object per job, counted
-    against the response budget (proxy/server/budget.py): a thousand duplicates of an 8 MiB response
-    woken at once hold 8 MiB while they are written, not 8 GB. A body the budget has no room for
-    is written to a temporary file and its client answered from there, so that slow clients of
-    many distinct large jobs hold disk rather than memory. Each read of a job still brings its
-    own copy from the store, dropped as soon as the replay is built (the reads in flight are
-    bounded by the store's connection pool)."""
+    against the response budget (proxy/server/capture.py): a thousand duplicates of an 8 MiB
+    response woken at once hold 8 MiB while they are written, not 8 GB. A body the budget has
+    no room for is written to a temporary file and its client answered from there, so that slow
+    clients of many distinct large jobs hold disk rather than memory. Each read of a job still
+    brings its own copy from the store, dropped as soon as the replay is built (the reads in
+    flight are bounded by the store's connection pool)."""
 
     def __init__(self, budget: ResponseBudget) -> None:
         self._budget = budget

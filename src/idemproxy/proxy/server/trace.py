@@ -141,12 +141,12 @@ def record(
         return
     if not log.isEnabledFor(logging.INFO):
         return
-    fields = _fields(trace, status, elapsed, log_query)
+    kind = "passthrough" if outcome == _PASSTHROUGH else "governed"
     # What `log.info` does, minus its walk up the stack for the caller: it is always this
-    # function. The message is joined when a handler formats it, once, not here.
-    line = _Line(fields, "passthrough" if outcome == _PASSTHROUGH else "governed")
+    # function.
+    line = _RequestRecord(kind, _fields(trace, status, elapsed, log_query))
     if logging.getLogRecordFactory() is logging.LogRecord:
-        log.handle(_RequestRecord(line, fields))
+        log.handle(line)
     else:  # a factory of someone else's (OpenTelemetry's, say) must see every record
         log.handle(
             log.makeRecord(
@@ -154,11 +154,11 @@ def record(
                 logging.INFO,
                 __file__,
                 _LINE,
-                line,
+                line.msg,
                 (),
                 None,
                 "record",
-                {"fields": fields},
+                {"fields": line.fields},
             )
         )
 
@@ -168,48 +168,49 @@ def _fields(trace: Trace, status: int, elapsed: float, log_query: bool) -> dict[
     upstream = trace.upstream
     if upstream is None and route is not None and trace.outcome == _PASSTHROUGH:
         upstream = route.upstream
+    path = None
+    if request is not None:
+        url = request.rel_url
+        path, query = url.raw_path, url.raw_query_string
+        if log_query and query:
+            path = f"{path}?{redact_query(query)}"
+    # SPEC §5: a prefix of the owner hash, enough to correlate, not enough to identify. A
+    # webhook sender's scope is a configured name, not a credential: shown whole (SPEC §4.2).
+    if owner and owner != ANONYMOUS_OWNER and not owner.startswith(WEBHOOK_OWNER_PREFIX):
+        owner = owner[:_OWNER_PREFIX]
     return {
         "outcome": trace.outcome,
         "status": status,
         "method": None if request is None else request.method,
-        "path": None if request is None else _path(request, log_query),
+        "path": path,
         "route": None if route is None else route.prefix,
         "upstream": None if upstream is None else upstream_origin(upstream),
         "job": trace.job_id,
         "attempt": trace.attempt,
-        "owner": _owner(owner) if owner else None,
+        "owner": owner or None,
         "ms": round(elapsed * 1000, 2),
         "reason": trace.reason if status >= _FAILED_STATUS else None,
     }
-
-
-def _path(request: web.BaseRequest, log_query: bool) -> str:
-    url = request.rel_url
-    query = url.raw_query_string
-    if not log_query or not query:
-        return url.raw_path
-    return f"{url.raw_path}?{redact_query(query)}"
-
-
-def _owner(owner: str) -> str:
-    """A prefix of the owner hash: enough to correlate, not enough to identify (SPEC §5). A
-    webhook sender's scope is a configured name, not a credential: shown whole (SPEC §4.2)."""
-    if owner == ANONYMOUS_OWNER or owner.startswith(WEBHOOK_OWNER_PREFIX):
-        return owner
-    return owner[:_OWNER_PREFIX]
 
 
 class _RequestRecord(logging.LogRecord):
     """The record `log.makeRecord` would make for `record`'s line, with what is the same for
     every request (logger, level, file, module, function) worked out once rather than per line:
     `LogRecord.__init__` takes the file's base name and extension apart on every call (12,700
-    of the line's 76,000 instructions, bench/compare)."""
+    of the line's 76,000 instructions, bench/compare). Its message is the plain line,
+    `governed outcome=new status=201 …` (docs/operations.md, Logs), joined once here for
+    every handler's formatter."""
 
-    def __init__(self, message: _Line, fields: dict[str, object]) -> None:
+    def __init__(self, kind: str, fields: dict[str, object]) -> None:
         # LogRecord.__init__ is not called: every attribute it sets is set here.
         now = time.time()
         self.__dict__.update(_CONSTANT)
-        self.msg = message
+        # A loop rather than a comprehension: on Python 3.11 that is a call of its own.
+        pairs = [kind]
+        for name, value in fields.items():
+            if value is not None:
+                pairs.append(f"{name}={value}")
+        self.msg = " ".join(pairs)
         self.fields = fields
         self.created = now
         self.msecs = int((now - int(now)) * 1000) + 0.0  # as LogRecord does (gh-89047)
@@ -220,23 +221,6 @@ class _RequestRecord(logging.LogRecord):
             self.processName = "MainProcess"
         if logging.logProcesses:
             self.process = os.getpid()
-
-
-class _Line:
-    """The plain message, `governed outcome=new status=201 …` (docs/operations.md, Logs)."""
-
-    __slots__ = ("_fields", "_kind", "_text")
-
-    def __init__(self, fields: dict[str, object], kind: str) -> None:
-        self._fields = fields
-        self._kind = kind
-        self._text: str | None = None
-
-    def __str__(self) -> str:
-        if self._text is None:  # every handler's formatter asks for it
-            pairs = [f"{name}={value}" for name, value in self._fields.items() if value is not None]
-            self._text = f"{self._kind} " + " ".join(pairs)
-        return self._text
 
 
 # The records' line number: `record`'s own (its name and file are given with it).

@@ -7,24 +7,24 @@ head is written here (`request_head`), where its one caller is.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
 
 from yarl import URL
 
 from idemproxy.core.attempts import Failure
 from idemproxy.proxy.upstream.dial import Dialing
 from idemproxy.proxy.upstream.h1 import (
-    ONE_WRITE,
-    Connection,
+    NO_HOOKS,
     ConnectionPool,
+    Exchange,
+    Link,
     Origin,
+    StreamedBody,
     UpstreamFailure,
+    UpstreamHooks,
     UpstreamResponse,
-    send_stream,
 )
 
 __all__ = ["UpstreamClient", "UpstreamFailure", "UpstreamHooks", "UpstreamResponse"]
@@ -36,36 +36,6 @@ _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
 _FRAMING = frozenset({"host", "content-length", "transfer-encoding"})
 
 
-@dataclass(frozen=True, slots=True)
-class UpstreamHooks:
-    """What the client reports to the rest of the process."""
-
-    # Test-only (proxy/failpoints.py): called once a request's bytes are on the wire.
-    on_sent: Callable[[], None] | None = None
-    # on_headers_dropped(n): n fields of a response head were left out (SPEC §10).
-    on_headers_dropped: Callable[[int], None] | None = None
-
-
-_NO_HOOKS = UpstreamHooks()
-
-
-@dataclass(frozen=True, slots=True)
-class _Link:
-    """What every exchange of an open client shares."""
-
-    pool: ConnectionPool
-    connect_timeout: float
-    hooks: UpstreamHooks
-
-
-class _StreamedBody(NamedTuple):
-    """A request body sent as it comes: with its declared length, or chunked (`length` None,
-    as framing_for chose)."""
-
-    chunks: AsyncIterable[bytes]
-    length: int | None
-
-
 class UpstreamClient:
     def __init__(
         self,
@@ -74,7 +44,7 @@ class UpstreamClient:
         connect_timeout: float,
         connections: int,
         keepalive: float,
-        hooks: UpstreamHooks = _NO_HOOKS,
+        hooks: UpstreamHooks = NO_HOOKS,
         dialing: Dialing | None = None,
     ) -> None:
         """`dialing`: TLS and egress proxies per origin (`Dialing.from_settings`); by default
@@ -85,14 +55,14 @@ class UpstreamClient:
         self._connections = connections
         self._keepalive = keepalive
         self._hooks = hooks
-        self._link: _Link | None = None
+        self._link: Link | None = None
         self._origins: dict[tuple[str | None, str | None, int | None], tuple[Origin, str]] = {}
 
     async def open(self) -> None:
         pool = ConnectionPool(
             limit=self._connections, keepalive=self._keepalive, dialer=self._dialing.dialer
         )
-        self._link = _Link(pool, self._connect_timeout, self._hooks)
+        self._link = Link(pool, self._connect_timeout, self._hooks)
 
     async def close(self) -> None:
         if self._link is not None:
@@ -117,13 +87,16 @@ class UpstreamClient:
             raise RuntimeError("UpstreamClient.open() was not called")
         found = self._origins.get((url.scheme, url.raw_host, url.port))
         origin, authority = self._origin(url) if found is None else found
-        framing = framing_for(method, body, content_length)
+        if isinstance(body, bytes | bytearray) and (body or method not in _NO_BODY_METHODS):
+            framing = f"Content-Length: {len(body)}\r\n"  # `framing_for`'s common case
+        else:
+            framing = framing_for(method, body, content_length)
         host = headers.get("Host") or authority
         head = request_head(method, url.raw_path_qs, host, headers, framing)
         wait = self._timeout if timeout is None else timeout
         if body is None or isinstance(body, bytes | bytearray):
             return Exchange(self._link, origin, method, head, body, wait)
-        return Exchange(self._link, origin, method, head, _StreamedBody(body, content_length), wait)
+        return Exchange(self._link, origin, method, head, StreamedBody(body, content_length), wait)
 
     def _origin(self, url: URL) -> tuple[Origin, str]:
         """(host, port, TLS) and the Host header for an upstream URL, the first time; `request`
@@ -157,105 +130,6 @@ class UpstreamClient:
     async def iter_body(response: UpstreamResponse) -> AsyncIterator[bytes]:
         while chunk := await response.read_chunk():
             yield chunk
-
-
-class Exchange:
-    """One request and its response on a pooled connection (`UpstreamClient.request`). A class
-    rather than a generator context manager: it runs for every request, and a generator's frame
-    and its `asynccontextmanager` wrapper cost more than the two methods."""
-
-    __slots__ = (
-        "_body",
-        "_connection",
-        "_head",
-        "_link",
-        "_method",
-        "_origin",
-        "_sender",
-        "_timeout",
-    )
-
-    def __init__(
-        self,
-        link: _Link,
-        origin: Origin,
-        method: str,
-        head: bytes,
-        body: bytes | _StreamedBody | None,
-        timeout: float,
-    ) -> None:
-        self._link = link
-        self._timeout = timeout
-        self._origin = origin
-        self._method = method
-        self._head = head
-        self._body = body
-        self._connection: Connection | None = None
-        self._sender: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> UpstreamResponse:
-        link = self._link
-        connection = await link.pool.acquire(self._origin, link.connect_timeout)
-        self._connection = connection
-        exchange = UpstreamResponse(connection, self._method, self._timeout)
-        connection.exchange = exchange
-        body = self._body
-        try:
-            if body is None or isinstance(body, bytes | bytearray):
-                whole = bytes(body or b"")
-                if len(whole) <= ONE_WRITE:
-                    connection.write(self._head + whole)
-                else:
-                    connection.writelines((self._head, whole))
-                exchange.request_sent = True
-                if link.hooks.on_sent is not None:
-                    connection.loop.call_soon(link.hooks.on_sent)
-            else:
-                connection.write(self._head)
-                self._sender = asyncio.create_task(
-                    send_stream(
-                        connection,
-                        exchange,
-                        body.chunks,
-                        content_length=body.length,
-                        on_sent=link.hooks.on_sent,
-                    )
-                )
-            await exchange.wait_head()
-        except BaseException as exc:
-            self._finish()
-            if isinstance(exc, ConnectionError | OSError):
-                raise UpstreamFailure(Failure.BROKEN, f"upstream connection broke: {exc}") from exc
-            raise
-        if exchange.dropped_headers:
-            self._report_dropped(exchange.dropped_headers)
-        return exchange
-
-    def _report_dropped(self, names: list[str]) -> None:
-        host, port, _ = self._origin
-        # Names only: a value may be anything, and is what made the field invalid.
-        log.warning(
-            "upstream %s:%d sent a control character in header(s) %s: left out (SPEC §10)",
-            host,
-            port,
-            ", ".join(names),
-        )
-        on_dropped = self._link.hooks.on_headers_dropped
-        if on_dropped is not None:
-            on_dropped(len(names))
-
-    async def __aexit__(self, *_exc: object) -> None:
-        self._finish()
-
-    def _finish(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is None:
-            return
-        sender = self._sender
-        if sender is not None and not sender.done():
-            sender.cancel()  # answered before the whole body was sent: not reusable
-            connection.abort()
-        self._link.pool.release(self._origin, connection)
 
 
 def request_head(method: str, target: str, host: str, headers: Any, framing: str) -> bytes:

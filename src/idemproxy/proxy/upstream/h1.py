@@ -19,18 +19,22 @@ import asyncio
 import collections
 import contextlib
 import enum
+import logging
 import re
 import select
 import ssl
 import time
 from collections.abc import AsyncIterable, Callable, Iterable
-from typing import Protocol, cast
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, cast
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from idemproxy.core.attempts import Failure
 from idemproxy.http.deadline import Deadline
+
+log = logging.getLogger(__name__)
 
 # Flow control of a streamed response body: stop reading the upstream above HIGH buffered
 # bytes, resume below LOW (as aiohttp's StreamReader does with its 64 KiB limit x 2).
@@ -61,6 +65,36 @@ _HANDSHAKE_ALERTS = frozenset(
         "SSLV3_ALERT_HANDSHAKE_FAILURE",
     }
 )
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamHooks:
+    """What the client reports to the rest of the process."""
+
+    # Test-only (proxy/failpoints.py): called once a request's bytes are on the wire.
+    on_sent: Callable[[], None] | None = None
+    # on_headers_dropped(n): n fields of a response head were left out (SPEC §10).
+    on_headers_dropped: Callable[[int], None] | None = None
+
+
+NO_HOOKS = UpstreamHooks()
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """What every exchange of an open client shares."""
+
+    pool: ConnectionPool
+    connect_timeout: float
+    hooks: UpstreamHooks
+
+
+class StreamedBody(NamedTuple):
+    """A request body sent as it comes: with its declared length, or chunked (`length` None,
+    as client.py's `framing_for` chose)."""
+
+    chunks: AsyncIterable[bytes]
+    length: int | None
 
 
 class UpstreamFailure(Exception):
@@ -123,8 +157,19 @@ class UpstreamResponse:
     # --- reading, for the proxy -------------------------------------------------------------
 
     async def wait_head(self) -> None:
+        # `_wait`, in place: nearly every head comes in one read, so this waits once.
         while self.stage is _Stage.HEAD:
-            await self._wait("upstream timed out")
+            if self._error is not None:
+                raise self._error
+            waiter = self._waiter = self._loop.create_future()
+            self._waiting_for = "upstream timed out"
+            deadline = self._connection.deadline
+            deadline.start(self._timeout)
+            try:
+                await waiter
+            finally:
+                deadline.stop()
+                self._waiter = None
 
     async def read_chunk(self) -> bytes:
         """The next piece of the body; b"" once it is complete."""
@@ -266,7 +311,13 @@ class UpstreamResponse:
         if self._interim:
             self._interim = False
             return
-        self._done()
+        # `_done`, in place: every exchange ends here.
+        if self.stage is not _Stage.DONE:
+            self.stage = _Stage.DONE
+            self.finished_at = time.perf_counter()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _done(self) -> None:
         if self.stage is not _Stage.DONE:
@@ -430,18 +481,6 @@ class Connection(asyncio.Protocol):
         """No exchange ran on this connection before the current one (it never idled)."""
         return self.idle_since == 0.0
 
-    @property
-    def reusable(self) -> bool:
-        exchange = self.exchange
-        return (
-            not self.closed
-            and exchange is not None
-            and exchange.stage is _Stage.DONE
-            and exchange.request_sent
-            and exchange.method != "HEAD"  # llhttp would wait for the body HEAD announced
-            and self.keep_alive
-        )
-
 
 Origin = tuple[str, int, bool]  # host, port, TLS
 
@@ -499,7 +538,18 @@ class ConnectionPool:
             raise UpstreamFailure(Failure.CONNECT, f"connect failed: {exc}") from exc
 
     def release(self, origin: Origin, connection: Connection) -> None:
-        if connection.reusable and not self._closing:
+        exchange = connection.exchange
+        # Kept for the next exchange only after a whole answer to a whole request, on a
+        # connection both sides keep alive.
+        reusable = (
+            not connection.closed
+            and exchange is not None
+            and exchange.stage is _Stage.DONE
+            and exchange.request_sent
+            and exchange.method != "HEAD"  # llhttp would wait for the body HEAD announced
+            and connection.keep_alive
+        )
+        if reusable and not self._closing:
             connection.exchange = None
             connection.idle_since = asyncio.get_running_loop().time()
             self._idle.setdefault(origin, []).append(connection)
@@ -564,6 +614,104 @@ class ConnectionPool:
             if not waiter.done():
                 waiter.set_result(None)
                 return
+
+
+class Exchange:
+    """One request and its response on a pooled connection, as `UpstreamClient.request`
+    (proxy/upstream/client.py) prepared it. A class rather than a generator context manager: it
+    runs for every request, and a generator's frame and its `asynccontextmanager` wrapper cost
+    more than the two methods."""
+
+    __slots__ = (
+        "_body",
+        "_connection",
+        "_head",
+        "_link",
+        "_method",
+        "_origin",
+        "_sender",
+        "_timeout",
+    )
+
+    def __init__(
+        self,
+        link: Link,
+        origin: Origin,
+        method: str,
+        head: bytes,
+        body: bytes | StreamedBody | None,
+        timeout: float,
+    ) -> None:
+        self._link = link
+        self._timeout = timeout
+        self._origin = origin
+        self._method = method
+        self._head = head
+        self._body = body
+        self._connection: Connection | None = None
+        self._sender: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        link = self._link
+        connection = await link.pool.acquire(self._origin, link.connect_timeout)
+        self._connection = connection
+        exchange = UpstreamResponse(connection, self._method, self._timeout)
+        connection.exchange = exchange
+        body = self._body
+        try:
+            if body is None or isinstance(body, bytes | bytearray):
+                whole = bytes(body or b"")
+                if len(whole) <= ONE_WRITE:
+                    connection.write(self._head + whole)
+                else:
+                    connection.writelines((self._head, whole))
+                exchange.request_sent = True
+                if link.hooks.on_sent is not None:
+                    connection.loop.call_soon(link.hooks.on_sent)
+            else:
+                connection.write(self._head)
+                self._sender = asyncio.create_task(
+                    send_stream(
+                        connection,
+                        exchange,
+                        body.chunks,
+                        content_length=body.length,
+                        on_sent=link.hooks.on_sent,
+                    )
+                )
+            await exchange.wait_head()
+        except BaseException as exc:
+            await self.__aexit__()
+            if isinstance(exc, ConnectionError | OSError):
+                raise UpstreamFailure(Failure.BROKEN, f"upstream connection broke: {exc}") from exc
+            raise
+        if exchange.dropped_headers:
+            self._report_dropped(exchange.dropped_headers)
+        return exchange
+
+    def _report_dropped(self, names: list[str]) -> None:
+        host, port, _ = self._origin
+        # Names only: a value may be anything, and is what made the field invalid.
+        log.warning(
+            "upstream %s:%d sent a control character in header(s) %s: left out (SPEC §10)",
+            host,
+            port,
+            ", ".join(names),
+        )
+        on_dropped = self._link.hooks.on_headers_dropped
+        if on_dropped is not None:
+            on_dropped(len(names))
+
+    async def __aexit__(self, *_exc: object) -> None:
+        """The connection goes back to the pool, or is closed when it cannot serve again."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        sender = self._sender
+        if sender is not None and not sender.done():
+            sender.cancel()  # answered before the whole body was sent: not reusable
+            connection.abort()
+        self._link.pool.release(self._origin, connection)
 
 
 async def send_stream(

@@ -45,57 +45,23 @@ class HeaderEdits:
 Edits = tuple[HeaderEdits, ...]  # in the order they apply: the route's, then the upstream's
 
 
-def upstream_url(upstream: str, request: web.Request) -> URL:
-    """SPEC §10: the client's request target goes on byte for byte, no normalisation and no
-    re-encoding. Callers must pass this URL object on as it is: str() of it is re-parsed and
-    re-quoted by aiohttp (%2F -> /)."""
-    target = request.raw_path
-    # Origin-form (`/…`, nearly every request) is decided on its first character, here.
-    absolute = None if target.startswith("/") else split_absolute_form(target)
-    if absolute is not None:
-        # RFC 9112 §3.2.2: absolute-form ("POST http://host/p"). Its path and query go on as
-        # sent, in origin-form; glued to the upstream URL whole it made an invalid one.
-        target = absolute[2]
-    return URL(upstream + target, encoded=True)
-
-
-def client_host(request: web.Request) -> str | None:
-    """The Host the client sent, byte for byte; an absolute-form target's authority when an
-    HTTP/1.0 client sent no Host (the handler refused one that disagrees with Host, and an
-    HTTP/1.1 request without Host never gets here: aiohttp answers it 400)."""
-    host = request.headers.get(hdrs.HOST)
-    if host is None:
-        absolute = split_absolute_form(request.raw_path)
-        if absolute is not None:
-            return absolute[1]
-    return host
-
-
-def outgoing_host(forward_host: str, upstream: str, request: web.Request) -> str | None:
-    """SPEC §10 `forward_host`: the Host the upstream receives; None for the upstream URL's own
-    authority (`upstream`, or `client` when the client sent none). `auto` is `client` for an
-    http:// upstream (the drop-in and sidecar shapes: the backend sees what the client sent)
-    and `upstream` for an https:// one: TLS to a named host, whose SNI and certificate name the
-    upstream, and whose CDN answers 421 or 403 to a Host that does not name it."""
-    if forward_host == "auto":
-        forward_host = "upstream" if upstream.startswith("https://") else "client"
-    if forward_host == "client":
-        host = request.headers.get(hdrs.HOST)  # `client_host`'s common case, in place
-        return host if host is not None else client_host(request)
-    if forward_host == "upstream":
-        return None
-    return forward_host
-
-
-def forwarded_headers(
+def outgoing(
     request: web.Request,
+    upstream: str,
+    forward_host: str,
+    edits: Edits,
     trusted_proxies: Sequence[Network],
-    edits: Edits = (),
-    *,
-    host: str | None = None,
-) -> CIMultiDict[str]:
-    """The headers sent upstream; `host` (`outgoing_host`) is the Host among them, which the
-    upstream client sends in its place (None: the upstream URL's authority)."""
+) -> tuple[URL, CIMultiDict[str]]:
+    """The URL and the headers the client's request is sent upstream with (SPEC §10).
+
+    The request target goes on byte for byte, no normalisation and no re-encoding: callers
+    must pass the URL object on as it is (str() of it is re-parsed and re-quoted by aiohttp,
+    %2F -> /). The headers are the client's as `request_headers_for_upstream` forwards them,
+    then the route's and the upstream's `edits`, the Host `forward_host` says (none for the
+    upstream URL's own authority: the upstream client sends that) and the request id."""
+    target = request.raw_path
+    if not target.startswith("/"):  # origin-form (`/…`, nearly every request): as it is
+        target = _origin_form(target)
     peer = request.remote
     host_sent = request.headers.get(hdrs.HOST)  # `client_host`'s common case, in place
     if host_sent is None:
@@ -110,10 +76,38 @@ def forwarded_headers(
     )
     for edit in edits:  # none sets or removes Host (config/upstream.py, PROXY_HEADERS)
         edit.apply(headers)
-    if host is not None:
-        headers[hdrs.HOST] = host
+    # `forward_host`: `auto` is `client` for an http:// upstream (the drop-in and sidecar
+    # shapes: the backend sees what the client sent) and `upstream` for an https:// one: TLS to
+    # a named host, whose SNI and certificate name the upstream, and whose CDN answers 421 or
+    # 403 to a Host that does not name it.
+    if forward_host == "auto":
+        forward_host = "upstream" if upstream.startswith("https://") else "client"
+    if forward_host == "client":
+        if host_sent is not None:  # else the upstream URL's authority
+            headers[hdrs.HOST] = host_sent
+    elif forward_host != "upstream":
+        headers[hdrs.HOST] = forward_host
     stamp(headers)  # after the edits: a route cannot unset the id the logs are joined by
-    return headers
+    return URL(upstream + target, encoded=True), headers
+
+
+def _origin_form(target: str) -> str:
+    """RFC 9112 §3.2.2: an absolute-form target's path and query ("POST http://host/p"), sent
+    in origin-form; glued to the upstream URL whole it made an invalid one."""
+    absolute = split_absolute_form(target)
+    return target if absolute is None else absolute[2]
+
+
+def client_host(request: web.Request) -> str | None:
+    """The Host the client sent, byte for byte; an absolute-form target's authority when an
+    HTTP/1.0 client sent no Host (the handler refused one that disagrees with Host, and an
+    HTTP/1.1 request without Host never gets here: aiohttp answers it 400)."""
+    host = request.headers.get(hdrs.HOST)
+    if host is None:
+        absolute = split_absolute_form(request.raw_path)
+        if absolute is not None:
+            return absolute[1]
+    return host
 
 
 def is_trusted(peer: str | None, networks: Sequence[Network]) -> bool:

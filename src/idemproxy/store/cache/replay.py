@@ -56,30 +56,21 @@ class ReplayCache(JobLayer):
     async def complete_in_store(
         self, job: Job, attempt: int, response: KeptResponse, *, ttl: float
     ) -> tuple[Job, float] | None:
-        """The inner store's completion; when it won, the job as it wrote it and the seconds it
-        may be kept (measured from before the store call, whose `now() + ttl` comes later: an
-        entry never outlives its job). A completion lost or failed keeps nothing of the job."""
+        """The inner store's completion; when it won, the job as it wrote it (queries.sql
+        `complete`) and the seconds it may be kept (measured from before the store call, whose
+        `now() + ttl` comes later: an entry never outlives its job). A completion lost or failed
+        keeps nothing of the job."""
         started, now = time.monotonic(), time.time()
         won = False
         try:
             won = await self.inner.complete(job, attempt, response, ttl=ttl)
         finally:
-            if not won:
-                self._hedged.pop((job.id, job.version), None)
+            hedged = self._hedged.pop((job.id, job.version), 0) if self._hedged else 0
         if not won:
             return None
-        done = self._completed_job(job, attempt, response, expires_at=now + ttl)
-        return done, ttl - (time.monotonic() - started)
-
-    def _completed_job(
-        self, job: Job, attempt: int, response: KeptResponse, *, expires_at: float
-    ) -> Job:
-        """The job as the completion by `attempt` that just won wrote it (queries.sql
-        `complete`); `expires_at` a time.time() no later than the store's."""
-        hedged = self._hedged.pop((job.id, job.version), 0) if self._hedged else 0
         # Positional, not `job._replace(...)`: a third of the time, on every new key.
         (job_id, owner, key, fingerprint, _, version, count, method, path) = job[:9]
-        return Job(
+        done = Job(
             job_id,
             owner,
             key,
@@ -93,12 +84,13 @@ class ReplayCache(JobLayer):
             response,
             job.created_at,
             job.updated_at,
-            datetime.fromtimestamp(expires_at, tz=UTC),
+            datetime.fromtimestamp(now + ttl, tz=UTC),
             False,
             False,
             job.resolution,
             job.attempts,
         )
+        return done, ttl - (time.monotonic() - started)
 
 
 def body_bytes(response: KeptResponse) -> int:

@@ -246,7 +246,17 @@ class PostgresStore(Store):
         self, intent: Intent, job_id: str, upstream: str, *, ttl: float, lease: float
     ) -> ClaimResult:
         request = ClaimRequest(intent, job_id, upstream, float(ttl), float(lease), time.monotonic())
-        return await self._timed("claim", self.claims.submit(request))
+        # Timed as a whole for the metrics (SPEC §13), batch and all; it failed if it raised
+        # StoreUnavailable. In place, as in `complete`: every new key makes both.
+        started, failed = time.perf_counter(), False
+        try:
+            return await self.claims.submit(request)
+        except StoreUnavailable:
+            failed = True
+            raise
+        finally:
+            if self.observer is not None:
+                self.observer("claim", time.perf_counter() - started, failed)
 
     async def _claim_batch(self, batch: list[ClaimRequest]) -> Sequence[Outcome[ClaimResult]]:
         """`claims`' statement: a lone claim alone, several in one `claim_batch`. On Citus each
@@ -292,12 +302,15 @@ class PostgresStore(Store):
         )
         ttl, upstream, lease = request.ttl, request.upstream, request.lease
         job = (*args, ttl, lease)  # the distributed form's
+        claim_sql = self._sql["claim"]
         for _ in range(_CLAIM_RETRIES):
             row: ClaimRow | None
             if self.citus is None:
-                row = await self._fetchrow(
-                    "claim", *args, ttl, upstream, lease, observe=False, timeout=timeout
+                # `_fetchrow`, written out: one call less on every claim.
+                fetch = operator.methodcaller(
+                    "fetchrow", claim_sql, *args, ttl, upstream, lease, timeout=timeout
                 )
+                row = await self._run("claim", fetch, False)
             else:
                 row = await self._run(
                     "claim", lambda c: claim_distributed(c, self._sql, job, upstream), False
@@ -367,7 +380,15 @@ class PostgresStore(Store):
 
     async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
         request = CompleteRequest(job, attempt, response, ttl, time.monotonic())
-        return await self._timed("complete", self.completions.submit(request))
+        started, failed = time.perf_counter(), False  # timed as `claim` is
+        try:
+            return await self.completions.submit(request)
+        except StoreUnavailable:
+            failed = True
+            raise
+        finally:
+            if self.observer is not None:
+                self.observer("complete", time.perf_counter() - started, failed)
 
     async def _complete_batch(self, batch: list[CompleteRequest]) -> Sequence[Outcome[bool]]:
         """`completions`' statement: a lone one alone; several as one pipeline of `complete`,
@@ -419,8 +440,10 @@ class PostgresStore(Store):
         headers, body, key_id, omitted = response_columns(response)
         # `_time_left`, written out: one call less on every claim and completion.
         timeout = max(request.submitted + self._command_timeout - time.monotonic(), _LEAST_TIMEOUT)
-        row = await self._fetchrow(
-            "complete",
+        # `_fetchrow`, written out: one call less on every completion.
+        fetch = operator.methodcaller(
+            "fetchrow",
+            self._sql["complete"],
             job.owner,
             job.id,
             job.version,
@@ -433,9 +456,9 @@ class PostgresStore(Store):
             self._late_bytes,
             key_id,
             job.key,
-            observe=False,
             timeout=timeout,
         )
+        row = await self._run("complete", fetch, False)
         if self.citus is None:
             return row is not None
         return await self._announced(job, row, watched_only=True)
@@ -730,21 +753,6 @@ class PostgresStore(Store):
         """Half of what is left to its most urgent row: a batch held up (by a lock on one of
         its rows, a slow server) leaves its rows the other half to be retried alone."""
         return max(min(self._time_left(r.submitted) for r in batch) / 2, _LEAST_TIMEOUT)
-
-    async def _timed(self, what: str, write: Awaitable[T]) -> T:
-        """`write` timed as a whole for the metrics (SPEC §13), as `observed` times a block; it
-        failed if it raised StoreUnavailable. One frame in this file, rather than the context
-        manager's four in base.py, on every claim and completion."""
-        started = time.perf_counter()
-        failed = False
-        try:
-            return await write
-        except StoreUnavailable:
-            failed = True
-            raise
-        finally:
-            if self.observer is not None:
-                self.observer(what, time.perf_counter() - started, failed)
 
     async def _execute(self, name: str, *args: Any) -> str:
         return await self._run(name, lambda c: c.execute(self._sql[name], *args))
