@@ -1,20 +1,23 @@
 """How long PostgreSQL takes over the statements of one new key, beside the yardstick's two.
 
 The minimal proxy (minimal_proxy.py) spends one `INSERT … ON CONFLICT DO NOTHING` and one
-`UPDATE` on a new key; idemproxy spends `claim` and `complete` (queries.sql). This script runs
-the four, prepared (as asyncpg runs them in the proxy), one at a time on one connection, in a
-throwaway database of the server the DSN names, interleaved key by key (yardstick INSERT, claim,
-yardstick UPDATE, complete), so that both sides see the same server at the same moment. Each is
-timed from the client (a round trip on a local socket: the statement's execution and its
-commit, plus the protocol, which is the same for all four). Rounds of fresh keys after a
-warm-up; the median of each round, and the median of the rounds' medians, in µs.
+`UPDATE` on a new key; idemproxy spends `claim` and its completion (queries.sql: `complete_sole`
+where there is one, else `complete`, as the store sends them). This script runs the four,
+prepared (as asyncpg runs them in the proxy), one at a time on one connection, in a throwaway
+database of the server the DSN names, interleaved key by key (yardstick INSERT, claim, yardstick
+UPDATE, completion), so that both sides see the same server at the same moment. Each is timed
+from the client (a round trip on a local socket: the statement's execution and its commit, plus
+the protocol, which is the same for all four). Rounds of fresh keys after a warm-up; the median
+of each round, and the median of the rounds' medians, in µs.
 
-`--batch N` also times `claim_batch` and `complete_batch` over N keys at a time (the group
-commit's forms). `--preload N` first bulk-loads N completed jobs of the same owner, never
-analyzed (a loaded store). `--fsync` keeps `synchronous_commit` on (the proxy's setting): the
-commit's flush then dominates both sides alike. `--queries FILE` times another queries.sql
-(e.g. `git show REV:src/idemproxy/store/sql/postgres/queries.sql`), on the current schema.
-`--explain` prints `EXPLAIN (ANALYZE, BUFFERS)` of each statement for one more new key.
+`--queries LABEL=FILE ...` times the claim and completion of several queries.sql files (e.g.
+`git show REV:src/idemproxy/store/sql/postgres/queries.sql`) on the current schema, each key
+through every one of them in a different order (the statement right after the yardstick's took
+longer, whatever it was). `--batch N` also times `claim_batch` and `complete_batch` over N keys
+at a time (the group commit's forms). `--preload N` first bulk-loads N completed jobs of the
+same owner, never analyzed (a loaded store). `--fsync` keeps `synchronous_commit` on (the
+proxy's setting): the commit's flush then adds to both sides alike. `--explain` prints
+`EXPLAIN (ANALYZE, BUFFERS)` of each statement for one more new key.
 docs/benchmarks.md, "What one new key's statements take".
 
     .venv/bin/python bench/statement_time.py [--rounds 3] [--keys 1500] [--batch 16]
