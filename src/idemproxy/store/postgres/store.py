@@ -394,16 +394,17 @@ class PostgresStore(Store):
     async def _complete_alone(self, request: CompleteRequest) -> bool:
         job, response = request.job, request.response
         headers, body, key_id, omitted = response_columns(response)
-        cas = (job.owner, job.id, job.version, request.attempt, response.status, headers, body)
-        terms = (*cas, omitted, float(request.ttl))
+        # $1-$9 of both statements (queries.sql `complete`, `complete_sole`).
+        owner, status, ttl = job.owner, response.status, float(request.ttl)
+        shared = (owner, job.id, job.version, request.attempt, status, headers, body, omitted, ttl)
         row = None
         if job.attempt_count == 1:
             # A job of one attempt that wins (every new key's) needs none of what `complete`
             # does for a loser or for the job's other attempts (queries.sql `complete_sole`).
-            sole = (*terms, key_id, job.key)
+            sole = (*shared, key_id, job.key)
             row = await self._complete_row("complete_sole", sole, request.submitted)
         if row is None:
-            args = (*terms, self._late_bytes, key_id, job.key)
+            args = (*shared, self._late_bytes, key_id, job.key)
             row = await self._complete_row("complete", args, request.submitted)
         if self.citus is None:
             return row is not None
