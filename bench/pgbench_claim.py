@@ -1,9 +1,9 @@
 """The database's own limit for one claim plus one completion per request, with pgbench.
 
 The script is generated from the proxy's own SQL (idemproxy/store/sql/postgres/queries.sql,
-sections `claim` and `complete`), so it stays what the proxy sends: the claim (one INSERT … ON
-CONFLICT of the job and its first attempt, in one statement) and the completion (the
-compare-and-swap UPDATE of the job and its attempt, with the stored response), each its own
+sections `claim` and `complete_sole`), so it stays what the proxy sends for a new key: the claim
+(one INSERT … ON CONFLICT of the job and its first attempt, in one statement) and the completion
+(the compare-and-swap UPDATE of the job and its attempt, with the stored response), each its own
 transaction as with the proxy's pool, prepared (`-M prepared`, as asyncpg does), on the
 idemproxy schema in a throwaway database. The only differences: the job id is the server's
 `gen_random_uuid()` instead of a parameter (pgbench variables cannot hold a UUID), and the key is
@@ -17,7 +17,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from idemproxy.constants import DEFAULT_MAX_STORED_BODY
 from idemproxy.store.queries import load_queries
 
 _PARAM = re.compile(r"\$(\d+)\b")
@@ -32,9 +31,9 @@ _CLAIM_ARGS = (
     ":upstream",
     ":lease",
 )
-# The tenth bounds the late bodies kept per job (SPEC §3.3; a winning completion keeps none); the
-# eleventh is the key a sealed response is sealed with (SPEC §11), none: the benchmark stores in
-# clear; the last is the job's key (its claim's, `:key` as the claim binds it).
+# `complete_sole`, the completion the store sends for a new key (a job of one attempt). The tenth
+# is the key a sealed response is sealed with (SPEC §11), none: the benchmark stores in clear;
+# the last is the job's key (its claim's, `:key` as the claim binds it).
 _COMPLETE_ARGS = (
     ":owner",
     ":id",
@@ -45,7 +44,6 @@ _COMPLETE_ARGS = (
     ":body",
     "false",
     ":ttl",
-    ":late_bytes",
     "NULL",
     ":key",
 )
@@ -63,7 +61,7 @@ def write_script(path: Path) -> Path:
         "\\set key random(1, 9000000000000000000)\n"
         f"{_bind(queries['claim'], _CLAIM_ARGS)}\n"
         "\\gset\n"
-        f"{_bind(queries['complete'], _COMPLETE_ARGS)};\n"
+        f"{_bind(queries['complete_sole'], _COMPLETE_ARGS)};\n"
     )
     return path
 
@@ -83,7 +81,6 @@ def variables(path: str) -> dict[str, str]:
         "status": "201",
         "headers": headers,
         "body": "\\x" + response.encode().hex(),
-        "late_bytes": str(DEFAULT_MAX_STORED_BODY),
     }
 
 

@@ -29,7 +29,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 CASES = {
     "claim": (False, "released"),  # nothing forwarded: the proxy releases it (unsent.py)
     "settle": (True, "released"),  # refused, released: the settle itself committed
-    "complete": (False, "completed"),  # executed and stored: the retry replays it
+    # A new key's completion: executed and stored, the retry replays it.
+    "complete_sole": (False, "completed"),
 }
 
 

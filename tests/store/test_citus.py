@@ -37,6 +37,7 @@ _ARGS: dict[str, tuple[Any, ...]] = {
     "get_job": ("alice", "k"),
     "watch_job": ("alice", "k"),
     "complete": ("alice", JOB, 1, 1, 201, "[]", b"x", False, 60.0, 1024, None, "k"),
+    "complete_sole": ("alice", JOB, 1, 1, 201, "[]", b"x", False, 60.0, None, "k"),
     "settle": ("alice", JOB, 1, 1, "released", "failed", 503, "e", "k"),
     "finish_attempt": ("alice", JOB, 1, "failed", 503, "e"),
     "start_next_attempt": ("alice", JOB, 1, "primary", 30.0, JOB),

@@ -25,6 +25,7 @@ POSTGRES_HOT_PATH = (
     "get_job",
     "watch_job",
     "complete",
+    "complete_sole",
     "settle",
     "finish_attempt",
     "start_next_attempt",

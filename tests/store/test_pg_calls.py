@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -103,6 +104,50 @@ async def test_a_claim_and_a_completion_are_each_timed_once_as_a_whole(
     response = StoredResponse(201, (("X-A", "1"),), b"{}")
     assert await store.complete(claimed.job, claimed.attempt, response, ttl=60)
     assert seen == [("claim", False), ("complete", False)]
+
+
+async def test_a_new_keys_completion_is_its_sole_statement_alone(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]], pg_dsn: str
+) -> None:
+    """A job of one attempt that wins is completed by `complete_sole`, never `complete`."""
+    store, seen = pg_store
+    store._sql = {**store._sql, "complete": "SELECT 1 / 0"}  # fails if it is sent
+    intent = Intent("alice", "k", "fp", "POST", "/")
+    claimed = await store.claim(intent, new_job_id(), "u", ttl=60, lease=30)
+    assert isinstance(claimed, Claimed)
+    assert await store.complete(claimed.job, 1, StoredResponse(201, (), b"{}"), ttl=60)
+    assert seen == [("claim", False), ("complete", False)]
+    assert await _attempts(pg_dsn, claimed.job.id) == [("succeeded", False)]
+
+
+async def test_a_completion_of_a_job_hedged_since_it_was_read_is_decided_by_complete(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]], pg_dsn: str
+) -> None:
+    """The sole statement loses to the hedge it did not know of (the caller's job says one
+    attempt); `complete` then wins and ends the hedge's lease with the job."""
+    store, _ = pg_store
+    intent = Intent("alice", "k", "fp", "POST", "/")
+    claimed = await store.claim(intent, new_job_id(), "u", ttl=60, lease=30)
+    assert isinstance(claimed, Claimed)
+    assert await store.add_attempt(claimed.job, "hedge", lease=30) == 2
+    assert claimed.job.attempt_count == 1
+    assert await store.complete(claimed.job, 1, StoredResponse(201, (), b"{}"), ttl=60)
+    assert await _attempts(pg_dsn, claimed.job.id) == [("succeeded", False), ("started", False)]
+    job = await store.get("alice", "k")
+    assert job is not None and job.completed_by == 1
+
+
+async def _attempts(dsn: str, job_id: str) -> list[tuple[str, bool]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT state, lease_expires_at IS NOT NULL AS leased FROM idemproxy.attempts"
+            " WHERE job_id = $1 ORDER BY number",
+            uuid.UUID(job_id),
+        )
+    finally:
+        await conn.close()
+    return [(row["state"], row["leased"]) for row in rows]
 
 
 async def test_a_claim_the_store_refuses_is_timed_as_failed(

@@ -73,6 +73,64 @@ async def test_a_new_keys_renewal_completion_and_release_are_hot(
     assert (updates["n_tup_upd"], updates["n_tup_hot_upd"]) == (3, 3)
 
 
+async def _complete_sole(
+    conn: asyncpg.Connection, key: str, job: uuid.UUID, *, version: int = 1
+) -> list[asyncpg.Record]:
+    won: list[asyncpg.Record] = await conn.fetch(
+        _SQL["complete_sole"], _OWNER, job, version, 1, 201, None, b"{}", False, 60.0, None, key
+    )
+    return won
+
+
+async def _attempts(conn: asyncpg.Connection, job: uuid.UUID) -> list[tuple[str, bool]]:
+    """(state, whether it holds a lease) of each attempt of `job`, in order."""
+    rows = await conn.fetch(
+        "SELECT state, lease_expires_at IS NOT NULL AS leased FROM idemproxy.attempts"
+        " WHERE owner = $1 AND job_id = $2 ORDER BY number",
+        _OWNER,
+        job,
+    )
+    return [(row["state"], row["leased"]) for row in rows]
+
+
+async def test_a_new_keys_sole_completion_is_hot_and_ends_its_attempt(
+    conn: asyncpg.Connection,
+) -> None:
+    async with conn.transaction():
+        job = await _claim(conn, "sole")
+        won = await _complete_sole(conn, "sole", job)
+        updates = await conn.fetchrow(_UPDATES)
+    assert [(row["watched"], row["notified"]) for row in won] == [(False, None)]
+    assert updates is not None
+    assert (updates["n_tup_upd"], updates["n_tup_hot_upd"]) == (1, 1)
+    stored = await conn.fetchrow(
+        "SELECT state, version, completed_by, response_status, lease_expires_at"
+        " FROM idemproxy.jobs WHERE owner = $1 AND key = 'sole'",
+        _OWNER,
+    )
+    assert stored is not None
+    assert tuple(stored) == ("completed", 2, 1, 201, None)
+    assert await _attempts(conn, job) == [("succeeded", False)]
+
+
+async def test_the_sole_completion_changes_nothing_it_does_not_win(
+    conn: asyncpg.Connection,
+) -> None:
+    # A job with a second attempt (a hedge the completing caller had not seen), and a stale
+    # version: no row, nothing changed; the store then sends `complete`, which decides.
+    hedged = await _claim(conn, "hedged")
+    assert await conn.fetch(_SQL["add_attempt"], _OWNER, hedged, 1, "http://other", 30.0)
+    assert await _complete_sole(conn, "hedged", hedged) == []
+    stale = await _claim(conn, "stale")
+    assert await _complete_sole(conn, "stale", stale, version=2) == []
+    states = await conn.fetch(
+        "SELECT key, state, version FROM idemproxy.jobs WHERE owner = $1 ORDER BY key", _OWNER
+    )
+    assert [tuple(row) for row in states] == [("hedged", "in_flight", 1), ("stale", "in_flight", 1)]
+    assert await _attempts(conn, hedged) == [("started", True), ("started", True)]
+    assert await _attempts(conn, stale) == [("started", True)]
+
+
 async def _keys(conn: asyncpg.Connection) -> set[str]:
     return {row["key"] for row in await conn.fetch("SELECT key FROM idemproxy.jobs")}
 

@@ -90,6 +90,8 @@ def _statements() -> dict[str, str]:
         "watch_job": "'acme', 'live-0'",
         "complete": f"'acme', {live[0]}, 1, 1, 201, NULL, '\\x7b7d', false, 60, 1048576, NULL, "
         "'live-0'",
+        "complete_sole": f"'acme', {live[0]}, 1, 1, 201, NULL, '\\x7b7d', false, 60, NULL, "
+        "'live-0'",
         "renew_lease": f"'acme', {live[0]}, 1, 30, 'live-0'",
         "settle": f"'acme', {live[0]}, 1, 1, 'released', 'failed', NULL, 'refused', 'live-0'",
     }

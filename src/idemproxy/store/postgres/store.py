@@ -438,30 +438,32 @@ class PostgresStore(Store):
     async def _complete_alone(self, request: CompleteRequest) -> bool:
         job, response = request.job, request.response
         headers, body, key_id, omitted = response_columns(response)
-        # `_time_left`, written out: one call less on every claim and completion.
-        timeout = max(request.submitted + self._command_timeout - time.monotonic(), _LEAST_TIMEOUT)
-        # `_fetchrow`, written out: one call less on every completion.
-        fetch = operator.methodcaller(
-            "fetchrow",
-            self._sql["complete"],
-            job.owner,
-            job.id,
-            job.version,
-            request.attempt,
-            response.status,
-            headers,
-            body,
-            omitted,
-            float(request.ttl),
-            self._late_bytes,
-            key_id,
-            job.key,
-            timeout=timeout,
-        )
-        row = await self._run("complete", fetch, False)
+        # $1-$9 of both statements (queries.sql `complete`, `complete_sole`).
+        owner, status, ttl = job.owner, response.status, float(request.ttl)
+        shared = (owner, job.id, job.version, request.attempt, status, headers, body, omitted, ttl)
+        row = None
+        if job.attempt_count == 1:
+            # A job of one attempt that wins (every new key's) needs none of what `complete`
+            # does for a loser or for the job's other attempts (queries.sql `complete_sole`).
+            sole = (*shared, key_id, job.key)
+            row = await self._complete_row("complete_sole", sole, request.submitted)
+        if row is None:
+            args = (*shared, self._late_bytes, key_id, job.key)
+            row = await self._complete_row("complete", args, request.submitted)
         if self.citus is None:
             return row is not None
         return await self._announced(job, row, watched_only=True)
+
+    async def _complete_row(
+        self, name: str, args: tuple[Any, ...], submitted: float
+    ) -> asyncpg.Record | None:
+        """A completion's statement, within what is left of its caller's deadline, timed as
+        `complete` (by its caller, `complete`)."""
+        # `_time_left`, written out: one call less on every completion.
+        timeout = max(submitted + self._command_timeout - time.monotonic(), _LEAST_TIMEOUT)
+        fetch = operator.methodcaller("fetchrow", self._sql[name], *args, timeout=timeout)
+        row: asyncpg.Record | None = await self._run("complete", fetch, False)
+        return row
 
     async def settle(
         self,

@@ -210,6 +210,36 @@ WITH won AS (
 SELECT id, watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
 FROM won;
 
+-- name: complete_sole
+-- `complete` for a job of one attempt that wins (every new key's): the same compare-and-swap,
+-- which also requires that the job has that one attempt, and the same changes when it wins. Its
+-- `keep` and `ended` can do nothing then, and PostgreSQL sets up their scans and their update for
+-- every execution all the same: a third of what `complete` costs over an UPDATE of one row
+-- (docs/benchmarks.md, "What one new key's statements take"). It changes nothing when it does not
+-- win; the store then sends `complete` (store/postgres/store.py `_complete_alone`), so a losing
+-- attempt's response is discarded or kept as there. $1-$9 as in `complete`; $10 and $11 are its
+-- $11 and $12.
+WITH won AS (
+    UPDATE idemproxy.jobs
+    SET state = 'completed', version = version + 1, completed_by = $4,
+        response_status = $5, response_headers = $6, response_body = $7, response_omitted = $8,
+        response_key = $10,
+        lease_expires_at = NULL, updated_at = now(),
+        expires_at = now() + make_interval(secs => $9),
+        sweep_after = least(sweep_after, now() + make_interval(secs => $9))
+    WHERE owner = $1 AND key = $11 AND id = $2 AND version = $3 AND completed_by IS NULL
+      AND state = 'in_flight' AND attempt_count = 1
+    RETURNING owner, id, watched
+), attempt AS (
+    UPDATE idemproxy.attempts
+    SET state = 'succeeded', status = $5, finished_at = now(), lease_expires_at = NULL,
+        late_headers = NULL, late_body = NULL, late_key = NULL
+    WHERE owner = $1 AND job_id = $2 AND number = $4 AND state IN ('started', 'unknown')
+      AND EXISTS (SELECT 1 FROM won)
+)
+SELECT watched, CASE WHEN watched THEN pg_notify('idemproxy_jobs', id::text) END AS notified
+FROM won;
+
 -- name: settle
 -- Release (nothing executed) or mark unknown (may have executed): $5 is the new job state and
 -- $6 the attempt's. Only an attempt holding the current version may settle the job. $9: its key
