@@ -375,6 +375,3 @@ def _scope(governed: GovernedRequest, seen: Seen) -> str:
     """The owner a job is read under: the job's own in the transition (peppered or legacy,
     SPEC §5), the request's otherwise."""
     return governed.intent.owner if governed.transition is None else seen.job.owner
-
-
-GOVERNOR = web.AppKey("idemproxy.governor", Governor)
