@@ -99,7 +99,7 @@ def direct(route: ProxyRoute) -> RequestHandler:
             raise
         return await protocol.respond(request, response)
 
-    # The listener's request factory makes `web.Request`s (`with_head_writer`).
+    # The listener's request factory makes `web.Request`s (`requests_with_head_writer`).
     return cast(RequestHandler, respond)
 
 
@@ -142,12 +142,12 @@ def routable(request: web.Request) -> web.Request:
     return request.clone(rel_url=f"{scheme}://{authority}{rest}")
 
 
-def with_head_writer(
-    make_request: RequestFactory, loop: asyncio.AbstractEventLoop
-) -> RequestFactory:
-    """The app's request factory, handing each request a writer that sends header values byte
-    for byte and does what the app's prepare hooks do (proxy/server/head.py) in place of
-    aiohttp's, not used yet, and telling the connection that a request's head was read."""
+def requests_with_head_writer(loop: asyncio.AbstractEventLoop) -> RequestFactory:
+    """The listener's request factory: a `web.Request` (what the app's factory makes, without
+    its frame: the proxy reads no body through `client_max_size`, left at its default), with a
+    writer that sends header values byte for byte and does what the app's prepare hooks do
+    (proxy/server/head.py) in place of aiohttp's, not used yet; and it tells the connection
+    that a request's head was read."""
 
     def make(
         message: RawRequestMessage,
@@ -160,7 +160,7 @@ def with_head_writer(
         if isinstance(protocol, GuardedHandler):
             protocol.request_started(payload)
             writer.connection = protocol
-        return make_request(message, payload, protocol, writer, task)
+        return web.Request(message, payload, protocol, writer, task, loop)
 
     return make
 
@@ -212,12 +212,11 @@ class GuardedSite:
         return [] if self.gate is None else [sock.getsockname() for sock in self.gate.sockets]
 
     async def start(self) -> None:
-        app_server = self.runner.server
-        assert app_server is not None, "runner.setup() first"
+        assert self.runner.server is not None, "runner.setup() first"
         loop = asyncio.get_running_loop()
         server = web.Server(
             direct(self.runner.app[PROXY_ROUTE]),  # built as the app started
-            request_factory=with_head_writer(app_server.request_factory, loop),
+            request_factory=requests_with_head_writer(loop),
             handler_cancellation=False,  # SPEC §2: a client hanging up cancels nothing
         )
         options = handler_options(self.settings)
