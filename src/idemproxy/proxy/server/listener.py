@@ -82,16 +82,16 @@ def direct(route: ProxyRoute) -> RequestHandler:
     async def respond(request: web.Request) -> web.StreamResponse:
         protocol = request.protocol
         assert isinstance(protocol, GuardedHandler)
+        response: web.StreamResponse | None = None
         try:
             request = routable(request)
             if not proxied(request):
                 response = await unroutable(request)
-            elif request.headers.get(hdrs.EXPECT) and (
-                refused := await expected(expect_handler, request)
-            ):
-                response = refused
             else:
-                response = await handler(request)
+                if request.headers.get(hdrs.EXPECT):
+                    response = await expected(expect_handler, request)
+                if response is None:  # a response is a mapping: never tested for truth
+                    response = await handler(request)
         except web.HTTPException as exc:  # aiohttp's exceptions are responses
             response = exc
         except Exception:
