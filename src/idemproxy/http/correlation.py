@@ -8,8 +8,8 @@ it starts (an attempt runs in its own task, SPEC §2), read by every log line's 
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
@@ -48,7 +48,20 @@ def correlation_of(header: str, values: list[str]) -> Correlation:
     header, SPEC §4.1), and the logs then name the id made up here."""
     if len(values) == 1 and _ACCEPTED.fullmatch(values[0]):
         return Correlation(values[0], header)
-    return Correlation(str(uuid.uuid4()), header, made=not values)
+    return Correlation(new_request_id(), header, made=not values)
+
+
+_VERSION_4 = 0x4 << 76  # RFC 9562 §5.4
+_VARIANT = 0b10 << 62  # RFC 9562 §4.1
+_FIXED_BITS = ~(0xF << 76 | 0b11 << 62)
+
+
+def new_request_id() -> str:
+    """A random UUID (version 4) in its canonical 8-4-4-4-12 text, as `str(uuid.uuid4())` but
+    without building a uuid.UUID: three Python calls less on every request that brings no id."""
+    value = int.from_bytes(os.urandom(16), "big") & _FIXED_BITS | _VERSION_4 | _VARIANT
+    digits = f"{value:032x}"
+    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
 
 
 def traced(trace_id: int, span_id: int) -> Correlation | None:

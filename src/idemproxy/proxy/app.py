@@ -21,10 +21,10 @@ from idemproxy.proxy.background.sweeper import sweep_forever
 from idemproxy.proxy.context import CONTEXT, ProxyContext, Services
 from idemproxy.proxy.drain import drain
 from idemproxy.proxy.failpoints import Failpoints
-from idemproxy.proxy.handler import expect_continue, handle
-from idemproxy.proxy.jobs.governed import GOVERNOR, Governor
+from idemproxy.proxy.handler import Proxy, expect_continue, handle
+from idemproxy.proxy.jobs.governed import Governor
 from idemproxy.proxy.server.any_path import AnyPath
-from idemproxy.proxy.server.listener import close_when_closing
+from idemproxy.proxy.server.listener import PROXY_ROUTE, ProxyRoute
 from idemproxy.proxy.server.one_response import note_started
 from idemproxy.proxy.server.whole import own_server_header
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamHooks
@@ -69,8 +69,10 @@ def create_app(
     app.cleanup_ctx.append(
         _lifecycle(settings, store, metrics or Metrics.for_settings(settings), owner, tracing)
     )
+    # Through the router only (aiohttp's own servers: tests, the demo): the listener of
+    # `idemproxy serve` calls the proxy without it, and its writer does what these do, and says
+    # `Connection: close` on the heads of a drain (proxy/server/head.py).
     app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
-    app.on_response_prepare.append(close_when_closing)  # SPEC §8: a drain's heads say so
     app.on_response_prepare.append(own_server_header(settings.server.server_token))
     app.router.register_resource(AnyPath(handle, expect_handler=expect_continue))
     return app
@@ -126,7 +128,8 @@ def _lifecycle(
             stack.push_async_callback(ctx.unsent.close)
             stack.push_async_callback(ctx.unwritten.close)
             app[CONTEXT] = ctx
-            app[GOVERNOR] = Governor.of(ctx)
+            proxy = Proxy(ctx, Governor.of(ctx))
+            app[PROXY_ROUTE] = ProxyRoute(proxy.answer, proxy.expect_continue)
             # SPEC §5: an identity provider's keys are fetched (once, bounded) before serving.
             await ctx.owner.start(_fetch_counter(metrics))
             stack.push_async_callback(ctx.owner.close)

@@ -23,15 +23,15 @@ from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owners
 from idemproxy.observe.metrics import DisconnectStage
-from idemproxy.proxy.context import CONTEXT, ProxyContext
+from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.intent import intent_of, intent_off_loop, owners_after_refresh
-from idemproxy.proxy.jobs.governed import GOVERNOR
+from idemproxy.proxy.jobs.governed import Governor
 from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
-from idemproxy.proxy.server.listener import head_read
+from idemproxy.proxy.server.listener import PROXY_ROUTE
 from idemproxy.proxy.server.one_response import only_response
 from idemproxy.proxy.server.trace import Trace, record
 from idemproxy.proxy.sourced import identify_sourced, refuse_hidden_identity
@@ -39,62 +39,80 @@ from idemproxy.proxy.status import answer_status
 from idemproxy.proxy.upstream.h1 import transfer_codings
 
 
-async def handle(request: web.Request) -> web.StreamResponse:
-    head_read(request)  # SPEC §9: the header-read deadline is over for this request
-    ctx = request.app[CONTEXT]
-    settings = ctx.settings
-    # One request per task at a time (keep-alive requests follow each other): its ids hold for
-    # its whole life, the attempt tasks it starts included, and are gone before the next.
-    correlated = None
-    if header := settings.request_id_header:
-        correlated = CURRENT.set(correlation_of(header, request.headers.getall(header, [])))
-    try:
-        trace = Trace(request=request)
-        ctx.requests_in_flight += 1
+class Proxy:
+    """The proxy's answer to a request, with what it needs: the listener of `idemproxy serve`
+    calls it directly (proxy/server/listener.py), the app's route through `handle`."""
+
+    def __init__(self, ctx: ProxyContext, govern: Governor) -> None:
+        self.ctx = ctx
+        self.govern = govern
+
+    async def answer(self, request: web.Request) -> web.StreamResponse:
+        ctx = self.ctx
+        settings = ctx.settings
+        # One request per task at a time (keep-alive requests follow each other): its ids hold
+        # for its whole life, the attempt tasks it starts included, and are gone before the
+        # next.
+        correlated = None
+        if header := settings.request_id_header:
+            correlated = CURRENT.set(correlation_of(header, request.headers.getall(header, [])))
         try:
-            routing = _route(ctx, request, trace)
-            if ctx.tracing is not None:
-                routing = ctx.tracing.serve(request, trace, routing)
-            response = await routing
+            trace = Trace(request=request)
+            ctx.requests_in_flight += 1
+            try:
+                routing = _route(ctx, self.govern, request, trace)
+                if ctx.tracing is not None:
+                    routing = ctx.tracing.serve(request, trace, routing)
+                response = await routing
+            finally:
+                ctx.requests_in_flight -= 1
+            response = only_response(ctx.metrics, request, response)
+            trace.by_proxy = ERROR_HEADER in response.headers
+            record(
+                ctx.metrics,
+                trace,
+                response.status,
+                log_requests=settings.log_requests,
+                access_log=settings.access_log,
+                log_query=settings.log_query,
+            )
         finally:
-            ctx.requests_in_flight -= 1
-        response = only_response(ctx.metrics, request, response)
-        trace.by_proxy = ERROR_HEADER in response.headers
-        record(
-            ctx.metrics,
-            trace,
-            response.status,
-            log_requests=settings.log_requests,
-            access_log=settings.access_log,
-            log_query=settings.log_query,
-        )
-    finally:
-        if correlated is not None:
-            CURRENT.reset(correlated)
-    return response
+            if correlated is not None:
+                CURRENT.reset(correlated)
+        return response
+
+    async def expect_continue(self, request: web.Request) -> web.StreamResponse | None:
+        """RFC 9110 §10.1.1: refuse an over-size governed body before inviting it (SPEC §9:
+        413); otherwise answer as aiohttp's default handler does."""
+        if request.version != HttpVersion11:
+            return None
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return web.Response(status=417, text="Unknown Expect")
+        ctx = self.ctx
+        declared = request.content_length
+        if (
+            request.method in ctx.governed_methods
+            and declared is not None
+            and declared > ctx.settings.max_request_body
+            and _reads_bounded(ctx, request)
+        ):
+            return problem_response(
+                BodyTooLarge(), profile=ctx.settings.profile, types=ctx.settings.problem_types
+            )
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim response is not part of the body's size
+        return None
+
+
+async def handle(request: web.Request) -> web.StreamResponse:
+    """The app's one route (proxy/server/any_path.py) on aiohttp's own servers (tests, the
+    demo): `Proxy.answer`."""
+    return await request.app[PROXY_ROUTE].handler(request)
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
-    """RFC 9110 §10.1.1: refuse an over-size governed body before inviting it (SPEC §9: 413);
-    otherwise answer as aiohttp's default handler does."""
-    if request.version != HttpVersion11:
-        return None
-    if request.headers.get("Expect", "").lower() != "100-continue":
-        return web.Response(status=417, text="Unknown Expect")
-    ctx = request.app[CONTEXT]
-    declared = request.content_length
-    if (
-        request.method in ctx.governed_methods
-        and declared is not None
-        and declared > ctx.settings.max_request_body
-        and _reads_bounded(ctx, request)
-    ):
-        return problem_response(
-            BodyTooLarge(), profile=ctx.settings.profile, types=ctx.settings.problem_types
-        )
-    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the interim response is not part of the body's size
-    return None
+    """The route's handler of `Expect`: `Proxy.expect_continue`."""
+    return await request.app[PROXY_ROUTE].expect_handler(request)
 
 
 def _reads_bounded(ctx: ProxyContext, request: web.Request) -> bool:
@@ -113,7 +131,9 @@ def _reads_bounded(ctx: ProxyContext, request: web.Request) -> bool:
     return source.header in request.headers
 
 
-async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.StreamResponse:
+async def _route(
+    ctx: ProxyContext, govern: Governor, request: web.Request, trace: Trace
+) -> web.StreamResponse:
     try:
         host_refused = host_problem(request.headers.get(hdrs.HOST), request.raw_path)
         if host_refused is not None:
@@ -131,7 +151,7 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
                 return await answer_status(ctx, request, route, trace)  # SPEC §7.1
             return await passthrough(ctx, request, route, trace=trace)  # SPEC §4: keys ignored
         if route.key_source is not None:  # SPEC §4.1, §4.2: off the default path
-            return await _govern_sourced(ctx, request, route, trace)
+            return await _govern_sourced(ctx, govern, request, route, trace)
         key = parse_key(request.headers.getall(ctx.settings.key_header, []))
         if key is None:
             if route.require_key:
@@ -141,7 +161,6 @@ async def _route(ctx: ProxyContext, request: web.Request, trace: Trace) -> web.S
         intent, body, transition = await _identify(ctx, request, key)
         trace.owner = intent.owner
         # Positional: a dataclass's keyword call costs twice as much, on every governed request.
-        govern = request.app[GOVERNOR]
         response = await govern(
             GovernedRequest(ctx, request, route, intent, body, trace, transition)
         )
@@ -164,7 +183,7 @@ def _asks_status(header: str, request: web.Request) -> bool:
 
 
 async def _govern_sourced(
-    ctx: ProxyContext, request: web.Request, route: Route, trace: Trace
+    ctx: ProxyContext, govern: Governor, request: web.Request, route: Route, trace: Trace
 ) -> web.StreamResponse:
     """A governed request on a route with a key source or a webhook (proxy/sourced.py)."""
     assert route.key_source is not None  # the caller's test, for mypy
@@ -172,7 +191,6 @@ async def _govern_sourced(
     if intent is None or body is None:
         return await passthrough(ctx, request, route, body, trace=trace)
     trace.owner = intent.owner
-    govern = request.app[GOVERNOR]
     response = await govern(GovernedRequest(ctx, request, route, intent, body, trace, transition))
     if response is None:  # SPEC §11, as in `_route`
         return await passthrough(ctx, request, route, body, trace=trace)

@@ -515,6 +515,3 @@ def job_observer(metrics: Metrics, failpoints: Failpoints, tracing: Tracing | No
     if tracing is None:
         return JobObserver(metrics, failpoints)
     return TracedJobObserver(metrics, failpoints, tracing)
-
-
-GOVERNOR = web.AppKey("idemproxy.governor", Governor)

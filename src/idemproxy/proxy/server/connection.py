@@ -26,6 +26,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import HttpVersion, HttpVersion11, StreamReader, hdrs, web
+from multidict import CIMultiDict
 
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import RequestTimeout
@@ -39,10 +40,13 @@ log = logging.getLogger(__name__)
 class SentResponse(web.StreamResponse):
     """What aiohttp's connection loop gets back for a response the listener wrote itself: its
     own `prepare` and `write_eof` have nothing left to do, and `keep_alive` says whether the
-    connection serves another request."""
+    connection serves another request. `status` and `headers` are those of the response
+    written, where something reads them (proxy/server/one_response.py)."""
 
-    def __init__(self, *, persistent: bool) -> None:
-        super().__init__()
+    def __init__(
+        self, *, persistent: bool, status: int = 200, headers: CIMultiDict[str] | None = None
+    ) -> None:
+        super().__init__(status=status, headers=headers)
         self.persistent = persistent
 
     @property
@@ -133,13 +137,6 @@ class GuardedHandler(web.RequestHandler):
         response."""
         self.serving, self.body, self.queued = True, body, False
         self.head_deadline.stop()
-
-    def head_read(self) -> None:
-        """The request's head arrived and its handler runs: no deadline until the response
-        (`request_started` stopped it already; this is for a handler run some other way)."""
-        if not self.serving:
-            self.serving = True
-            self.head_deadline.stop()
 
     async def respond(
         self, request: web.BaseRequest, response: web.StreamResponse

@@ -1,8 +1,10 @@
 """The client-facing listener of `idemproxy serve`: aiohttp's low-level server (`web.Server`)
-over the app's request handler, with connections served by `GuardedHandler` (the slow-client
-deadline, SPEC §9; quiet 400s, §8: proxy/server/connection.py), accepted by the connection gate
-(proxy/server/gate.py), each request's head written by `HeadWriter` (header values byte for
-byte, SPEC §7, §10: proxy/server/head.py) and each whole response in one write
+calling the proxy's handler directly (`direct`: not through the app's router, which would
+resolve the one catch-all route and build a match info for every request), with connections
+served by `GuardedHandler` (the slow-client deadline, SPEC §9; quiet 400s, §8:
+proxy/server/connection.py), accepted by the connection gate (proxy/server/gate.py), each
+request's head written by `HeadWriter` (header values byte for byte, SPEC §7, §10; what the
+app's prepare hooks do: proxy/server/head.py) and each whole response in one write
 (proxy/server/whole.py). Public aiohttp API only, so that any aiohttp 3.x from the oldest
 pyproject.toml admits serves it alike.
 """
@@ -11,15 +13,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
-from aiohttp import StreamReader, hdrs, web
+from aiohttp import HttpVersion11, StreamReader, hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 
 from idemproxy.config.settings import LimitsSettings, ServerSettings, parse_listen
 from idemproxy.http.host import split_absolute_form
 from idemproxy.observe.metrics import Metrics
+from idemproxy.proxy.server.any_path import proxied
 from idemproxy.proxy.server.connection import GuardedHandler
 from idemproxy.proxy.server.gate import ConnectionGate, listening_sockets
 from idemproxy.proxy.server.head import HeadWriter
@@ -52,30 +56,82 @@ def handler_options(settings: ServerSettings) -> dict[str, Any]:
     }
 
 
-def guarded(handle: RequestHandler) -> RequestHandler:
-    """The app's request handler, whose response the connection writes (`respond`) before
-    aiohttp's loop sees it: the end of every request, whatever answered it."""
+ProxyHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
 
-    async def respond(request: web.BaseRequest) -> web.StreamResponse:
+
+@dataclass(frozen=True, slots=True)
+class ProxyRoute:
+    """The proxy's handler and its handler of `Expect`, as its one route in the app's router
+    has them (proxy/app.py puts them in the app as it starts: `PROXY_ROUTE`)."""
+
+    handler: ProxyHandler
+    expect_handler: ExpectHandler
+
+
+PROXY_ROUTE = web.AppKey("idemproxy.proxy_route", ProxyRoute)
+
+
+def direct(route: ProxyRoute) -> RequestHandler:
+    """The request handler of the listener: what the app's router would do for the proxy's one
+    route (proxy/server/any_path.py; aiohttp's `Expect` handling, its 404 for a target that is
+    not the proxy's), then `route`'s handler, whose response the connection writes (`respond`)
+    before aiohttp's loop sees it: the end of every request, whatever answered it."""
+    handler, expect_handler = route.handler, route.expect_handler
+
+    async def respond(request: web.Request) -> web.StreamResponse:
         protocol = request.protocol
         assert isinstance(protocol, GuardedHandler)
+        response: web.StreamResponse | None = None
         try:
-            response = await handle(routable(request))
-        except web.HTTPException as exc:  # aiohttp's exceptions are responses (the router's 404)
+            request = routable(request)
+            if not proxied(request):
+                response = await unroutable(request)
+            else:
+                if request.headers.get(hdrs.EXPECT):
+                    response = await expected(expect_handler, request)
+                if response is None:  # a response is a mapping: never tested for truth
+                    response = await handler(request)
+        except web.HTTPException as exc:  # aiohttp's exceptions are responses
             response = exc
         except Exception:
             protocol.served(request, 500)  # aiohttp answers 500 and closes the connection
             raise
         return await protocol.respond(request, response)
 
-    return respond
+    # The listener's request factory makes `web.Request`s (`requests_with_head_writer`).
+    return cast(RequestHandler, respond)
 
 
-def routable(request: web.BaseRequest) -> web.BaseRequest:
+async def expected(
+    expect_handler: ExpectHandler, request: web.Request
+) -> web.StreamResponse | None:
+    """RFC 9110 §10.1.1, as aiohttp's app does it: the handler of `Expect` either refuses the
+    request (its response) or lets it go on (None), with any interim response sent."""
+    response = await expect_handler(request)
+    await request.writer.drain()
+    return response
+
+
+async def unroutable(request: web.Request) -> web.StreamResponse:
+    """What aiohttp's router answers a target that is not the proxy's (`*`, an authority-form
+    target): its default handling of `Expect`, then 404."""
+    expect = request.headers.get(hdrs.EXPECT)
+    if expect and request.version == HttpVersion11:
+        if expect.lower() != "100-continue":
+            return web.HTTPExpectationFailed(text=f"Unknown Expect: {expect}")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim response is not part of the body's size
+        await request.writer.drain()
+    return web.HTTPNotFound()
+
+
+def routable(request: web.Request) -> web.Request:
     """RFC 9112 §3.2.1: an absolute-form target without a path (`GET http://host?q`) asks for
-    `/`. aiohttp's router finds no resource for an empty path, so such a request is routed as
-    the same target with its `/` (`http://host/?q`), which is what the proxy forwards anyway
-    (`/?q`, http/host.py). Any other request is routed as it came."""
+    `/`. aiohttp's router finds no resource for an empty path, so such a request is handled as
+    the same target with its `/` (`http://host/?q`), as it was when the router routed it, and
+    which is what the proxy forwards anyway (`/?q`, http/host.py). Any other request is handled
+    as it came."""
     target = request.raw_path
     if target.startswith("/") or request.rel_url.path_safe:
         return request
@@ -86,12 +142,12 @@ def routable(request: web.BaseRequest) -> web.BaseRequest:
     return request.clone(rel_url=f"{scheme}://{authority}{rest}")
 
 
-def with_head_writer(
-    make_request: RequestFactory, loop: asyncio.AbstractEventLoop
-) -> RequestFactory:
-    """The app's request factory, handing each request a writer that sends header values byte
-    for byte (proxy/server/head.py) in place of aiohttp's, not used yet, and telling the
-    connection that a request's head was read."""
+def requests_with_head_writer(loop: asyncio.AbstractEventLoop) -> RequestFactory:
+    """The listener's request factory: a `web.Request` (what the app's factory makes, without
+    its frame: the proxy reads no body through `client_max_size`, left at its default), with a
+    writer that sends header values byte for byte and does what the app's prepare hooks do
+    (proxy/server/head.py) in place of aiohttp's, not used yet; and it tells the connection
+    that a request's head was read."""
 
     def make(
         message: RawRequestMessage,
@@ -100,9 +156,11 @@ def with_head_writer(
         _writer: AbstractStreamWriter,
         task: asyncio.Task[None],
     ) -> web.BaseRequest:
+        writer = HeadWriter(protocol, loop)
         if isinstance(protocol, GuardedHandler):
             protocol.request_started(payload)
-        return make_request(message, payload, protocol, HeadWriter(protocol, loop), task)
+            writer.connection = protocol
+        return web.Request(message, payload, protocol, writer, task, loop)
 
     return make
 
@@ -115,26 +173,6 @@ def close_idle_connections(server: web.Server) -> None:
             connection.close_when_idle()
         else:  # not this listener's (tests): aiohttp's own graceful close
             connection.close()
-
-
-async def close_when_closing(request: web.Request, response: web.StreamResponse) -> None:
-    """`on_response_prepare`: a head written after a shutdown began says `Connection: close`.
-
-    SPEC §8. `respond` does this for a response that is not prepared yet; a streamed one
-    (governed or pass-through) is prepared inside its handler, and aiohttp has already decided
-    its Connection header when this signal runs (after it prepared the headers, before it
-    serialises them), so the header is set here as well as the persistence."""
-    protocol = request.protocol
-    if isinstance(protocol, GuardedHandler) and protocol.closing:
-        response.force_close()
-        response.headers[hdrs.CONNECTION] = "close"
-
-
-def head_read(request: web.BaseRequest) -> None:
-    """Stop the header-read deadline of the request's connection (a no-op on other listeners)."""
-    protocol = request.protocol
-    if isinstance(protocol, GuardedHandler):
-        protocol.head_read()
 
 
 class GuardedSite:
@@ -174,12 +212,11 @@ class GuardedSite:
         return [] if self.gate is None else [sock.getsockname() for sock in self.gate.sockets]
 
     async def start(self) -> None:
-        app_server = self.runner.server
-        assert app_server is not None, "runner.setup() first"
+        assert self.runner.server is not None, "runner.setup() first"
         loop = asyncio.get_running_loop()
         server = web.Server(
-            guarded(app_server.request_handler),
-            request_factory=with_head_writer(app_server.request_factory, loop),
+            direct(self.runner.app[PROXY_ROUTE]),  # built as the app started
+            request_factory=requests_with_head_writer(loop),
             handler_cancellation=False,  # SPEC §2: a client hanging up cancels nothing
         )
         options = handler_options(self.settings)

@@ -7,8 +7,11 @@ its answer prepares it itself; if a bug then made it return a different response
 replay), aiohttp would write that one too. Here, instead, the connection is closed after the
 response that started: a truncated answer the client can tell from a whole one, never a second.
 
-Every response aiohttp prepares passes through `note_started` (the app's `on_response_prepare`
-signal), so the check does not depend on where in the proxy the response was started.
+Every head aiohttp writes is noted, so that the check does not depend on where in the proxy the
+response was started: on the listener of `idemproxy serve` by its writer (`HeadWriter`,
+proxy/server/head.py), which sees the head's fields but not the response; through the app's
+router (aiohttp's own servers: tests, the demo) by `note_started`, the app's
+`on_response_prepare` signal, which sees the response.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import logging
 from aiohttp import web
 
 from idemproxy.observe.metrics import Metrics
+from idemproxy.proxy.server.connection import SentResponse
+from idemproxy.proxy.server.head import HeadWriter
 
 log = logging.getLogger(__name__)
 _STARTED = web.RequestKey("idemproxy_started_response", web.StreamResponse)
@@ -31,14 +36,36 @@ async def note_started(request: web.Request, response: web.StreamResponse) -> No
 def only_response(
     metrics: Metrics, request: web.Request, response: web.StreamResponse
 ) -> web.StreamResponse:
-    """`response`, unless another one was started for this request: then that one, with the
-    connection closed, so that `response` is never written."""
-    # Only `note_started` puts anything in the request: an empty one started nothing. Asked
-    # for a key it lacks, the request's `get` raises and catches a KeyError, on every whole
-    # response (those never pass through the signal).
-    started: web.StreamResponse | None = request.get(_STARTED) if len(request) else None
-    if started is None or started is response:
-        return response
+    """`response`, unless another one was started for this request: then that one (or, on the
+    listener, what stands for it), with the connection closed, so that `response` is never
+    written."""
+    writer = request.writer
+    if type(writer) is HeadWriter:  # the listener of `idemproxy serve`
+        headers = writer.started_headers
+        if headers is None or headers is response.headers:
+            return response
+        status = int(writer.started_line.split(" ", 2)[1])  # "HTTP/1.1 200 OK"
+        # What aiohttp's loop gets instead: that response's status and fields, for the
+        # request's log line and metrics; the connection is not kept.
+        started: web.StreamResponse = SentResponse(persistent=False, status=status, headers=headers)
+    else:
+        # Only `note_started` puts anything in the request: an empty one started nothing.
+        # Asked for a key it lacks, the request's `get` raises and catches a KeyError, on
+        # every whole response (those never pass through the signal).
+        noted: web.StreamResponse | None = request.get(_STARTED) if len(request) else None
+        if noted is None or noted is response:
+            return response
+        started = noted
+    _refuse_second(metrics, request, response, started)
+    return started
+
+
+def _refuse_second(
+    metrics: Metrics,
+    request: web.Request,
+    response: web.StreamResponse,
+    started: web.StreamResponse,
+) -> None:
     metrics.second_responses.inc()
     log.error(
         "%s %s: a %d was returned after a %d had started; connection closed instead",
@@ -50,4 +77,3 @@ def only_response(
     started.force_close()
     if request.transport is not None:
         request.transport.close()
-    return started

@@ -26,7 +26,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.helpers import rfc822_formatted_time
 from multidict import CIMultiDict
 
-from idemproxy.proxy.server.head import serialise_head
+from idemproxy.proxy.server.head import HeadWriter, name_server, serialise_head
 
 # A larger body is not copied behind its head: it goes out after it, in pieces (memoryviews of
 # the one bytes object, so a replay of a large stored body costs no copy of it).
@@ -144,23 +144,28 @@ _INVENTED = (hdrs.CONTENT_TYPE, hdrs.SERVER)
 def own_server_header(
     server_token: str,
 ) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
-    """`on_response_prepare`: the proxy's own answers that take aiohttp's path (not
-    `serialise_whole`'s) name the server `server_token`, or nothing when it is empty, instead
-    of aiohttp's `Python/x aiohttp/y`. An upstream's answer keeps what it sent: the fields
-    aiohttp invented for it are taken out again (aiohttp runs this signal after it prepared
-    the headers, before it serialises them)."""
+    """`on_response_prepare`: the Server field (`name_server`) of a response that takes
+    aiohttp's path (not `serialise_whole`'s) through the app's router (aiohttp runs this signal
+    after it prepared the headers, before it serialises them); the listener's `HeadWriter`
+    does the same without it."""
 
-    async def name_server(_request: web.Request, response: web.StreamResponse) -> None:
+    async def named(_request: web.Request, response: web.StreamResponse) -> None:
+        absent = None
         if isinstance(response, AsSentResponse | AsSentStreamResponse):
-            for name in response.absent:
-                response.headers.popall(name, None)
-            return
-        if server_token:
-            response.headers[hdrs.SERVER] = server_token
-        else:
-            response.headers.popall(hdrs.SERVER, None)
+            absent = response.absent
+        name_server(response.headers, absent, server_token)
 
-    return name_server
+    return named
+
+
+def as_sent(request: web.BaseRequest, headers: CIMultiDict[str]) -> tuple[str, ...]:
+    """The fields aiohttp is about to invent for an upstream's response (`absent_fields`), told
+    to the listener's writer too, which takes them out again (proxy/server/head.py)."""
+    absent = absent_fields(headers)
+    writer = request.writer
+    if type(writer) is HeadWriter:
+        writer.upstream_absent = absent
+    return absent
 
 
 class AsSentStreamResponse(web.StreamResponse):
@@ -171,7 +176,7 @@ class AsSentStreamResponse(web.StreamResponse):
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         if not self.prepared:
-            self.absent = absent_fields(self.headers)
+            self.absent = as_sent(request, self.headers)
         return await super().prepare(request)
 
 
@@ -194,7 +199,7 @@ class AsSentResponse(web.Response):
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         if not self.prepared:
-            self.absent = absent_fields(self.headers)
+            self.absent = as_sent(request, self.headers)
         return await super().prepare(request)
 
 
