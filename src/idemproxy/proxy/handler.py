@@ -17,7 +17,7 @@ from idemproxy.errors import (
 )
 from idemproxy.http.correlation import CURRENT, correlation_of
 from idemproxy.http.host import host_problem
-from idemproxy.http.offload import heavy
+from idemproxy.http.offload import OFF_LOOP_CONTAINERS, heavy
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.key import parse_key
@@ -243,6 +243,8 @@ async def _identify(
         spool_threshold=ctx.settings.server.spool_threshold,
     )
     transition = None if legacy is None else OwnerTransition(owner, legacy)
-    if not body.spooled and heavy(body.memory):  # its JSON is parsed on a thread (http/offload.py)
+    # Its JSON is parsed on a thread when `heavy` (http/offload.py); a body of no more bytes
+    # than OFF_LOOP_CONTAINERS has no more containers, nor is it long: not heavy, by one test.
+    if not body.spooled and len(body.memory) > OFF_LOOP_CONTAINERS and heavy(body.memory):
         return await intent_off_loop(ctx, request, owner, key, body), body, transition
     return intent_of(ctx, request, owner, key, body), body, transition

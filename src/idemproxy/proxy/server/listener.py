@@ -85,7 +85,8 @@ def direct(route: ProxyRoute) -> RequestHandler:
         response: web.StreamResponse | None = None
         try:
             request = routable(request)
-            if not proxied(request):
+            # Origin-form, nearly every request's, tested in place (one call less).
+            if not request.raw_path.startswith("/") and not proxied(request):
                 response = await unroutable(request)
             else:
                 if request.headers.get(hdrs.EXPECT):
