@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import time
 
@@ -83,6 +84,7 @@ async def test_a_trickled_head_gets_408_and_nothing_happens(
     answer = await client.result()
     assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
     assert b"Idempotency-Error: request-timeout" in answer and b"Connection: close" in answer
+    assert re.search(rb"\r\nDate: [A-Z][a-z]{2}, \d\d [A-Z][a-z]{2} \d{4} [\d:]{8} GMT\r\n", answer)
     assert client.closed_after is not None and client.closed_after < 1.5
     assert ledger.count() == 0
     assert await sqlite_jobs.list_jobs() == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import pytest
@@ -73,7 +74,10 @@ async def test_problem_answers_name_the_configured_token(
     assert fields.getall("Server", []) == expected
     # Refused by the HTTP parser, before any request exists (no application hook runs).
     for malformed in (b"GARBAGE\r\n\r\n", b"POST / HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n"):
-        assert (await _head(_port(client), malformed)).getall("Server", []) == expected
+        refused = await _head(_port(client), malformed)
+        assert refused.getall("Server", []) == expected
+        # RFC 9110 §6.6.1: a 4xx of a server with a clock carries the date.
+        assert parsedate_to_datetime(refused["Date"]).tzinfo is not None
 
 
 @pytest.mark.parametrize("shape", [SMALL, STREAMED])

@@ -22,6 +22,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
+from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
 
@@ -235,7 +236,7 @@ class GuardedHandler(web.RequestHandler):
         # and aiohttp's own response would name it (`Server: Python/x aiohttp/y`, SPEC §10).
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            transport.write(_refusal(request.version, status, self.server_token))
+            transport.write(_refusal(request.version, status, self.server_token, _now()))
         self.force_close()
         return _CLOSED
 
@@ -251,7 +252,7 @@ class GuardedHandler(web.RequestHandler):
         if self.serving or transport is None or transport.is_closing():
             return
         if self.head_started:  # RFC 9110 §15.5.9; a connection that sent nothing just closes
-            transport.write(_request_timeout(self.server_token))
+            transport.write(_REQUEST_TIMEOUT_LINE + _now() + _request_timeout(self.server_token))
         self.force_close()
 
 
@@ -267,7 +268,13 @@ def _phrase(status: int) -> str:
         return "Client Error"
 
 
-def _refusal(version: HttpVersion, status: int, server_token: str) -> bytes:
+def _now() -> bytes:
+    """The Date field of the proxy's own answers written here: an origin server with a clock
+    sends one with every 4xx (RFC 9110 §6.6.1), as aiohttp does with the others."""
+    return b"Date: " + formatdate(usegmt=True).encode("ascii") + b"\r\n"
+
+
+def _refusal(version: HttpVersion, status: int, server_token: str, date: bytes) -> bytes:
     """A complete plain-text 4xx that closes the connection, in the version aiohttp read (1.0
     when the request line itself was refused), naming the proxy as its other answers do (SPEC
     §8: the offending bytes are never echoed; §10: the Server field)."""
@@ -277,20 +284,23 @@ def _refusal(version: HttpVersion, status: int, server_token: str) -> bytes:
         f"HTTP/{version.major}.{version.minor} {status} {_phrase(status)}\r\n"
         "Content-Type: text/plain; charset=utf-8\r\n"
         f"{server}Content-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
+        "Connection: close\r\n"
     )
-    return head.encode("latin-1") + body
+    return head.encode("latin-1") + date + b"\r\n" + body
+
+
+_REQUEST_TIMEOUT_LINE = b"HTTP/1.1 408 Request Timeout\r\n"
 
 
 @functools.cache
 def _request_timeout(server_token: str) -> bytes:
-    """A complete 408 problem response (SPEC §8), written straight to the socket."""
+    """A complete 408 problem response (SPEC §8), written straight to the socket: all of it
+    but its status line and Date field, which come before."""
     error = RequestTimeout("The request head did not arrive in time.")
     body = problem_response(error).body
     assert isinstance(body, bytes)
     server = f"Server: {server_token}\r\n" if server_token else ""
     head = (
-        "HTTP/1.1 408 Request Timeout\r\n"
         f"Content-Type: {PROBLEM_CONTENT_TYPE}\r\n"
         f"{ERROR_HEADER}: {error.code}\r\n"
         f"{server}Content-Length: {len(body)}\r\n"
