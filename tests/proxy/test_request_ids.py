@@ -4,6 +4,7 @@ documents; with tracing on, the log lines also name the trace and the request's 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -242,6 +243,37 @@ async def test_problem_documents_and_every_line_of_the_request_carry_it(
     # The failed attempt's warning, logged in the attempt's own task, names its request.
     [failed] = [line for line in lines.of("idemproxy.proxy.jobs.attempt")]
     assert failed["level"] == "warning" and failed["request_id"] == "r0", failed
+
+
+async def test_a_body_refused_at_expect_carries_it(
+    sqlite_dsn: str, upstream: tuple[str, Seen]
+) -> None:
+    """The 413 given before a declared over-size body is invited (RFC 9110 §10.1.1) is answered
+    before the request's handler runs: it carries the request's id all the same (SPEC §8)."""
+    url, seen = upstream
+    proxy = await _proxy(url, sqlite_dsn, max_request_body=1024)
+    try:
+        assert proxy.server.port is not None
+        answers = []
+        for ids in (b"X-Request-Id: exp-1\r\n", b""):
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+            writer.write(
+                b"POST /pay HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: k\r\n"
+                + ids
+                + b"Content-Length: 4096\r\nExpect: 100-continue\r\n\r\n"
+            )
+            answers.append(await asyncio.wait_for(reader.read(65536), 10))
+            writer.close()
+            await writer.wait_closed()
+    finally:
+        await proxy.close()
+    assert seen == []
+    for answer, sent in zip(answers, ("exp-1", None), strict=True):
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413 "), answer
+        given = json.loads(body)["request_id"]
+        assert given == sent if sent is not None else uuid.UUID(given)
+        assert f"\r\nX-Request-Id: {given}\r\n".encode() in head + b"\r\n"
 
 
 async def test_off_when_the_header_is_empty(

@@ -96,12 +96,25 @@ class Proxy:
             and declared > ctx.settings.max_request_body
             and _reads_bounded(ctx, request)
         ):
-            return problem_response(
-                BodyTooLarge(), profile=ctx.settings.profile, types=ctx.settings.problem_types
-            )
+            return self._too_large(request)
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the interim response is not part of the body's size
         return None
+
+    def _too_large(self, request: web.Request) -> web.StreamResponse:
+        """The 413 of `expect_continue`, which runs before `answer`: with the request's id, as
+        every problem of the proxy carries it (SPEC §8)."""
+        settings = self.ctx.settings
+        correlated = None
+        if header := settings.request_id_header:
+            correlated = CURRENT.set(correlation_of(header, request.headers.getall(header, [])))
+        try:
+            return problem_response(
+                BodyTooLarge(), profile=settings.profile, types=settings.problem_types
+            )
+        finally:
+            if correlated is not None:
+                CURRENT.reset(correlated)
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
