@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.support.proxyapp import Server
+from tests.support.proxyapp import served
 
 
 @dataclass
@@ -59,9 +59,5 @@ class Keyed:
 async def keyed_backend(keyed: Keyed) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/charges", keyed.charge)
-    server = Server(app)  # keeps executing when the proxy hangs up
-    await server.start_server()
-    try:
-        yield f"http://{server.host}:{server.port}"
-    finally:
-        await server.close()
+    async with served(app) as url:
+        yield url

@@ -63,6 +63,18 @@ class Server(TestServer):
         return web.AppRunner(self.app, **kwargs)
 
 
+@contextlib.asynccontextmanager
+async def served(app: web.Application) -> AsyncIterator[str]:
+    """`app` on an ephemeral port of 127.0.0.1 (a `Server`: it keeps executing when the proxy
+    hangs up), its base URL while the block runs."""
+    server = Server(app)
+    await server.start_server()
+    try:
+        yield f"http://{server.host}:{server.port}"
+    finally:
+        await server.close()
+
+
 class ServeListener(Server):
     """The proxy behind the listener `idemproxy serve` uses (`GuardedSite`: aiohttp's handler
     with the header-read deadline, one-write responses and no router, proxy/server/listener.py), on

@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.support.proxyapp import Server
+from tests.support.proxyapp import served
 
 HONEST = "honest"
 # Hostile answers: none of them proves anything.
@@ -134,9 +134,5 @@ async def payments_backend(payments: Payments) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/payments", payments.pay)
     app.router.add_post("/reconcile", payments.reconcile)
-    server = Server(app)  # keeps executing when the proxy hangs up
-    await server.start_server()
-    try:
-        yield f"http://{server.host}:{server.port}"
-    finally:
-        await server.close()
+    async with served(app) as url:
+        yield url
