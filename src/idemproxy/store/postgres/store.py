@@ -455,7 +455,7 @@ class PostgresStore(Store):
             )
             row = await self._run("complete", fetch, False)
         if row is None:
-            args = (*shared, self._late_bytes, key_id, job.key)
+            args = self._complete_arguments(request)
             row = await self._complete_row("complete", args, request.submitted)
         if self.citus is None:
             return row is not None
