@@ -271,6 +271,7 @@ async def test_a_body_refused_at_expect_carries_it(
     for answer, sent in zip(answers, ("exp-1", None), strict=True):
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 413 "), answer
+        assert b"\r\nConnection: close" in head  # the body never invited (RFC 9110 §10.1.1)
         given = json.loads(body)["request_id"]
         assert given == sent if sent is not None else uuid.UUID(given)
         assert f"\r\nX-Request-Id: {given}\r\n".encode() in head + b"\r\n"

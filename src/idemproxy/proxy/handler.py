@@ -103,18 +103,22 @@ class Proxy:
 
     def _too_large(self, request: web.Request) -> web.StreamResponse:
         """The 413 of `expect_continue`, which runs before `answer`: with the request's id, as
-        every problem of the proxy carries it (SPEC §8)."""
+        every problem of the proxy carries it (SPEC §8), and the connection closed after it."""
         settings = self.ctx.settings
         correlated = None
         if header := settings.request_id_header:
             correlated = CURRENT.set(correlation_of(header, request.headers.getall(header, [])))
         try:
-            return problem_response(
+            refused = problem_response(
                 BodyTooLarge(), profile=settings.profile, types=settings.problem_types
             )
         finally:
             if correlated is not None:
                 CURRENT.reset(correlated)
+        # RFC 9110 §10.1.1: the body was never invited, and the client may send it or its next
+        # request: either would be read as the other. Say that the connection ends here.
+        refused.force_close()
+        return refused
 
 
 async def handle(request: web.Request) -> web.StreamResponse:
