@@ -275,9 +275,10 @@ def _now() -> bytes:
 
 
 def _refusal(version: HttpVersion, status: int, server_token: str, date: bytes) -> bytes:
-    """A complete plain-text 4xx that closes the connection, in the version aiohttp read (1.0
-    when the request line itself was refused), naming the proxy as its other answers do (SPEC
-    §8: the offending bytes are never echoed; §10: the Server field)."""
+    """A complete plain-text 4xx that closes the connection, in the version aiohttp hands over
+    with its parser's error (1.0 for every head it refused, whatever the request line said),
+    naming the proxy as its other answers do (SPEC §8: the offending bytes are never echoed;
+    §10: the Server field)."""
     body = f"{status} {_phrase(status)}\n".encode("ascii")
     server = f"Server: {server_token}\r\n" if server_token else ""
     head = (
