@@ -38,6 +38,9 @@ class Execution:
 @dataclass
 class Ledger:
     executions: list[Execution] = field(default_factory=list)
+    # Keys of requests that reached the handler, recorded before any delay: a test can wait
+    # until a request is in flight upstream instead of guessing how long that takes.
+    arrivals: list[str | None] = field(default_factory=list)
 
     def count(self, key: str | None = None) -> int:
         if key is None:
@@ -51,6 +54,7 @@ LEDGER = web.AppKey("ledger", Ledger)
 async def _handle(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     query = request.query
+    request.app[LEDGER].arrivals.append(request.headers.get("Idempotency-Key"))
     if "delay" in query:
         await asyncio.sleep(float(query["delay"]))
     ledger = request.app[LEDGER]
