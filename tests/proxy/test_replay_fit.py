@@ -10,6 +10,7 @@ import asyncio
 import gzip
 import os
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from idemproxy.proxy.server import fit
 from tests.support.proxyapp import ProxyClient, Server
 from tests.support.proxychecks import KEY, REPLAYED, assert_problem
 from tests.support.redisserver import RedisServer
@@ -242,11 +244,23 @@ async def test_a_gzip_of_many_tiny_members_is_decoded_in_linear_time(
 
 
 async def test_a_nested_gzip_of_empty_members_does_not_stall_other_requests(
-    make_proxy: ProxyFactory, sqlite_dsn: str, upstream: tuple[CodingUpstream, str]
+    make_proxy: ProxyFactory,
+    sqlite_dsn: str,
+    upstream: tuple[CodingUpstream, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """About 150 stored bytes of `gzip, gzip, gzip` around 8 MiB of empty members: decoded on
     the event loop (the stored size decided), 0.4 to 0.55 s each; 30 retries at once held a
     request passing through for up to 695 ms. Now refused, off the loop."""
+    decoded_on: list[threading.Thread] = []  # where each decode without a budget ran
+    fit_response = fit.fit_response
+
+    def recorded(*args: Any) -> Any:
+        if len(args) < 4 or args[3] is None:  # on the loop only under a small budget
+            decoded_on.append(threading.current_thread())
+        return fit_response(*args)
+
+    monkeypatch.setattr(fit, "fit_response", recorded)
     coding, url = upstream
     inner = gzip.compress(b"", mtime=0) * (8 * 1024 * 1024 // 20)
     coding.coded = gzip.compress(gzip.compress(inner, mtime=0), mtime=0)
@@ -267,6 +281,9 @@ async def test_a_nested_gzip_of_empty_members_does_not_stall_other_requests(
     retries = [asyncio.ensure_future(retry()) for _ in range(30)]
     waits = [await passing() for _ in range(10)]
     statuses = await asyncio.gather(*retries)
-    assert max(waits) < 0.4  # generous for a busy machine; up to 695 ms before
+    # Off the event loop's thread: the loop's gaps, bounded by wall clock, also measure how
+    # busy the machine is, so the bound is loose and the thread is the check.
+    assert decoded_on and threading.main_thread() not in decoded_on
+    assert max(waits) < 1.5
     assert statuses == [406] * 30
     assert coding.executions == 1 + 10

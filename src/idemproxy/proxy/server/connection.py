@@ -90,6 +90,7 @@ class GuardedHandler(web.RequestHandler):
         self.queued = False  # bytes after that body arrived: a pipelined request waits
         self.unread: StreamReader | None = None  # a body aiohttp drains after the response
         self.closing = False  # a shutdown began: the next response closes the connection
+        self.last_read = b""  # what the last read brought, for `handle_error`
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -97,6 +98,7 @@ class GuardedHandler(web.RequestHandler):
         self.head_deadline.start(self.header_timeout)
 
     def data_received(self, data: bytes) -> None:
+        self.last_read = data
         body = self.body
         if not data or self._draining():
             super().data_received(data)
@@ -232,6 +234,17 @@ class GuardedHandler(web.RequestHandler):
         log.info("malformed request from %s refused with %d", request.remote, status)
         if request.writer.output_size > 0:
             raise ConnectionError("the response has started; no room for the 4xx")
+        if _may_hold_a_request_before_the_refused_bytes(self.last_read):
+            # aiohttp's parser takes one read as a unit: when it refuses bytes, the requests it
+            # completed earlier in the same read are dropped with them, unanswered and never
+            # run. A 400 now would be read as the answer to the first of them (SPEC §7: one
+            # answer per request, and only its own). Closed without an answer instead: a client
+            # retries the requests that a closed connection left unanswered (RFC 9112 §9.3.2).
+            log.info("malformed request from %s in a pipelined read: closed", request.remote)
+            self.force_close()
+            if self.transport is not None:
+                self.transport.close()
+            return _CLOSED
         # Written here, whole: a refusal before any request exists passes no application hook,
         # and aiohttp's own response would name it (`Server: Python/x aiohttp/y`, SPEC §10).
         transport = self.transport
@@ -254,6 +267,14 @@ class GuardedHandler(web.RequestHandler):
         if self.head_started:  # RFC 9110 §15.5.9; a connection that sent nothing just closes
             transport.write(_REQUEST_TIMEOUT_LINE + _now() + _request_timeout(self.server_token))
         self.force_close()
+
+
+def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
+    """Whether the read in which the parser failed holds a whole head with more lines after it:
+    a request (or its body) and the next request's first line. One head alone, or one head
+    and a body without a line end, is only the refused request: its 400 is its own."""
+    end = read.find(b"\r\n\r\n")
+    return end != -1 and read.find(b"\r\n", end + 4) != -1
 
 
 def _written(response: web.StreamResponse) -> None:
