@@ -270,11 +270,25 @@ class GuardedHandler(web.RequestHandler):
 
 
 def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
-    """Whether the read in which the parser failed holds a whole head with more lines after it:
-    a request (or its body) and the next request's first line. One head alone, or one head
-    and a body without a line end, is only the refused request: its 400 is its own."""
+    """Whether the read in which the parser failed goes on past the first request in it: its
+    head and the body its one Content-Length frames (none without one). Only the refused
+    request, whatever its body holds, gets its own 400; so does one whose end cannot be told
+    (chunked, or a Content-Length that is missing its digits or given twice)."""
     end = read.find(b"\r\n\r\n")
-    return end != -1 and read.find(b"\r\n", end + 4) != -1
+    if end == -1:
+        return False
+    head = read[:end].lower()
+    if b"\r\ntransfer-encoding:" in head:
+        return False
+    field = head.find(b"\r\ncontent-length:")
+    if field == -1:
+        return end + 4 < len(read)
+    if head.find(b"\r\ncontent-length:", field + 1) != -1:
+        return False
+    start = field + len(b"\r\ncontent-length:")
+    stop = head.find(b"\r\n", start)
+    value = head[start : len(head) if stop == -1 else stop].strip()
+    return value.isdigit() and end + 4 + int(value) < len(read)
 
 
 def _written(response: web.StreamResponse) -> None:
