@@ -19,6 +19,7 @@
     │   ├── RequestTimeout          408 request-timeout
     │   ├── ClientDisconnected      499 client-disconnected (logged and counted, never sent)
     │   ├── BodyTooLarge            413 body-too-large
+    │   ├── ExpectationFailed       417 expectation-failed (an Expect other than 100-continue)
     │   ├── UpstreamUnavailable     502 upstream-unavailable
     │   ├── ContractViolation       502 contract-violation
     │   ├── StoreUnavailable        503 store-unavailable + Retry-After
@@ -261,6 +262,14 @@ class ClientDisconnected(ProblemError):
 
     # nginx's 499: nobody receives this answer, but the request line and the metrics need one.
     code, status, title = "client-disconnected", 499, "Client closed request"
+
+
+class ExpectationFailed(ProblemError):
+    """The request's `Expect` is one the proxy does not know: only `100-continue` has a meaning
+    (RFC 9110 §10.1.1); nothing was read, claimed or forwarded."""
+
+    code, status, title = "expectation-failed", 417, "Expectation failed"
+    retry = NEW_KEY_SAFE
 
 
 class BodyTooLarge(ProblemError):

@@ -91,8 +91,9 @@ REQUESTS = {
         b"POST /pay HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n",
         b"{}",
     ),
-    "unknown expectation": (
-        b"POST /pay HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\nExpect: tea\r\n\r\n",
+    "unknown expectation": (  # a problem: its id named, to be the same on both (SPEC §8)
+        b"POST /pay HTTP/1.1\r\nHost: proxy\r\nX-Request-Id: tea-1\r\nContent-Length: 2\r\n"
+        b"Expect: tea\r\n\r\n",
         b"{}",
     ),
     "HTTP/1.0 with an expectation": (

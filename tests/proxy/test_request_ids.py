@@ -245,11 +245,16 @@ async def test_problem_documents_and_every_line_of_the_request_carry_it(
     assert failed["level"] == "warning" and failed["request_id"] == "r0", failed
 
 
+@pytest.mark.parametrize(
+    ("expect", "status", "code"),
+    [(b"100-continue", b"413", "body-too-large"), (b"x-unknown", b"417", "expectation-failed")],
+)
 async def test_a_body_refused_at_expect_carries_it(
-    sqlite_dsn: str, upstream: tuple[str, Seen]
+    sqlite_dsn: str, upstream: tuple[str, Seen], expect: bytes, status: bytes, code: str
 ) -> None:
-    """The 413 given before a declared over-size body is invited (RFC 9110 §10.1.1) is answered
-    before the request's handler runs: it carries the request's id all the same (SPEC §8)."""
+    """The 413 given before a declared over-size body is invited, and the 417 of an unknown
+    expectation (RFC 9110 §10.1.1), are answered before the request's handler runs: each is a
+    problem that carries the request's id all the same (SPEC §8), and ends the connection."""
     url, seen = upstream
     proxy = await _proxy(url, sqlite_dsn, max_request_body=1024)
     try:
@@ -260,7 +265,9 @@ async def test_a_body_refused_at_expect_carries_it(
             writer.write(
                 b"POST /pay HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: k\r\n"
                 + ids
-                + b"Content-Length: 4096\r\nExpect: 100-continue\r\n\r\n"
+                + b"Content-Length: 4096\r\nExpect: "
+                + expect
+                + b"\r\n\r\n"
             )
             answers.append(await asyncio.wait_for(reader.read(65536), 10))
             writer.close()
@@ -270,9 +277,15 @@ async def test_a_body_refused_at_expect_carries_it(
     assert seen == []
     for answer, sent in zip(answers, ("exp-1", None), strict=True):
         head, _, body = answer.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 413 "), answer
+        assert head.startswith(b"HTTP/1.1 " + status + b" "), answer
         assert b"\r\nConnection: close" in head  # the body never invited (RFC 9110 §10.1.1)
-        given = json.loads(body)["request_id"]
+        problem = json.loads(body)
+        assert (problem["code"], problem["job_state"], problem["retry"]) == (
+            code,
+            "none",
+            "new-key-safe",
+        )
+        given = problem["request_id"]
         assert given == sent if sent is not None else uuid.UUID(given)
         assert f"\r\nX-Request-Id: {given}\r\n".encode() in head + b"\r\n"
 

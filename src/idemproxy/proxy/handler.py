@@ -9,6 +9,7 @@ from idemproxy.core.types import Intent
 from idemproxy.errors import (
     BodyTooLarge,
     ClientDisconnected,
+    ExpectationFailed,
     HeaderInvalid,
     KeyMissing,
     NoRoute,
@@ -87,7 +88,7 @@ class Proxy:
         if request.version != HttpVersion11:
             return None
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return web.Response(status=417, text="Unknown Expect")
+            return self._refused_before_body(request, ExpectationFailed())
         ctx = self.ctx
         declared = request.content_length
         if (
@@ -96,21 +97,22 @@ class Proxy:
             and declared > ctx.settings.max_request_body
             and _reads_bounded(ctx, request)
         ):
-            return self._too_large(request)
+            return self._refused_before_body(request, BodyTooLarge())
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the interim response is not part of the body's size
         return None
 
-    def _too_large(self, request: web.Request) -> web.StreamResponse:
-        """The 413 of `expect_continue`, which runs before `answer`: with the request's id, as
-        every problem of the proxy carries it (SPEC §8), and the connection closed after it."""
+    def _refused_before_body(self, request: web.Request, error: ProblemError) -> web.StreamResponse:
+        """A refusal of `expect_continue` (417, 413), which runs before `answer`: with the
+        request's id, as every problem of the proxy carries it (SPEC §8), and the connection
+        closed after it."""
         settings = self.ctx.settings
         correlated = None
         if header := settings.request_id_header:
             correlated = CURRENT.set(correlation_of(header, request.headers.getall(header, [])))
         try:
             refused = problem_response(
-                BodyTooLarge(), profile=settings.profile, types=settings.problem_types
+                error, profile=settings.profile, types=settings.problem_types
             )
         finally:
             if correlated is not None:

@@ -296,6 +296,12 @@ class UpstreamResponse:
             waiter.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self.stage is _Stage.DONE:
+            # After a bodiless answer: llhttp, not told the request was a HEAD, reads on the
+            # body its Content-Length announced. Relayed, those bytes would be taken as the
+            # start of the client's next answer (RFC 9110 §9.3.2: a HEAD answer ends with its
+            # head); the connection is not reused after a HEAD (`release`).
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if not self._paused and self._buffered > _HIGH_WATER:
