@@ -14,6 +14,8 @@ import re
 import socket
 import time
 
+import pytest
+
 from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
@@ -139,6 +141,32 @@ async def test_a_next_head_begun_while_a_request_is_served_owes_the_deadline(
     assert b"HTTP/1.1 408 Request Timeout" in answer
     assert client.closed_after is not None and client.closed_after < 2.0
     assert [e.path_qs for e in ledger.executions] == ["/first"]
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        b"GET /first HTTP/1.1\r\nHost: proxy\r\n\r\n",
+        b"POST /first HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\n\r\n{}",
+        b"GET /first HTTP/1.1\r\nHost: proxy\r\n\r\nGET /whole HTTP/1.1\r\nHost: proxy\r\n\r\n",
+    ],
+    ids=["no body", "a body", "a whole request between"],
+)
+async def test_a_next_head_begun_in_the_same_read_owes_the_deadline(
+    listening_proxy: ListeningProxy, ledger: Ledger, first: bytes
+) -> None:
+    """The start of a next head in the very read that brought the request(s) before it, then
+    nothing more: its deadline runs from the last response on, not until `keepalive_timeout`
+    (5 s here)."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(first + b"POST /second HTTP/1.1\r\n")
+    answer = await client.result(timeout=4.0)
+    whole = first.count(b"HTTP/1.1\r\n")
+    assert answer.startswith(b"HTTP/1.1 201 Created")
+    assert answer.count(b"HTTP/1.1 201 Created") == whole
+    assert b"HTTP/1.1 408 Request Timeout" in answer
+    assert client.closed_after is not None and client.closed_after < 2.0
+    assert len(ledger.executions) == whole and b"/second" not in answer
 
 
 async def test_the_head_deadline_never_cuts_a_slow_upstream_or_a_body_in_time(

@@ -91,6 +91,10 @@ class GuardedHandler(web.RequestHandler):
         self.unread: StreamReader | None = None  # a body aiohttp drains after the response
         self.closing = False  # a shutdown began: the next response closes the connection
         self.last_read = b""  # what the last read brought, for `handle_error`
+        # A read that began with a request's head, and where in it the next request begins:
+        # the requests it brought are told apart there, for the head deadline (`_next_in_read`).
+        self.burst: bytes | None = None
+        self.burst_at = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -105,6 +109,8 @@ class GuardedHandler(web.RequestHandler):
         elif self.serving and body is not None:
             self._pipelined(body, data)
         else:
+            # A read that begins a head starts a burst; one that goes on with a head does not.
+            self.burst, self.burst_at = (None, 0) if self.head_started else (data, 0)
             self.head_started = True
             if not self.head_deadline.running:  # the first byte of the next head
                 self.head_deadline.start(self.header_timeout)
@@ -135,11 +141,30 @@ class GuardedHandler(web.RequestHandler):
         if not (self.serving or self.head_started or self.queued or self._draining()):
             self.close()
 
-    def request_started(self, body: StreamReader) -> None:
+    def request_started(self, body: StreamReader, length: int | None = 0) -> None:
         """aiohttp read a request's head and hands it to the handler: no deadline until the
-        response."""
-        self.serving, self.body, self.queued = True, body, False
+        response. `length`: its body's Content-Length (0 without a body), None when chunked."""
+        self.serving, self.body = True, body
         self.head_deadline.stop()
+        self.queued = self._next_in_read(length)
+
+    def _next_in_read(self, length: int | None) -> bool:
+        """Whether the read that brought this request's head also brought bytes of a next
+        request: once this one is answered, a head begun there owes the deadline as one begun
+        later does (`_pipelined`), or a client stalls it until keepalive_timeout (SPEC §9).
+        Followed only while each request's end can be told: its head, then `length` bytes."""
+        burst = self.burst
+        if burst is None:
+            return False
+        end = burst.find(b"\r\n\r\n", self.burst_at)
+        if end == -1 or length is None:
+            self.burst = None
+            return False
+        self.burst_at = end + 4 + length
+        if self.burst_at < len(burst):
+            return True
+        self.burst = None
+        return False
 
     async def respond(
         self, request: web.BaseRequest, response: web.StreamResponse
