@@ -174,6 +174,25 @@ async def test_an_expired_job_is_not_found(proxy: ProxyFactory, ledger: Ledger) 
     assert ledger.count() == 1
 
 
+async def test_an_unknown_job_past_its_ttl_is_still_unknown(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    """SPEC §3.1: an unknown job is never swept, whatever its ttl. A lookup that called it not
+    found (`retry: new-key-safe`) would send the client to run it again under a new key, while
+    a retry of the key itself is refused (409 outcome-unknown)."""
+    client = await proxy(status_header=STATUS, ttl=0.5, upstream_timeout=0.3)
+    headers = {KEY: "k-unknown", **ALICE}
+    async with client.post("/payments?delay=1", data=b"pay", headers=headers) as response:
+        assert response.status == 504
+    await asyncio.sleep(1.0)  # past the ttl
+    status, document = await lookup(client, "k-unknown", **ALICE)
+    assert (status, document["state"]) == (200, "unknown")
+    async with client.post("/payments?delay=1", data=b"pay", headers=headers) as response:
+        await assert_problem(response, "outcome-unknown", 409)
+    await settle_quietly()
+    assert ledger.count("k-unknown") == 1
+
+
 async def test_lookups_are_counted_as_their_own_outcome(proxy: ProxyFactory) -> None:
     client = await proxy(status_header=STATUS)
     async with client.post("/payments", data=b"pay", headers={KEY: "k8", **ALICE}) as response:

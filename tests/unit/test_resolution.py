@@ -93,6 +93,9 @@ def test_never_executed_must_be_explicit() -> None:
         (200, json.dumps({"job": "job-2", "attempt": 2, "executed": False}).encode()),
         (200, json.dumps({"job": "job-1", "attempt": 1, "executed": False}).encode()),
         (200, json.dumps({"job": "job-1", "attempt": "2", "executed": False}).encode()),
+        (200, json.dumps({"job": "job-1", "attempt": 2.0, "executed": False}).encode()),
+        (200, b'{"job": "job-1", "attempt": 2e0, "executed": false}'),
+        (200, json.dumps({"job": "job-1", "attempt": [2], "executed": False}).encode()),
         (200, json.dumps({"executed": False}).encode()),
         (200, answer(executed=True)),
         (200, answer(executed=True, response={"status": 101})),
@@ -110,6 +113,16 @@ def test_anything_else_proves_nothing(status: int | None, body: bytes | None) ->
     assert reading.verdict is Verdict.UNKNOWN
     assert reading.response is None
     assert reading.reason
+
+
+def test_true_names_no_attempt() -> None:
+    """`true == 1` in Python: an answer with `"attempt": true` about attempt 1 proves nothing."""
+    first = Question("job-1", "k-1", 1, "POST", "/payments")
+    for named in (True, 1.0):
+        body = json.dumps({"job": "job-1", "attempt": named, "executed": False}).encode()
+        assert read_reconcile_answer(first, 200, body).verdict is Verdict.UNKNOWN
+    body = json.dumps({"job": "job-1", "attempt": 1, "executed": False}).encode()
+    assert read_reconcile_answer(first, 200, body).verdict is Verdict.NOT_EXECUTED
 
 
 def test_questions_are_about_every_unknown_attempt() -> None:

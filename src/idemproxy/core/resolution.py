@@ -88,7 +88,13 @@ def read_reconcile_answer(question: Question, status: int | None, body: bytes | 
         return _unknown("not JSON")
     if not isinstance(data, dict):
         return _unknown("not a JSON object")
-    if data.get("job") != question.job_id or data.get("attempt") != question.attempt:
+    # The attempt as a JSON integer: `true` and `1.0` equal 1 in Python, and name no attempt.
+    attempt = data.get("attempt")
+    if (
+        data.get("job") != question.job_id
+        or type(attempt) is not int
+        or attempt != question.attempt
+    ):
         return _unknown("an answer about another job or attempt")
     executed = data.get("executed")
     if executed is False:

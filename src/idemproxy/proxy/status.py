@@ -11,6 +11,7 @@ import json
 
 from aiohttp import web
 
+from idemproxy.core.states import EXPIRABLE
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import KeyNotFound
 from idemproxy.identity.key import parse_key
@@ -43,7 +44,9 @@ async def answer_status(
     job = await ctx.store.get(owner, key)
     if job is None and legacy is not None:  # SPEC §5: a job from before `owner.pepper`
         job = await ctx.store.get(legacy, key)
-    if job is None or job.expired:
+    # SPEC §3.1: only completed and released jobs expire; an unknown or in-flight one past its
+    # ttl is still there, and "not found" (new-key-safe) would invite a second execution.
+    if job is None or (job.expired and job.state in EXPIRABLE):
         raise KeyNotFound()
     trace.job_id = job.id
     return web.Response(
