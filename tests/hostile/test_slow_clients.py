@@ -143,6 +143,26 @@ async def test_a_next_head_begun_while_a_request_is_served_owes_the_deadline(
     assert [e.path_qs for e in ledger.executions] == ["/first"]
 
 
+async def test_a_head_begun_after_a_pipelined_request_owes_the_deadline(
+    listening_proxy: ListeningProxy, ledger: Ledger
+) -> None:
+    """While a request is served: the end of its body, a whole next request, and the start of
+    a third head, then nothing more. The third head's deadline runs from the second's
+    response on, not until `keepalive_timeout` (5 s here)."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(b"POST /first HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\n\r\n{")
+    await asyncio.sleep(0.1)  # the request is being served, its body half read
+    await client.send(
+        b"}GET /second HTTP/1.1\r\nHost: proxy\r\n\r\nPOST /third HTTP/1.1\r\nHost: proxy\r\n"
+    )
+    answer = await client.result(timeout=4.0)
+    assert answer.startswith(b"HTTP/1.1 201 Created")
+    assert answer.count(b"HTTP/1.1 201 Created") == 2
+    assert b"HTTP/1.1 408 Request Timeout" in answer
+    assert client.closed_after is not None and client.closed_after < 2.0
+    assert [e.path_qs for e in ledger.executions] == ["/first", "/second"]
+
+
 @pytest.mark.parametrize(
     "first",
     [

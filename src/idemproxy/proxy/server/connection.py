@@ -95,6 +95,7 @@ class GuardedHandler(web.RequestHandler):
         # the requests it brought are told apart there, for the head deadline (`_next_in_read`).
         self.burst: bytes | None = None
         self.burst_at = 0
+        self.framed = True  # the request being served has no body or a Content-Length
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -125,6 +126,12 @@ class GuardedHandler(web.RequestHandler):
         # the rest look like more than it is, and the test errs on the side of waiting.
         if done or (body.is_eof() and len(data) > body.total_bytes - before):
             self.queued = True
+            # The next request begins where the body ended, which a chunked body's framing
+            # hides: there the requests of this read are not followed (`_next_in_read`).
+            if done or self.framed:
+                self.burst, self.burst_at = data, 0 if done else body.total_bytes - before
+            else:
+                self.burst = None
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.head_deadline.close()
@@ -144,7 +151,7 @@ class GuardedHandler(web.RequestHandler):
     def request_started(self, body: StreamReader, length: int | None = 0) -> None:
         """aiohttp read a request's head and hands it to the handler: no deadline until the
         response. `length`: its body's Content-Length (0 without a body), None when chunked."""
-        self.serving, self.body = True, body
+        self.serving, self.body, self.framed = True, body, length is not None
         self.head_deadline.stop()
         self.queued = self._next_in_read(length)
 
