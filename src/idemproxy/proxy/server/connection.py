@@ -27,6 +27,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import HttpVersion, HttpVersion11, StreamReader, hdrs, web
+from aiohttp.http_parser import RawRequestMessage
 from multidict import CIMultiDict
 
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
@@ -92,7 +93,7 @@ class GuardedHandler(web.RequestHandler):
         self.closing = False  # a shutdown began: the next response closes the connection
         self.last_read = b""  # what the last read brought, for `handle_error`
         # A read that began with a request's head, and where in it the next request begins:
-        # the requests it brought are told apart there, for the head deadline (`_next_in_read`).
+        # the requests it brought are told apart there, for the head deadline (`request_started`).
         self.burst: bytes | None = None
         self.burst_at = 0
         self.framed = True  # the request being served has no body or a Content-Length
@@ -127,7 +128,7 @@ class GuardedHandler(web.RequestHandler):
         if done or (body.is_eof() and len(data) > body.total_bytes - before):
             self.queued = True
             # The next request begins where the body ended, which a chunked body's framing
-            # hides: there the requests of this read are not followed (`_next_in_read`).
+            # hides: there the requests of this read are not followed (`request_started`).
             if done or self.framed:
                 self.burst, self.burst_at = data, 0 if done else body.total_bytes - before
             else:
@@ -148,30 +149,29 @@ class GuardedHandler(web.RequestHandler):
         if not (self.serving or self.head_started or self.queued or self._draining()):
             self.close()
 
-    def request_started(self, body: StreamReader, length: int | None = 0) -> None:
+    def request_started(self, body: StreamReader, head: RawRequestMessage) -> None:
         """aiohttp read a request's head and hands it to the handler: no deadline until the
-        response. `length`: its body's Content-Length (0 without a body), None when chunked."""
-        self.serving, self.body, self.framed = True, body, length is not None
+        response. If the read that brought the head also brought bytes of a next request, a
+        head begun there owes the deadline once this request is answered, as one begun later
+        does (`_pipelined`), or a client stalls it until keepalive_timeout (SPEC §9). The
+        requests of a read are followed while each one's end can be told: its head, then the
+        body its Content-Length frames (none without one)."""
+        self.serving, self.body, self.framed = True, body, not head.chunked
+        self.queued = False
         self.head_deadline.stop()
-        self.queued = self._next_in_read(length)
-
-    def _next_in_read(self, length: int | None) -> bool:
-        """Whether the read that brought this request's head also brought bytes of a next
-        request: once this one is answered, a head begun there owes the deadline as one begun
-        later does (`_pipelined`), or a client stalls it until keepalive_timeout (SPEC §9).
-        Followed only while each request's end can be told: its head, then `length` bytes."""
-        burst = self.burst
+        burst = self.burst  # written out here, not a call: once per request
         if burst is None:
-            return False
+            return
         end = burst.find(b"\r\n\r\n", self.burst_at)
-        if end == -1 or length is None:
+        length = head.headers.get(hdrs.CONTENT_LENGTH, "0")
+        if end == -1 or head.chunked or not length.isdigit():
             self.burst = None
-            return False
-        self.burst_at = end + 4 + length
+            return
+        self.burst_at = end + 4 + int(length)
         if self.burst_at < len(burst):
-            return True
-        self.burst = None
-        return False
+            self.queued = True
+        else:
+            self.burst = None
 
     async def respond(
         self, request: web.BaseRequest, response: web.StreamResponse

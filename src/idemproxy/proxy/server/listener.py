@@ -159,20 +159,11 @@ def requests_with_head_writer(loop: asyncio.AbstractEventLoop) -> RequestFactory
     ) -> web.BaseRequest:
         writer = HeadWriter(protocol, loop)
         if isinstance(protocol, GuardedHandler):
-            protocol.request_started(payload, _framed_length(message))
+            protocol.request_started(payload, message)
             writer.connection = protocol
         return web.Request(message, payload, protocol, writer, task, loop)
 
     return make
-
-
-def _framed_length(message: RawRequestMessage) -> int | None:
-    """The body's length as Content-Length frames it (0 without one, as RFC 9112 §6.3 has it
-    for a request), None when chunked: the parser has checked the field."""
-    if message.chunked:
-        return None
-    length = message.headers.get(hdrs.CONTENT_LENGTH)
-    return int(length) if length is not None and length.isdigit() else 0
 
 
 def close_idle_connections(server: web.Server) -> None:
