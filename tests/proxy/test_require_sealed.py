@@ -16,6 +16,7 @@ from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.seal.store import SealingStore
 from tests.support.backend import Ledger
 from tests.support.keyring import OLD
+from tests.support.metrics import counted
 from tests.support.proxyapp import ProxyClient, ProxyFactory
 from tests.support.proxychecks import KEY, REPLAYED, assert_problem, eventually, wait_for_jobs
 from tests.support.rawrows import RawRows
@@ -62,8 +63,15 @@ async def test_a_response_planted_in_the_clear_is_refused(
     await rows.set_job(job_id, "response_key", None)
     await rows.set_job(job_id, "response_headers", '[["X-Planted","1"]]')
     await rows.set_job(job_id, "response_body", b"planted")
-    await _refused(await proxy(**STRICT))
+    strict = await proxy(**STRICT)
+    await _refused(strict)
     assert ledger.count() == 1
+    # A stored response that cannot be opened is the proxy failing to answer, not a client's
+    # request refused (docs/operations.md, "Metrics"): an alert on `unavailable` sees it.
+    registry = strict.app[CONTEXT].metrics.registry
+    total = "idemproxy_requests_total"
+    assert counted(registry, total, outcome="unavailable", status_class="5xx", source="proxy") == 1
+    assert counted(registry, total, outcome="rejected") == 0
 
 
 async def test_a_held_duplicate_is_refused_a_response_completed_in_the_clear(

@@ -7,14 +7,17 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from pydantic import ValidationError
 
 from idemproxy.config.settings import load_settings
 from idemproxy.errors import ConfigError
 from idemproxy.proxy import tracing
-from idemproxy.proxy.app import tracing_from_settings
+from idemproxy.proxy.app import create_app, tracing_from_settings
+from idemproxy.proxy.context import CONTEXT
 
 UPSTREAM = "http://127.0.0.1:9"
 
@@ -162,3 +165,20 @@ def test_otel_sdk_disabled_false_keeps_tracing(value: str, monkeypatch: pytest.M
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
     settings = load_settings(upstream=UPSTREAM, tracing={"enabled": True})
     assert isinstance(tracing_from_settings(settings), tracing.Tracing)
+
+
+async def test_the_sdk_switch_is_logged_once_when_serve_hands_its_tracing_over(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """`idemproxy serve` reads the tracing settings before opening the store and hands the
+    app what it got, None included: the app reads them no second time, and the start-up line
+    (docs/operations.md, "Tracing") comes once."""
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    caplog.set_level("INFO")
+    settings = load_settings(
+        upstream=UPSTREAM, store=f"sqlite:///{tmp_path / 'jobs.db'}", tracing={"enabled": True}
+    )
+    spans = tracing_from_settings(settings)
+    async with TestClient(TestServer(create_app(settings, tracing=spans))) as client:
+        assert client.app[CONTEXT].tracing is None
+    assert caplog.text.count("OTEL_SDK_DISABLED is true") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 import pytest
@@ -58,6 +59,55 @@ def test_the_decoded_job_replays_or_mismatches_like_the_stored_one() -> None:
 )
 def test_an_entry_it_cannot_read_is_a_miss(payload: bytes) -> None:
     assert decode(payload, OWNER, "k") is None
+
+
+def _altered(**fields: object) -> bytes:
+    """A valid entry with some of its metadata replaced (as someone with write access to Redis
+    could): `None` removes the field."""
+    entry = encode(_job())
+    head, _, body = entry[1:].partition(b"\n")
+    meta = json.loads(head)
+    for name, value in fields.items():
+        if value is None:
+            del meta[name]
+        else:
+            meta[name] = value
+    return entry[:1] + json.dumps(meta).encode() + b"\n" + body
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"exp": 1e20},  # beyond what a timestamp holds: OverflowError
+        {"exp": -1e20},
+        {"exp": "2030"},
+        {"s": 0},  # no status this proxy stores (RFC 9110 §15): never replayed as one
+        {"s": 999},
+        {"s": 101},
+        {"s": True},
+        {"s": 201.0},
+        {"s": "201"},
+        {"omit": "no"},  # bool("no") is True: the body would be replayed as omitted
+        {"omit": 0},
+        {"v": True},
+        {"v": "3"},
+        {"n": 2.5},
+        {"by": "2"},
+        {"id": 7},
+        {"fp": None},
+        {"h": [["a"]]},
+    ],
+)
+def test_an_entry_with_fields_encode_never_writes_is_a_miss(fields: dict[str, object]) -> None:
+    """SPEC §11: an entry this version cannot read is a miss, never an error (a 500 without a
+    problem) nor a replay of what no upstream answered."""
+    assert decode(_altered(**fields), OWNER, 'k"1 é') is None
+
+
+def test_an_entry_with_the_fields_encode_writes_is_read() -> None:
+    assert decode(_altered(), OWNER, 'k"1 é') == _job()
+    assert decode(_altered(by=None), OWNER, 'k"1 é') is None  # the field must be there
+    assert decode(b"1[]\n", OWNER, "k") is None
 
 
 def test_names_hash_owner_and_key_and_keep_tombstones_in_the_entry_slot() -> None:

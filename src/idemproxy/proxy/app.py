@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,6 +40,17 @@ if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemp
     from idemproxy.proxy.tracing import Tracing
 
 log = logging.getLogger(__name__)
+
+
+class _FromSettings(enum.Enum):
+    """`create_app`'s default for `tracing`: made from the settings as the app starts. A caller
+    that made it already (`idemproxy serve`, before opening the store) passes what it got, None
+    included, so that the settings are read, and their start-up line logged, once."""
+
+    FROM_SETTINGS = enum.auto()
+
+
+FROM_SETTINGS = _FromSettings.FROM_SETTINGS
 # The process's store: the hot path, which the requests use, and the store of record.
 STORES = web.AppKey("idemproxy.stores", StoreStack)
 
@@ -49,13 +61,13 @@ def create_app(
     store: Stacked | None = None,
     metrics: Metrics | None = None,
     owner: OwnerPolicy | None = None,
-    tracing: Tracing | None = None,
+    tracing: Tracing | _FromSettings | None = FROM_SETTINGS,
 ) -> web.Application:
     """The proxy app. An injected `store` (the outermost of its layers) is owned (opened,
     migrated, closed) by the caller; `metrics` are shared with the admin listener that serves
     them; `owner`, when not given, is built from `settings.owner` as the app starts, and so is
-    `tracing` from `settings.tracing` (`tracing_from_settings`). The app shuts its tracing down
-    after the drain."""
+    `tracing` from `settings.tracing` (`tracing_from_settings`) unless given, None included.
+    The app shuts its tracing down after the drain."""
     app = web.Application(
         handler_args={
             "max_line_size": settings.server.max_line_size,
@@ -105,7 +117,7 @@ def _lifecycle(
     injected: Stacked | None,
     metrics: Metrics,
     owner: OwnerPolicy | None,
-    tracing: Tracing | None,
+    tracing: Tracing | _FromSettings | None,
 ) -> Callable[[web.Application], contextlib.AbstractAsyncContextManager[None]]:
     @contextlib.asynccontextmanager
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -118,7 +130,7 @@ def _lifecycle(
             upstream = _upstream_client(settings, failpoints, metrics)
             await upstream.open()
             stack.push_async_callback(upstream.close)
-            spans = tracing if tracing is not None else tracing_from_settings(settings)
+            spans = tracing_from_settings(settings) if tracing is FROM_SETTINGS else tracing
             if spans is not None:
                 stack.push_async_callback(spans.shutdown)  # after the drain: its last spans
             services = Services(failpoints, metrics, owner, spans)

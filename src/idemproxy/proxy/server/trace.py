@@ -35,6 +35,7 @@ from idemproxy.errors import (
     QuotaExceeded,
     RequestInFlight,
     RequestTimeout,
+    ResponseUnreadable,
     ShuttingDown,
     StoreUnavailable,
     TooManyWaiters,
@@ -70,6 +71,9 @@ _PROBLEM_OUTCOMES: dict[type[ProblemError], RequestOutcome] = {
     QuotaExceeded: RequestOutcome.REJECTED,
     ShuttingDown: RequestOutcome.UNAVAILABLE,
     IdentityUnavailable: RequestOutcome.UNAVAILABLE,
+    # The job completed, but its stored response cannot be opened (SPEC §11): the proxy's
+    # failure to answer, not the client's request refused.
+    ResponseUnreadable: RequestOutcome.UNAVAILABLE,
     KeyInvalid: RequestOutcome.REJECTED,
     HeaderInvalid: RequestOutcome.REJECTED,
     PathInvalid: RequestOutcome.REJECTED,

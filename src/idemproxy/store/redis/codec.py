@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from datetime import UTC, datetime
 from typing import Any
 
@@ -68,7 +69,9 @@ def encode(job: Job) -> bytes:
 
 
 def decode(payload: bytes, owner: str, key: str) -> Job | None:
-    """The job in an entry, or None for an entry this version cannot read."""
+    """The job in an entry, or None for an entry this version cannot read: any other format,
+    or one whose fields are not what `encode` writes (SPEC §11: a miss, never an error, and
+    never a replay of what no upstream could have answered)."""
     if not payload.startswith((_FORMAT, _SEALED_FORMAT)):
         return None
     sealed = payload.startswith(_SEALED_FORMAT)
@@ -77,30 +80,60 @@ def decode(payload: bytes, owner: str, key: str) -> Job | None:
         return None
     try:
         meta = json.loads(head)
+        if not isinstance(meta, dict):
+            return None
         return _job(meta, (owner, key), body, sealed=sealed)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError, OSError):
         return None
 
 
 def _job(meta: dict[str, Any], scope: tuple[str, str], body: bytes, *, sealed: bool) -> Job:
     owner, key = scope
+    status, omitted = _integer(meta, "s"), meta["omit"]
+    # A stored response is a final one (RFC 9110 §15): what an operator's resolution is held to.
+    if not 200 <= status <= 599 or type(omitted) is not bool:
+        raise ValueError("not a response this proxy stores")
     response: KeptResponse
     if sealed:
-        response = SealedResponse(int(meta["s"]), bool(meta["omit"]), str(meta["k"]), body)
+        response = SealedResponse(status, omitted, _text(meta, "k"), body)
     else:
         headers = pairs_from_json(meta["h"])
-        response = StoredResponse(int(meta["s"]), headers, None if meta["omit"] else body)
+        response = StoredResponse(status, headers, None if omitted else body)
+    completed_by = meta["by"]
+    if completed_by is not None:
+        completed_by = _integer(meta, "by")
     return Job(
-        id=str(meta["id"]),
+        id=_text(meta, "id"),
         owner=owner,
         key=key,
-        fingerprint=str(meta["fp"]),
+        fingerprint=_text(meta, "fp"),
         state=JobState.COMPLETED,
-        version=int(meta["v"]),
-        attempt_count=int(meta["n"]),
-        method=str(meta["m"]),
-        path=str(meta["p"]),
-        completed_by=meta["by"],
+        version=_integer(meta, "v"),
+        attempt_count=_integer(meta, "n"),
+        method=_text(meta, "m"),
+        path=_text(meta, "p"),
+        completed_by=completed_by,
         response=response,
-        expires_at=datetime.fromtimestamp(float(meta["exp"]), tz=UTC),
+        expires_at=datetime.fromtimestamp(_number(meta, "exp"), tz=UTC),
     )
+
+
+def _integer(meta: dict[str, Any], name: str) -> int:
+    value = meta[name]
+    if type(value) is not int:  # not a bool, a float or a string of digits
+        raise TypeError(name)
+    return value
+
+
+def _number(meta: dict[str, Any], name: str) -> float:
+    value = meta[name]
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise TypeError(name)
+    return float(value)
+
+
+def _text(meta: dict[str, Any], name: str) -> str:
+    value = meta[name]
+    if type(value) is not str:
+        raise TypeError(name)
+    return value
