@@ -162,6 +162,12 @@ async def test_a_resume_that_gets_the_answer_counts_it_executed(tmp_path: Path) 
         ("fail=9&status=409&code=outcome-unknown", "unknown", True),
         # Refused before anything was sent, then answered: nothing in doubt.
         ("fail=9&status=503", "failed", False),
+        # Held past the proxy's max_wait until the retries ran out: an execution of this very
+        # key runs (one a killed run of this batch started), and will be paid.
+        ("fail=9&status=409&code=request-in-flight", "failed", True),
+        ("fail=9&status=503&code=too-many-waiters", "failed", True),
+        # Not stored, nothing said of the key's job: it started nothing.
+        ("fail=9&status=503&code=store-unavailable", "failed", False),
     ],
 )
 async def test_what_leaves_an_item_in_doubt(
@@ -179,6 +185,52 @@ async def test_what_leaves_an_item_in_doubt(
     if in_doubt:
         assert result["worst_case"]["output_tokens"] == 30
         assert len(summary.file_ledger.in_doubt) == 1
+
+
+async def test_a_resume_that_finds_a_killed_runs_items_running_counts_them(
+    tmp_path: Path,
+) -> None:
+    """A run killed (SIGKILL) with two items executing upstream writes no line for them; the
+    proxy goes on executing both (SPEC §2). A resume started at once is held on their keys past
+    the proxy's max_wait and answered `409 request-in-flight` until its retries run out: those
+    executions will be paid, so their worst case stays counted and the resume stops before the
+    budget, sending nothing more. Before, they counted nothing and two more items were paid."""
+    api = LlmApi(delay=3.0)
+    items = llm_items(6, max_tokens=10)
+    limit = _two_fit(items)
+    source, out = write_jsonl(tmp_path / "in.jsonl", items), tmp_path / "out.jsonl"
+    runner, upstream = await start_app(llm_app(api))
+    try:
+        process, url = await start_proxy(upstream, tmp_path, {"IDEMPROXY_MAX_WAIT": "0.2"})
+        try:
+            killed = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "idemproxy", "batch", "run", str(source),
+                "--target", url, "--output", str(out), "--concurrency", "2",
+                "--max-tokens", str(limit),
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+            for _ in range(400):
+                if api.in_flight == 2:
+                    break
+                await asyncio.sleep(0.025)
+            assert api.in_flight == 2
+            killed.kill()
+            await killed.wait()
+            options = BatchOptions(
+                target=url, concurrency=2, max_tokens=limit, retries=2,
+                backoff_base=0.01, backoff_max=0.05,
+            )  # fmt: skip
+            summary = await run_batch(items, out, options)
+            await _until_idle(api)
+        finally:
+            await stop_process(process)
+    finally:
+        await runner.cleanup()
+    assert len(api.executions) == 2  # the killed run's two; the resume paid for none
+    assert summary.budget_stop is not None
+    results = read_results(out)
+    assert len(results) == 2 and all(r["worst_case"] for r in results)
+    assert len(summary.file_ledger.in_doubt) == 2
 
 
 async def test_the_proxys_unknown_keeps_the_worst_case_and_the_run_stops(tmp_path: Path) -> None:

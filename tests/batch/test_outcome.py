@@ -17,6 +17,7 @@ from idemproxy.batch.outcome import (
     may_have_executed,
     next_delay,
     problem_advice,
+    problem_standing,
     retry_after_seconds,
     settles,
 )
@@ -168,6 +169,38 @@ ADVICE = {"outcome-unknown": "never", "upstream-timeout": "never",
 
 
 @pytest.mark.parametrize(
+    ("code", "job_state", "may"),
+    [
+        ("store-unavailable", "in_flight", True),  # SPEC §8: the outcome awaits its write
+        ("store-unavailable", "none", False),  # before any claim: nothing ran
+        ("shutting-down", "in_flight", True),  # a held duplicate's: its job runs
+        ("shutting-down", "none", False),
+        ("request-in-flight", "in_flight", True),
+    ],
+)
+def test_a_problem_about_a_job_in_flight_leaves_the_item_in_doubt(
+    code: str, job_state: str, may: bool
+) -> None:
+    verdict = classify(503, code, advice="same-key")
+    assert verdict is Verdict.RETRY
+    assert may_have_executed(503, code, verdict, job_state) is may
+
+
+@pytest.mark.parametrize(
+    ("body", "standing"),
+    [
+        (b'{"retry": "same-key", "job_state": "in_flight"}', ("same-key", "in_flight")),
+        (b'{"retry": "later", "job_state": "running"}', (None, None)),
+        (b'{"job_state": "none"}', (None, "none")),
+        (b"[]", (None, None)),
+        (b"\xff", (None, None)),
+    ],
+)
+def test_problem_standing(body: bytes, standing: tuple[str | None, str | None]) -> None:
+    assert problem_standing(body) == standing
+
+
+@pytest.mark.parametrize(
     ("status", "code", "may", "settled"),
     [
         (200, None, False, True),  # the execution's answer
@@ -178,7 +211,9 @@ ADVICE = {"outcome-unknown": "never", "upstream-timeout": "never",
         (504, None, True, False),
         (503, None, False, False),  # not processed, and not the execution's answer
         (429, None, False, False),
-        (409, "request-in-flight", False, False),  # held: the execution is another try's
+        # Held: an execution of this very key runs (a killed run's), and will be paid.
+        (409, "request-in-flight", True, False),
+        (503, "too-many-waiters", True, False),
         (503, "store-unavailable", False, False),
         (409, "payload-mismatch", False, False),  # a problem of the proxy's: nothing ran
     ],

@@ -21,7 +21,7 @@ from idemproxy.batch.outcome import (
     classify,
     may_have_executed,
     next_delay,
-    problem_advice,
+    problem_standing,
     retry_after_seconds,
     settles,
 )
@@ -73,6 +73,8 @@ class Answer:
     rate_limit_pause: float | None = None
     # The `retry` member of the proxy's own problem document (SPEC §8), else None.
     advice: str | None = None
+    # Its `job_state` member (SPEC §8), else None.
+    job_state: str | None = None
 
     @property
     def rate_limited(self) -> bool:
@@ -184,7 +186,9 @@ async def _try_once(
         omitted=answer.omitted,
         advice=answer.advice,
     )
-    tries.unanswered |= may_have_executed(answer.status, answer.error_code, verdict)
+    tries.unanswered |= may_have_executed(
+        answer.status, answer.error_code, verdict, answer.job_state
+    )
     tries.settled = settles(answer.error_code, verdict)
     return verdict
 
@@ -202,6 +206,7 @@ async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: f
         headers = response.headers
         limited = response.status in RATE_LIMITED_STATUSES
         error_code = valid_text(headers.get(ERROR_HEADER))
+        advice, job_state = problem_standing(body) if error_code is not None else (None, None)
         # aiohttp keeps undecodable header bytes as lone surrogates: made valid text here, so
         # that whatever the upstream sent, the record can be written (records.py).
         return Answer(
@@ -213,7 +218,8 @@ async def _exchange(session: aiohttp.ClientSession, request: Request, timeout: f
             content_type=valid_text(headers.get("Content-Type")),
             body=body,
             rate_limit_pause=pause_seconds(headers) if limited else None,
-            advice=problem_advice(body) if error_code is not None else None,
+            advice=advice,
+            job_state=job_state,
         )
 
 

@@ -25,6 +25,7 @@ from idemproxy.errors import (
     OutcomeUnknown,
     PayloadMismatch,
     RequestInFlight,
+    TooManyWaiters,
 )
 
 _RNG = random.Random()
@@ -40,6 +41,10 @@ class Verdict(Enum):
 
 # SPEC §8: what the proxy's own problem says the client may do next.
 _ADVICE = {SAME_KEY: Verdict.RETRY, NEW_KEY_SAFE: Verdict.FAILED, NEVER: Verdict.UNKNOWN}
+# SPEC §8 `job_state`: the key's job is running. Without the member (an older proxy's problem),
+# the codes that are only ever given about a job in flight say the same.
+IN_FLIGHT = "in_flight"
+_IN_FLIGHT_CODES = frozenset({RequestInFlight.code, TooManyWaiters.code})
 
 
 def classify(
@@ -83,15 +88,21 @@ def classify(
 _SETTLING = frozenset({Verdict.DONE, Verdict.FAILED})
 
 
-def may_have_executed(status: int, error_code: str | None, verdict: Verdict) -> bool:
+def may_have_executed(
+    status: int, error_code: str | None, verdict: Verdict, job_state: str | None = None
+) -> bool:
     """Whether an answer says the request may have executed without saying what it did.
 
     SPEC §3.2: `outcome-unknown` and the proxy's other `never` answers, or a gateway of the
     upstream's own that failed (it may have passed the request on). A proxy problem that is
-    retried under the same key (`request-in-flight`, `store-unavailable`, …) started nothing.
+    retried under the same key started nothing itself; but one that says the key's job is in
+    flight (SPEC §8 `job_state`: `request-in-flight`, `too-many-waiters`, a `store-unavailable`
+    whose outcome awaits its write) says an execution of this very key runs: one a killed run
+    of this batch started, say, which will be paid whatever this run does.
     """
     gateway = error_code is None and status in GATEWAY_FAILURES
-    return verdict is Verdict.UNKNOWN or (verdict is Verdict.RETRY and gateway)
+    in_flight = job_state == IN_FLIGHT or (job_state is None and error_code in _IN_FLIGHT_CODES)
+    return verdict is Verdict.UNKNOWN or (verdict is Verdict.RETRY and (gateway or in_flight))
 
 
 def settles(error_code: str | None, verdict: Verdict) -> bool:
@@ -102,12 +113,26 @@ def settles(error_code: str | None, verdict: Verdict) -> bool:
 
 def problem_advice(body: bytes) -> str | None:
     """The `retry` member of a problem document (SPEC §8); None if the body has none."""
+    return problem_standing(body)[0]
+
+
+def problem_standing(body: bytes) -> tuple[str | None, str | None]:
+    """The `retry` and `job_state` members of a problem document (SPEC §8), each None when
+    the body has no such member with a value the SPEC names."""
     try:
         document = json.loads(body)
     except ValueError:  # not JSON, or not UTF-8 (UnicodeDecodeError is a ValueError)
-        return None
-    advice = document.get("retry") if isinstance(document, dict) else None
-    return advice if advice in _ADVICE else None
+        return None, None
+    if not isinstance(document, dict):
+        return None, None
+    advice, state = document.get("retry"), document.get("job_state")
+    return (
+        advice if advice in _ADVICE else None,
+        state if state in _JOB_STATES else None,
+    )
+
+
+_JOB_STATES = frozenset({"none", IN_FLIGHT, "completed", "released", "unknown"})
 
 
 def _final(status: int, *, omitted: bool = False) -> Verdict:
