@@ -275,6 +275,25 @@ async def test_garbage_pipelined_after_a_request_never_answers_the_request_with_
 
 
 @pytest.mark.parametrize("parser", PARSERS)
+async def test_garbage_after_a_whole_chunked_request_never_answers_it_with_400(
+    proxies: Proxies, parser: str
+) -> None:
+    """As above, with the first request's body chunked: its end is its last chunk."""
+    key = f"pipe-4-{parser}"
+    head = f"POST /one HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: {key}\r\n".encode()
+    chunked = head + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    answer = await exchange(
+        proxies.processes[parser].port,
+        chunked + b"GET /m HTTP/1.1\r\nHost: proxy\r\nBad Header: 1\r\n\r\n",
+    )
+    ran = proxies.ledger.count(key)
+    if answer:
+        assert answer.startswith(b"HTTP/1.1 201 Created") and ran == 1, answer[:200]
+    else:
+        assert ran == 0
+
+
+@pytest.mark.parametrize("parser", PARSERS)
 async def test_a_malformed_request_with_its_body_in_the_same_read_gets_its_400(
     proxies: Proxies, parser: str
 ) -> None:

@@ -163,6 +163,73 @@ async def test_a_head_begun_after_a_pipelined_request_owes_the_deadline(
     assert [e.path_qs for e in ledger.executions] == ["/first", "/second"]
 
 
+async def test_an_idle_connection_after_a_chunked_upload_owes_no_head_deadline(
+    listening_proxy: ListeningProxy, ledger: Ledger
+) -> None:
+    """A chunked body whose end comes in a later read than its head: the framing makes the
+    read longer than the body, but no next head began. Idle time is keepalive_timeout's
+    business (5 s here), never a 408 that the client would read as its next request's answer."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(
+        b"POST /first HTTP/1.1\r\nHost: proxy\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}"
+    )
+    await asyncio.sleep(0.1)
+    await client.send(b"\r\n0\r\n\r\n")
+    await asyncio.sleep(0.8)  # idle, twice the head deadline
+    await client.send(b"GET /second HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n")
+    answer = await client.result(timeout=4.0)
+    assert answer.count(b"HTTP/1.1 201 Created") == 2, answer[:300]
+    assert b"408" not in answer
+    assert [e.path_qs for e in ledger.executions] == ["/first", "/second"]
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        # A whole request queued from the first read, then a partial head in a second one.
+        (
+            b"GET /first?delay=0.5 HTTP/1.1\r\nHost: proxy\r\n\r\n"
+            b"GET /whole HTTP/1.1\r\nHost: proxy\r\n\r\n",
+            b"GET /third HTTP/1.1\r\nHo",
+        ),
+        # A governed POST refused before its body (a key too long), whose body arrives with the
+        # start of a next head: aiohttp drains the body, the head owes the deadline.
+        (
+            b"POST /first HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: "
+            + b"k" * 300
+            + b"\r\nContent-Length: 10\r\n\r\n",
+            b"0123456789GET /third HTTP/1.1\r\nHo",
+        ),
+    ],
+    ids=["queued from an earlier read", "after a drained body"],
+)
+async def test_a_head_begun_in_a_later_read_owes_the_deadline(
+    listening_proxy: ListeningProxy, after: tuple[bytes, bytes]
+) -> None:
+    first, later = after
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(first)
+    await asyncio.sleep(0.1)
+    await client.send(later)
+    answer = await client.result(timeout=4.0)
+    assert b"HTTP/1.1 408 Request Timeout" in answer, answer[:300]
+    assert client.closed_after is not None and client.closed_after < 2.5
+
+
+async def test_bytes_after_an_upgrade_request_are_no_head_owing_a_deadline(
+    listening_proxy: ListeningProxy,
+) -> None:
+    """aiohttp hands what follows an upgrade request to that request: no 408 for it."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(
+        b"GET /u HTTP/1.1\r\nHost: proxy\r\nConnection: Upgrade\r\nUpgrade: foo\r\n\r\n"
+        b"GET /v HTTP/1.1\r\nHost: proxy\r\n\r\n"
+    )
+    await asyncio.sleep(1.0)  # past the head deadline
+    assert b"408" not in client.received
+    client.writer.close()
+
+
 @pytest.mark.parametrize(
     "first",
     [

@@ -96,6 +96,11 @@ def _altered(**fields: object) -> bytes:
         {"id": 7},
         {"fp": None},
         {"h": [["a"]]},
+        {"h": [["X-A", "a\r\nSet-Cookie: planted=1"]]},  # a head could not carry it: a 500
+        {"h": [["X-A\n", "a"]]},
+        {"h": [["X-A", "a\u0000"]]},
+        {"h": [["X-A", 1]]},
+        {"h": {"X-A": "a"}},
     ],
 )
 def test_an_entry_with_fields_encode_never_writes_is_a_miss(fields: dict[str, object]) -> None:

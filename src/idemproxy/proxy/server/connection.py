@@ -97,6 +97,10 @@ class GuardedHandler(web.RequestHandler):
         self.burst: bytes | None = None
         self.burst_at = 0
         self.framed = True  # the request being served has no body or a Content-Length
+        # Bytes of a next head are known to have arrived while a request was served: its
+        # deadline runs from that request's response (`queued` also errs on the side of
+        # waiting, for a shutdown's test of idleness).
+        self.next_head = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -106,8 +110,10 @@ class GuardedHandler(web.RequestHandler):
     def data_received(self, data: bytes) -> None:
         self.last_read = data
         body = self.body
-        if not data or self._draining():
+        if not data:
             super().data_received(data)
+        elif self._draining():
+            self._drained(data)
         elif self.serving and body is not None:
             self._pipelined(body, data)
         else:
@@ -127,12 +133,36 @@ class GuardedHandler(web.RequestHandler):
         # the rest look like more than it is, and the test errs on the side of waiting.
         if done or (body.is_eof() and len(data) > body.total_bytes - before):
             self.queued = True
-            # The next request begins where the body ended, which a chunked body's framing
-            # hides: there the requests of this read are not followed (`request_started`).
-            if done or self.framed:
+            if done and self.burst is not None:
+                # Requests of an earlier read still wait in aiohttp's queue: this read follows
+                # them, and is followed after them.
+                self.burst, self.burst_at = self.burst[self.burst_at :] + data, 0
+            elif done or self.framed:
+                # The next request begins where the body ended.
                 self.burst, self.burst_at = data, 0 if done else body.total_bytes - before
             else:
+                # A chunked body's framing hides where it ended. Its last read ends with the
+                # terminator's blank line unless bytes of a next request follow it.
                 self.burst = None
+                self.next_head = not data.endswith(b"\r\n\r\n")
+                return
+            self.next_head = True
+
+    def _drained(self, data: bytes) -> None:
+        """Bytes of a body that was answered unread (aiohttp drains it): any after its end begin
+        the next head, which owes the deadline from its first byte (SPEC §9)."""
+        unread, framed = self.unread, self.framed
+        before = unread.total_bytes if unread is not None else 0
+        super().data_received(data)
+        if unread is None or not unread.is_eof():
+            return
+        consumed = unread.total_bytes - before
+        rest = len(data) > consumed if framed else not data.endswith(b"\r\n\r\n")
+        if rest:
+            self.head_started = True
+            self.burst, self.burst_at = (data, consumed) if framed else (None, 0)
+            if not self.head_deadline.running:
+                self.head_deadline.start(self.header_timeout)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.head_deadline.close()
@@ -157,10 +187,14 @@ class GuardedHandler(web.RequestHandler):
         requests of a read are followed while each one's end can be told: its head, then the
         body its Content-Length frames (none without one)."""
         self.serving, self.body, self.framed = True, body, not head.chunked
-        self.queued = False
+        self.queued = self.next_head = False
         self.head_deadline.stop()
         burst = self.burst  # written out here, not a call: once per request
         if burst is None:
+            return
+        if head.upgrade:
+            # aiohttp hands what follows an upgrade request to that request, not to a next one.
+            self.burst = None
             return
         end = burst.find(b"\r\n\r\n", self.burst_at)
         length = head.headers.get(hdrs.CONTENT_LENGTH, "0")
@@ -169,7 +203,7 @@ class GuardedHandler(web.RequestHandler):
             return
         self.burst_at = end + 4 + int(length)
         if self.burst_at < len(burst):
-            self.queued = True
+            self.queued = self.next_head = True
         else:
             self.burst = None
 
@@ -238,8 +272,8 @@ class GuardedHandler(web.RequestHandler):
         # Bytes of the next request arrived while this one was served (pipelined, or a head
         # begun early): that head owes the deadline from now, not from a first byte that will
         # never come again (a client could stall it until keepalive_timeout otherwise).
-        self.head_started = self.queued
-        if self.queued:
+        self.head_started = self.next_head
+        if self.next_head:
             self.head_deadline.start(self.header_timeout)
         body = request.content
         self.body, self.unread = None, None if body.is_eof() else body
@@ -303,15 +337,18 @@ class GuardedHandler(web.RequestHandler):
 
 def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
     """Whether the read in which the parser failed goes on past the first request in it: its
-    head and the body its one Content-Length frames (none without one). Only the refused
-    request, whatever its body holds, gets its own 400; so does one whose end cannot be told
-    (chunked, or a Content-Length that is missing its digits or given twice)."""
+    head and the body its one Content-Length frames (none without one), or its chunked body's
+    last chunk. Only the refused request, whatever its body holds, gets its own 400; so does
+    one whose end cannot be told (a Content-Length missing its digits or given twice)."""
     end = read.find(b"\r\n\r\n")
     if end == -1:
         return False
     head = read[:end].lower()
     if b"\r\ntransfer-encoding:" in head:
-        return False
+        # A chunked body ends at its last chunk, `0` and a blank line: found in a chunk's data,
+        # it ends the guess early, which only closes where a 400 was due.
+        last = read.find(b"0\r\n\r\n", end + 4)
+        return last != -1 and last + 5 < len(read)
     field = head.find(b"\r\ncontent-length:")
     if field == -1:
         return end + 4 < len(read)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -97,7 +98,7 @@ def _job(meta: dict[str, Any], scope: tuple[str, str], body: bytes, *, sealed: b
     if sealed:
         response = SealedResponse(status, omitted, _text(meta, "k"), body)
     else:
-        headers = pairs_from_json(meta["h"])
+        headers = pairs_from_json(_header_pairs(meta["h"]))
         response = StoredResponse(status, headers, None if omitted else body)
     completed_by = meta["by"]
     if completed_by is not None:
@@ -116,6 +117,25 @@ def _job(meta: dict[str, Any], scope: tuple[str, str], body: bytes, *, sealed: b
         response=response,
         expires_at=datetime.fromtimestamp(_number(meta, "exp"), tz=UTC),
     )
+
+
+def _header_pairs(value: Any) -> list[list[str]]:
+    """Pairs as `encode` writes them (store/rows.py: a name and a value, and a mark when they
+    hold bytes beyond ASCII), all strings, the name and value without a line break or NUL,
+    which no field the proxy stores has (RFC 9110 §5.5) and no head could carry."""
+    if type(value) is not list:
+        raise TypeError("h")
+    for pair in value:
+        if type(pair) is not list or len(pair) not in (2, 3):
+            raise TypeError("h")
+        if any(type(part) is not str for part in pair):
+            raise TypeError("h")
+        if _FORBIDDEN.search(pair[0]) or _FORBIDDEN.search(pair[1]):
+            raise ValueError("h")
+    return value
+
+
+_FORBIDDEN = re.compile("[\r\n\x00]")
 
 
 def _integer(meta: dict[str, Any], name: str) -> int:
