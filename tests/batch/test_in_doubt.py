@@ -22,8 +22,8 @@ from idemproxy.batch import BatchOptions, run_batch
 from idemproxy.batch.input import item_from_object
 from idemproxy.batch.usage import worst_case
 
-from .llm import LlmApi, llm_app, llm_items
-from .servers import read_results, start_app, start_proxy, stop_process, write_jsonl
+from .llm import LlmApi, llm_items
+from .servers import read_results, write_jsonl
 from .test_llm import _status, llm_behind_proxy
 
 pytestmark = pytest.mark.slow
@@ -199,33 +199,26 @@ async def test_a_resume_that_finds_a_killed_runs_items_running_counts_them(
     items = llm_items(6, max_tokens=10)
     limit = _two_fit(items)
     source, out = write_jsonl(tmp_path / "in.jsonl", items), tmp_path / "out.jsonl"
-    runner, upstream = await start_app(llm_app(api))
-    try:
-        process, url = await start_proxy(upstream, tmp_path, {"IDEMPROXY_MAX_WAIT": "0.2"})
-        try:
-            killed = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "idemproxy", "batch", "run", str(source),
-                "--target", url, "--output", str(out), "--concurrency", "2",
-                "--max-tokens", str(limit),
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            )  # fmt: skip
-            for _ in range(400):
-                if api.in_flight == 2:
-                    break
-                await asyncio.sleep(0.025)
-            assert api.in_flight == 2
-            killed.kill()
-            await killed.wait()
-            options = BatchOptions(
-                target=url, concurrency=2, max_tokens=limit, retries=2,
-                backoff_base=0.01, backoff_max=0.05,
-            )  # fmt: skip
-            summary = await run_batch(items, out, options)
-            await _until_idle(api)
-        finally:
-            await stop_process(process)
-    finally:
-        await runner.cleanup()
+    async with llm_behind_proxy(api, tmp_path / "proxy", {"IDEMPROXY_MAX_WAIT": "0.2"}) as url:
+        killed = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "idemproxy", "batch", "run", str(source),
+            "--target", url, "--output", str(out), "--concurrency", "2",
+            "--max-tokens", str(limit),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        for _ in range(400):
+            if api.in_flight == 2:
+                break
+            await asyncio.sleep(0.025)
+        assert api.in_flight == 2
+        killed.kill()
+        await killed.wait()
+        options = BatchOptions(
+            target=url, concurrency=2, max_tokens=limit, retries=2,
+            backoff_base=0.01, backoff_max=0.05,
+        )  # fmt: skip
+        summary = await run_batch(items, out, options)
+        await _until_idle(api)
     assert len(api.executions) == 2  # the killed run's two; the resume paid for none
     assert summary.budget_stop is not None
     results = read_results(out)
@@ -241,18 +234,11 @@ async def test_the_proxys_unknown_keeps_the_worst_case_and_the_run_stops(tmp_pat
     items = llm_items(6, max_tokens=10)
     limit = _two_fit(items)
     out = tmp_path / "out.jsonl"
-    runner, upstream = await start_app(llm_app(api))
-    try:
-        env = {"IDEMPROXY_UPSTREAM_TIMEOUT": "0.3"}
-        process, url = await start_proxy(upstream, tmp_path, env)
-        try:
-            options = BatchOptions(target=url, concurrency=4, max_tokens=limit)
-            summary = await run_batch(items, out, options)
-            await _until_idle(api)
-        finally:
-            await stop_process(process)
-    finally:
-        await runner.cleanup()
+    env = {"IDEMPROXY_UPSTREAM_TIMEOUT": "0.3"}
+    async with llm_behind_proxy(api, tmp_path / "proxy", env) as url:
+        options = BatchOptions(target=url, concurrency=4, max_tokens=limit)
+        summary = await run_batch(items, out, options)
+        await _until_idle(api)
     assert summary.budget_stop is not None and summary.interrupted == 4
     assert len(api.executions) == 2 and summary.unknown == 2
     results = read_results(out)

@@ -34,11 +34,14 @@ RATES = {"gpt-4o-mini": (Decimal("0.15"), Decimal("0.60")),
 
 
 @contextlib.asynccontextmanager
-async def llm_behind_proxy(api: LlmApi, folder: Path) -> AsyncIterator[str]:
+async def llm_behind_proxy(
+    api: LlmApi, folder: Path, env: dict[str, str] | None = None
+) -> AsyncIterator[str]:
+    """`api` behind `idemproxy serve` (`env`: its environment's additions); the proxy's URL."""
     folder.mkdir(exist_ok=True)  # noqa: ASYNC240 - a test's own temporary folder
     runner, url = await start_app(llm_app(api))
     try:
-        process, proxy_url = await start_proxy(url, folder)
+        process, proxy_url = await start_proxy(url, folder, env)
         try:
             yield proxy_url
         finally:

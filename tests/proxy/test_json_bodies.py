@@ -21,7 +21,7 @@ from idemproxy.identity import fingerprint
 from idemproxy.proxy.app import STORES
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
-from tests.support.proxyapp import ProxyClient, Server
+from tests.support.proxyapp import ProxyClient, served
 from tests.support.proxychecks import REPLAYED, assert_problem
 
 from .conftest import ProxyFactory
@@ -107,12 +107,8 @@ async def quiet_upstream() -> AsyncIterator[str]:
 
     app = web.Application(client_max_size=16 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", answer)
-    server = Server(app)
-    await server.start_server()
-    try:
-        yield f"http://{server.host}:{server.port}"
-    finally:
-        await server.close()
+    async with served(app) as url:
+        yield url
 
 
 def large_order(order_id: str, size: int = 9 * 1024 * 1024) -> bytes:

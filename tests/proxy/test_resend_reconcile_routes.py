@@ -23,7 +23,7 @@ from aiohttp import web
 from idemproxy.core.types import JobState
 from idemproxy.store.base import Store
 from tests.support.keyed import Keyed, keyed_backend
-from tests.support.proxyapp import ProxyClient, ProxyFactory, Server
+from tests.support.proxyapp import ProxyClient, ProxyFactory, served
 from tests.support.reconciling import Payments
 
 TIMEOUT = 0.3  # every route's upstream_timeout; a slow first execution takes `SLOW`
@@ -56,12 +56,8 @@ async def serving(routes: dict[str, Any]) -> AsyncIterator[str]:
     app = web.Application()
     for path, handler in routes.items():
         app.router.add_post(path, handler)
-    server = Server(app)
-    await server.start_server()
-    try:
-        yield f"http://{server.host}:{server.port}"
-    finally:
-        await server.close()
+    async with served(app) as url:
+        yield url
 
 
 async def post(client: ProxyClient, path: str, key: str, host: str | None = None) -> int:
