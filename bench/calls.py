@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
@@ -66,14 +66,17 @@ class Counted:
     sequence: list[str]  # "file:function <- caller's file", in order
 
 
-def count(calls: Sequence[Call], package: str = PACKAGE) -> Counted:
+def count(
+    calls: Sequence[Call], package: str = PACKAGE, as_one: Mapping[str, str] | None = None
+) -> Counted:
     """The three numbers and the per-file table of one request's calls, in the order they
     started. A file is entered by its first call, whoever makes it; a later call into it from
-    another file is a re-entry."""
+    another file is a re-entry. `as_one` maps files (relative to the package) to the file they
+    would be part of: the same calls counted as if those files were one."""
     per_file: Counter[str] = Counter()
     entries: Counter[str] = Counter()
     reentries: Counter[str] = Counter()
-    for callee, _name, caller in calls:
+    for callee, _name, caller in _merged(calls, package, as_one or {}):
         if caller != callee:
             entries[callee] += 1
             if callee in per_file:
@@ -96,6 +99,32 @@ def count(calls: Sequence[Call], package: str = PACKAGE) -> Counted:
         per_file=table,
         sequence=[_shown(call, package) for call in calls],
     )
+
+
+def _merged(calls: Sequence[Call], package: str, as_one: Mapping[str, str]) -> list[Call]:
+    def file(path: str) -> str:
+        relative = path.removeprefix(package)
+        return (
+            package + as_one[relative] if path.startswith(package) and relative in as_one else path
+        )
+
+    if not as_one:
+        return list(calls)
+    return [
+        (file(callee), name, None if caller is None else file(caller))
+        for callee, name, caller in calls
+    ]
+
+
+def _as_one(specs: Sequence[str]) -> dict[str, str]:
+    """`--as-one INTO=FILE,FILE`: each FILE counted as part of INTO."""
+    merged: dict[str, str] = {}
+    for spec in specs:
+        into, _, files = spec.partition("=")
+        if not into or not files:
+            raise SystemExit(f"bench/calls.py: --as-one {spec!r}: expected INTO=FILE[,FILE...]")
+        merged.update({part: into for part in files.split(",") if part})
+    return merged
 
 
 def _shown(call: Call, package: str) -> str:
@@ -153,6 +182,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument(
         "--sequence", action="store_true", help="also print every call of that request, in order"
+    )
+    parser.add_argument(
+        "--as-one",
+        action="append",
+        default=[],
+        metavar="INTO=FILE[,FILE...]",
+        help="count the files (relative to the package) as part of INTO, as if they were moved "
+        "there: what a merge of modules would leave (repeatable)",
     )
     return parser.parse_args(argv)
 
@@ -222,7 +259,7 @@ def _measure(
             time.sleep(args.settle)
             calls = [tuple(call) for call in json.loads(_command(stream, "stop"))]
             package = str((args.source / "src" / "idemproxy").resolve()) + os.sep
-            counted.append(count(calls, package))  # type: ignore[arg-type]
+            counted.append(count(calls, package, _as_one(args.as_one)))  # type: ignore[arg-type]
         return counted
     finally:
         conn.close()

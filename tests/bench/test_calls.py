@@ -119,6 +119,34 @@ def test_a_file_entered_again_from_another_is_a_reentry() -> None:
     assert rows == {"a.py": (4, 3, 2), "b.py": (3, 2, 1)}
 
 
+def test_files_counted_as_one_lose_the_calls_between_them_but_keep_the_loops() -> None:
+    package = "/pkg/"
+    sequence = [
+        ("/pkg/a.py", "handle", "/lib/aiohttp/web.py"),
+        ("/pkg/b.py", "claim", "/pkg/a.py"),
+        ("/pkg/a.py", "on_claimed", "/pkg/b.py"),  # within a.py once b.py is part of it
+        ("/pkg/c.py", "write", "/pkg/a.py"),
+        ("/pkg/b.py", "callback", "/lib/asyncio/events.py"),  # from the loop: still a re-entry
+    ]
+
+    apart = calls.count(sequence, package=package)
+    merged = calls.count(sequence, package=package, as_one={"b.py": "a.py"})
+
+    assert (apart.calls, apart.files, apart.reentries) == (5, 3, 2)
+    assert (merged.calls, merged.files, merged.reentries) == (5, 2, 1)
+    assert {row.file for row in merged.per_file} == {"a.py", "c.py"}
+
+
+def test_as_one_reads_into_and_its_files() -> None:
+    assert calls._as_one(["a.py=b.py,c.py", "d.py=e.py"]) == {
+        "b.py": "a.py",
+        "c.py": "a.py",
+        "e.py": "d.py",
+    }
+    with pytest.raises(SystemExit):
+        calls._as_one(["a.py"])
+
+
 def _run_calls(*args: str) -> dict[str, Any]:
     argv = [sys.executable, str(BENCH / "calls.py"), "--json", "--warmup", "5", *args]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_DEADLINE, check=False)
