@@ -199,3 +199,35 @@ async def test_one_pass_asks_about_every_due_job_not_only_the_newest(
     for job in jobs:
         found = await store.get_by_id(job.id)
         assert found is not None and found.state is JobState.COMPLETED
+
+
+async def test_an_attempt_that_answered_after_the_job_became_unknown_is_still_asked_about(
+    store: Store, client: ReconcileClient, backend: str, payments: Payments
+) -> None:
+    """A taken-over attempt whose answer came late (kept for the operator, `discarded`): the
+    backend, asked about it, completes the job; the proxy does not leave it to an operator."""
+    as_claimed, job = await unknown_job(store, backend)
+    assert not await store.complete(as_claimed, 1, LATE, ttl=TTL)  # kept, the job unknown
+    executed(payments, job)
+    await asyncio.sleep(0.05)  # past the first backoff after its answer
+    assert [r for r in await reconciler(store, client, backend).run_pass(10)] == [
+        Result.COMPLETED
+    ]
+    found = await store.get_by_id(job.id)
+    assert found is not None
+    assert (found.state, found.resolution) == (JobState.COMPLETED, "reconcile")
+    assert len(payments.questions) == 1
+
+
+async def test_never_executed_about_an_attempt_its_upstream_answered_releases_nothing(
+    store: Store, client: ReconcileClient, backend: str, payments: Payments
+) -> None:
+    """Its upstream answered it: a "never executed" about it cannot make the job run again."""
+    as_claimed, job = await unknown_job(store, backend)
+    assert not await store.complete(as_claimed, 1, LATE, ttl=TTL)
+    await asyncio.sleep(0.05)
+    assert await reconciler(store, client, backend).reconcile(job.id) is Result.UNKNOWN
+    found = await store.get_by_id(job.id)
+    assert found is not None and found.state is JobState.UNKNOWN
+    assert found.attempts[0].evidence[-1].verdict == "not_executed"
+    assert len(payments.questions) == 1

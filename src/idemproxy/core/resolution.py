@@ -150,8 +150,13 @@ def _body(data: dict[str, Any]) -> bytes | None:
 def asked_attempts(job: Job) -> tuple[Attempt, ...]:
     """The attempts questions are about: every one of the job's whose outcome is unknown (any
     of them may have executed; a resend the upstream answered "in progress" is one too, and the
-    backend truthfully says "never executed" about it while the first did execute)."""
-    return tuple(a for a in job.attempts if a.state is AttemptState.UNKNOWN)
+    backend truthfully says "never executed" about it while the first did execute), and every
+    one whose answer came after the job had become `unknown` (a taken-over attempt, SPEC §3.5:
+    its result lost the CAS and is kept for the operator), which did reach its upstream."""
+    return tuple(a for a in job.attempts if a.state in _ASKED)
+
+
+_ASKED = frozenset({AttemptState.UNKNOWN, AttemptState.DISCARDED})
 
 
 def never_executed(job: Job) -> frozenset[int]:
@@ -170,9 +175,11 @@ def never_executed(job: Job) -> frozenset[int]:
 def releasable(job: Job, never: frozenset[int]) -> bool:
     """SPEC §3.6: "never executed" releases the job only once every attempt of it that may have
     executed was answered so (`never`, the attempts answered "never executed"), each other one
-    having failed, proving nothing reached its upstream."""
+    having failed, proving nothing reached its upstream. An attempt whose upstream answered it
+    (`discarded`: its answer came too late to count) is never released by such an answer."""
     return job.state is JobState.UNKNOWN and all(
-        a.state is AttemptState.FAILED or a.number in never for a in job.attempts
+        a.state is AttemptState.FAILED or (a.state is AttemptState.UNKNOWN and a.number in never)
+        for a in job.attempts
     )
 
 

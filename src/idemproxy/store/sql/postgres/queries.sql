@@ -621,8 +621,8 @@ FROM pg_class c WHERE c.oid = $1::text::regclass;
 SELECT truncate_local_data_after_distributing_table($1::text::regclass);
 
 -- name: due_unknown
--- SPEC §3.6: the `unknown` jobs of which an `unknown` attempt (each is asked about,
--- core/resolution.py `asked_attempts`) is due a question by the database clock, under the
+-- SPEC §3.6: the `unknown` jobs of which an attempt asked about (`unknown`, or `discarded`: it
+-- answered after the job became unknown; core/resolution.py `asked_attempts`) is due a question by the database clock, under the
 -- backoff $1 (the first wait), $2 (the longest wait) and $3 (the time an answer may take) as
 -- core/resolution.py `Backoff.due_after` counts it: those with ids above $4, in id order, $5 at
 -- most, one page of a pass that reads them all. From the index of the unknown jobs (their
@@ -633,7 +633,7 @@ FROM idemproxy.jobs AS j
 WHERE j.sweep_after IS NULL AND j.state = 'unknown' AND j.id > $4
   AND EXISTS (
       SELECT 1 FROM idemproxy.attempts AS a
-      WHERE a.owner = j.owner AND a.job_id = j.id AND a.state = 'unknown'
+      WHERE a.owner = j.owner AND a.job_id = j.id AND a.state IN ('unknown', 'discarded')
         AND coalesce(a.checked_at, a.finished_at, a.started_at) <= now() - make_interval(secs =>
             CASE WHEN a.checks = 0 THEN $1::float8
                  ELSE $3::float8 + least($1::float8 * (1::bigint << least(a.checks, 32)), $2::float8)

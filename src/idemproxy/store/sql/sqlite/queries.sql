@@ -283,7 +283,7 @@ SELECT j.*, j.expires_at <= (julianday('now') - 2440587.5) * 86400.0 AS expired,
 FROM jobs AS j
 WHERE j.state = 'unknown' AND j.id > :after
   AND EXISTS (SELECT 1 FROM attempts AS a
-              WHERE a.owner = j.owner AND a.job_id = j.id AND a.state = 'unknown'
+              WHERE a.owner = j.owner AND a.job_id = j.id AND a.state IN ('unknown', 'discarded')
                 AND coalesce(a.checked_at, a.finished_at, a.started_at)
                     <= (julianday('now') - 2440587.5) * 86400.0
                        - CASE WHEN a.checks = 0 THEN :first
