@@ -210,9 +210,7 @@ async def test_an_attempt_that_answered_after_the_job_became_unknown_is_still_as
     assert not await store.complete(as_claimed, 1, LATE, ttl=TTL)  # kept, the job unknown
     executed(payments, job)
     await asyncio.sleep(0.05)  # past the first backoff after its answer
-    assert [r for r in await reconciler(store, client, backend).run_pass(10)] == [
-        Result.COMPLETED
-    ]
+    assert [r for r in await reconciler(store, client, backend).run_pass(10)] == [Result.COMPLETED]
     found = await store.get_by_id(job.id)
     assert found is not None
     assert (found.state, found.resolution) == (JobState.COMPLETED, "reconcile")
