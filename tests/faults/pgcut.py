@@ -10,7 +10,8 @@ on are held back, and at the `ReadyForQuery` that reports the transaction ended 
 after no `ErrorResponse`) the relay closes both sides instead of passing them on. The statement
 committed; the client sees its connection lost while it waits for the answer. A doomed
 connection whose statement failed is passed on whole (`failed` counts it). Connections made
-afterwards relay normally.
+afterwards relay normally. `arm(sql, unsent=True)` cuts the connection at that `Bind` instead,
+before the server gets it: the statement never ran, and the client cannot tell.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class StatementCut:
         self.cuts = 0  # connections cut after their statement committed
         self.failed = 0  # doomed connections whose statement failed: relayed, not cut
         self._armed: bytes | None = None
+        self._unsent = False  # cut at the armed statement's Bind, before the server has it
         self._cut = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -50,9 +52,10 @@ class StatementCut:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
-    def arm(self, sql: str) -> None:
-        """Cut the connection that runs `sql` next, once the server committed it."""
-        self._armed = sql.encode()
+    def arm(self, sql: str, *, unsent: bool = False) -> None:
+        """Cut the connection that runs `sql` next, once the server committed it (`unsent`:
+        before the server receives it)."""
+        self._armed, self._unsent = sql.encode(), unsent
         self._cut.clear()
 
     async def cut(self, timeout: float = 10.0) -> None:
@@ -97,6 +100,10 @@ class StatementCut:
             while True:
                 kind, message = await _message(source)
                 self._observe(session, kind, message[_HEADER.size :])
+                if session.doomed and self._unsent:
+                    self.cuts += 1
+                    self._cut.set()
+                    return  # the connection closes before the server had the statement
                 sink.write(message)
                 await sink.drain()
 

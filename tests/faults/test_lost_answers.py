@@ -86,3 +86,46 @@ async def test_a_cut_after_the_commit_runs_the_request_once(
     assert (replay.status, replay.replayed) == (201, True), replay
     assert ledger.count("lost") == 1
     await no_leak(fault_db)
+
+
+# statement: (cut before the server has it, the job's state once the restarted proxy is asked)
+STOPPED_AT_ONCE = {
+    # Committed, answered 503: the follow-up that releases it runs before the proxy exits.
+    "claim": (False, "released"),
+    # Never sent, the request executed: the outcome the proxy holds is written before it exits.
+    "complete_sole": (True, "completed"),
+}
+
+
+@pytest.mark.parametrize("statement", list(STOPPED_AT_ONCE))
+async def test_a_proxy_stopped_right_after_the_cut_writes_what_it_holds_first(
+    statement: str,
+    governed_proxy: GovernedProxy,
+    fault_db: FaultDatabase,
+    recording_backend: tuple[str, Ledger],
+    cut: StatementCut,
+) -> None:
+    """SIGTERM right after the 503, the store reachable: what the proxy still had to write (the
+    release of a claim nothing was forwarded under, or an executed request's response) is
+    written before it exits, not left to the lease as `unknown` (docs/operations.md, "Graceful
+    shutdown")."""
+    unsent, state = STOPPED_AT_ONCE[statement]
+    _, ledger = recording_backend
+    first = await governed_proxy("process", store=fault_db.dsn_through(cut), lease=LEASE)
+    assert first.process is not None
+    async with aiohttp.ClientSession() as session:
+        cut.arm(SQL[statement], unsent=unsent)
+        lost = await send(session, first.url, "lost")
+        await cut.cut()
+        assert await first.process.terminate() == 0
+        left = await job_of(fault_db, "lost")
+        second = await governed_proxy("process", store=fault_db.dsn, lease=LEASE)
+        retry = await send(session, second.url, "lost")
+        replay = await send(session, second.url, "lost")
+
+    assert (lost.status, lost.error) == (503, "store-unavailable"), lost
+    assert left is not None and left[0] == state, left
+    assert (retry.status, retry.replayed) == (201, state == "completed"), retry
+    assert (replay.status, replay.replayed) == (201, True), replay
+    assert ledger.count("lost") == 1
+    await no_leak(fault_db)

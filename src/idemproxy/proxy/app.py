@@ -136,9 +136,11 @@ def _lifecycle(
             services = Services(failpoints, metrics, owner, spans)
             ctx = ProxyContext.build(settings, stores.jobs, upstream, services)
             stack.push_async_callback(ctx.offload.close)  # after the drain: no body left
-            # After the drain, before the store.
-            stack.push_async_callback(ctx.unsent.close)
-            stack.push_async_callback(ctx.unwritten.close)
+            # After the drain, before the store: what they hold gets one more chance, as long
+            # as a statement may wait for a connection.
+            grace = settings.pool.store_timeout
+            stack.push_async_callback(ctx.unsent.close, grace)
+            stack.push_async_callback(ctx.unwritten.close, grace)
             app[CONTEXT] = ctx
             proxy = Proxy(ctx, Governor.of(ctx))
             app[PROXY_ROUTE] = ProxyRoute(proxy.answer, proxy.expect_continue)

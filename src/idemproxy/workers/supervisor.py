@@ -19,7 +19,8 @@ Signals: SIGTERM or SIGINT is forwarded to every worker, which drains as a singl
 exits on its own is a failure: the others are stopped the same way and the supervisor exits 1,
 for the process manager (systemd, Kubernetes) to restart the whole set. Restarting one worker
 in place was not chosen: a crash loop would then hide behind a supervisor that looks healthy.
-Workers still running `shutdown_timeout` + `_KILL_MARGIN_SECONDS` after the stop are killed.
+Workers still running `shutdown_timeout` + `pool.store_timeout` + `_KILL_MARGIN_SECONDS` after the
+stop are killed.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ class _Supervisor:
     ) -> None:
         self._lock = lock  # the listen address's, until the workers stop (workers/listen.py)
         self._count = settings.server.workers
-        self._shutdown_timeout = settings.server.shutdown_timeout
+        # Then the follow-ups a worker still holds get pool.store_timeout (proxy/app.py).
+        self._shutdown_timeout = settings.server.shutdown_timeout + settings.pool.store_timeout
         self._argv = list(serve_argv)
         self._workers: list[_Worker] = []
         self._signal: int | None = None  # received, not yet forwarded

@@ -76,11 +76,27 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._until_settled())
 
-    async def close(self) -> None:
+    async def close(self, grace: float = 0.0) -> None:
+        """Stop. What is still held gets one more chance, tried at once and then as before for
+        at most `grace` seconds: on a shutdown the store is usually there, and an item dropped
+        here leaves its job to the lease, `unknown` (SPEC §3.5): a result lost, or a key no
+        retry may run although nothing was forwarded under it."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+            self._task = None
+        if not self._pending or grace <= 0:
+            return
+        # A deadline the loop checks, not a cancellation: a store call cancelled just as its own
+        # timeout runs out may end in that timeout instead, and the loop would go on.
+        await self._until_settled(first_pause=0.0, until=asyncio.get_running_loop().time() + grace)
+        if self._pending:
+            log.warning(
+                "%d follow-up(s) left unwritten at shutdown, their jobs to the lease: %s",
+                len(self._pending),
+                ", ".join(sorted(self._pending)[:10]),
+            )
 
     # --- what each kind defines ---------------------------------------------------------------
 
@@ -99,10 +115,20 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
         if item is not None:
             self._bytes -= self._size(item)
 
-    async def _until_settled(self) -> None:
-        pause = _FIRST_PAUSE
+    async def _until_settled(
+        self, first_pause: float = _FIRST_PAUSE, until: float | None = None
+    ) -> None:
+        """Rounds until nothing is pending (or the loop's clock reaches `until`: no round starts
+        after it, and each try is bounded by the store's own timeout)."""
+        loop = asyncio.get_running_loop()
+        pause, wait = _FIRST_PAUSE, first_pause
         while self._pending:
-            await asyncio.sleep(pause)
+            if until is not None:
+                left = until - loop.time()
+                if left <= 0:
+                    return
+                wait = min(wait, left)
+            await asyncio.sleep(wait)
             settled = False
             for job_id, item in list(self._pending.items()):
                 try:
@@ -114,6 +140,7 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
                     self._counted[outcome].inc()
                     settled = True
             pause = _FIRST_PAUSE if settled else min(pause * 2, _LAST_PAUSE)
+            wait = pause
 
     async def _try(self, job_id: str, item: Item) -> Done | None:
         """`_settle`, with the errors that are final for this item made its outcome: the
