@@ -251,6 +251,31 @@ async def test_a_declined_upgrade_and_the_request_behind_it_are_each_answered_on
 
 
 @pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("protocol", [b"h2c", b"foo/1"])
+async def test_a_request_behind_an_upgrade_aiohttp_does_not_take_is_never_left_waiting(
+    proxies: Proxies, parser: str, protocol: bytes
+) -> None:
+    """aiohttp's C parser loses what follows, in the same read, an `Upgrade` request to any
+    protocol but WebSocket. The request behind it would never be answered, the client waiting
+    for `keepalive_timeout`: the connection closes after the first answer instead, the second
+    request unrun (RFC 9112 §9.3.2: the client sends it again), and its retry runs once."""
+    first = request("/one", f"h2c-1-{parser}-{protocol.decode()}", b"Connection: Upgrade\r\n"
+                    b"Upgrade: " + protocol + b"\r\n")  # fmt: skip
+    key = f"h2c-2-{parser}-{protocol.decode()}"
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxies.processes[parser].port)
+    try:
+        writer.write(first + request("/two", key))
+        answer = await asyncio.wait_for(reader.read(), 3.0)  # until the proxy closes
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 201 Created"), answer[:200]
+    assert answer.count(b"HTTP/1.1 ") <= 2 and b'"path": "/one"' in answer
+    again = await exchange(proxies.processes[parser].port, request("/two", key))
+    assert again.startswith(b"HTTP/1.1 201 Created"), again[:200]
+    assert proxies.ledger.count(key) == 1
+
+
+@pytest.mark.parametrize("parser", PARSERS)
 async def test_garbage_pipelined_after_a_request_never_answers_the_request_with_400(
     proxies: Proxies, parser: str
 ) -> None:

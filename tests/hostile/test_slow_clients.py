@@ -183,6 +183,48 @@ async def test_an_idle_connection_after_a_chunked_upload_owes_no_head_deadline(
     assert [e.path_qs for e in ledger.executions] == ["/first", "/second"]
 
 
+CHUNKED = b"POST /first HTTP/1.1\r\nHost: proxy\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        CHUNKED + b"2\r\n{}\r\n0\r\n\r\n",
+        CHUNKED + b"1;ext=1\r\n{\r\n1\r\n}\r\n0\r\nX-Trailer: 1\r\n\r\n",
+        CHUNKED + b"2\r\n{}\r\n0\r\n\r\nGET /whole HTTP/1.1\r\nHost: proxy\r\n\r\n",
+    ],
+    ids=["chunked", "chunks with an extension and a trailer", "a whole request between"],
+)
+async def test_a_next_head_begun_in_the_read_of_a_chunked_request_owes_the_deadline(
+    listening_proxy: ListeningProxy, ledger: Ledger, first: bytes
+) -> None:
+    """As after a framed body: the chunks are walked to where the next head begins."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(first + b"GET /partial HTTP/1.1\r\nX-A: ")
+    answer = await client.result(timeout=4.0)
+    whole = first.count(b"HTTP/1.1\r\n")
+    assert answer.count(b"HTTP/1.1 201 Created") == whole, answer[:300]
+    assert b"HTTP/1.1 408 Request Timeout" in answer
+    assert client.closed_after is not None and client.closed_after < 2.0
+    assert len(ledger.executions) == whole
+
+
+async def test_a_head_begun_later_behind_a_chunked_request_and_a_queued_one_owes_the_deadline(
+    listening_proxy: ListeningProxy, ledger: Ledger
+) -> None:
+    """A chunked request to a slow upstream and a whole request in one read; while the first is
+    served, the start of a third head in a later read, then nothing more."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    slow = CHUNKED.replace(b"/first", b"/first?delay=0.5")
+    await client.send(slow + b"2\r\n{}\r\n0\r\n\r\nGET /whole HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    await asyncio.sleep(0.1)
+    await client.send(b"GET /third HTTP/1.1\r\nHo")
+    answer = await client.result(timeout=4.0)
+    assert answer.count(b"HTTP/1.1 201 Created") == 2, answer[:300]
+    assert b"HTTP/1.1 408 Request Timeout" in answer
+    assert client.closed_after is not None and client.closed_after < 2.5
+
+
 @pytest.mark.parametrize(
     "after",
     [

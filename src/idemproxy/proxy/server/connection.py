@@ -90,7 +90,9 @@ class GuardedHandler(web.RequestHandler):
         self.body: StreamReader | None = None  # the body of the request being served
         self.queued = False  # bytes after that body arrived: a pipelined request waits
         self.unread: StreamReader | None = None  # a body aiohttp drains after the response
-        self.closing = False  # a shutdown began: the next response closes the connection
+        # The next response closes the connection: a shutdown began, or bytes after an upgrade
+        # request were lost (`request_started`).
+        self.closing = False
         self.last_read = b""  # what the last read brought, for `handle_error`
         # A read that began with a request's head, and where in it the next request begins:
         # the requests it brought are told apart there, for the head deadline (`request_started`).
@@ -185,24 +187,35 @@ class GuardedHandler(web.RequestHandler):
         head begun there owes the deadline once this request is answered, as one begun later
         does (`_pipelined`), or a client stalls it until keepalive_timeout (SPEC §9). The
         requests of a read are followed while each one's end can be told: its head, then the
-        body its Content-Length frames (none without one)."""
+        body its Content-Length frames (none without one) or its chunks."""
         self.serving, self.body, self.framed = True, body, not head.chunked
         self.queued = self.next_head = False
         self.head_deadline.stop()
         burst = self.burst  # written out here, not a call: once per request
         if burst is None:
             return
-        if head.upgrade:
-            # aiohttp hands what follows an upgrade request to that request, not to a next one.
-            self.burst = None
-            return
         end = burst.find(b"\r\n\r\n", self.burst_at)
-        length = head.headers.get(hdrs.CONTENT_LENGTH, "0")
-        if end == -1 or head.chunked or not length.isdigit():
+        if end == -1:
             self.burst = None
             return
-        self.burst_at = end + 4 + int(length)
-        if self.burst_at < len(burst):
+        if head.chunked:
+            # Rare: its chunks are walked to find where the next request begins.
+            stop = _chunked_end(burst, end + 4)
+        else:
+            length = head.headers.get(hdrs.CONTENT_LENGTH, "0")
+            stop = end + 4 + int(length) if length.isdigit() else None
+        if head.upgrade:
+            self.burst = None
+            if _upgrades_in_place(head) and (stop is None or stop < len(burst)):
+                # What follows an upgrade aiohttp does not take up in the same read is lost in
+                # its parser, never answered: close after this answer, so the client sends it
+                # again on a new connection (RFC 9112 §9.3.2) instead of waiting for its answer.
+                self.closing = True
+            return
+        if stop is None:
+            self.burst = None
+        elif stop < len(burst):
+            self.burst_at = stop
             self.queued = self.next_head = True
         else:
             self.burst = None
@@ -345,10 +358,8 @@ def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
         return False
     head = read[:end].lower()
     if b"\r\ntransfer-encoding:" in head:
-        # A chunked body ends at its last chunk, `0` and a blank line: found in a chunk's data,
-        # it ends the guess early, which only closes where a 400 was due.
-        last = read.find(b"0\r\n\r\n", end + 4)
-        return last != -1 and last + 5 < len(read)
+        last = _chunked_end(read, end + 4)
+        return last is not None and last < len(read)
     field = head.find(b"\r\ncontent-length:")
     if field == -1:
         return end + 4 < len(read)
@@ -358,6 +369,42 @@ def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
     stop = head.find(b"\r\n", start)
     value = head[start : len(head) if stop == -1 else stop].strip()
     return value.isdigit() and end + 4 + int(value) < len(read)
+
+
+def _chunked_end(data: bytes, at: int) -> int | None:
+    """Where a chunked body that starts at `at` ends (after its trailer section), or None when
+    `data` does not hold all of it or it is not chunked framing (RFC 9112 §7.1)."""
+    while True:
+        line = data.find(b"\r\n", at)
+        if line == -1:
+            return None
+        size = data[at:line].partition(b";")[0].strip(b" \t")
+        if not size or size.strip(_HEX):
+            return None
+        at = line + 2
+        if int(size, 16) == 0:
+            break
+        at += int(size, 16) + 2
+        if at > len(data):
+            return None
+    while True:  # trailer fields, then the blank line
+        line = data.find(b"\r\n", at)
+        if line == -1:
+            return None
+        if line == at:
+            return at + 2
+        at = line + 2
+
+
+_HEX = b"0123456789abcdefABCDEF"
+
+
+def _upgrades_in_place(head: RawRequestMessage) -> bool:
+    """Whether aiohttp's parser goes on parsing after this upgrade request as HTTP/1.1 (any
+    protocol but the WebSocket it switches to, or a CONNECT), so that what followed it in the
+    same read may be lost."""
+    protocol = head.headers.get(hdrs.UPGRADE, "").strip().lower()
+    return protocol != "websocket" and head.method != hdrs.METH_CONNECT
 
 
 def _written(response: web.StreamResponse) -> None:
