@@ -80,10 +80,6 @@ def test_fingerprint_is_a_sha256_hex_digest_and_deterministic() -> None:
             b'{"amount":100,"currency":"\\u0045UR","meta":{"nonce":"n-1","at":"2024-01-01"}}',
             id="unicode-escape",
         ),
-        pytest.param(
-            b'\xef\xbb\xbf{"amount":100,"currency":"EUR","meta":{"nonce":"n-1","at":"2024-01-01"}}',
-            id="utf8-bom",
-        ),
     ],
 )
 def test_equal_json_gives_the_same_fingerprint(body: bytes) -> None:
@@ -665,9 +661,10 @@ def test_is_json(media_type: str, expected: bool) -> None:
 
 
 def _reference_canonical(body: bytes) -> bytes:
-    """canonical_json as first written: json.loads of the bytes, json.dumps with the options."""
+    """canonical_json as first written, json.loads and json.dumps with the options, of the body
+    as UTF-8 text (SPEC §6: any other body is its raw bytes)."""
     try:
-        document = json.loads(body)
+        document = json.loads(body.decode("utf-8"))
         text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (UnicodeDecodeError, ValueError, RecursionError):
         return body
@@ -778,3 +775,14 @@ def test_a_lone_surrogate_escape_is_not_the_bytes_that_would_encode_it() -> None
     # A pair of escapes is one character, written as its UTF-8.
     assert canonical_json(b'{"a":"\\ud83d\\ude00"}') == '{"a":"😀"}'.encode()
     assert canonical_json(b'{"a": "\\u00e9"}') == '{"a":"é"}'.encode()
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-16", "utf-32-le", "utf-8-sig"])
+def test_json_in_another_encoding_or_with_a_bom_is_hashed_raw(encoding: str) -> None:
+    """SPEC §6, RFC 8259 §8.1: only UTF-8 without a BOM is JSON text. A strict backend refuses
+    the same document in UTF-16 or behind a BOM, so the two are two payloads: a retry that
+    changes the encoding is `409 payload-mismatch`, never the other's replay."""
+    document = '{"amount":100,"currency":"EUR"}'
+    other = document.encode(encoding)
+    assert canonical_json(other) == other
+    assert fp(body=other) != fp(body=document.encode())

@@ -187,16 +187,12 @@ def _escaped(match: re.Match[str]) -> str:
 def _document(body: bytes) -> Any:
     """The JSON value of a body; ValueError (UnicodeDecodeError is one) when it has none.
 
-    Its text is what `json.loads` would decode it to, found without that function's encoding
-    detection (in Python, on every body) when the body opens an object or array in UTF-8; other
-    bodies are detected as `json.loads` does, UTF-16 and UTF-32 included (RFC 8259 §8.1).
+    SPEC §6, RFC 8259 §8.1: JSON text is UTF-8, without a byte order mark. A body in UTF-16 or
+    UTF-32, or with a BOM, has none: a strict backend refuses what it would take in UTF-8, so
+    the two must not fingerprint alike. Strict decoding also refuses the bytes of a lone
+    surrogate (ED A0 80), which would otherwise be the same text as `"\ud800"`.
     """
-    # Strictly: RFC 8259 §8.1, JSON text is UTF-8. json.loads lets the bytes of a lone surrogate
-    # (ED A0 80) through, which would make such a body the same text as `"\ud800"`.
-    if body[:1] in (b"{", b"[") and body[1:2] != b"\x00":
-        text = body.decode("utf-8")
-    else:
-        text = body.decode(json.detect_encoding(body))
+    text = body.decode("utf-8")  # a BOM decodes to U+FEFF, which the decoder refuses
     # The integer -0 is the one integer token an int changes. A hook on every integer would
     # cost a call per token: only a body where the text may hold one (or a string that looks
     # so) pays it.
