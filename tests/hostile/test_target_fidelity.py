@@ -48,6 +48,10 @@ ONE_ROUTE_TARGETS = [
     "/..",
     "/bucket/key%ZZ%",
     "/bucket/a%23b.txt",
+    # An empty query: a URL holds none, the target keeps its `?`.
+    "/bucket/empty?",
+    "/?",
+    "/bucket/q?a=1?",
 ]
 
 

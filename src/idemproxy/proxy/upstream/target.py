@@ -88,7 +88,12 @@ def outgoing(
     elif forward_host != "upstream":
         headers[hdrs.HOST] = forward_host
     stamp(headers)  # after the edits: a route cannot unset the id the logs are joined by
-    return URL(upstream + target, encoded=True), headers
+    url = URL(upstream + target, encoded=True)
+    if target.endswith("?") and not url.raw_query_string:
+        # An empty query, which a URL drops: kept at the end of its raw path, so that the
+        # target goes on as sent (`/p?`, not `/p`).
+        url = url.with_path(url.raw_path + "?", encoded=True)
+    return url, headers
 
 
 def _origin_form(target: str) -> str:
