@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -248,6 +249,31 @@ async def test_a_declined_upgrade_and_the_request_behind_it_are_each_answered_on
     assert answer.index(b'"path": "/one"') < answer.index(b'"path": "/two"')
     assert proxies.ledger.count(f"upgrade-1-{parser}") == 1
     assert proxies.ledger.count(f"upgrade-2-{parser}") == 1
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("name", [b"Host", b"Transfer-Encoding", b"Content-Type"])
+async def test_a_field_given_twice_that_must_be_one_is_header_invalid(
+    proxies: Proxies, parser: str, name: bytes
+) -> None:
+    """SPEC §10: a second `Host` line is `400 header-invalid`, a problem document like every
+    answer of the proxy's own (§8), also when the HTTP parser is what refuses it."""
+    key = f"twice-{parser}-{name.decode()}"
+    head = b"POST /pay HTTP/1.1\r\nHost: p\r\nIdempotency-Key: " + key.encode() + b"\r\n"
+    twice = b"".join(b"%s: %s\r\n" % (name, v) for v in (b"x", b"y"))
+    if name == b"Host":
+        head, twice = head.replace(b"Host: p\r\n", b""), b"Host: a\r\nHost: b\r\n"
+    answer = await exchange(
+        proxies.processes[parser].port, head + twice + b"Content-Length: 0\r\n\r\n"
+    )
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 400 Bad Request", answer[:300]
+    head_part, _, body = rest.partition(b"\r\n\r\n")
+    assert b"Idempotency-Error: header-invalid" in head_part
+    assert b"Content-Type: application/problem+json" in head_part
+    assert json.loads(body)["code"] == "header-invalid"
+    assert b"request_id" not in body  # made once for every connection: nobody's id in it
+    assert proxies.ledger.count(key) == 0
 
 
 @pytest.mark.parametrize("parser", PARSERS)

@@ -19,6 +19,7 @@ are extended, never aiohttp's private fields (tests/unit/test_public_aiohttp.py)
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 from collections.abc import Callable
@@ -27,11 +28,12 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import HttpVersion, HttpVersion11, StreamReader, hdrs, web
+from aiohttp.http_exceptions import BadHttpMessage, InvalidHeader
 from aiohttp.http_parser import RawRequestMessage
 from multidict import CIMultiDict
 
 from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
-from idemproxy.errors import RequestTimeout
+from idemproxy.errors import HeaderInvalid, ProblemError, RequestTimeout
 from idemproxy.http.deadline import Deadline
 from idemproxy.http.problems import problem_response
 from idemproxy.proxy.server.whole import NotifiedResponse, WholeResponse, serialise_whole
@@ -328,7 +330,13 @@ class GuardedHandler(web.RequestHandler):
         # and aiohttp's own response would name it (`Server: Python/x aiohttp/y`, SPEC §10).
         transport = self.transport
         if transport is not None and not transport.is_closing():
-            transport.write(_refusal(request.version, status, self.server_token, _now()))
+            if status == 400 and _names_a_header(exc):
+                # SPEC §10: a second `Host` (or any repeated field that must be one) is
+                # `header-invalid`, whether the parser or the handler finds it.
+                refusal = _BAD_REQUEST_LINE + _now() + _header_invalid(self.server_token)
+            else:
+                refusal = _refusal(request.version, status, self.server_token, _now())
+            transport.write(refusal)
         self.force_close()
         return _CLOSED
 
@@ -442,14 +450,35 @@ def _refusal(version: HttpVersion, status: int, server_token: str, date: bytes) 
 
 
 _REQUEST_TIMEOUT_LINE = b"HTTP/1.1 408 Request Timeout\r\n"
+_BAD_REQUEST_LINE = b"HTTP/1.1 400 Bad Request\r\n"
+
+
+def _names_a_header(exc: BaseException | None) -> bool:
+    """Whether aiohttp's parser refused the head for a header field: one it cannot read, or one
+    that must be single given twice (its message is the only sign of which)."""
+    if isinstance(exc, InvalidHeader):
+        return True
+    return isinstance(exc, BadHttpMessage) and str(exc.message).startswith("Duplicate '")
+
+
+@functools.cache
+def _header_invalid(server_token: str) -> bytes:
+    """A complete `400 header-invalid` problem response (SPEC §8, §10) but its status line and
+    Date field, as `_request_timeout`."""
+    return _problem_tail(HeaderInvalid("A header field is repeated or malformed."), server_token)
 
 
 @functools.cache
 def _request_timeout(server_token: str) -> bytes:
     """A complete 408 problem response (SPEC §8), written straight to the socket: all of it
     but its status line and Date field, which come before."""
-    error = RequestTimeout("The request head did not arrive in time.")
-    body = problem_response(error).body
+    return _problem_tail(RequestTimeout("The request head did not arrive in time."), server_token)
+
+
+def _problem_tail(error: ProblemError, server_token: str) -> bytes:
+    """A problem response that closes the connection, from its first header field on. Made in
+    an empty context: it is kept for every connection, so no request's id may be in it."""
+    body = contextvars.Context().run(problem_response, error).body
     assert isinstance(body, bytes)
     server = f"Server: {server_token}\r\n" if server_token else ""
     head = (
