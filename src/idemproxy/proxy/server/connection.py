@@ -367,7 +367,12 @@ def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
     head = read[:end].lower()
     if b"\r\ntransfer-encoding:" in head:
         last = _chunked_end(read, end + 4)
-        return last is not None and last < len(read)
+        if last is not None:
+            return last < len(read)
+        # Not walked to its end: its last chunk, `0` and a blank line, is looked for instead.
+        # Found in a chunk's data, it ends the guess early, which only closes where a 400 was due.
+        zero = read.find(b"0\r\n\r\n", end + 4)
+        return zero != -1 and zero + 5 < len(read)
     field = head.find(b"\r\ncontent-length:")
     if field == -1:
         return end + 4 < len(read)
@@ -381,8 +386,9 @@ def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
 
 def _chunked_end(data: bytes, at: int) -> int | None:
     """Where a chunked body that starts at `at` ends (after its trailer section), or None when
-    `data` does not hold all of it or it is not chunked framing (RFC 9112 §7.1)."""
-    while True:
+    `data` does not hold all of it, it is not chunked framing (RFC 9112 §7.1), or it has more
+    chunks than are worth walking in Python (its next head is then not followed, as before)."""
+    for _ in range(_CHUNKS_WALKED):
         line = data.find(b"\r\n", at)
         if line == -1:
             return None
@@ -391,20 +397,28 @@ def _chunked_end(data: bytes, at: int) -> int | None:
             return None
         at = line + 2
         if int(size, 16) == 0:
-            break
+            return _trailers_end(data, at)
         at += int(size, 16) + 2
         if at > len(data):
             return None
-    while True:  # trailer fields, then the blank line
+    return None
+
+
+def _trailers_end(data: bytes, at: int) -> int | None:
+    for _ in range(_CHUNKS_WALKED):  # trailer fields, then the blank line
         line = data.find(b"\r\n", at)
         if line == -1:
             return None
         if line == at:
             return at + 2
         at = line + 2
+    return None
 
 
 _HEX = b"0123456789abcdefABCDEF"
+# Chunks (or trailer lines) walked at most in one read: aiohttp's parser reads them in C, this
+# walk in Python, so a read of thousands of tiny chunks must not cost a client's request more.
+_CHUNKS_WALKED = 256
 
 
 def _upgrades_in_place(head: RawRequestMessage) -> bool:
