@@ -133,6 +133,7 @@ async def test_an_absolute_form_target_goes_on_in_origin_form_as_sent(
     for target, sent in (
         ("http://proxy/x/../y;p/%2e%2e?q=%2F&r=/./", b"/x/../y;p/%2e%2e?q=%2F&r=/./"),
         ("HTTP://PROXY:80/a//b", b"/a//b"),
+        ("http://proxy/p?", b"/p?"),
     ):
         answer = await exchange(address, request("POST", target, "k-" + target))
         assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:300])
@@ -141,7 +142,12 @@ async def test_an_absolute_form_target_goes_on_in_origin_form_as_sent(
 
 @pytest.mark.parametrize(
     ("target", "sent"),
-    [("/public#/../payments/charge", b"/public"), ("/a?b=c#/../d", b"/a?b=c")],
+    [
+        ("/public#/../payments/charge", b"/public"),
+        ("/a?b=c#/../d", b"/a?b=c"),
+        ("/p#f?", b"/p"),  # a `?` in the fragment is no query
+        ("/p?#f", b"/p?"),  # an empty query before it is
+    ],
 )
 async def test_a_fragment_is_not_forwarded(
     payments_and_rest: tuple[str, int], recorder: RecordingUpstream, target: str, sent: bytes

@@ -89,9 +89,9 @@ def outgoing(
         headers[hdrs.HOST] = forward_host
     stamp(headers)  # after the edits: a route cannot unset the id the logs are joined by
     url = URL(upstream + target, encoded=True)
-    if target.endswith("?") and not url.raw_query_string:
+    if not url.raw_query_string and target.partition("#")[0].endswith("?"):
         # An empty query, which a URL drops: kept at the end of its raw path, so that the
-        # target goes on as sent (`/p?`, not `/p`).
+        # target goes on as sent (`/p?`, not `/p`; a fragment is left out, §10).
         url = url.with_path(url.raw_path + "?", encoded=True)
     return url, headers
 
