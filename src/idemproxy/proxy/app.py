@@ -136,11 +136,9 @@ def _lifecycle(
             services = Services(failpoints, metrics, owner, spans)
             ctx = ProxyContext.build(settings, stores.jobs, upstream, services)
             stack.push_async_callback(ctx.offload.close)  # after the drain: no body left
-            # After the drain, before the store: what they hold gets one more chance, as long
-            # as a statement may wait for a connection.
-            grace = settings.pool.store_timeout
-            stack.push_async_callback(ctx.unsent.close, grace)
-            stack.push_async_callback(ctx.unwritten.close, grace)
+            # After the drain, before the store: what they hold gets one more chance, both at
+            # once, as long as a statement may wait for a connection.
+            stack.push_async_callback(_close_follow_ups, ctx, settings.pool.store_timeout)
             app[CONTEXT] = ctx
             proxy = Proxy(ctx, Governor.of(ctx))
             app[PROXY_ROUTE] = ProxyRoute(proxy.answer, proxy.expect_continue)
@@ -227,6 +225,10 @@ async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_follow_ups(ctx: ProxyContext, grace: float) -> None:
+    await asyncio.gather(ctx.unsent.close(grace), ctx.unwritten.close(grace))
 
 
 async def _drain_now(ctx: ProxyContext) -> None:

@@ -86,11 +86,10 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if not self._pending or grace <= 0:
-            return
-        # A deadline the loop checks, not a cancellation: a store call cancelled just as its own
-        # timeout runs out may end in that timeout instead, and the loop would go on.
-        await self._until_settled(first_pause=0.0, until=asyncio.get_running_loop().time() + grace)
+        if self._pending and grace > 0:
+            await self._until_settled(
+                first_pause=0.0, until=asyncio.get_running_loop().time() + grace
+            )
         if self._pending:
             log.warning(
                 "%d follow-up(s) left unwritten at shutdown, their jobs to the lease: %s",
@@ -118,29 +117,38 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
     async def _until_settled(
         self, first_pause: float = _FIRST_PAUSE, until: float | None = None
     ) -> None:
-        """Rounds until nothing is pending (or the loop's clock reaches `until`: no round starts
-        after it, and each try is bounded by the store's own timeout)."""
+        """Rounds until nothing is pending, or until the loop's clock reaches `until` (no try
+        starts after it, and one under way is cut there)."""
         loop = asyncio.get_running_loop()
         pause, wait = _FIRST_PAUSE, first_pause
         while self._pending:
             if until is not None:
-                left = until - loop.time()
-                if left <= 0:
+                wait = min(wait, until - loop.time())
+                if wait < 0:
                     return
-                wait = min(wait, left)
             await asyncio.sleep(wait)
-            settled = False
-            for job_id, item in list(self._pending.items()):
-                try:
-                    outcome = await self._try(job_id, item)
-                except StoreUnavailable:
-                    break  # still away: every other try would fail the same way
-                if outcome is not None:
-                    self._drop(job_id)
-                    self._counted[outcome].inc()
-                    settled = True
+            settled = await self._round(until)
             pause = _FIRST_PAUSE if settled else min(pause * 2, _LAST_PAUSE)
             wait = pause
+
+    async def _round(self, until: float | None) -> bool:
+        """One try of every item held, up to the first the store is away for; whether any
+        was settled."""
+        settled = False
+        for job_id, item in list(self._pending.items()):
+            try:
+                if until is None:
+                    outcome = await self._try(job_id, item)
+                else:
+                    async with asyncio.timeout_at(until):
+                        outcome = await self._try(job_id, item)
+            except (StoreUnavailable, TimeoutError):
+                break  # still away (every other try would fail the same way), or out of time
+            if outcome is not None:
+                self._drop(job_id)
+                self._counted[outcome].inc()
+                settled = True
+        return settled
 
     async def _try(self, job_id: str, item: Item) -> Done | None:
         """`_settle`, with the errors that are final for this item made its outcome: the
