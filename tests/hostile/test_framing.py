@@ -252,7 +252,9 @@ async def test_a_declined_upgrade_and_the_request_behind_it_are_each_answered_on
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-@pytest.mark.parametrize("name", [b"Host", b"Transfer-Encoding", b"Content-Type"])
+@pytest.mark.parametrize(
+    "name", [b"Host", b"Transfer-Encoding", b"Content-Type", b"Content-Length"]
+)
 async def test_a_field_given_twice_that_must_be_one_is_header_invalid(
     proxies: Proxies, parser: str, name: bytes
 ) -> None:
@@ -260,14 +262,14 @@ async def test_a_field_given_twice_that_must_be_one_is_header_invalid(
     answer of the proxy's own (§8), also when the HTTP parser is what refuses it."""
     key = f"twice-{parser}-{name.decode()}"
     head = b"POST /pay HTTP/1.1\r\nHost: p\r\nIdempotency-Key: " + key.encode() + b"\r\n"
-    twice = b"".join(b"%s: %s\r\n" % (name, v) for v in (b"x", b"y"))
+    values = (b"1", b"2") if name == b"Content-Length" else (b"x", b"y")
+    twice = b"".join(b"%s: %s\r\n" % (name, v) for v in values)
     if name == b"Host":
         head, twice = head.replace(b"Host: p\r\n", b""), b"Host: a\r\nHost: b\r\n"
-    answer = await exchange(
-        proxies.processes[parser].port, head + twice + b"Content-Length: 0\r\n\r\n"
-    )
+    framing = b"" if name == b"Content-Length" else b"Content-Length: 0\r\n"
+    answer = await exchange(proxies.processes[parser].port, head + twice + framing + b"\r\n")
     status, _, rest = answer.partition(b"\r\n")
-    assert status == b"HTTP/1.1 400 Bad Request", answer[:300]
+    assert status in (b"HTTP/1.0 400 Bad Request", b"HTTP/1.1 400 Bad Request"), answer[:300]
     head_part, _, body = rest.partition(b"\r\n\r\n")
     assert b"Idempotency-Error: header-invalid" in head_part
     assert b"Content-Type: application/problem+json" in head_part
@@ -296,6 +298,53 @@ async def test_a_request_behind_an_upgrade_aiohttp_does_not_take_is_never_left_w
         writer.close()
     assert answer.startswith(b"HTTP/1.1 201 Created"), answer[:200]
     assert answer.count(b"HTTP/1.1 ") <= 2 and b'"path": "/one"' in answer
+    again = await exchange(proxies.processes[parser].port, request("/two", key))
+    assert again.startswith(b"HTTP/1.1 201 Created"), again[:200]
+    assert proxies.ledger.count(key) == 1
+
+
+TWO = b"POST /two HTTP/1.1\r\nHost: p\r\nIdempotency-Key: {key}\r\nContent-Length: 1\r\n\r\nx"
+H2C = b"Connection: Upgrade\r\nUpgrade: h2c\r\n"
+UPGRADE_SPLITS = {
+    # The Upgrade head without its last CRLF, then that CRLF and a whole request.
+    "head cut": (b"GET /u HTTP/1.1\r\nHost: p\r\n" + H2C, b"\r\n" + TWO),
+    # The Upgrade POST's head, then its body and a whole request.
+    "body later": (
+        b"POST /u HTTP/1.1\r\nHost: p\r\n" + H2C + b"Content-Length: 1\r\n\r\n",
+        b"x" + TWO,
+    ),
+    # A CONNECT, then a whole request (aiohttp's parsers differ on what follows a CONNECT).
+    "connect": (b"CONNECT p:443 HTTP/1.1\r\nHost: p:443\r\n\r\n", TWO),
+}
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("case", UPGRADE_SPLITS)
+async def test_after_an_upgrade_or_a_connect_the_connection_closes_after_its_answer(
+    proxies: Proxies, parser: str, case: str
+) -> None:
+    """Whatever reads the request behind it came in: one answer, which says the connection
+    closes after it (SPEC §8; RFC 9112 §9.6: the client sends what it pipelined again), never
+    a 408 the client pairs with the request behind it. aiohttp may linger over unread bytes
+    before it closes."""
+    key = f"split-{parser}-{case}".replace(" ", "-")
+    first, later = UPGRADE_SPLITS[case]
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxies.processes[parser].port)
+    try:
+        writer.write(first)
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(later.replace(b"{key}", key.encode()))
+        answer = b""
+        with contextlib.suppress(TimeoutError):  # until it closes, or lingers past 3 s
+            while chunk := await asyncio.wait_for(reader.read(65536), 3.0):
+                answer += chunk
+    finally:
+        writer.close()
+    assert answer.count(b"HTTP/1.1 ") == 1, answer[:400]
+    assert b"\r\nConnection: close\r\n" in answer.partition(b"\r\n\r\n")[0] + b"\r\n"
+    assert b"408" not in answer
+    assert proxies.ledger.count(key) == 0
     again = await exchange(proxies.processes[parser].port, request("/two", key))
     assert again.startswith(b"HTTP/1.1 201 Created"), again[:200]
     assert proxies.ledger.count(key) == 1

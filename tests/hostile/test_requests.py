@@ -154,9 +154,12 @@ async def test_parser_errors_echo_nothing_and_log_no_traceback(
         answer = await exchange(
             address, b"POST /p HTTP/1.1\r\nHost: p\r\nX-Evil: <script>\x00\r\n\r\n"
         )
-    assert answer.startswith(b"HTTP/1.0 400 Bad Request\r\n")
-    assert answer.endswith(b"\r\n\r\n400 Bad Request\n")
+    # A header field the parser cannot read: `header-invalid` (SPEC §10), the proxy's own words.
+    assert answer.startswith(b"HTTP/1.0 400 Bad Request\r\n")  # the version aiohttp hands over
+    assert b"\r\nIdempotency-Error: header-invalid\r\n" in answer
     assert b"script" not in answer and b"X-Evil" not in answer
+    malformed_line = await exchange(address, b"P<ST /p HTTP/1.1\r\nHost: p\r\n\r\n")
+    assert malformed_line.endswith(b"\r\n\r\n400 Bad Request\n")  # not a header: plain
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
 
 

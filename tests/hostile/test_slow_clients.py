@@ -209,6 +209,48 @@ async def test_a_next_head_begun_in_the_read_of_a_chunked_request_owes_the_deadl
     assert len(ledger.executions) == whole
 
 
+async def test_a_head_behind_chunks_that_end_in_a_later_read_owes_the_deadline(
+    listening_proxy: ListeningProxy, ledger: Ledger
+) -> None:
+    """The chunked request's head alone in one read; its chunks, a whole request and the start
+    of a third head in the next: the chunks are followed into that read."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(CHUNKED)
+    await asyncio.sleep(0.1)
+    await client.send(
+        b"3\r\nabc\r\n0\r\n\r\nGET /b HTTP/1.1\r\nHost: proxy\r\n\r\nGET /st HTTP/1.1\r\nHo"
+    )
+    answer = await client.result(timeout=4.0)
+    assert answer.count(b"HTTP/1.1 201 Created") == 2, answer[:300]
+    assert b"HTTP/1.1 408 Request Timeout" in answer
+    assert client.closed_after is not None and client.closed_after < 2.5
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        CHUNKED + b"2\r\n{}\r\n0\r\n\r\n",
+        b"POST /first HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\n\r\n{}",
+        b"GET /first HTTP/1.1\r\nHost: proxy\r\n\r\n",
+    ],
+    ids=["chunked", "a body", "no body"],
+)
+async def test_an_empty_line_after_a_request_begins_no_head(
+    listening_proxy: ListeningProxy, ledger: Ledger, first: bytes
+) -> None:
+    """RFC 9112 §2.2: empty lines before a request line are ignored. A CRLF a client sends
+    after its request owes no deadline: no 408 that it would read as its next answer."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(first + b"\r\n")
+    await asyncio.sleep(0.3)
+    await client.send(b"\r\n")
+    await asyncio.sleep(0.8)  # twice the head deadline
+    await client.send(b"GET /second HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n")
+    answer = await client.result(timeout=4.0)
+    assert answer.count(b"HTTP/1.1 201 Created") == 2, answer[:300]
+    assert b"408" not in answer
+
+
 async def test_a_head_begun_later_behind_a_chunked_request_and_a_queued_one_owes_the_deadline(
     listening_proxy: ListeningProxy, ledger: Ledger
 ) -> None:

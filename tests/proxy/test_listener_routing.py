@@ -111,6 +111,10 @@ async def test_the_listener_answers_as_the_router_did(
     listener, routed = await _both(make_proxy, store=sqlite_dsn, server={"server_token": token})
     head, body = REQUESTS[name]
     direct, through_router = await _ask(listener, head, body), await _ask(routed, head, body)
+    if name == "authority form":
+        # The listener closes after a CONNECT (SPEC §8: what follows it may be lost in the
+        # parser); the router, in aiohttp's own server, keeps the connection.
+        assert direct.fields.popall("Connection") == ["close"]
     assert direct.shown() == through_router.shown()
     if "Location" in direct.fields:  # the upstream's answer (tests/support/backend.py)
         assert direct.fields.getall("Server") == through_router.fields.getall("Server")

@@ -36,6 +36,7 @@ from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import HeaderInvalid, ProblemError, RequestTimeout
 from idemproxy.http.deadline import Deadline
 from idemproxy.http.problems import problem_response
+from idemproxy.proxy.server.chunks import GAVE_UP, ChunkWalk, begins_head, chunked_end
 from idemproxy.proxy.server.whole import NotifiedResponse, WholeResponse, serialise_whole
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ class GuardedHandler(web.RequestHandler):
         self.burst: bytes | None = None
         self.burst_at = 0
         self.framed = True  # the request being served has no body or a Content-Length
+        # The chunked body of the request being served, followed read by read to its end, where
+        # a next head may begin in the same read (`request_started`, `_pipelined`, `_drained`).
+        self.chunks: ChunkWalk | None = None
         # Bytes of a next head are known to have arrived while a request was served: its
         # deadline runs from that request's response (`queued` also errs on the side of
         # waiting, for a shutdown's test of idleness).
@@ -120,19 +124,33 @@ class GuardedHandler(web.RequestHandler):
             self._drained(data)
         elif self.serving and body is not None:
             self._pipelined(body, data)
-        else:
+        elif self.head_started or begins_head(data, 0):
             # A read that begins a head starts a burst; one that goes on with a head does not.
             self.burst, self.burst_at = (None, 0) if self.head_started else (data, 0)
             self.head_started = True
             if not self.head_deadline.running:  # the first byte of the next head
                 self.head_deadline.start(self.header_timeout)
             super().data_received(data)
+        else:
+            super().data_received(data)  # empty lines before a head: ignored (RFC 9112 §2.2)
 
     def _pipelined(self, body: StreamReader, data: bytes) -> None:
         """Bytes while a request is served: its body's, or (some of them) a next request's,
         which aiohttp parses and queues now. The idleness test of a shutdown must know."""
         done, before = body.is_eof(), body.total_bytes
         super().data_received(data)
+        walk = self.chunks
+        if walk is not None and not done:
+            end = walk.feed(data)
+            if end is None:
+                return  # the body goes on
+            self.chunks = None
+            if end != GAVE_UP:
+                if begins_head(data, end):
+                    self.burst, self.burst_at = data, end
+                    self.queued = self.next_head = True
+                return
+            # Not followed to its end: as a body whose chunks were never followed, below.
         # With Content-Length the body takes exactly its bytes; a chunked body's framing makes
         # the rest look like more than it is, and the test errs on the side of waiting.
         if done or (body.is_eof() and len(data) > body.total_bytes - before):
@@ -143,7 +161,11 @@ class GuardedHandler(web.RequestHandler):
                 self.burst, self.burst_at = self.burst[self.burst_at :] + data, 0
             elif done or self.framed:
                 # The next request begins where the body ended.
-                self.burst, self.burst_at = data, 0 if done else body.total_bytes - before
+                at = 0 if done else body.total_bytes - before
+                if not begins_head(data, at):
+                    self.queued, self.burst = False, None
+                    return
+                self.burst, self.burst_at = data, at
             else:
                 # A chunked body's framing hides where it ended. Its last read ends with the
                 # terminator's blank line unless bytes of a next request follow it.
@@ -155,16 +177,29 @@ class GuardedHandler(web.RequestHandler):
     def _drained(self, data: bytes) -> None:
         """Bytes of a body that was answered unread (aiohttp drains it): any after its end begin
         the next head, which owes the deadline from its first byte (SPEC §9)."""
-        unread, framed = self.unread, self.framed
+        unread, walk = self.unread, self.chunks
         before = unread.total_bytes if unread is not None else 0
         super().data_received(data)
+        end = walk.feed(data) if walk is not None else GAVE_UP  # every read, to keep its place
+        if end is not None:
+            self.chunks = None
         if unread is None or not unread.is_eof():
             return
-        consumed = unread.total_bytes - before
-        rest = len(data) > consumed if framed else not data.endswith(b"\r\n\r\n")
-        if rest:
+        at: int | None
+        if self.framed:
+            at = unread.total_bytes - before
+            begun = begins_head(data, at)
+        else:
+            self.chunks = None
+            if end is None or end == GAVE_UP:
+                # Not followed to its end: the terminator's blank line ends its last read
+                # unless bytes of a next request follow it.
+                at, begun = None, not data.endswith(b"\r\n\r\n")
+            else:
+                at, begun = end, begins_head(data, end)
+        if begun:
             self.head_started = True
-            self.burst, self.burst_at = (data, consumed) if framed else (None, 0)
+            self.burst, self.burst_at = (data, at) if at is not None else (None, 0)
             if not self.head_deadline.running:
                 self.head_deadline.start(self.header_timeout)
 
@@ -192,7 +227,16 @@ class GuardedHandler(web.RequestHandler):
         body its Content-Length frames (none without one) or its chunks."""
         self.serving, self.body, self.framed = True, body, not head.chunked
         self.queued = self.next_head = False
+        self.chunks = None
         self.head_deadline.stop()
+        if head.upgrade or head.method == hdrs.METH_CONNECT:
+            self.burst = None
+            if not _switches_to_websocket(head):
+                # What follows an upgrade aiohttp does not take up (or a CONNECT) may be lost in
+                # its parser, never answered: close after this answer, so the client sends it
+                # again on a new connection (RFC 9112 §9.3.2) instead of waiting for its answer.
+                self.closing = True
+            return
         burst = self.burst  # written out here, not a call: once per request
         if burst is None:
             return
@@ -201,22 +245,17 @@ class GuardedHandler(web.RequestHandler):
             self.burst = None
             return
         if head.chunked:
-            # Rare: its chunks are walked to find where the next request begins.
-            stop = _chunked_end(burst, end + 4)
+            # Rare: its chunks are walked to where the next request begins, in later reads too.
+            walk = ChunkWalk()
+            stop = walk.feed(burst, end + 4)
+            if stop is None:
+                self.chunks = walk
+            elif stop == GAVE_UP:
+                stop = None
         else:
             length = head.headers.get(hdrs.CONTENT_LENGTH, "0")
             stop = end + 4 + int(length) if length.isdigit() else None
-        if head.upgrade:
-            self.burst = None
-            if _upgrades_in_place(head) and (stop is None or stop < len(burst)):
-                # What follows an upgrade aiohttp does not take up in the same read is lost in
-                # its parser, never answered: close after this answer, so the client sends it
-                # again on a new connection (RFC 9112 §9.3.2) instead of waiting for its answer.
-                self.closing = True
-            return
-        if stop is None:
-            self.burst = None
-        elif stop < len(burst):
+        if stop is not None and begins_head(burst, stop):
             self.burst_at = stop
             self.queued = self.next_head = True
         else:
@@ -333,7 +372,8 @@ class GuardedHandler(web.RequestHandler):
             if status == 400 and _names_a_header(exc):
                 # SPEC §10: a second `Host` (or any repeated field that must be one) is
                 # `header-invalid`, whether the parser or the handler finds it.
-                refusal = _BAD_REQUEST_LINE + _now() + _header_invalid(self.server_token)
+                line = f"HTTP/{request.version.major}.{request.version.minor} 400 Bad Request\r\n"
+                refusal = line.encode("ascii") + _now() + _header_invalid(self.server_token)
             else:
                 refusal = _refusal(request.version, status, self.server_token, _now())
             transport.write(refusal)
@@ -366,7 +406,7 @@ def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
         return False
     head = read[:end].lower()
     if b"\r\ntransfer-encoding:" in head:
-        last = _chunked_end(read, end + 4)
+        last = chunked_end(read, end + 4)
         if last is not None:
             return last < len(read)
         # Not walked to its end: its last chunk, `0` and a blank line, is looked for instead.
@@ -384,49 +424,11 @@ def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
     return value.isdigit() and end + 4 + int(value) < len(read)
 
 
-def _chunked_end(data: bytes, at: int) -> int | None:
-    """Where a chunked body that starts at `at` ends (after its trailer section), or None when
-    `data` does not hold all of it, it is not chunked framing (RFC 9112 §7.1), or it has more
-    chunks than are worth walking in Python (its next head is then not followed, as before)."""
-    for _ in range(_CHUNKS_WALKED):
-        line = data.find(b"\r\n", at)
-        if line == -1:
-            return None
-        size = data[at:line].partition(b";")[0].strip(b" \t")
-        if not size or size.strip(_HEX):
-            return None
-        at = line + 2
-        if int(size, 16) == 0:
-            return _trailers_end(data, at)
-        at += int(size, 16) + 2
-        if at > len(data):
-            return None
-    return None
-
-
-def _trailers_end(data: bytes, at: int) -> int | None:
-    for _ in range(_CHUNKS_WALKED):  # trailer fields, then the blank line
-        line = data.find(b"\r\n", at)
-        if line == -1:
-            return None
-        if line == at:
-            return at + 2
-        at = line + 2
-    return None
-
-
-_HEX = b"0123456789abcdefABCDEF"
-# Chunks (or trailer lines) walked at most in one read: aiohttp's parser reads them in C, this
-# walk in Python, so a read of thousands of tiny chunks must not cost a client's request more.
-_CHUNKS_WALKED = 256
-
-
-def _upgrades_in_place(head: RawRequestMessage) -> bool:
-    """Whether aiohttp's parser goes on parsing after this upgrade request as HTTP/1.1 (any
-    protocol but the WebSocket it switches to, or a CONNECT), so that what followed it in the
-    same read may be lost."""
+def _switches_to_websocket(head: RawRequestMessage) -> bool:
+    """Whether aiohttp's parser hands what follows this request to it, as the WebSocket it
+    switches to: with any other protocol, or a CONNECT, what followed may be lost."""
     protocol = head.headers.get(hdrs.UPGRADE, "").strip().lower()
-    return protocol != "websocket" and head.method != hdrs.METH_CONNECT
+    return protocol == "websocket" and head.method != hdrs.METH_CONNECT
 
 
 def _written(response: web.StreamResponse) -> None:
@@ -464,15 +466,21 @@ def _refusal(version: HttpVersion, status: int, server_token: str, date: bytes) 
 
 
 _REQUEST_TIMEOUT_LINE = b"HTTP/1.1 408 Request Timeout\r\n"
-_BAD_REQUEST_LINE = b"HTTP/1.1 400 Bad Request\r\n"
 
 
 def _names_a_header(exc: BaseException | None) -> bool:
     """Whether aiohttp's parser refused the head for a header field: one it cannot read, or one
-    that must be single given twice (its message is the only sign of which)."""
+    that must be single given twice. Its pure-Python parser says so by the exception's type;
+    its C parser (llhttp) only in the message of a plain BadHttpMessage."""
     if isinstance(exc, InvalidHeader):
         return True
-    return isinstance(exc, BadHttpMessage) and str(exc.message).startswith("Duplicate '")
+    if type(exc) is not BadHttpMessage:
+        return False  # a request line, a line too long, a body's framing
+    message = str(exc.message).lower()
+    return any(word in message for word in _HEADER_WORDS)
+
+
+_HEADER_WORDS = ("header", "content-length", "transfer-encoding")
 
 
 @functools.cache
