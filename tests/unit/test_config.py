@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from idemproxy.config.settings import Settings, load_settings
+from idemproxy.errors import ConfigError
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.routing import RouteTable
 
@@ -245,3 +246,51 @@ def _bounds(metrics: Metrics) -> list[float]:
         for sample in family.samples
         if sample.name == "idemproxy_upstream_seconds_bucket"
     ]
+
+
+@pytest.mark.parametrize("token", ["", "   ", "\n"])
+def test_an_empty_or_blank_admin_token_off_loopback_is_refused(token: str) -> None:
+    """An empty token turned the admin API's authentication off: every owner's jobs open to
+    the network (SPEC §13)."""
+    with pytest.raises(ValidationError, match=r"admin\.token"):
+        load_settings(upstream="http://x:1", admin={"listen": "0.0.0.0:9090", "token": token})
+
+
+@pytest.mark.parametrize("name", ["", "Idempotency-Key ", "Idempotency-Key\n", "Idem Key"])
+def test_a_key_header_that_is_no_header_name_is_refused(name: str) -> None:
+    """No request could carry it: every keyed request would pass through untracked."""
+    with pytest.raises(ValidationError, match="key_header"):
+        load_settings(upstream="http://x:1", key_header=name)
+
+
+@pytest.mark.parametrize("methods", ["", " , ", "PO ST", "POST,GET/1"])
+def test_methods_that_name_no_method_are_refused(methods: str) -> None:
+    with pytest.raises(ValidationError, match="methods"):
+        load_settings(upstream="http://x:1", methods=methods)
+
+
+def test_methods_from_the_environment_as_a_json_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the other lists may be given: the JSON list form was split on its commas, into the
+    method names `["POST"` and `"PATCH"]`, and nothing was governed."""
+    monkeypatch.setenv("IDEMPROXY_METHODS", '["POST", "patch"]')
+    assert load_settings(upstream="http://a:1").methods == ["POST", "PATCH"]
+
+
+@pytest.mark.parametrize(
+    ("release", "unknown"),
+    [([408, 502], [502, 504]), ([201, 503], [502]), ([99], [502]), ([503], [600])],
+    ids=["in both lists", "a success released", "no status", "no status unknown"],
+)
+def test_outcome_lists_that_contradict_are_refused(release: list[int], unknown: list[int]) -> None:
+    """SPEC §3.2: a status that may have executed must never release its job."""
+    outcomes = {"release_statuses": release, "unknown_statuses": unknown}
+    with pytest.raises(ValidationError, match="status"):
+        load_settings(upstream="http://x:1", outcomes=outcomes)
+
+
+@pytest.mark.parametrize("pepper", ["k" * 20 + "0123456789abcdef\n", " " + "0123456789abcdef" * 3])
+def test_a_pepper_with_whitespace_at_its_ends_is_refused(pepper: str) -> None:
+    """pepper_file drops its final line break: the same secret given inline with it would be
+    another key, every owner another, and every retry would execute again."""
+    with pytest.raises(ConfigError, match=r"owner\.pepper: whitespace"):
+        load_settings(upstream="http://x:1", owner={"pepper": pepper})

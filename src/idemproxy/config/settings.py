@@ -278,6 +278,18 @@ def _check_pepper(pepper: object, setting: str) -> None:
         )
 
 
+def _check_pepper_ends(pepper: object) -> None:
+    """The same secret must give the same owners however it is given: `pepper_file` drops its
+    final line break, so a pepper given inline with whitespace at its ends is refused rather
+    than made another key (every owner would change, and each retry execute again)."""
+    value = pepper.get_secret_value() if isinstance(pepper, SecretStr) else pepper
+    if isinstance(value, str) and value != value.strip():
+        raise ConfigError(
+            "owner.pepper: whitespace or a line break at its ends (a file's final line break "
+            "is dropped from owner.pepper_file, not from owner.pepper): remove it"
+        )
+
+
 class OwnerSettings(BaseModel):
     """SPEC §5: authorization | header:<NAME> | jwt | none."""
 
@@ -301,6 +313,8 @@ class OwnerSettings(BaseModel):
         data = read_secret_files(data, ("pepper",), "owner.")
         if isinstance(data, dict) and data.get("pepper") is not None:
             _check_pepper(data["pepper"], "owner.pepper_file" if given else "owner.pepper")
+            if not given:
+                _check_pepper_ends(data["pepper"])
         return data
 
     @model_validator(mode="after")
@@ -337,6 +351,24 @@ class OutcomeSettings(BaseModel):
     model_config = _STRICT
     release_statuses: list[int] = Field(default_factory=lambda: list(c.DEFAULT_RELEASE_STATUSES))
     unknown_statuses: list[int] = Field(default_factory=lambda: list(c.DEFAULT_UNKNOWN_STATUSES))
+
+    @model_validator(mode="after")
+    def _one_meaning_per_status(self) -> OutcomeSettings:
+        # A status both released and unknown would be released: the attempt that may have
+        # executed runs again. A success released runs every retry again (SPEC §3.2).
+        both = sorted(set(self.release_statuses) & set(self.unknown_statuses))
+        if both:
+            raise ValueError(f"statuses in both release_statuses and unknown_statuses: {both}")
+        for status in (*self.release_statuses, *self.unknown_statuses):
+            if not 100 <= status <= 599:
+                raise ValueError(f"{status} is no HTTP status")
+        done = sorted(status for status in self.release_statuses if status < 400)
+        if done:
+            raise ValueError(
+                f"release_statuses may name only error statuses (4xx, 5xx): {done} says the "
+                "request was processed"
+            )
+        return self
 
 
 class ServerSettings(BaseModel):
@@ -409,8 +441,14 @@ class AdminSettings(BaseModel):
     @model_validator(mode="after")
     def _token_off_loopback(self) -> AdminSettings:
         host, _port = parse_listen(self.listen)
-        if self.token is None and not is_loopback(host):
-            raise ValueError("admin.token is required when admin.listen is not a loopback address")
+        token = None if self.token is None else self.token.get_secret_value()
+        if not is_loopback(host) and not (token and token.strip()):
+            # An empty token turned authentication off: the jobs of every owner on the network.
+            # (Only an empty or blank one is refused here: nothing secret to echo.)
+            raise ValueError(
+                "admin.token is required when admin.listen is not a loopback address, and "
+                "may not be empty or blank"
+            )
         return self
 
 
@@ -667,6 +705,15 @@ class Settings(BaseSettings):
 
     # --- end trusted_proxies ---------------------------------------------------------------
 
+    @field_validator("key_header")
+    @classmethod
+    def _key_header_name(cls, name: str) -> str:
+        # Not a header name (a blank, a line break), no request carries it: every request with
+        # a key would pass through untracked, executed on every retry.
+        if not _TOKEN.fullmatch(name):
+            raise ValueError(f"{name!r} is not a header name")
+        return name
+
     @field_validator("status_header")
     @classmethod
     def _status_header_name(cls, name: str | None) -> str | None:
@@ -747,10 +794,25 @@ class Settings(BaseSettings):
     @classmethod
     def _methods(cls, value: Any) -> Any:
         if isinstance(value, str):
-            value = [part for part in value.split(",") if part.strip()]
+            text = value.strip()
+            if text.startswith("["):  # IDEMPROXY_METHODS='["POST","PATCH"]', as for other lists
+                value = json.loads(text)
+            else:
+                value = [part for part in text.split(",") if part.strip()]
         if isinstance(value, list):
             return [str(method).strip().upper() for method in value]
         return value
+
+    @field_validator("methods")
+    @classmethod
+    def _method_names(cls, methods: list[str]) -> list[str]:
+        # None, or a name no request has: every request passes through untracked (SPEC §2).
+        if not methods:
+            raise ValueError("name at least one method to govern (default POST, PATCH)")
+        for method in methods:
+            if not _TOKEN.fullmatch(method):
+                raise ValueError(f"{method!r} is not a method name (RFC 9110 §9.1)")
+        return methods
 
     @field_validator("store")
     @classmethod
