@@ -212,8 +212,10 @@ def test_every_container_is_locked_down(manifests: list[Manifest]) -> None:
 def test_grace_period_outlasts_prestop_and_drain(manifests: list[Manifest]) -> None:
     pod = proxy_pod(manifests)
     [prestop] = [prestop_seconds(c) for c in containers(pod) if "lifecycle" in c]
-    drain = proxy_config(manifests)["server"]["shutdown_timeout"]
-    assert pod["terminationGracePeriodSeconds"] > prestop + drain
+    config = proxy_config(manifests)
+    drain = config["server"]["shutdown_timeout"]
+    store_timeout = config.get("pool", {}).get("store_timeout", 5)  # the proxy's default
+    assert pod["terminationGracePeriodSeconds"] > prestop + drain + store_timeout
 
 
 def test_service_selects_only_serving_pods(manifests: list[Manifest]) -> None:
@@ -318,6 +320,10 @@ def test_standalone_autoscales_instead_of_fixing_replicas(
         (["--set", "secrets.adminToken="], "secrets.adminToken: the admin listener"),
         (["--set", "mode=sidecar"], "app.image.repository: sidecar mode needs"),
         (["--set", "drain.shutdownTimeout=60"], "drain.terminationGracePeriodSeconds: must be"),
+        (  # 5 + 25 + 10 = 40: the writes after the drain would be killed
+            ["--set", "proxy.config.pool.store_timeout=10"],
+            "drain.terminationGracePeriodSeconds: must be",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_a_clear_message(

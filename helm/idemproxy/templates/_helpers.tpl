@@ -90,8 +90,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- fail "proxy.config: standalone mode needs `upstream` or `routes`" }}
 {{- end }}
 {{- include "idemproxy.validateExtensions" . }}
-{{- if le (int $v.drain.terminationGracePeriodSeconds) (add $v.drain.preStopSeconds $v.drain.shutdownTimeout | int) }}
-{{- fail "drain.terminationGracePeriodSeconds: must be longer than drain.preStopSeconds + drain.shutdownTimeout" }}
+{{- /* After the drain, what a proxy still has to write gets pool.store_timeout (5 s by default). */}}
+{{- $pool := $config.pool | default dict }}
+{{- $storeTimeout := 5 }}
+{{- if and (kindIs "map" $pool) (hasKey $pool "store_timeout") }}{{ $storeTimeout = int $pool.store_timeout }}{{ end }}
+{{- if le (int $v.drain.terminationGracePeriodSeconds) (add $v.drain.preStopSeconds $v.drain.shutdownTimeout $storeTimeout | int) }}
+{{- fail "drain.terminationGracePeriodSeconds: must be longer than drain.preStopSeconds + drain.shutdownTimeout + proxy.config.pool.store_timeout (5 by default)" }}
 {{- end }}
 {{- end }}
 
