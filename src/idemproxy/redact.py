@@ -43,6 +43,7 @@ _SECRET_FRAGMENTS = (
     "signature",
     "credential",
     "session",
+    "sessid",  # PHPSESSID
     "api_key",
     "apikey",
     "private",
@@ -88,6 +89,19 @@ def redact_query(query: str) -> str:
     for separator, piece in zip(separators, masked[1:], strict=True):
         out += (separator, piece)
     return "".join(out)
+
+
+def redact_path(path: str) -> str:
+    """A path with the value of every secret-looking path parameter masked: a session id in a
+    segment's `;name=value` (`/pay;jsessionid=…`, RFC 3986 §3.3) is as much a credential as in
+    a query. Every other byte is kept."""
+    if ";" not in path:
+        return path
+    segments = []
+    for segment in path.split("/"):
+        head, *parameters = segment.split(";")
+        segments.append(";".join([head, *(_masked(parameter) for parameter in parameters)]))
+    return "/".join(segments)
 
 
 def is_secret_parameter(name: str) -> bool:

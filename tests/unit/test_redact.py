@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from idemproxy.redact import redact_query, redact_url
+from idemproxy.redact import redact_path, redact_query, redact_url
 
 CASES = [
     ("postgresql://app:s3cret@db:5432/idem", "postgresql://app:***@db:5432/idem"),
@@ -51,3 +51,17 @@ QUERIES = [
 @pytest.mark.parametrize(("query", "shown"), QUERIES)
 def test_every_secret_looking_query_value_is_masked(query: str, shown: str) -> None:
     assert redact_query(query) == shown
+
+
+@pytest.mark.parametrize(
+    ("path", "shown"),
+    [
+        ("/pay;jsessionid=SECRET", "/pay;jsessionid=***"),
+        ("/a;PHPSESSID=x/b;token=y;v=1", "/a;PHPSESSID=***/b;token=***;v=1"),
+        ("/a;v=1/b", "/a;v=1/b"),
+        ("/plain/path", "/plain/path"),
+        ("/a;sid", "/a;sid"),  # a name without a value shows nothing secret
+    ],
+)
+def test_a_secret_path_parameter_is_masked(path: str, shown: str) -> None:
+    assert redact_path(path) == shown

@@ -91,6 +91,14 @@ def test_log_query_masks_secret_parameters(captured: pytest.LogCaptureFixture) -
     assert entry.fields["path"] == "/pay?token=***&a=1"  # type: ignore[attr-defined]
 
 
+def test_a_session_id_in_a_path_parameter_is_masked(captured: pytest.LogCaptureFixture) -> None:
+    """Log lines carry no credential (docs/operations.md, Logs): a session id in the path too."""
+    trace = Trace(outcome=RequestOutcome.NEW, request=_request("/pay;jsessionid=S3CRET/x;v=1"))
+    record(Metrics(), trace, 201, log_requests=True, log_query=True)
+    [entry] = captured.records
+    assert entry.fields["path"] == "/pay;jsessionid=***/x;v=1"  # type: ignore[attr-defined]
+
+
 def test_pass_through_is_logged_with_the_access_log(captured: pytest.LogCaptureFixture) -> None:
     route = Route("/api", None, "http://user:pw@backend:8080/base", False, 60.0)
     trace = Trace(request=make_mocked_request("GET", "/api/balance"), route=route)

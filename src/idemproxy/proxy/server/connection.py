@@ -124,7 +124,7 @@ class GuardedHandler(web.RequestHandler):
             self._drained(data)
         elif self.serving and body is not None:
             self._pipelined(body, data)
-        elif self.head_started or begins_head(data, 0):
+        elif self.head_started or data[0] not in _EMPTY_LINE or begins_head(data, 0):
             # A read that begins a head starts a burst; one that goes on with a head does not.
             self.burst, self.burst_at = (None, 0) if self.head_started else (data, 0)
             self.head_started = True
@@ -255,7 +255,7 @@ class GuardedHandler(web.RequestHandler):
         else:
             length = head.headers.get(hdrs.CONTENT_LENGTH, "0")
             stop = end + 4 + int(length) if length.isdigit() else None
-        if stop is not None and begins_head(burst, stop):
+        if stop is not None and stop < len(burst) and begins_head(burst, stop):
             self.burst_at = stop
             self.queued = self.next_head = True
         else:
@@ -466,6 +466,7 @@ def _refusal(version: HttpVersion, status: int, server_token: str, date: bytes) 
 
 
 _REQUEST_TIMEOUT_LINE = b"HTTP/1.1 408 Request Timeout\r\n"
+_EMPTY_LINE = b"\r\n"  # the bytes of empty lines, which begin no head (RFC 9112 §2.2)
 
 
 def _names_a_header(exc: BaseException | None) -> bool:

@@ -43,7 +43,7 @@ from idemproxy.errors import (
 from idemproxy.observe.metrics import STATUS_CLASSES, UNROUTED, Metrics, RequestOutcome, Source
 from idemproxy.proxy.reasons import FailureReason
 from idemproxy.proxy.routing import upstream_origin
-from idemproxy.redact import redact_query
+from idemproxy.redact import redact_path, redact_query
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -176,6 +176,8 @@ def _fields(trace: Trace, status: int, elapsed: float, log_query: bool) -> dict[
     if request is not None:
         url = request.rel_url
         path, query = url.raw_path, url.raw_query_string
+        if ";" in path:  # a session id in a path parameter is a credential too
+            path = redact_path(path)
         if log_query and query:
             path = f"{path}?{redact_query(query)}"
     # SPEC §5: a prefix of the owner hash, enough to correlate, not enough to identify. A
