@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
 from collections.abc import Callable
 from datetime import datetime
@@ -43,6 +45,8 @@ from idemproxy.store.rows import (
 from idemproxy.store.sqlite.statements import Params, Statements, cas, migrate, ping, translate
 from idemproxy.store.sqlite.worker import Worker
 
+log = logging.getLogger(__name__)
+
 Result = TypeVar("Result")
 Args = TypeVarTuple("Args")
 # A claim that a power loss could forget would allow a second execution: synchronous = FULL.
@@ -77,6 +81,8 @@ class SqliteStore(Store):
     ) -> None:
         super().__init__()
         self._path = path
+        self._file: tuple[int, int] | None = None  # the open file's device and inode
+        self._gone_logged = False
         self._busy_timeout = busy_timeout
         self._sql = load_queries("sqlite")
         self._q = Statements(self._sql, late_bytes)
@@ -105,6 +111,8 @@ class SqliteStore(Store):
             await self.worker.open(self._path, pragmas)
         except sqlite3.Error as exc:
             raise sqlite_unopenable(self._path, str(exc)) from exc
+        if self._path != ":memory:":
+            self._file = _file_identity(self._path)
 
     async def close(self) -> None:
         await self.claims.close()
@@ -392,10 +400,26 @@ class SqliteStore(Store):
     def _check_open(self) -> None:
         if not self.worker.is_open:
             raise StoreUnavailable("The store is not open.")
+        if self._file is not None and _file_identity(self._path) != self._file:
+            # The file was deleted or replaced under the open connection: what is written now
+            # goes to a file no restart finds, and every key would run again after one.
+            if not self._gone_logged:
+                log.error("the SQLite file %s was removed or replaced: restart", self._path)
+                self._gone_logged = True
+            raise StoreUnavailable("The SQLite file was removed or replaced while in use.")
 
 
 def _one_group(_request: object) -> None:
     return None
+
+
+def _file_identity(path: str) -> tuple[int, int] | None:
+    """The file at `path` (its device and inode), None when there is none."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _claim_key(request: ClaimRequest) -> tuple[str, str]:

@@ -1,0 +1,56 @@
+"""The SQLite file deleted or replaced while the proxy runs: the open connection would go on
+writing to a file no restart finds, and every key would run again after one. The store fails
+closed instead (SPEC §11: `503 store-unavailable`, nothing forwarded), and readiness says so."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from idemproxy.core.types import Claimed, Intent
+from idemproxy.errors import StoreUnavailable
+from idemproxy.store.factory import create_store
+from idemproxy.store.sqlite.store import SqliteStore
+
+INTENT = Intent("alice", "k1", "fp", "POST", "/charges")
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    opened = create_store(f"sqlite:///{tmp_path}/jobs.db")
+    assert isinstance(opened, SqliteStore)
+    await opened.open()
+    await opened.migrate()
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+async def _claim(store: SqliteStore, key: str) -> object:
+    intent = Intent(INTENT.owner, key, INTENT.fingerprint, INTENT.method, INTENT.path)
+    return await store.claim(intent, str(uuid.uuid4()), "primary", ttl=60.0, lease=30.0)
+
+
+async def test_a_deleted_file_fails_closed(
+    store: SqliteStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert isinstance(await _claim(store, "before"), Claimed)
+    os.unlink(tmp_path / "jobs.db")
+    with pytest.raises(StoreUnavailable):
+        await _claim(store, "after")
+    with pytest.raises(StoreUnavailable):
+        await store.ping()  # /readyz: not ready
+    assert [r for r in caplog.records if "removed or replaced" in r.getMessage()]
+
+
+async def test_a_replaced_file_fails_closed(store: SqliteStore, tmp_path: Path) -> None:
+    other = tmp_path / "other.db"
+    other.write_bytes(b"")
+    os.replace(other, tmp_path / "jobs.db")
+    with pytest.raises(StoreUnavailable):
+        await _claim(store, "after")
