@@ -33,11 +33,9 @@ async def _read(request: web.Request, *, limit: int = 1000, spool: int = 100) ->
 
 
 async def _bytes_of(body: RequestBody) -> bytes:
-    if not body.spooled:
+    if body.memory is not None:
         return body.memory
-    payload = body.payload()
-    assert not isinstance(payload, bytes)
-    return b"".join([chunk async for chunk in payload])
+    return b"".join([chunk async for chunk in body.reader()])
 
 
 @pytest.mark.parametrize("declared", [len(BODY), None], ids=["content-length", "chunked"])
@@ -63,6 +61,9 @@ async def test_a_body_over_the_spool_threshold_goes_to_disk(eof: bool) -> None:
         asyncio.get_running_loop().call_later(0.01, request.content.feed_eof)
     body = await _read(request, spool=256)
     assert body.spooled and body.size == len(data)
+    assert body.memory is None  # never taken for an empty body
+    with pytest.raises(ValueError):
+        body.held()
     assert body.raw_sha256 == hashlib.sha256(data).digest()
     assert await _bytes_of(body) == data
 

@@ -20,10 +20,10 @@ async def test_it_expires_once_its_timeout_after_the_start() -> None:
     expiries = _Expiries()
     deadline = Deadline(asyncio.get_running_loop(), expiries)
     deadline.start(0.1)
-    assert deadline.running
+    assert deadline.due is not None
     await asyncio.sleep(0.3)
     assert len(expiries.at) == 1 and 0.09 <= expiries.at[0] < 0.25
-    assert not deadline.running
+    assert deadline.due is None
 
 
 async def test_a_later_start_moves_it_although_the_timer_was_set_for_the_first() -> None:
@@ -41,12 +41,12 @@ async def test_stopped_or_closed_it_never_expires() -> None:
     loop = asyncio.get_running_loop()
     stopped, closed = Deadline(loop, expiries), Deadline(loop, expiries)
     stopped.start(0.05)
-    stopped.stop()
+    stopped.due = None
     closed.start(0.05)
     closed.close()
     await asyncio.sleep(0.15)
     assert expiries.at == []
-    assert not stopped.running and not closed.running
+    assert stopped.due is None and closed.due is None
 
 
 async def test_started_again_after_a_stop_it_expires_from_the_new_start() -> None:
@@ -55,7 +55,7 @@ async def test_started_again_after_a_stop_it_expires_from_the_new_start() -> Non
     for _ in range(3):  # many short waits, each ended in time
         deadline.start(0.1)
         await asyncio.sleep(0.04)
-        deadline.stop()
+        deadline.due = None
     deadline.start(0.1)  # the last one, from about 0.12 s
     await asyncio.sleep(0.35)
     assert len(expiries.at) == 1 and 0.21 <= expiries.at[0] < 0.4
@@ -67,7 +67,7 @@ async def test_a_shorter_timeout_after_a_longer_one_expires_on_time() -> None:
     expiries = _Expiries()
     deadline = Deadline(asyncio.get_running_loop(), expiries)
     deadline.start(10.0)
-    deadline.stop()
+    deadline.due = None
     deadline.start(0.1)
     await asyncio.sleep(0.4)
     assert len(expiries.at) == 1 and 0.09 <= expiries.at[0] < 0.35

@@ -3,10 +3,11 @@
 The header-read deadline of a client connection (proxy/server/listener.py) and the wait for the
 upstream on an upstream connection (proxy/upstream/h1.py) are started and stopped one to four times
 per request. Arming and cancelling an event loop timer each time costs more than the rest of that
-bookkeeping (about 2 µs with uvloop; bench/findings.md). Here the deadline is a time, and the
-owner's one timer, when it fires, calls `on_expiry` only if that time has passed, or is set
+bookkeeping (about 2 µs with uvloop; bench/findings.md). Here the deadline is a time, `due`, and
+the owner's one timer, when it fires, calls `on_expiry` only if that time has passed, or is set
 again for it: on a busy kept-alive connection it fires about once per timeout, not once per
-request.
+request. The owner stops the deadline by setting `due` to None and tells whether one runs by
+reading it: a field, not a call, on the path of every request.
 """
 
 from __future__ import annotations
@@ -23,18 +24,14 @@ class Deadline:
     def __init__(self, loop: asyncio.AbstractEventLoop, on_expiry: Callable[[], None]) -> None:
         self._loop = loop
         self._on_expiry = on_expiry
-        self._due: float | None = None  # loop time; None while no deadline runs
+        self.due: float | None = None  # loop time; None while no deadline runs
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0  # when the timer fires, while there is one
-
-    @property
-    def running(self) -> bool:
-        return self._due is not None
 
     def start(self, timeout: float) -> None:
         """Expire `timeout` seconds from now, unless stopped or started again before."""
         due = self._loop.time() + timeout
-        self._due = due
+        self.due = due
         if self._timer is None:
             self._arm(due)
         elif self._timer_due > due + _SLACK_SECONDS:
@@ -44,12 +41,9 @@ class Deadline:
             self._timer.cancel()
             self._arm(due)
 
-    def stop(self) -> None:
-        self._due = None  # the timer, if any, finds nothing to do
-
     def close(self) -> None:
         """Stop, and drop the timer (it refers to the owner): when the connection is lost."""
-        self._due = None
+        self.due = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -60,11 +54,11 @@ class Deadline:
 
     def _check(self) -> None:
         self._timer = None
-        due = self._due
+        due = self.due
         if due is None:
             return
         if self._loop.time() + _SLACK_SECONDS < due:  # started again since: wait for that
             self._arm(due)
             return
-        self._due = None
+        self.due = None
         self._on_expiry()

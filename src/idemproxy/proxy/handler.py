@@ -264,6 +264,7 @@ async def _identify(
     transition = None if legacy is None else OwnerTransition(owner, legacy)
     # Its JSON is parsed on a thread when `heavy` (http/offload.py); a body of no more bytes
     # than OFF_LOOP_CONTAINERS has no more containers, nor is it long: not heavy, by one test.
-    if not body.spooled and len(body.memory) > OFF_LOOP_CONTAINERS and heavy(body.memory):
+    memory = body.memory
+    if memory is not None and len(memory) > OFF_LOOP_CONTAINERS and heavy(memory):
         return await intent_off_loop(ctx, request, owner, key, body), body, transition
     return intent_of(ctx, request, owner, key, body), body, transition

@@ -68,10 +68,11 @@ def intent_of(
         headers.get(hdrs.CONTENT_TYPE),
         content_encoding,
     )
-    if body.spooled:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
+    memory = body.memory
+    if memory is None:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
         digest = fingerprint_of_digest(head, body.raw_sha256)
     else:
-        digest = fingerprint(head, body.memory, ctx.settings.fingerprint_exclude)
+        digest = fingerprint(head, memory, ctx.settings.fingerprint_exclude)
     return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])
 
 
@@ -79,11 +80,12 @@ async def intent_off_loop(
     ctx: ProxyContext, request: web.Request, owner: str, key: str, body: RequestBody
 ) -> Intent:
     """`intent_of`, with a `heavy` body canonicalised off the event loop (http/offload.py)."""
-    if body.spooled or not heavy(body.memory):
+    memory = body.memory
+    if memory is None or not heavy(memory):
         return intent_of(ctx, request, owner, key, body)
     head = _head(request)
     exclude = ctx.settings.fingerprint_exclude
-    digest = await ctx.offload(body.memory, fingerprint, head, body.memory, exclude)
+    digest = await ctx.offload(memory, fingerprint, head, memory, exclude)
     return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])
 
 

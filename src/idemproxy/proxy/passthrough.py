@@ -52,7 +52,8 @@ async def passthrough(
     data: bytes | AsyncIterable[bytes] | None
     length: int | None
     if body is not None:
-        data, length = body.payload(), body.size
+        data = body.memory if body.memory is not None else body.reader()
+        length = body.size
     else:
         data = request.content.iter_any() if request.body_exists else None
         length = request.content_length

@@ -43,7 +43,7 @@ async def identify_sourced(
         except OwnerUnstable as unstable:  # refused only if the body turns out to have a key
             owners = unstable
         body = await governed_body(ctx, request, in_memory=True)
-        key = await _key(ctx, route, source, request, b"" if body.spooled else body.memory)
+        key = await _key(ctx, route, source, request, body.memory or b"")
         if key is None:
             return None, body, None
         if isinstance(owners, OwnerUnstable):
@@ -74,8 +74,9 @@ async def _identify_delivery(
     """SPEC §4.2: nothing is claimed, stored or forwarded for a delivery that is not signed.
     The owner is the sender, so the owner header is no part of the delivery's identity."""
     body = await governed_body(ctx, request, in_memory=True)
-    await off_loop(body.memory, webhook.verify, request.headers, body.memory)
-    key = await _key(ctx, route, source, request, body.memory)
+    memory = body.held()
+    await off_loop(memory, webhook.verify, request.headers, memory)
+    key = await _key(ctx, route, source, request, memory)
     if key is None:
         return None, body
     refuse_hidden(request, source.header)

@@ -168,7 +168,7 @@ class AttemptRunner:
                     request.method,
                     url,
                     headers,
-                    body.payload(),
+                    body.memory if body.memory is not None else body.reader(),
                     content_length=body.size,
                     timeout=governed.route.upstream_timeout,
                 ) as upstream,

@@ -55,7 +55,10 @@ async def run_job(governed: GovernedRequest, claimed: Claimed) -> web.StreamResp
         ctx.settings, ctx.store, ctx.upstream, ctx.statuses, ctx.budget, ctx.unwritten,
         ctx.metrics, ctx.failpoints, ctx.tracing,
     )  # fmt: skip
-    upstreams = route.upstreams  # the fallbacks eligible now (SPEC §3.4), for the whole job
+    if route.gate is None and not route.fallbacks:  # most routes: no call to `upstreams`
+        upstreams: tuple[str, ...] = (route.upstream,)
+    else:
+        upstreams = route.upstreams  # the fallbacks eligible now (SPEC §3.4), for the whole job
     if len(upstreams) == 1:  # neither fail-over nor race: the attempt is final (Mode.FINAL)
         only = AttemptRun(claimed.job, claimed.attempt, upstreams[0])
         step = await attempts.run(governed, only)

@@ -209,5 +209,6 @@ def _runner(governed: GovernedRequest) -> AttemptRunner:
 
 def _sent(governed: GovernedRequest) -> str:
     body, request = governed.body, governed.request
-    body_sha256 = body.raw_sha256 or hashlib.sha256(body.memory).digest()
+    memory = body.memory
+    body_sha256 = body.raw_sha256 if memory is None else hashlib.sha256(memory).digest()
     return sent_digest(request.method, request.raw_path, body_sha256)

@@ -32,10 +32,11 @@ class RequestBody:
         size: int = 0,
         raw_sha256: bytes = b"",
     ) -> None:
-        self._memory = memory
+        # The body itself while it is held in memory; None once it is in a file, so that no
+        # caller can take a spooled body for an empty one. Attributes, not properties: every
+        # governed request reads them once or twice.
+        self.memory: bytes | None = memory if spool is None else None
         self._spool = spool
-        # Whether the body is in a file rather than in memory: an attribute, not a property,
-        # as every governed request asks once or twice.
         self.spooled = spool is not None
         self.size = size if spool is not None else len(memory)
         self.raw_sha256 = raw_sha256
@@ -43,16 +44,18 @@ class RequestBody:
             # Closed (and so deleted) when the last attempt using it is done.
             weakref.finalize(self, spool.close)
 
-    @property
-    def memory(self) -> bytes:
-        """The body itself, when it is held in memory."""
-        if self._spool is not None:
+    def held(self) -> bytes:
+        """The body, where a route holds every body in memory (`in_memory` bodies)."""
+        if self.memory is None:
             raise ValueError("the body is spooled to disk")
-        return self._memory
+        return self.memory
 
-    def payload(self) -> bytes | AsyncIterator[bytes]:
-        """What to send upstream: bytes, or a fresh reader of the spooled file."""
-        return self._memory if self._spool is None else self._chunks(self._spool.fileno())
+    def reader(self) -> AsyncIterator[bytes]:
+        """A fresh reader of the spooled file, for one attempt: what to send upstream when
+        `memory` is None (racing attempts each read it with their own offsets)."""
+        if self._spool is None:
+            raise ValueError("the body is held in memory")
+        return self._chunks(self._spool.fileno())
 
     async def _chunks(self, fd: int) -> AsyncIterator[bytes]:
         offset = 0

@@ -128,7 +128,7 @@ class GuardedHandler(web.RequestHandler):
             # A read that begins a head starts a burst; one that goes on with a head does not.
             self.burst, self.burst_at = (None, 0) if self.head_started else (data, 0)
             self.head_started = True
-            if not self.head_deadline.running:  # the first byte of the next head
+            if self.head_deadline.due is None:  # the first byte of the next head
                 self.head_deadline.start(self.header_timeout)
             super().data_received(data)
         else:
@@ -200,7 +200,7 @@ class GuardedHandler(web.RequestHandler):
         if begun:
             self.head_started = True
             self.burst, self.burst_at = (data, at) if at is not None else (None, 0)
-            if not self.head_deadline.running:
+            if self.head_deadline.due is None:
                 self.head_deadline.start(self.header_timeout)
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -228,7 +228,7 @@ class GuardedHandler(web.RequestHandler):
         self.serving, self.body, self.framed = True, body, not head.chunked
         self.queued = self.next_head = False
         self.chunks = None
-        self.head_deadline.stop()
+        self.head_deadline.due = None
         if head.upgrade or head.method == hdrs.METH_CONNECT:
             self.burst = None
             if not _switches_to_websocket(head):
@@ -322,7 +322,7 @@ class GuardedHandler(web.RequestHandler):
     def served(self, request: web.BaseRequest, status: int) -> None:
         """The response is out: the next byte starts a new head (unless it is unread body)."""
         self.serving = False
-        self.head_deadline.stop()
+        self.head_deadline.due = None
         # Bytes of the next request arrived while this one was served (pipelined, or a head
         # begun early): that head owes the deadline from now, not from a first byte that will
         # never come again (a client could stall it until keepalive_timeout otherwise).

@@ -168,7 +168,7 @@ class UpstreamResponse:
             try:
                 await waiter
             finally:
-                deadline.stop()
+                deadline.due = None
                 self._waiter = None
 
     async def read_chunk(self) -> bytes:
@@ -206,7 +206,7 @@ class UpstreamResponse:
         try:
             await waiter
         finally:
-            deadline.stop()
+            deadline.due = None
             self._waiter = None
 
     def expire(self) -> None:
