@@ -13,8 +13,6 @@ import re
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
-from multidict import CIMultiDict
-
 # A client's id is taken as it is when it is one value of 1-200 visible ASCII characters (what
 # nginx's $request_id, Heroku's and the AWS load balancers' ids are); else one is made up.
 _ACCEPTED = re.compile(r"[\x21-\x7e]{1,200}")
@@ -71,14 +69,6 @@ def traced(trace_id: int, span_id: int) -> Correlation | None:
     if correlation is None:
         return None
     return replace(correlation, trace_id=f"{trace_id:032x}", span_id=f"{span_id:016x}")
-
-
-def stamp(headers: CIMultiDict[str]) -> None:
-    """Give the upstream the request id this proxy made up (the backend's logs join too)."""
-    correlation = CURRENT.get()
-    if correlation is not None and correlation.made:
-        headers.popall(correlation.header, None)
-        headers[correlation.header] = correlation.request_id
 
 
 def current_fields() -> dict[str, str]:

@@ -48,15 +48,14 @@ class SentResponse(web.StreamResponse):
     connection serves another request. `status` and `headers` are those of the response
     written, where something reads them (proxy/server/one_response.py)."""
 
+    # A field, not StreamResponse's property: aiohttp reads it after every request.
+    keep_alive: bool = True
+
     def __init__(
         self, *, persistent: bool, status: int = 200, headers: CIMultiDict[str] | None = None
     ) -> None:
         super().__init__(status=status, headers=headers)
-        self.persistent = persistent
-
-    @property
-    def keep_alive(self) -> bool:
-        return self.persistent
+        self.keep_alive = persistent
 
     async def prepare(self, request: web.BaseRequest) -> None:
         return None

@@ -18,7 +18,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 from yarl import URL
 
-from idemproxy.http.correlation import stamp
+from idemproxy.http.correlation import CURRENT
 from idemproxy.http.headers import request_headers_for_upstream
 from idemproxy.http.host import split_absolute_form
 
@@ -87,7 +87,12 @@ def outgoing(
             headers[hdrs.HOST] = host_sent
     elif forward_host != "upstream":
         headers[hdrs.HOST] = forward_host
-    stamp(headers)  # after the edits: a route cannot unset the id the logs are joined by
+    # The request id this proxy made up goes to the upstream too (the backend's logs join),
+    # after the edits: a route cannot unset the id the logs are joined by.
+    correlation = CURRENT.get()
+    if correlation is not None and correlation.made:
+        headers.popall(correlation.header, None)
+        headers[correlation.header] = correlation.request_id
     url = URL(upstream + target, encoded=True)
     if not url.raw_query_string and target.partition("#")[0].endswith("?"):
         # An empty query, which a URL drops: kept at the end of its raw path, so that the
