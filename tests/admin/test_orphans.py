@@ -9,10 +9,12 @@ comes: the running proxy's background pass takes it over, so operators see it (t
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from idemproxy.core.types import AttemptState, Intent, Job, JobState
@@ -20,7 +22,8 @@ from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.store.base import Store
 
-from .conftest import MakeClient, MakeSettings
+from .conftest import MakeClient, MakeSettings, Upstream, post
+from .test_delete_cas import RUNNING, in_flight
 from .test_jobs_api import get_json
 
 Client = TestClient[Any, Any]
@@ -122,3 +125,37 @@ async def test_a_live_proxys_job_is_never_taken_over_in_the_background(
         assert current is not None and current.state is JobState.IN_FLIGHT
     finally:
         await client.close()
+
+
+async def test_a_retry_that_takes_the_job_over_logs_and_counts_it(
+    store: Store,
+    make_settings: MakeSettings,
+    upstream: Upstream,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """docs/operations.md: every takeover is logged with the job id and counted, the one a
+    retry of the key makes (its proxy died, or lost the store for longer than its lease) as
+    the background's; the retry's own log line names the job its 409 is about."""
+    caplog.set_level(logging.INFO)
+    metrics = Metrics()
+    client = await proxy_with_metrics(store, make_settings, metrics, sweeper={"interval": 60.0})
+    try:
+        upstream.delays.append(RUNNING)
+        first = asyncio.create_task(post(client, "taken-by-retry"))
+        running = await in_flight(store, "taken-by-retry")
+        assert await store.renew_lease(running, lease=0)  # its lease runs out at once
+        status, headers, _ = await post(client, "taken-by-retry")
+        assert (status, headers["Idempotency-Error"]) == (409, "outcome-unknown")
+        await first
+    finally:
+        await client.close()
+    assert metrics.orphans_taken_over._value.get() == 1
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "lease ran out" in r.getMessage()
+    ]
+    assert len(warnings) == 1 and running.id in warnings[0] and "retry" in warnings[0], warnings
+    lines = [r.fields for r in caplog.records if r.name == "idemproxy.requests"]  # type: ignore[attr-defined]
+    refused = [line for line in lines if line["outcome"] == "unknown"]
+    assert refused and all(line["job"] == running.id for line in refused), lines

@@ -20,6 +20,7 @@ from idemproxy.proxy.app import create_app
 from idemproxy.proxy.server import trace as trace_module
 from idemproxy.proxy.server.trace import Trace, record
 from tests.support.backend import Ledger, backend_app
+from tests.support.proxychecks import closed_port
 
 SECRET = "Bearer s3cr3t-token"
 BODY = b'{"card": "4111111111111111"}'
@@ -184,3 +185,38 @@ def test_the_plain_format_is_time_level_logger_message() -> None:
         r" status=201 job=0190b2c4-0000-7000-8000-000000000000 owner=abababab ms=[\d.]+",
         text,
     ), text
+
+
+async def test_a_refused_retry_names_the_job_it_is_about(
+    sqlite_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPEC §13: a `409 payload-mismatch` line names the job whose key was reused, as its
+    answer does (SPEC §8): what an operator at 3 a.m. looks up next."""
+    caplog.set_level(logging.INFO, logger="idemproxy.requests")
+    async with TestServer(backend_app(Ledger())) as backend:
+        settings = load_settings(upstream=str(backend.make_url("")).rstrip("/"), store=sqlite_dsn)
+        async with TestClient(TestServer(create_app(settings))) as proxy:
+            headers = {"Idempotency-Key": "k-reused"}
+            first = await proxy.post("/pay", data=b'{"a": 1}', headers=headers)
+            second = await proxy.post("/pay", data=b'{"a": 2}', headers=headers)
+            assert (first.status, second.status) == (201, 409)
+    ran, refused = (r.fields for r in _request_records(caplog))  # type: ignore[attr-defined]
+    assert refused["outcome"] == "mismatch" and refused["job"] == ran["job"] is not None
+
+
+async def test_a_fail_over_logs_the_attempt_that_answered(
+    sqlite_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPEC §3.4, §13: the primary refuses the connection and the fallback answers: the line
+    names attempt 2 and the fallback's origin together, not attempt 1 of the fallback."""
+    caplog.set_level(logging.INFO, logger="idemproxy.requests")
+    refused = f"http://127.0.0.1:{closed_port()}"
+    async with TestServer(backend_app(Ledger())) as backend:
+        fallback = str(backend.make_url("")).rstrip("/")
+        routes = [{"prefix": "/", "upstream": refused, "fallbacks": [fallback]}]
+        settings = load_settings(upstream=refused, store=sqlite_dsn, routes=routes)
+        async with TestClient(TestServer(create_app(settings))) as proxy:
+            answer = await proxy.post("/pay", data=BODY, headers={"Idempotency-Key": "k-fo"})
+            assert answer.status == 201
+    [line] = (r.fields for r in _request_records(caplog))  # type: ignore[attr-defined]
+    assert (line["outcome"], line["attempt"], line["upstream"]) == ("new", 2, fallback)

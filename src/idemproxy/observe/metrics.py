@@ -293,7 +293,7 @@ class Metrics:
         self.orphans_taken_over = self._counter(
             "orphans_taken_over",
             "Jobs in flight whose lease ran out (their proxy died) that this process took over "
-            "as unknown in the background.",
+            "as unknown, in the background or when a retry of the job's key found it.",
             [],
         )
         self.resolutions = self._counter(

@@ -146,7 +146,9 @@ class AttemptRunner:
         headers[ATTEMPT_HEADER] = str(attempt.number)
         if route.gate is not None:  # SPEC §3.4: only answers the contract check can decode
             ask_checkable(headers)
-        governed.trace.upstream = attempt.upstream
+        # The log line names the attempt and its upstream together (a fail-over's too).
+        trace = governed.trace
+        trace.upstream, trace.attempt = attempt.upstream, attempt.number
         forwarding = self._forward(governed, attempt, url, headers)
         if self.tracing is not None:  # its traceparent joins `headers` before they are sent
             ids = (job.id, attempt.number)

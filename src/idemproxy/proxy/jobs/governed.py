@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, assert_never
 from aiohttp import web
 
 from idemproxy.core.machine import (
+    About,
     JobGone,
     NeedAdmission,
     NeedAsk,
@@ -46,6 +47,7 @@ from idemproxy.core.machine import (
     Replaying,
     Rules,
     Seen,
+    Standing,
     State,
     Terms,
     Unnamed,
@@ -222,8 +224,10 @@ class Governor:
             first = standing is Unnamed.FIRST
             if first and at.passes_through and isinstance(problem, StoreUnavailable):
                 return None
-            # SPEC §8: the answer names the job it is about and the state it was last read in.
+            # SPEC §8: the answer names the job it is about and the state it was last read in;
+            # so does its log line (SPEC §13), a 409 included.
             stand(problem, standing)
+            at.observer.refused(governed.trace, standing)
             raise
 
     def _resolving_terms(
@@ -252,7 +256,7 @@ class Governor:
             case NeedReread():
                 return state.next(await self._reread(governed, state.seen), clock())
             case NeedTakeOver():
-                await at.store.take_over(state.seen.job)
+                await self._take_over(state.seen.job)
                 return state.next()
             case NeedNextAdmission():
                 return state.next(at.draining())
@@ -277,6 +281,12 @@ class Governor:
                 return await self._about_unknown(governed, state, clock)
             case _:
                 assert_never(state)
+
+    async def _take_over(self, job: Job) -> None:
+        """SPEC §3.5: the job's lease ran out; of everyone who tries, one CAS wins."""
+        at = self._with
+        if await at.store.take_over(job):
+            at.observer.took_over(job)
 
     async def _about_unknown(
         self, governed: GovernedRequest, state: AboutUnknown, clock: Callable[[], float]
@@ -480,6 +490,23 @@ class JobObserver:
     def replayed(self, trace: Trace, job_id: str, status: int) -> None:
         """The stored response of `job_id` goes out again (SPEC §7)."""
         trace.replayed(job_id)
+
+    def refused(self, trace: Trace, standing: Standing) -> None:
+        """The request is answered with a problem about the job `standing` names, if any."""
+        if isinstance(standing, About) and trace.job_id is None:
+            trace.job_id = standing.job_id
+
+    def took_over(self, job: Job) -> None:
+        """SPEC §3.5: a retry of its key found the job's lease run out (its proxy died
+        mid-attempt) and took it over as `unknown`: logged and counted as the background's
+        takeovers are (proxy/background/orphans.py), an operator's task either way."""
+        self._metrics.orphans_taken_over.inc()
+        log.warning(
+            "job %s: its lease ran out (its proxy died mid-attempt); taken over as unknown by a "
+            "retry of its key after %d attempt(s), for an operator to resolve",
+            job.id,
+            job.attempt_count,
+        )
 
     def resent(self, result: str) -> None:
         """SPEC §3.6, §13: an `unknown` job sent again under the key its upstream honours, and
