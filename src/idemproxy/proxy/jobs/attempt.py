@@ -148,7 +148,7 @@ class AttemptRunner:
             ask_checkable(headers)
         # The log line names the attempt and its upstream together (a fail-over's too).
         trace = governed.trace
-        trace.upstream, trace.attempt = attempt.upstream, attempt.number
+        trace.upstream, trace.forwarded = attempt.upstream, attempt.number
         forwarding = self._forward(governed, attempt, url, headers)
         if self.tracing is not None:  # its traceparent joins `headers` before they are sent
             ids = (job.id, attempt.number)

@@ -99,6 +99,9 @@ class Trace:
     request: web.BaseRequest | None = None
     route: Route | None = None
     upstream: str | None = None  # the configured URL of the last upstream called
+    # The number of the attempt sent to `upstream` (a fail-over's later one): the log line's
+    # `attempt`; `attempt` stays the one the request claimed (its span's, proxy/tracing.py).
+    forwarded: int | None = None
     reason: FailureReason | None = None
     # The answer is the proxy's own (it carries `Idempotency-Error`, SPEC §8), not the upstream's.
     by_proxy: bool = False
@@ -192,7 +195,7 @@ def _fields(trace: Trace, status: int, elapsed: float, log_query: bool) -> dict[
         "route": None if route is None else route.prefix,
         "upstream": None if upstream is None else upstream_origin(upstream),
         "job": trace.job_id,
-        "attempt": trace.attempt,
+        "attempt": trace.attempt if trace.forwarded is None else trace.forwarded,
         "owner": owner or None,
         "ms": round(elapsed * 1000, 2),
         "reason": trace.reason if status >= _FAILED_STATUS else None,
