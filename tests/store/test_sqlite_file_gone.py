@@ -5,6 +5,7 @@ closed instead (SPEC §11: `503 store-unavailable`, nothing forwarded), and read
 from __future__ import annotations
 
 import os
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -54,3 +55,35 @@ async def test_a_replaced_file_fails_closed(store: SqliteStore, tmp_path: Path) 
     os.replace(other, tmp_path / "jobs.db")
     with pytest.raises(StoreUnavailable):
         await _claim(store, "after")
+
+
+@pytest.mark.parametrize("suffix", ["-wal", "-shm"])
+async def test_a_deleted_write_ahead_log_fails_closed(
+    store: SqliteStore, tmp_path: Path, suffix: str
+) -> None:
+    """The commits not yet checkpointed live in the -wal file: deleted under the running proxy,
+    a crash loses them (their keys would run again), so the store fails closed as it does for
+    the database file. Deleting the -shm file lets a second process make another index of the
+    same log."""
+    assert isinstance(await _claim(store, "before"), Claimed)
+    assert isinstance(await _claim(store, "seen"), Claimed)  # the log and index are known now
+    os.unlink(tmp_path / f"jobs.db{suffix}")
+    with pytest.raises(StoreUnavailable):
+        await _claim(store, "after")
+    with pytest.raises(StoreUnavailable):
+        await store.ping()
+
+
+async def test_a_checkpoint_keeps_the_store_open(store: SqliteStore, tmp_path: Path) -> None:
+    """SQLite truncates and reuses its log while a connection is open, and never deletes it:
+    a checkpoint, here forced on a second connection as another process's would be, is no
+    removal."""
+    for number in range(3):
+        assert isinstance(await _claim(store, f"k{number}"), Claimed)
+    other = sqlite3.connect(tmp_path / "jobs.db")
+    try:
+        other.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    finally:
+        other.close()
+    assert isinstance(await _claim(store, "after"), Claimed)
+    await store.ping()

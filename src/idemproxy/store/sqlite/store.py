@@ -82,6 +82,9 @@ class SqliteStore(Store):
         super().__init__()
         self._path = path
         self._file: tuple[int, int] | None = None  # the open file's device and inode
+        # Its write-ahead log and shared-memory index, once they exist (WAL mode): the commits
+        # not yet checkpointed live in the log, so a log deleted or replaced loses them too.
+        self._companions: list[tuple[int, int] | None] = [None, None]
         self._gone_logged = False
         self._busy_timeout = busy_timeout
         self._sql = load_queries("sqlite")
@@ -400,17 +403,39 @@ class SqliteStore(Store):
     def _check_open(self) -> None:
         if not self.worker.is_open:
             raise StoreUnavailable("The store is not open.")
-        if self._file is not None and _file_identity(self._path) != self._file:
-            # The file was deleted or replaced under the open connection: what is written now
-            # goes to a file no restart finds, and every key would run again after one.
+        if self._file is not None and not self._files_in_place():
+            # The file, or its write-ahead log, was deleted or replaced under the open
+            # connection: what is written now goes to a file no restart finds (the log's
+            # commits not yet checkpointed with it), and every key would run again after one.
             if not self._gone_logged:
-                log.error("the SQLite file %s was removed or replaced: restart", self._path)
+                log.error(
+                    "the SQLite file %s or its -wal or -shm file was removed or replaced: restart",
+                    self._path,
+                )
                 self._gone_logged = True
             raise StoreUnavailable("The SQLite file was removed or replaced while in use.")
+
+    def _files_in_place(self) -> bool:
+        """Whether the database file is the one opened, and its -wal and -shm files, once
+        seen, are still the ones the connection uses (while it is open, SQLite never deletes
+        them: only the last connection to close does)."""
+        if _file_identity(self._path) != self._file:
+            return False
+        for index, suffix in enumerate(_COMPANIONS):
+            found = _file_identity(self._path + suffix)
+            seen = self._companions[index]
+            if seen is None:
+                self._companions[index] = found  # created with the first write after open
+            elif found != seen:
+                return False
+        return True
 
 
 def _one_group(_request: object) -> None:
     return None
+
+
+_COMPANIONS = ("-wal", "-shm")
 
 
 def _file_identity(path: str) -> tuple[int, int] | None:
