@@ -31,6 +31,7 @@ SECRET_PARAMETERS = frozenset(
         "sig",
         "key",
         "code",
+        "sid",  # a session id (whole name only: `side` and `inside` are no secrets)
     }
 )
 # Fragments of a secret parameter's name (compared lower-cased, `-` and `.` read as `_`).
@@ -94,14 +95,24 @@ def redact_query(query: str) -> str:
 def redact_path(path: str) -> str:
     """A path with the value of every secret-looking path parameter masked: a session id in a
     segment's `;name=value` (`/pay;jsessionid=…`, RFC 3986 §3.3) is as much a credential as in
-    a query. Every other byte is kept."""
-    if ";" not in path:
+    a query, and so is one in an ASP.NET cookieless segment (`/(S(…))/`, `(A(…))`, `(F(…))`).
+    Every other byte is kept."""
+    if ";" not in path and "(" not in path:
         return path
     segments = []
     for segment in path.split("/"):
+        if segment.startswith("(") and _COOKIELESS.fullmatch(segment):
+            segments.append(_COOKIELESS_VALUE.sub(f"\\1({MASK})", segment))
+            continue
         head, *parameters = segment.split(";")
         segments.append(";".join([head, *(_masked(parameter) for parameter in parameters)]))
     return "/".join(segments)
+
+
+# ASP.NET's cookieless session, anonymous id and forms ticket: one or more `X(value)` in
+# parentheses, as a whole path segment.
+_COOKIELESS = re.compile(r"\((?:[A-Za-z]\([^()/]*\))+\)")
+_COOKIELESS_VALUE = re.compile(r"([A-Za-z])\([^()/]*\)")
 
 
 def is_secret_parameter(name: str) -> bool:

@@ -424,3 +424,24 @@ async def test_a_continued_trace_sends_its_tracestate_once(
 
     [execution] = ledger.executions
     assert [v for k, v in execution.headers if k.lower() == "tracestate"] == ["vendor=theirs"]
+
+
+async def test_spans_carry_no_session_id_of_the_path(
+    traced: Traced, exporter: InMemorySpanExporter
+) -> None:
+    """SPEC §13: a session id in a path parameter is a credential, in a span as in a log line
+    (spans usually go to another party's backend)."""
+    client = await traced()
+    path = "/payments;jsessionid=s3cr3t"
+    async with client.post(path, data=b"pay", headers={KEY: "k-sess"}) as response:
+        assert response.status == 201
+    await finished(exporter, 1)
+    [server] = servers(exporter)
+    [_claim, attempt] = children(exporter, server)
+    assert attributes(server)["url.path"] == "/payments;jsessionid=***"
+    assert attributes(attempt)["url.full"].endswith("/payments;jsessionid=***")
+    assert all(
+        "s3cr3t" not in str(v)
+        for s in exporter.get_finished_spans()
+        for v in attributes(s).values()
+    )

@@ -61,6 +61,11 @@ def test_every_secret_looking_query_value_is_masked(query: str, shown: str) -> N
         ("/a;v=1/b", "/a;v=1/b"),
         ("/plain/path", "/plain/path"),
         ("/a;sid", "/a;sid"),  # a name without a value shows nothing secret
+        ("/a;sid=x", "/a;sid=***"),
+        ("/a;side=x", "/a;side=x"),
+        ("/(S(sessionvalue))/pay", "/(S(***))/pay"),  # ASP.NET cookieless
+        ("/(A(anon)S(sess)F(ticket))/p", "/(A(***)S(***)F(***))/p"),
+        ("/docs/(draft)/p", "/docs/(draft)/p"),
     ],
 )
 def test_a_secret_path_parameter_is_masked(path: str, shown: str) -> None:

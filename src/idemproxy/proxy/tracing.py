@@ -55,6 +55,7 @@ from idemproxy.core.types import Claimed, ClaimResult, Job, JobState
 from idemproxy.errors import ConfigError, ProblemError
 from idemproxy.http.correlation import CURRENT, traced
 from idemproxy.proxy.server.trace import Trace
+from idemproxy.redact import redact_path
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -332,7 +333,8 @@ def _errored(span: Span, error_type: str) -> None:
 def _server_attributes(request: web.Request) -> Attributes:
     attributes: Attributes = {
         "http.request.method": request.method,
-        "url.path": request.path,  # never the query string: it may carry secrets
+        # Never the query string, and no session id of the path (SPEC §13): they are secrets.
+        "url.path": redact_path(request.path),
         "url.scheme": request.scheme,
         "network.protocol.version": f"{request.version.major}.{request.version.minor}",
     }
@@ -381,7 +383,7 @@ def owner_label(owner: str) -> str:
 
 def _client_attributes(method: str, url: URL) -> Attributes:
     # Neither the query (it may carry secrets) nor userinfo of the upstream URL.
-    full = f"{url.scheme}://{url.raw_host}:{url.port}{url.raw_path}"
+    full = f"{url.scheme}://{url.raw_host}:{url.port}{redact_path(url.raw_path)}"
     attributes: Attributes = {"http.request.method": method, "url.full": full}
     if url.raw_host is not None:
         attributes["server.address"] = url.raw_host
