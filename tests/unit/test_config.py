@@ -294,3 +294,55 @@ def test_a_pepper_with_whitespace_at_its_ends_is_refused(pepper: str) -> None:
     another key, every owner another, and every retry would execute again."""
     with pytest.raises(ConfigError, match=r"owner\.pepper: whitespace"):
         load_settings(upstream="http://x:1", owner={"pepper": pepper})
+
+
+_PEPPER = "0123456789abcdef" * 3
+
+
+@pytest.mark.parametrize(
+    "content",
+    [_PEPPER + "  \n", _PEPPER + "\n\n", "\ufeff" + _PEPPER + "\n", "\t" + _PEPPER],
+    ids=["trailing blanks", "two line breaks", "byte order mark", "leading tab"],
+)
+def test_a_pepper_file_with_more_than_a_final_line_break_is_refused(
+    tmp_path: Path, content: str
+) -> None:
+    """Its one final line break is dropped, nothing else: the same secret moved to the inline
+    form (which refuses whitespace at its ends) would otherwise be another key, every owner
+    another, and every retry would execute again."""
+    pepper_file = tmp_path / "pepper"
+    pepper_file.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"owner\.pepper_file: whitespace"):
+        load_settings(upstream="http://x:1", owner={"pepper_file": str(pepper_file)})
+
+
+def test_a_pepper_file_with_one_final_line_break_is_the_inline_pepper(tmp_path: Path) -> None:
+    pepper_file = tmp_path / "pepper"
+    pepper_file.write_text(_PEPPER + "\n", encoding="utf-8")
+    from_file = load_settings(upstream="http://x:1", owner={"pepper_file": str(pepper_file)})
+    inline = load_settings(upstream="http://x:1", owner={"pepper": _PEPPER})
+    assert from_file.owner.pepper is not None and inline.owner.pepper is not None
+    assert from_file.owner.pepper.get_secret_value() == inline.owner.pepper.get_secret_value()
+
+
+@pytest.mark.parametrize("methods", ["[null]", "[1]", '["POST", true]'])
+def test_methods_given_as_other_than_strings_are_refused(
+    monkeypatch: pytest.MonkeyPatch, methods: str
+) -> None:
+    """`[null]` governed a method named NONE: every POST passed through untracked."""
+    monkeypatch.setenv("IDEMPROXY_METHODS", methods)
+    with pytest.raises(ValidationError, match="methods"):
+        load_settings(upstream="http://a:1")
+
+
+@pytest.mark.parametrize(
+    "name", ["Host", "transfer-encoding", "Content-Length", "Connection", "Idempotency-Job"]
+)
+def test_a_key_header_the_proxy_frames_or_sets_is_refused(name: str) -> None:
+    """With `Transfer-Encoding`, every chunked request of an owner shared the key `chunked`:
+    409s, or replays of another request's answer (SPEC §4.1)."""
+    with pytest.raises(ValidationError, match="cannot carry a key"):
+        load_settings(upstream="http://x:1", key_header=name)
+    route = {"prefix": "/", "upstream": "http://x:1", "key": {"header": name}}
+    with pytest.raises(ValidationError, match="cannot carry a key"):
+        load_settings(upstream="http://x:1", routes=[route])

@@ -28,6 +28,39 @@ _SENDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 # RFC 6901 §3: `~` is escaped as `~0` or `~1`, and nothing else.
 _BAD_ESCAPE = re.compile(r"~(?![01])")
 WebhookScheme = Literal["standard", "github", "stripe"]
+# Fields that carry no intent of the client's: hop-by-hop and framing fields, which the proxy
+# frames itself (every chunked request would share the key `chunked`), and the proxy's own
+# `Idempotency-*` fields, which it sets for the backend or answers with (SPEC §4.1, §10).
+_NOT_KEYS = frozenset(
+    {
+        *c.HOP_BY_HOP_HEADERS,
+        "host",
+        "content-length",
+        "expect",
+        *(
+            name.lower()
+            for name in (
+                c.JOB_HEADER,
+                c.ATTEMPT_HEADER,
+                c.REPLAYED_HEADER,
+                c.REPLAY_OMITTED_HEADER,
+                c.ERROR_HEADER,
+            )
+        ),
+    }
+)
+
+
+def key_header_name(name: str) -> str:
+    """`name` as the header a key is read from: a field name (a blank or a line break is none,
+    and no request would carry a key), and one that carries the client's intent."""
+    if not _TOKEN.fullmatch(name):
+        raise ValueError(f"{name!r} is not a header name")
+    if name.lower() in _NOT_KEYS:
+        raise ValueError(
+            f"{name!r} cannot carry a key: the proxy frames or sets it itself (SPEC §4.1)"
+        )
+    return name
 
 
 class KeySourceSettings(BaseModel):
@@ -42,9 +75,7 @@ class KeySourceSettings(BaseModel):
     @field_validator("header")
     @classmethod
     def _header_name(cls, name: str | None) -> str | None:
-        if name is not None and not _TOKEN.fullmatch(name):
-            raise ValueError(f"{name!r} is not a header name")
-        return name
+        return None if name is None else key_header_name(name)
 
     @field_validator("pointer")
     @classmethod

@@ -40,7 +40,12 @@ from pydantic_settings import (
 )
 
 from idemproxy import constants as c
-from idemproxy.config.keys import KeySourceSettings, WebhookSettings, check_one_route_per_sender
+from idemproxy.config.keys import (
+    KeySourceSettings,
+    WebhookSettings,
+    check_one_route_per_sender,
+    key_header_name,
+)
 from idemproxy.config.quotas import QuotaSettings
 from idemproxy.config.resolve import ResolveSettings
 from idemproxy.config.secret_files import read_secret_files
@@ -278,15 +283,16 @@ def _check_pepper(pepper: object, setting: str) -> None:
         )
 
 
-def _check_pepper_ends(pepper: object) -> None:
+def _check_pepper_ends(pepper: object, setting: str) -> None:
     """The same secret must give the same owners however it is given: `pepper_file` drops its
-    final line break, so a pepper given inline with whitespace at its ends is refused rather
-    than made another key (every owner would change, and each retry execute again)."""
+    final line break, so a pepper with whitespace, another line break or a byte order mark at
+    its ends is refused, inline or in a file, rather than made another key than the same
+    secret moved to the other form (every owner would change, and each retry execute again)."""
     value = pepper.get_secret_value() if isinstance(pepper, SecretStr) else pepper
-    if isinstance(value, str) and value != value.strip():
+    if isinstance(value, str) and (value != value.strip() or value.startswith("\ufeff")):
         raise ConfigError(
-            "owner.pepper: whitespace or a line break at its ends (a file's final line break "
-            "is dropped from owner.pepper_file, not from owner.pepper): remove it"
+            f"{setting}: whitespace, a byte order mark or a line break at its ends (only a "
+            "file's one final line break is dropped): remove it"
         )
 
 
@@ -312,9 +318,9 @@ class OwnerSettings(BaseModel):
         given = isinstance(data, dict) and data.get("pepper_file") not in (None, "")
         data = read_secret_files(data, ("pepper",), "owner.")
         if isinstance(data, dict) and data.get("pepper") is not None:
-            _check_pepper(data["pepper"], "owner.pepper_file" if given else "owner.pepper")
-            if not given:
-                _check_pepper_ends(data["pepper"])
+            setting = "owner.pepper_file" if given else "owner.pepper"
+            _check_pepper(data["pepper"], setting)
+            _check_pepper_ends(data["pepper"], setting)
         return data
 
     @model_validator(mode="after")
@@ -710,9 +716,7 @@ class Settings(BaseSettings):
     def _key_header_name(cls, name: str) -> str:
         # Not a header name (a blank, a line break), no request carries it: every request with
         # a key would pass through untracked, executed on every retry.
-        if not _TOKEN.fullmatch(name):
-            raise ValueError(f"{name!r} is not a header name")
-        return name
+        return key_header_name(name)
 
     @field_validator("status_header")
     @classmethod
@@ -800,7 +804,10 @@ class Settings(BaseSettings):
             else:
                 value = [part for part in text.split(",") if part.strip()]
         if isinstance(value, list):
-            return [str(method).strip().upper() for method in value]
+            if not all(isinstance(method, str) for method in value):
+                # `[null]` would govern a method named NONE: every POST untracked.
+                raise ValueError("methods: give method names as strings, e.g. POST, PATCH")
+            return [method.strip().upper() for method in value]
         return value
 
     @field_validator("methods")
