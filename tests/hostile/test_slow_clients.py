@@ -251,6 +251,64 @@ async def test_an_empty_line_after_a_request_begins_no_head(
     assert b"408 Request Timeout" not in answer
 
 
+@pytest.mark.parametrize(
+    "read",
+    [
+        b"\r\n\r\n" + b"POST /first HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /first HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\n\r\n{}\r\n\r\n"
+        b"GET /between HTTP/1.1\r\nHost: proxy\r\n\r\n",
+    ],
+    ids=["before the request", "between two requests"],
+)
+async def test_empty_lines_in_the_read_of_a_request_begin_no_head(
+    listening_proxy: ListeningProxy, ledger: Ledger, read: bytes
+) -> None:
+    """RFC 9112 §2.2: empty lines before a request line are ignored, in the same read as the
+    request too. Their blank line was taken for the end of its head, and the request's own
+    head for a next one: an idle client got a 408 it read as its next answer."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    await client.send(read)
+    await asyncio.sleep(0.8)  # idle, twice the head deadline
+    await client.send(b"GET /last HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n")
+    answer = await client.result(timeout=4.0)
+    assert b"408 Request Timeout" not in answer, answer[:400]
+    assert answer.count(b"HTTP/1.1 201 Created") == read.count(b" HTTP/1.1\r\n") + 1
+
+
+async def test_a_head_behind_empty_lines_and_a_chunked_request_owes_the_deadline(
+    listening_proxy: ListeningProxy, ledger: Ledger
+) -> None:
+    """A request, empty lines, a chunked request and the start of a head, in one read: the
+    chunked request's head is found behind the empty lines, its chunks followed, and the head
+    begun after them owes the deadline (it was held until keepalive_timeout)."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    first = b"POST /first HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\n\r\n{}"
+    await client.send(
+        first + b"\r\n\r\n" + CHUNKED.replace(b"/first", b"/second") + b"2\r\n{}\r\n0\r\n\r\n"
+        b"GET /partial HTTP/1.1\r\nX-A: "
+    )
+    answer = await client.result(timeout=4.0)
+    assert answer.count(b"HTTP/1.1 201 Created") == 2, answer[:300]
+    assert b"HTTP/1.1 408 Request Timeout" in answer
+    assert client.closed_after is not None and client.closed_after < 2.5
+
+
+async def test_a_chunked_body_whose_blank_line_a_read_cut_owes_no_deadline(
+    listening_proxy: ListeningProxy, ledger: Ledger
+) -> None:
+    """A head cut across reads (its chunks are then not followed), and the body's last blank
+    line cut between two reads: its last read, `\\n`, looked like bytes of a next head."""
+    client = await Connection.open(await listening_proxy(server=QUICK))
+    for piece in (CHUNKED[:-10], CHUNKED[-10:], b"3\r\nabc\r\n0\r\n\r", b"\n"):
+        await client.send(piece)
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.8)  # idle, twice the head deadline
+    await client.send(b"GET /last HTTP/1.1\r\nHost: proxy\r\nConnection: close\r\n\r\n")
+    answer = await client.result(timeout=4.0)
+    assert b"408 Request Timeout" not in answer, answer[:400]
+    assert answer.count(b"HTTP/1.1 201 Created") == 2
+
+
 async def test_a_head_begun_later_behind_a_chunked_request_and_a_queued_one_owes_the_deadline(
     listening_proxy: ListeningProxy, ledger: Ledger
 ) -> None:

@@ -23,12 +23,15 @@ GAVE_UP: Final = -1  # not chunked framing, or not worth following: the caller s
 class ChunkWalk:
     """One chunked body, fed every read that holds some of it, in order."""
 
-    __slots__ = ("_cut", "_left", "_trailers")
+    __slots__ = ("_cut", "_left", "_trailers", "lines_out")
 
     def __init__(self) -> None:
         self._left = 0  # bytes of the current chunk's data and its CRLF still to come
         self._cut = b""  # the start of a line the last read ended in
         self._trailers = False  # the last chunk was read: trailer fields, then a blank line
+        # GAVE_UP because a read held more lines than LINES_PER_READ (or one too long), not
+        # because the framing is wrong.
+        self.lines_out = False
 
     def feed(self, data: bytes, at: int = 0) -> int | None:
         """Where in `data` (from `at`) the body ends, just past its blank line; None when it
@@ -42,7 +45,10 @@ class ChunkWalk:
                     return None
             line_and_next = self._line(data, at)
             if line_and_next is None:
-                return None if len(self._cut) <= _LONGEST_LINE else GAVE_UP
+                if len(self._cut) <= _LONGEST_LINE:
+                    return None
+                self.lines_out = True
+                return GAVE_UP
             line, at = line_and_next
             if self._trailers:
                 if not line:
@@ -56,6 +62,7 @@ class ChunkWalk:
                 self._left = length + 2
             else:
                 self._trailers = True
+        self.lines_out = True
         return GAVE_UP
 
     def _line(self, data: bytes, at: int) -> tuple[bytes, int] | None:

@@ -22,6 +22,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import re
 from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
@@ -36,7 +37,7 @@ from idemproxy.constants import ERROR_HEADER, PROBLEM_CONTENT_TYPE
 from idemproxy.errors import HeaderInvalid, ProblemError, RequestTimeout
 from idemproxy.http.deadline import Deadline
 from idemproxy.http.problems import problem_response
-from idemproxy.proxy.server.chunks import GAVE_UP, ChunkWalk, begins_head, chunked_end
+from idemproxy.proxy.server.chunks import GAVE_UP, ChunkWalk, begins_head
 from idemproxy.proxy.server.whole import NotifiedResponse, WholeResponse, serialise_whole
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,12 @@ class GuardedHandler(web.RequestHandler):
         # The next response closes the connection: a shutdown began, or bytes after an upgrade
         # request were lost (`request_started`).
         self.closing = False
-        self.last_read = b""  # what the last read brought, for `handle_error`
+        # The read that began the current head on an idle connection, while no other read
+        # came after it: the only bytes a refused request can be in for its 400 to be paired
+        # with it (`handle_error`); None once another read came (or none began a head).
+        self.refusable: bytes | None = None
+        self.last_read = b""  # what the last read brought: the end of a body may be cut there
+        self.prior_read = b""  # and the read before it
         # A read that began with a request's head, and where in it the next request begins:
         # the requests it brought are told apart there, for the head deadline (`request_started`).
         self.burst: bytes | None = None
@@ -115,17 +121,24 @@ class GuardedHandler(web.RequestHandler):
         self.head_deadline.start(self.header_timeout)
 
     def data_received(self, data: bytes) -> None:
-        self.last_read = data
         body = self.body
-        if not data:
+        if not data:  # aiohttp parses requests it held back: no read of the client's
+            self.refusable = None
             super().data_received(data)
-        elif self._draining():
+            return
+        self.prior_read, self.last_read = self.last_read, data
+        if self._draining():
+            self.refusable = None
             self._drained(data)
         elif self.serving and body is not None:
+            self.refusable = None
             self._pipelined(body, data)
         elif self.head_started or data[0] not in _EMPTY_LINE or begins_head(data, 0):
             # A read that begins a head starts a burst; one that goes on with a head does not.
-            self.burst, self.burst_at = (None, 0) if self.head_started else (data, 0)
+            if self.head_started:
+                self.burst, self.burst_at, self.refusable = None, 0, None
+            else:
+                self.burst, self.burst_at, self.refusable = data, 0, data
             self.head_started = True
             if self.head_deadline.due is None:  # the first byte of the next head
                 self.head_deadline.start(self.header_timeout)
@@ -165,11 +178,13 @@ class GuardedHandler(web.RequestHandler):
                     self.queued, self.burst = False, None
                     return
                 self.burst, self.burst_at = data, at
+                if done:  # the first read after the body: only the next requests are in it
+                    self.refusable = data
             else:
                 # A chunked body's framing hides where it ended. Its last read ends with the
                 # terminator's blank line unless bytes of a next request follow it.
                 self.burst = None
-                self.next_head = not data.endswith(b"\r\n\r\n")
+                self.next_head = not _ends_in_blank_line(self.prior_read, data)
                 return
             self.next_head = True
 
@@ -193,7 +208,7 @@ class GuardedHandler(web.RequestHandler):
             if end is None or end == GAVE_UP:
                 # Not followed to its end: the terminator's blank line ends its last read
                 # unless bytes of a next request follow it.
-                at, begun = None, not data.endswith(b"\r\n\r\n")
+                at, begun = None, not _ends_in_blank_line(self.prior_read, data)
             else:
                 at, begun = end, begins_head(data, end)
         if begun:
@@ -239,7 +254,11 @@ class GuardedHandler(web.RequestHandler):
         burst = self.burst  # written out here, not a call: once per request
         if burst is None:
             return
-        end = burst.find(b"\r\n\r\n", self.burst_at)
+        at = self.burst_at
+        if burst[at : at + 1] in _EMPTY_LINE_BYTES:  # empty lines before it (RFC 9112 §2.2)
+            begun = _NOT_EMPTY_LINE.search(burst, at)
+            at = len(burst) if begun is None else begun.start()
+        end = burst.find(b"\r\n\r\n", at)
         if end == -1:
             self.burst = None
             return
@@ -353,12 +372,15 @@ class GuardedHandler(web.RequestHandler):
         log.info("malformed request from %s refused with %d", request.remote, status)
         if request.writer.output_size > 0:
             raise ConnectionError("the response has started; no room for the 4xx")
-        if _may_hold_a_request_before_the_refused_bytes(self.last_read):
+        refused = self.refusable
+        if refused is None or _may_hold_a_request_before_the_refused_bytes(refused):
             # aiohttp's parser takes one read as a unit: when it refuses bytes, the requests it
             # completed earlier in the same read are dropped with them, unanswered and never
             # run. A 400 now would be read as the answer to the first of them (SPEC §7: one
             # answer per request, and only its own). Closed without an answer instead: a client
             # retries the requests that a closed connection left unanswered (RFC 9112 §9.3.2).
+            # So is a refusal whose bytes cannot be told to be the only request since the
+            # connection was idle: they came in more than one read, or behind another request.
             log.info("malformed request from %s in a pipelined read: closed", request.remote)
             self.force_close()
             if self.transport is not None:
@@ -405,13 +427,15 @@ def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
         return False
     head = read[:end].lower()
     if b"\r\ntransfer-encoding:" in head:
-        last = chunked_end(read, end + 4)
-        if last is not None:
-            return last < len(read)
-        # Not walked to its end: its last chunk, `0` and a blank line, is looked for instead.
-        # Found in a chunk's data, it ends the guess early, which only closes where a 400 was due.
-        zero = read.find(b"0\r\n\r\n", end + 4)
-        return zero != -1 and zero + 5 < len(read)
+        walk = ChunkWalk()
+        last = walk.feed(read, end + 4)
+        if last is None:
+            return False  # the body goes on past this read: the refused bytes are its own
+        if last == GAVE_UP:
+            # Framing the walk refuses is this request's own (a 400 is its answer); a walk cut
+            # short by its budget cannot tell what followed: closed, as where a 400 was not due.
+            return walk.lines_out
+        return last < len(read)
     field = head.find(b"\r\ncontent-length:")
     if field == -1:
         return end + 4 < len(read)
@@ -426,8 +450,12 @@ def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
 def _switches_to_websocket(head: RawRequestMessage) -> bool:
     """Whether aiohttp's parser hands what follows this request to it, as the WebSocket it
     switches to: with any other protocol, or a CONNECT, what followed may be lost."""
-    protocol = head.headers.get(hdrs.UPGRADE, "").strip().lower()
-    return protocol == "websocket" and head.method != hdrs.METH_CONNECT
+    # ASCII only, as the C parser reads it: Python's strip() and lower() take a no-break space
+    # for a blank and the Kelvin sign for a `k`, and the parser would drop what follows.
+    protocol = head.headers.get(hdrs.UPGRADE, "").strip(" \t")
+    return (
+        protocol.isascii() and protocol.lower() == "websocket" and head.method != hdrs.METH_CONNECT
+    )
 
 
 def _written(response: web.StreamResponse) -> None:
@@ -466,6 +494,16 @@ def _refusal(version: HttpVersion, status: int, server_token: str, date: bytes) 
 
 _REQUEST_TIMEOUT_LINE = b"HTTP/1.1 408 Request Timeout\r\n"
 _EMPTY_LINE = b"\r\n"  # the bytes of empty lines, which begin no head (RFC 9112 §2.2)
+_EMPTY_LINE_BYTES = (b"\r", b"\n")
+_NOT_EMPTY_LINE = re.compile(rb"[^\r\n]")
+
+
+def _ends_in_blank_line(prior: bytes, data: bytes) -> bool:
+    """Whether a read ends with the blank line that ends a chunked body, which a read may cut:
+    `…0\r\n\r` then `\n`."""
+    if len(data) >= 4:
+        return data.endswith(b"\r\n\r\n")
+    return (prior[-4:] + data).endswith(b"\r\n\r\n")
 
 
 def _names_a_header(exc: BaseException | None) -> bool:
