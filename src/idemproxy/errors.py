@@ -272,6 +272,15 @@ class ExpectationFailed(ProblemError):
     retry = NEW_KEY_SAFE
 
 
+class BodyInvalid(ProblemError):
+    """The request body's framing is broken (a chunk size that is no hexadecimal number, a
+    missing line end): nothing of the request was claimed, and a governed one was not forwarded.
+    The connection is closed after the answer: where the next request would begin is unknown."""
+
+    code, status, title = "body-invalid", 400, "Request body framing invalid"
+    retry = NEW_KEY_SAFE
+
+
 class BodyTooLarge(ProblemError):
     """The request body exceeds the configured limit."""
 

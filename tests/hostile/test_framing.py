@@ -500,3 +500,33 @@ async def test_a_refusal_behind_a_chunked_request_too_long_to_walk_is_closed(
     )
     assert b" 400 " not in answer, answer[:300]
     assert proxies.ledger.count(key) == (1 if answer else 0)
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize("keyed", [True, False], ids=["governed", "pass-through"])
+async def test_chunk_framing_broken_in_a_later_read_is_400_body_invalid(
+    proxies: Proxies, parser: str, keyed: bool
+) -> None:
+    """A chunked body whose framing breaks after its head was taken: the client's error, `400
+    body-invalid`, at once, and the connection closed (SPEC §8). It was aiohttp's plain 500 and
+    a traceback (Python parser), or a 408 after body_read_timeout and a 504 after the
+    upstream's timeout (C parser: it drops the body without a word)."""
+    key = f"broken-later-{parser}-{keyed}"
+    head = b"POST /later HTTP/1.1\r\nHost: p\r\nTransfer-Encoding: chunked\r\n"
+    if keyed:
+        head += f"Idempotency-Key: {key}\r\n".encode()
+    executed = len(proxies.ledger.executions)
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxies.processes[parser].port)
+    began = time.monotonic()
+    try:
+        writer.write(head + b"\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.write(b"zz\r\n")
+        answer = await _collect(reader, idle=5.0)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer[:300]
+    assert b"body-invalid" in answer and b"\r\nConnection: close\r\n" in answer
+    assert time.monotonic() - began < 4.0
+    assert len(proxies.ledger.executions) == executed

@@ -37,6 +37,7 @@ RULES = {
     "payload-mismatch": "new-key-safe",
     "no-route": "new-key-safe",
     "body-too-large": "new-key-safe",
+    "body-invalid": "new-key-safe",
     "expectation-failed": "new-key-safe",
     "body-encoding-unsupported": "new-key-safe",
     "signature-invalid": "new-key-safe",

@@ -7,6 +7,7 @@ from aiohttp import HttpVersion11, hdrs, web
 from idemproxy.constants import ERROR_HEADER
 from idemproxy.core.types import Intent
 from idemproxy.errors import (
+    BodyInvalid,
     BodyTooLarge,
     ClientDisconnected,
     ExpectationFailed,
@@ -189,12 +190,21 @@ async def _route(
             return await passthrough(ctx, request, route, body, trace=trace)
         return response
     except ProblemError as error:
-        if isinstance(error, ClientDisconnected):
-            client_gone(ctx.metrics, request, DisconnectStage.REQUEST_BODY)
-        trace.problem(error)
-        return problem_response(
-            error, profile=ctx.settings.profile, types=ctx.settings.problem_types
-        )
+        return _refused(ctx, request, trace, error)
+
+
+def _refused(
+    ctx: ProxyContext, request: web.Request, trace: Trace, error: ProblemError
+) -> web.StreamResponse:
+    if isinstance(error, ClientDisconnected):
+        client_gone(ctx.metrics, request, DisconnectStage.REQUEST_BODY)
+    trace.problem(error)
+    refused = problem_response(
+        error, profile=ctx.settings.profile, types=ctx.settings.problem_types
+    )
+    if isinstance(error, BodyInvalid):  # where the next request would begin is unknown
+        refused.force_close()
+    return refused
 
 
 def _asks_status(header: str, request: web.Request) -> bool:

@@ -7,11 +7,12 @@ from collections.abc import AsyncIterable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
 from idemproxy.core.attempts import Outcome, classify_failure
-from idemproxy.errors import NEVER
+from idemproxy.errors import NEVER, BodyInvalid
 from idemproxy.http.headers import drop_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import DisconnectStage
@@ -101,6 +102,8 @@ async def _forward(
             await _stream(ctx, request, response, upstream)
             return response
     except UpstreamFailure as failure:
+        if isinstance(failure.client_body, HttpProcessingError) and response is None:
+            return _body_invalid(ctx, trace, failure.client_body)
         reason = upstream_reason(failure)
         trace.failed(route.upstream, reason)
         if ctx.tracing is not None:
@@ -162,3 +165,20 @@ async def _stream(
         # Only the client's side raises it here (the upstream's failures are UpstreamFailure);
         # leaving the exchange unread closes the upstream connection rather than pooling it.
         client_gone(ctx.metrics, request, DisconnectStage.RESPONSE)
+
+
+def _body_invalid(
+    ctx: ProxyContext, trace: Trace, error: HttpProcessingError
+) -> web.StreamResponse:
+    """The client's chunked body broke its framing while it streamed upstream (SPEC §8): its
+    error, not the upstream's. The upstream got no whole request (its connection was cut before
+    the body's end); where the client's next request would begin is unknown, so the connection
+    closes after the answer."""
+    log.info("pass-through body framing invalid: %s", error.message)
+    problem = BodyInvalid()
+    trace.problem(problem)
+    response = problem_response(
+        problem, profile=ctx.settings.profile, types=ctx.settings.problem_types
+    )
+    response.force_close()
+    return response

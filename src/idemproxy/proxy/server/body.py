@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from typing import Any, BinaryIO
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from idemproxy.errors import BodyTooLarge, ClientDisconnected, RequestTimeout
+from idemproxy.errors import BodyInvalid, BodyTooLarge, ClientDisconnected, RequestTimeout
 
 _CHUNK = 64 * 1024
 
@@ -87,6 +88,8 @@ async def read_body(
             return await _receive(request, limit, spool_threshold)
     except TimeoutError as exc:
         raise RequestTimeout() from exc
+    except HttpProcessingError as exc:  # a chunk's framing broken in a later read (SPEC §8)
+        raise BodyInvalid() from exc
     except ConnectionResetError as exc:
         # A client hanging up mid-body is routine (and cheap to do on purpose): one line, not
         # aiohttp's traceback at ERROR (proxy/handler.py logs and counts it).

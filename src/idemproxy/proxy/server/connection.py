@@ -29,7 +29,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import HttpVersion, HttpVersion11, StreamReader, hdrs, web
-from aiohttp.http_exceptions import BadHttpMessage, InvalidHeader
+from aiohttp.http_exceptions import BadHttpMessage, InvalidHeader, TransferEncodingError
 from aiohttp.http_parser import RawRequestMessage
 from multidict import CIMultiDict
 
@@ -161,6 +161,12 @@ class GuardedHandler(web.RequestHandler):
                 if begins_head(data, end):
                     self.burst, self.burst_at = data, end
                     self.queued = self.next_head = True
+                return
+            if not walk.lines_out and not body.is_eof():
+                # Its framing broke in this read. The C parser drops the body without a word
+                # (the handler would wait out body_read_timeout, or a pass-through the
+                # upstream's timeout): the body's reader is told, as the Python parser does.
+                body.set_exception(TransferEncodingError("Invalid chunk framing"))
                 return
             # Not followed to its end: as a body whose chunks were never followed, below.
         # With Content-Length the body takes exactly its bytes; a chunked body's framing makes

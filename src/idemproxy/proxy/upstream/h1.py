@@ -100,10 +100,15 @@ class StreamedBody(NamedTuple):
 class UpstreamFailure(Exception):
     """The upstream call failed; `failure` says how far the request got (SPEC §3.2)."""
 
-    def __init__(self, failure: Failure, reason: str) -> None:
+    def __init__(
+        self, failure: Failure, reason: str, *, client_body: Exception | None = None
+    ) -> None:
         super().__init__(reason)
         self.failure = failure
         self.reason = reason
+        # What the client's own body raised while it streamed upstream (a pass-through): the
+        # caller tells the client's error (its framing broke) from the upstream's.
+        self.client_body = client_body
 
 
 class _Stage(enum.Enum):
@@ -754,7 +759,8 @@ async def send_stream(
         exchange.fail(UpstreamFailure(Failure.BROKEN, f"sending the request failed: {exc}"))
         connection.abort()
     except Exception as exc:  # the client's own body broke off (it hung up mid-upload)
-        exchange.fail(UpstreamFailure(Failure.BROKEN, f"request body broke off: {exc!r}"))
+        reason = f"request body broke off: {exc!r}"
+        exchange.fail(UpstreamFailure(Failure.BROKEN, reason, client_body=exc))
         connection.abort()
 
 
