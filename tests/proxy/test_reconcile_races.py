@@ -228,4 +228,6 @@ async def test_never_executed_about_an_attempt_its_upstream_answered_releases_no
     found = await store.get_by_id(job.id)
     assert found is not None and found.state is JobState.UNKNOWN
     assert found.attempts[0].evidence[-1].verdict == "not_executed"
+    # The evidence says why for this very attempt: not another's possible execution.
+    assert "its upstream answered it" in found.attempts[0].evidence[-1].reason
     assert len(payments.questions) == 1

@@ -34,7 +34,7 @@ from idemproxy.core.resolution import (
     read_reconcile_answer,
     releasable,
 )
-from idemproxy.core.types import Attempt, Evidence, Job, JobState
+from idemproxy.core.types import Attempt, AttemptState, Evidence, Job, JobState
 from idemproxy.errors import InvalidRequest, StoreUnavailable
 from idemproxy.ops.resolution import ResponseRules, completed
 from idemproxy.ops.service import resolution_ttl
@@ -166,7 +166,11 @@ class Reconciler:
         reading = self._read(question, answered)
         if reading.verdict is Verdict.NOT_EXECUTED:
             never.add(attempt.number)
-            if not releasable(job, frozenset(never)):
+            if attempt.state is AttemptState.DISCARDED:
+                # SPEC §3.6: its upstream answered it, too late to count: no release.
+                why = "never executed, but its upstream answered it (a late answer is kept)"
+                reading = Reading(Verdict.NOT_EXECUTED, why)
+            elif not releasable(job, frozenset(never)):
                 why = "never executed, but another attempt may have"
                 reading = Reading(Verdict.NOT_EXECUTED, why)
         await self._store.record_evidence(job, attempt.number, _evidence(answered, reading))
