@@ -96,6 +96,9 @@ class GuardedHandler(web.RequestHandler):
         # The next response closes the connection: a shutdown began, or bytes after an upgrade
         # request were lost (`request_started`).
         self.closing = False
+        # The request being answered is an Upgrade the proxy does not take, or a CONNECT: what
+        # follows it is never read.
+        self.switching = False
         # The read that began the current head on an idle connection, while no other read
         # came after it: the only bytes a refused request can be in for its 400 to be paired
         # with it (`handle_error`); None once another read came (or none began a head).
@@ -255,7 +258,7 @@ class GuardedHandler(web.RequestHandler):
                 # What follows an upgrade aiohttp does not take up (or a CONNECT) may be lost in
                 # its parser, never answered: close after this answer, so the client sends it
                 # again on a new connection (RFC 9112 §9.3.2) instead of waiting for its answer.
-                self.closing = True
+                self.closing = self.switching = True
             return
         burst = self.burst  # written out here, not a call: once per request
         if burst is None:
@@ -358,6 +361,10 @@ class GuardedHandler(web.RequestHandler):
         if status == 408 and self.unread is not None:
             # Too slow to send its body: it will not finish while aiohttp lingers over it
             # (up to 10 s more). Close now.
+            self.force_close()
+        elif self.switching:
+            # What follows is never read: aiohttp would linger over it as an unread body (up to
+            # 10 s) before closing, although the answer said `Connection: close`.
             self.force_close()
         elif request.version < HttpVersion11 and hdrs.TRANSFER_ENCODING in request.headers:
             # RFC 9112 §6.1: HTTP/1.0 with Transfer-Encoding has faulty framing: close after it
