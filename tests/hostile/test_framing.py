@@ -535,3 +535,17 @@ async def test_chunk_framing_broken_in_a_later_read_is_400_body_invalid(
     assert b"body-invalid" in answer and b"\r\nConnection: close\r\n" in answer
     assert time.monotonic() - began < 4.0
     assert len(proxies.ledger.executions) == executed
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+async def test_the_clients_own_bytes_never_pick_the_problem_code(
+    proxies: Proxies, parser: str
+) -> None:
+    """The C parser's message quotes the offending line: a chunk size spelled `zz-header` is a
+    body's framing, not a header field, on both parsers alike."""
+    answer = await exchange(
+        proxies.processes[parser].port,
+        b"POST /p HTTP/1.1\r\nHost: p\r\nTransfer-Encoding: chunked\r\n\r\nzz-header\r\n",
+    )
+    assert b" 400 Bad Request\r\n" in answer.partition(b"\r\n")[0] + b"\r\n", answer[:200]
+    assert b"header-invalid" not in answer

@@ -527,8 +527,10 @@ def _names_a_header(exc: BaseException | None) -> bool:
         return True
     if type(exc) is not BadHttpMessage:
         return False  # a request line, a line too long, a body's framing
-    message = str(exc.message).lower()
-    return any(word in message for word in _HEADER_WORDS)
+    # llhttp's reason is the first line; the lines after it quote the client's bytes, which
+    # must not decide the answer (a chunk size `zz-header` is no header field).
+    reason = str(exc.message).partition("\n")[0].lower()
+    return any(word in reason for word in _HEADER_WORDS)
 
 
 _HEADER_WORDS = ("header", "content-length", "transfer-encoding")
