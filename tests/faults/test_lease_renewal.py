@@ -174,7 +174,9 @@ async def test_renewals_do_not_wait_for_a_starved_pool(
         await at(started, DUPLICATE_AT)
         duplicate = await send(session, url, "healthy", path=SLOW)
         answered = await first
-    assert len(unavailable) >= len(starving) - 2 * POOL  # the pool was taken: claims timed out
+    # The pool was taken: claims timed out waiting for it (how many depends on when each one
+    # reached the proxy, which a loaded machine spreads out).
+    assert unavailable, "no claim waited out pool.store_timeout: the pool was never starved"
     assert_completed_once(answered, duplicate, recording_backend[1])
     row = await job_row(fault_db, "healthy")
     assert (row["state"], row["completed_by"]) == ("completed", 1)
