@@ -293,13 +293,18 @@ async def test_a_head_behind_empty_lines_and_a_chunked_request_owes_the_deadline
     assert client.closed_after is not None and client.closed_after < 2.5
 
 
+@pytest.mark.parametrize(
+    "ending",
+    [(b"3\r\nabc\r\n0\r\n\r", b"\n"), (b"3\r\nabc\r\n0\r\n", b"\r", b"\n")],
+    ids=["in two reads", "in three reads"],
+)
 async def test_a_chunked_body_whose_blank_line_a_read_cut_owes_no_deadline(
-    listening_proxy: ListeningProxy, ledger: Ledger
+    listening_proxy: ListeningProxy, ledger: Ledger, ending: tuple[bytes, ...]
 ) -> None:
     """A head cut across reads (its chunks are then not followed), and the body's last blank
     line cut between two reads: its last read, `\\n`, looked like bytes of a next head."""
     client = await Connection.open(await listening_proxy(server=QUICK))
-    for piece in (CHUNKED[:-10], CHUNKED[-10:], b"3\r\nabc\r\n0\r\n\r", b"\n"):
+    for piece in (CHUNKED[:-10], CHUNKED[-10:], *ending):
         await client.send(piece)
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.8)  # idle, twice the head deadline

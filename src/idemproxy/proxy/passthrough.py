@@ -102,8 +102,9 @@ async def _forward(
             await _stream(ctx, request, response, upstream)
             return response
     except UpstreamFailure as failure:
-        if isinstance(failure.client_body, HttpProcessingError) and response is None:
-            return _body_invalid(ctx, trace, failure.client_body)
+        broken = failure.client_body
+        if isinstance(broken, HttpProcessingError | web.RequestPayloadError) and response is None:
+            return _body_invalid(ctx, trace, broken)
         reason = upstream_reason(failure)
         trace.failed(route.upstream, reason)
         if ctx.tracing is not None:
@@ -168,13 +169,13 @@ async def _stream(
 
 
 def _body_invalid(
-    ctx: ProxyContext, trace: Trace, error: HttpProcessingError
+    ctx: ProxyContext, trace: Trace, error: HttpProcessingError | web.RequestPayloadError
 ) -> web.StreamResponse:
     """The client's chunked body broke its framing while it streamed upstream (SPEC §8): its
     error, not the upstream's. The upstream got no whole request (its connection was cut before
     the body's end); where the client's next request would begin is unknown, so the connection
     closes after the answer."""
-    log.info("pass-through body framing invalid: %s", error.message)
+    log.info("pass-through body framing invalid: %s", error)
     problem = BodyInvalid()
     trace.problem(problem)
     response = problem_response(

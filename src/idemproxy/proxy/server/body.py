@@ -88,7 +88,9 @@ async def read_body(
             return await _receive(request, limit, spool_threshold)
     except TimeoutError as exc:
         raise RequestTimeout() from exc
-    except HttpProcessingError as exc:  # a chunk's framing broken in a later read (SPEC §8)
+    except (HttpProcessingError, web.RequestPayloadError) as exc:
+        # A chunk's framing broken in a later read (SPEC §8); aiohttp's Python parser hands
+        # on some of its errors wrapped in RequestPayloadError.
         raise BodyInvalid() from exc
     except ConnectionResetError as exc:
         # A client hanging up mid-body is routine (and cheap to do on purpose): one line, not

@@ -29,7 +29,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import HttpVersion, HttpVersion11, StreamReader, hdrs, web
-from aiohttp.http_exceptions import BadHttpMessage, InvalidHeader, TransferEncodingError
+from aiohttp.http_exceptions import BadHttpMessage, InvalidHeader
 from aiohttp.http_parser import RawRequestMessage
 from multidict import CIMultiDict
 
@@ -103,8 +103,9 @@ class GuardedHandler(web.RequestHandler):
         # came after it: the only bytes a refused request can be in for its 400 to be paired
         # with it (`handle_error`); None once another read came (or none began a head).
         self.refusable: bytes | None = None
-        self.last_read = b""  # what the last read brought: the end of a body may be cut there
-        self.prior_read = b""  # and the read before it
+        # The last four bytes the client sent, across reads: a chunked body's closing blank
+        # line may be cut anywhere (`…0\r\n`, `\r`, `\n`).
+        self.tail = b""
         # A read that began with a request's head, and where in it the next request begins:
         # the requests it brought are told apart there, for the head deadline (`request_started`).
         self.burst: bytes | None = None
@@ -129,7 +130,7 @@ class GuardedHandler(web.RequestHandler):
             self.refusable = None
             super().data_received(data)
             return
-        self.prior_read, self.last_read = self.last_read, data
+        self.tail = (self.tail + data[-4:])[-4:]
         if self._draining():
             self.refusable = None
             self._drained(data)
@@ -165,12 +166,6 @@ class GuardedHandler(web.RequestHandler):
                     self.burst, self.burst_at = data, end
                     self.queued = self.next_head = True
                 return
-            if not walk.lines_out and not body.is_eof():
-                # Its framing broke in this read. The C parser drops the body without a word
-                # (the handler would wait out body_read_timeout, or a pass-through the
-                # upstream's timeout): the body's reader is told, as the Python parser does.
-                body.set_exception(TransferEncodingError("Invalid chunk framing"))
-                return
             # Not followed to its end: as a body whose chunks were never followed, below.
         # With Content-Length the body takes exactly its bytes; a chunked body's framing makes
         # the rest look like more than it is, and the test errs on the side of waiting.
@@ -187,13 +182,11 @@ class GuardedHandler(web.RequestHandler):
                     self.queued, self.burst = False, None
                     return
                 self.burst, self.burst_at = data, at
-                if done:  # the first read after the body: only the next requests are in it
-                    self.refusable = data
             else:
                 # A chunked body's framing hides where it ended. Its last read ends with the
                 # terminator's blank line unless bytes of a next request follow it.
                 self.burst = None
-                self.next_head = not _ends_in_blank_line(self.prior_read, data)
+                self.next_head = self.tail != _BLANK_LINE_END
                 return
             self.next_head = True
 
@@ -217,7 +210,7 @@ class GuardedHandler(web.RequestHandler):
             if end is None or end == GAVE_UP:
                 # Not followed to its end: the terminator's blank line ends its last read
                 # unless bytes of a next request follow it.
-                at, begun = None, not _ends_in_blank_line(self.prior_read, data)
+                at, begun = None, self.tail != _BLANK_LINE_END
             else:
                 at, begun = end, begins_head(data, end)
         if begun:
@@ -361,6 +354,10 @@ class GuardedHandler(web.RequestHandler):
         if status == 408 and self.unread is not None:
             # Too slow to send its body: it will not finish while aiohttp lingers over it
             # (up to 10 s more). Close now.
+            self.force_close()
+        elif body.exception() is not None:
+            # Its framing broke (400 body-invalid): aiohttp would linger over the rest of a body
+            # whose reader holds the error, and log it as unhandled, with a traceback.
             self.force_close()
         elif self.switching:
             # What follows is never read: aiohttp would linger over it as an unread body (up to
@@ -509,14 +506,7 @@ _REQUEST_TIMEOUT_LINE = b"HTTP/1.1 408 Request Timeout\r\n"
 _EMPTY_LINE = b"\r\n"  # the bytes of empty lines, which begin no head (RFC 9112 §2.2)
 _EMPTY_LINE_BYTES = (b"\r", b"\n")
 _NOT_EMPTY_LINE = re.compile(rb"[^\r\n]")
-
-
-def _ends_in_blank_line(prior: bytes, data: bytes) -> bool:
-    """Whether a read ends with the blank line that ends a chunked body, which a read may cut:
-    `…0\r\n\r` then `\n`."""
-    if len(data) >= 4:
-        return data.endswith(b"\r\n\r\n")
-    return (prior[-4:] + data).endswith(b"\r\n\r\n")
+_BLANK_LINE_END = b"\r\n\r\n"  # how a chunked body ends: its last chunk's line, a blank one
 
 
 def _names_a_header(exc: BaseException | None) -> bool:
