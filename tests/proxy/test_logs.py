@@ -3,6 +3,7 @@ governed request; never a body, a credential or a key's header value beyond the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from idemproxy.config.settings import load_settings
@@ -220,3 +222,32 @@ async def test_a_fail_over_logs_the_attempt_that_answered(
             assert answer.status == 201
     [line] = (r.fields for r in _request_records(caplog))  # type: ignore[attr-defined]
     assert (line["outcome"], line["attempt"], line["upstream"]) == ("new", 2, fallback)
+
+
+async def test_a_hedged_race_logs_the_attempt_that_won(
+    sqlite_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPEC §3.4, §13: the primary answers after the hedge started the fallback, which is
+    slower: the line names the primary's attempt 1, which answered, not attempt 2, which
+    started last."""
+    caplog.set_level(logging.INFO, logger="idemproxy.requests")
+
+    def slow(seconds: float) -> web.Application:
+        async def answer(request: web.Request) -> web.Response:
+            await asyncio.sleep(seconds)
+            return web.json_response({"took": seconds}, status=201)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", answer)
+        return app
+
+    async with TestServer(slow(0.6)) as primary, TestServer(slow(3.0)) as fallback:
+        first = str(primary.make_url("")).rstrip("/")
+        second = str(fallback.make_url("")).rstrip("/")
+        routes = [{"prefix": "/", "upstream": first, "fallbacks": [second], "hedge_after": 0.2}]
+        settings = load_settings(upstream=first, store=sqlite_dsn, routes=routes)
+        async with TestClient(TestServer(create_app(settings))) as proxy:
+            answer = await proxy.post("/pay", data=BODY, headers={"Idempotency-Key": "k-hedge"})
+            assert answer.status == 201
+    [line] = (r.fields for r in _request_records(caplog))  # type: ignore[attr-defined]
+    assert (line["attempt"], line["upstream"]) == (1, first)

@@ -277,10 +277,16 @@ class AttemptRunner:
                     case Answer():
                         assert kept is not None
                         answered, kept = kept, None  # the response owns it now
+                        # This attempt's answer is the client's: a race's winner, not the
+                        # attempt started last, is the log line's (SPEC §13).
+                        trace = governed.trace
+                        trace.upstream, trace.forwarded = attempt.upstream, attempt.number
                         headers = self._client_headers(upstream, attempt.job)
                         return answer(answered, upstream.status, upstream.reason, headers)
                     case Finish():
                         assert client is not None
+                        trace = governed.trace
+                        trace.upstream, trace.forwarded = attempt.upstream, attempt.number
                         if kept is not None:
                             kept.close()
                             kept = None
