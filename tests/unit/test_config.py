@@ -336,7 +336,17 @@ def test_methods_given_as_other_than_strings_are_refused(
 
 
 @pytest.mark.parametrize(
-    "name", ["Host", "transfer-encoding", "Content-Length", "Connection", "Idempotency-Job"]
+    "name",
+    [
+        "Host",
+        "transfer-encoding",
+        "Content-Length",
+        "Connection",
+        "Idempotency-Job",
+        "X-Forwarded-For",
+        "Forwarded",
+        "traceparent",
+    ],
 )
 def test_a_key_header_the_proxy_frames_or_sets_is_refused(name: str) -> None:
     """With `Transfer-Encoding`, every chunked request of an owner shared the key `chunked`:

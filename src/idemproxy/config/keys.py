@@ -29,11 +29,18 @@ _SENDER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _BAD_ESCAPE = re.compile(r"~(?![01])")
 WebhookScheme = Literal["standard", "github", "stripe"]
 # Fields that carry no intent of the client's: hop-by-hop and framing fields, which the proxy
-# frames itself (every chunked request would share the key `chunked`), and the proxy's own
-# `Idempotency-*` fields, which it sets for the backend or answers with (SPEC §4.1, §10).
+# frames itself (every chunked request would share the key `chunked`), the hops' fields it
+# writes or believes only from a trusted proxy (behind one, every request of a client address
+# would share a key), trace context, and the proxy's own `Idempotency-*` fields, which it sets
+# for the backend or answers with (SPEC §4.1, §10).
 _NOT_KEYS = frozenset(
     {
         *c.HOP_BY_HOP_HEADERS,
+        *c.FORWARDING_HEADERS,
+        "x-real-ip",
+        "via",
+        "traceparent",
+        "tracestate",
         "host",
         "content-length",
         "expect",
