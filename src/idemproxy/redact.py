@@ -8,7 +8,7 @@ store DSN, a Redis URL or an upstream URL goes through `redact_url`.
 from __future__ import annotations
 
 import re
-from urllib.parse import unquote_plus, urlsplit
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 MASK = "***"
 # Query parameters whose value is a credential (compared lower-cased). `sslkey` and `sslcert`
@@ -97,16 +97,26 @@ def redact_path(path: str) -> str:
     segment's `;name=value` (`/pay;jsessionid=…`, RFC 3986 §3.3) is as much a credential as in
     a query, and so is one in an ASP.NET cookieless segment (`/(S(…))/`, `(A(…))`, `(F(…))`).
     Every other byte is kept."""
-    if ";" not in path and "(" not in path:
+    if ";" not in path and "(" not in path and "%" not in path:
         return path
-    segments = []
-    for segment in path.split("/"):
-        if segment.startswith("(") and _COOKIELESS.fullmatch(segment):
-            segments.append(_COOKIELESS_VALUE.sub(f"\\1({MASK})", segment))
-            continue
-        head, *parameters = segment.split(";")
-        segments.append(";".join([head, *(_masked(parameter) for parameter in parameters)]))
-    return "/".join(segments)
+    return "/".join(_masked_segment(segment) for segment in path.split("/"))
+
+
+def _masked_segment(segment: str) -> str:
+    """One path segment, its secrets masked; a percent-encoded `;`, `=` or parenthesis counts
+    as the character (a log line must not show what a server that decodes it reads)."""
+    decoded = unquote(segment) if "%" in segment else segment
+    if decoded.startswith("(") and _COOKIELESS.fullmatch(decoded):
+        return _COOKIELESS_VALUE.sub(f"\\1({MASK})", decoded)
+    if ";" not in segment and "%" not in segment:
+        return segment
+    pieces = _PARAMETER_SEPARATOR.split(segment)  # the head, then separator and parameter
+    for index in range(2, len(pieces), 2):
+        pieces[index] = _masked(pieces[index])
+    return "".join(pieces)
+
+
+_PARAMETER_SEPARATOR = re.compile("(;|%3[bB])")
 
 
 # ASP.NET's cookieless session, anonymous id and forms ticket: one or more `X(value)` in
@@ -126,9 +136,16 @@ def is_secret_parameter(name: str) -> bool:
 
 def _masked(piece: str) -> str:
     raw_name, equals, _ = piece.partition("=")
+    if not equals and "%" in piece:  # `name%3Dvalue`
+        found = _ENCODED_EQUALS.search(piece)
+        if found is not None:
+            raw_name, equals = piece[: found.start()], found.group()
     if not is_secret_parameter(unquote_plus(raw_name)):
         return piece
-    return f"{raw_name}={MASK}" if equals else piece
+    return f"{raw_name}{equals}{MASK}" if equals else piece
+
+
+_ENCODED_EQUALS = re.compile("%3[dD]")
 
 
 def _scheme_only(url: str) -> str:

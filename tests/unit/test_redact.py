@@ -66,6 +66,11 @@ def test_every_secret_looking_query_value_is_masked(query: str, shown: str) -> N
         ("/(S(sessionvalue))/pay", "/(S(***))/pay"),  # ASP.NET cookieless
         ("/(A(anon)S(sess)F(ticket))/p", "/(A(***)S(***)F(***))/p"),
         ("/docs/(draft)/p", "/docs/(draft)/p"),
+        # Percent-encoded separators and parentheses count as the characters.
+        ("/r%3Bjsessionid=S", "/r%3Bjsessionid=***"),
+        ("/r;jsessionid%3DS", "/r;jsessionid%3D***"),
+        ("/%28S%28value%29%29/p", "/(S(***))/p"),
+        ("/a%20b/c", "/a%20b/c"),
     ],
 )
 def test_a_secret_path_parameter_is_masked(path: str, shown: str) -> None:

@@ -23,6 +23,7 @@ from aiohttp import web
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.server.connection import SentResponse
 from idemproxy.proxy.server.head import HeadWriter
+from idemproxy.redact import redact_path
 
 log = logging.getLogger(__name__)
 _STARTED = web.RequestKey("idemproxy_started_response", web.StreamResponse)
@@ -70,7 +71,7 @@ def _refuse_second(
     log.error(
         "%s %s: a %d was returned after a %d had started; connection closed instead",
         request.method,
-        request.path,
+        redact_path(request.raw_path.partition("?")[0]),  # no query; no session id (SPEC §13)
         response.status,
         started.status,
     )

@@ -179,7 +179,7 @@ def _fields(trace: Trace, status: int, elapsed: float, log_query: bool) -> dict[
     if request is not None:
         url = request.rel_url
         path, query = url.raw_path, url.raw_query_string
-        if ";" in path or "(" in path:  # a session id in the path is a credential too
+        if ";" in path or "(" in path or "%" in path:  # a session id in it is a credential
             path = redact_path(path)
         if log_query and query:
             path = f"{path}?{redact_query(query)}"
