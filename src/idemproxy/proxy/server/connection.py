@@ -130,7 +130,7 @@ class GuardedHandler(web.RequestHandler):
             self.refusable = None
             super().data_received(data)
             return
-        self.tail = (self.tail + data[-4:])[-4:]
+        self.tail = data[-4:] if len(data) >= 4 else (self.tail + data)[-4:]
         if self._draining():
             self.refusable = None
             self._drained(data)
