@@ -121,8 +121,8 @@ _PARAMETER_SEPARATOR = re.compile("(;|%3[bB])")
 
 # ASP.NET's cookieless session, anonymous id and forms ticket: one or more `X(value)` in
 # parentheses, as a whole path segment.
-_COOKIELESS = re.compile(r"\((?:[A-Za-z]\([^()/]*\))+\)")
-_COOKIELESS_VALUE = re.compile(r"([A-Za-z])\([^()/]*\)")
+_COOKIELESS = re.compile(r"\((?:[A-Za-z]\([^()]*\))+\)")
+_COOKIELESS_VALUE = re.compile(r"([A-Za-z])\([^()]*\)")
 
 
 def is_secret_parameter(name: str) -> bool:
@@ -136,8 +136,8 @@ def is_secret_parameter(name: str) -> bool:
 
 def _masked(piece: str) -> str:
     raw_name, equals, _ = piece.partition("=")
-    if not equals and "%" in piece:  # `name%3Dvalue`
-        found = _ENCODED_EQUALS.search(piece)
+    if "%" in raw_name:  # `name%3Dvalue`: an encoded `=` before any other ends the name too
+        found = _ENCODED_EQUALS.search(raw_name)
         if found is not None:
             raw_name, equals = piece[: found.start()], found.group()
     if not is_secret_parameter(unquote_plus(raw_name)):

@@ -61,6 +61,36 @@ async def test_a_hang_up_mid_body_is_one_info_line_and_counted(
     assert ledger.count() == 0
 
 
+async def test_a_hang_up_mid_upload_of_a_pass_through_is_the_clients_not_the_upstreams(
+    make_proxy: ProxyFactory,
+    sqlite_dsn: str,
+    ledger: Ledger,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A chunked pass-through body streams upstream as it arrives: the client hanging up
+    mid-upload is its own hang-up (499, counted as one), not an upstream reset that any client
+    could add to the upstream's 5xx at will."""
+    client = await make_proxy(store=sqlite_dsn)
+    metrics = client.app[CONTEXT].metrics
+    caplog.set_level(logging.DEBUG)
+    for _ in range(3):
+        _, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /pay HTTP/1.1\r\nHost: p\r\n" + HEADS["chunked"])
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.close()
+        await writer.wait_closed()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3
+    while metrics.client_disconnect[DisconnectStage.REQUEST_BODY]._value.get() < 3:
+        assert loop.time() < deadline, "the hang-ups were not counted as the client's"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)
+    ours = [r for r in caplog.records if r.name.startswith("idemproxy")]  # not the backend's
+    assert not [r for r in ours if r.exc_info or r.levelno >= logging.WARNING]
+    assert counted(metrics.registry, "idemproxy_requests_total", status_class="5xx") == 0
+
+
 async def _slow_stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse()
     await response.prepare(request)

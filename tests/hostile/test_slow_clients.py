@@ -295,8 +295,12 @@ async def test_a_head_behind_empty_lines_and_a_chunked_request_owes_the_deadline
 
 @pytest.mark.parametrize(
     "ending",
-    [(b"3\r\nabc\r\n0\r\n\r", b"\n"), (b"3\r\nabc\r\n0\r\n", b"\r", b"\n")],
-    ids=["in two reads", "in three reads"],
+    [
+        (b"3\r\nabc\r\n0\r\n\r", b"\n"),
+        (b"3\r\nabc\r\n0\r\n", b"\r", b"\n"),
+        (b"3\r\nabc\r\n0\r\n\r\n\n",),
+    ],
+    ids=["in two reads", "in three reads", "then an empty line"],
 )
 async def test_a_chunked_body_whose_blank_line_a_read_cut_owes_no_deadline(
     listening_proxy: ListeningProxy, ledger: Ledger, ending: tuple[bytes, ...]

@@ -71,6 +71,8 @@ def test_every_secret_looking_query_value_is_masked(query: str, shown: str) -> N
         ("/r;jsessionid%3DS", "/r;jsessionid%3D***"),
         ("/%28S%28value%29%29/p", "/(S(***))/p"),
         ("/a%20b/c", "/a%20b/c"),
+        ("/a;jsessionid%3DS1=S2", "/a;jsessionid%3D***"),  # the first `=`, encoded or not
+        ("/(S(S17%2F1))/p", "/(S(***))/p"),
     ],
 )
 def test_a_secret_path_parameter_is_masked(path: str, shown: str) -> None:

@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from idemproxy.core.attempts import Outcome, classify_failure
-from idemproxy.errors import NEVER, BodyInvalid
+from idemproxy.errors import NEVER, BodyInvalid, ClientDisconnected
 from idemproxy.http.headers import drop_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import DisconnectStage
@@ -103,8 +103,11 @@ async def _forward(
             return response
     except UpstreamFailure as failure:
         broken = failure.client_body
-        if isinstance(broken, HttpProcessingError | web.RequestPayloadError) and response is None:
-            return _body_invalid(ctx, trace, broken)
+        if broken is not None and response is None:  # the client's side broke, not the upstream
+            if isinstance(broken, HttpProcessingError | web.RequestPayloadError):
+                return _body_invalid(ctx)
+            if isinstance(broken, ConnectionError):
+                raise ClientDisconnected() from broken  # it hung up mid-upload: a 499
         reason = upstream_reason(failure)
         trace.failed(route.upstream, reason)
         if ctx.tracing is not None:
@@ -168,16 +171,14 @@ async def _stream(
         client_gone(ctx.metrics, request, DisconnectStage.RESPONSE)
 
 
-def _body_invalid(
-    ctx: ProxyContext, trace: Trace, error: HttpProcessingError | web.RequestPayloadError
-) -> web.StreamResponse:
+def _body_invalid(ctx: ProxyContext) -> web.StreamResponse:
     """The client's chunked body broke its framing while it streamed upstream (SPEC §8): its
     error, not the upstream's. The upstream got no whole request (its connection was cut before
     the body's end); where the client's next request would begin is unknown, so the connection
     closes after the answer."""
-    log.info("pass-through body framing invalid: %s", error)
+    # Not the parser's message: it quotes the client's bytes, line breaks and all.
+    log.info("pass-through request refused: its chunked body's framing is invalid")
     problem = BodyInvalid()
-    trace.problem(problem)
     response = problem_response(
         problem, profile=ctx.settings.profile, types=ctx.settings.problem_types
     )

@@ -334,7 +334,7 @@ def _server_attributes(request: web.Request) -> Attributes:
     attributes: Attributes = {
         "http.request.method": request.method,
         # Never the query string, and no session id of the path (SPEC §13): they are secrets.
-        "url.path": redact_path(request.path),
+        "url.path": redact_path(request.rel_url.raw_path),  # as the log line shows it
         "url.scheme": request.scheme,
         "network.protocol.version": f"{request.version.major}.{request.version.minor}",
     }

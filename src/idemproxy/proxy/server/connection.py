@@ -103,8 +103,8 @@ class GuardedHandler(web.RequestHandler):
         # came after it: the only bytes a refused request can be in for its 400 to be paired
         # with it (`handle_error`); None once another read came (or none began a head).
         self.refusable: bytes | None = None
-        # The last four bytes the client sent, across reads: a chunked body's closing blank
-        # line may be cut anywhere (`…0\r\n`, `\r`, `\n`).
+        # The last bytes the client sent, across reads: a chunked body's closing blank line
+        # may be cut anywhere (`…0\r\n`, `\r`, `\n`), and empty lines may follow it.
         self.tail = b""
         # A read that began with a request's head, and where in it the next request begins:
         # the requests it brought are told apart there, for the head deadline (`request_started`).
@@ -130,7 +130,7 @@ class GuardedHandler(web.RequestHandler):
             self.refusable = None
             super().data_received(data)
             return
-        self.tail = data[-4:] if len(data) >= 4 else (self.tail + data)[-4:]
+        self.tail = data[-_TAIL:] if len(data) >= _TAIL else (self.tail + data)[-_TAIL:]
         if self._draining():
             self.refusable = None
             self._drained(data)
@@ -186,7 +186,7 @@ class GuardedHandler(web.RequestHandler):
                 # A chunked body's framing hides where it ended. Its last read ends with the
                 # terminator's blank line unless bytes of a next request follow it.
                 self.burst = None
-                self.next_head = self.tail != _BLANK_LINE_END
+                self.next_head = _head_begun_after_chunks(self.tail)
                 return
             self.next_head = True
 
@@ -210,7 +210,7 @@ class GuardedHandler(web.RequestHandler):
             if end is None or end == GAVE_UP:
                 # Not followed to its end: the terminator's blank line ends its last read
                 # unless bytes of a next request follow it.
-                at, begun = None, self.tail != _BLANK_LINE_END
+                at, begun = None, _head_begun_after_chunks(self.tail)
             else:
                 at, begun = end, begins_head(data, end)
         if begun:
@@ -506,7 +506,15 @@ _REQUEST_TIMEOUT_LINE = b"HTTP/1.1 408 Request Timeout\r\n"
 _EMPTY_LINE = b"\r\n"  # the bytes of empty lines, which begin no head (RFC 9112 §2.2)
 _EMPTY_LINE_BYTES = (b"\r", b"\n")
 _NOT_EMPTY_LINE = re.compile(rb"[^\r\n]")
-_BLANK_LINE_END = b"\r\n\r\n"  # how a chunked body ends: its last chunk's line, a blank one
+_TAIL = 16  # bytes of the stream's end kept (`tail`)
+
+
+def _head_begun_after_chunks(tail: bytes) -> bool:
+    """Whether a read that ended a chunked body, whose chunks were not followed, ends with bytes
+    of a next head: anything but the body's closing blank line (`0` or a trailer field, CRLF,
+    CRLF) and empty lines after it (RFC 9112 §2.2)."""
+    stripped = tail.rstrip(b"\r\n")
+    return bool(stripped) and not tail[len(stripped) :].startswith(b"\r\n\r\n")
 
 
 def _names_a_header(exc: BaseException | None) -> bool:

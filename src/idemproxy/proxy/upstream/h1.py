@@ -737,8 +737,18 @@ async def send_stream(
     when it has no declared length (client.py `framing_for`)."""
     chunked = content_length is None
     sent = 0
+    chunks = aiter(body)
     try:
-        async for chunk in body:
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except Exception as exc:  # the client's own body broke off, or it hung up
+                reason = f"request body broke off: {exc!r}"
+                exchange.fail(UpstreamFailure(Failure.BROKEN, reason, client_body=exc))
+                connection.abort()
+                return
             if not chunk:
                 continue
             sent += len(chunk)
@@ -755,12 +765,8 @@ async def send_stream(
         elif content_length is not None and sent != content_length:
             raise ConnectionResetError("request body ended before its declared length")
         exchange.request_sent = True
-    except (ConnectionError, OSError) as exc:
+    except (ConnectionError, OSError) as exc:  # the upstream's side
         exchange.fail(UpstreamFailure(Failure.BROKEN, f"sending the request failed: {exc}"))
-        connection.abort()
-    except Exception as exc:  # the client's own body broke off (it hung up mid-upload)
-        reason = f"request body broke off: {exc!r}"
-        exchange.fail(UpstreamFailure(Failure.BROKEN, reason, client_body=exc))
         connection.abort()
 
 
