@@ -445,6 +445,16 @@ async def test_a_slow_head_is_cut_off_by_header_read_timeout(proxies: Proxies, p
 BAD = b"GET /m HTTP/1.1\r\nHost: p\r\nBad Header: 1\r\n\r\n"
 
 
+async def _send(writer: asyncio.StreamWriter, pieces: list[bytes | float]) -> None:
+    """Each piece in a write of its own; a float is a pause of that many seconds."""
+    for piece in pieces:
+        if isinstance(piece, float):
+            await asyncio.sleep(piece)
+        else:
+            writer.write(piece)
+            await writer.drain()
+
+
 async def _collect(reader: asyncio.StreamReader, idle: float = 3.0) -> bytes:
     answer = b""
     with contextlib.suppress(TimeoutError, ConnectionError):
@@ -575,12 +585,7 @@ async def test_a_valid_chunked_upload_behind_an_unfollowed_one_is_never_refused(
         b"0\r\n\r\n",
     ]
     try:
-        for piece in pieces:
-            if isinstance(piece, float):
-                await asyncio.sleep(piece)
-            else:
-                writer.write(piece)
-                await writer.drain()
+        await _send(writer, pieces)
         answer = await _collect(reader, idle=3.0)
     finally:
         writer.close()
@@ -609,12 +614,7 @@ async def test_a_refusal_in_a_read_that_goes_on_with_a_head_is_closed(
         b"\r\nabcGET /three HTTP/1.1\r\nHost: p\r\nBad Header\r\n\r\n",
     ]
     try:
-        for piece in pieces:
-            if isinstance(piece, float):
-                await asyncio.sleep(piece)
-            else:
-                writer.write(piece)
-                await writer.drain()
+        await _send(writer, pieces)
         answer = await _collect(reader, idle=4.0)
     finally:
         writer.close()
@@ -634,3 +634,13 @@ async def test_the_clients_own_bytes_never_pick_the_problem_code(
     )
     assert b" 400 Bad Request\r\n" in answer.partition(b"\r\n")[0] + b"\r\n", answer[:200]
     assert b"header-invalid" not in answer
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+async def test_a_malformed_request_behind_empty_lines_gets_its_400(
+    proxies: Proxies, parser: str
+) -> None:
+    """RFC 9112 §2.2: empty lines before a request begin nothing, so a refused request behind
+    them on an idle connection is the read's only one: its 400, not a silent close."""
+    answer = await exchange(proxies.processes[parser].port, b"\r\n\r\n" + BAD)
+    assert answer.startswith((b"HTTP/1.1 400 Bad Request\r\n", b"HTTP/1.0 400 Bad Request\r\n"))

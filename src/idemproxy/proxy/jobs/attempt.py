@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
     from idemproxy.proxy.failpoints import Failpoints
     from idemproxy.proxy.server.capture import ResponseBudget
+    from idemproxy.proxy.server.trace import Trace
     from idemproxy.proxy.tracing import Tracing
     from idemproxy.store.ports import JobStore
 
@@ -146,9 +147,7 @@ class AttemptRunner:
         headers[ATTEMPT_HEADER] = str(attempt.number)
         if route.gate is not None:  # SPEC §3.4: only answers the contract check can decode
             ask_checkable(headers)
-        # The log line names the attempt and its upstream together (a fail-over's too).
-        trace = governed.trace
-        trace.upstream, trace.forwarded = attempt.upstream, attempt.number
+        _names(governed.trace, attempt)  # a fail-over's too
         forwarding = self._forward(governed, attempt, url, headers)
         if self.tracing is not None:  # its traceparent joins `headers` before they are sent
             ids = (job.id, attempt.number)
@@ -277,16 +276,13 @@ class AttemptRunner:
                     case Answer():
                         assert kept is not None
                         answered, kept = kept, None  # the response owns it now
-                        # This attempt's answer is the client's: a race's winner, not the
-                        # attempt started last, is the log line's (SPEC §13).
-                        trace = governed.trace
-                        trace.upstream, trace.forwarded = attempt.upstream, attempt.number
+                        # A race's winner, not the attempt started last (SPEC §13).
+                        _names(governed.trace, attempt)
                         headers = self._client_headers(upstream, attempt.job)
                         return answer(answered, upstream.status, upstream.reason, headers)
                     case Finish():
                         assert client is not None
-                        trace = governed.trace
-                        trace.upstream, trace.forwarded = attempt.upstream, attempt.number
+                        _names(governed.trace, attempt)
                         if kept is not None:
                             kept.close()
                             kept = None
@@ -593,3 +589,8 @@ def try_bound(left: float) -> float | None:
     """How long one renewal try may take: what is left of the lease, or only the store's own
     timeout once too little is left to bound it usefully."""
     return left if left >= _MIN_BOUNDED_TRY_SECONDS else None
+
+
+def _names(trace: Trace, attempt: AttemptRun) -> None:
+    """The request's log line names this attempt and its upstream together (SPEC §13)."""
+    trace.upstream, trace.forwarded = attempt.upstream, attempt.number

@@ -79,12 +79,6 @@ class ChunkWalk:
         return line, end + 2
 
 
-def chunked_end(data: bytes, at: int) -> int | None:
-    """Where a chunked body that starts at `at` ends, when `data` holds all of it."""
-    end = ChunkWalk().feed(data, at)
-    return None if end is None or end == GAVE_UP else end
-
-
 def begins_head(data: bytes, at: int) -> bool:
     """Whether bytes of a next request follow `at`: empty lines before a request line are
     ignored (RFC 9112 §2.2), and a client that sends one owes no head."""

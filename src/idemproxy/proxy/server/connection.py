@@ -201,18 +201,17 @@ class GuardedHandler(web.RequestHandler):
             self.chunks = None
         if unread is None or not unread.is_eof():
             return
+        self.chunks = None  # the body is whole: nothing of it left to follow
         at: int | None
         if self.framed:
             at = unread.total_bytes - before
             begun = begins_head(data, at)
+        elif end is None or end == GAVE_UP:
+            # Not followed to its end: the terminator's blank line ends its last read
+            # unless bytes of a next request follow it.
+            at, begun = None, _head_begun_after_chunks(self.tail)
         else:
-            self.chunks = None
-            if end is None or end == GAVE_UP:
-                # Not followed to its end: the terminator's blank line ends its last read
-                # unless bytes of a next request follow it.
-                at, begun = None, _head_begun_after_chunks(self.tail)
-            else:
-                at, begun = end, begins_head(data, end)
+            at, begun = end, begins_head(data, end)
         if begun:
             self.head_started = True
             self.burst, self.burst_at = (data, at) if at is not None else (None, 0)
@@ -256,11 +255,7 @@ class GuardedHandler(web.RequestHandler):
         burst = self.burst  # written out here, not a call: once per request
         if burst is None:
             return
-        at = self.burst_at
-        if burst[at : at + 1] in _EMPTY_LINE_BYTES:  # empty lines before it (RFC 9112 §2.2)
-            begun = _NOT_EMPTY_LINE.search(burst, at)
-            at = len(burst) if begun is None else begun.start()
-        end = burst.find(b"\r\n\r\n", at)
+        end = burst.find(b"\r\n\r\n", _past_empty_lines(burst, self.burst_at))
         if end == -1:
             self.burst = None
             return
@@ -432,7 +427,7 @@ def _may_hold_a_request_before_the_refused_bytes(read: bytes) -> bool:
     head and the body its one Content-Length frames (none without one), or its chunked body's
     last chunk. Only the refused request, whatever its body holds, gets its own 400; so does
     one whose end cannot be told (a Content-Length missing its digits or given twice)."""
-    end = read.find(b"\r\n\r\n")
+    end = read.find(b"\r\n\r\n", _past_empty_lines(read, 0))
     if end == -1:
         return False
     head = read[:end].lower()
@@ -506,6 +501,17 @@ _REQUEST_TIMEOUT_LINE = b"HTTP/1.1 408 Request Timeout\r\n"
 _EMPTY_LINE = b"\r\n"  # the bytes of empty lines, which begin no head (RFC 9112 §2.2)
 _EMPTY_LINE_BYTES = (b"\r", b"\n")
 _NOT_EMPTY_LINE = re.compile(rb"[^\r\n]")
+
+
+def _past_empty_lines(data: bytes, at: int) -> int:
+    """Where the request that begins at `at` has its first byte: empty lines before a request
+    line are ignored (RFC 9112 §2.2), so their blank line is no end of its head."""
+    if data[at : at + 1] not in _EMPTY_LINE_BYTES:
+        return at  # nearly every request: no search
+    begun = _NOT_EMPTY_LINE.search(data, at)
+    return len(data) if begun is None else begun.start()
+
+
 _TAIL = 16  # bytes of the stream's end kept (`tail`)
 
 
