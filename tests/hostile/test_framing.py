@@ -644,3 +644,23 @@ async def test_a_malformed_request_behind_empty_lines_gets_its_400(
     them on an idle connection is the read's only one: its 400, not a silent close."""
     answer = await exchange(proxies.processes[parser].port, b"\r\n\r\n" + BAD)
     assert answer.startswith((b"HTTP/1.1 400 Bad Request\r\n", b"HTTP/1.0 400 Bad Request\r\n"))
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+async def test_a_governed_target_that_is_no_utf8_is_refused_before_any_claim(
+    proxies: Proxies, parser: str
+) -> None:
+    """The C parser refuses such a target; the Python parser hands it on as surrogates, which
+    no store can keep: the claim failed as `503 store-unavailable`, blaming a healthy store."""
+    key = f"not-utf8-{parser}"
+    jobs = await job_count(proxies.stores[parser])
+    answer = await exchange(
+        proxies.processes[parser].port,
+        b"POST /\xff\xfe HTTP/1.1\r\nHost: p\r\nIdempotency-Key: "
+        + key.encode()
+        + b"\r\nContent-Length: 1\r\n\r\nx",
+    )
+    assert b" 400 Bad Request\r\n" in answer.partition(b"\r\n")[0] + b"\r\n", answer[:300]
+    assert b"store-unavailable" not in answer
+    assert proxies.ledger.count(key) == 0
+    assert await job_count(proxies.stores[parser]) == jobs

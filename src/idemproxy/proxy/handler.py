@@ -170,6 +170,11 @@ async def _route(
             if ctx.status_header is not None and _asks_status(ctx.status_header, request):
                 return await answer_status(ctx, request, route, trace)  # SPEC §7.1
             return await passthrough(ctx, request, route, trace=trace)  # SPEC §4: keys ignored
+        if not request.raw_path.isascii() and not _utf8(request.raw_path):
+            # Bytes that are no UTF-8 (the Python parser lets them through as surrogates; the C
+            # parser refuses them): no store can keep the job's path, and the claim failed as
+            # `503 store-unavailable`, blaming a healthy store.
+            raise PathInvalid("The request target is not valid UTF-8.")
         if route.key_source is not None:  # SPEC §4.1, §4.2: off the default path
             return await _govern_sourced(ctx, govern, request, route, trace)
         key = parse_key(request.headers.getall(ctx.settings.key_header, []))
@@ -278,3 +283,11 @@ async def _identify(
     if memory is not None and len(memory) > OFF_LOOP_CONTAINERS and heavy(memory):
         return await intent_off_loop(ctx, request, owner, key, body), body, transition
     return intent_of(ctx, request, owner, key, body), body, transition
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -255,7 +255,10 @@ class GuardedHandler(web.RequestHandler):
         burst = self.burst  # written out here, not a call: once per request
         if burst is None:
             return
-        end = burst.find(b"\r\n\r\n", _past_empty_lines(burst, self.burst_at))
+        at = self.burst_at
+        if burst[at : at + 1] in _EMPTY_LINE_BYTES:  # rare: no call for every request
+            at = _past_empty_lines(burst, at)
+        end = burst.find(b"\r\n\r\n", at)
         if end == -1:
             self.burst = None
             return
