@@ -177,12 +177,15 @@ async def test_idle_kept_alive_connections_are_closed_and_nothing_new_is_claimed
         slow = asyncio.create_task(_in_background(session, proxy.url + "/charges?delay=4", "slow"))
         await _until_claimed(dsn, "slow")  # keeps the process draining
 
-        await _sigterm_until_draining(session, proxy)
-        # A client that had kept its connection sends its next request.
+        signalled = await _sigterm_until_draining(session, proxy)
+        # A client that had kept its connection sends its next request: refused or closed
+        # now, not left without an answer until the process exits.
         late = await sending.post("late")
+        assert time.monotonic() - signalled < ANSWER_LIMIT, "the late request waited"
         if late is not None:
             _refused_while_draining(late)
-        assert await idle.closed_by_proxy(timeout=1.0), "the idle connection was kept open"
+        assert await idle.closed_by_proxy(timeout=0.5), "the idle connection was kept open"
+        assert time.monotonic() - signalled < ANSWER_LIMIT, "closed only at the drain's end"
         assert proxy.running, "the process was meant to still be draining"
         # Cut off at the drain's deadline: told so, not disconnected (SPEC §3.2).
         cut_off = await slow

@@ -227,11 +227,13 @@ class GuardedHandler(web.RequestHandler):
     def close_when_idle(self) -> None:
         """A shutdown began (proxy/drain.py): close now if idle, else after the next response.
 
-        Not aiohttp's `close()` on a busy connection: from then on it drops every byte that
-        arrives, the rest of a request body too, and the request would hang on it."""
+        Not aiohttp's `close()`, busy or idle: on a busy connection it drops every byte that
+        arrives from then on, the rest of a request body too, and the request would hang on
+        it; on an idle one it leaves the socket open (the wait for a next request ends
+        without closing it) and a request sent on it would get no answer (SPEC §8)."""
         self.closing = True
         if not (self.serving or self.head_started or self.queued or self._draining()):
-            self.close()
+            self.force_close()
 
     def request_started(self, body: StreamReader, head: RawRequestMessage) -> None:
         """aiohttp read a request's head and hands it to the handler: no deadline until the
