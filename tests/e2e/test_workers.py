@@ -230,8 +230,9 @@ async def test_a_duplicate_held_on_one_worker_is_woken_by_the_other(
     assert sum(others) > 0, f"no duplicate was held on the other worker: new {new}, held {held}"
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 async def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(
-    pg_dsn: str, backend: Backend, start_proxy: StartProxy
+    pg_dsn: str, signum: signal.Signals, backend: Backend, start_proxy: StartProxy
 ) -> None:
     env = {"IDEMPROXY_SERVER__SHUTDOWN_TIMEOUT": str(SHUTDOWN_TIMEOUT)}
     proxy = await start_workers(start_proxy, backend, pg_dsn, env)
@@ -244,7 +245,7 @@ async def test_sigterm_drains_every_worker_and_the_supervisor_exits_0(
         ]
         await _until_in_flight(pg_dsn, count)
         signalled = time.monotonic()
-        code = await proxy.terminate(timeout=SHUTDOWN_TIMEOUT + 5)
+        code = await proxy.terminate(timeout=SHUTDOWN_TIMEOUT + 5, signum=signum)
         stopped = time.monotonic() - signalled
         answers = await asyncio.gather(*requests)
 

@@ -140,14 +140,17 @@ class ProxyProcess:
             await asyncio.sleep(0.02)
         return self._popen.returncode
 
-    async def terminate(self, timeout: float = STOP_DEADLINE) -> int:
-        """SIGTERM and wait for the exit status; SIGKILL (and fail) if it does not stop."""
+    async def terminate(
+        self, timeout: float = STOP_DEADLINE, signum: signal.Signals = signal.SIGTERM
+    ) -> int:
+        """`signum` (SIGTERM) and wait for the exit status; SIGKILL (and fail) if it does not
+        stop."""
         if self._popen.poll() is None:
-            self._popen.send_signal(signal.SIGTERM)
+            self._popen.send_signal(signum)
         code = await self.wait_exit(timeout)
         if code is None:
             self.kill()
-            raise AssertionError(f"still running {timeout}s after SIGTERM: {self.describe()}")
+            raise AssertionError(f"still running {timeout}s after {signum.name}: {self.describe()}")
         return code
 
     def kill(self) -> None:

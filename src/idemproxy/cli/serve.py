@@ -1,10 +1,10 @@
 """Running the proxy as a process: event loop, listeners, signals and graceful shutdown.
 
-SIGTERM/SIGINT: /readyz turns 503, the proxy listener stops accepting connections, idle
-kept-alive connections are closed and new governed requests on busy ones get `503
-shutting-down` (SPEC §8, proxy/drain.py), requests in flight get `server.shutdown_timeout` to
-finish and store their outcome; attempts still running after that are cancelled and their jobs
-become `unknown`, never `released` (SPEC §3.2).
+SIGTERM, SIGINT or SIGHUP (workers/role.py `STOP_SIGNALS`): /readyz turns 503, the proxy listener
+stops accepting connections, idle kept-alive connections are closed and new governed requests on
+busy ones get `503 shutting-down` (SPEC §8, proxy/drain.py), requests in flight get
+`server.shutdown_timeout` to finish and store their outcome; attempts still running after that are
+cancelled and their jobs become `unknown`, never `released` (SPEC §3.2).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import contextlib
 import gc
 import logging
 import os
-import signal
 import socket
 import sys
 from collections.abc import Awaitable
@@ -35,7 +34,7 @@ from idemproxy.proxy.drain import close_connections, drain, start_draining
 from idemproxy.proxy.server.listener import GuardedSite
 from idemproxy.store.factory import serving_store, shown_store
 from idemproxy.store.layers import StoreStack
-from idemproxy.workers.role import WorkerRole
+from idemproxy.workers.role import STOP_SIGNALS, WorkerRole
 
 if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
     from idemproxy.proxy.tracing import Tracing
@@ -211,7 +210,7 @@ async def _start_admin(runner: web.AppRunner, listen: str, worker: WorkerRole | 
 async def _wait_for_signal(*, supervised: bool = False) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop.set)
     if not supervised:
         await stop.wait()

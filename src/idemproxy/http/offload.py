@@ -190,12 +190,14 @@ _WORKER_NICENESS = 10
 
 
 def _worker_started() -> None:
-    """In each worker process: lower priority, Ctrl-C (SIGINT to the terminal's process group)
-    left to the serving process, which stops the workers as it shuts down, and an exit of its
-    own if the serving process dies without doing so (SIGKILL, the OOM killer): a worker would
-    otherwise wait for work forever, since it holds both ends of its queue's pipe."""
+    """In each worker process: lower priority, Ctrl-C and a hang-up (SIGINT and SIGHUP to the
+    terminal's process group) left to the serving process, which stops the workers as it shuts
+    down, and an exit of its own if the serving process dies without doing so (SIGKILL, the OOM
+    killer): a worker would otherwise wait for work forever, since it holds both ends of its
+    queue's pipe."""
     os.nice(_WORKER_NICENESS)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()

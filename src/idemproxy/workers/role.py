@@ -8,10 +8,15 @@ the same file, environment and flags as the supervisor's; only the role differs.
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 WORKER_ROLE_FLAG = "--worker-role"
+# What stops a serving process after a drain (SPEC §8), a supervisor and its workers alike.
+# SIGHUP too: a closed terminal or a process manager's reload would otherwise kill the process
+# with no drain (there is no configuration to reload), leaving its attempts `unknown`.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,13 +14,13 @@ a race.
 A port something else listens on, a single process or another group (SO_REUSEPORT would let
 its workers join), is refused before anything starts (workers/listen.py).
 
-Signals: SIGTERM or SIGINT is forwarded to every worker, which drains as a single process does
-(`server.shutdown_timeout`); the supervisor exits 0 when all of them exit cleanly. A worker that
-exits on its own is a failure: the others are stopped the same way and the supervisor exits 1,
-for the process manager (systemd, Kubernetes) to restart the whole set. Restarting one worker
-in place was not chosen: a crash loop would then hide behind a supervisor that looks healthy.
-Workers still running `shutdown_timeout` + `pool.store_timeout` + `_KILL_MARGIN_SECONDS` after the
-stop are killed.
+Signals: SIGTERM, SIGINT or SIGHUP is forwarded to every worker, which drains as a single process
+does (`server.shutdown_timeout`); the supervisor exits 0 when all of them exit cleanly. A worker
+that exits on its own is a failure: the others are stopped the same way and the supervisor exits 1,
+for the process manager (systemd, Kubernetes) to restart the whole set. Restarting one worker in
+place was not chosen: a crash loop would then hide behind a supervisor that looks healthy. Workers
+still running `shutdown_timeout` + `pool.store_timeout` + `_KILL_MARGIN_SECONDS` after the stop are
+killed.
 """
 
 from __future__ import annotations
@@ -41,17 +41,16 @@ from idemproxy.identity.owner import log_owner_hint
 from idemproxy.observe.logs import configure_logging
 from idemproxy.store.factory import create_store
 from idemproxy.workers.listen import claim_listen
-from idemproxy.workers.role import WORKER_ROLE_FLAG, WorkerRole
+from idemproxy.workers.role import STOP_SIGNALS, WORKER_ROLE_FLAG, WorkerRole
 
 log = logging.getLogger("idemproxy.supervisor")
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _POLL_SECONDS = 0.05
 # Beyond shutdown_timeout: a worker's drain lets cut-off attempts settle (5 s), then closes.
 _KILL_MARGIN_SECONDS = 15.0
 # A worker stopped before its loop installed handlers dies of the signal itself (or raises
 # KeyboardInterrupt, 130): as clean as a drained exit, since it was not serving yet.
-_CLEAN_EXITS = frozenset({0, -signal.SIGTERM, -signal.SIGINT, 130})
+_CLEAN_EXITS = frozenset({0, 130, *(-signum for signum in STOP_SIGNALS)})
 _ADMIN_BACKLOG = 64
 
 
@@ -110,7 +109,7 @@ class _Supervisor:
         self._kill_at: float | None = None
 
     def run(self) -> int:
-        previous = {signum: signal.signal(signum, self._on_signal) for signum in _STOP_SIGNALS}
+        previous = {signum: signal.signal(signum, self._on_signal) for signum in STOP_SIGNALS}
         try:
             self._start_workers()
             self._watch()
