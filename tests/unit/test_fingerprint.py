@@ -186,7 +186,6 @@ def test_equal_media_type_parameters_give_one_fingerprint(one: str, other: str) 
     [
         ("application/json", "application/json; charset=utf-8"),
         ("application/json; charset=utf-8", "application/json; charset=utf-16"),
-        ("multipart/form-data; boundary=c", "multipart/form-data; boundary=C"),
         ("text/plain; a=1; b=2", "text/plain; b=2; a=1"),  # in the order sent
         ("text/plain; a=1; a=2", "text/plain; a=2; a=1"),  # which one counts: the parser's
         ('text/plain; x="1;y=2"', "text/plain; x=1; y=2"),
@@ -786,3 +785,106 @@ def test_json_in_another_encoding_or_with_a_bom_is_hashed_raw(encoding: str) -> 
     other = document.encode(encoding)
     assert canonical_json(other) == other
     assert fp(body=other) != fp(body=document.encode())
+
+
+# --- a body its client encodes anew for each try (identity/reencoded.py) ------------------------
+
+
+def form(boundary: str, *parts: tuple[str, bytes], preamble: bytes = b"") -> bytes:
+    """A multipart/form-data body as httpx and requests write one (RFC 7578)."""
+    body = preamble
+    for name, value in parts:
+        body += f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+        body += value + b"\r\n"
+    return body + f"--{boundary}--\r\n".encode()
+
+
+FORM = (("purpose", b"batch"), ("file", b'{"x":1}\n'))
+
+
+def form_fp(boundary: str, body: bytes, extra: str = "") -> str:
+    return fp(content_type=f"multipart/form-data; boundary={boundary}{extra}", body=body)
+
+
+def test_a_multipart_body_under_another_boundary_is_the_same_request() -> None:
+    """An SDK draws a new boundary for each try of one upload: the retry is a replay, not a
+    `payload-mismatch` whose `new-key-safe` would run the upload twice."""
+    first = form_fp("a1b2c3", form("a1b2c3", *FORM))
+    retry = form_fp("ffee99d0b", form("ffee99d0b", *FORM))
+    quoted = fp(content_type='multipart/form-data; boundary="x y"', body=form("x y", *FORM))
+    assert first == retry == quoted
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (form("b", *FORM), form("b", ("purpose", b"batch"), ("file", b'{"x":2}\n'))),
+        (form("b", *FORM), form("b", FORM[1], FORM[0])),  # parts in another order
+        (form("b", *FORM), form("b", ("purpose", b"batch"))),
+        (form("b", *FORM), form("b", *FORM, preamble=b"hello\r\n")),
+        (form("b", *FORM), form("b", *FORM) + b"epilogue"),
+        (form("b", *FORM), form("b", ("purpose", b"batch\r\n--b"), FORM[1])),
+    ],
+)
+def test_multipart_bodies_with_other_parts_never_merge(one: bytes, other: bytes) -> None:
+    assert form_fp("b", one) != form_fp("b", other)
+
+
+def test_the_boundary_still_cuts_the_parts() -> None:
+    """The same bytes under a boundary that cuts them elsewhere are another form."""
+    assert form_fp("c", BOUNDARY_BODY) != form_fp("d", BOUNDARY_BODY)
+    body = form("c", *FORM)
+    assert form_fp("c", body) != form_fp("C", body)  # under C it is one unparted body
+
+
+def test_the_other_media_type_parameters_still_count() -> None:
+    body = form("b", *FORM)
+    assert form_fp("b", body) != form_fp("b", body, "; charset=utf-8")
+    assert form_fp("b", body, "; charset=UTF-8") == form_fp("q", form("q", *FORM), ";charset=utf-8")
+    mixed = fp(content_type="multipart/mixed; boundary=b", body=body)
+    assert mixed != form_fp("b", body)
+
+
+def test_a_multipart_body_never_matches_a_body_hashed_as_sent() -> None:
+    """The media type a multipart body is hashed under is no header's normalised value."""
+    body = form("b", *FORM)
+    parts = form_fp("b", body)
+    assert parts != fp(content_type="multipart/form-data", body=body)
+    assert parts != fp(content_type="multipart/form-data; boundary=b; boundary=b", body=body)
+
+
+@pytest.mark.parametrize(
+    "boundary",
+    ['""', '"ends with a space "', "x" * 71, '"a\\\\b"', '"caf\u00e9"'],
+)
+def test_a_boundary_rfc_2046_refuses_is_hashed_as_sent(boundary: str) -> None:
+    """Hashed with its parameters and as its bytes came, as before."""
+    content_type = f"multipart/form-data; boundary={boundary}"
+    body = b"--x\r\n\r\n1\r\n--x--\r\n"
+    head = H("POST", "/v1/payments", "", content_type)
+    assert fingerprint(head, body) == fingerprint_of_digest(head, hashlib.sha256(body).digest())
+
+
+def test_a_coded_multipart_body_is_not_cut_into_parts() -> None:
+    """Its bytes are compressed: only the coding's own time stamp is left out."""
+    one = fp(content_type="multipart/form-data; boundary=a", body=form("a", *FORM), encoding="br")
+    other = fp(content_type="multipart/form-data; boundary=b", body=form("b", *FORM), encoding="br")
+    assert one != other
+
+
+def test_a_gzip_body_compressed_again_is_the_same_request() -> None:
+    data = b'{"amount": 100}'
+    first = fp(body=gzip.compress(data, mtime=1_700_000_000), encoding="gzip")
+    again = fp(body=gzip.compress(data, mtime=1_700_000_007), encoding="GZIP")
+    x_gzip = fp(body=gzip.compress(data, mtime=3), encoding="x-gzip")
+    assert first == again
+    assert x_gzip != first  # another coding name: hashed as one more field, as sent
+    assert fp(body=gzip.compress(b'{"amount": 101}', mtime=1), encoding="gzip") != first
+    assert fp(body=gzip.compress(data, mtime=1), encoding="gzip, br") != first
+
+
+def test_bytes_that_are_not_gzip_are_hashed_as_sent() -> None:
+    not_gzip = b"\x1f\x8b\x09" + bytes(5) + b"rest"
+    other = b"\x1f\x8b\x09" + b"\x01" + bytes(4) + b"rest"
+    assert fp(body=not_gzip, encoding="gzip") != fp(body=other, encoding="gzip")
+    assert fp(body=b"\x1f\x8b", encoding="gzip") != fp(body=b"\x1f\x8c", encoding="gzip")

@@ -10,6 +10,7 @@ from typing import Any
 
 from idemproxy.errors import ConfigError
 from idemproxy.identity import deep_json
+from idemproxy.identity.reencoded import Digest, GzipDigest, PartsDigest, multipart_boundary
 
 _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 # One encoder for every body: `json.dumps` with any non-default option builds a new one per
@@ -30,27 +31,69 @@ def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence
     JSON pointers removed, so that semantically equal JSON matches. Every field is length-prefixed
     so that no two different requests can produce the same hashed byte stream.
     """
-    content_type = head[3]
+    content_type, content_encoding = head[3], head[4]
     # `is_json(media_type_of(content_type))`, in place: every governed request's.
     media_type = content_type.split(";", 1)[0].strip().lower() if content_type else ""
+    if content_encoding or media_type.startswith("multipart/"):
+        form = reencoding(content_type, content_encoding)
+        if form is not None:
+            digest, form_media_type = form
+            digest.update(body)
+            return fingerprint_of_digest(head, digest.digest(), form_media_type)
     if media_type == "application/json" or media_type.endswith("+json"):
         body = canonical_json(body, exclude_pointers)
     return fingerprint_of_digest(head, hashlib.sha256(body).digest())
 
 
-def fingerprint_of_digest(head: FingerprintedHead, body_sha256: bytes) -> str:
+def reencoding(
+    content_type: str | None, content_encoding: str | None
+) -> tuple[Digest, str | None] | None:
+    """How a body is hashed when its client may encode it anew for each try
+    (identity/reencoded.py), with the media type the fingerprint then hashes (None: the usual
+    one); None when it is hashed as sent (or canonicalised, for JSON).
+
+    A `gzip` body (its only coding) is hashed without its time stamp. A multipart body without
+    content coding, under a `boundary` RFC 2046 takes, is hashed by its parts, and its media
+    type without the boundary, marked by a NUL that no normalised media type holds: no body
+    hashed as sent under the same parameters can match it.
+    """
+    if content_encoding:
+        return (GzipDigest(), None) if _codings(content_encoding) in _GZIP_CODINGS else None
+    if not content_type or ";" not in content_type:
+        return None
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if not media_type.startswith("multipart/") or not _MEDIA_TYPE.fullmatch(media_type):
+        return None
+    parameters = _parameters(content_type.partition(";")[2]) or []
+    boundaries = [value for name, value in parameters if name == "boundary"]
+    if len(boundaries) != 1 or (boundary := multipart_boundary(boundaries[0])) is None:
+        return None
+    others = "".join(f";{name}={_value_text(value)}" for name, value in parameters
+                     if name != "boundary")  # fmt: skip
+    return PartsDigest(boundary), f"{media_type}{others}\x00parts"
+
+
+# RFC 9110 §8.4.1.3: `x-gzip` is `gzip`.
+_GZIP_CODINGS = frozenset({"gzip", "x-gzip"})
+
+
+def fingerprint_of_digest(
+    head: FingerprintedHead, body_sha256: bytes, media_type: str | None = None
+) -> str:
     """The fingerprint from the SHA-256 of the (canonical) body. A body spooled to disk
-    (proxy/server/body.py) is hashed as raw bytes while it arrives: it is not canonicalised.
+    (proxy/server/body.py) is hashed as its bytes arrive: it is not canonicalised, but a body
+    a client may encode anew is hashed as `reencoding` says, its `media_type` given with it.
 
     The body's content codings (`Content-Encoding`, RFC 9110 §8.4) change what the same bytes
     are to the backend (`gzip` is decoded, no coding is taken as it is): hashed as one more
     field, only when there is one, so that a request without it fingerprints as it always did.
     """
     method, path, query, content_type, content_encoding = head
-    if content_type and ";" not in content_type:
-        media_type = content_type.strip().lower()  # `fingerprinted_media_type` of no parameters
-    else:
-        media_type = fingerprinted_media_type(content_type)
+    if media_type is None:
+        if content_type and ";" not in content_type:
+            media_type = content_type.strip().lower()  # `fingerprinted_media_type`, no parameters
+        else:
+            media_type = fingerprinted_media_type(content_type)
     fields = [method.upper(), path, query, media_type]
     if content_encoding and (codings := _codings(content_encoding)):
         fields.append(codings)

@@ -70,7 +70,11 @@ def intent_of(
     )
     memory = body.memory
     if memory is None:  # hashed as it arrived; too large to canonicalise (proxy/server/body.py)
-        digest = fingerprint_of_digest(head, body.raw_sha256)
+        form = body.form_sha256
+        if form is None:
+            digest = fingerprint_of_digest(head, body.raw_sha256)
+        else:  # a body its client may encode anew, hashed as the fingerprint takes it
+            digest = fingerprint_of_digest(head, form, body.form_media_type)
     else:
         digest = fingerprint(head, memory, ctx.settings.fingerprint_exclude)
     return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])

@@ -14,12 +14,14 @@ import os
 import tempfile
 import weakref
 from collections.abc import AsyncIterator
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from idemproxy.errors import BodyInvalid, BodyTooLarge, ClientDisconnected, RequestTimeout
+from idemproxy.identity.fingerprint import reencoding
+from idemproxy.identity.reencoded import Digest
 
 _CHUNK = 64 * 1024
 
@@ -32,6 +34,8 @@ class RequestBody:
         spool: BinaryIO | None = None,
         size: int = 0,
         raw_sha256: bytes = b"",
+        form_sha256: bytes | None = None,
+        form_media_type: str | None = None,
     ) -> None:
         # The body itself while it is held in memory; None once it is in a file, so that no
         # caller can take a spooled body for an empty one. Attributes, not properties: every
@@ -41,6 +45,9 @@ class RequestBody:
         self.spooled = spool is not None
         self.size = size if spool is not None else len(memory)
         self.raw_sha256 = raw_sha256
+        # A spooled body its client may encode anew for each try, hashed as the fingerprint
+        # takes it (identity/fingerprint.py `reencoding`), with the media type it hashes then.
+        self.form_sha256, self.form_media_type = form_sha256, form_media_type
         if spool is not None:
             # Closed (and so deleted) when the last attempt using it is done.
             weakref.finalize(self, spool.close)
@@ -82,7 +89,7 @@ async def read_body(
         data = content.read_nowait()
         if len(data) <= limit and len(data) <= spool_threshold:  # `_buffered`'s common case
             return RequestBody(memory=data)
-        return _buffered(data, limit, spool_threshold)
+        return _buffered(request, data, limit, spool_threshold)
     try:
         async with asyncio.timeout(timeout):
             return await _receive(request, limit, spool_threshold)
@@ -98,54 +105,76 @@ async def read_body(
         raise ClientDisconnected() from exc
 
 
-def _buffered(data: bytes, limit: int, spool_threshold: int) -> RequestBody:
+def _buffered(request: web.Request, data: bytes, limit: int, spool_threshold: int) -> RequestBody:
     """A body read whole: the same limit (a chunked one declared none) and spooling rules."""
     if len(data) > limit:
         raise BodyTooLarge()
     if len(data) <= spool_threshold:
         return RequestBody(memory=data)
     # Spooled even though it is in memory now: the attempts hold it for as long as they run.
-    spool = tempfile.TemporaryFile()  # noqa: SIM115 - closed by RequestBody
-    digest = hashlib.sha256()
+    spool = _Spool(request)
     try:
-        _spill(spool, digest, data)
-        spool.flush()
+        spool.write(data)
+        return spool.body(len(data))
     except BaseException:
-        spool.close()
+        spool.file.close()
         raise
-    return RequestBody(spool=spool, size=len(data), raw_sha256=digest.digest())
 
 
 async def _receive(request: web.Request, limit: int, spool_threshold: int) -> RequestBody:
     chunks: list[bytes] = []
     size = 0
-    spool: BinaryIO | None = None
-    digest: Any = None  # only a spooled body is hashed as it arrives
+    spool: _Spool | None = None
     try:
         async for chunk in request.content.iter_any():
             size += len(chunk)
             if size > limit:
                 raise BodyTooLarge()
             if spool is None and size > spool_threshold:
-                spool = tempfile.TemporaryFile()  # noqa: SIM115 - closed by RequestBody
-                digest = hashlib.sha256()
+                spool = _Spool(request)
                 for held in chunks:
-                    _spill(spool, digest, held)
+                    spool.write(held)
                 chunks = []
             if spool is not None:
-                _spill(spool, digest, chunk)
+                spool.write(chunk)
             else:
                 chunks.append(chunk)
+        if spool is None:
+            return RequestBody(memory=b"".join(chunks))
+        return spool.body(size)
     except BaseException:
         if spool is not None:
-            spool.close()
+            spool.file.close()
         raise
-    if spool is None:
-        return RequestBody(memory=b"".join(chunks))
-    spool.flush()
-    return RequestBody(spool=spool, size=size, raw_sha256=digest.digest())
 
 
-def _spill(spool: BinaryIO, digest: Any, chunk: bytes) -> None:
-    digest.update(chunk)
-    spool.write(chunk)
+class _Spool:
+    """A body going to disk, hashed as it is written: as it arrived (what an attempt sends,
+    named in its evidence) and, for a body its client may encode anew, as the fingerprint
+    takes it (SPEC §6)."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.file: BinaryIO = tempfile.TemporaryFile()  # noqa: SIM115 - closed by RequestBody
+        self._raw = hashlib.sha256()
+        headers = request.headers
+        encoding = ",".join(headers.getall(hdrs.CONTENT_ENCODING, ()))
+        self._form: Digest | None = None
+        self._form_media_type: str | None = None
+        if form := reencoding(headers.get(hdrs.CONTENT_TYPE), encoding):
+            self._form, self._form_media_type = form
+
+    def write(self, chunk: bytes) -> None:
+        self._raw.update(chunk)
+        if self._form is not None:
+            self._form.update(chunk)
+        self.file.write(chunk)
+
+    def body(self, size: int) -> RequestBody:
+        self.file.flush()
+        return RequestBody(
+            spool=self.file,
+            size=size,
+            raw_sha256=self._raw.digest(),
+            form_sha256=None if self._form is None else self._form.digest(),
+            form_media_type=self._form_media_type,
+        )
