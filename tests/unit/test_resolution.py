@@ -106,6 +106,17 @@ def test_never_executed_must_be_explicit() -> None:
         (200, answer(executed=True, response={"status": 200, "body": "a", "body_base64": "YQ=="})),
         (200, answer(executed=True, response={"status": 200, "body_base64": "!!"})),
         (200, answer(executed=True, response={"status": 200, "body": 5})),
+        # A member named twice: which one counts is the parser's choice (RFC 8259 §4).
+        (200, b'{"job": "job-1", "attempt": 2, "executed": true, "executed": false}'),
+        (200, b'{"job": "job-1", "attempt": 2, "executed": false, "executed": false}'),
+        (200, b'{"job": "job-0", "job": "job-1", "attempt": 2, "executed": false}'),
+        (200, b'{"job": "job-1", "attempt": 3, "attempt": 2, "executed": false}'),
+        (
+            200,
+            b'{"job": "job-1", "attempt": 2, "executed": true, "response": '
+            b'{"status": 500, "status": 200, "body": "ok"}}',
+        ),
+        (200, b'{"job": "job-1", "attempt": 2, "executed": false, "x": NaN}'),
     ],
 )
 def test_anything_else_proves_nothing(status: int | None, body: bytes | None) -> None:

@@ -83,9 +83,9 @@ def read_reconcile_answer(question: Question, status: int | None, body: bytes | 
     if status != 200:
         return _unknown(f"status {status}")
     try:
-        data = json.loads(body or b"")
+        data = json.loads(body or b"", object_pairs_hook=_unique_members, parse_constant=_refuse)
     except (ValueError, UnicodeDecodeError):
-        return _unknown("not JSON")
+        return _unknown("not JSON, or a member named twice in an object")
     if not isinstance(data, dict):
         return _unknown("not a JSON object")
     # The attempt as a JSON integer: `true` and `1.0` equal 1 in Python, and name no attempt.
@@ -102,6 +102,20 @@ def read_reconcile_answer(question: Question, status: int | None, body: bytes | 
     if executed is not True:
         return _unknown("executed is neither true nor false")
     return _executed(data.get("response"))
+
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object, refused when it names a member twice: RFC 8259 §4 leaves which one counts to
+    the parser, and `{"executed": true, "executed": false}` must prove nothing, not whatever
+    the last one says (a job released on it ran again)."""
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        raise ValueError("a member name occurs twice")
+    return members
+
+
+def _refuse(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")  # RFC 8259 §6: no NaN or Infinity
 
 
 def _executed(data: Any) -> Reading:
