@@ -289,6 +289,20 @@ def test_usage_errors_exit_2_and_change_nothing(
     assert (after.state, after.version) == (JobState.UNKNOWN, lost.version)
 
 
+@pytest.mark.parametrize("command", [["list"], ["find", "the-key"]])
+def test_the_owner_prefix_a_log_line_shows_is_refused_not_matched_to_nothing(
+    tmp_path: Path, run_cli: RunCli, command: list[str]
+) -> None:
+    """`owner=c1176781` on a log line is the first 8 hex digits: `--owner c1176781` said "No
+    jobs" (or no job of the owner has the key) when the owner has jobs."""
+    dsn = f"sqlite:///{tmp_path}/jobs.db"
+    run(_prepare(dsn))
+    prefix = ALICE[:8]
+    failed(run_cli("jobs", *command, "--owner", prefix, "--store", dsn), 2, "all 64 hex digits")
+    listed = run_cli("jobs", "list", "--owner", ALICE, "--json", "--store", dsn)
+    assert json.loads(ok(listed).stdout), "the whole hash finds the owner's jobs"
+
+
 def test_a_missing_sqlite_file_is_a_usage_error_not_a_new_database(
     tmp_path: Path, run_cli: RunCli
 ) -> None:

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import string
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -119,7 +120,9 @@ def _store_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _add_list(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state", choices=[s.value for s in JobState], help="only jobs in it")
-    parser.add_argument("--owner", metavar="OWNER", help="the owner hash, as shown by show")
+    parser.add_argument(
+        "--owner", type=_owner, metavar="OWNER", help="the owner hash, as shown by show"
+    )
     parser.add_argument("--limit", type=_limit, default=100, metavar="N", help="default 100")
     parser.add_argument("--json", action="store_true", help="an array of jobs (SPEC §13)")
     parser.set_defaults(run=_runner(_on_record(_list)))
@@ -139,7 +142,9 @@ def _add_show(parser: argparse.ArgumentParser) -> None:
 def _owner_flags(parser: argparse.ArgumentParser, *, sender: bool = False) -> None:
     """--owner HASH or --credential-file FILE (or --sender NAME), exactly one of them."""
     who = parser.add_mutually_exclusive_group(required=True)
-    who.add_argument("--owner", metavar="OWNER", help="the owner hash, as shown by show")
+    who.add_argument(
+        "--owner", type=_owner, metavar="OWNER", help="the owner hash, as shown by show"
+    )
     who.add_argument(
         "--credential-file",
         metavar="FILE",
@@ -418,6 +423,21 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _print(data: Any, *, as_json: bool) -> None:
     print(json.dumps(data, indent=2) if as_json else data)
+
+
+def _owner(value: str) -> str:
+    """An owner as the store keeps it. The first hex digits of a hash, as a log line shows
+    them, are refused rather than matched to nothing (an empty list would read as "no jobs")."""
+    if 0 < len(value) < _OWNER_HASH_DIGITS and all(c in string.hexdigits for c in value):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is the beginning of an owner hash, as log lines show it: give all"
+            f" {_OWNER_HASH_DIGITS} hex digits (`jobs show JOB_ID`, the job= of the log line,"
+            " prints them)"
+        )
+    return value
+
+
+_OWNER_HASH_DIGITS = 64  # a SHA-256 in hex (identity/owner.py)
 
 
 def _limit(value: str) -> int:
