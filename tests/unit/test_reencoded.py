@@ -86,7 +86,8 @@ def test_rfc_2046_boundaries() -> None:
         assert multipart_boundary(refused) is None, refused
 
 
-@given(st.binary(max_size=200), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), CUTS)
+# From 1: Python's gzip.compress writes another OS byte for a zero time stamp.
+@given(st.binary(max_size=200), st.integers(1, 2**32 - 1), st.integers(1, 2**32 - 1), CUTS)
 def test_gzip_time_stamps_are_left_out(
     data: bytes, first: int, second: int, cuts: list[int]
 ) -> None:

@@ -18,10 +18,10 @@ _BOUNDARY_CHARS = frozenset(
     b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'()+_,-./:=? "
 )
 _MAX_BOUNDARY = 70
-# RFC 1952 §2.3: ID1 ID2 CM (8, deflate), FLG, then MTIME (four bytes), XFL and OS.
+# RFC 1952 §2.3: ID1 ID2 CM (8, deflate), FLG, then MTIME in the next four bytes.
 _GZIP_MAGIC = b"\x1f\x8b\x08"
-_GZIP_STAMP = slice(4, 10)
-_GZIP_HEAD = 10
+_GZIP_MTIME = slice(4, 8)
+_GZIP_HEAD = 8
 
 
 class Digest(Protocol):
@@ -80,10 +80,11 @@ class PartsDigest:
 
 
 class GzipDigest:
-    """SHA-256 of a gzip body (RFC 1952 §2.3) with its first member's MTIME, XFL and OS read as
-    zeros: a client compressing the same bytes again a second later writes another time stamp
-    (and Python's `gzip.compress` another OS byte for a zero one), none of which the backend's
-    decoding reads. Bytes that are not gzip are hashed as they are."""
+    """SHA-256 of a gzip body (RFC 1952 §2.3) with its first member's MTIME read as zero: a
+    client compressing the same bytes again a second later writes another time stamp, which
+    the backend's decoding never reads. Everything else counts as sent (another compression
+    level is other bytes, as any other coding), and bytes that are not gzip are hashed as
+    they are."""
 
     def __init__(self) -> None:
         self._sha = hashlib.sha256()
@@ -99,7 +100,7 @@ class GzipDigest:
             return
         self._head = None
         if head.startswith(_GZIP_MAGIC):
-            head = head[: _GZIP_STAMP.start] + bytes(6) + head[_GZIP_STAMP.stop :]
+            head = head[: _GZIP_MTIME.start] + bytes(4) + head[_GZIP_MTIME.stop :]
         self._sha.update(head)
 
     def digest(self) -> bytes:
