@@ -97,9 +97,67 @@ def test_header_strategy_reads_that_header_only() -> None:
     assert acme != derive_owner(policy, {"X-Tenant": "globex", "Authorization": TOKEN})
 
 
-def test_header_strategy_ignores_authorization_when_its_header_is_absent() -> None:
+def test_header_strategy_refuses_a_credential_it_does_not_read_rather_than_share_a_scope() -> None:
+    """Without its header the request would be anonymous: every such caller's scope, replays
+    and all. One that carries an Authorization is refused instead (SPEC §5)."""
     policy = OwnerPolicy("header:X-Tenant")
-    assert derive_owner(policy, {"Authorization": TOKEN}) == ANONYMOUS_OWNER
+    with pytest.raises(OwnerMissing) as caught:
+        derive_owner(policy, {"Authorization": TOKEN})
+    assert "Authorization" in str(caught.value.detail) and "X-Tenant" in str(caught.value.detail)
+    assert TOKEN not in str(caught.value.detail)
+
+
+@pytest.mark.parametrize(
+    ("headers", "query", "where"),
+    [
+        ({"X-Api-Key": "sk-ant-alice"}, "", "X-Api-Key"),
+        ({"x-goog-api-key": "AIza"}, "", "X-Goog-Api-Key"),
+        ({"Api-Key": "azure"}, "", "Api-Key"),
+        ({"apikey": "supabase"}, "", "apikey"),
+        ({"Cookie": "sessionid=alice"}, "", "Cookie"),
+        ({"Private-Token": "glpat"}, "", "Private-Token"),
+        ({"Ocp-Apim-Subscription-Key": "k"}, "", "Ocp-Apim-Subscription-Key"),
+        ({}, "access_token=abc", "the query"),
+        ({}, "page=2&API_KEY=abc", "the query"),
+    ],
+)
+def test_a_credential_the_default_strategy_does_not_read_is_refused(
+    headers: dict[str, str], query: str, where: str
+) -> None:
+    """Alice's and Mallory's X-Api-Key (or session cookie) with one key were one anonymous
+    scope: the second got the first's replay."""
+    with pytest.raises(OwnerMissing) as caught:
+        derive_owner(OwnerPolicy("authorization"), CIMultiDict(headers), query)
+    assert caught.value.status == 401
+    assert where in str(caught.value.detail)
+    assert "owner.strategy" in str(caught.value.detail)
+    for value in headers.values():
+        assert value not in str(caught.value.detail)
+
+
+@pytest.mark.parametrize(
+    ("headers", "query"),
+    [
+        ({}, ""),
+        ({"X-Request-Id": "r-1", "Content-Type": "application/json"}, ""),
+        ({"X-Api-Key": ""}, ""),  # an empty value is no credential
+        ({}, "key=value&token_type=x&my_api_key=1"),
+    ],
+)
+def test_a_request_with_no_credential_anywhere_is_still_anonymous(
+    headers: dict[str, str], query: str
+) -> None:
+    assert derive_owner(OwnerPolicy("authorization"), CIMultiDict(headers), query) == (
+        ANONYMOUS_OWNER
+    )
+
+
+def test_a_credential_beside_the_one_the_strategy_reads_scopes_as_usual() -> None:
+    headers = CIMultiDict({"Authorization": TOKEN, "Cookie": "sessionid=alice"})
+    assert derive_owner(OwnerPolicy("authorization"), headers) == sha256_hex(TOKEN)
+    tenant = CIMultiDict({"X-Tenant": "acme", "Authorization": TOKEN})
+    assert derive_owner(OwnerPolicy("header:X-Tenant"), tenant) == sha256_hex("acme")
+    assert derive_owner(OwnerPolicy("none"), CIMultiDict({"X-Api-Key": "k"})) == GLOBAL_OWNER
 
 
 def test_header_strategy_is_case_insensitive_in_real_headers() -> None:

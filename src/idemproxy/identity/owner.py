@@ -7,11 +7,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from multidict import MultiMapping
+from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
 from idemproxy.config.settings import OwnerSettings, check_strategy
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
@@ -173,6 +174,11 @@ def derive_owners(
     if not credential:
         if policy.required:
             raise OwnerMissing()
+        # SPEC §5: the anonymous scope is every such caller's: one whose credential is where
+        # the strategy does not look would be handed the others' replays.
+        elsewhere = credential_elsewhere(headers, raw_query, header)
+        if elsewhere is not None:
+            raise OwnerMissing(_ELSEWHERE.format(where=elsewhere, header=header))
         return ANONYMOUS_OWNER, None
     if policy.verifier is not None:
         plain = policy.verifier.owner(credential)
@@ -185,6 +191,46 @@ def derive_owners(
     mac = keyed.copy()
     mac.update(plain.encode("ascii"))
     return mac.hexdigest(), plain if policy.legacy_owners else None
+
+
+# Where APIs take a caller's credential (RFC 6265 cookies, RFC 6750 §2.3's query token, the
+# API-key headers of the common gateways and SDKs), lower-cased.
+_CREDENTIAL_HEADERS = (
+    "authorization",
+    "cookie",
+    "x-api-key",
+    "api-key",
+    "apikey",
+    "x-goog-api-key",
+    "x-auth-token",
+    "x-access-token",
+    "private-token",
+    "ocp-apim-subscription-key",
+    "x-functions-key",
+)
+_CREDENTIAL_QUERY = re.compile(r"(?:^|&)(?:access_token|api_key|apikey)=", re.IGNORECASE)
+_ELSEWHERE = (
+    "This request carries a credential in {where}, which the owner strategy does not read"
+    " (it reads {header}): its job would be in the anonymous scope every such caller shares,"
+    " and replayed to any of them. Set owner.strategy to header:<NAME> (the header your"
+    " credential or your gateway's verified identity is in), jwt, or none for a single tenant."
+)
+
+
+def credential_elsewhere(
+    headers: Mapping[str, str], raw_query: str, strategy_header: str
+) -> str | None:
+    """Where a request without the strategy's credential carries one anyway (a header's name,
+    or `the query`), or None."""
+    if not isinstance(headers, CIMultiDictProxy | CIMultiDict):  # a plain mapping (tests, CLI)
+        headers = {name.lower(): value for name, value in headers.items()}
+    skip = strategy_header.lower()
+    for name in _CREDENTIAL_HEADERS:
+        if name != skip and headers.get(name):
+            return name.title() if name != "apikey" else name
+    if raw_query and _CREDENTIAL_QUERY.search(raw_query):
+        return "the query"
+    return None
 
 
 def single_value(headers: Mapping[str, str], name: str) -> str | None:
