@@ -54,6 +54,10 @@ _GAUGE_REFRESH_SECONDS = 15.0
 UNROUTED = "unrouted"
 
 
+# The store operations every governed request may make (store/ports.py `JobStore`).
+_HOT_OPERATIONS = ("claim", "get_job", "complete", "renew_lease")
+
+
 class RequestOutcome(enum.StrEnum):
     """`idemproxy_requests_total{outcome}`: exactly one per request."""
 
@@ -429,7 +433,9 @@ class Metrics:
         self.request_route = ByRoute(self.request_seconds)
         # The store's operations are its method names (store/base.py), not an enum of ours.
         self._store_seconds = Children[str, Histogram](self.store_seconds.labels)
-        self._store_errors = Children[str, Counter](self.store_errors.labels)
+        # Every request's operations from the start (docs/operations.md: a rate of the errors
+        # is 0, never "no data"); the others once first called.
+        self._store_errors = Children[str, Counter](self.store_errors.labels, _HOT_OPERATIONS)
         self._store_batch_rows = Children[str, Histogram](
             self.store_batch_rows.labels, ("claim", "complete")
         )
