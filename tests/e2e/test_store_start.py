@@ -75,3 +75,35 @@ def test_serve_gives_up_after_max_wait(run_cli: RunCli) -> None:
     assert done.stderr.splitlines()[-1] == (
         "idemproxy: cannot reach PostgreSQL at 127.0.0.1:9/orders: connection refused"
     )
+
+
+@pytest.mark.parametrize(
+    ("store", "said"),
+    [
+        ("nobody@{server}/postgres", 'role "nobody" does not exist'),
+        ("postgres@{server}/idemproxy_test_no_such_database", "does not exist"),
+    ],
+    ids=["role", "database"],
+)
+def test_a_server_that_refuses_the_dsn_stops_the_start_at_once(
+    pg_dsn: str, run_cli: RunCli, store: str, said: str
+) -> None:
+    """The server answered: no wait changes a missing role or database, and "cannot reach"
+    would send the reader to the network."""
+    server = urlsplit(pg_dsn).netloc.rpartition("@")[2]
+    began = time.monotonic()
+    done = run_cli(
+        "serve",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--store",
+        "postgresql://" + store.format(server=server),
+        env={"IDEMPROXY_STORE_START__MAX_WAIT": "30"},
+        timeout=20,
+    )
+    assert done.returncode == 2, done
+    assert time.monotonic() - began < 10
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("idemproxy: invalid configuration: store: PostgreSQL at "), last
+    assert "refused the connection" in last and said in last
+    assert "trying again" not in done.stderr

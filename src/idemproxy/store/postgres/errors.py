@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 
 from idemproxy.errors import ConfigError, StoreRefused, StoreUnavailable
-from idemproxy.store.reach import postgres_unreachable
+from idemproxy.store.reach import postgres_address, postgres_unreachable
 
 log = logging.getLogger("idemproxy.store")
 
@@ -62,5 +62,20 @@ async def translate_connect_errors(dsn: str) -> AsyncIterator[None]:
         raise ConfigError(
             "store: the PostgreSQL DSN cannot be parsed (check its hosts, ports and parameters)"
         ) from exc
+    except _REFUSED_DSN as exc:
+        # The server answered and said no to this DSN's role, password or database: waiting
+        # (store_start.max_wait) changes none of that, and "cannot reach" would send the reader
+        # to the network. Named as the setting at fault, at once.
+        raise ConfigError(
+            f"store: PostgreSQL at {postgres_address(dsn)} refused the connection: {exc}"
+        ) from exc
     except DRIVER_ERRORS as exc:
         raise postgres_unreachable(dsn, exc) from exc
+
+
+# SQLSTATE 28000 (a role that does not exist, a pg_hba.conf rejection), 28P01, 3D000.
+_REFUSED_DSN = (
+    asyncpg.InvalidAuthorizationSpecificationError,
+    asyncpg.InvalidPasswordError,
+    asyncpg.InvalidCatalogNameError,
+)
