@@ -67,6 +67,54 @@ async def test_a_second_refusal_is_store_unavailable(
     assert seen == [("probe", True), ("probe", True)]
 
 
+LOST = [
+    asyncpg.ConnectionDoesNotExistError("closed in the middle of operation"),
+    asyncpg.AdminShutdownError("terminating connection due to administrator command"),
+    ConnectionResetError(),
+]
+
+
+@pytest.mark.parametrize("error", LOST, ids=["closed", "terminated", "reset"])
+async def test_a_read_that_lost_its_connection_is_asked_again_once(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]], error: BaseException
+) -> None:
+    """A held duplicate's re-read of its job on a session the server ended as it was sent got
+    503 on a healthy store."""
+    store, seen = pg_store
+    assert await store._run("get_job", _failing(error)) == 7
+    assert seen == [("get_job", True), ("get_job", False)]
+    with pytest.raises(StoreUnavailable):
+        await store._run("get_job", _failing(error, error))
+
+
+@pytest.mark.parametrize("error", LOST, ids=["closed", "terminated", "reset"])
+async def test_a_write_that_lost_its_connection_is_never_sent_again(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]], error: BaseException
+) -> None:
+    """It may have committed: its outcome is the caller's to find out (SPEC §3.4)."""
+    store, seen = pg_store
+    with pytest.raises(StoreUnavailable):
+        await store._run("complete", _failing(error))
+    assert seen == [("complete", True)]
+
+
+async def test_a_held_duplicate_s_read_survives_its_session_ended_by_the_server(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]], pg_dsn: str
+) -> None:
+    store, _ = pg_store
+    await store.get("owner", "no-such-key")
+    ended = await _backend_pid(store)
+    admin = await asyncpg.connect(pg_dsn)
+    try:
+        for _ in range(5):  # ended as the read goes out, before asyncpg could notice
+            killing = asyncio.create_task(admin.fetchval("SELECT pg_terminate_backend($1)", ended))
+            assert await store.get("owner", "no-such-key") is None
+            await killing
+            ended = await _backend_pid(store)
+    finally:
+        await admin.close()
+
+
 @pytest.mark.parametrize(
     "error",
     [asyncpg.PostgresError("boom"), ConnectionResetError(), TimeoutError()],

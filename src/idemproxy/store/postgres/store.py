@@ -798,8 +798,15 @@ class PostgresStore(Store):
             error = unavailable(what, exc)
             # A pooled session the server had just ended, handed out before asyncpg noticed:
             # asyncpg refuses the statement before sending it, so one retry on a fresh
-            # connection cannot run anything twice (and every write here is a CAS anyway).
-            if not (retry and isinstance(exc, asyncpg.InternalClientError)):
+            # connection cannot run anything twice (and every write here is a CAS anyway). A
+            # read that lost its connection on the way (a server that ended the session as it
+            # was sent: a restart, a pooler, an operator's pg_terminate_backend) changed
+            # nothing either: asked again, rather than a held duplicate's 503 on a healthy
+            # store.
+            if not retry or not (
+                isinstance(exc, asyncpg.InternalClientError)
+                or (what in _READS and isinstance(exc, _CONNECTION_LOST))
+            ):
                 raise error from exc
         finally:
             if observe and self.observer is not None:
@@ -815,6 +822,16 @@ class PostgresStore(Store):
         with self.observed(what):
             async with translate_errors(what), kept.lend() as conn:
                 yield conn
+
+
+# Statements that read and change nothing, safe to send again on another connection.
+_READS = frozenset({"get_job", "get_late_response", "count_unknown", "ping"})
+_CONNECTION_LOST = (
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.AdminShutdownError,
+    ConnectionResetError,
+    ConnectionAbortedError,
+)
 
 
 def _cas(job: Job) -> tuple[str, str, int]:
