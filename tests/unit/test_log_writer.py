@@ -149,3 +149,39 @@ def test_a_failed_command_says_why_after_the_lines_it_logged_before(
     said = "".join(transcript.lines).splitlines()
     assert said[0] == "line 1", said
     assert said[-1].startswith("idemproxy: invalid configuration: upstream: "), said
+
+
+def test_the_store_pool_s_reconnect_failures_are_one_line_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While PostgreSQL is away asyncpg's pool warns several times a second, each with a whole
+    traceback; the store's own lines already say it is away."""
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    logs.configure_logging("INFO", "plain")
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+        except ConnectionRefusedError:
+            logging.getLogger("asyncpg.pool").warning(
+                "Failed to restore the pool connection floor; retrying", exc_info=True
+            )
+        try:
+            raise RuntimeError("a bug")
+        except RuntimeError:
+            logging.getLogger("asyncpg.pool").error("something broke", exc_info=True)
+    finally:
+        root = logging.getLogger()
+        writer = root.handlers[-1]
+        root.removeHandler(writer)
+        writer.close()
+    lines = stream.getvalue().splitlines()
+    assert any(
+        line.endswith(
+            "WARNING asyncpg.pool: Failed to restore the pool connection floor; retrying:"
+            " ConnectionRefusedError: [Errno 111] Connect call failed ('127.0.0.1', 5432)"
+        )
+        for line in lines
+    ), lines
+    assert "Traceback" in stream.getvalue()  # an error keeps its traceback
+    assert stream.getvalue().count("Traceback") == 1

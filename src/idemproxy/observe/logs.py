@@ -243,6 +243,28 @@ def configure_logging(level: str, fmt: str) -> None:
     for name in _QUIET_LIBRARIES:
         # Their debug output carries SQL parameters, i.e. request and response bodies.
         logging.getLogger(name).setLevel(max(logging.INFO, root.level))
+    pool = logging.getLogger(_POOL_LOGGER)
+    if not any(isinstance(f, OneLineFailure) for f in pool.filters):
+        pool.addFilter(OneLineFailure())
+
+
+# asyncpg's pool warns with a whole traceback each time it fails to reconnect while the server
+# is away (several a second at first): the store's own lines already say that it is away.
+_POOL_LOGGER = "asyncpg.pool"
+
+
+class OneLineFailure(logging.Filter):
+    """A library's warning of an expected failure, its exception on the same line instead of a
+    traceback (an outage is not a bug)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.levelno < logging.ERROR:
+            exc = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {exc}"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
 
 
 def dropped_log_lines() -> int:
