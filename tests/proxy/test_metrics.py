@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -223,3 +224,29 @@ async def test_upstream_time_ends_when_the_answer_arrived_not_when_it_was_stored
     samples = await scrape(admin)
     assert _by_outcome(samples, "idemproxy_upstream_seconds_count", "answered") == 1
     assert _by_outcome(samples, "idemproxy_upstream_seconds_sum", "answered") < 0.25
+
+
+async def test_a_refusal_before_the_body_is_counted_and_logged(
+    clients: Clients, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An over-size body refused from its head (`Expect: 100-continue`, SPEC §9) and an unknown
+    expectation are refusals as any other: they were answered, and neither counted nor logged."""
+    caplog.set_level(logging.INFO, logger="idemproxy.requests")
+    proxy, admin = clients
+    port = proxy.server.port
+    assert port is not None
+    for expect, status in ((b"100-continue", b"413"), (b"tea", b"417")):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /pay HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: big\r\n"
+            b"Content-Length: 5000\r\nExpect: " + expect + b"\r\n\r\n"
+        )
+        await writer.drain()
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n"), 2)
+        writer.close()
+        assert first.startswith(b"HTTP/1.1 " + status), first
+    samples = await scrape(admin)
+    assert requests(samples, "rejected", status_class="4xx", source="proxy") == 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "idemproxy.requests"]
+    assert any("outcome=rejected status=413" in line and "route=/" in line for line in lines)
+    assert any("outcome=rejected status=417" in line for line in lines), lines

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from aiohttp import HttpVersion11, hdrs, web
 
 from idemproxy.constants import ERROR_HEADER
@@ -107,13 +109,28 @@ class Proxy:
         """A refusal of `expect_continue` (417, 413), which runs before `answer`: with the
         request's id, as every problem of the proxy carries it (SPEC §8), and the connection
         closed after it."""
-        settings = self.ctx.settings
+        ctx = self.ctx
+        settings = ctx.settings
         correlated = None
         if header := settings.request_id_header:
             correlated = CURRENT.set(correlation_of(header, request.headers.getall(header, [])))
         try:
             refused = problem_response(
                 error, profile=settings.profile, types=settings.problem_types
+            )
+            # Counted and logged as any refusal `answer` makes (SPEC §13): a 413 decided from
+            # the head is the same refusal as one decided from the body.
+            trace = Trace(request=request, by_proxy=True)
+            with contextlib.suppress(ProblemError):
+                trace.route = ctx.routes.resolve(request.path, request.host, request.rel_url)
+            trace.problem(error)
+            record(
+                ctx.metrics,
+                trace,
+                refused.status,
+                log_requests=settings.log_requests,
+                access_log=settings.access_log,
+                log_query=settings.log_query,
             )
         finally:
             if correlated is not None:
