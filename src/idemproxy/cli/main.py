@@ -277,7 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from idemproxy.store.factory import create_store
+    from idemproxy.store.factory import command_store
     from idemproxy.store.postgres.citus import require_citus
     from idemproxy.store.postgres.store import PostgresStore
 
@@ -285,7 +285,7 @@ def _migrate(args: argparse.Namespace) -> int:
     settings = _settings(args, {"store": "store"}, upstream="http://migrate.invalid")
 
     async def run() -> tuple[list[str], list[str] | None]:
-        store = create_store(settings.store)
+        store = command_store(settings.store)
         if args.distribute and not isinstance(store, PostgresStore):
             raise NotDistributable(
                 "store: --distribute needs a PostgreSQL store on a Citus coordinator"

@@ -39,7 +39,7 @@ from idemproxy.ops.resolution import (
 )
 from idemproxy.ops.table import job_details, jobs_table
 from idemproxy.ops.view import job_to_json
-from idemproxy.store.factory import create_store, sqlite_path, wrap_with_cache, wrap_with_seal
+from idemproxy.store.factory import command_store, sqlite_path, wrap_with_cache, wrap_with_seal
 from idemproxy.store.layers import StoreStack
 from idemproxy.store.ports import Operators
 from idemproxy.store.seal.store import SealingStore
@@ -398,7 +398,7 @@ async def _with_store(
     args: argparse.Namespace,
     action: Callable[[argparse.Namespace, StoreStack, Settings], Awaitable[None]],
 ) -> None:
-    record = create_store(settings.store, max_connections=2)
+    record = command_store(settings.store, max_connections=2)
     stack = StoreStack.of(wrap_with_seal(wrap_with_cache(record, settings), settings))
     await stack.open()
     try:

@@ -52,6 +52,18 @@ def create_store(
     raise ConfigError(f"store: unsupported DSN scheme in {dsn.split(':', 1)[0]!r}")
 
 
+def command_store(dsn: str, *, max_connections: int = 20) -> Store:
+    """The store of a command that only reads and writes jobs (`jobs …`, `migrate`): without
+    PostgreSQL's change feed, which only a serving proxy follows (held duplicates, the replay
+    cache's deletions). A feed cut off mid-connect as such a command exits left asyncpg's
+    "Future exception was never retrieved" on its stderr."""
+    if _is_postgres(dsn):
+        from idemproxy.store.postgres.store import Connections, PostgresStore
+
+        return PostgresStore(dsn, connections=Connections(maximum=max_connections), listen=False)
+    return create_store(dsn, max_connections=max_connections)
+
+
 def serving_store(settings: Settings) -> Stacked:
     """The store a proxy process serves from: the configured store, behind Redis when
     `redis.url` is set, behind the in-process replay cache when the store is PostgreSQL

@@ -39,7 +39,7 @@ from types import FrameType
 from idemproxy.config.settings import Settings, log_renamed_keys
 from idemproxy.identity.owner import log_owner_hint
 from idemproxy.observe.logs import configure_logging
-from idemproxy.store.factory import create_store
+from idemproxy.store.factory import command_store
 from idemproxy.workers.listen import claim_listen
 from idemproxy.workers.role import STOP_SIGNALS, WORKER_ROLE_FLAG, WorkerRole
 
@@ -83,7 +83,7 @@ def supervise(settings: Settings, serve_argv: Sequence[str]) -> int:
 
 
 async def _migrate(dsn: str) -> None:
-    store = create_store(dsn)
+    store = command_store(dsn)
     await store.open()
     try:
         applied = await store.migrate()
