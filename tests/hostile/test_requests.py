@@ -70,6 +70,61 @@ async def test_expect_continue_with_an_oversize_body_is_not_invited(
     assert first.startswith(b"HTTP/1.1 413")
 
 
+@pytest.mark.parametrize(
+    ("head", "code"),
+    [
+        (b"Idempotency-Key: " + b"k" * 300 + b"\r\n", b"key-invalid"),
+        (b"Idempotency-Key: a\r\nIdempotency-Key: b\r\n", b"key-invalid"),
+        (
+            b"Idempotency-Key: s3\r\nAuthorization: AWS4-HMAC-SHA256 Credential=AKID/x,"
+            b" SignedHeaders=host, Signature=abc\r\n",
+            b"owner-unstable",
+        ),
+        (b"Idempotency-Key: c1\r\nX-Api-Key: sk-alice\r\n", b"owner-missing"),
+    ],
+    ids=["key-too-long", "key-twice", "signed-credential", "credential-elsewhere"],
+)
+async def test_a_refusal_known_from_the_head_comes_before_the_body_is_invited(
+    listening_proxy: ListeningProxy, ledger: Ledger, head: bytes, code: bytes
+) -> None:
+    """RFC 9110 §10.1.1: the client is not made to upload a body that is refused anyway."""
+    address = await listening_proxy()
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(
+        b"POST /upload HTTP/1.1\r\nHost: proxy\r\n" + head
+        + b"Content-Length: 1000000\r\nExpect: 100-continue\r\n\r\n"
+    )  # fmt: skip
+    await writer.drain()
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += await asyncio.wait_for(reader.read(65536), 2)
+    writer.close()
+    assert not answer.startswith(b"HTTP/1.1 100"), answer
+    assert b"Idempotency-Error: " + code in answer, answer
+    assert b"Connection: close" in answer
+    assert ledger.count() == 0
+
+
+async def test_a_request_its_head_does_not_refuse_is_still_invited(
+    listening_proxy: ListeningProxy, ledger: Ledger
+) -> None:
+    address = await listening_proxy()
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(
+        b"POST /upload HTTP/1.1\r\nHost: proxy\r\nIdempotency-Key: fine\r\n"
+        b"Content-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+    )
+    await writer.drain()
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2) == (
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+    )
+    writer.write(b"{}")
+    final = await asyncio.wait_for(reader.readuntil(b"\r\n"), 2)
+    writer.close()
+    assert final.startswith(b"HTTP/1.1 201"), final
+    assert ledger.count("fine") == 1
+
+
 @pytest.mark.parametrize("key", [True, False], ids=["governed", "pass-through"])
 @pytest.mark.parametrize(
     "framing",

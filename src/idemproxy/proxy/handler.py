@@ -101,6 +101,10 @@ class Proxy:
             and _reads_bounded(ctx, request)
         ):
             return self._refused_before_body(request, BodyTooLarge())
+        if request.method in ctx.governed_methods:
+            refused = _refused_by_head(ctx, request)
+            if refused is not None:
+                return self._refused_before_body(request, refused)
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the interim response is not part of the body's size
         return None
@@ -150,6 +154,35 @@ async def handle(request: web.Request) -> web.StreamResponse:
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     """The route's handler of `Expect`: `Proxy.expect_continue`."""
     return await request.app[PROXY_ROUTE].expect_handler(request)
+
+
+def _refused_by_head(ctx: ProxyContext, request: web.Request) -> ProblemError | None:
+    """What `_route` refuses a governed request for from its head alone on a route whose key is
+    a header (its key, its owner: SPEC §4, §5, §8), found before its body is invited (RFC 9110
+    §10.1.1): a client is not made to upload what is refused anyway. None when its head holds
+    nothing `_route` refuses it for first, or something else first (the host, the transfer
+    coding, the path: `_route` answers those as it always does)."""
+    headers = request.headers
+    if (
+        host_problem(headers.get(hdrs.HOST), request.raw_path) is not None
+        or hdrs.TRANSFER_ENCODING in headers
+        or not request.raw_path.isascii()
+    ):
+        return None
+    try:
+        route = ctx.routes.resolve(request.path, request.host, request.rel_url)
+        if route is None or route.key_source is not None:
+            return None
+        key_header = ctx.settings.key_header
+        if parse_key(headers.getall(key_header, [])) is None:
+            return KeyMissing() if route.require_key else None
+        refuse_hidden_identity(ctx, request, key_header)
+        derive_owners(ctx.owner, headers, request.rel_url.raw_query_string)
+    except KeyNotLoaded:  # the token may be good: its key is fetched once the body came
+        return None
+    except ProblemError as error:
+        return None if isinstance(error, PathInvalid) else error
+    return None
 
 
 def _reads_bounded(ctx: ProxyContext, request: web.Request) -> bool:
