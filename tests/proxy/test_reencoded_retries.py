@@ -144,3 +144,32 @@ async def test_a_body_gzipped_again_is_replayed(
     )
     assert other.status == 409
     assert upstream.app[RECEIVED] == [content]  # decoded by the backend's server, once
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_forms_a_parser_reads_apart_are_a_mismatch_in_memory_or_spooled(
+    client: TestClient[web.Request, web.Application], upstream: TestServer, size: int
+) -> None:
+    """A line that begins with the boundary and goes on is content to a parser: under `ab` the
+    part ends `--abZ`, under `a` it ends `--aZ`, two different files (reviewed on Werkzeug)."""
+    content = _file(size)
+    disposition = b'Content-Disposition: form-data; name="f"; filename="f"\r\n\r\n'
+
+    def body(boundary: bytes) -> bytes:
+        start, end = b"--" + boundary, b"\r\n--" + boundary
+        return start + b"\r\n" + disposition + content + end + b"Z" + end + b"--\r\n"
+
+    headers = {"Idempotency-Key": f"apart-{size}"}
+    first = await client.post(
+        "/v1/files",
+        data=io.BytesIO(body(b"ab")),
+        headers={**headers, "Content-Type": "multipart/form-data; boundary=ab"},
+    )
+    other = await client.post(
+        "/v1/files",
+        data=io.BytesIO(body(b"a")),
+        headers={**headers, "Content-Type": "multipart/form-data; boundary=a"},
+    )
+    assert first.status == 201
+    assert other.status == 409 and other.headers["Idempotency-Error"] == "payload-mismatch"
+    assert len(upstream.app[RECEIVED]) == 1

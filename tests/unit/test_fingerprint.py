@@ -838,11 +838,51 @@ def test_the_boundary_still_cuts_the_parts() -> None:
 
 
 def test_the_other_media_type_parameters_still_count() -> None:
-    body = form("b", *FORM)
-    assert form_fp("b", body) != form_fp("b", body, "; charset=utf-8")
-    assert form_fp("b", body, "; charset=UTF-8") == form_fp("q", form("q", *FORM), ";charset=utf-8")
-    mixed = fp(content_type="multipart/mixed; boundary=b", body=body)
-    assert mixed != form_fp("b", body)
+    body = form("Zk9w", *FORM)
+    assert form_fp("Zk9w", body) != form_fp("Zk9w", body, "; charset=utf-8")
+    other = form("Qw3v", *FORM)
+    assert form_fp("Zk9w", body, "; charset=UTF-8") == form_fp("Qw3v", other, ";charset=utf-8")
+    mixed = fp(content_type="multipart/mixed; boundary=Zk9w", body=body)
+    assert mixed != form_fp("Zk9w", body)
+
+
+# Reviewed: bodies Werkzeug (or python-multipart) reads as different forms, which a cut at
+# every `CRLF--boundary` made one. Each pair must never share a fingerprint.
+CD = b'Content-Disposition: form-data; name="x"\r\n\r\n'
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        (  # a line that begins with the boundary and goes on: content, not a delimiter
+            ("ab", b"--ab\r\n" + CD + b"1\r\n--abZ\r\n--ab--\r\n"),
+            ("a", b"--a\r\n" + CD + b"1\r\n--aZ\r\n--a--\r\n"),
+        ),
+        (  # a bare LF before a delimiter, which Werkzeug takes
+            ("ab", b"--ab\r\n" + CD + b"1\n--ab\r\n" + CD + b"2\r\n--ab--\r\n"),
+            ("zz", b"--zz\r\n" + CD + b"1\n--ab\r\n" + CD + b"2\r\n--zz--\r\n"),
+        ),
+        (  # a first delimiter in the middle of the preamble's line, which Werkzeug finds
+            ("ab", b"xyz--ab\r\n" + CD + b"V\r\n--ab--\r\n"),
+            ("zz", b"xyz--ab\r\n" + CD + b"V\r\n--zz--\r\n"),
+        ),
+    ],
+    ids=["longer-line", "bare-lf", "mid-line"],
+)
+def test_forms_a_parser_reads_apart_never_share_a_fingerprint(
+    one: tuple[str, bytes], other: tuple[str, bytes]
+) -> None:
+    assert form_fp(*one) != form_fp(*other)
+
+
+def test_an_rfc_2231_boundary_is_hashed_as_sent() -> None:
+    """Werkzeug and Django take `boundary*` over `boundary`: cut by `boundary`, two forms under
+    `boundary*=utf-8''cd` were one."""
+    body = b"--cd\r\n" + CD + b"100\r\n--ab\r\n--cd--\r\n"
+    other = body.replace(b"--ab", b"--zz")
+    one = form_fp("ab", body, "; boundary*=utf-8''cd")
+    assert one != form_fp("zz", other, "; boundary*=utf-8''cd")
+    assert one != form_fp("ab", body)
 
 
 def test_a_multipart_body_never_matches_a_body_hashed_as_sent() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from idemproxy.errors import ConfigError
 from idemproxy.identity import deep_json
-from idemproxy.identity.reencoded import Digest, GzipDigest, PartsDigest, multipart_boundary
+from idemproxy.identity.reencoded import Body, gzip_digest, multipart_boundary, parts_digest
 
 _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 # One encoder for every body: `json.dumps` with any non-default option builds a new one per
@@ -36,45 +38,54 @@ def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence
     media_type = content_type.split(";", 1)[0].strip().lower() if content_type else ""
     if content_encoding or media_type.startswith("multipart/"):
         form = reencoding(content_type, content_encoding)
-        if form is not None:
-            digest, form_media_type = form
-            digest.update(body)
-            return fingerprint_of_digest(head, digest.digest(), form_media_type)
+        if form is not None and (digest := form.digest(body)) is not None:
+            return fingerprint_of_digest(head, digest, form.media_type)
     if media_type == "application/json" or media_type.endswith("+json"):
         body = canonical_json(body, exclude_pointers)
     return fingerprint_of_digest(head, hashlib.sha256(body).digest())
 
 
-def reencoding(
-    content_type: str | None, content_encoding: str | None
-) -> tuple[Digest, str | None] | None:
-    """How a body is hashed when its client may encode it anew for each try
-    (identity/reencoded.py), with the media type the fingerprint then hashes (None: the usual
-    one); None when it is hashed as sent (or canonicalised, for JSON).
+@dataclass(frozen=True, slots=True)
+class Reencoding:
+    """How a body its client may encode anew for each try is hashed (identity/reencoded.py):
+    `digest` of the body, None when the body does not qualify (then it is hashed as sent), and
+    the media type the fingerprint then hashes (None: the usual one)."""
+
+    digest: Callable[[Body], bytes | None]
+    media_type: str | None = None
+
+
+def reencoding(content_type: str | None, content_encoding: str | None) -> Reencoding | None:
+    """None when a body of this head is hashed as sent (or canonicalised, for JSON).
 
     A `gzip` body (its only coding) is hashed without its time stamp. A multipart body without
-    content coding, under a `boundary` RFC 2046 takes, is hashed by its parts, and its media
+    content coding, under one `boundary` RFC 2046 takes (and no RFC 2231 `boundary*`, which
+    some parsers prefer), is hashed by its parts when it is strictly multipart, and its media
     type without the boundary, marked by a NUL that no normalised media type holds: no body
     hashed as sent under the same parameters can match it.
     """
     if content_encoding:
-        return (GzipDigest(), None) if _codings(content_encoding) in _GZIP_CODINGS else None
+        return _GZIP if _codings(content_encoding) in _GZIP_CODINGS else None
     if not content_type or ";" not in content_type:
         return None
     media_type = content_type.split(";", 1)[0].strip().lower()
     if not media_type.startswith("multipart/") or not _MEDIA_TYPE.fullmatch(media_type):
         return None
     parameters = _parameters(content_type.partition(";")[2]) or []
-    boundaries = [value for name, value in parameters if name == "boundary"]
-    if len(boundaries) != 1 or (boundary := multipart_boundary(boundaries[0])) is None:
+    names = [name for name, _ in parameters]
+    if names.count("boundary") != 1 or any(name.startswith("boundary*") for name in names):
+        return None
+    boundary = multipart_boundary(dict(parameters)["boundary"])
+    if boundary is None:
         return None
     others = "".join(f";{name}={_value_text(value)}" for name, value in parameters
                      if name != "boundary")  # fmt: skip
-    return PartsDigest(boundary), f"{media_type}{others}\x00parts"
+    return Reencoding(partial(parts_digest, boundary=boundary), f"{media_type}{others}\x00parts")
 
 
 # RFC 9110 §8.4.1.3: `x-gzip` is `gzip`.
 _GZIP_CODINGS = frozenset({"gzip", "x-gzip"})
+_GZIP = Reencoding(gzip_digest)
 
 
 def fingerprint_of_digest(

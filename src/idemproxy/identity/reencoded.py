@@ -5,29 +5,28 @@ nothing about the payload: a multipart body's `boundary` (httpx, requests and th
 them draw a new one per try) and a gzip header's time stamp. Hashed as sent, such a retry was
 `409 payload-mismatch` with `retry: new-key-safe`, and a client that followed that hint ran the
 request twice. The digests here leave those bytes out, and only those: two bodies with the same
-digest are the same bytes but for them.
+digest are the same bytes but for them, and every parser reads them alike.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol
+import mmap
+from typing import TypeAlias
+
+# What a body is read from: its bytes, or its spooled file mapped into memory.
+Body: TypeAlias = bytes | mmap.mmap
 
 # RFC 2046 §5.1.1: `bchars`, of which a boundary has 1 to 70, the last not a space.
 _BOUNDARY_CHARS = frozenset(
     b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ'()+_,-./:=? "
 )
 _MAX_BOUNDARY = 70
+_CRLF, _DASHES = b"\r\n", b"--"
+_PADDING = frozenset(b" \t")  # RFC 2046 §5.1.1: transport padding after a delimiter
 # RFC 1952 §2.3: ID1 ID2 CM (8, deflate), FLG, then MTIME in the next four bytes.
 _GZIP_MAGIC = b"\x1f\x8b\x08"
 _GZIP_MTIME = slice(4, 8)
-_GZIP_HEAD = 8
-
-
-class Digest(Protocol):
-    def update(self, data: bytes, /) -> None: ...
-
-    def digest(self) -> bytes: ...
 
 
 def multipart_boundary(value: str) -> bytes | None:
@@ -42,69 +41,69 @@ def multipart_boundary(value: str) -> bytes | None:
     return boundary if _BOUNDARY_CHARS.issuperset(boundary) else None
 
 
-class PartsDigest:
-    """SHA-256 of a multipart body whatever its boundary (RFC 2046 §5.1.1), fed as it arrives.
+def parts_digest(body: Body, boundary: bytes) -> bytes | None:
+    """SHA-256 of a multipart body whatever its boundary (RFC 2046 §5.1.1), or None when the body
+    is not strictly one under it (then it is hashed as sent).
 
-    The body is cut at each delimiter (CRLF, `--` and the boundary; the first may open the body,
-    as if a line break came before it) and what lies between two delimiters is hashed whole: the
-    preamble, each part with the rest of its delimiter's line (`--` closes the last), the
-    epilogue. The digest is the hash of those hashes, in order. A boundary holds no line break,
-    so no two delimiters overlap and the cuts are the ones every parser makes.
+    Strictly: the boundary occurs nowhere but in delimiters, each at the very start of the body
+    or after a CRLF, as `--boundary`, followed by `--` (the close delimiter, the last one) or by
+    transport padding and a CRLF. Then every parser, strict or lenient (one that takes a bare LF,
+    or finds a delimiter in the middle of a line), cuts the body at those delimiters and nowhere
+    else, and the body is the same form under any other boundary that leaves it so. What lies
+    between delimiters is hashed whole (the preamble, each part with the rest of its delimiter's
+    line, the epilogue after the close delimiter), and the digest is the hash of those hashes.
+    A body that opens with its first delimiter is read as if a CRLF came before it.
     """
-
-    def __init__(self, boundary: bytes) -> None:
-        self._delimiter = b"\r\n--" + boundary
-        self._parts = hashlib.sha256()
-        self._part = hashlib.sha256()
-        self._pending = b"\r\n"  # the line break a first delimiter at the very start lacks
-
-    def update(self, data: bytes, /) -> None:
-        buffer = self._pending + data
-        view, delimiter = memoryview(buffer), self._delimiter
-        start = 0
-        while (found := buffer.find(delimiter, start)) >= 0:
-            self._part.update(view[start:found])
-            self._parts.update(self._part.digest())
-            self._part = hashlib.sha256()
-            start = found + len(delimiter)
-        # What may be the beginning of a delimiter waits for the next bytes.
-        kept = max(start, len(buffer) - len(delimiter) + 1)
-        self._part.update(view[start:kept])
-        self._pending = buffer[kept:]
-
-    def digest(self) -> bytes:
-        part, parts = self._part.copy(), self._parts.copy()
-        part.update(self._pending)
-        parts.update(part.digest())
-        return parts.digest()
+    with memoryview(body) as view:  # released before a mapped file is closed
+        return _parts_digest(body, view, boundary)
 
 
-class GzipDigest:
+def _parts_digest(body: Body, view: memoryview, boundary: bytes) -> bytes | None:
+    parts = hashlib.sha256()
+    size, width = len(body), len(boundary)
+    begun = 0  # where the segment being read begins
+    closed = False
+    found = body.find(boundary)
+    if found < 0:
+        return None
+    while found >= 0:
+        dashes = found - len(_DASHES)
+        if closed or dashes < 0 or body[dashes:found] != _DASHES:
+            return None  # after the close delimiter, or not a delimiter's
+        if dashes == 0:
+            segment = hashlib.sha256()  # an empty preamble
+        elif dashes >= len(_CRLF) and body[dashes - len(_CRLF) : dashes] == _CRLF:
+            segment = hashlib.sha256(_CRLF if begun == 0 else b"")
+            segment.update(view[begun : dashes - len(_CRLF)])
+        else:
+            return None  # inside a line
+        parts.update(segment.digest())
+        begun = found + width
+        if body[begun : begun + len(_DASHES)] == _DASHES:
+            closed = True
+        else:
+            line_end = begun
+            while line_end < size and body[line_end] in _PADDING:
+                line_end += 1
+            if body[line_end : line_end + len(_CRLF)] != _CRLF:
+                return None  # the boundary followed by something else: content, to a parser
+        found = body.find(boundary, found + 1)
+    if not closed:
+        return None
+    parts.update(hashlib.sha256(view[begun:]).digest())
+    return parts.digest()
+
+
+def gzip_digest(body: Body) -> bytes:
     """SHA-256 of a gzip body (RFC 1952 §2.3) with its first member's MTIME read as zero: a
     client compressing the same bytes again a second later writes another time stamp, which
     the backend's decoding never reads. Everything else counts as sent (another compression
     level is other bytes, as any other coding), and bytes that are not gzip are hashed as
     they are."""
-
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._head: bytes | None = b""
-
-    def update(self, data: bytes, /) -> None:
-        if self._head is None:
-            self._sha.update(data)
-            return
-        head = self._head + data
-        if len(head) < _GZIP_HEAD:
-            self._head = head
-            return
-        self._head = None
-        if head.startswith(_GZIP_MAGIC):
-            head = head[: _GZIP_MTIME.start] + bytes(4) + head[_GZIP_MTIME.stop :]
-        self._sha.update(head)
-
-    def digest(self) -> bytes:
-        sha = self._sha.copy()
-        if self._head is not None:
-            sha.update(self._head)
+    with memoryview(body) as view:
+        if len(body) < _GZIP_MTIME.stop or body[: len(_GZIP_MAGIC)] != _GZIP_MAGIC:
+            return hashlib.sha256(view).digest()
+        sha = hashlib.sha256(view[: _GZIP_MTIME.start])
+        sha.update(bytes(_GZIP_MTIME.stop - _GZIP_MTIME.start))
+        sha.update(view[_GZIP_MTIME.stop :])
         return sha.digest()

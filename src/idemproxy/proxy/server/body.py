@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import mmap
 import os
 import tempfile
 import weakref
@@ -20,8 +21,8 @@ from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from idemproxy.errors import BodyInvalid, BodyTooLarge, ClientDisconnected, RequestTimeout
-from idemproxy.identity.fingerprint import reencoding
-from idemproxy.identity.reencoded import Digest
+from idemproxy.identity.fingerprint import Reencoding, reencoding
+from idemproxy.identity.reencoded import Body
 
 _CHUNK = 64 * 1024
 
@@ -51,6 +52,14 @@ class RequestBody:
         if spool is not None:
             # Closed (and so deleted) when the last attempt using it is done.
             weakref.finalize(self, spool.close)
+
+    def digest_by(self, form: Reencoding) -> bytes | None:
+        """`form`'s digest of the spooled file, mapped into memory (run on a thread)."""
+        if self._spool is None:
+            raise ValueError("the body is held in memory")
+        with mmap.mmap(self._spool.fileno(), self.size, access=mmap.ACCESS_READ) as mapped:
+            mapped_body: Body = mapped
+            return form.digest(mapped_body)
 
     def held(self) -> bytes:
         """The body, where a route holds every body in memory (`in_memory` bodies)."""
@@ -89,10 +98,10 @@ async def read_body(
         data = content.read_nowait()
         if len(data) <= limit and len(data) <= spool_threshold:  # `_buffered`'s common case
             return RequestBody(memory=data)
-        return _buffered(request, data, limit, spool_threshold)
+        return await _as_formed(request, _buffered(data, limit, spool_threshold))
     try:
         async with asyncio.timeout(timeout):
-            return await _receive(request, limit, spool_threshold)
+            body = await _receive(request, limit, spool_threshold)
     except TimeoutError as exc:
         raise RequestTimeout() from exc
     except (HttpProcessingError, web.RequestPayloadError) as exc:
@@ -103,16 +112,17 @@ async def read_body(
         # A client hanging up mid-body is routine (and cheap to do on purpose): one line, not
         # aiohttp's traceback at ERROR (proxy/handler.py logs and counts it).
         raise ClientDisconnected() from exc
+    return body if body.memory is not None else await _as_formed(request, body)
 
 
-def _buffered(request: web.Request, data: bytes, limit: int, spool_threshold: int) -> RequestBody:
+def _buffered(data: bytes, limit: int, spool_threshold: int) -> RequestBody:
     """A body read whole: the same limit (a chunked one declared none) and spooling rules."""
     if len(data) > limit:
         raise BodyTooLarge()
     if len(data) <= spool_threshold:
         return RequestBody(memory=data)
     # Spooled even though it is in memory now: the attempts hold it for as long as they run.
-    spool = _Spool(request)
+    spool = _Spool()
     try:
         spool.write(data)
         return spool.body(len(data))
@@ -131,7 +141,7 @@ async def _receive(request: web.Request, limit: int, spool_threshold: int) -> Re
             if size > limit:
                 raise BodyTooLarge()
             if spool is None and size > spool_threshold:
-                spool = _Spool(request)
+                spool = _Spool()
                 for held in chunks:
                     spool.write(held)
                 chunks = []
@@ -149,32 +159,31 @@ async def _receive(request: web.Request, limit: int, spool_threshold: int) -> Re
 
 
 class _Spool:
-    """A body going to disk, hashed as it is written: as it arrived (what an attempt sends,
-    named in its evidence) and, for a body its client may encode anew, as the fingerprint
-    takes it (SPEC §6)."""
+    """A body going to disk, hashed as it arrives: what an attempt sends, named in its
+    evidence, and what the fingerprint of a body hashed as sent takes."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self) -> None:
         self.file: BinaryIO = tempfile.TemporaryFile()  # noqa: SIM115 - closed by RequestBody
         self._raw = hashlib.sha256()
-        headers = request.headers
-        encoding = ",".join(headers.getall(hdrs.CONTENT_ENCODING, ()))
-        self._form: Digest | None = None
-        self._form_media_type: str | None = None
-        if form := reencoding(headers.get(hdrs.CONTENT_TYPE), encoding):
-            self._form, self._form_media_type = form
 
     def write(self, chunk: bytes) -> None:
         self._raw.update(chunk)
-        if self._form is not None:
-            self._form.update(chunk)
         self.file.write(chunk)
 
     def body(self, size: int) -> RequestBody:
         self.file.flush()
-        return RequestBody(
-            spool=self.file,
-            size=size,
-            raw_sha256=self._raw.digest(),
-            form_sha256=None if self._form is None else self._form.digest(),
-            form_media_type=self._form_media_type,
-        )
+        return RequestBody(spool=self.file, size=size, raw_sha256=self._raw.digest())
+
+
+async def _as_formed(request: web.Request, body: RequestBody) -> RequestBody:
+    """A spooled body its client may encode anew for each try, with its digest as the
+    fingerprint takes it (SPEC §6), worked out on a thread over the file mapped into memory:
+    a body of megabytes, read whole once more."""
+    headers = request.headers
+    encoding = ",".join(headers.getall(hdrs.CONTENT_ENCODING, ()))
+    form = reencoding(headers.get(hdrs.CONTENT_TYPE), encoding)
+    if form is not None:
+        digest = await asyncio.to_thread(body.digest_by, form)
+        if digest is not None:
+            body.form_sha256, body.form_media_type = digest, form.media_type
+    return body
