@@ -23,7 +23,6 @@ _BOUNDARY_CHARS = frozenset(
 )
 _MAX_BOUNDARY = 70
 _CRLF, _DASHES = b"\r\n", b"--"
-_PADDING = frozenset(b" \t")  # RFC 2046 §5.1.1: transport padding after a delimiter
 # RFC 1952 §2.3: ID1 ID2 CM (8, deflate), FLG, then MTIME in the next four bytes.
 _GZIP_MAGIC = b"\x1f\x8b\x08"
 _GZIP_MTIME = slice(4, 8)
@@ -47,12 +46,13 @@ def parts_digest(body: Body, boundary: bytes) -> bytes | None:
 
     Strictly: the boundary occurs nowhere but in delimiters, each at the very start of the body
     or after a CRLF, as `--boundary`, followed by `--` (the close delimiter, the last one) or by
-    transport padding and a CRLF. Then every parser, strict or lenient (one that takes a bare LF,
-    or finds a delimiter in the middle of a line), cuts the body at those delimiters and nowhere
-    else, and the body is the same form under any other boundary that leaves it so. What lies
-    between delimiters is hashed whole (the preamble, each part with the rest of its delimiter's
-    line, the epilogue after the close delimiter), and the digest is the hash of those hashes.
-    A body that opens with its first delimiter is read as if a CRLF came before it.
+    a CRLF (no transport padding: a parser that does not take it reads content there). Then
+    every parser, strict or lenient (one that takes a bare LF, or finds a delimiter in the
+    middle of a line), cuts the body at those delimiters and nowhere else, and the body is the
+    same form under any other boundary that leaves it so. What lies between delimiters is
+    hashed whole (the preamble, each part with the rest of its delimiter's line, the epilogue
+    after the close delimiter), and the digest is the hash of those hashes. A body that opens
+    with its first delimiter is read as if a CRLF came before it.
     """
     with memoryview(body) as view:  # released before a mapped file is closed
         return _parts_digest(body, view, boundary)
@@ -60,7 +60,7 @@ def parts_digest(body: Body, boundary: bytes) -> bytes | None:
 
 def _parts_digest(body: Body, view: memoryview, boundary: bytes) -> bytes | None:
     parts = hashlib.sha256()
-    size, width = len(body), len(boundary)
+    width = len(boundary)
     begun = 0  # where the segment being read begins
     closed = False
     found = body.find(boundary)
@@ -81,12 +81,10 @@ def _parts_digest(body: Body, view: memoryview, boundary: bytes) -> bytes | None
         begun = found + width
         if body[begun : begun + len(_DASHES)] == _DASHES:
             closed = True
-        else:
-            line_end = begun
-            while line_end < size and body[line_end] in _PADDING:
-                line_end += 1
-            if body[line_end : line_end + len(_CRLF)] != _CRLF:
-                return None  # the boundary followed by something else: content, to a parser
+        elif body[begun : begun + len(_CRLF)] != _CRLF:
+            # Something else after the boundary: content, to a parser, or transport padding,
+            # which RFC 2046 allows and not every parser takes (then it reads content there).
+            return None
         found = body.find(boundary, found + 1)
     if not closed:
         return None
