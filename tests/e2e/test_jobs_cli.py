@@ -297,10 +297,11 @@ def test_the_owner_prefix_a_log_line_shows_is_refused_not_matched_to_nothing(
     jobs" (or no job of the owner has the key) when the owner has jobs."""
     dsn = f"sqlite:///{tmp_path}/jobs.db"
     run(_prepare(dsn))
-    prefix = ALICE[:8]
-    failed(run_cli("jobs", *command, "--owner", prefix, "--store", dsn), 2, "all 64 hex digits")
-    listed = run_cli("jobs", "list", "--owner", ALICE, "--json", "--store", dsn)
-    assert json.loads(ok(listed).stdout), "the whole hash finds the owner's jobs"
+    for wrong in (ALICE[:8], ALICE + "0"):
+        failed(run_cli("jobs", *command, "--owner", wrong, "--store", dsn), 2, "all 64 hex digits")
+    for whole in (ALICE, ALICE.upper()):
+        listed = run_cli("jobs", "list", "--owner", whole, "--json", "--store", dsn)
+        assert json.loads(ok(listed).stdout), "the whole hash finds the owner's jobs"
 
 
 def test_a_missing_sqlite_file_is_a_usage_error_not_a_new_database(

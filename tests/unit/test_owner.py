@@ -119,6 +119,13 @@ def test_header_strategy_refuses_a_credential_it_does_not_read_rather_than_share
         ({"Ocp-Apim-Subscription-Key": "k"}, "", "Ocp-Apim-Subscription-Key"),
         ({}, "access_token=abc", "the query"),
         ({}, "page=2&API_KEY=abc", "the query"),
+        # Reviewed: a name the backend decodes, an empty value first, other carriers.
+        ({}, "access%5Ftoken=alice", "the query"),
+        ({}, "api%5Fkey=alice&x=1", "the query"),
+        ({}, "key=AIza", "the query"),
+        ({}, "token=t", "the query"),
+        ({"X-Api-Token": "alice"}, "", "X-Api-Token"),
+        ({"Proxy-Authorization": "Basic YWxpY2U6"}, "", "Proxy-Authorization"),
     ],
 )
 def test_a_credential_the_default_strategy_does_not_read_is_refused(
@@ -135,13 +142,21 @@ def test_a_credential_the_default_strategy_does_not_read_is_refused(
         assert value not in str(caught.value.detail)
 
 
+@pytest.mark.parametrize("name", ["X-Api-Key", "Cookie"])
+def test_an_empty_value_before_a_credential_does_not_hide_it(name: str) -> None:
+    headers = CIMultiDict([(name, ""), (name, "alice")])
+    with pytest.raises(OwnerMissing) as caught:
+        derive_owner(OwnerPolicy("authorization"), headers)
+    assert name in str(caught.value.detail)
+
+
 @pytest.mark.parametrize(
     ("headers", "query"),
     [
         ({}, ""),
         ({"X-Request-Id": "r-1", "Content-Type": "application/json"}, ""),
         ({"X-Api-Key": ""}, ""),  # an empty value is no credential
-        ({}, "key=value&token_type=x&my_api_key=1"),
+        ({}, "keys=value&token_type=x&my_api_key=1&token="),
     ],
 )
 def test_a_request_with_no_credential_anywhere_is_still_anonymous(

@@ -426,15 +426,18 @@ def _print(data: Any, *, as_json: bool) -> None:
 
 
 def _owner(value: str) -> str:
-    """An owner as the store keeps it. The first hex digits of a hash, as a log line shows
-    them, are refused rather than matched to nothing (an empty list would read as "no jobs")."""
-    if 0 < len(value) < _OWNER_HASH_DIGITS and all(c in string.hexdigits for c in value):
+    """An owner as the store keeps it: a hash in lower-case hex. Hex digits that are not a
+    whole hash (the first 8, as a log line shows them) are refused rather than matched to
+    nothing, which would read as "no jobs"."""
+    if not value or not all(c in string.hexdigits for c in value):
+        return value  # `anonymous`, `global`, `webhook:<sender>`
+    if len(value) != _OWNER_HASH_DIGITS:
         raise argparse.ArgumentTypeError(
-            f"{value!r} is the beginning of an owner hash, as log lines show it: give all"
-            f" {_OWNER_HASH_DIGITS} hex digits (`jobs show JOB_ID`, the job= of the log line,"
-            " prints them)"
+            f"{value!r} is not an owner hash: give all {_OWNER_HASH_DIGITS} hex digits"
+            " (log lines show the first 8; `jobs show JOB_ID`, the job= of the line, prints"
+            " them all)"
         )
-    return value
+    return value.lower()
 
 
 _OWNER_HASH_DIGITS = 64  # a SHA-256 in hex (identity/owner.py)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
+from urllib.parse import unquote_plus
 
 from multidict import CIMultiDict, CIMultiDictProxy, MultiMapping
 
@@ -197,8 +197,11 @@ def derive_owners(
 # API-key headers of the common gateways and SDKs), lower-cased.
 _CREDENTIAL_HEADERS = (
     "authorization",
+    "proxy-authorization",
     "cookie",
     "x-api-key",
+    "x-api-token",
+    "x-token",
     "api-key",
     "apikey",
     "x-goog-api-key",
@@ -208,7 +211,9 @@ _CREDENTIAL_HEADERS = (
     "ocp-apim-subscription-key",
     "x-functions-key",
 )
-_CREDENTIAL_QUERY = re.compile(r"(?:^|&)(?:access_token|api_key|apikey)=", re.IGNORECASE)
+_CREDENTIAL_QUERY = frozenset(
+    {"access_token", "api_key", "apikey", "api-key", "auth_token", "key", "token"}
+)
 _ELSEWHERE = (
     "This request carries a credential in {where}, which the owner strategy does not read"
     " (it reads {header}): its job would be in the anonymous scope every such caller shares,"
@@ -223,14 +228,27 @@ def credential_elsewhere(
     """Where a request without the strategy's credential carries one anyway (a header's name,
     or `the query`), or None."""
     if not isinstance(headers, CIMultiDictProxy | CIMultiDict):  # a plain mapping (tests, CLI)
-        headers = {name.lower(): value for name, value in headers.items()}
+        headers = CIMultiDict(headers)
     skip = strategy_header.lower()
     for name in _CREDENTIAL_HEADERS:
-        if name != skip and headers.get(name):
+        # Every value: an empty first one beside a credential hid it from `get`.
+        if name != skip and any(value.strip() for value in headers.getall(name, ())):
             return name.title() if name != "apikey" else name
-    if raw_query and _CREDENTIAL_QUERY.search(raw_query):
+    if raw_query and _names_a_credential(raw_query):
         return "the query"
     return None
+
+
+def _names_a_credential(raw_query: str) -> bool:
+    """Whether a parameter of the query is named as a credential, its name decoded as the
+    backend decodes it (`access%5Ftoken` is `access_token`)."""
+    for pair in raw_query.replace(";", "&").split("&"):
+        name, _, value = pair.partition("=")
+        if "%" in name or "+" in name:
+            name = unquote_plus(name)
+        if value and name.strip().lower() in _CREDENTIAL_QUERY:
+            return True
+    return False
 
 
 def single_value(headers: Mapping[str, str], name: str) -> str | None:
