@@ -6,6 +6,7 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import subprocess
 import sys
 import threading
 
@@ -150,3 +151,42 @@ def test_parse_processes_default_to_two_and_are_bounded() -> None:
     for wrong in (-1, MAX_PARSE_PROCESSES + 1):
         with pytest.raises(ValidationError, match="parse_processes"):
             load_settings(upstream="http://x:1", server={"parse_processes": wrong})
+
+
+_TRACKER_PROBE = """
+import asyncio, os, signal
+from idemproxy.http import offload
+
+async def main():
+    signal.signal(signal.SIGHUP, lambda *_: None)  # the serving process handles a hang-up
+    work = offload.Offload(processes=1)
+    try:
+        await work(LARGE, os.getpid)
+    finally:
+        await work.close()
+
+LARGE = b"[" + b"1," * 40000 + b"1]"
+asyncio.run(main())
+children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+for child in children:
+    command = open(f"/proc/{child}/cmdline", "rb").read()
+    if b"resource_tracker" in command:
+        status = open(f"/proc/{child}/status").read()
+        ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+        print("tracker ignores SIGHUP" if ignored & (1 << (signal.SIGHUP - 1)) else "tracker dies")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_resource_tracker_outlives_a_hang_up_of_the_process_group() -> None:
+    """A terminal's SIGHUP to the process group killed multiprocessing's tracker (it ignores
+    only SIGINT and SIGTERM), with a traceback per shared object, while the proxy drained."""
+    done = subprocess.run(
+        [sys.executable, "-c", _TRACKER_PROBE],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "tracker ignores SIGHUP", (done.stdout, done.stderr)

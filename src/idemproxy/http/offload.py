@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import resource_tracker
 from typing import ParamSpec, TypeVar
 
 from idemproxy.errors import ProblemError
@@ -176,12 +177,29 @@ class Offload:
 
     def _started(self) -> ProcessPoolExecutor:
         if self._pool is None:
+            _start_resource_tracker()
             self._pool = ProcessPoolExecutor(
                 self._processes,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_worker_started,
             )
         return self._pool
+
+
+def _start_resource_tracker() -> None:
+    """multiprocessing's resource tracker, started (as the pool would) with SIGHUP ignored,
+    which it inherits: it ignores only SIGINT and SIGTERM itself, and a terminal's hang-up to
+    the process group killed it while the serving process drained (SPEC §8), with a traceback
+    for every shared object it no longer tracked. In the main thread only, as `signal` allows;
+    elsewhere the pool starts it as before."""
+    previous = signal.getsignal(signal.SIGHUP)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        return  # not this thread's to change, or a handler no Python code could put back
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 _DIED = "The process parsing the request body ended before it was done (out of memory?)."
