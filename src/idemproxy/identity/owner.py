@@ -231,9 +231,13 @@ def credential_elsewhere(
         headers = CIMultiDict(headers)
     skip = strategy_header.lower()
     for name in _CREDENTIAL_HEADERS:
-        # Every value: an empty first one beside a credential hid it from `get`.
-        if name != skip and any(value.strip() for value in headers.getall(name, ())):
-            return name.title() if name != "apikey" else name
+        if name == skip:
+            continue
+        # Every value: an empty first one beside a credential hid it from `get`. Loops, not
+        # a generator: that would be a call per header name, on every anonymous request.
+        for value in headers.getall(name, ()):
+            if value.strip():
+                return name.title() if name != "apikey" else name
     if raw_query and _names_a_credential(raw_query):
         return "the query"
     return None
