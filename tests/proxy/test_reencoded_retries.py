@@ -38,7 +38,8 @@ async def upstream() -> AsyncIterator[TestServer]:
     app = web.Application(client_max_size=64 * MiB)
     app[RECEIVED] = []
     app.router.add_post("/{tail:.*}", _record)
-    async with TestServer(app) as server:
+    server = TestServer(app)
+    async with server:
         yield server
 
 
