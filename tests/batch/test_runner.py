@@ -6,6 +6,7 @@ These run in-process and fast; test_end_to_end.py puts the real proxy in between
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -233,6 +234,52 @@ async def test_another_key_prefix_on_resume_is_refused(api_url: str, tmp_path: P
     await run_batch(_items(2), out, _options(api_url, key_prefix="first"))
     with pytest.raises(KeyPrefixChanged, match="'first'"):
         await run_batch(_items(3), out, _options(api_url, key_prefix="second"))
+
+
+async def _killed_before_any_answer(api_url: str, calls: Calls, out: Path, **keys: Any) -> None:
+    """A run whose items are all sent and none answered when it dies: no result line."""
+    run = asyncio.create_task(run_batch(_items(3, "/x?delay=5"), out, _options(api_url, **keys)))
+    deadline = asyncio.get_running_loop().time() + 5
+    while sum(calls.by_key.values()) < 3:
+        assert asyncio.get_running_loop().time() < deadline, "the items were never sent"
+        await asyncio.sleep(0.01)
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
+    assert read_results(out) == []
+
+
+@pytest.mark.parametrize(
+    ("changed", "refused"),
+    [
+        ({"key_prefix": "second"}, KeyPrefixChanged),
+        ({"key_header": "X-Key"}, KeyHeaderChanged),
+    ],
+    ids=["prefix", "header"],
+)
+async def test_other_keys_after_a_run_stopped_before_its_first_answer_are_refused(
+    api_url: str, calls: Calls, tmp_path: Path, changed: dict[str, str], refused: type
+) -> None:
+    """Its results file is empty, its items in flight: under other keys they ran twice."""
+    out = tmp_path / "out.jsonl"
+    await _killed_before_any_answer(api_url, calls, out, key_prefix="first")
+    sent = sum(calls.by_key.values())
+    with pytest.raises(refused):
+        keys = {"key_prefix": "first", **changed}
+        await run_batch(_items(3, "/x?delay=5"), out, _options(api_url, **keys))
+    assert sum(calls.by_key.values()) == sent  # nothing was sent again
+
+
+async def test_results_of_items_not_in_this_input_still_name_the_prefix(
+    api_url: str, tmp_path: Path
+) -> None:
+    """A run answered `i0` and `i1` under `first` and had `i2` in flight: resuming `i2` alone
+    under `second` would run it twice."""
+    out = tmp_path / "out.jsonl"
+    await run_batch(_items(2), out, _options(api_url, key_prefix="first"))
+    (out.with_name(out.name + ".keys")).unlink()  # as a results file of an older version
+    with pytest.raises(KeyPrefixChanged, match="'first'"):
+        await run_batch(_items(3)[2:], out, _options(api_url, key_prefix="second"))
 
 
 async def test_a_graceful_stop_lets_items_in_flight_finish(

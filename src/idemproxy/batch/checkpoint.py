@@ -51,6 +51,37 @@ class Checkpoint:
     lines: int = 0
     torn: TornLine | None = None
     unterminated: int | None = None  # line number of a whole last result without its newline
+    keys: RunKeys | None = None  # the keys the last run sent its items under (`RunKeys`)
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The keys a run sends its items under (`--key-prefix`, `--key-header`), kept beside the
+    results file (`<results>.keys`) and made durable before the run sends anything. A run
+    stopped before its first answer leaves no result line, and its items may be in flight under
+    these keys: a resume under other keys would send them again and pay twice (SPEC §14). Not
+    a line of the results file, which holds results only."""
+
+    prefix: str
+    header: str
+
+    @staticmethod
+    def path_of(results: Path) -> Path:
+        return results.with_name(results.name + ".keys")
+
+    @classmethod
+    def read(cls, results: Path) -> RunKeys | None:
+        """The keys kept beside `results`, None when there are none (or not ours)."""
+        try:
+            value = json.loads(cls.path_of(results).read_bytes())
+        except (FileNotFoundError, ValueError):
+            return None
+        if not isinstance(value, dict):
+            return None
+        prefix, header = value.get("prefix"), value.get("header")
+        if not isinstance(prefix, str) or not isinstance(header, str):
+            return None
+        return cls(prefix, header)
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
@@ -147,6 +178,7 @@ class CheckpointWriter:
             if created:
                 _fsync_directory(path.parent)  # the new file's name survives a power cut too
             checkpoint = parse_checkpoint(path.read_bytes(), path)
+            checkpoint.keys = RunKeys.read(path)
             if checkpoint.torn is not None:
                 _repair(fd, path.stat().st_size - checkpoint.torn.size)
             elif checkpoint.unterminated is not None:
@@ -172,6 +204,25 @@ class CheckpointWriter:
             # the proxy replays the answer, so stopping here loses nothing that was paid for.
             raise CheckpointUnwritable(
                 f"cannot write {self.path}: {exc.strerror or exc}; rerun once fixed"
+            ) from exc
+
+    def keep_keys(self, keys: RunKeys) -> None:
+        """Write `keys` beside the results, durably (a whole new file, renamed into place)."""
+        target = RunKeys.path_of(self.path)
+        staging = target.with_name(target.name + ".new")
+        data = json.dumps({"prefix": keys.prefix, "header": keys.header}).encode() + b"\n"
+        try:
+            fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(staging, target)
+            _fsync_directory(target.parent)
+        except OSError as exc:
+            raise CheckpointUnwritable(
+                f"cannot write {target}: {exc.strerror or exc}; nothing was sent"
             ) from exc
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from idemproxy.batch.checkpoint import RunKeys
 from idemproxy.batch.errors import KeyHeaderChanged, KeyPrefixChanged
 from idemproxy.batch.input import Item
 from idemproxy.batch.keys import Identity, identify, prefix_of
@@ -54,24 +55,51 @@ class Plan:
         return self.skipped_done + self.kept_failed + self.kept_unknown + self.kept_omitted
 
 
-def make_plan(items: Sequence[Item], records: Mapping[str, ResultRecord], rules: PlanRules) -> Plan:
+def make_plan(
+    items: Sequence[Item],
+    records: Mapping[str, ResultRecord],
+    rules: PlanRules,
+    keys: RunKeys | None = None,
+) -> Plan:
+    """`keys`: the keys the last run of the results file sent under (its keys line), if any."""
+    _check_keys(keys, rules)
     _check_key_header(records.values(), rules.key_header)
-    plan = Plan()
-    mismatched: list[str] = []
-    for item in items:
-        identity = identify(item, rules.key_prefix)
-        record = records.get(item.id)
-        if record is not None and _prefix_changed(record, identity):
-            mismatched.append(prefix_of(record.key, item.id))
-            continue
-        _place(plan, item, identity, record, rules)
+    # Every result, those of items not in this input too: a run that wrote them under another
+    # prefix may have had this input's items in flight under it.
+    mismatched = [
+        prefix
+        for record in records.values()
+        if (prefix := prefix_of(record.key, record.id)) != rules.key_prefix
+    ]
     if mismatched:
         raise KeyPrefixChanged(
             f"{len(mismatched)} result(s) were written with --key-prefix {mismatched[0]!r}, "
             f"not {rules.key_prefix!r}; resume with the same prefix, or a resumed item could "
             "execute twice (write to another results file for a fresh run)"
         )
+    plan = Plan()
+    for item in items:
+        _place(plan, item, identify(item, rules.key_prefix), records.get(item.id), rules)
     return plan
+
+
+def _check_keys(keys: RunKeys | None, rules: PlanRules) -> None:
+    """The last run may have items in flight under its keys with no line yet (it was stopped
+    before their answers): a resume under other keys would send them again (SPEC §14)."""
+    if keys is None:
+        return
+    if keys.prefix != rules.key_prefix:
+        raise KeyPrefixChanged(
+            f"the last run on these results sent its items with --key-prefix {keys.prefix!r},"
+            f" not {rules.key_prefix!r}; resume with the same prefix, or an item it had in"
+            " flight could execute twice (write to another results file for a fresh run)"
+        )
+    if rules.key_header is not None and keys.header.lower() != rules.key_header.lower():
+        raise KeyHeaderChanged(
+            f"the last run on these results sent its items with --key-header {keys.header!r},"
+            f" not {rules.key_header!r}; resume with the same header, or an item it had in"
+            " flight could execute twice (write to another results file for a fresh run)"
+        )
 
 
 def _check_key_header(records: Iterable[ResultRecord], key_header: str | None) -> None:
@@ -85,10 +113,6 @@ def _check_key_header(records: Iterable[ResultRecord], key_header: str | None) -
                 f"{key_header!r}; resume with the same header, or an item in flight could "
                 "execute twice (write to another results file for a fresh run)"
             )
-
-
-def _prefix_changed(record: ResultRecord, identity: Identity) -> bool:
-    return record.request_hash == identity.request_hash and record.key != identity.key
 
 
 def _place(

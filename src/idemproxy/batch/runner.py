@@ -24,7 +24,7 @@ from yarl import URL
 from idemproxy import __version__
 from idemproxy.batch.admission import Admission, Admitted, LimiterGate
 from idemproxy.batch.budget import Budget, Limits
-from idemproxy.batch.checkpoint import Checkpoint, CheckpointWriter
+from idemproxy.batch.checkpoint import Checkpoint, CheckpointWriter, RunKeys
 from idemproxy.batch.client import (
     AttemptGate,
     Request,
@@ -158,8 +158,11 @@ async def run_batch(
     source_items = _load(source, options)
     writer, checkpoint = CheckpointWriter.open(Path(output))
     try:
-        plan = make_plan(source_items.items, checkpoint.records, options.rules())
+        plan = make_plan(source_items.items, checkpoint.records, options.rules(), checkpoint.keys)
         _check_worst_cases(plan, options)
+        keys = RunKeys(options.key_prefix, options.key_header)
+        if plan.send and keys != checkpoint.keys:
+            writer.keep_keys(keys)  # durable before the first item goes out
         summary = _initial_summary(source_items, checkpoint, plan, options)
         _announce(reporter, summary, plan)
         _announce_budget(reporter, plan, options)
