@@ -60,17 +60,16 @@ def reencoding(content_type: str | None, content_encoding: str | None) -> Reenco
 
     A `gzip` body (its only coding) is hashed without its time stamp. A multipart body without
     content coding, under one `boundary` RFC 2046 takes (and no RFC 2231 `boundary*`, which
-    some parsers prefer), is hashed by its parts when it is strictly multipart, and its media
+    some parsers prefer), in a `Content-Type` whose parameters every parser reads alike
+    (`_PLAIN_MULTIPART`), is hashed by its parts when it is strictly multipart, and its media
     type without the boundary, marked by a NUL that no normalised media type holds: no body
     hashed as sent under the same parameters can match it.
     """
     if content_encoding:
         return _GZIP if _codings(content_encoding) in _GZIP_CODINGS else None
-    if not content_type or ";" not in content_type:
+    if not content_type or not _PLAIN_MULTIPART.fullmatch(content_type):
         return None
     media_type = content_type.split(";", 1)[0].strip().lower()
-    if not media_type.startswith("multipart/") or not _MEDIA_TYPE.fullmatch(media_type):
-        return None
     parameters = _parameters(content_type.partition(";")[2]) or []
     names = [name for name, _ in parameters]
     if names.count("boundary") != 1 or any(name.startswith("boundary*") for name in names):
@@ -163,6 +162,14 @@ def fingerprinted_media_type(content_type: str | None) -> str:
 _TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"  # RFC 9110 §5.6.2
 _MEDIA_TYPE = re.compile(f"{_TOKEN}/{_TOKEN}")
 _TOKEN_ONLY = re.compile(_TOKEN)
+# A multipart `Content-Type` every parser reads the same parameters from: each value a token,
+# or a quoted-string with no backslash, quote or `;` in it. Parsers differ on the rest (one
+# unescapes `\z` in a boundary, another reads it as it is; one splits a quoted value at its `;`),
+# and the proxy would then cut the body under another boundary than its backend.
+_PLAIN_MULTIPART = re.compile(
+    rf'[ \t]*multipart/{_TOKEN}[ \t]*(?:;[ \t]*{_TOKEN}=(?:{_TOKEN}|"[^"\\;]*")[ \t]*)+',
+    re.IGNORECASE,
+)
 # RFC 9110 §5.6.6: `parameters = *( OWS ";" OWS [ parameter ] )`, `parameter = name "=" value`,
 # a value a token or a quoted-string (qdtext: HTAB, SP and visible or obs-text bytes but `"` and
 # `\`; a quoted-pair `\` escapes HTAB, SP, a visible character or obs-text).

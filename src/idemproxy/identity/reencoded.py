@@ -25,6 +25,8 @@ _MAX_BOUNDARY = 70
 _CRLF, _DASHES = b"\r\n", b"--"
 # RFC 1952 §2.3: ID1 ID2 CM (8, deflate), FLG, then MTIME in the next four bytes.
 _GZIP_MAGIC = b"\x1f\x8b\x08"
+_GZIP_FLAGS = 3
+_GZIP_FHCRC = 0x02  # a CRC of the header, MTIME included, follows it
 _GZIP_MTIME = slice(4, 8)
 
 
@@ -96,10 +98,15 @@ def gzip_digest(body: Body) -> bytes:
     """SHA-256 of a gzip body (RFC 1952 §2.3) with its first member's MTIME read as zero: a
     client compressing the same bytes again a second later writes another time stamp, which
     the backend's decoding never reads. Everything else counts as sent (another compression
-    level is other bytes, as any other coding), and bytes that are not gzip are hashed as
-    they are."""
+    level is other bytes, as any other coding), and bytes that are not gzip, or whose header
+    carries a CRC (FHCRC: it covers MTIME, and a strict decoder refuses a stale one), are hashed
+    as they are."""
     with memoryview(body) as view:
-        if len(body) < _GZIP_MTIME.stop or body[: len(_GZIP_MAGIC)] != _GZIP_MAGIC:
+        if (
+            len(body) < _GZIP_MTIME.stop
+            or body[: len(_GZIP_MAGIC)] != _GZIP_MAGIC
+            or body[_GZIP_FLAGS] & _GZIP_FHCRC
+        ):
             return hashlib.sha256(view).digest()
         sha = hashlib.sha256(view[: _GZIP_MTIME.start])
         sha.update(bytes(_GZIP_MTIME.stop - _GZIP_MTIME.start))
