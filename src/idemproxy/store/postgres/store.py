@@ -794,20 +794,20 @@ class PostgresStore(Store):
                 await kept.release(conn)
             return result
         except DRIVER_ERRORS as exc:
-            failed = True
-            error = unavailable(what, exc)
             # A pooled session the server had just ended, handed out before asyncpg noticed:
             # asyncpg refuses the statement before sending it, so one retry on a fresh
             # connection cannot run anything twice (and every write here is a CAS anyway). A
             # read that lost its connection on the way (a server that ended the session as it
             # was sent: a restart, a pooler, an operator's pg_terminate_backend) changed
             # nothing either: asked again, rather than a held duplicate's 503 on a healthy
-            # store.
+            # store. Neither is an error of the store's until the second try fails too.
             if not retry or not (
                 isinstance(exc, asyncpg.InternalClientError)
                 or (what in _READS and isinstance(exc, _CONNECTION_LOST))
             ):
-                raise error from exc
+                failed = True
+                raise unavailable(what, exc) from exc
+            log.debug("store: %s lost its connection (%s); asked again", what, exc)
         finally:
             if observe and self.observer is not None:
                 self.observer(what, time.perf_counter() - started, failed)
