@@ -4,8 +4,8 @@ once on a fresh connection only when asyncpg refused a pooled session the server
 from __future__ import annotations
 
 import asyncio
-import logging
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -114,6 +114,7 @@ async def test_a_held_duplicate_s_read_survives_its_session_ended_by_the_server(
             killing = asyncio.create_task(admin.fetchval("SELECT pg_terminate_backend($1)", ended))
             assert await store.get("owner", "no-such-key") is None
             await killing
+            await asyncio.sleep(0.2)  # a session ended after the read: seen before the next
             ended = await _backend_pid(store)
     finally:
         await admin.close()

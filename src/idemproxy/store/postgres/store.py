@@ -787,7 +787,11 @@ class PostgresStore(Store):
             conn = await kept.take()
             try:
                 result = await call(conn)
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, _CONNECTION_LOST):
+                    # Not handed out again: the pool opens another in its place.
+                    with contextlib.suppress(asyncpg.InterfaceError):
+                        conn.terminate()
                 await kept.release(conn)
                 raise
             if not kept.keep(conn):
