@@ -162,13 +162,16 @@ def fingerprinted_media_type(content_type: str | None) -> str:
 _TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"  # RFC 9110 §5.6.2
 _MEDIA_TYPE = re.compile(f"{_TOKEN}/{_TOKEN}")
 _TOKEN_ONLY = re.compile(_TOKEN)
-# A multipart `Content-Type` every parser reads the same parameters from: each value a token,
-# or a quoted-string with no backslash, quote or `;` in it. Parsers differ on the rest (one
-# unescapes `\z` in a boundary, another reads it as it is; one splits a quoted value at its `;`),
-# and the proxy would then cut the body under another boundary than its backend.
+# A multipart `Content-Type` every parser reads the same parameters from, as clients write it
+# (`multipart/form-data; boundary=…`): each value letters, digits, `.`, `_` or `-`, bare or
+# quoted, with no blank but one space after each `;`. Parsers differ on the rest: one
+# unescapes `\z` in a quoted boundary and another does not, one splits a quoted value at its
+# `;`, aiohttp strips blanks inside quotes and keeps a tab before `;`, Python's `email` decodes
+# `utf-8''abc` and `=?utf-8?q?abc?=`; the proxy would then cut the body under another boundary
+# than its backend.
+_SAFE_VALUE = r'(?:[A-Za-z0-9._-]+|"[A-Za-z0-9._-]+")'
 _PLAIN_MULTIPART = re.compile(
-    rf'[ \t]*multipart/{_TOKEN}[ \t]*(?:;[ \t]*{_TOKEN}=(?:{_TOKEN}|"[^"\\;]*")[ \t]*)+',
-    re.IGNORECASE,
+    rf"multipart/{_TOKEN}(?:; ?[A-Za-z0-9._-]+={_SAFE_VALUE})+", re.IGNORECASE
 )
 # RFC 9110 §5.6.6: `parameters = *( OWS ";" OWS [ parameter ] )`, `parameter = name "=" value`,
 # a value a token or a quoted-string (qdtext: HTAB, SP and visible or obs-text bytes but `"` and
