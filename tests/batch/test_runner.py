@@ -17,6 +17,7 @@ import pytest
 
 from idemproxy.batch import (
     BatchOptions,
+    CheckpointCorrupt,
     CheckpointLocked,
     CheckpointUnwritable,
     InvalidInput,
@@ -268,6 +269,31 @@ async def test_other_keys_after_a_run_stopped_before_its_first_answer_are_refuse
         keys = {"key_prefix": "first", **changed}
         await run_batch(_items(3, "/x?delay=5"), out, _options(api_url, **keys))
     assert sum(calls.by_key.values()) == sent  # nothing was sent again
+
+
+async def test_a_link_to_the_results_names_the_same_keys(
+    api_url: str, calls: Calls, tmp_path: Path
+) -> None:
+    """Reviewed: killed through a symbolic link, resumed through the file's own name."""
+    out = tmp_path / "out.jsonl"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    await _killed_before_any_answer(api_url, calls, link, key_prefix="first")
+    with pytest.raises(KeyPrefixChanged):
+        await run_batch(_items(3, "/x?delay=5"), out, _options(api_url, key_prefix="second"))
+
+
+@pytest.mark.parametrize("content", [b"", b"{", b"[]", b'{"prefix": 1, "header": "h"}'])
+async def test_keys_that_cannot_be_read_stop_the_run(
+    api_url: str, calls: Calls, tmp_path: Path, content: bytes
+) -> None:
+    out = tmp_path / "out.jsonl"
+    await _killed_before_any_answer(api_url, calls, out, key_prefix="first")
+    out.with_name(out.name + ".keys").write_bytes(content)
+    sent = sum(calls.by_key.values())
+    with pytest.raises(CheckpointCorrupt, match="which keys"):
+        await run_batch(_items(3, "/x?delay=5"), out, _options(api_url, key_prefix="second"))
+    assert sum(calls.by_key.values()) == sent
 
 
 async def test_results_of_items_not_in_this_input_still_name_the_prefix(

@@ -67,20 +67,28 @@ class RunKeys:
 
     @staticmethod
     def path_of(results: Path) -> Path:
-        return results.with_name(results.name + ".keys")
+        """Beside the results file itself: a symbolic link to it names the same keys."""
+        real = results.resolve()
+        return real.with_name(real.name + ".keys")
 
     @classmethod
     def read(cls, results: Path) -> RunKeys | None:
-        """The keys kept beside `results`, None when there are none (or not ours)."""
+        """The keys kept beside `results`, None when there are none. One that cannot be read
+        stops the run: taken for none, a resume under other keys would go through."""
+        path = cls.path_of(results)
         try:
-            value = json.loads(cls.path_of(results).read_bytes())
-        except (FileNotFoundError, ValueError):
+            value = json.loads(path.read_bytes())
+        except FileNotFoundError:
             return None
-        if not isinstance(value, dict):
-            return None
-        prefix, header = value.get("prefix"), value.get("header")
+        except ValueError:
+            value = None
+        prefix = value.get("prefix") if isinstance(value, dict) else None
+        header = value.get("header") if isinstance(value, dict) else None
         if not isinstance(prefix, str) or not isinstance(header, str):
-            return None
+            raise CheckpointCorrupt(
+                f"{path} does not say which keys the last run sent its items under; remove it"
+                " only if no run on these results was stopped with items in flight"
+            )
         return cls(prefix, header)
 
 
