@@ -226,3 +226,30 @@ def test_which_answers_leave_an_item_in_doubt_and_which_settle_it(
     assert settles(code, verdict) is settled
     omitted = classify(201, None, replayed=True, omitted=True)
     assert not settles(None, omitted)  # SPEC §7: it executed, and nothing says what it used
+
+
+class _DeadPipe(io.StringIO):
+    """A log pipe whose reader went away (`| head -2`): every write after the first fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        if self.writes > 1:
+            raise BrokenPipeError(32, "Broken pipe")
+        return super().write(text)
+
+
+@pytest.mark.parametrize("gone", ["broken", "closed"])
+def test_progress_lines_to_a_stream_that_is_gone_are_dropped_not_raised(gone: str) -> None:
+    """The run stopped halfway with exit 1 and its items in flight abandoned."""
+    stream: io.StringIO = _DeadPipe() if gone == "broken" else io.StringIO()
+    reporter = PlainReporter(stream)
+    reporter.start(20, 0)
+    if gone == "closed":
+        stream.close()
+    for n in range(20):
+        reporter.advance(record(f"i{n}"))  # no exception
+    reporter.note("summary")

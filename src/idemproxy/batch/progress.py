@@ -67,7 +67,7 @@ class PlainReporter:
     """For logs and pipes: problems as they happen, and a line every tenth of the way."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
-        self._stream = stream or sys.stderr
+        self._stream: TextIO | None = stream or sys.stderr
         self._total = self._completed = self._step = 0
 
     def start(self, total: int, completed: int) -> None:
@@ -84,7 +84,15 @@ class PlainReporter:
             self.note(f"{self._completed}/{self._total} items")
 
     def note(self, message: str) -> None:
-        print(message, file=self._stream, flush=True)
+        """One line, or nothing once the stream is gone: a log pipe that died (`| head`, a
+        collector restarted) must not stop the run halfway with its items in flight
+        abandoned; the results file is the record, and the run goes on to its summary."""
+        if self._stream is None:
+            return
+        try:
+            print(message, file=self._stream, flush=True)
+        except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+            self._stream = None
 
     def finish(self) -> None:
         pass
