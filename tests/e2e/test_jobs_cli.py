@@ -113,7 +113,7 @@ def test_list_is_a_readable_table_and_json_is_spec_shaped(dsn: str, run_cli: Run
         assert set(job) >= JOB_FIELDS
         [attempt] = job["attempts"]
         assert set(attempt) >= ATTEMPT_FIELDS
-    assert "4242" not in json.dumps(listed)  # stored bodies stay out of listings
+    assert "4242-secret" not in json.dumps(listed)  # stored bodies stay out of listings
 
     filtered = run_cli(
         "jobs", "list", "--store", dsn, "--state", "unknown", "--owner", ALICE, "--json"
@@ -155,8 +155,8 @@ def test_show_one_job_with_its_attempts(dsn: str, run_cli: RunCli) -> None:
     assert attempts[1].split()[:3] == ["1", "http://upstream:3000", "unknown"]
 
     done = jobs["done"].id
-    assert "4242" not in ok(run_cli("jobs", "show", done, "--store", dsn, "--json")).stdout
-    assert "4242" not in ok(run_cli("jobs", "show", done, "--store", dsn)).stdout
+    assert "4242-secret" not in ok(run_cli("jobs", "show", done, "--store", dsn, "--json")).stdout
+    assert "4242-secret" not in ok(run_cli("jobs", "show", done, "--store", dsn)).stdout
     full = run_cli("jobs", "show", done, "--store", dsn, "--json", "--include-response")
     assert json.loads(ok(full).stdout)["response"]["body"] == SECRET.decode()
     assert (
@@ -202,7 +202,7 @@ def test_find_a_job_by_key_and_owner(dsn: str, run_cli: RunCli, tmp_path: Path) 
             "order-lost",
         )
     text = ok(run_cli("jobs", "find", "order-done", "--owner", ALICE, "--store", dsn)).stdout
-    assert f"job           {jobs['done'].id}" in text and "4242" not in text
+    assert f"job           {jobs['done'].id}" in text and "4242-secret" not in text
     shown = run_cli(
         "jobs", "find", "order-done", "--owner", ALICE, "--store", dsn, "--include-response"
     )
