@@ -244,3 +244,40 @@ async def test_a_duplicate_held_on_a_draining_proxy_is_answered_at_once(
         assert time.monotonic() - signalled < ANSWER_LIMIT
         await first
     assert await proxy.wait_exit(DRAIN + 5.0) == 0, proxy.describe()
+
+
+@pytest.mark.parametrize("key", ["begun", None], ids=["governed", "pass-through"])
+async def test_a_request_whose_head_began_before_the_drain_gets_its_answer(
+    tmp_path: Path, backend: Backend, start_proxy: StartProxy, key: str | None
+) -> None:
+    """Nothing else in flight: the drain waits for a head that began before it, and the
+    request it brings is answered (refused, if governed) before the connection closes."""
+    proxy, dsn = await _start(tmp_path, backend, start_proxy)
+    key_line = f"Idempotency-Key: {key}\r\n" if key is not None else ""
+    head = (
+        f"POST /charges HTTP/1.1\r\nHost: proxy\r\nAuthorization: {AUTHORIZATION}\r\n{key_line}"
+        "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    ).encode()
+    async with aiohttp.ClientSession() as session, connections(proxy, 1) as (begun,):
+        warm = await begun.post("warm")
+        assert warm is not None and warm.status == 201
+        begun.writer.write(head[:20])
+        await begun.writer.drain()
+        await asyncio.sleep(0.2)  # the proxy has read the head's first bytes
+
+        signalled = await _sigterm_until_draining(session, proxy)
+        assert proxy.running
+        begun.writer.write(head[20:])
+        answer = await begun.response()
+        assert answer is not None, f"closed without an answer: {proxy.describe()}"
+        assert time.monotonic() - signalled < ANSWER_LIMIT
+        assert answer.headers.get("connection", "").lower() == "close"
+        if key is not None:
+            _refused_while_draining(answer)
+        else:
+            assert answer.status == 201, answer
+        assert await begun.closed_by_proxy(timeout=1.0)
+    assert await proxy.wait_exit(DRAIN + 5.0) == 0, proxy.describe()
+    if key is not None:
+        assert (await _jobs(dsn, key))[key] is None, "claimed during the drain"
+        assert backend.ledger.count(key) == 0

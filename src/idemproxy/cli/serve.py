@@ -181,7 +181,7 @@ async def _drain(proxy: web.AppRunner, site: GuardedSite, timeout: float) -> Non
     start_draining(ctx)
     site.close()
     close_connections(site.server)
-    await drain(ctx, deadline)
+    await drain(ctx, deadline, site.server)
 
 
 async def _listening(setting: str, address: str, start: Awaitable[T]) -> T:

@@ -5,7 +5,8 @@ reaches it on a kept-alive connection is refused with `503 shutting-down` before
 held duplicate is answered the same way unless its job's result arrives first, idle kept-alive
 connections are closed, and busy ones close after their response (`Connection: close`,
 proxy/server/listener.py); a request whose body is still arriving is read, then refused. Requests in
-flight, and the attempts they run, get until the deadline to finish and store their outcome.
+flight (and those whose head had begun to arrive: each is read and answered), and the attempts
+they run, get until the deadline to finish and store their outcome.
 Attempts still running then are cancelled: each marks its job `unknown` on the way out (the
 upstream may have executed it), never `released`.
 """
@@ -18,7 +19,7 @@ import logging
 from aiohttp import web
 
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.server.listener import close_idle_connections
+from idemproxy.proxy.server.listener import close_idle_connections, requests_begun
 
 log = logging.getLogger(__name__)
 _POLL_SECONDS = 0.02
@@ -38,7 +39,9 @@ def close_connections(server: web.Server | None) -> None:
         close_idle_connections(server)
 
 
-async def drain(ctx: ProxyContext, deadline: float) -> None:
+async def drain(ctx: ProxyContext, deadline: float, server: web.Server | None = None) -> None:
+    """Wait, until `deadline`, for the requests in flight, the attempts they run and the
+    requests of `server`'s connections begun before the drain; then cut off the attempts."""
     if ctx.drained:
         return
     loop = asyncio.get_running_loop()
@@ -50,7 +53,7 @@ async def drain(ctx: ProxyContext, deadline: float) -> None:
             max(deadline - loop.time(), 0.0),
         )
     # Polled: it runs once, at shutdown; an event would cost every request on the hot path.
-    while (ctx.requests_in_flight or ctx.attempts) and loop.time() < deadline:  # noqa: ASYNC110
+    while _busy(ctx, server) and loop.time() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(_POLL_SECONDS)
     pending = set(ctx.attempts)
     if pending:
@@ -59,3 +62,7 @@ async def drain(ctx: ProxyContext, deadline: float) -> None:
             task.cancel()
         await asyncio.wait(pending, timeout=_SETTLE_SECONDS)
     ctx.drained = True
+
+
+def _busy(ctx: ProxyContext, server: web.Server | None) -> bool:
+    return bool(ctx.requests_in_flight or ctx.attempts) or requests_begun(server)

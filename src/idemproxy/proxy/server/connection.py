@@ -232,8 +232,16 @@ class GuardedHandler(web.RequestHandler):
         it; on an idle one it leaves the socket open (the wait for a next request ends
         without closing it) and a request sent on it would get no answer (SPEC §8)."""
         self.closing = True
-        if not (self.serving or self.head_started or self.queued or self._draining()):
+        if not (self.begun() or self._draining()):
             self.force_close()
+
+    def begun(self) -> bool:
+        """Whether a request is being read or served, or bytes of a next one wait: a shutdown
+        owes it an answer (SPEC §8), so its drain waits for it (proxy/drain.py)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return False
+        return self.serving or self.head_started or self.queued
 
     def request_started(self, body: StreamReader, head: RawRequestMessage) -> None:
         """aiohttp read a request's head and hands it to the handler: no deadline until the

@@ -176,6 +176,17 @@ def close_idle_connections(server: web.Server) -> None:
             connection.close()
 
 
+def requests_begun(server: web.Server | None) -> bool:
+    """Whether a connection of `server` is reading or serving a request, or holds bytes of a
+    next one: a head that began before a shutdown is still read and answered (SPEC §8)."""
+    if server is None:
+        return False
+    for connection in server.connections:
+        if isinstance(connection, GuardedHandler) and connection.begun():
+            return True
+    return False
+
+
 class GuardedSite:
     """A TCP listener for `runner`'s app, like `web.TCPSite`, whose connections are served by
     `GuardedHandler`, at most `limits.max_connections` at a time (counted in
