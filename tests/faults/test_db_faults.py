@@ -236,6 +236,8 @@ async def test_lost_completion_does_not_claim_nothing_was_forwarded(
                 headers={"Idempotency-Key": "detail", "Content-Type": "application/json"},
             )
         )
+        # Claimed first: a lock taken before the claim would stall the claim, not the completion.
+        await until_claimed(fault_db, "detail")
         async with jobs_locked(fault_db):
             pid = await blocked_backend(fault_db, COMPLETE_SQL)
             await fault_db.server.terminate_backends(pids=[pid])
