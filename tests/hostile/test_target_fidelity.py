@@ -9,7 +9,9 @@ aiohttp's client would normalise the path.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -159,3 +161,69 @@ async def test_a_fragment_is_not_forwarded(
     answer = await exchange(payments_and_rest, request("POST", target))
     assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:300])
     assert recorder.one.target == sent
+
+
+@pytest.mark.parametrize("methods", [None, ["POST", "OPTIONS"]], ids=["default", "governed"])
+@pytest.mark.parametrize("base", ["", "/base"])
+async def test_options_asterisk_asks_the_upstream_as_a_whole(
+    listening_proxy: ListeningProxy,
+    counting_store: CountingStore,
+    recorder: RecordingUpstream,
+    methods: list[str] | None,
+    base: str,
+) -> None:
+    """RFC 9112 §3.2.4: `OPTIONS *` is a question to the server, not to one of its resources:
+    it goes upstream as `*` (an upstream URL's path is no part of it), untracked even where
+    OPTIONS is governed (it names no resource, so no intent), and its answer comes back. It
+    was the router's `404` before."""
+    settings: dict[str, Any] = {} if methods is None else {"methods": methods}
+    address = await listening_proxy(
+        inject_store=counting_store, upstream=recorder.url + base, **settings
+    )
+    answer = await exchange(address, request("OPTIONS", "*", "k-asterisk"))
+    assert answer.startswith(b"HTTP/1.1 201 "), answer[:300]
+    assert recorder.one.head.split(b"\r\n", 1)[0] == b"OPTIONS * HTTP/1.1"
+    assert recorder.one.header_lines("Idempotency-Key") == [b"k-asterisk"]
+    assert recorder.one.body == b"pay"
+    assert counting_store.calls == []
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_an_asterisk_with_another_method_is_refused(
+    listening_proxy: ListeningProxy,
+    counting_store: CountingStore,
+    recorder: RecordingUpstream,
+    method: str,
+) -> None:
+    """Only OPTIONS takes the asterisk-form (RFC 9112 §3.2.4): any other method's is the
+    parser's `400`, never forwarded."""
+    address = await listening_proxy(inject_store=counting_store, upstream=recorder.url)
+    answer = await exchange(address, request(method, "*", "k-star"))
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"400", answer[:300]
+    assert recorder.received == []
+    assert counting_store.calls == []
+
+
+async def test_options_asterisk_with_100_continue_is_invited_where_options_is_governed(
+    listening_proxy: ListeningProxy, counting_store: CountingStore, recorder: RecordingUpstream
+) -> None:
+    """Not governed, so not refused from its head (no key on a route that requires one)."""
+    address = await listening_proxy(
+        inject_store=counting_store,
+        upstream=recorder.url,
+        methods=["POST", "OPTIONS"],
+        require_key=True,
+    )
+    head = b"OPTIONS * HTTP/1.1\r\nHost: proxy\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n"
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        writer.write(head)
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"pay")
+        final = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert final.startswith(b"HTTP/1.1 201 "), final
+    finally:
+        writer.close()
+    assert recorder.one.body == b"pay"
+    assert counting_store.calls == []

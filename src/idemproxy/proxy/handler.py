@@ -33,6 +33,7 @@ from idemproxy.proxy.jobs.governed import Governor
 from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route
+from idemproxy.proxy.server.any_path import asterisk_form
 from idemproxy.proxy.server.body import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.listener import PROXY_ROUTE
@@ -93,15 +94,17 @@ class Proxy:
         if request.headers.get("Expect", "").lower() != "100-continue":
             return self._refused_before_body(request, ExpectationFailed())
         ctx = self.ctx
+        # `OPTIONS *` is never governed (`_route`).
+        governed = request.method in ctx.governed_methods and not asterisk_form(request)
         declared = request.content_length
         if (
-            request.method in ctx.governed_methods
+            governed
             and declared is not None
             and declared > ctx.settings.max_request_body
             and _reads_bounded(ctx, request)
         ):
             return self._refused_before_body(request, BodyTooLarge())
-        if request.method in ctx.governed_methods:
+        if governed:
             refused = _refused_by_head(ctx, request)
             if refused is not None:
                 return self._refused_before_body(request, refused)
@@ -216,7 +219,8 @@ async def _route(
         if route is None:
             raise NoRoute()
         trace.route = route
-        if request.method not in ctx.governed_methods:
+        if request.method not in ctx.governed_methods or asterisk_form(request):
+            # `OPTIONS *` (RFC 9112 §3.2.4) names no resource, and so no intent to keep.
             if ctx.status_header is not None and _asks_status(ctx.status_header, request):
                 return await answer_status(ctx, request, route, trace)  # SPEC §7.1
             return await passthrough(ctx, request, route, trace=trace)  # SPEC §4: keys ignored

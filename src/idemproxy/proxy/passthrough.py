@@ -90,6 +90,7 @@ async def _forward(
             outgoing.data,
             content_length=outgoing.length,
             timeout=route.upstream_timeout,
+            target="*" if request.raw_path == "*" else None,  # `OPTIONS *` (any_path.py)
         ) as upstream:
             # Only a body that arrived whole with its head goes out in one write; one still on
             # its way streams, so the client gets the head and what came at once, as it would

@@ -2,9 +2,9 @@
 
 aiohttp matches `/{tail:.*}` with a regular expression and percent-decodes the captured tail
 for every request, and the proxy never reads it (it forwards the raw target, SPEC §10). This
-resource matches the same requests (an origin-form path, i.e. one that starts with "/"), and an
-absolute-form target without a path, and captures nothing: one match info per request and no
-pattern.
+resource matches the same requests (an origin-form path, i.e. one that starts with "/"), an
+absolute-form target without a path and `OPTIONS *`, and captures nothing: one match info per
+request and no pattern.
 """
 
 from __future__ import annotations
@@ -43,8 +43,16 @@ class AnyPath(web.PlainResource):
 
 def proxied(request: web.Request) -> bool:
     """An origin-form target, or an absolute-form one (RFC 9112 §3.2.2), whose empty path is
-    `/` (§3.2.1: `GET http://host?q` asks for `/?q`); not `*` nor an authority-form target."""
+    `/` (§3.2.1: `GET http://host?q` asks for `/?q`), or `OPTIONS *` (§3.2.4: the server as a
+    whole, forwarded as it came); not an authority-form target."""
     path = request.rel_url.path_safe
     if path.startswith("/"):
         return True
-    return not path and split_absolute_form(request.raw_path) is not None
+    if not path:
+        return split_absolute_form(request.raw_path) is not None
+    return asterisk_form(request)
+
+
+def asterisk_form(request: web.Request) -> bool:
+    """RFC 9112 §3.2.4: `OPTIONS *`, a question to the server, not to any of its resources."""
+    return request.raw_path == "*" and request.method == hdrs.METH_OPTIONS

@@ -115,7 +115,7 @@ async def expected(
 
 
 async def unroutable(request: web.Request) -> web.StreamResponse:
-    """What aiohttp's router answers a target that is not the proxy's (`*`, an authority-form
+    """What aiohttp's router answers a target that is not the proxy's (an authority-form
     target): its default handling of `Expect`, then 404."""
     expect = request.headers.get(hdrs.EXPECT)
     if expect and request.version == HttpVersion11:
@@ -138,7 +138,7 @@ def routable(request: web.Request) -> web.Request:
         return request
     absolute = split_absolute_form(target)
     if absolute is None:
-        return request  # `*` or an authority-form target: the router's 404
+        return request  # `OPTIONS *`, or an authority-form target: the router's 404
     scheme, authority, rest = absolute
     return request.clone(rel_url=f"{scheme}://{authority}{rest}")
 

@@ -68,7 +68,7 @@ class UpstreamClient:
         if self._link is not None:
             self._link.pool.close()
 
-    def request(
+    def request(  # noqa: PLR0913 - one per part of a request; `target` only for `OPTIONS *`
         self,
         method: str,
         url: URL,  # encoded=True: its path and query go out byte for byte (SPEC §10 fidelity)
@@ -77,12 +77,14 @@ class UpstreamClient:
         *,
         content_length: int | None = None,
         timeout: float | None = None,
+        target: str | None = None,
     ) -> Exchange:
         """`async with client.request(…) as response`: sends the request and gives the response
         once its head arrived; leaving the block gives the connection back. `timeout` overrides
         the client's for this request (a route's `upstream_timeout`). The Host sent is the one
         in `headers` (a CIMultiDict; SPEC §10 `forward_host`, proxy/upstream/target.py), by
-        default the URL's authority."""
+        default the URL's authority. `target` is sent in place of the URL's path and query: `*`
+        for `OPTIONS *` (RFC 9112 §3.2.4), which no URL holds."""
         if self._link is None:
             raise RuntimeError("UpstreamClient.open() was not called")
         found = self._origins.get((url.scheme, url.raw_host, url.port))
@@ -92,7 +94,9 @@ class UpstreamClient:
         else:
             framing = framing_for(method, body, content_length)
         host = headers.get("Host") or authority
-        head = request_head(method, url.raw_path_qs, host, headers, framing)
+        if target is None:
+            target = url.raw_path_qs
+        head = request_head(method, target, host, headers, framing)
         wait = self._timeout if timeout is None else timeout
         if body is None or isinstance(body, bytes | bytearray):
             return Exchange(self._link, origin, method, head, body, wait)

@@ -93,6 +93,8 @@ def outgoing(
     if correlation is not None and correlation.made:
         headers.popall(correlation.header, None)
         headers[correlation.header] = correlation.request_id
+    if target == "*":  # `OPTIONS *`: the upstream as a whole (`UpstreamClient.request`)
+        return URL(upstream, encoded=True), headers
     url = URL(upstream + target, encoded=True)
     if not url.raw_query_string and target.partition("#")[0].endswith("?"):
         # An empty query, which a URL drops: kept at the end of its raw path, so that the
