@@ -281,3 +281,38 @@ async def test_a_request_whose_head_began_before_the_drain_gets_its_answer(
     if key is not None:
         assert (await _jobs(dsn, key))[key] is None, "claimed during the drain"
         assert backend.ledger.count(key) == 0
+
+
+CHUNKED_HEAD = b"PUT /things HTTP/1.1\r\nHost: proxy\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "reads",
+    [
+        # The head in two reads: its chunks are not followed to their end.
+        [CHUNKED_HEAD[:24], CHUNKED_HEAD[24:], b"3\r\nabc\r\n0\r\n\r\n"],
+        # More chunks in one read than the walk follows.
+        [CHUNKED_HEAD, b"1\r\na\r\n" * 300 + b"0\r\n\r\n"],
+    ],
+    ids=["head-in-two-reads", "many-chunks"],
+)
+async def test_a_connection_idle_after_a_chunked_upload_closes_at_once_and_the_drain_ends(
+    tmp_path: Path, backend: Backend, start_proxy: StartProxy, reads: list[bytes]
+) -> None:
+    """A chunked body whose end could not be followed left the connection marked as holding a
+    next request: a drain with nothing in flight waited for it until its deadline."""
+    proxy, _ = await _start(tmp_path, backend, start_proxy)
+    async with connections(proxy, 1) as (uploaded,):
+        for read in reads:
+            uploaded.writer.write(read)
+            await uploaded.writer.drain()
+            await asyncio.sleep(0.1)
+        answer = await uploaded.response()
+        assert answer is not None and answer.status == 201, answer
+        assert answer.headers.get("connection", "").lower() != "close"
+
+        signalled = time.monotonic()
+        os.kill(proxy.pid, signal.SIGTERM)
+        assert await uploaded.closed_by_proxy(timeout=1.0), "the idle connection was kept open"
+        assert await proxy.wait_exit(DRAIN) == 0, proxy.describe()
+        assert time.monotonic() - signalled < ANSWER_LIMIT, "the drain waited for nothing"

@@ -184,9 +184,12 @@ class GuardedHandler(web.RequestHandler):
                 self.burst, self.burst_at = data, at
             else:
                 # A chunked body's framing hides where it ended. Its last read ends with the
-                # terminator's blank line unless bytes of a next request follow it.
+                # terminator's blank line unless bytes of a next request follow it; when that
+                # read ends with the last chunk itself, nothing waits behind it (a shutdown
+                # would otherwise wait for a request that never comes).
                 self.burst = None
                 self.next_head = _head_begun_after_chunks(self.tail)
+                self.queued = self.next_head or not _ends_at_last_chunk(self.tail)
                 return
             self.next_head = True
 
@@ -534,6 +537,19 @@ def _head_begun_after_chunks(tail: bytes) -> bool:
     CRLF) and empty lines after it (RFC 9112 §2.2)."""
     stripped = tail.rstrip(b"\r\n")
     return bool(stripped) and not tail[len(stripped) :].startswith(b"\r\n\r\n")
+
+
+def _ends_at_last_chunk(tail: bytes) -> bool:
+    """Whether a read that ended a chunked body ends with its last chunk and no trailer
+    (`…\r\n0\r\n\r\n`, RFC 9112 §7.1), empty lines aside: no request is queued behind it, since
+    a head's last line is a field or its request line, never a chunk size of zeros. False when
+    the line's start is not in `tail` (it cannot be told)."""
+    body = tail.rstrip(b"\r\n")
+    start = body.rfind(b"\n")
+    if start < 0 or len(body) == len(tail):
+        return False
+    size = body[start + 1 :].split(b";", 1)[0]
+    return bool(size) and not size.strip(b"0")
 
 
 def _names_a_header(exc: BaseException | None) -> bool:
