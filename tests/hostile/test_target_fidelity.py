@@ -227,3 +227,29 @@ async def test_options_asterisk_with_100_continue_is_invited_where_options_is_go
         writer.close()
     assert recorder.one.body == b"pay"
     assert counting_store.calls == []
+
+
+@pytest.mark.parametrize(
+    ("target", "sent"),
+    [
+        ("http://proxy", b"*"),
+        ("HTTP://PROXY:80", b"*"),
+        ("http://proxy/", b"/"),
+        ("http://proxy?x=1", b"/?x=1"),
+    ],
+)
+async def test_options_to_an_absolute_form_without_path_or_query_asks_the_server(
+    listening_proxy: ListeningProxy,
+    counting_store: CountingStore,
+    recorder: RecordingUpstream,
+    target: str,
+    sent: bytes,
+) -> None:
+    """RFC 9112 §3.2.4: the last proxy sends `OPTIONS http://host` (no path, no query) as
+    `OPTIONS *`; with a path or a query it names a resource, sent in origin-form."""
+    address = await listening_proxy(
+        inject_store=counting_store, upstream=recorder.url + "/base", methods=["POST", "OPTIONS"]
+    )
+    answer = await exchange(address, request("OPTIONS", target))
+    assert answer.startswith(b"HTTP/1.1 201 "), answer[:300]
+    assert recorder.one.target == (sent if sent == b"*" else b"/base" + sent)

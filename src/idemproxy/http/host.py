@@ -46,6 +46,18 @@ def split_absolute_form(target: str) -> tuple[str, str, str] | None:
     return scheme.lower(), authority, tail if tail.startswith("/") else "/" + tail
 
 
+def asks_the_server(method: str, target: str) -> bool:
+    """RFC 9112 §3.2.4: a question to the server as a whole, not to one of its resources:
+    `OPTIONS *`, or OPTIONS with an absolute-form target of no path and no query, which the last
+    proxy on the chain sends as `*`."""
+    if method != "OPTIONS":
+        return False
+    if target == "*":
+        return True
+    _, sep, rest = target.partition("://")
+    return bool(sep) and "/" not in rest and "?" not in rest
+
+
 _INVALID_HOST = "The Host header is not a valid host[:port] (RFC 9112 §3.2)."
 _DISAGREEING_HOST = (
     "The absolute-form target is not an http(s) URI without userinfo naming the host of the "

@@ -20,7 +20,7 @@ from idemproxy.errors import (
     ProblemError,
 )
 from idemproxy.http.correlation import CURRENT, correlation_of
-from idemproxy.http.host import host_problem
+from idemproxy.http.host import asks_the_server, host_problem
 from idemproxy.http.offload import OFF_LOOP_CONTAINERS, heavy
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.jwt_owner import KeyNotLoaded
@@ -33,7 +33,6 @@ from idemproxy.proxy.jobs.governed import Governor
 from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route
-from idemproxy.proxy.server.any_path import asterisk_form
 from idemproxy.proxy.server.body import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.listener import PROXY_ROUTE
@@ -95,7 +94,9 @@ class Proxy:
             return self._refused_before_body(request, ExpectationFailed())
         ctx = self.ctx
         # `OPTIONS *` is never governed (`_route`).
-        governed = request.method in ctx.governed_methods and not asterisk_form(request)
+        governed = request.method in ctx.governed_methods and not asks_the_server(
+            request.method, request.raw_path
+        )
         declared = request.content_length
         if (
             governed
@@ -219,7 +220,9 @@ async def _route(
         if route is None:
             raise NoRoute()
         trace.route = route
-        if request.method not in ctx.governed_methods or asterisk_form(request):
+        if request.method not in ctx.governed_methods or (
+            request.raw_path[0] != "/" and asks_the_server(request.method, request.raw_path)
+        ):
             # `OPTIONS *` (RFC 9112 §3.2.4) names no resource, and so no intent to keep.
             if ctx.status_header is not None and _asks_status(ctx.status_header, request):
                 return await answer_status(ctx, request, route, trace)  # SPEC §7.1

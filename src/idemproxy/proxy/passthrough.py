@@ -14,6 +14,7 @@ from yarl import URL
 from idemproxy.core.attempts import Outcome, classify_failure
 from idemproxy.errors import NEVER, BodyInvalid, ClientDisconnected
 from idemproxy.http.headers import drop_for_client
+from idemproxy.http.host import asks_the_server
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import DisconnectStage
 from idemproxy.proxy.context import ProxyContext
@@ -90,7 +91,7 @@ async def _forward(
             outgoing.data,
             content_length=outgoing.length,
             timeout=route.upstream_timeout,
-            target="*" if request.raw_path == "*" else None,  # `OPTIONS *` (any_path.py)
+            target=None if request.raw_path[0] == "/" else _asterisk(request),
         ) as upstream:
             # Only a body that arrived whole with its head goes out in one write; one still on
             # its way streams, so the client gets the head and what came at once, as it would
@@ -136,6 +137,12 @@ async def _forward(
         return problem_response(
             error, profile=ctx.settings.profile, types=ctx.settings.problem_types
         )
+
+
+def _asterisk(request: web.Request) -> str | None:
+    """`*` for a question to the upstream as a whole (RFC 9112 §3.2.4), which no URL holds;
+    None for any other request (the URL's path and query)."""
+    return "*" if asks_the_server(request.method, request.raw_path) else None
 
 
 def _small(length: int | None) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
-from idemproxy.http.host import split_absolute_form
+from idemproxy.http.host import asks_the_server, split_absolute_form
 
 ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
 _NOTHING: set[str] = set()
@@ -50,9 +50,4 @@ def proxied(request: web.Request) -> bool:
         return True
     if not path:
         return split_absolute_form(request.raw_path) is not None
-    return asterisk_form(request)
-
-
-def asterisk_form(request: web.Request) -> bool:
-    """RFC 9112 §3.2.4: `OPTIONS *`, a question to the server, not to any of its resources."""
-    return request.raw_path == "*" and request.method == hdrs.METH_OPTIONS
+    return asks_the_server(request.method, request.raw_path)

@@ -21,7 +21,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 
 from idemproxy.config.settings import LimitsSettings, ServerSettings, parse_listen
-from idemproxy.http.host import split_absolute_form
+from idemproxy.http.host import asks_the_server, split_absolute_form
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.server.any_path import proxied
 from idemproxy.proxy.server.connection import GuardedHandler
@@ -136,6 +136,8 @@ def routable(request: web.Request) -> web.Request:
     target = request.raw_path
     if target.startswith("/") or request.rel_url.path_safe:
         return request
+    if asks_the_server(request.method, target):
+        return request  # sent upstream as `*` (RFC 9112 §3.2.4), not as `/`
     absolute = split_absolute_form(target)
     if absolute is None:
         return request  # `OPTIONS *`, or an authority-form target: the router's 404

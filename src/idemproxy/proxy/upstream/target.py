@@ -20,7 +20,7 @@ from yarl import URL
 
 from idemproxy.http.correlation import CURRENT
 from idemproxy.http.headers import request_headers_for_upstream
-from idemproxy.http.host import split_absolute_form
+from idemproxy.http.host import asks_the_server, split_absolute_form
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -61,7 +61,7 @@ def outgoing(
     upstream URL's own authority: the upstream client sends that) and the request id."""
     target = request.raw_path
     if not target.startswith("/"):  # origin-form (`/…`, nearly every request): as it is
-        target = _origin_form(target)
+        target = "*" if asks_the_server(request.method, target) else _origin_form(target)
     peer = request.remote
     host_sent = request.headers.get(hdrs.HOST)  # `client_host`'s common case, in place
     if host_sent is None:
