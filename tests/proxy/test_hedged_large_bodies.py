@@ -11,8 +11,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from idemproxy.core.types import AttemptState, JobState
 from idemproxy.proxy.context import CONTEXT
-from tests.support.proxychecks import KEY, eventually
+from idemproxy.store.base import Store
+from tests.support.proxychecks import KEY, eventually, only_job
 
 from .conftest import ProxyFactory
 
@@ -64,3 +66,69 @@ async def test_a_racer_that_loses_the_completion_gives_back_what_it_captured(
     # The primary answers later, captures LIMIT bytes and more, and loses the CAS.
     await eventually(lambda: not client.app[CONTEXT].attempts, timeout=10)
     assert budget.used == 0
+
+
+def declared_then_stalled(sent: int, stall: float, *, cut: bool) -> Answer:
+    """A head that declares SIZE bytes, `sent` of them, then a stall; then the connection is
+    closed (`cut`) or the rest follows."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse()
+        response.content_length = SIZE
+        await response.prepare(request)
+        await response.write(b"p" * sent)
+        await asyncio.sleep(stall)
+        if cut:
+            assert request.transport is not None
+            request.transport.close()
+            return response
+        await response.write(b"p" * (SIZE - sent))
+        await response.write_eof()
+        return response
+
+    return answer
+
+
+def whole(fill: bytes) -> Answer:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(body=fill * SIZE)
+
+    return answer
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["cut-off", "stalled"])
+async def test_a_declared_large_body_wins_the_race_only_once_more_than_the_limit_arrived(
+    proxy: ProxyFactory, jobs: Store, cut: bool
+) -> None:
+    """docs/attempts.md, Hedging: a head that declares a large body wins nothing by itself. A
+    primary that sends its head and a few bytes, then stalls, is hedged, and the hedge's whole
+    answer wins; the primary's was the client's answer before, cut off with it (and a retry
+    got an empty `omitted` replay of a job that was `completed`)."""
+    servers = []
+    for handler in (declared_then_stalled(500, 1.0, cut=cut), whole(b"f")):
+        app = web.Application()
+        app.router.add_post("/big", handler)
+        servers.append(TestServer(app))
+    async with servers[0], servers[1]:
+        primary, fallback = (str(server.make_url("")) for server in servers)
+        client = await proxy(
+            upstream=primary, fallbacks=[fallback], hedge_after=0.2, max_stored_body=LIMIT
+        )
+        headers = {KEY: f"declared-{cut}"}
+        async with client.post("/big", data=b"{}", headers=headers) as response:
+            assert response.status == 200
+            assert await response.read() == b"f" * SIZE  # the hedge won
+        await eventually(lambda: not client.app[CONTEXT].attempts, timeout=10)
+        async with client.post("/big", data=b"{}", headers=headers) as replay:
+            assert replay.status == 200
+            assert replay.headers.get("Idempotent-Replayed") == "true"
+            assert replay.headers.get("Idempotency-Replay") == "omitted"  # too large to keep
+        assert client.app[CONTEXT].budget.used == 0
+    job = await only_job(jobs)
+    assert (job.state, job.completed_by) == (JobState.COMPLETED, 2)
+    first, second = job.attempts
+    # Cut off: it may have executed, and lost; stalled: it lost the completion when it ended.
+    assert first.state == (AttemptState.UNKNOWN if cut else AttemptState.DISCARDED), first
+    assert second.state == AttemptState.SUCCEEDED

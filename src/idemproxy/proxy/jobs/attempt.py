@@ -218,7 +218,7 @@ class AttemptRunner:
             while True:
                 match state:
                     case Capture():
-                        kept = await self._capture(upstream)
+                        kept = await self._capture(upstream, state.mode)
                         state = state.next(BodyCaptured(kept.whole))
                     case CheckContract():
                         assert kept is not None
@@ -309,12 +309,19 @@ class AttemptRunner:
             if kept is not None:
                 kept.close()
 
-    async def _capture(self, upstream: UpstreamResponse) -> Captured:
+    async def _capture(self, upstream: UpstreamResponse, mode: Mode) -> Captured:
         """The body up to max_stored_body, within the response budget (proxy/server/capture.py).
-        A body declared larger is not waited for: it streams through at once (SPEC §7)."""
+        A body declared larger is not waited for: it streams through at once (SPEC §7). In a
+        race it is: its head alone wins nothing, a racer wins once more than max_stored_body
+        bytes of it arrived (docs/attempts.md, Hedging), and one cut off before is unknown."""
         limit = self.settings.max_stored_body
         declared = upstream.content_length
-        if declared is not None and declared > limit and upstream.method != "HEAD":
+        if (
+            declared is not None
+            and declared > limit
+            and upstream.method != "HEAD"
+            and mode is not Mode.HEDGED
+        ):
             return Captured(self.budget)
         return await capture(upstream, limit, self.budget)
 
