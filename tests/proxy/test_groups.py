@@ -7,6 +7,7 @@ apart. All tests run on SQLite and PostgreSQL (`proxy` and `jobs` follow `store_
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import time
@@ -19,6 +20,7 @@ from aiohttp.test_utils import TestClient
 
 from idemproxy.core.types import AttemptState, Job, JobState, StoredResponse
 from idemproxy.proxy.context import CONTEXT
+from idemproxy.proxy.jobs.attempt import KeptLease
 from idemproxy.store.base import Store
 from tests.support.named_upstream import WRONG_SHAPE, NamedUpstream, write_contract
 from tests.support.proxyapp import ProxyClient
@@ -370,6 +372,45 @@ async def test_all_racers_released_releases_the_job(
     primary.delay, primary.status = 0.0, 200  # released: the next retry runs again
     retry = await post(client, "all-fail")
     assert (retry.status, retry.json["upstream"]) == (200, "primary")
+
+
+async def test_a_race_whose_job_was_taken_over_answers_as_the_job_is_now(
+    proxy: ProxyFactory,
+    start_upstream: StartUpstream,
+    jobs: Store,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SPEC §3.5: every racer released, but its lease ran out first (a process stalled past it)
+    and another request took the job over as `unknown`: the settle loses its CAS, and the
+    client is told what a retry will be told (`409 outcome-unknown`), as after a fail-over that
+    lost its CAS; it got the last racer's own `503` (retryable) before."""
+    monkeypatch.setattr(KeptLease, "_start_renewing", lambda _self: None)  # a stalled process
+    primary = await start_upstream("primary", status=503, delay=1.5)
+    fallback = await start_upstream("fallback", status=503, delay=1.4)
+    client = await proxy(
+        upstream=primary.url,
+        fallbacks=[fallback.url],
+        hedge_after=0.1,
+        lease=1.0,
+        pool={"store_timeout": 0.5},
+    )
+
+    first = asyncio.create_task(post(client, "taken-over"))
+    for _ in range(250):  # both racers started (hedge_after)
+        job = await jobs.get("anonymous", "taken-over")
+        if job is not None and job.attempt_count == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert job is not None and job.attempt_count == 2
+    await asyncio.sleep(1.1)  # the lease ran out by the database clock
+    assert await jobs.take_over(job)
+    answer = await first
+    assert (answer.status, answer.headers.get("Idempotency-Error")) == (409, "outcome-unknown")
+    job = await only_job(jobs)
+    assert job.state is JobState.UNKNOWN
+    async with send(client, "taken-over") as retry:
+        await assert_problem(retry, "outcome-unknown", 409)
+    assert (primary.count(), fallback.count()) == (1, 1)
 
 
 async def test_all_racers_failed_with_one_unknown_makes_the_job_unknown(

@@ -213,11 +213,13 @@ class JobRunner:
         self, governed: GovernedRequest, ended: Ended, index: int
     ) -> web.StreamResponse | None:
         """No racer completed: the job is unknown if any attempt may have executed, else
-        released (the machine chose which failure settles it)."""
+        released (the machine chose which failure settles it). None when the job was decided
+        elsewhere meanwhile (a takeover after the lease ran out): the caller re-reads it, as
+        after a fail-over that lost its CAS, and answers from what it is now."""
         attempt, handed = ended[index]
         failed = Failed(handed.outcome, handed.status, handed.error, handed.problem)
         # Every attempt's own end is recorded already; this settles the job.
-        await self.store.settle(
+        settled = await self.store.settle(
             attempt.job,
             attempt.number,
             settled_state(failed.outcome),
@@ -227,6 +229,10 @@ class JobRunner:
         for _, other in ended:
             if other is not handed:
                 drop_unsent(other.reply)
+        if not settled:
+            log.info("job %s attempt %d: settle lost the CAS", attempt.job.id, attempt.number)
+            drop_unsent(handed.reply)
+            return None
         if handed.reply is not None:  # SPEC §3.2: the upstream's own answer, e.g. its 503
             return handed.reply
         return self.runner.problem(attempt, failed)
