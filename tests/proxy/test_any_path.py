@@ -56,11 +56,18 @@ async def test_it_resolves_exactly_where_the_tail_pattern_did(target: str) -> No
         assert match.handler is _echo
 
 
-async def test_a_target_not_in_origin_form_is_not_matched() -> None:
+async def test_an_authority_form_target_is_not_matched() -> None:
     resource = AnyPath(_echo, expect_handler=_no_expect)
-    request = make_mocked_request("OPTIONS", "*")
+    request = make_mocked_request("CONNECT", "proxy:443")
     assert await resource.resolve(request) == (None, set())
     matched, _ = await resource.resolve(make_mocked_request("GET", "/"))
+    assert matched is not None
+
+
+async def test_options_asterisk_is_matched() -> None:
+    """RFC 9112 §3.2.4: a question to the server as a whole, forwarded as `*` (SPEC §10)."""
+    resource = AnyPath(_echo, expect_handler=_no_expect)
+    matched, _ = await resource.resolve(make_mocked_request("OPTIONS", "*"))
     assert matched is not None
 
 
