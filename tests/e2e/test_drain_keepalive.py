@@ -289,18 +289,19 @@ CHUNKED_HEAD = b"PUT /things HTTP/1.1\r\nHost: proxy\r\nTransfer-Encoding: chunk
 @pytest.mark.parametrize(
     "reads",
     [
-        # The head in two reads: its chunks are not followed to their end.
+        # The head in two reads, its body in a third.
         [CHUNKED_HEAD[:24], CHUNKED_HEAD[24:], b"3\r\nabc\r\n0\r\n\r\n"],
-        # More chunks in one read than the walk follows.
-        [CHUNKED_HEAD, b"1\r\na\r\n" * 300 + b"0\r\n\r\n"],
+        # The head in three reads, the second with the start of the body.
+        [CHUNKED_HEAD[:10], CHUNKED_HEAD[10:40], CHUNKED_HEAD[40:] + b"3\r\na", b"bc\r\n0\r\n\r\n"],
     ],
-    ids=["head-in-two-reads", "many-chunks"],
+    ids=["head-in-two-reads", "head-in-three-reads"],
 )
 async def test_a_connection_idle_after_a_chunked_upload_closes_at_once_and_the_drain_ends(
     tmp_path: Path, backend: Backend, start_proxy: StartProxy, reads: list[bytes]
 ) -> None:
-    """A chunked body whose end could not be followed left the connection marked as holding a
-    next request: a drain with nothing in flight waited for it until its deadline."""
+    """A chunked body whose head came in more than one read was not followed to its end: its
+    connection was marked as holding a next request, so a drain with nothing in flight waited
+    for it until its deadline, and the idle connection was not closed."""
     proxy, _ = await _start(tmp_path, backend, start_proxy)
     async with connections(proxy, 1) as (uploaded,):
         for read in reads:
@@ -316,3 +317,36 @@ async def test_a_connection_idle_after_a_chunked_upload_closes_at_once_and_the_d
         assert await uploaded.closed_by_proxy(timeout=1.0), "the idle connection was kept open"
         assert await proxy.wait_exit(DRAIN) == 0, proxy.describe()
         assert time.monotonic() - signalled < ANSWER_LIMIT, "the drain waited for nothing"
+
+
+@pytest.mark.parametrize(
+    "behind",
+    [
+        b"PUT /b HTTP/1.1\r\nHost: proxy\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"PUT /b HTTP/1.1\r\nHost: proxy\r\nContent-Length: 8\r\n\r\nab\n0\r\n\r\n",
+        b"GET /b HTTP/1.1\r\nHost: proxy\r\n\r\n",
+    ],
+    ids=["empty-chunked", "ends-like-chunks", "get"],
+)
+async def test_a_request_pipelined_behind_a_chunked_upload_is_answered_through_a_drain(
+    tmp_path: Path, backend: Backend, start_proxy: StartProxy, behind: bytes
+) -> None:
+    """More chunks in one read than are followed: where the body ends is not known, nor
+    whether a request follows it, even one that ends as chunks do. The connection is not taken
+    for idle then (at worst a drain waits for it until its deadline): a request sent behind
+    the upload, with a drain beginning as the first answer arrives, is answered."""
+    proxy, _ = await _start(tmp_path, backend, start_proxy)
+    async with connections(proxy, 1) as (uploaded,):
+        uploaded.writer.write(CHUNKED_HEAD)
+        await uploaded.writer.drain()
+        await asyncio.sleep(0.1)
+        uploaded.writer.write(b"1\r\na\r\n" * 300 + b"0\r\n\r\n" + behind)
+        await uploaded.writer.drain()
+        first = await uploaded.response()
+        assert first is not None and first.status == 201, first
+        os.kill(proxy.pid, signal.SIGTERM)
+        if first.headers.get("connection", "").lower() != "close":
+            second = await uploaded.response(timeout=DRAIN + 2.0)
+            assert second is not None, f"closed without an answer: {proxy.describe()}"
+            assert second.status in (201, 404), second
+        assert await proxy.wait_exit(DRAIN + 3.0) == 0, proxy.describe()

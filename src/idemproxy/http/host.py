@@ -55,6 +55,7 @@ def asks_the_server(method: str, target: str) -> bool:
     if target == "*":
         return True
     _, sep, rest = target.partition("://")
+    rest = rest.partition("#")[0]  # a fragment is no part of the target (RFC 9112 §3.2)
     return bool(sep) and "/" not in rest and "?" not in rest
 
 

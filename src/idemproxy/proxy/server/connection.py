@@ -138,9 +138,16 @@ class GuardedHandler(web.RequestHandler):
             self.refusable = None
             self._pipelined(body, data)
         elif self.head_started or data[0] not in _EMPTY_LINE or begins_head(data, 0):
-            # A read that begins a head starts a burst; one that goes on with a head does not.
+            # A read that begins a head starts a burst; one that goes on with a head joins it
+            # (up to _BURST_KEPT), so that where the request's body ends can still be followed
+            # from its head (`request_started`).
             if self.head_started:
-                self.burst, self.burst_at, self.refusable = None, 0, None
+                self.refusable = None
+                burst = self.burst
+                if burst is not None and len(burst) - self.burst_at + len(data) <= _BURST_KEPT:
+                    self.burst, self.burst_at = burst[self.burst_at :] + data, 0
+                else:
+                    self.burst, self.burst_at = None, 0
             else:
                 self.burst, self.burst_at, self.refusable = data, 0, data
             self.head_started = True
@@ -184,12 +191,11 @@ class GuardedHandler(web.RequestHandler):
                 self.burst, self.burst_at = data, at
             else:
                 # A chunked body's framing hides where it ended. Its last read ends with the
-                # terminator's blank line unless bytes of a next request follow it; when that
-                # read ends with the last chunk itself, nothing waits behind it (a shutdown
-                # would otherwise wait for a request that never comes).
+                # terminator's blank line unless bytes of a next request follow it; a whole
+                # next request may end the same way, so `queued` stays: a shutdown waits for
+                # it (until its deadline) rather than close under a request it cannot see.
                 self.burst = None
                 self.next_head = _head_begun_after_chunks(self.tail)
-                self.queued = self.next_head or not _ends_at_last_chunk(self.tail)
                 return
             self.next_head = True
 
@@ -529,6 +535,9 @@ def _past_empty_lines(data: bytes, at: int) -> int:
 
 
 _TAIL = 16  # bytes of the stream's end kept (`tail`)
+# A head that comes in more than one read is kept up to this size to be followed: aiohttp takes
+# no head line over 8 KiB, and a head of more than a few such lines is rare.
+_BURST_KEPT = 64 * 1024
 
 
 def _head_begun_after_chunks(tail: bytes) -> bool:
@@ -537,19 +546,6 @@ def _head_begun_after_chunks(tail: bytes) -> bool:
     CRLF) and empty lines after it (RFC 9112 §2.2)."""
     stripped = tail.rstrip(b"\r\n")
     return bool(stripped) and not tail[len(stripped) :].startswith(b"\r\n\r\n")
-
-
-def _ends_at_last_chunk(tail: bytes) -> bool:
-    """Whether a read that ended a chunked body ends with its last chunk and no trailer
-    (`…\r\n0\r\n\r\n`, RFC 9112 §7.1), empty lines aside: no request is queued behind it, since
-    a head's last line is a field or its request line, never a chunk size of zeros. False when
-    the line's start is not in `tail` (it cannot be told)."""
-    body = tail.rstrip(b"\r\n")
-    start = body.rfind(b"\n")
-    if start < 0 or len(body) == len(tail):
-        return False
-    size = body[start + 1 :].split(b";", 1)[0]
-    return bool(size) and not size.strip(b"0")
 
 
 def _names_a_header(exc: BaseException | None) -> bool:
