@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from idemproxy.http.host import host_problem, split_absolute_form, valid_host
+from idemproxy.http.host import asks_the_server, host_problem, split_absolute_form, valid_host
 
 
 @pytest.mark.parametrize(
@@ -91,3 +91,26 @@ def test_the_origin_form_rest_of_an_absolute_form_target_is_kept_as_sent() -> No
     assert split_absolute_form("http://h?q") == ("http", "h", "/?q")  # RFC 9112 §3.2.1
     assert split_absolute_form("/x") is None
     assert split_absolute_form("*") is None
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "asks"),
+    [
+        ("OPTIONS", "*", True),
+        ("OPTIONS", "http://h", True),
+        ("OPTIONS", "HTTP://H:80", True),
+        ("OPTIONS", "http://h#/x", True),  # the fragment is no part of the target
+        ("OPTIONS", "http://h/", False),
+        ("OPTIONS", "http://h?", False),  # an empty query is a query
+        ("OPTIONS", "http://h?x=1", False),
+        ("OPTIONS", "/", False),
+        ("OPTIONS", "/*", False),
+        ("GET", "*", False),
+        ("GET", "http://h", False),
+        ("options", "*", False),  # methods are case-sensitive (RFC 9110 §9.1)
+    ],
+)
+def test_a_question_to_the_server_as_a_whole(method: str, target: str, asks: bool) -> None:
+    """RFC 9112 §3.2.4: `OPTIONS *`, and OPTIONS to an absolute-form target of no path and no
+    query, which the last proxy sends as `*`."""
+    assert asks_the_server(method, target) is asks
