@@ -350,3 +350,26 @@ async def test_a_request_pipelined_behind_a_chunked_upload_is_answered_through_a
             assert second is not None, f"closed without an answer: {proxy.describe()}"
             assert second.status in (201, 404), second
         assert await proxy.wait_exit(DRAIN + 3.0) == 0, proxy.describe()
+
+
+async def test_a_head_begun_behind_many_chunks_in_the_same_read_is_answered_through_a_drain(
+    tmp_path: Path, backend: Backend, start_proxy: StartProxy
+) -> None:
+    """The head, more chunks than are followed and the start of a next head in one read: the
+    connection was taken for idle, closed at once by a drain, and the next request was never
+    answered (nor given its head deadline)."""
+    proxy, _ = await _start(tmp_path, backend, start_proxy)
+    async with aiohttp.ClientSession() as session, connections(proxy, 1) as (uploaded,):
+        next_head = b"GET /after HTTP/1.1\r\nHost: proxy\r\n\r\n"
+        uploaded.writer.write(CHUNKED_HEAD + b"1\r\na\r\n" * 300 + b"0\r\n\r\n" + next_head[:25])
+        await uploaded.writer.drain()
+        first = await uploaded.response()
+        assert first is not None and first.status == 201, first
+
+        signalled = await _sigterm_until_draining(session, proxy)
+        uploaded.writer.write(next_head[25:])
+        answer = await uploaded.response()
+        assert answer is not None, f"closed without an answer: {proxy.describe()}"
+        assert answer.headers.get("connection", "").lower() == "close"
+        assert time.monotonic() - signalled < ANSWER_LIMIT
+    assert await proxy.wait_exit(DRAIN + 5.0) == 0, proxy.describe()

@@ -110,6 +110,7 @@ class GuardedHandler(web.RequestHandler):
         # the requests it brought are told apart there, for the head deadline (`request_started`).
         self.burst: bytes | None = None
         self.burst_at = 0
+        self.burst_reads = 0  # the reads joined in `burst` (`data_received`)
         self.framed = True  # the request being served has no body or a Content-Length
         # The chunked body of the request being served, followed read by read to its end, where
         # a next head may begin in the same read (`request_started`, `_pipelined`, `_drained`).
@@ -144,12 +145,18 @@ class GuardedHandler(web.RequestHandler):
             if self.head_started:
                 self.refusable = None
                 burst = self.burst
-                if burst is not None and len(burst) - self.burst_at + len(data) <= _BURST_KEPT:
+                self.burst_reads += 1  # each join copies the burst: a trickled head stops it
+                if (
+                    burst is not None
+                    and self.burst_reads <= _BURST_READS
+                    and len(burst) - self.burst_at + len(data) <= _BURST_KEPT
+                ):
                     self.burst, self.burst_at = burst[self.burst_at :] + data, 0
                 else:
                     self.burst, self.burst_at = None, 0
             else:
                 self.burst, self.burst_at, self.refusable = data, 0, data
+                self.burst_reads = 1
             self.head_started = True
             if self.head_deadline.due is None:  # the first byte of the next head
                 self.head_deadline.start(self.header_timeout)
@@ -289,6 +296,11 @@ class GuardedHandler(web.RequestHandler):
                 self.chunks = walk
             elif stop == GAVE_UP:
                 stop = None
+                if body.is_eof():
+                    # The whole body came with its head, and where it ended is not known:
+                    # a next request may follow it (as `_pipelined` takes such a read).
+                    self.queued = True
+                    self.next_head = _head_begun_after_chunks(self.tail)
         else:
             length = head.headers.get(hdrs.CONTENT_LENGTH, "0")
             stop = end + 4 + int(length) if length.isdigit() else None
@@ -538,6 +550,7 @@ _TAIL = 16  # bytes of the stream's end kept (`tail`)
 # A head that comes in more than one read is kept up to this size to be followed: aiohttp takes
 # no head line over 8 KiB, and a head of more than a few such lines is rare.
 _BURST_KEPT = 64 * 1024
+_BURST_READS = 32  # reads joined at most: a head trickled in tiny reads is not copied each time
 
 
 def _head_begun_after_chunks(tail: bytes) -> bool:
