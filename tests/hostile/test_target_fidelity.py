@@ -195,11 +195,11 @@ async def test_an_asterisk_with_another_method_is_refused(
     recorder: RecordingUpstream,
     method: str,
 ) -> None:
-    """Only OPTIONS takes the asterisk-form (RFC 9112 §3.2.4): any other method's is the
-    parser's `400`, never forwarded."""
+    """Only OPTIONS takes the asterisk-form (RFC 9112 §3.2.4): any other method's is never
+    forwarded: the parser's `400`, or the listener's `404` where an older parser takes it."""
     address = await listening_proxy(inject_store=counting_store, upstream=recorder.url)
     answer = await exchange(address, request(method, "*", "k-star"))
-    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] == b"400", answer[:300]
+    assert answer.split(b"\r\n", 1)[0].split(b" ")[1] in (b"400", b"404"), answer[:300]
     assert recorder.received == []
     assert counting_store.calls == []
 
