@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -35,3 +36,23 @@ def test_the_text_is_the_canonical_lower_case_form() -> None:
     for _ in range(1_000):
         text = new_job_id()
         assert str(uuid.UUID(text)) == text  # 8-4-4-4-12 lower-case hex, as PostgreSQL prints
+
+
+def test_a_forked_process_never_hands_out_its_parents_random_bits() -> None:
+    new_job_id()  # the parent has random bits kept for its next ids
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child writes its ids and exits at once
+        os.close(reader)
+        os.write(writer, " ".join(new_job_id() for _ in range(8)).encode())
+        os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as pipe:
+        childs = pipe.read().split()
+    os.waitpid(child, 0)
+    parents = [new_job_id() for _ in range(8)]
+    random_part = (1 << 74) - 1  # below the time, version and variant
+    assert len(childs) == 8
+    assert not {uuid.UUID(i).int & random_part for i in childs} & {
+        uuid.UUID(i).int & random_part for i in parents
+    }
