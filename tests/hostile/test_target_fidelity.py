@@ -136,10 +136,13 @@ async def test_an_absolute_form_target_goes_on_in_origin_form_as_sent(
         ("http://proxy/x/../y;p/%2e%2e?q=%2F&r=/./", b"/x/../y;p/%2e%2e?q=%2F&r=/./"),
         ("HTTP://PROXY:80/a//b", b"/a//b"),
         ("http://proxy/p?", b"/p?"),
+        ("http://proxy?", b"/?"),
+        ("http://proxy?a=1", b"/?a=1"),
     ):
-        answer = await exchange(address, request("POST", target, "k-" + target))
-        assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:300])
-        assert recorder.received[-1].target == sent
+        for method, key in (("POST", "k-" + target), ("GET", None)):  # governed, pass-through
+            answer = await exchange(address, request(method, target, key))
+            assert answer.startswith(b"HTTP/1.1 201 "), (target, answer[:300])
+            assert recorder.received[-1].target == sent
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 
 from idemproxy.config.settings import LimitsSettings, ServerSettings, parse_listen
+from idemproxy.http.as_sent import TARGET_AS_SENT
 from idemproxy.http.host import asks_the_server, split_absolute_form
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.server.any_path import proxied
@@ -142,7 +143,9 @@ def routable(request: web.Request) -> web.Request:
     if absolute is None:
         return request  # `OPTIONS *`, or an authority-form target: the router's 404
     scheme, authority, rest = absolute
-    return request.clone(rel_url=f"{scheme}://{authority}{rest}")
+    routed = request.clone(rel_url=f"{scheme}://{authority}{rest}")
+    routed[TARGET_AS_SENT] = target  # the clone's is its URL's, without an empty query
+    return routed
 
 
 def requests_with_head_writer(loop: asyncio.AbstractEventLoop) -> RequestFactory:

@@ -18,6 +18,7 @@ from aiohttp import hdrs, web
 from multidict import CIMultiDict
 from yarl import URL
 
+from idemproxy.http.as_sent import TARGET_AS_SENT
 from idemproxy.http.correlation import CURRENT
 from idemproxy.http.headers import request_headers_for_upstream
 from idemproxy.http.host import asks_the_server, split_absolute_form
@@ -61,6 +62,7 @@ def outgoing(
     upstream URL's own authority: the upstream client sends that) and the request id."""
     target = request.raw_path
     if not target.startswith("/"):  # origin-form (`/…`, nearly every request): as it is
+        target = request.get(TARGET_AS_SENT, target)
         target = "*" if asks_the_server(request.method, target) else _origin_form(target)
     peer = request.remote
     host_sent = request.headers.get(hdrs.HOST)  # `client_host`'s common case, in place
