@@ -218,7 +218,8 @@ RULES = {
         only=("config.keys", "config.upstream", "errors", "constants", "config.units"),
     ),
     "a request's identity comes from the request and the settings alone": Rule(
-        "identity", only=("identity", "config", "errors", "constants", "secret_files")
+        "identity",
+        only=("identity", "config", "errors", "constants", "randomness", "secret_files"),
     ),
     "wire helpers know no proxy and no store": Rule("http", forbidden=("proxy", "store")),
     "the store serves the proxy, the admin listener and the operator tools": Rule(

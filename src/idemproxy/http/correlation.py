@@ -12,7 +12,7 @@ import re
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
-from idemproxy.identity.ids import random_128
+from idemproxy.randomness import random_128
 
 # A client's id is taken as it is when it is one value of 1-200 visible ASCII characters (what
 # nginx's $request_id, Heroku's and the AWS load balancers' ids are); else one is made up.

@@ -8,31 +8,13 @@ The 74 bits after the time are random, so ids stay unguessable.
 
 from __future__ import annotations
 
-import os
 import time
 
-# Random bits are read from the kernel 256 ids at a time: one getrandom system call per id
-# cost each new key two (its job id and its request id). A process forked from this one
-# starts with none, so that no two processes hand out the same bits.
-_IDS_PER_READ = 256
-_random: list[int] = []
-os.register_at_fork(after_in_child=_random.clear)
+from idemproxy.randomness import random_128
 
 _TIME_BITS = (1 << 48) - 1
 _RAND_A_BITS = (1 << 12) - 1
 _RAND_B_BITS = (1 << 62) - 1
-
-
-def random_128() -> int:
-    """128 random bits from `os.urandom` (a CSPRNG), as unguessable as one call per id."""
-    try:
-        return _random.pop()  # atomic: threads never share bits
-    except IndexError:
-        fresh = os.urandom(16 * _IDS_PER_READ)
-        _random.extend(
-            int.from_bytes(fresh[at : at + 16], "big") for at in range(16, len(fresh), 16)
-        )
-        return int.from_bytes(fresh[:16], "big")
 
 
 def new_job_id() -> str:
