@@ -138,3 +138,33 @@ def test_in_the_pepper_transition_a_credential_names_its_legacy_owner_too(
     alone = make_settings(owner={"pepper": "another pepper, of 32 bytes or more"})
     without = owners_of_credential("Bearer alice", alone.owner)
     assert without[1] is None
+
+
+@pytest.mark.parametrize("sent", ["Bearer alice ", " Bearer alice", "\tBearer alice\t "])
+def test_a_credential_is_hashed_without_the_whitespace_http_strips(
+    make_settings: MakeSettings, sent: str
+) -> None:
+    """The proxy hashes a header value as its parser hands it over, without the whitespace
+    around it (RFC 9110 §5.5): so does an erasure, or it would erase nothing and say so."""
+    assert owners_of_credential(sent, make_settings().owner) == (ALICE_HASH, None)
+
+
+@pytest.mark.parametrize("sent", ["Bearer alice\r", "Bearer alice\r\n", "Bearer\nalice", "a\0"])
+def test_a_credential_no_header_could_carry_is_refused(
+    make_settings: MakeSettings, sent: str
+) -> None:
+    with pytest.raises(InvalidRequest, match="line break or a NUL"):
+        owners_of_credential(sent, make_settings().owner)
+
+
+async def test_a_purge_by_a_credential_with_whitespace_or_an_upper_case_hash_erases_the_owner(
+    admin: Client, proxy: Client, store: Store
+) -> None:
+    for key in ("k1", "k2"):
+        assert (await post(proxy, key))[0] == 201
+    report = await _purge(admin, credential="Bearer alice ")
+    assert (report["owner"], report["removed_jobs"]) == (ALICE_HASH, 2)
+    assert (await post(proxy, "k3"))[0] == 201
+    report = await _purge(admin, owner=ALICE_HASH.upper())
+    assert (report["owner"], report["removed_jobs"]) == (ALICE_HASH, 1)
+    assert await _owned(store, ALICE_HASH) == []

@@ -193,7 +193,14 @@ def test_find_a_job_by_key_and_owner(dsn: str, run_cli: RunCli, tmp_path: Path) 
     jobs = run(_prepare(dsn))
     credential = tmp_path / "credential"
     credential.write_text("Bearer alice\n")
-    for who in (("--owner", ALICE), ("--credential-file", str(credential))):
+    windows = tmp_path / "windows-credential"
+    windows.write_bytes(b"Bearer alice \r\n")  # saved on Windows, a space before its line end
+    for who in (
+        ("--owner", ALICE),
+        ("--owner", ALICE.upper()),
+        ("--credential-file", str(credential)),
+        ("--credential-file", str(windows)),
+    ):
         done = ok(run_cli("jobs", "find", "order-lost", *who, "--store", dsn, "--json"))
         found = json.loads(done.stdout)
         assert (found["id"], found["state"], found["key"]) == (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from datetime import UTC, datetime, timedelta
+from typing import Any, cast
 
 import pytest
 
@@ -15,10 +16,14 @@ from idemproxy.core.types import (
     AttemptState,
     Claimed,
     Existing,
+    Job,
     JobState,
     StoredResponse,
 )
+from idemproxy.errors import InvalidRequest
 from idemproxy.identity.ids import new_job_id
+from idemproxy.ops.purge import purge_owner
+from idemproxy.ops.service import find_by_key, list_jobs
 from idemproxy.store.ports import JobStore, Operators
 
 from .test_contract import RESPONSE as COMPLETED_RESPONSE
@@ -295,3 +300,86 @@ async def test_owner_jobs_pages_one_owners_jobs_in_id_order(
     assert {job.state for job in every} == {JobState.IN_FLIGHT}
     earlier = datetime.now(UTC) - timedelta(minutes=1)
     assert await operators.owner_jobs("alice", after=FIRST, before=earlier, limit=10) == []
+
+
+async def test_the_clock_is_the_one_that_stamps_created_at(
+    hot: JobStore, operators: Operators
+) -> None:
+    """An erasure's cut-off (SPEC §11): every job claimed before the clock was read is before
+    it, every job claimed after is not, whatever this host's clock says."""
+    before = await hot.claim(_intent("before"), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE)
+    await asyncio.sleep(0.01)
+    cut = await operators.clock()
+    assert cut.tzinfo is not None
+    assert abs((cut - datetime.now(UTC)).total_seconds()) < 5  # this machine's clock, near
+    await asyncio.sleep(0.01)
+    after = await hot.claim(_intent("after"), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE)
+    assert isinstance(before, Claimed) and isinstance(after, Claimed)
+    listed = await operators.owner_jobs("alice", after=FIRST, before=cut, limit=10)
+    assert [job.id for job in listed] == [before.job.id]
+    created = (before.job.created_at, after.job.created_at)
+    assert created[0] is not None and created[1] is not None
+    assert created[0] < cut <= created[1]
+
+
+class _ClaimsDuringThePurge:
+    """The operators' interface, with a job of the owner claimed and completed once the
+    purge's first batch was read: a client's request sent while the purge runs."""
+
+    def __init__(self, hot: JobStore, operators: Operators) -> None:
+        self._hot, self._operators = hot, operators
+        self.claimed: Job | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._operators, name)
+
+    async def owner_jobs(self, owner: str, **batch: Any) -> list[Job]:
+        jobs = await self._operators.owner_jobs(owner, **batch)
+        if self.claimed is None:
+            await asyncio.sleep(0.01)
+            self.claimed = await completed(self._hot, self._operators, "sent-meanwhile")
+        return jobs
+
+
+async def test_a_purge_leaves_the_jobs_claimed_after_it_began(
+    hot: JobStore, operators: Operators
+) -> None:
+    """SPEC §11: a request sent while an owner's erasure runs is neither cut off nor erased
+    (its retry would execute again), whatever the clocks of the hosts involved say."""
+    old = [await completed(hot, operators, f"old-{n}") for n in range(3)]
+    during = _ClaimsDuringThePurge(hot, operators)
+    report = await purge_owner(cast(Operators, during), "alice", batch_size=1)
+    assert (report.removed_jobs, report.batches, report.left) == (3, 3, [])
+    assert during.claimed is not None
+    assert await operators.get_by_id(during.claimed.id) == during.claimed
+    assert [await operators.get_by_id(job.id) for job in old] == [None, None, None]
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        ("A" * 64, "a" * 64),  # an owner hash in upper case is the one the store keeps
+        ("anonymous", "anonymous"),
+        ("webhook:Stripe", "webhook:Stripe"),
+    ],
+)
+async def test_an_owner_hash_is_named_in_any_case(
+    hot: JobStore, operators: Operators, given: str, named: str
+) -> None:
+    claimed = await hot.claim(_intent("k", named), new_job_id(), UPSTREAM, ttl=TTL, lease=LEASE)
+    assert isinstance(claimed, Claimed) and await hot.complete(claimed.job, 1, RESPONSE, ttl=TTL)
+    assert ids(await list_jobs(operators, state=None, owner=given, limit=10)) == {claimed.job.id}
+    assert (await find_by_key(operators, "k", (given, None))).id == claimed.job.id
+    report = await purge_owner(operators, given)
+    assert (report.owner, report.removed_jobs) == (named, 1)
+
+
+@pytest.mark.parametrize("given", ["a" * 8, "A" * 63, "f" * 65])
+async def test_part_of_an_owner_hash_is_refused_not_matched_to_nothing(
+    operators: Operators, given: str
+) -> None:
+    """An erasure that found no job would read as done."""
+    with pytest.raises(InvalidRequest, match="not an owner hash"):
+        await purge_owner(operators, given)
+    with pytest.raises(InvalidRequest, match="not an owner hash"):
+        await list_jobs(operators, state=None, owner=given, limit=10)

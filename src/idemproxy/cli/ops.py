@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import json
 import os
-import string
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -243,7 +242,7 @@ async def _purge(args: argparse.Namespace, store: Operators, settings: Settings)
     owners: tuple[str, str | None] = (args.owner, None)
     if args.owner is None:
         credential = _body(args.credential_file).decode("utf-8", "surrogateescape")
-        owners = purge.owners_of_credential(credential.removesuffix("\n"), settings.owner)
+        owners = purge.owners_of_credential(_line(credential), settings.owner)
     left = False
     for owner in filter(None, owners):  # SPEC §5: the legacy owner's jobs are the same customer's
         report = await purge.purge_owner(
@@ -288,7 +287,7 @@ async def _find(args: argparse.Namespace, store: Operators, settings: Settings) 
         owners = (service.sender_owner(args.sender), None)
     elif args.owner is None:
         credential = _body(args.credential_file).decode("utf-8", "surrogateescape")
-        owners = purge.owners_of_credential(credential.removesuffix("\n"), settings.owner)
+        owners = purge.owners_of_credential(_line(credential), settings.owner)
     job = await service.find_by_key(store, args.key, owners)
     await _print_job(args, store, job)
 
@@ -421,26 +420,21 @@ def _settings(args: argparse.Namespace) -> Settings:
     return settings
 
 
+def _line(text: str) -> str:
+    """A credential file's one line, without its line end (`\n`, or `\r\n` from Windows)."""
+    return text.removesuffix("\n").removesuffix("\r")
+
+
 def _print(data: Any, *, as_json: bool) -> None:
     print(json.dumps(data, indent=2) if as_json else data)
 
 
 def _owner(value: str) -> str:
-    """An owner as the store keeps it: a hash in lower-case hex. Hex digits that are not a
-    whole hash (the first 8, as a log line shows them) are refused rather than matched to
-    nothing, which would read as "no jobs"."""
-    if not value or not all(c in string.hexdigits for c in value):
-        return value  # `anonymous`, `global`, `webhook:<sender>`
-    if len(value) != _OWNER_HASH_DIGITS:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not an owner hash: give all {_OWNER_HASH_DIGITS} hex digits"
-            " (log lines show the first 8; `jobs show JOB_ID`, the job= of the line, prints"
-            " them all)"
-        )
-    return value.lower()
-
-
-_OWNER_HASH_DIGITS = 64  # a SHA-256 in hex (identity/owner.py)
+    """An owner as the store keeps it (`service.owner_filter`)."""
+    try:
+        return service.owner_filter(value)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _limit(value: str) -> int:

@@ -7,9 +7,9 @@ the Redis channel) tells every replica's in-process cache to forget it.
 
 A job in flight or `unknown` may have executed, or be executing: deleting it lets a retry run
 again. Such jobs are left and listed unless the operator asks for them too
-(`include_in_flight`). Jobs claimed after the purge began (by this host's clock, plus a margin
-for its skew against the database's) are not touched, so a busy owner cannot keep a purge
-running for ever.
+(`include_in_flight`). Jobs claimed after the purge began are not touched, so that a busy owner
+cannot keep a purge running for ever and a request sent meanwhile is never cut off: "began" is
+the database's clock, which stamps every job's `created_at`, read once at the start.
 """
 
 from __future__ import annotations
@@ -17,23 +17,22 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
 
 from idemproxy.config.settings import OwnerSettings
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import InvalidRequest, OwnerMissing, OwnerUnstable
 from idemproxy.identity.jwt_owner import KeyNotLoaded
 from idemproxy.identity.owner import derive_owners, owner_policy
-from idemproxy.ops.service import check_owner_filter
+from idemproxy.ops.service import owner_filter
 from idemproxy.store.ports import Operators
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 100
 MAX_BATCH_SIZE = 1000
-# Seconds past the purge's start by this host's clock that still count as before it: the
-# database's clock (which stamps `created_at`) may run ahead, and no job claimed before the
-# purge may be missed.
-CLOCK_SKEW_MARGIN = 60.0
+# Whitespace HTTP strips around a field value (RFC 9110 §5.5): the proxy never sees it in a
+# credential. No value holds a line break or a NUL (RFC 9110 §5.5, RFC 9112 §5).
+_OWS = " \t"
+_NEVER_IN_A_VALUE = frozenset("\r\n\0")
 # Below every job id: the cursor before the first batch.
 _FIRST_ID = "00000000-0000-0000-0000-000000000000"
 _RISKY = (JobState.IN_FLIGHT, JobState.UNKNOWN)
@@ -73,8 +72,14 @@ def owners_of_credential(credential: str, settings: OwnerSettings) -> tuple[str,
     the configured strategy, hashed exactly as the proxy hashes it (identity/owner.py); and in
     the transition to `owner.pepper` (`legacy_owners`), the owner it had before, whose jobs are
     the same customer's (SPEC §5), else None."""
+    credential = credential.strip(_OWS)  # as the proxy's parser hands the value over
     if not credential:  # the anonymous scope is named as `--owner anonymous`, never by accident
         raise InvalidRequest("the credential is empty")
+    if not _NEVER_IN_A_VALUE.isdisjoint(credential):
+        raise InvalidRequest(
+            "the credential holds a line break or a NUL, which no header value can: no client "
+            "sent it (a credential file has it on one line)"
+        )
     policy = owner_policy(settings)
     if policy.header is None:
         raise InvalidRequest("owner.strategy none has one global scope and no credentials")
@@ -100,11 +105,11 @@ async def purge_owner(
 ) -> PurgeReport:
     """Delete every job of `owner` claimed before now; the report says what went, and lists
     what stayed (in flight or unknown without `include_in_flight`, or changed meanwhile)."""
-    check_owner_filter(owner)
+    owner = owner_filter(owner)
     if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise InvalidRequest(f"batch size must be from 1 to {MAX_BATCH_SIZE}")
     report = PurgeReport(owner)
-    before, after = datetime.now(UTC) + timedelta(seconds=CLOCK_SKEW_MARGIN), _FIRST_ID
+    before, after = await store.clock(), _FIRST_ID
     while batch := await store.owner_jobs(owner, after=after, before=before, limit=batch_size):
         report.batches += 1
         for job in batch:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import string
 
 from idemproxy.constants import (
     KEY_MAX_LENGTH,
@@ -32,6 +33,7 @@ from idemproxy.store.ports import Operators
 
 log = logging.getLogger(__name__)
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
+OWNER_HASH_DIGITS = 64  # a SHA-256 in hex (identity/owner.py)
 
 
 async def find_job(store: Operators, job_id: str) -> Job:
@@ -47,7 +49,7 @@ async def list_jobs(
 ) -> list[Job]:
     """Newest first, each with its attempts (SPEC §13: a listed job has them too)."""
     if owner is not None:
-        check_owner_filter(owner)
+        owner = owner_filter(owner)
     listed = await store.list_jobs(state=state, owner=owner, limit=limit)
     full = [await store.get_by_id(job.id) for job in listed]
     return [job for job in full if job is not None]  # deleted meanwhile: gone from the list
@@ -62,8 +64,8 @@ async def find_by_key(store: Operators, key: str, owners: tuple[str, str | None]
             f"key must be 1-{KEY_MAX_LENGTH} visible ASCII characters, as the client sent it "
             "(with the route's prefix, if its key source has one)"
         )
-    for owner in filter(None, owners):
-        check_owner_filter(owner)
+    for named in filter(None, owners):
+        owner = owner_filter(named)
         found = await store.get(owner, key)
         if found is not None:
             return await find_job(store, found.id)  # with its attempts
@@ -75,14 +77,26 @@ def sender_owner(sender: str) -> str:
     return WEBHOOK_OWNER_PREFIX + sender
 
 
-def check_owner_filter(owner: str) -> None:
-    """An owner filter is checked before it reaches the store: a NUL is refused by PostgreSQL
-    (it would be a 503 and a store error, which operators alert on) and names no owner anyway."""
+def owner_filter(owner: str) -> str:
+    """An owner as the store keeps it, checked before it reaches the store: an owner hash in
+    lower-case hex, as identity/owner.py writes it, whatever the case it was given in. A NUL is
+    refused by PostgreSQL (a 503 and a store error, which operators alert on) and names no
+    owner anyway; hex digits that are not a whole hash (the first 8, as a log line shows them)
+    are refused rather than matched to nothing, which would read as "no jobs" (and, for an
+    erasure, as done)."""
     if not (0 < len(owner) <= OWNER_FILTER_MAX_LENGTH and _VISIBLE_ASCII.fullmatch(owner)):
         raise InvalidRequest(
             f"owner must be 1-{OWNER_FILTER_MAX_LENGTH} visible ASCII characters "
             "(the owner hash, as shown by show)"
         )
+    if not all(c in string.hexdigits for c in owner):
+        return owner  # `anonymous`, `global`, `webhook:<sender>`
+    if len(owner) != OWNER_HASH_DIGITS:
+        raise InvalidRequest(
+            f"{owner!r} is not an owner hash: give all {OWNER_HASH_DIGITS} hex digits (log "
+            "lines show the first 8; `jobs show JOB_ID`, the job= of the line, prints them all)"
+        )
+    return owner.lower()
 
 
 async def resolve_job(

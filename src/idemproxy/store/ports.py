@@ -248,6 +248,11 @@ class Operators(Protocol):
     ) -> list[Job]: ...
 
     @abc.abstractmethod
+    async def clock(self) -> datetime:
+        """The database's clock now: what stamps a job's `created_at` (the cut-off of an
+        erasure, SPEC §11, which no other host's clock may stand in for)."""
+
+    @abc.abstractmethod
     async def owner_jobs(
         self, owner: str, *, after: str, before: datetime, limit: int
     ) -> list[Job]:

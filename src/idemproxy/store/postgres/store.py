@@ -711,6 +711,12 @@ class PostgresStore(Store):
         )
         return [job_from_row(row) for row in rows]
 
+    async def clock(self) -> datetime:
+        row = await self._fetchrow("clock")
+        assert row is not None, "clock always returns one row"
+        now: datetime = row["now"]
+        return now
+
     async def owner_jobs(
         self, owner: str, *, after: str, before: datetime, limit: int
     ) -> list[Job]:

@@ -6,7 +6,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar, TypeVarTuple, Unpack
 
@@ -352,6 +352,10 @@ class SqliteStore(Store):
     ) -> list[Job]:
         params = {"state": state and state.value, "owner": owner, "limit": limit}
         return await self._read("read", self._q.jobs, "list_jobs", params)
+
+    async def clock(self) -> datetime:
+        row = await self._read("read", self._q.one, "clock", {})
+        return datetime.fromtimestamp(float(row["now"]), UTC)
 
     async def owner_jobs(
         self, owner: str, *, after: str, before: datetime, limit: int

@@ -479,6 +479,11 @@ WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR owner = $2)
 ORDER BY created_at DESC
 LIMIT $3;
 
+-- name: clock
+-- The clock that stamps `created_at` (the claim's `now()`): an erasure's cut-off (SPEC §11). On
+-- Citus, the coordinator's, as it evaluates `now()` for the statements it routes.
+SELECT now() AS now;
+
 -- name: owner_jobs
 -- Erasure (SPEC §11): one owner's jobs created before $3, in id order, a batch after the cursor
 -- $2; the `(owner, id)` index serves it (its predicate named).

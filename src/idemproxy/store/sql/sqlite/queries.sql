@@ -232,6 +232,10 @@ WHERE (:state IS NULL OR state = :state) AND (:owner IS NULL OR owner = :owner)
 ORDER BY created_at DESC
 LIMIT :limit;
 
+-- name: clock
+-- The clock that stamps `created_at` (insert_job): an erasure's cut-off (SPEC §11).
+SELECT (julianday('now') - 2440587.5) * 86400.0 AS now;
+
 -- name: owner_jobs
 -- Erasure (SPEC §11): one owner's jobs created before :before, in id order, a batch after the
 -- cursor.
