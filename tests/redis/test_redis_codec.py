@@ -115,6 +115,18 @@ def test_an_entry_with_the_fields_encode_writes_is_read() -> None:
     assert decode(b"1[]\n", OWNER, "k") is None
 
 
+@pytest.mark.parametrize(("owner", "key"), [(OWNER[::-1], 'k"1 é'), (OWNER, "k2")])
+def test_an_entry_read_under_another_owners_or_keys_name_is_a_miss(owner: str, key: str) -> None:
+    """SPEC §5: an entry copied under another name (by someone who can write to Redis) is
+    never replayed as that owner's or key's."""
+    assert decode(encode(_job()), owner, key) is None
+
+
+def test_an_entry_that_does_not_say_whose_it_is_is_a_miss() -> None:
+    assert decode(_altered(sc=None), OWNER, 'k"1 é') is None  # as a version before it wrote
+    assert decode(_altered(sc=7), OWNER, 'k"1 é') is None
+
+
 def test_names_hash_owner_and_key_and_keep_tombstones_in_the_entry_slot() -> None:
     name = entry_name(OWNER, "secret-key")
     assert name.startswith(REDIS_JOB_PREFIX)

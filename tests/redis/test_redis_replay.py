@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -228,3 +229,51 @@ async def test_a_cached_completion_counts_the_hedges_of_the_version_that_won(
     assert isinstance(duplicate, Existing) and not store.inner.calls  # answered from Redis
     stored = await store.inner.get("alice", "k1")
     assert stored is not None and duplicate.job.attempt_count == stored.attempt_count == 3
+
+
+async def test_another_owners_entry_copied_under_this_keys_name_is_a_miss(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
+) -> None:
+    """SPEC §5, §11: whoever can write to Redis copies Alice's entry under the name of Bob's;
+    Bob's retry is answered from the store, with Bob's own response, never Alice's."""
+    store, client, alices = await _cached_once(make_store, make_proxy, redis_client)
+    bob = {KEY: "k1", "Content-Type": "application/json", "Authorization": "Bearer bob"}
+    async with client.post("/pay", data=b'{"amount": 1}', headers=bob) as response:
+        bobs = await response.read()
+    await wait_for(lambda: _entries_at_least(redis_client, 2))
+    [alice_entry, bob_entry] = [entry_name(job.owner, job.key) for job in await _by_owner(store)]
+    copied = await redis_client.get(alice_entry)
+    assert copied is not None
+    await redis_client.set(bob_entry, copied)
+    store.inner.calls.clear()
+    async with client.post("/pay", data=b'{"amount": 1}', headers=bob) as response:
+        assert response.status == 201 and response.headers[REPLAYED] == "true"
+        assert await response.read() == bobs != alices[2]
+    assert store.inner.calls["claim"] == 1  # the entry was a miss: the store answered
+    assert ledger.count("k1") == 2
+
+
+async def test_a_value_of_another_type_under_an_entrys_name_is_a_miss_for_that_key_alone(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis
+) -> None:
+    """A reply error about one key (WRONGTYPE) is not an outage: the other keys' entries keep
+    being served from Redis, and the next write of that key replaces the value."""
+    store, client, first = await _cached_once(make_store, make_proxy, redis_client)
+    wrong = entry_name("some-owner", "some-key")
+    await redis_client.hset(wrong, "f", "v")
+    for _ in range(3):
+        assert await store.cached("some-owner", "some-key") is None
+        store.inner.calls.clear()
+        assert (await _post(client, "k1"))[2] == first[2]
+        assert store.inner.calls == {}  # served from Redis: the cache was not turned off
+
+
+async def _entries_at_least(client: Redis, count: int) -> bool:
+    return await cached_entries(client) >= count
+
+
+async def _by_owner(store: Any) -> list[Any]:
+    """The two completed jobs of key k1, Alice's first (the owner is a hash of the credential)."""
+    jobs = await store.record.list_jobs()
+    alice = hashlib.sha256(b"Bearer alice").hexdigest()
+    return sorted(jobs, key=lambda job: job.owner != alice)

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from idemproxy.constants import REDIS_CHANNEL, REDIS_RETRY_SECONDS, REDIS_WATCH_SECONDS
 
@@ -194,7 +194,8 @@ class RedisCache:
             async with asyncio.timeout(timeout):
                 yield
         except REDIS_ERRORS as exc:
-            self.lost(what, exc)
+            if not _wrong_type(exc):
+                self.lost(what, exc)
             raise CacheDown(what) from exc
         self.back()
 
@@ -215,3 +216,10 @@ class RedisCache:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _wrong_type(exc: BaseException) -> bool:
+    """Redis answered, about one key alone: a value of another type under an entry's name (put
+    there by another program, or by hand). A miss for that key, which the next write replaces;
+    not an outage that would turn the cache off for every key."""
+    return isinstance(exc, ResponseError) and str(exc).startswith("WRONGTYPE")

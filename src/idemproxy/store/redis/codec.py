@@ -2,7 +2,8 @@
 
 An entry holds everything a replay needs, so that a hit is answered without the store: the
 job's id, version, fingerprint and expiry, and its stored response (status, header pairs in
-order, body bytes, omitted flag). Layout: one format byte, a JSON line of metadata, then the
+order, body bytes, omitted flag), and the (owner, key) it belongs to, as a hash: an entry read
+under another name is a miss. Layout: one format byte, a JSON line of metadata, then the
 body bytes as they are (no base64). With encryption at rest (SPEC §11) the entry holds the
 sealed box instead of the headers and body, under format `2`, which an older proxy reads as
 a miss: Redis then holds no response in the clear. Entries are named by a hash of (owner,
@@ -29,8 +30,12 @@ _SEALED_FORMAT = b"2"
 
 def entry_name(owner: str, key: str) -> str:
     """`idemproxy:job:{<hash>}`: the braces keep an entry and its tombstones in one slot."""
-    digest = hashlib.sha256(json.dumps([owner, key]).encode()).hexdigest()  # unambiguous pair
-    return f"{REDIS_JOB_PREFIX}{{{digest}}}"
+    return f"{REDIS_JOB_PREFIX}{{{_scope(owner, key)}}}"
+
+
+def _scope(owner: str, key: str) -> str:
+    """What names an entry, and what the entry says it belongs to (`decode` compares them)."""
+    return hashlib.sha256(json.dumps([owner, key]).encode()).hexdigest()  # unambiguous pair
 
 
 def tombstone_name(entry: str, job_id: str) -> str:
@@ -48,6 +53,7 @@ def encode(job: Job) -> bytes:
     response = job.response
     assert response is not None and job.expires_at is not None, "only completed jobs are cached"
     meta = {
+        "sc": _scope(job.owner, job.key),
         "id": job.id,
         "fp": job.fingerprint,
         "v": job.version,
@@ -90,6 +96,11 @@ def decode(payload: bytes, owner: str, key: str) -> Job | None:
 
 def _job(meta: dict[str, Any], scope: tuple[str, str], body: bytes, *, sealed: bool) -> Job:
     owner, key = scope
+    if _text(meta, "sc") != _scope(owner, key):
+        # Another owner's or key's entry under this name (copied by someone who can write to
+        # Redis), or one written before entries said whose they are: never replayed as this
+        # key's; the store answers (SPEC §11, §5).
+        raise ValueError("an entry of another scope")
     status, omitted = _integer(meta, "s"), meta["omit"]
     # A stored response is a final one (RFC 9110 §15): what an operator's resolution is held to.
     if not 200 <= status <= 599 or type(omitted) is not bool:
