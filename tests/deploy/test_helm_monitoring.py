@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import yaml
 from prometheus_client import generate_latest
 
 from idemproxy.admin.peers import merge_metrics
-from idemproxy.observe.metrics import Metrics
+from idemproxy.observe.metrics import Metrics, watch_redis
 
 from .chart import (
     CHART,
@@ -47,6 +48,7 @@ def _exposed_series() -> set[str]:
     metrics.upstream_seconds.labels("answered", "http://a:80").observe(0.1)
     metrics.request_seconds.labels("new", "/", "2xx", "upstream").observe(0.1)
     metrics.observe_store("claim", 0.001, False)
+    watch_redis(metrics, SimpleNamespace(up=True, pending_drops=0))  # with `redis.url`
     text = generate_latest(metrics.registry).decode()
     merged = merge_metrics([text, text]).decode()
     return {

@@ -8,6 +8,7 @@ import platform
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -19,7 +20,7 @@ import idemproxy
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import merge_metrics
 from idemproxy.config.settings import load_settings
-from idemproxy.observe.metrics import Metrics
+from idemproxy.observe.metrics import Metrics, watch_redis
 from idemproxy.proxy.app import create_app
 from idemproxy.store.factory import create_store
 from tests.support.backend import Ledger, backend_app
@@ -47,6 +48,8 @@ async def scraped(sqlite_dsn: str) -> AsyncIterator[str]:
             ],
         )
         metrics = Metrics()
+        # The series a proxy with `redis.url` adds (its Redis: tests/redis/test_redis_faults.py).
+        watch_redis(metrics, SimpleNamespace(up=True, pending_drops=0))
         store = create_store(sqlite_dsn)
         await store.open()
         await store.migrate()

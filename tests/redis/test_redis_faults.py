@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from idemproxy.proxy.context import CONTEXT
 from tests.support.backend import Ledger
 from tests.support.redisserver import (
     CachedStoreFactory,
@@ -97,11 +98,13 @@ async def test_redis_stopped_mid_traffic_then_restarted(
     await _post(client, "warm")
     await _until_cached(store, client, "warm")
 
+    assert _redis_up(client) == 1
     traffic = Traffic(client)
     running = asyncio.create_task(traffic.run())
     await asyncio.sleep(0.4)
     redis_server.stop()  # mid-traffic: connections break, lookups and writes fail
     await asyncio.sleep(0.8)
+    assert _redis_up(client) == 0  # an SRE's alert says so, not only a falling hit ratio
     redis_server.start()  # empty: nothing persisted
     await asyncio.sleep(0.4)
     traffic.stop()
@@ -112,6 +115,15 @@ async def test_redis_stopped_mid_traffic_then_restarted(
     await _post(client, "after")
     await _until_cached(store, client, "after")
     assert ledger.count("after") == 1
+    assert _redis_up(client) == 1
+
+
+def _redis_up(client: TestClient[Any, Any]) -> float | None:
+    """`idemproxy_redis_up` as the proxy's /metrics shows it."""
+    value: float | None = client.app[CONTEXT].metrics.registry.get_sample_value(
+        "idemproxy_redis_up"
+    )
+    return value
 
 
 async def test_a_stalled_redis_costs_at_most_the_lookup_timeout(

@@ -12,7 +12,7 @@ import enum
 import logging
 import platform
 from collections.abc import Callable, Hashable, Iterable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -42,6 +42,7 @@ from idemproxy.store.ports import Operators
 
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
+    from idemproxy.store.redis.cache import RedisCachedStore
 
 log = logging.getLogger("idemproxy.metrics")
 C = TypeVar("C", bound=MetricWrapperBase)
@@ -478,6 +479,54 @@ def watch_store(metrics: Metrics, stack: StoreStack) -> None:
     cache = stack.layer(MemoryReplayCache)
     if cache is not None:
         metrics.registry.register(_ReplayCacheCollector(cache))
+    redis = _redis_layer(stack)
+    if redis is not None:
+        watch_redis(metrics, redis.cache)
+
+
+def watch_redis(metrics: Metrics, cache: RedisHealth) -> None:
+    """Whether the Redis cache is in use, read at scrape time."""
+    metrics.registry.register(_RedisCollector(cache))
+
+
+class RedisHealth(Protocol):
+    """What the Redis cache says of itself (store/redis/client.py `RedisCache`)."""
+
+    @property
+    def up(self) -> bool: ...
+
+    @property
+    def pending_drops(self) -> int: ...
+
+
+def _redis_layer(stack: StoreStack) -> RedisCachedStore | None:
+    try:
+        from idemproxy.store.redis.cache import RedisCachedStore
+    except ImportError:  # the optional `redis` extra is not installed: no such layer
+        return None
+    return stack.layer(RedisCachedStore)
+
+
+class _RedisCollector(Collector):
+    """Read at scrape time: whether the Redis cache is in use, for an alert that says so
+    rather than a falling hit ratio (docs/operations.md, When Redis fails)."""
+
+    def __init__(self, cache: RedisHealth) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterable[Metric]:
+        cache = self._cache
+        yield GaugeMetricFamily(
+            f"{METRIC_PREFIX}_redis_up",
+            "1 while Redis answers; 0 from a failed call until one succeeds (served from the "
+            "store alone meanwhile).",
+            int(cache.up),
+        )
+        yield GaugeMetricFamily(
+            f"{METRIC_PREFIX}_redis_invalidations_pending",
+            "Deletes not yet through to Redis; the cache is not read until they are.",
+            cache.pending_drops,
+        )
 
 
 class _LogDropsCollector(Collector):

@@ -98,6 +98,16 @@ class RedisCache:
         return not self._drops and time.monotonic() >= self._down_until
 
     @property
+    def up(self) -> bool:
+        """Whether Redis answered the last call (False from an error until one succeeds)."""
+        return not self._outage
+
+    @property
+    def pending_drops(self) -> int:
+        """Invalidations not yet through to Redis: no lookup reads it until they are."""
+        return len(self._drops)
+
+    @property
     def has_drops(self) -> bool:
         return bool(self._drops)
 
