@@ -103,7 +103,10 @@ async def test_list_filters_by_state_owner_and_limit(
     alices = await get_json(admin, f"/jobs?state=unknown&owner={lost.owner}")
     assert [job["id"] for job in alices] == [lost.id]
     assert len(await get_json(admin, "/jobs?limit=1")) == 1
-    assert await get_json(admin, "/jobs?owner=nobody") == []
+    nobodys = "0" * 64  # an owner hash no job has
+    assert await get_json(admin, f"/jobs?owner={nobodys}") == []
+    async with admin.get("/jobs?owner=nobody") as response:  # no owner is named so
+        await assert_problem(response, 400, "invalid-request")
 
 
 @pytest.mark.parametrize("query", ["state=lost", "limit=0", "limit=x", "limit=1001", "limit=²"])

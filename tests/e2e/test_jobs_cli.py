@@ -194,7 +194,8 @@ def test_find_a_job_by_key_and_owner(dsn: str, run_cli: RunCli, tmp_path: Path) 
     credential = tmp_path / "credential"
     credential.write_text("Bearer alice\n")
     windows = tmp_path / "windows-credential"
-    windows.write_bytes(b"Bearer alice \r\n")  # saved on Windows, a space before its line end
+    # Saved by a Windows editor: a byte order mark, a space before its CRLF line end.
+    windows.write_bytes("\ufeffBearer alice \r\n".encode())
     for who in (
         ("--owner", ALICE),
         ("--owner", ALICE.upper()),
@@ -304,7 +305,7 @@ def test_the_owner_prefix_a_log_line_shows_is_refused_not_matched_to_nothing(
     jobs" (or no job of the owner has the key) when the owner has jobs."""
     dsn = f"sqlite:///{tmp_path}/jobs.db"
     run(_prepare(dsn))
-    for wrong in (ALICE[:8], ALICE + "0"):
+    for wrong in (ALICE[:8], ALICE + "0", ALICE[:8] + "...", f"owner={ALICE[:8]}"):
         failed(run_cli("jobs", *command, "--owner", wrong, "--store", dsn), 2, "all 64 hex digits")
     for whole in (ALICE, ALICE.upper()):
         listed = run_cli("jobs", "list", "--owner", whole, "--json", "--store", dsn)

@@ -421,8 +421,9 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _line(text: str) -> str:
-    """A credential file's one line, without its line end (`\n`, or `\r\n` from Windows)."""
-    return text.removesuffix("\n").removesuffix("\r")
+    """A credential file's one line, without its line end (`\n`, or `\r\n` from Windows) and
+    the byte order mark an editor may put before it (no header value starts with one)."""
+    return text.removeprefix("\ufeff").removesuffix("\n").removesuffix("\r")
 
 
 def _print(data: Any, *, as_json: bool) -> None:

@@ -11,6 +11,8 @@ import re
 import string
 
 from idemproxy.constants import (
+    ANONYMOUS_OWNER,
+    GLOBAL_OWNER,
     KEY_MAX_LENGTH,
     OWNER_FILTER_MAX_LENGTH,
     RESOLUTION_OPERATOR,
@@ -78,23 +80,26 @@ def sender_owner(sender: str) -> str:
 
 
 def owner_filter(owner: str) -> str:
-    """An owner as the store keeps it, checked before it reaches the store: an owner hash in
-    lower-case hex, as identity/owner.py writes it, whatever the case it was given in. A NUL is
-    refused by PostgreSQL (a 503 and a store error, which operators alert on) and names no
-    owner anyway; hex digits that are not a whole hash (the first 8, as a log line shows them)
-    are refused rather than matched to nothing, which would read as "no jobs" (and, for an
-    erasure, as done)."""
+    """An owner as the store keeps it, checked before it reaches the store: a hash in
+    lower-case hex, as identity/owner.py writes it, whatever the case it was given in;
+    `anonymous`, `global` or `webhook:<sender>`. Anything else names no owner, and is refused
+    rather than matched to nothing, which would read as "no jobs" (and, for an erasure, as
+    done): a hash's first 8 digits or `owner=` and them, as a log line shows them, a hash with a
+    stray character. A NUL would also be refused by PostgreSQL (a 503 and a store error,
+    which operators alert on)."""
     if not (0 < len(owner) <= OWNER_FILTER_MAX_LENGTH and _VISIBLE_ASCII.fullmatch(owner)):
         raise InvalidRequest(
             f"owner must be 1-{OWNER_FILTER_MAX_LENGTH} visible ASCII characters "
             "(the owner hash, as shown by show)"
         )
-    if not all(c in string.hexdigits for c in owner):
-        return owner  # `anonymous`, `global`, `webhook:<sender>`
-    if len(owner) != OWNER_HASH_DIGITS:
+    if owner in (ANONYMOUS_OWNER, GLOBAL_OWNER) or owner.startswith(WEBHOOK_OWNER_PREFIX):
+        return owner
+    if len(owner) != OWNER_HASH_DIGITS or not all(c in string.hexdigits for c in owner):
         raise InvalidRequest(
-            f"{owner!r} is not an owner hash: give all {OWNER_HASH_DIGITS} hex digits (log "
-            "lines show the first 8; `jobs show JOB_ID`, the job= of the line, prints them all)"
+            f"{owner!r} is not an owner: give the owner hash, all {OWNER_HASH_DIGITS} hex "
+            "digits (log lines show the first 8; `jobs show JOB_ID`, the job= of the line, "
+            f"prints them all), or {ANONYMOUS_OWNER}, {GLOBAL_OWNER} or "
+            f"{WEBHOOK_OWNER_PREFIX}<sender>"
         )
     return owner.lower()
 
