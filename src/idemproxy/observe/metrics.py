@@ -11,6 +11,7 @@ import contextlib
 import enum
 import logging
 import platform
+import sys
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -500,11 +501,14 @@ class RedisHealth(Protocol):
 
 
 def _redis_layer(stack: StoreStack) -> RedisCachedStore | None:
-    try:
-        from idemproxy.store.redis.cache import RedisCachedStore
-    except ImportError:  # the optional `redis` extra is not installed: no such layer
+    # The layer's module is imported only when `redis.url` is set (store/factory.py): without
+    # it there is no such layer, and importing it would import the Redis client (and what that
+    # imports, OpenTelemetry among it where it is installed) into every process.
+    module = sys.modules.get("idemproxy.store.redis.cache")
+    if module is None:
         return None
-    return stack.layer(RedisCachedStore)
+    layer: RedisCachedStore | None = stack.layer(module.RedisCachedStore)
+    return layer
 
 
 class _RedisCollector(Collector):
