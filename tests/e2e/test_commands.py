@@ -129,3 +129,11 @@ def test_webhooks_demo_shows_one_execution_per_event(run_cli: RunCli) -> None:
     assert "The receiver executed 3 time(s) for 3 events" in done.stdout, done.stdout
     assert "401 signature-invalid" in done.stdout, done.stdout
     assert done.stdout.count("(replayed)") == 7, done.stdout
+
+
+async def test_serve_on_a_store_in_memory_warns_that_a_restart_forgets_every_job(
+    start_proxy: StartProxy, backend: Backend
+) -> None:
+    proxy = await start_proxy("--upstream", backend.url, "--store", "sqlite:///:memory:")
+    assert "a restart forgets every one" in proxy.stderr()
+    assert "a retry of a key that executed before it executes again" in proxy.stderr()

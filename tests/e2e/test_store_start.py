@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socketserver
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -107,3 +111,45 @@ def test_a_server_that_refuses_the_dsn_stops_the_start_at_once(
     assert last.startswith("idemproxy: invalid configuration: store: PostgreSQL at "), last
     assert "refused the connection" in last and said in last
     assert "trying again" not in done.stderr
+
+
+def test_a_server_without_tls_for_a_dsn_that_requires_it_stops_the_start_at_once(
+    run_cli: RunCli,
+) -> None:
+    """A server without ssl answers a client's TLS request `N` (PostgreSQL's protocol, "SSL
+    Session Encryption"), as it will on every try: no wait changes that."""
+    with _no_tls_server() as port:
+        began = time.monotonic()
+        done = run_cli(
+            "serve",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--store",
+            f"postgresql://postgres@127.0.0.1:{port}/postgres?sslmode=require",
+            env={"IDEMPROXY_STORE_START__MAX_WAIT": "30"},
+            timeout=20,
+        )
+    assert done.returncode == 2, done
+    assert time.monotonic() - began < 10
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("idemproxy: invalid configuration: store: PostgreSQL at "), last
+    assert "does not take TLS" in last and "sslmode" in last
+    assert "trying again" not in done.stderr
+
+
+@contextlib.contextmanager
+def _no_tls_server() -> Iterator[int]:
+    """A server that answers every TLS request `N`, as PostgreSQL with `ssl = off` does."""
+
+    class NoTls(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.recv(8)  # SSLRequest: length 8, code 80877103
+            self.request.sendall(b"N")
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), NoTls) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield server.server_address[1]
+        finally:
+            server.shutdown()

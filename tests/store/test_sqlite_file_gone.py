@@ -87,3 +87,23 @@ async def test_a_checkpoint_keeps_the_store_open(store: SqliteStore, tmp_path: P
         other.close()
     assert isinstance(await _claim(store, "after"), Claimed)
     await store.ping()
+
+
+async def test_a_full_disk_fails_closed_and_the_log_says_why(
+    store: SqliteStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write the database cannot take (`database or disk is full`: here its page limit, as
+    a full disk would) is `503 store-unavailable`, and the one line an operator has to go on
+    names SQLite's error."""
+    assert isinstance(await _claim(store, "before"), Claimed)
+    await store.worker.run(_no_more_pages)
+    with pytest.raises(StoreUnavailable):
+        for number in range(200):  # a page's worth of jobs, then one more
+            await _claim(store, f"k{number}-" + "x" * 200)
+    said = [r.getMessage() for r in caplog.records if r.name == "idemproxy.store"]
+    assert any("database or disk is full" in line for line in said), said
+
+
+def _no_more_pages(db: sqlite3.Connection) -> None:
+    pages = db.execute("PRAGMA page_count").fetchone()[0]
+    db.execute(f"PRAGMA max_page_count = {pages}")

@@ -178,6 +178,24 @@ def test_a_lease_renewal_must_fit_in_the_lease(
     assert "lease" in error["msg"] and "pool.store_timeout" in error["msg"]
 
 
+@pytest.mark.parametrize(
+    "second",
+    [
+        {"prefix": "/pay", "upstream": "http://other:1"},
+        {"prefix": "/pay", "host": "API.example.com", "upstream": "http://other:1"},
+    ],
+)
+def test_two_routes_of_one_prefix_and_host_are_refused(second: dict[str, Any]) -> None:
+    """The second would never be used: its upstream, key source and limits neither."""
+    first = {"prefix": "/pay", "upstream": "http://pay:1", "require_key": True}
+    if "host" in second:
+        first["host"] = "api.example.com"
+    with pytest.raises(ValidationError, match=r"routes\[1\] has the prefix /pay"):
+        load_settings(routes=[first, second])
+    # One prefix on two hosts, or with a host and without, are two routes.
+    load_settings(routes=[first, {**second, "host": "eu.example.com"}])
+
+
 def test_forward_host_is_auto_by_default_for_every_route() -> None:
     """SPEC §10: `auto` (the client's Host for http://, the upstream's for https://)."""
     settings = load_settings(

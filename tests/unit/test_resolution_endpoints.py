@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
 from idemproxy.config.settings import load_settings
 from idemproxy.proxy.background.endpoints import Endpoint, endpoints
 from idemproxy.proxy.routing import RouteTable
@@ -63,11 +66,14 @@ def test_the_upstream_an_attempt_went_to_tells_routes_apart() -> None:
     assert known.for_job("/pay/x", F) is None
 
 
-def test_of_two_routes_with_one_prefix_and_host_the_first_is_taken() -> None:
-    first_plain = [route("/pay"), route("/pay", resolve=reconciled())]
-    assert endpoints(load_settings(routes=first_plain)).for_job("/pay", U) is None
-    first_declared = [route("/pay", resolve=reconciled()), route("/pay")]
-    assert endpoints(load_settings(routes=first_declared)).for_job("/pay", U) is not None
+def test_two_routes_with_one_prefix_and_host_are_refused_whichever_declares_a_way() -> None:
+    """The second would never be used, its way of resolving neither (config/settings.py)."""
+    for routes in (
+        [route("/pay"), route("/pay", resolve=reconciled())],
+        [route("/pay", resolve=reconciled()), route("/pay")],
+    ):
+        with pytest.raises(ValidationError, match="would never be used"):
+            load_settings(routes=routes)
 
 
 def test_an_endpoint_vouches_only_for_upstreams_of_its_own_origin() -> None:

@@ -57,8 +57,17 @@ def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = No
     if worker is None:  # a supervisor's workers: the supervisor warned
         log_renamed_keys(settings)
         log_owner_hint(settings.owner)
+        if settings.store in ("sqlite://:memory:", "sqlite:///:memory:"):
+            log.warning(_IN_MEMORY)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, owner, worker))
+
+
+_IN_MEMORY = (
+    "store sqlite:///:memory: keeps jobs in this process's memory alone: a restart forgets "
+    "every one, and a retry of a key that executed before it executes again; give a file "
+    "(sqlite:///idemproxy.db) or PostgreSQL for anything but a try-out"
+)
 
 
 async def run_server(

@@ -924,6 +924,22 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _one_route_per_prefix(self) -> Settings:
+        # SPEC §10: the longest prefix wins, the first of equals: a second route with the same
+        # prefix and host would never be used, its upstream, key source and limits with it.
+        seen: dict[tuple[str, str | None], int] = {}
+        for n, route in enumerate(self.routes):
+            where = (route.prefix, None if route.host is None else route.host.lower())
+            if where in seen:
+                host = "" if route.host is None else f" and host {route.host}"
+                raise ValueError(
+                    f"routes[{n}] has the prefix {route.prefix}{host} of routes[{seen[where]}]: "
+                    "it would never be used (give each route a prefix of its own)"
+                )
+            seen[where] = n
+        return self
+
+    @model_validator(mode="after")
     def _workers_need_postgres(self) -> Settings:
         # SQLite wakes held duplicates in-process only (store/watch.py): a duplicate held by one
         # worker would sleep through the completion written by another.

@@ -61,8 +61,9 @@ async def take_over_orphans(
             if await jobs.take_over(job):
                 won += 1
                 log.warning(
-                    "job %s: its lease ran out (its proxy died mid-attempt); taken over as "
-                    "unknown after %d attempt(s), for an operator to resolve",
+                    "job %s: its lease ran out (its proxy died, stalled, or could not store the "
+                    "outcome: see its store errors); taken over as unknown after %d "
+                    "attempt(s), for an operator to resolve",
                     job.id,
                     job.attempt_count,
                 )

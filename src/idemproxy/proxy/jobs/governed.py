@@ -502,8 +502,9 @@ class JobObserver:
         takeovers are (proxy/background/orphans.py), an operator's task either way."""
         self._metrics.orphans_taken_over.inc()
         log.warning(
-            "job %s: its lease ran out (its proxy died mid-attempt); taken over as unknown by a "
-            "retry of its key after %d attempt(s), for an operator to resolve",
+            "job %s: its lease ran out (its proxy died, stalled, or could not store the outcome: "
+            "see its store errors); taken over as unknown by a retry of its key after %d "
+            "attempt(s), for an operator to resolve",
             job.id,
             job.attempt_count,
         )

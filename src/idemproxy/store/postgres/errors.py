@@ -70,7 +70,19 @@ async def translate_connect_errors(dsn: str) -> AsyncIterator[None]:
             f"store: PostgreSQL at {postgres_address(dsn)} refused the connection: {exc}"
         ) from exc
     except DRIVER_ERRORS as exc:
+        if _refused_tls(exc):
+            raise ConfigError(
+                f"store: PostgreSQL at {postgres_address(dsn)} does not take TLS, which the "
+                "DSN's sslmode requires (require, verify-ca, verify-full): enable ssl on the "
+                "server, or change sslmode"
+            ) from exc
         raise postgres_unreachable(dsn, exc) from exc
+
+
+def _refused_tls(exc: BaseException) -> bool:
+    """The server answered the TLS request with `N` (no ssl configured): as a refused role, no
+    wait changes it. asyncpg says so only in its message (a plain ConnectionError)."""
+    return isinstance(exc, ConnectionError) and "rejected SSL upgrade" in str(exc)
 
 
 # SQLSTATE 28000 (a role that does not exist, a pg_hba.conf rejection), 28P01, 3D000.

@@ -8,6 +8,7 @@ rows, costs the event loop one hop to the thread.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sqlite3
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -19,6 +20,8 @@ from idemproxy.store.base import AttemptFailure
 from idemproxy.store.batching import ClaimRequest, CompleteRequest
 from idemproxy.store.queries import load_migrations
 from idemproxy.store.rows import attempt_from_row, job_from_row, response_columns
+
+log = logging.getLogger("idemproxy.store")
 
 Params = dict[str, Any]
 Request = TypeVar("Request")
@@ -310,9 +313,18 @@ def translate() -> Iterator[None]:
         yield
     except (sqlite3.DataError, sqlite3.IntegrityError, UnicodeError) as exc:
         # This statement's data (a text that is not UTF-8 among them), not the store's health.
+        _said(exc)
         raise StoreRefused() from exc
     except (sqlite3.Error, ValueError) as exc:
+        # `database or disk is full`, `attempt to write a readonly database`, `disk I/O
+        # error`: the one line an operator has to go on, as the PostgreSQL store's.
+        _said(exc)
         raise StoreUnavailable() from exc
+
+
+def _said(exc: BaseException) -> None:
+    # SPEC §11: fail closed; the detail goes to the log, never to the client.
+    log.warning("store error: %s: %s", type(exc).__name__, exc)
 
 
 def _statements(script: str) -> list[str]:
