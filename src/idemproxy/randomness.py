@@ -2,6 +2,9 @@
 256 ids at a time: one getrandom system call per id cost each new key two (its job id and its
 request id). A process forked from this one starts with none, so that no two processes hand out
 the same bits.
+
+The pool is taken from in place, `RANDOM_128.pop()` (atomic: no two threads get the same bits),
+and `refill()` called only when it is empty (IndexError): an id costs no call of its own.
 """
 
 from __future__ import annotations
@@ -9,17 +12,15 @@ from __future__ import annotations
 import os
 
 _IDS_PER_READ = 256
-_random: list[int] = []
-os.register_at_fork(after_in_child=_random.clear)
+# 128-bit values, each handed out once.
+RANDOM_128: list[int] = []
+os.register_at_fork(after_in_child=RANDOM_128.clear)
 
 
-def random_128() -> int:
-    """128 random bits from `os.urandom` (a CSPRNG), as unguessable as one call per id."""
-    try:
-        return _random.pop()  # atomic: threads never share bits
-    except IndexError:
-        fresh = os.urandom(16 * _IDS_PER_READ)
-        _random.extend(
-            int.from_bytes(fresh[at : at + 16], "big") for at in range(16, len(fresh), 16)
-        )
-        return int.from_bytes(fresh[:16], "big")
+def refill() -> int:
+    """128 random bits, and the pool filled again for the next ids."""
+    fresh = os.urandom(16 * _IDS_PER_READ)
+    RANDOM_128.extend(
+        int.from_bytes(fresh[at : at + 16], "big") for at in range(16, len(fresh), 16)
+    )
+    return int.from_bytes(fresh[:16], "big")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from idemproxy.randomness import random_128
+from idemproxy.randomness import RANDOM_128, refill
 
 _TIME_BITS = (1 << 48) - 1
 _RAND_A_BITS = (1 << 12) - 1
@@ -19,7 +19,10 @@ _RAND_B_BITS = (1 << 62) - 1
 
 def new_job_id() -> str:
     millis = time.time_ns() // 1_000_000
-    rand = random_128() >> 48  # 80 bits, as many as the id has room for
+    try:
+        rand = RANDOM_128.pop() >> 48  # 80 bits, as many as the id has room for
+    except IndexError:
+        rand = refill() >> 48
     value = (
         (millis & _TIME_BITS) << 80
         | 0x7 << 76  # version 7
