@@ -121,6 +121,8 @@ def test_demo_shows_one_execution_per_intent(run_cli: RunCli) -> None:
     assert "first try    → 504 upstream-timeout" in done.stdout, done.stdout
     assert "retry        → 409 outcome-unknown, Retry-After:" in done.stdout, done.stdout
     assert "retry        → 201 pay_3 (replayed)" in done.stdout, done.stdout
+    # A newcomer's first run reads as the story it tells: no operator's warning breaks in.
+    assert "WARNING" not in done.stdout + done.stderr, done.stderr
 
 
 def test_webhooks_demo_shows_one_execution_per_event(run_cli: RunCli) -> None:
