@@ -183,6 +183,8 @@ def test_a_lease_renewal_must_fit_in_the_lease(
     [
         {"prefix": "/pay", "upstream": "http://other:1"},
         {"prefix": "/pay", "host": "API.example.com", "upstream": "http://other:1"},
+        # The name routing compares: no port, no trailing dot (proxy/routing.py).
+        {"prefix": "/pay", "host": "api.example.com.:443", "upstream": "http://other:1"},
     ],
 )
 def test_two_routes_of_one_prefix_and_host_are_refused(second: dict[str, Any]) -> None:

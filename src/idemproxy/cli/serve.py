@@ -32,7 +32,7 @@ from idemproxy.proxy.app import create_app, tracing_from_settings
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import close_connections, drain, start_draining
 from idemproxy.proxy.server.listener import GuardedSite
-from idemproxy.store.factory import serving_store, shown_store
+from idemproxy.store.factory import serving_store, shown_store, sqlite_path
 from idemproxy.store.layers import StoreStack
 from idemproxy.workers.role import STOP_SIGNALS, WorkerRole
 
@@ -57,7 +57,7 @@ def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = No
     if worker is None:  # a supervisor's workers: the supervisor warned
         log_renamed_keys(settings)
         log_owner_hint(settings.owner)
-        if settings.store in ("sqlite://:memory:", "sqlite:///:memory:"):
+        if settings.store.startswith("sqlite://") and sqlite_path(settings.store) == ":memory:":
             log.warning(_IN_MEMORY)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_server(settings, owner, worker))

@@ -61,7 +61,7 @@ from idemproxy.config.upstream import (
     origin_of,
 )
 from idemproxy.errors import ConfigError
-from idemproxy.http.host import valid_host
+from idemproxy.http.host import host_name, valid_host
 
 _STRICT = ConfigDict(extra="forbid")
 log = logging.getLogger("idemproxy.config")
@@ -929,7 +929,7 @@ class Settings(BaseSettings):
         # prefix and host would never be used, its upstream, key source and limits with it.
         seen: dict[tuple[str, str | None], int] = {}
         for n, route in enumerate(self.routes):
-            where = (route.prefix, None if route.host is None else route.host.lower())
+            where = (route.prefix, None if route.host is None else host_name(route.host))
             if where in seen:
                 host = "" if route.host is None else f" and host {route.host}"
                 raise ValueError(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
+from urllib.parse import unquote
 
 _UNRESERVED_AND_SUB_DELIMS = r"A-Za-z0-9\-._~!$&'()*+;="  # sub-delims but `,`
 _HOST = re.compile(
@@ -100,3 +101,15 @@ def _normalised(value: str, scheme: str) -> tuple[str, str]:
     if ":" in value and not value.endswith("]"):  # an IP literal's colons are inside brackets
         name, _, port = value.rpartition(":")
     return name.lower().removesuffix("."), port or _DEFAULT_PORTS[scheme]
+
+
+@functools.lru_cache(maxsize=256)
+def host_name(host: str) -> str:
+    """The name a Host value (`host[:port]`, http/host.py) routes by: no port, lower-case,
+    no trailing dot, percent-decoded. `API.example.com.:443` is the same name in DNS, and with the
+    first character only it missed a host route and fell through to one without a host."""
+    if host.startswith("["):  # an IP literal: the port follows the bracket (RFC 3986 §3.2.2)
+        name = host[: host.find("]") + 1]
+    else:
+        name = host.rpartition(":")[0] if ":" in host else host
+    return unquote(name).lower().removesuffix(".")

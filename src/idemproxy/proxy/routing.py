@@ -6,7 +6,6 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from urllib.parse import unquote
 
 from yarl import URL
 
@@ -16,23 +15,12 @@ from idemproxy.config.resolve import ResolveSettings
 from idemproxy.config.settings import RouteSettings, Settings
 from idemproxy.config.upstream import UpstreamHeaderSettings
 from idemproxy.errors import PathInvalid
+from idemproxy.http.host import host_name
 from idemproxy.identity.key_source import KeySource
 from idemproxy.identity.webhooks import WebhookVerifier
 from idemproxy.proxy.readings import changeable, readings
 from idemproxy.proxy.upstream.contract import Contract, ContractGate
 from idemproxy.proxy.upstream.target import Edits, HeaderEdits
-
-
-@functools.lru_cache(maxsize=256)
-def host_name(host: str) -> str:
-    """The name a Host value (`host[:port]`, http/host.py) routes by: no port, lower-case,
-    no trailing dot, percent-decoded. `API.example.com.:443` is the same name in DNS, and with the
-    first character only it missed a host route and fell through to one without a host."""
-    if host.startswith("["):  # an IP literal: the port follows the bracket (RFC 3986 §3.2.2)
-        name = host[: host.find("]") + 1]
-    else:
-        name = host.rpartition(":")[0] if ":" in host else host
-    return unquote(name).lower().removesuffix(".")
 
 
 @functools.lru_cache(maxsize=256)

@@ -20,7 +20,8 @@ from urllib.parse import unquote
 
 from idemproxy.config.resolve import ReconcileSettings
 from idemproxy.config.settings import Settings
-from idemproxy.proxy.routing import Route, header_edits, host_name, upstream_origin
+from idemproxy.http.host import host_name
+from idemproxy.proxy.routing import Route, header_edits, upstream_origin
 from idemproxy.proxy.upstream.target import Edits
 
 
