@@ -384,7 +384,8 @@ async def test_an_owner_hash_is_named_in_any_case(
 
 
 @pytest.mark.parametrize(
-    "given", ["a" * 8, "A" * 63, "f" * 65, "a" * 8 + "...", "owner=" + "a" * 8, "a" * 63 + "g"]
+    "given",
+    ["a" * 8, "A" * 63, "f" * 65, "a" * 8 + "...", "owner=" + "a" * 8, "a" * 63 + "g", "webhook:"],
 )
 async def test_part_of_an_owner_hash_is_refused_not_matched_to_nothing(
     operators: Operators, given: str

@@ -198,6 +198,24 @@ def test_two_routes_of_one_prefix_and_host_are_refused(second: dict[str, Any]) -
     load_settings(routes=[first, {**second, "host": "eu.example.com"}])
 
 
+def test_a_prefix_that_takes_every_path_of_another_is_refused() -> None:
+    """`/pay//` takes every path `/pay/` does, and is the longer: `/pay/` would never be used.
+    `/pay` and `/pay/` are two routes: the first still takes `/pay` itself."""
+    with pytest.raises(ValidationError, match=r"routes\[1\] has the prefix /pay//"):
+        load_settings(
+            routes=[
+                {"prefix": "/pay/", "upstream": "http://pay:1"},
+                {"prefix": "/pay//", "upstream": "http://other:1"},
+            ]
+        )
+    load_settings(
+        routes=[
+            {"prefix": "/pay", "upstream": "http://pay:1"},
+            {"prefix": "/pay/", "upstream": "http://other:1"},
+        ]
+    )
+
+
 def test_forward_host_is_auto_by_default_for_every_route() -> None:
     """SPEC §10: `auto` (the client's Host for http://, the upstream's for https://)."""
     settings = load_settings(

@@ -925,11 +925,15 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_route_per_prefix(self) -> Settings:
-        # SPEC §10: the longest prefix wins, the first of equals: a second route with the same
-        # prefix and host would never be used, its upstream, key source and limits with it.
+        # SPEC §10: the longest prefix wins, the first of equals: a second route that takes the
+        # paths and host of another would never be used, its upstream, key source and limits
+        # with it. A prefix ending in `/` takes the paths under it however many `/` end it
+        # (proxy/routing.py: `/a//` takes all `/a/` does); one without takes itself as well.
         seen: dict[tuple[str, str | None], int] = {}
         for n, route in enumerate(self.routes):
-            where = (route.prefix, None if route.host is None else host_name(route.host))
+            prefix = route.prefix
+            paths = prefix.rstrip("/") + "/" if prefix.endswith("/") else prefix
+            where = (paths, None if route.host is None else host_name(route.host))
             if where in seen:
                 host = "" if route.host is None else f" and host {route.host}"
                 raise ValueError(

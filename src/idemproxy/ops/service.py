@@ -92,7 +92,9 @@ def owner_filter(owner: str) -> str:
             f"owner must be 1-{OWNER_FILTER_MAX_LENGTH} visible ASCII characters "
             "(the owner hash, as shown by show)"
         )
-    if owner in (ANONYMOUS_OWNER, GLOBAL_OWNER) or owner.startswith(WEBHOOK_OWNER_PREFIX):
+    if owner in (ANONYMOUS_OWNER, GLOBAL_OWNER) or (
+        owner.startswith(WEBHOOK_OWNER_PREFIX) and owner != WEBHOOK_OWNER_PREFIX
+    ):
         return owner
     if len(owner) != OWNER_HASH_DIGITS or not all(c in string.hexdigits for c in owner):
         raise InvalidRequest(
