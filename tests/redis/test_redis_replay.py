@@ -205,6 +205,28 @@ async def test_the_jobs_cli_deletes_through_the_cache_when_given_redis(
     assert ledger.count("k1") == 2
 
 
+async def test_a_cli_delete_that_redis_does_not_take_fails_and_names_the_entry(
+    make_store: CachedStoreFactory,
+    make_proxy: ProxyFactory,
+    redis_server: RedisServer,
+    redis_client: Redis,
+    pg_dsn: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SPEC §11, Erasure: the job is gone from the store, but Redis still holds its entry and
+    the CLI, unlike a proxy, does not stay to invalidate it later: it says so, naming the entry
+    to remove, and fails (an erasure script must not report success)."""
+    store, _, _ = await _cached_once(make_store, make_proxy, redis_client)
+    [job] = await store.record.list_jobs()
+    redis_server.stop()
+    argv = ["jobs", "delete", job.id, "--store", pg_dsn, "--redis", redis_server.url]
+    assert await asyncio.to_thread(cli.main, argv) == 1
+    assert await store.record.get_by_id(job.id) is None  # the store's delete is made
+    err = capsys.readouterr().err
+    assert "Redis did not take the invalidation of 1 cache entries" in err
+    assert f"redis-cli unlink {entry_name(job.owner, job.key)}" in err
+
+
 async def test_a_cached_completion_counts_the_hedges_of_the_version_that_won(
     make_store: CachedStoreFactory, redis_client: Redis
 ) -> None:

@@ -111,3 +111,13 @@ def test_the_questions_about_an_unknown_attempt_are_shown() -> None:
     assert "attempt 1 asked about 3 time(s)" in text
     assert "reconcile" in text.split("asked about")[1] and "executed" in text
     assert "asked about" not in job_details(job_to_json(job()))
+
+
+def test_a_session_id_in_the_path_is_masked_in_the_view_and_the_table() -> None:
+    """SPEC §13: `;jsessionid=` and ASP.NET's `(S(…))` are credentials, masked as log lines
+    mask them; the rest of the path is kept as the client sent it."""
+    stored = job(path="/(S(abc123))/pay;jsessionid=SECRET42;v=1")
+    view = job_to_json(stored)
+    assert view["path"] == "/(S(***))/pay;jsessionid=***;v=1"
+    assert "SECRET42" not in job_details(view) and "abc123" not in job_details(view)
+    assert job_to_json(job(path="/charges;v=1"))["path"] == "/charges;v=1"

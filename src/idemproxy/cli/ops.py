@@ -2,7 +2,9 @@
 working directly on the store (SPEC §11, §13).
 
 Exit status: 0 done; 1 the job was not found or the change lost (not unknown, changed, resolved
-by someone else first, in flight), a purge left jobs (listed), or the store failed; 2 bad usage.
+by someone else first, in flight), a purge left jobs (listed), the store failed, or the change
+was made but the proxies' Redis did not take its invalidation (the entries are named); 2 bad
+usage.
 """
 
 from __future__ import annotations
@@ -385,7 +387,7 @@ def _runner(
         except OperatorError as exc:  # not found, or the change lost: say which
             print(f"idemproxy: {exc.detail}", file=sys.stderr)
             return EXIT_FAILED
-        except _PurgeLeftJobs:
+        except (_PurgeLeftJobs, _InvalidationsLeft):
             return EXIT_FAILED
         return EXIT_OK
 
@@ -400,10 +402,44 @@ async def _with_store(
     record = command_store(settings.store, max_connections=2)
     stack = StoreStack.of(wrap_with_seal(wrap_with_cache(record, settings), settings))
     await stack.open()
+    unsent: list[str] = []
     try:
         await action(args, stack, settings)
     finally:
+        unsent = await _invalidations_left(stack)
         await stack.close()
+        if unsent:
+            print(_UNSENT.format(n=len(unsent), names=" ".join(unsent)), file=sys.stderr)
+    if unsent:
+        raise _InvalidationsLeft()
+
+
+# A delete, purge or resolution through the proxies' Redis (SPEC §11, Erasure) whose entries
+# Redis did not take: the proxies replay them until `redis.ttl` runs out, and this process,
+# unlike a proxy, does not stay to send them later.
+_UNSENT = (
+    "idemproxy: the store is changed, but Redis did not take the invalidation of {n} cache"
+    " entries: the proxies may replay them until redis.ttl runs out. Once Redis answers,"
+    " remove them: redis-cli unlink {names}"
+)
+_INVALIDATION_TRIES = 3
+
+
+async def _invalidations_left(stack: StoreStack) -> list[str]:
+    """The Redis entries whose invalidation did not go through, after a few more tries a
+    second apart (Redis restarting, a failover)."""
+    redis = stack.redis()
+    if redis is None:
+        return []
+    for _ in range(_INVALIDATION_TRIES):
+        if await redis.cache.flush_drops():
+            return []
+        await asyncio.sleep(1.0)
+    return redis.cache.pending_entries
+
+
+class _InvalidationsLeft(Exception):
+    """Redis did not take every invalidation (printed already)."""
 
 
 def _settings(args: argparse.Namespace) -> Settings:

@@ -11,7 +11,6 @@ import contextlib
 import enum
 import logging
 import platform
-import sys
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -43,7 +42,6 @@ from idemproxy.store.ports import Operators
 
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
-    from idemproxy.store.redis.cache import RedisCachedStore
 
 log = logging.getLogger("idemproxy.metrics")
 C = TypeVar("C", bound=MetricWrapperBase)
@@ -480,7 +478,7 @@ def watch_store(metrics: Metrics, stack: StoreStack) -> None:
     cache = stack.layer(MemoryReplayCache)
     if cache is not None:
         metrics.registry.register(_ReplayCacheCollector(cache))
-    redis = _redis_layer(stack)
+    redis = stack.redis()
     if redis is not None:
         watch_redis(metrics, redis.cache)
 
@@ -498,17 +496,6 @@ class RedisHealth(Protocol):
 
     @property
     def pending_drops(self) -> int: ...
-
-
-def _redis_layer(stack: StoreStack) -> RedisCachedStore | None:
-    # The layer's module is imported only when `redis.url` is set (store/factory.py): without
-    # it there is no such layer, and importing it would import the Redis client (and what that
-    # imports, OpenTelemetry among it where it is installed) into every process.
-    module = sys.modules.get("idemproxy.store.redis.cache")
-    if module is None:
-        return None
-    layer: RedisCachedStore | None = stack.layer(module.RedisCachedStore)
-    return layer
 
 
 class _RedisCollector(Collector):

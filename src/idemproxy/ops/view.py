@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from idemproxy.core.types import Attempt, Evidence, Job, KeptResponse, SealedResponse
-from idemproxy.redact import redact_url
+from idemproxy.redact import redact_path, redact_url
 from idemproxy.store.rows import pairs_to_json
 
 JsonObject = dict[str, Any]
@@ -32,7 +32,7 @@ def job_to_json(
         "state": job.state.value,
         "version": job.version,
         "method": job.method,
-        "path": job.path,
+        "path": redact_path(job.path),  # SPEC §13: a session id in it is a credential
         "created_at": timestamp(job.created_at),
         "updated_at": timestamp(job.updated_at),
         "expires_at": timestamp(job.expires_at),

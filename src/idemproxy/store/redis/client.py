@@ -108,6 +108,11 @@ class RedisCache:
         return len(self._drops)
 
     @property
+    def pending_entries(self) -> list[str]:
+        """The entries whose invalidation has not reached Redis, by name."""
+        return sorted({entry for entry, _ in self._drops})
+
+    @property
     def has_drops(self) -> bool:
         return bool(self._drops)
 
