@@ -40,7 +40,13 @@ from idemproxy.ops.resolution import (
 )
 from idemproxy.ops.table import job_details, jobs_table
 from idemproxy.ops.view import job_to_json
-from idemproxy.store.factory import command_store, sqlite_path, wrap_with_cache, wrap_with_seal
+from idemproxy.store.factory import (
+    command_store,
+    redis_layer,
+    sqlite_path,
+    wrap_with_cache,
+    wrap_with_seal,
+)
 from idemproxy.store.layers import StoreStack
 from idemproxy.store.ports import Operators
 from idemproxy.store.seal.store import SealingStore
@@ -428,7 +434,7 @@ _INVALIDATION_TRIES = 3
 async def _invalidations_left(stack: StoreStack) -> list[str]:
     """The Redis entries whose invalidation did not go through, after a few more tries a
     second apart (Redis restarting, a failover)."""
-    redis = stack.redis()
+    redis = redis_layer(stack)
     if redis is None:
         return []
     for _ in range(_INVALIDATION_TRIES):

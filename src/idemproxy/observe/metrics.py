@@ -37,6 +37,7 @@ from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
 from idemproxy.observe.logs import dropped_log_lines
 from idemproxy.store.cache.memory import MemoryReplayCache
+from idemproxy.store.factory import redis_layer
 from idemproxy.store.layers import StoreStack
 from idemproxy.store.ports import Operators
 
@@ -478,7 +479,7 @@ def watch_store(metrics: Metrics, stack: StoreStack) -> None:
     cache = stack.layer(MemoryReplayCache)
     if cache is not None:
         metrics.registry.register(_ReplayCacheCollector(cache))
-    redis = stack.redis()
+    redis = redis_layer(stack)
     if redis is not None:
         watch_redis(metrics, redis.cache)
 

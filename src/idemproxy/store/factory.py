@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,10 +11,11 @@ from idemproxy.errors import ConfigError
 from idemproxy.redact import redact_url
 from idemproxy.store.base import Store
 from idemproxy.store.batching import DEFAULT_BATCH
-from idemproxy.store.layers import Stacked
+from idemproxy.store.layers import Stacked, StoreStack
 
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
+    from idemproxy.store.redis.cache import RedisCachedStore
 
 
 def create_store(
@@ -109,6 +111,18 @@ def wrap_with_seal(store: Stacked, settings: Settings) -> Stacked:
 
 def _is_postgres(dsn: str) -> bool:
     return dsn.startswith(("postgresql://", "postgres://"))
+
+
+def redis_layer(stack: StoreStack) -> RedisCachedStore | None:
+    """The stack's Redis cache, if any. Its module is imported only by `wrap_with_cache`, when
+    `redis.url` is set: without it there is no such layer, and importing the module to look
+    for one would import the Redis client (and what that imports, OpenTelemetry among it where
+    it is installed) into every process."""
+    module = sys.modules.get("idemproxy.store.redis.cache")
+    if module is None:
+        return None
+    layer: RedisCachedStore | None = stack.layer(module.RedisCachedStore)
+    return layer
 
 
 def wrap_with_cache(store: Stacked, settings: Settings) -> Stacked:

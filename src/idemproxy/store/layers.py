@@ -14,11 +14,10 @@ a new key's claim crosses only the caches that answer claims.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias, TypeVar
+from typing import TypeAlias, TypeVar
 
 from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import (
@@ -34,9 +33,6 @@ from idemproxy.core.types import (
 from idemproxy.store.base import Store
 from idemproxy.store.ports import AttemptFailure, JobStore, Observer
 from idemproxy.store.watch import JobWatch
-
-if TYPE_CHECKING:
-    from idemproxy.store.redis.cache import RedisCachedStore
 
 # Every method of `JobStore` (store/ports.py), which a layer hands to the one behind it unless
 # it overrides it.
@@ -232,17 +228,6 @@ class StoreStack:
     def layer(self, kind: type[Layer]) -> Layer | None:
         """The first layer of type `kind`, if any."""
         return next((layer for layer in self.layers() if isinstance(layer, kind)), None)
-
-    def redis(self) -> RedisCachedStore | None:
-        """The Redis cache layer, if any. Its module is imported only when `redis.url` is set
-        (store/factory.py): without it there is no such layer, and importing it to look for one
-        would import the Redis client (and what that imports, OpenTelemetry among it where it is
-        installed) into every process."""
-        module = sys.modules.get("idemproxy.store.redis.cache")
-        if module is None:
-            return None
-        layer: RedisCachedStore | None = self.layer(module.RedisCachedStore)
-        return layer
 
     async def open(self) -> None:
         """The store of record, then the layers from the innermost out."""
