@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +18,13 @@ from idemproxy.core.types import AttemptState, Job, JobState
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 from tests.support.client import send
+from tests.support.ports import free_port
+from tests.support.processes import (
+    START_DEADLINE,
+    STOP_DEADLINE,
+    ProxyProcess,
+    child_env,
+)
 
 if TYPE_CHECKING:
     from .conftest import Backend, StartProxy
@@ -98,3 +107,43 @@ class _opened:
 
     async def __aexit__(self, *_exc: object) -> None:
         await self._store.close()
+
+
+async def test_a_stop_signal_as_the_listener_opens_drains_rather_than_kills(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """SPEC §8: the stop signals are the drain's from the moment the proxy listens. Sent the
+    instant a connection is accepted (before the admin listener is up), SIGTERM used to take
+    its default action: the process died of it (-15), a request already read got a reset."""
+    for attempt in range(3):
+        port = free_port()
+        listen = ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{free_port()}"]
+        store = ["--store", f"sqlite:///{tmp_path}/early.db"]
+        proxy = ProxyProcess(
+            f"early-stop-{attempt}",
+            [*listen, "--upstream", backend.url, *store],
+            port,
+            0,
+            tmp_path,
+            tmp_path,
+        )
+        proxy.spawn(child_env())
+        try:
+            _connectable(proxy)
+            os.kill(proxy.pid, signal.SIGTERM)
+            code = await proxy.wait_exit(STOP_DEADLINE)
+            assert code == 0, proxy.describe()
+        finally:
+            proxy.kill()
+
+
+def _connectable(proxy: ProxyProcess) -> None:
+    """As soon as the port takes a connection (a blocking connect, tried every millisecond)."""
+    until = time.monotonic() + START_DEADLINE
+    while True:
+        assert proxy.returncode is None, proxy.describe()
+        assert time.monotonic() < until, proxy.describe()
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", proxy.port)) == 0:
+                return
+        time.sleep(0.001)

@@ -159,6 +159,9 @@ async def _serve_until_signalled(
         metrics,
         reuse_port=worker is not None,
     )
+    # SPEC §8: a stop signal drains from the moment the proxy listens, not from the moment
+    # start-up is over (its default action would kill a process already taking requests).
+    stop = _stop_on_signals()
     try:
         await _listening("listen", settings.listen, site.start())
         admin_listen = settings.admin.listen
@@ -172,7 +175,7 @@ async def _serve_until_signalled(
             admin_at,
             shown_store(settings.store),
         )
-        await _wait_for_signal(supervised=worker is not None)
+        await _until_stopped(stop, supervised=worker is not None)
         readiness.draining = True
         await _drain(proxy, site, settings.server.shutdown_timeout)
     finally:
@@ -216,11 +219,17 @@ async def _start_admin(runner: web.AppRunner, listen: str, worker: WorkerRole | 
     return listen
 
 
-async def _wait_for_signal(*, supervised: bool = False) -> None:
+def _stop_on_signals() -> asyncio.Event:
+    """Set by any of the stop signals from now on."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop.set)
+    return stop
+
+
+async def _until_stopped(stop: asyncio.Event, *, supervised: bool = False) -> None:
+    """Until a stop signal came, or, for a worker, its supervisor is gone."""
     if not supervised:
         await stop.wait()
         return
