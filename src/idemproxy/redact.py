@@ -52,6 +52,9 @@ _SECRET_FRAGMENTS = (
 # Names of files, not secrets (libpq's): readable though they hold a fragment above or "key".
 _READABLE_PARAMETERS = frozenset({"sslkey", "sslcert", "sslrootcert", "sslcrl", "sslcrldir"})
 _QUERY_SEPARATORS = re.compile("[&;]")
+# Schemes whose user name alone is often a credential (an API key sent as Basic auth's user,
+# with an empty password); a store's or Redis's user name is a role, and stays readable.
+_TOKEN_AS_USER = frozenset({"http", "https", "ws", "wss"})
 
 
 def redact_url(url: str) -> str:
@@ -62,8 +65,11 @@ def redact_url(url: str) -> str:
         return _scheme_only(url)
     netloc = parts.netloc
     userinfo, at, host = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = f"{userinfo.split(':', 1)[0]}:{MASK}@{host}"
+    user, colon, password = userinfo.partition(":")
+    if at and parts.scheme.lower() in _TOKEN_AS_USER and not password:
+        netloc = f"{MASK}@{host}"  # `https://sk_live_…@api` or `…:@`: the token is the user
+    elif at and colon:
+        netloc = f"{user}:{MASK}@{host}"
     query = redact_query(parts.query)
     if netloc == parts.netloc and query == parts.query:
         return url

@@ -118,6 +118,28 @@ async def test_redis_stopped_mid_traffic_then_restarted(
     assert _redis_up(client) == 1
 
 
+async def test_redis_up_turns_1_again_without_traffic_once_redis_is_back(
+    make_store: CachedStoreFactory,
+    make_proxy: ProxyFactory,
+    redis_server: RedisServer,
+) -> None:
+    """docs/operations.md, IdemproxyRedisDown: the gauge says whether Redis answers, so an
+    idle proxy must not keep saying 0 (and keep the alert firing) until its next request: the
+    wake-up feed's own calls tell it too."""
+    store = await make_store()
+    client = await make_proxy(store)
+    await _post(client, "warm")
+    await _until_cached(store, client, "warm")
+    redis_server.stop()
+    await _post(client, "down")  # a lookup fails: down
+    assert _redis_up(client) == 0
+    redis_server.start()
+    deadline = time.monotonic() + 10.0
+    while _redis_up(client) != 1:
+        assert time.monotonic() < deadline, "idemproxy_redis_up stayed 0 with Redis back"
+        await asyncio.sleep(0.1)
+
+
 def _redis_up(client: TestClient[Any, Any]) -> float | None:
     """`idemproxy_redis_up` as the proxy's /metrics shows it."""
     value: float | None = client.app[CONTEXT].metrics.registry.get_sample_value(

@@ -216,6 +216,20 @@ def test_a_prefix_that_takes_every_path_of_another_is_refused() -> None:
     )
 
 
+@pytest.mark.parametrize("prefix", ["/", "//"])
+def test_upstream_beside_a_route_that_takes_every_path_is_refused(prefix: str) -> None:
+    """`upstream` is the catch-all route `/`, after the configured ones: beside a route of
+    every path (and any host) it would never be used, and nothing would say so."""
+    with pytest.raises(ValidationError, match=r"upstream is the catch-all route /"):
+        load_settings(
+            upstream="http://never:1", routes=[{"prefix": prefix, "upstream": "http://app:1"}]
+        )
+    load_settings(
+        upstream="http://rest:1",
+        routes=[{"prefix": "/", "host": "api.example.com", "upstream": "http://app:1"}],
+    )
+
+
 def test_forward_host_is_auto_by_default_for_every_route() -> None:
     """SPEC §10: `auto` (the client's Host for http://, the upstream's for https://)."""
     settings = load_settings(

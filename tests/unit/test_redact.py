@@ -20,6 +20,10 @@ CASES = [
     ("rediss://default:s3cret@cache:6380/0", "rediss://default:***@cache:6380/0"),
     ("http://svc:8000/v1?token=abc&x=1", "http://svc:8000/v1?token=***&x=1"),
     ("http://user:pw@host:3000/x", "http://user:***@host:3000/x"),
+    # An API key as Basic auth's user name, with no password or an empty one (Stripe's form).
+    ("https://sk_live_TOKEN@api.example.com/v1", "https://***@api.example.com/v1"),
+    ("http://sk_live_KEY:@127.0.0.1:8080", "http://***@127.0.0.1:8080"),
+    ("HTTPS://token@host", "https://***@host"),
     ("sqlite:///var/lib/idemproxy/idem.db", "sqlite:///var/lib/idemproxy/idem.db"),
     ("http://host:3000", "http://host:3000"),
     ("postgresql://u:p@[::1/db", "postgresql://***"),  # unparseable: nothing but the scheme

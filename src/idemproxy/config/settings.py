@@ -929,11 +929,17 @@ class Settings(BaseSettings):
         # paths and host of another would never be used, its upstream, key source and limits
         # with it. A prefix ending in `/` takes the paths under it however many `/` end it
         # (proxy/routing.py: `/a//` takes all `/a/` does); one without takes itself as well.
+        # `upstream` is the catch-all route `/` after them (`all_routes`).
         seen: dict[tuple[str, str | None], int] = {}
-        for n, route in enumerate(self.routes):
+        for n, route in enumerate(self.all_routes):
             prefix = route.prefix
             paths = prefix.rstrip("/") + "/" if prefix.endswith("/") else prefix
             where = (paths, None if route.host is None else host_name(route.host))
+            if where in seen and n == len(self.routes):
+                raise ValueError(
+                    f"upstream is the catch-all route /, and routes[{seen[where]}] takes every "
+                    f"path already: it would never be used (drop upstream, or that route)"
+                )
             if where in seen:
                 host = "" if route.host is None else f" and host {route.host}"
                 raise ValueError(

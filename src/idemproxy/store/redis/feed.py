@@ -48,6 +48,7 @@ async def _listen_once(client: Redis, watch: JobWatch, cache: RedisCache) -> boo
         async with asyncio.timeout(_PING_AFTER):
             await pubsub.subscribe(REDIS_CHANNEL)
         subscribed = True
+        cache.back()  # Redis answers: say so, whether or not a request comes (idemproxy_redis_up)
         await _pump(pubsub, watch, cache)
     except REDIS_ERRORS as exc:
         cache.lost("wake-up feed", exc)
@@ -67,6 +68,8 @@ async def _pump(pubsub: PubSub, watch: JobWatch, cache: RedisCache) -> None:
         now = loop.time()
         if message is not None:
             heard = now
+            if not cache.up:  # an answer (a pong) after a failed call of the cache's own
+                cache.back()
             _deliver(message, watch)
         elif now - heard > _SILENCE_LIMIT:
             raise TimeoutError("redis stopped answering the wake-up feed")
