@@ -199,8 +199,8 @@ async def test_late_results_are_counted(sqlite_dsn: str) -> None:
                     break
                 await asyncio.sleep(0.02)
     assert metrics.late_results._value.get() == 1
-    assert metrics.attempts.labels("discarded")._value.get() == 1
-    assert metrics.attempts.labels("succeeded")._value.get() == 1
+    assert metrics.attempts.labels("discarded").value == 1
+    assert metrics.attempts.labels("succeeded").value == 1
 
 
 async def test_upstream_time_ends_when_the_answer_arrived_not_when_it_was_stored(

@@ -11,6 +11,7 @@ import contextlib
 import enum
 import logging
 import platform
+from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -23,19 +24,18 @@ from prometheus_client import (
     Counter,
     Gauge,
     GCCollector,
-    Histogram,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from idemproxy import __version__
 from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
 from idemproxy.observe.logs import dropped_log_lines
+from idemproxy.observe.series import CounterSeries, HistogramSeries, LoopCounter, LoopHistogram
 from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import redis_layer
 from idemproxy.store.layers import StoreStack
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
 
 log = logging.getLogger("idemproxy.metrics")
-C = TypeVar("C", bound=MetricWrapperBase)
+C = TypeVar("C")  # a child: a prometheus_client metric's, or a series of observe/series.py
 L = TypeVar("L", bound=str)  # a label value: one of the enums below, or a store operation
 K = TypeVar("K", bound=Hashable)  # a child's key: a label value, or a tuple of them
 # How often the unknown-jobs gauge is refreshed at most (one cheap COUNT on the store).
@@ -216,31 +216,31 @@ class Children(dict[K, C]):
         return child
 
 
-class ByOutcome(dict[str, Children[L, Histogram]]):
+class ByOutcome(dict[str, Children[L, HistogramSeries]]):
     """A histogram labelled `outcome` and one other label: its children by that label's value
     (a route prefix, an upstream origin), then by outcome, each bound on first use."""
 
-    def __init__(self, histogram: Histogram) -> None:
+    def __init__(self, histogram: LoopHistogram) -> None:
         super().__init__()
         self._histogram = histogram
 
-    def __missing__(self, value: str) -> Children[L, Histogram]:
+    def __missing__(self, value: str) -> Children[L, HistogramSeries]:
         histogram = self._histogram
-        children = Children[L, Histogram](lambda outcome: histogram.labels(outcome, value))
+        children = Children[L, HistogramSeries](lambda outcome: histogram.labels(outcome, value))
         self[value] = children
         return children
 
 
-class ByRoute(dict[str, Children[RequestKey, Histogram]]):
+class ByRoute(dict[str, Children[RequestKey, HistogramSeries]]):
     """The request histogram's children by route prefix, then by request key."""
 
-    def __init__(self, histogram: Histogram) -> None:
+    def __init__(self, histogram: LoopHistogram) -> None:
         super().__init__()
         self._histogram = histogram
 
-    def __missing__(self, route: str) -> Children[RequestKey, Histogram]:
+    def __missing__(self, route: str) -> Children[RequestKey, HistogramSeries]:
         histogram = self._histogram
-        children = Children[RequestKey, Histogram](
+        children = Children[RequestKey, HistogramSeries](
             lambda key: histogram.labels(key[0], route, key[1], key[2])
         )
         self[route] = children
@@ -257,13 +257,18 @@ class Metrics:
         """`buckets`: the request and upstream histograms' (`metrics.buckets`, or
         `latency_buckets` of the longest upstream timeout)."""
         self.registry = registry or CollectorRegistry()
-        self.requests = self._counter(
-            "requests",
+        # The request path's series are the loop's own (observe/series.py); the rest are
+        # prometheus_client's.
+        self.requests = LoopCounter(
+            f"{METRIC_PREFIX}_requests",
             "Requests by outcome, by the class of the status answered and by who produced it "
             "(upstream or proxy).",
             ["outcome", "status_class", "source"],
+            self.registry,
         )
-        self.attempts = self._counter("attempts", "Attempts by outcome.", ["outcome"])
+        self.attempts = LoopCounter(
+            f"{METRIC_PREFIX}_attempts", "Attempts by outcome.", ["outcome"], self.registry
+        )
         self.response_buffer_overdrafts = self._counter(
             "response_buffer_overdrafts",
             "Response bodies taken over limits.response_buffer after waiting "
@@ -333,21 +338,21 @@ class Metrics:
         self.store_errors = self._counter(
             "store_errors", "Store calls that failed (the store was unavailable).", ["operation"]
         )
-        self.upstream_seconds = Histogram(
+        self.upstream_seconds = LoopHistogram(
             f"{METRIC_PREFIX}_upstream_seconds",
             "Upstream call duration of governed attempts, from sending the request until the "
             "answer arrived whole, by outcome and upstream (the configured URL's origin).",
             ["outcome", "upstream"],
-            buckets=buckets,
-            registry=self.registry,
+            self.registry,
+            buckets,
         )
-        self.request_seconds = Histogram(
+        self.request_seconds = LoopHistogram(
             f"{METRIC_PREFIX}_request_duration_seconds",
             "Time from the request head to the proxy's answer, upstream included, by outcome, "
             "route (the configured prefix, or unrouted), status class and source.",
             ["outcome", "route", "status_class", "source"],
-            buckets=buckets,
-            registry=self.registry,
+            self.registry,
+            buckets,
         )
         self.build_info = Gauge(
             f"{METRIC_PREFIX}_build_info",
@@ -356,22 +361,22 @@ class Metrics:
             registry=self.registry,
         )
         self.build_info.labels(__version__, platform.python_version(), aiohttp.__version__).set(1)
-        self.store_seconds = Histogram(
+        self.store_seconds = LoopHistogram(
             f"{METRIC_PREFIX}_store_seconds",
             "Store call duration by operation.",
             ["operation"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            self.registry,
+            LATENCY_BUCKETS,
         )
         # Group commit (store/batching.py): rows per batched statement, by its kind (claim,
         # complete). Mostly 1 when idle; under load it grows with the requests that queued
         # while the previous statement was in flight, up to `pool.store_batch`.
-        self.store_batch_rows = Histogram(
+        self.store_batch_rows = LoopHistogram(
             f"{METRIC_PREFIX}_store_batch_rows",
             "Rows per group-committed store statement (one transaction, one commit), by kind.",
             ["kind"],
-            registry=self.registry,
-            buckets=_BATCH_BUCKETS,
+            self.registry,
+            _BATCH_BUCKETS,
         )
         self.waiters = Gauge(
             f"{METRIC_PREFIX}_waiters",
@@ -408,7 +413,7 @@ class Metrics:
         # The hot path's children, bound once. Request, attempt, unsent-claim,
         # unwritten-outcome and key-fetch outcomes: every series exists from the start; the
         # others appear when first observed.
-        self.request_answer = Children[RequestKey, Counter](
+        self.request_answer = Children[RequestKey, CounterSeries](
             lambda key: self.requests.labels(*key),
             [
                 (outcome, *answer)
@@ -416,7 +421,7 @@ class Metrics:
                 for answer in answers
             ],
         )
-        self.attempt_outcome = Children[AttemptOutcome, Counter](
+        self.attempt_outcome = Children[AttemptOutcome, CounterSeries](
             self.attempts.labels, AttemptOutcome
         )
         self.unsent_outcome = Children[UnsentOutcome, Counter](
@@ -433,11 +438,11 @@ class Metrics:
         # By route prefix, then request key: the prefix's children are looked up once per request.
         self.request_route = ByRoute(self.request_seconds)
         # The store's operations are its method names (store/base.py), not an enum of ours.
-        self._store_seconds = Children[str, Histogram](self.store_seconds.labels)
+        self._store_seconds = Children[str, HistogramSeries](self.store_seconds.labels)
         # Every request's operations from the start (docs/operations.md: a rate of the errors
         # is 0, never "no data"); the others once first called.
         self._store_errors = Children[str, Counter](self.store_errors.labels, _HOT_OPERATIONS)
-        self._store_batch_rows = Children[str, Histogram](
+        self._store_batch_rows = Children[str, HistogramSeries](
             self.store_batch_rows.labels, ("claim", "complete")
         )
         self.client_disconnect = Children[DisconnectStage, Counter](
@@ -457,8 +462,11 @@ class Metrics:
         return Counter(f"{METRIC_PREFIX}_{name}", help_text, labels, registry=self.registry)
 
     def observe_store(self, operation: str, seconds: float, failed: bool) -> None:
-        """`Store.observer` itself: it runs for every store call, so no wrapper in between."""
-        self._store_seconds[operation].observe(seconds)
+        """`Store.observer` itself: it runs for every store call, so no wrapper in between, and
+        the histogram's observation is made in place (`HistogramSeries.observe`)."""
+        series = self._store_seconds[operation]
+        series.counts[bisect_left(series.bounds, seconds)] += 1
+        series.sum += seconds
         if failed:
             self._store_errors[operation].inc()
 

@@ -1,0 +1,144 @@
+"""The request path's counters and histograms: kept by the event loop, exposed at scrape time.
+
+prometheus_client's `Histogram.observe` is five calls and two lock round trips (its sum's and
+its bucket's), and `Counter.inc` four calls and one: every request pays several of each, on a
+thread that alone updates them (the event loop's: the store's, the upstream's and the request's
+timings are all taken there). These keep a series as plain numbers updated in one call, and a
+collector turns them into the same exposition at scrape time (also on the loop, SPEC §13): the
+same names, help, labels, buckets and `_created` series as prometheus_client's own would give.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
+
+
+class CounterSeries:
+    """One labelled counter: `inc` as prometheus_client's (never negative)."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.value += amount
+
+
+class HistogramSeries:
+    """One labelled histogram: each observation counted in the first bucket whose bound is at
+    least the value (`le`), the last bucket being +Inf; the counts made cumulative when
+    exposed."""
+
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _Family(Collector):
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        registry.register(self)
+
+    def _key(self, values: tuple[object, ...]) -> tuple[str, ...]:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected")
+        return tuple(map(str, values))
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family()]
+
+    def _family(self) -> Metric:
+        raise NotImplementedError
+
+    def collect(self) -> Iterable[Metric]:
+        raise NotImplementedError
+
+
+class LoopCounter(_Family):
+    """A labelled counter (`NAME_total`, `NAME_created`), as prometheus_client's `Counter`."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        super().__init__(name, documentation, labelnames, registry)
+        self._series: dict[tuple[str, ...], CounterSeries] = {}
+
+    def labels(self, *values: object) -> CounterSeries:
+        key = self._key(values)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = CounterSeries()
+        return series
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        for values, series in list(self._series.items()):
+            family.add_metric(values, series.value, created=series.created)
+        yield family
+
+
+class LoopHistogram(_Family):
+    """A labelled histogram (`_bucket`, `_count`, `_sum`, `_created`), as prometheus_client's
+    `Histogram` with the same bounds (+Inf added)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+        buckets: Sequence[float],
+    ) -> None:
+        super().__init__(name, documentation, labelnames, registry)
+        bounds = tuple(sorted(float(bound) for bound in buckets if bound != float("inf")))
+        self._bounds = bounds
+        self._les = [*map(floatToGoString, bounds), "+Inf"]
+        self._series: dict[tuple[str, ...], HistogramSeries] = {}
+
+    def labels(self, *values: object) -> HistogramSeries:
+        key = self._key(values)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = HistogramSeries(self._bounds)
+        return series
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        for values, series in list(self._series.items()):
+            counts, total = list(series.counts), series.sum  # one snapshot of the counts
+            cumulative, buckets = 0, []
+            for le, count in zip(self._les, counts, strict=True):
+                cumulative += count
+                buckets.append((le, float(cumulative)))
+            family.add_metric(values, buckets, total)
+            created = dict(zip(self.labelnames, values, strict=True))
+            family.add_sample(f"{self.name}_created", created, series.created)
+        yield family
