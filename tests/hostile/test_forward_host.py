@@ -125,6 +125,9 @@ async def test_an_http_1_0_request_without_host_gets_the_upstreams(
     answer = await exchange(address, b"POST /x HTTP/1.0\r\nContent-Length: 3\r\n\r\npay")
     assert answer.startswith(b"HTTP/1.1 201 ") or answer.startswith(b"HTTP/1.0 201 "), answer
     assert recorder.one.header_lines("Host") == [recorder.url.removeprefix("http://").encode()]
+    # SPEC §10: those carry the client's Host, and it sent none: not the proxy's own address.
+    assert recorder.one.header_lines("X-Forwarded-Host") == []
+    assert b"host=" not in b"".join(recorder.one.header_lines("Forwarded"))
 
 
 async def test_an_absolute_form_target_agreeing_with_host_keeps_the_clients_host(

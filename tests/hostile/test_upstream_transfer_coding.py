@@ -12,6 +12,7 @@ the response malformed: a 502 to the first client and, as the request was sent, 
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import logging
 
@@ -91,3 +92,34 @@ async def test_a_single_chunked_coding_is_decoded(
     async with client.post("/pay", data=b"x", headers={KEY: "one"}) as replay:
         assert (replay.status, await replay.read()) == (200, PAYLOAD)
     assert ledger.count("one") == 1
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(PAYLOAD),
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + PAYLOAD,  # ends where it closes
+    ],
+    ids=["chunked", "close-delimited"],
+)
+async def test_a_streamed_answer_without_a_length_ends_an_http_1_0_connection(
+    make_proxy: ProxyFactory, fault_proxy: FaultProxy, sqlite_dsn: str, answer: bytes
+) -> None:
+    """RFC 9112 §6.3, §9.3: to an HTTP/1.0 client a body without Content-Length ends where the
+    connection closes, keep-alive asked for or not. The connection stayed open: the answer to
+    the request pipelined behind it ran into the first one's body (SPEC §8: one answer per
+    request on a connection)."""
+    client = await make_proxy(store=sqlite_dsn, upstream=fault_proxy.url)
+    fault_proxy.inject(replace(answer))
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    try:
+        writer.write(
+            b"GET /things HTTP/1.0\r\nHost: p\r\nConnection: keep-alive\r\n\r\n"
+            b"GET /second HTTP/1.0\r\nHost: p\r\n\r\n"
+        )
+        received = await asyncio.wait_for(reader.read(), 5.0)  # until the proxy closes
+    finally:
+        writer.close()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200 OK\r\n") and b"Content-Length" not in head
+    assert body == PAYLOAD  # and no second answer after it

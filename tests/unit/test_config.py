@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from idemproxy.config.settings import Settings, load_settings
+from idemproxy.config.settings import Settings, load_settings, log_settings_warnings
 from idemproxy.errors import ConfigError
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.routing import RouteTable
@@ -217,17 +218,28 @@ def test_a_prefix_that_takes_every_path_of_another_is_refused() -> None:
 
 
 @pytest.mark.parametrize("prefix", ["/", "//"])
-def test_upstream_beside_a_route_that_takes_every_path_is_refused(prefix: str) -> None:
+def test_upstream_beside_a_route_that_takes_every_path_is_warned_of(
+    prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """`upstream` is the catch-all route `/`, after the configured ones: beside a route of
-    every path (and any host) it would never be used, and nothing would say so."""
-    with pytest.raises(ValidationError, match=r"upstream is the catch-all route /"):
-        load_settings(
-            upstream="http://never:1", routes=[{"prefix": prefix, "upstream": "http://app:1"}]
-        )
-    load_settings(
-        upstream="http://rest:1",
-        routes=[{"prefix": "/", "host": "api.example.com", "upstream": "http://app:1"}],
+    every path and any host no request reaches it, and the start says so (a warning, not a
+    refusal: a deployment may set `upstream` for every proxy, the chart's sidecar mode does)."""
+    settings = load_settings(
+        upstream="http://never:1", routes=[{"prefix": prefix, "upstream": "http://app:1"}]
     )
+    with caplog.at_level(logging.WARNING, logger="idemproxy"):
+        log_settings_warnings(settings)
+    assert "upstream http://never:1 is never used: routes[0]" in caplog.text
+    for used in (
+        load_settings(
+            upstream="http://rest:1", routes=[{"prefix": "/a", "upstream": "http://a:1"}]
+        ),
+        load_settings(
+            upstream="http://rest:1",
+            routes=[{"prefix": "/", "host": "api.example.com", "upstream": "http://app:1"}],
+        ),
+    ):
+        assert used.unused_upstream is None
 
 
 def test_forward_host_is_auto_by_default_for_every_route() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from idemproxy.cli import main as cli
-from idemproxy.config.settings import Settings, load_settings, log_renamed_keys
+from idemproxy.config.settings import Settings, load_settings, log_settings_warnings
 from idemproxy.errors import ConfigError
 
 UPSTREAM = "http://127.0.0.1:9"
@@ -189,7 +189,7 @@ def test_each_warning_is_logged_once(
     monkeypatch.setenv("IDEMPROXY_REDIS", URL)
     settings = load_settings(_file(tmp_path, f"redis: {URL}\n"))
     with caplog.at_level(logging.WARNING, logger="idemproxy.config.settings"):
-        log_renamed_keys(settings)
+        log_settings_warnings(settings)
     assert [record.getMessage() for record in caplog.records] == [
         "settings: IDEMPROXY_REDIS is deprecated: set IDEMPROXY_REDIS__URL instead",
         "settings: `redis: URL` is deprecated: write `redis: {url: URL}` in the config file"

@@ -7,7 +7,7 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from idemproxy.config.settings import load_settings, log_renamed_keys, unknown_variables
+from idemproxy.config.settings import load_settings, log_settings_warnings, unknown_variables
 
 UPSTREAM = "http://127.0.0.1:9"
 
@@ -51,7 +51,7 @@ def test_logged_once_at_start_up(
     settings = load_settings(upstream=UPSTREAM)
     assert settings.upstream_timeout == 30  # ignored, as before: only now it is said
     with caplog.at_level(logging.WARNING, logger="idemproxy.config.settings"):
-        log_renamed_keys(settings)
+        log_settings_warnings(settings)
     assert [r.getMessage() for r in caplog.records] == [
         "settings: environment variable IDEMPROXY_UPSTREAM_TIMEOUTT names no setting and is"
         " ignored (did you mean IDEMPROXY_UPSTREAM_TIMEOUT?)"

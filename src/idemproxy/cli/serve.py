@@ -23,7 +23,7 @@ from aiohttp import web
 
 from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
-from idemproxy.config.settings import Settings, log_renamed_keys, parse_listen
+from idemproxy.config.settings import Settings, log_settings_warnings, parse_listen
 from idemproxy.errors import ListenFailed, StoreUnreachable
 from idemproxy.identity.owner import OwnerPolicy, log_owner_hint
 from idemproxy.observe.logs import configure_logging
@@ -55,7 +55,7 @@ def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = No
     stops the start before the store is opened."""
     configure_logging(settings.log_level, settings.log_format)
     if worker is None:  # a supervisor's workers: the supervisor warned
-        log_renamed_keys(settings)
+        log_settings_warnings(settings)
         log_owner_hint(settings.owner)
         if settings.store.startswith("sqlite://") and sqlite_path(settings.store) == ":memory:":
             log.warning(_IN_MEMORY)

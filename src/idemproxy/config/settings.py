@@ -62,6 +62,7 @@ from idemproxy.config.upstream import (
 )
 from idemproxy.errors import ConfigError
 from idemproxy.http.host import host_name, valid_host
+from idemproxy.redact import redact_url
 
 _STRICT = ConfigDict(extra="forbid")
 log = logging.getLogger("idemproxy.config")
@@ -927,19 +928,10 @@ class Settings(BaseSettings):
     def _one_route_per_prefix(self) -> Settings:
         # SPEC §10: the longest prefix wins, the first of equals: a second route that takes the
         # paths and host of another would never be used, its upstream, key source and limits
-        # with it. A prefix ending in `/` takes the paths under it however many `/` end it
-        # (proxy/routing.py: `/a//` takes all `/a/` does); one without takes itself as well.
-        # `upstream` is the catch-all route `/` after them (`all_routes`).
+        # with it.
         seen: dict[tuple[str, str | None], int] = {}
-        for n, route in enumerate(self.all_routes):
-            prefix = route.prefix
-            paths = prefix.rstrip("/") + "/" if prefix.endswith("/") else prefix
-            where = (paths, None if route.host is None else host_name(route.host))
-            if where in seen and n == len(self.routes):
-                raise ValueError(
-                    f"upstream is the catch-all route /, and routes[{seen[where]}] takes every "
-                    f"path already: it would never be used (drop upstream, or that route)"
-                )
+        for n, route in enumerate(self.routes):
+            where = _paths_taken(route)
             if where in seen:
                 host = "" if route.host is None else f" and host {route.host}"
                 raise ValueError(
@@ -997,6 +989,22 @@ class Settings(BaseSettings):
         """The longest any upstream call may take, on any route (the histograms' reach)."""
         timeouts = [route.upstream_timeout for route in self.routes if route.upstream_timeout]
         return max([self.upstream_timeout, *timeouts])
+
+    @property
+    def unused_upstream(self) -> str | None:
+        """A warning when `upstream`, the catch-all route `/` after the configured ones, is
+        never used: a route of every path and any host comes first. Not refused, as a route
+        of the same paths is: a deployment may set `upstream` for every proxy (the chart's
+        sidecar mode does) and routes beside it."""
+        if self.upstream is None:
+            return None
+        for n, route in enumerate(self.routes):
+            if _paths_taken(route) == ("/", None):
+                return (
+                    f"upstream {redact_url(self.upstream)} is never used: routes[{n}] "
+                    f"({route.prefix}) takes every path first"
+                )
+        return None
 
     @property
     def all_routes(self) -> list[RouteSettings]:
@@ -1097,11 +1105,21 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     return settings
 
 
-def log_renamed_keys(settings: Settings) -> None:
-    """Warn once, at start-up, of each key of before the settings were read with, and of each
-    `IDEMPROXY_*` variable that was ignored."""
-    for warning in (*settings.renamed_keys, *settings.unknown_variables):
+def log_settings_warnings(settings: Settings) -> None:
+    """Warn once, at start-up, of each key of before the settings were read with, of each
+    `IDEMPROXY_*` variable that was ignored, and of an `upstream` no request can reach."""
+    unused = settings.unused_upstream
+    for warning in (*settings.renamed_keys, *settings.unknown_variables, *filter(None, [unused])):
         log.warning("settings: %s", warning)
+
+
+def _paths_taken(route: RouteSettings) -> tuple[str, str | None]:
+    """The paths and host a route takes, as routing compares them (proxy/routing.py): a
+    prefix ending in `/` takes the paths under it however many `/` end it (`/a//` takes all
+    `/a/` does); one without takes itself as well."""
+    prefix = route.prefix
+    paths = prefix.rstrip("/") + "/" if prefix.endswith("/") else prefix
+    return paths, None if route.host is None else host_name(route.host)
 
 
 # IDEMPROXY_* variables that are not settings: the config file's path, and the test suite's own.
@@ -1181,7 +1199,7 @@ class _RenamedRedisKeys(PydanticBaseSettingsSource):
 
     Each source is renamed on its own, so that the sources still merge key by key (an old
     IDEMPROXY_REDIS with a new `redis:` block in the file keeps both). A rename read from the
-    file or the environment is noted for a warning at start-up (`log_renamed_keys`); the
+    file or the environment is noted for a warning at start-up (`log_settings_warnings`); the
     program's own arguments (the flags) are renamed quietly. One source giving a setting in both
     forms is refused: which one was meant cannot be told.
     """

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-from idemproxy.config.settings import Settings, log_renamed_keys
+from idemproxy.config.settings import Settings, log_settings_warnings
 from idemproxy.identity.owner import log_owner_hint
 from idemproxy.observe.logs import configure_logging
 from idemproxy.store.factory import command_store
@@ -69,7 +69,7 @@ class _Worker:
 def supervise(settings: Settings, serve_argv: Sequence[str]) -> int:
     """Run `settings.server.workers` workers of `idemproxy <serve_argv>`; the exit status."""
     configure_logging(settings.log_level, settings.log_format)
-    log_renamed_keys(settings)
+    log_settings_warnings(settings)
     log_owner_hint(settings.owner)
     # A taken port fails here, as it does for a single process (workers/listen.py).
     lock = claim_listen(settings.listen)

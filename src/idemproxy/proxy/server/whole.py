@@ -177,7 +177,17 @@ class AsSentStreamResponse(web.StreamResponse):
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         if not self.prepared:
             self.absent = as_sent(request, self.headers)
+            if request.version < HttpVersion11 and _ends_at_close(self, request):
+                # RFC 9112 §6.3: no chunked coding in HTTP/1.0, so a body of unknown length
+                # ends where the connection does, keep-alive or not (aiohttp still keeps it).
+                self.force_close()
         return await super().prepare(request)
+
+
+def _ends_at_close(response: web.StreamResponse, request: web.BaseRequest) -> bool:
+    """Whether the response has a body and no length: it ends where the connection closes."""
+    no_body = request.method == hdrs.METH_HEAD or response.status in (204, 304)
+    return not no_body and response.status >= 200 and response.content_length is None
 
 
 class AsSentResponse(web.Response):

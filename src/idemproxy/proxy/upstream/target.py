@@ -72,7 +72,7 @@ def outgoing(
         request.headers,
         client_ip=peer,
         scheme=request.scheme,
-        host=host_sent or request.host,
+        host=host_sent,  # None: an HTTP/1.0 request without one, and nothing to tell (§10)
         # None trusted (the default): no address to parse.
         trusted=bool(trusted_proxies) and is_trusted(peer, trusted_proxies),
     )
