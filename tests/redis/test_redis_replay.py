@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from multidict import CIMultiDict
 from redis.asyncio import Redis
 
+from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.cli import main as cli
 from idemproxy.config.settings import load_settings
 from idemproxy.constants import REDIS_GONE_PREFIX
@@ -224,7 +225,39 @@ async def test_a_cli_delete_that_redis_does_not_take_fails_and_names_the_entry(
     assert await store.record.get_by_id(job.id) is None  # the store's delete is made
     err = capsys.readouterr().err
     assert "Redis did not take the invalidation of 1 cache entries" in err
-    assert f"redis-cli unlink {entry_name(job.owner, job.key)}" in err
+    assert f"redis-cli -n 0 unlink {entry_name(job.owner, job.key)}" in err
+
+
+async def test_the_admin_api_answers_202_naming_the_entries_redis_did_not_take(
+    make_store: CachedStoreFactory,
+    make_proxy: ProxyFactory,
+    redis_server: RedisServer,
+    redis_client: Redis,
+    pg_dsn: str,
+) -> None:
+    """SPEC §11, Erasure: a delete or purge through the admin API whose Redis invalidation did
+    not go through is made in the store but not whole: 202 with the entries, not 204 or 200 (a
+    proxy that stops before Redis is back leaves them to be replayed by the others)."""
+    store, client, _ = await _cached_once(make_store, make_proxy, redis_client)
+    await _post(client, "k2")
+    [second, first] = await store.record.list_jobs()
+    settings = load_settings(upstream="http://127.0.0.1:9", store=pg_dsn)
+    admin_app = create_admin_app(settings, store.record, Readiness(), invalidations=store.cache)
+    async with TestClient(TestServer(admin_app)) as admin:
+        redis_server.stop()
+        async with admin.delete(f"/jobs/{first.id}") as deleted:
+            assert deleted.status == 202
+            assert (await deleted.json())["redis_entries_pending"] == [
+                entry_name(first.owner, first.key)
+            ]
+        async with admin.post("/owners/purge", json={"owner": second.owner}) as purged:
+            report = await purged.json()
+        assert purged.status == 202 and report["removed_jobs"] == 1
+        assert entry_name(second.owner, second.key) in report["redis_entries_pending"]
+        redis_server.start()
+        async with admin.post("/owners/purge", json={"owner": second.owner}) as again:
+            assert again.status == 200  # the entries went through once Redis was back
+            assert (await again.json())["redis_entries_pending"] == []
 
 
 async def test_a_cached_completion_counts_the_hedges_of_the_version_that_won(

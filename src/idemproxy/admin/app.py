@@ -19,6 +19,7 @@ from idemproxy.config.settings import Settings
 from idemproxy.errors import StoreUnavailable, Unauthorized
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import Metrics, metrics_handler
+from idemproxy.ops.invalidations import PendingInvalidations
 from idemproxy.proxy.server.whole import own_server_header
 from idemproxy.store.ports import Lifecycle, Operators
 
@@ -59,8 +60,10 @@ def create_admin_app(
     *,
     metrics: Metrics | None = None,
     peers: Peers | None = None,
+    invalidations: PendingInvalidations | None = None,
 ) -> web.Application:
-    """`peers`: the other workers' admin apps, when this one answers for all (admin/peers.py)."""
+    """`peers`: the other workers' admin apps, when this one answers for all (admin/peers.py);
+    `invalidations`: the Redis cache's, when there is one (SPEC §11, Erasure)."""
     token = settings.admin.token.get_secret_value() if settings.admin.token else None
     app = web.Application(
         middlewares=[_bearer_auth(token)] if token else [],
@@ -78,7 +81,9 @@ def create_admin_app(
     if metrics is not None:
         handler = metrics_handler(metrics) if peers is None else _all_workers_metrics(metrics)
         app.router.add_get("/metrics", handler)
-    add_jobs_routes(app, settings, store)  # SPEC §3.3: behind the token, like every other path
+    add_jobs_routes(
+        app, settings, store, invalidations
+    )  # SPEC §3.3: behind the token, like every other path
     return app
 
 

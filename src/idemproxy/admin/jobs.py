@@ -28,6 +28,7 @@ from idemproxy.errors import InvalidRequest, ProblemError
 from idemproxy.http.offload import off_loop
 from idemproxy.http.problems import problem_response
 from idemproxy.ops import purge, service
+from idemproxy.ops.invalidations import PendingInvalidations, invalidations_left
 from idemproxy.ops.resolution import ResponseRules, resolution_from_json
 from idemproxy.ops.view import job_to_json
 from idemproxy.store.ports import Operators
@@ -39,6 +40,8 @@ _JSON_OVERHEAD = 64 * 1024
 
 JOBS_STORE = web.AppKey("idemproxy.admin.jobs.store", Operators)
 JOBS_SETTINGS = web.AppKey("idemproxy.admin.jobs.settings", Settings)
+# The proxies' Redis cache, when there is one: its invalidations not yet through.
+JOBS_INVALIDATIONS = web.AppKey("idemproxy.admin.jobs.invalidations", PendingInvalidations)
 
 _LIST_PARAMETERS = frozenset({"state", "owner", "limit"})
 _SHOW_PARAMETERS = frozenset({"include"})
@@ -47,9 +50,16 @@ _DELETE_PARAMETERS = frozenset({"force", "version"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def add_jobs_routes(app: web.Application, settings: Settings, store: Operators) -> None:
+def add_jobs_routes(
+    app: web.Application,
+    settings: Settings,
+    store: Operators,
+    invalidations: PendingInvalidations | None = None,
+) -> None:
     app[JOBS_STORE] = store
     app[JOBS_SETTINGS] = settings
+    if invalidations is not None:
+        app[JOBS_INVALIDATIONS] = invalidations
     app.router.add_get("/jobs", _problems(_list))
     app.router.add_get("/jobs/{id}", _problems(_show))
     app.router.add_post("/jobs/find", _problems(_find))
@@ -147,14 +157,27 @@ async def _delete(request: web.Request) -> web.Response:
         force=_flag(query.get("force"), "force"),
         version=_version(query.get("version")),
     )
+    left = await invalidations_left(request.app.get(JOBS_INVALIDATIONS))
+    if left:
+        return web.json_response({"redis_entries_pending": left, "detail": _PENDING}, status=202)
     return web.Response(status=204)
+
+
+# SPEC §11, Erasure: the store's change is made, the cache's is not yet whole.
+_PENDING = (
+    "Deleted in the store; Redis did not take the invalidation of these entries. This proxy "
+    "retries every second while it runs and reads nothing from Redis meanwhile; the other "
+    "proxies may replay them until redis.ttl runs out. If this proxy stops first, remove them "
+    "from Redis by hand."
+)
 
 
 _PURGE_FIELDS = frozenset({"owner", "credential", "include_in_flight", "batch_size"})
 
 
 async def _purge(request: web.Request) -> web.Response:
-    """SPEC §11: erase one owner's jobs. 200 with the report; `left` lists what stayed."""
+    """SPEC §11: erase one owner's jobs. 200 with the report; `left` lists what stayed; 202
+    when the proxies' Redis did not take every invalidation (`redis_entries_pending`)."""
     body = await _json_body(request)
     if not isinstance(body, dict) or set(body) - _PURGE_FIELDS:
         raise InvalidRequest(f"the body must be an object of {', '.join(sorted(_PURGE_FIELDS))}")
@@ -181,7 +204,11 @@ async def _purge(request: web.Request) -> web.Response:
             store, legacy, include_in_flight=include, batch_size=size
         )
         answer["legacy"] = legacy_report.to_json()
-    return _json(answer)
+    left = await invalidations_left(request.app.get(JOBS_INVALIDATIONS))
+    answer["redis_entries_pending"] = left
+    if left:
+        answer["detail"] = _PENDING
+    return web.json_response(answer, status=202 if left else 200)
 
 
 def _state(value: str | None) -> JobState | None:

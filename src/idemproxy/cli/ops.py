@@ -17,6 +17,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from idemproxy.cli.help import describe_setting_flags
 from idemproxy.config.settings import Settings, load_settings
@@ -29,6 +30,7 @@ from idemproxy.errors import (
     StoreUnreachable,
 )
 from idemproxy.ops import purge, service
+from idemproxy.ops.invalidations import invalidations_left
 from idemproxy.ops.reseal import report_lines, reseal_store
 from idemproxy.ops.resolution import (
     Resolution,
@@ -415,33 +417,27 @@ async def _with_store(
         unsent = await _invalidations_left(stack)
         await stack.close()
         if unsent:
-            print(_UNSENT.format(n=len(unsent), names=" ".join(unsent)), file=sys.stderr)
+            print(_unsent(unsent, settings.redis.url or ""), file=sys.stderr)
     if unsent:
         raise _InvalidationsLeft()
 
 
-# A delete, purge or resolution through the proxies' Redis (SPEC §11, Erasure) whose entries
-# Redis did not take: the proxies replay them until `redis.ttl` runs out, and this process,
-# unlike a proxy, does not stay to send them later.
-_UNSENT = (
-    "idemproxy: the store is changed, but Redis did not take the invalidation of {n} cache"
-    " entries: the proxies may replay them until redis.ttl runs out. Once Redis answers,"
-    " remove them: redis-cli unlink {names}"
-)
-_INVALIDATION_TRIES = 3
+def _unsent(entries: list[str], redis_url: str) -> str:
+    """A delete, purge or resolution through the proxies' Redis (SPEC §11, Erasure) whose
+    entries Redis did not take: the proxies replay them until `redis.ttl` runs out, and this
+    process, unlike a proxy, does not stay to send them later."""
+    database = urlsplit(redis_url).path.strip("/") or "0"
+    return (
+        f"idemproxy: the store is changed, but Redis did not take the invalidation of "
+        f"{len(entries)} cache entries: the proxies may replay them until redis.ttl runs out, "
+        f"and a proxy that replayed one keeps it in memory up to replay_cache.ttl more. Once "
+        f"Redis answers, remove them: redis-cli -n {database} unlink {' '.join(entries)}"
+    )
 
 
 async def _invalidations_left(stack: StoreStack) -> list[str]:
-    """The Redis entries whose invalidation did not go through, after a few more tries a
-    second apart (Redis restarting, a failover)."""
     redis = redis_layer(stack)
-    if redis is None:
-        return []
-    for _ in range(_INVALIDATION_TRIES):
-        if await redis.cache.flush_drops():
-            return []
-        await asyncio.sleep(1.0)
-    return redis.cache.pending_entries
+    return await invalidations_left(None if redis is None else redis.cache)
 
 
 class _InvalidationsLeft(Exception):

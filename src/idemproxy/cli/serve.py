@@ -32,7 +32,7 @@ from idemproxy.proxy.app import create_app, tracing_from_settings
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import close_connections, drain, start_draining
 from idemproxy.proxy.server.listener import GuardedSite
-from idemproxy.store.factory import serving_store, shown_store, sqlite_path
+from idemproxy.store.factory import redis_layer, serving_store, shown_store, sqlite_path
 from idemproxy.store.layers import StoreStack
 from idemproxy.workers.role import STOP_SIGNALS, WorkerRole
 
@@ -134,8 +134,12 @@ async def _serve_until_signalled(
         shutdown_timeout=_HANDLER_GRACE_SECONDS,
     )
     peers = Peers(worker.peers) if worker is not None and worker.peers else None
+    redis_cache = redis_layer(stores)
+    redis = None if redis_cache is None else redis_cache.cache
     admin = web.AppRunner(
-        create_admin_app(settings, stores.record, readiness, metrics=metrics, peers=peers),
+        create_admin_app(
+            settings, stores.record, readiness, metrics=metrics, peers=peers, invalidations=redis
+        ),
         access_log=None,
     )
     await proxy.setup()

@@ -77,6 +77,10 @@ def connect(url: str, *, timeout: float) -> Redis:
     )
 
 
+# Entries named in the warning of invalidations left at exit (a purge may leave thousands).
+_NAMED = 20
+
+
 class CacheDown(Exception):
     """Redis failed or answered too late; the caller treats it as a miss."""
 
@@ -180,7 +184,10 @@ class RedisCache:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if not await self.flush_drops():
-            log.warning("redis: %d cache invalidations could not be sent", len(self._drops))
+            # SPEC §11: what an operator must unlink by hand, if Redis keeps its data
+            names = self.pending_entries
+            shown = " ".join(names[:_NAMED]) + (" …" if len(names) > _NAMED else "")
+            log.warning("redis: %d cache invalidations could not be sent: %s", len(names), shown)
         with contextlib.suppress(*REDIS_ERRORS):
             async with asyncio.timeout(self._write_timeout):
                 await self.client.aclose()

@@ -1,0 +1,38 @@
+"""Whether an operator's change reached the proxies' Redis (SPEC §11, Erasure).
+
+A delete or purge drops each job's Redis entry first; when Redis cannot take it, the entry is
+kept pending and retried (store/redis/client.py). A proxy retries every second for as long as
+it runs, but the operator who asked must hear that the erasure is not whole yet: the CLI exits 1
+and the admin API answers 202, each naming the entries left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+# Further tries, a second apart, before the entries left are reported (Redis restarting, a
+# failover): what the operator waits at most.
+TRIES = 3
+_PAUSE_SECONDS = 1.0
+
+
+class PendingInvalidations(Protocol):
+    """What store/redis/client.py `RedisCache` says of the invalidations it holds."""
+
+    async def flush_drops(self) -> bool: ...
+
+    @property
+    def pending_entries(self) -> list[str]: ...
+
+
+async def invalidations_left(cache: PendingInvalidations | None) -> list[str]:
+    """The Redis entries whose invalidation did not go through after `TRIES` more tries (none
+    without Redis)."""
+    if cache is None:
+        return []
+    for _ in range(TRIES):
+        if await cache.flush_drops():
+            return []
+        await asyncio.sleep(_PAUSE_SECONDS)
+    return cache.pending_entries
