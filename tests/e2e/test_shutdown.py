@@ -116,20 +116,9 @@ async def test_a_stop_signal_as_the_listener_opens_drains_rather_than_kills(
     instant a connection is accepted (before the admin listener is up), SIGTERM used to take
     its default action: the process died of it (-15), a request already read got a reset."""
     for attempt in range(3):
-        port = free_port()
-        listen = ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{free_port()}"]
-        store = ["--store", f"sqlite:///{tmp_path}/early.db"]
-        proxy = ProxyProcess(
-            f"early-stop-{attempt}",
-            [*listen, "--upstream", backend.url, *store],
-            port,
-            0,
-            tmp_path,
-            tmp_path,
-        )
-        proxy.spawn(child_env())
+        proxy = _early_proxy(tmp_path, backend, f"early-stop-{attempt}")
         try:
-            _connectable(proxy)
+            _connectable(proxy).close()
             os.kill(proxy.pid, signal.SIGTERM)
             code = await proxy.wait_exit(STOP_DEADLINE)
             assert code == 0, proxy.describe()
@@ -137,13 +126,58 @@ async def test_a_stop_signal_as_the_listener_opens_drains_rather_than_kills(
             proxy.kill()
 
 
-def _connectable(proxy: ProxyProcess) -> None:
-    """As soon as the port takes a connection (a blocking connect, tried every millisecond)."""
+@pytest.mark.parametrize("method", ["POST", "PUT"])  # governed, and passed through
+async def test_a_request_sent_as_the_listener_opens_is_answered_or_never_run(
+    tmp_path: Path, backend: Backend, method: str
+) -> None:
+    """SPEC §8: whatever the moment of SIGTERM, a request the upstream ran is answered. Sent
+    on a connection accepted in the instant before the drain, it was read after the drain had
+    found nothing to wait for, ran upstream, and lost its answer to the connection's close."""
+    for attempt in range(8):  # the moment is a race: each try catches it now and then
+        key = f"early-{method}-{attempt}"
+        proxy = _early_proxy(tmp_path, backend, f"early-request-{method}-{attempt}")
+        try:
+            sock = _connectable(proxy)
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.write(
+                f"{method} /charges?delay=0.3 HTTP/1.1\r\nHost: p\r\nIdempotency-Key: {key}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}".encode()
+            )
+            await writer.drain()
+            os.kill(proxy.pid, signal.SIGTERM)
+            try:
+                answer = await asyncio.wait_for(reader.read(), STOP_DEADLINE)
+            except ConnectionResetError:  # closed with the request unread: never run
+                answer = b""
+            writer.close()
+            assert await proxy.wait_exit(STOP_DEADLINE) == 0, proxy.describe()
+        finally:
+            proxy.kill()
+        if key in backend.ledger.arrivals:
+            assert answer.startswith(b"HTTP/1.1 "), (answer, proxy.describe())
+
+
+def _early_proxy(tmp_path: Path, backend: Backend, name: str) -> ProxyProcess:
+    port = free_port()
+    listen = ["--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{free_port()}"]
+    store = ["--store", f"sqlite:///{tmp_path}/{name}.db"]
+    proxy = ProxyProcess(
+        name, [*listen, "--upstream", backend.url, *store], port, 0, tmp_path, tmp_path
+    )
+    proxy.spawn(child_env({"IDEMPROXY_OWNER__STRATEGY": "none"}))
+    return proxy
+
+
+def _connectable(proxy: ProxyProcess) -> socket.socket:
+    """A connection, as soon as the port takes one (a blocking connect, tried every
+    millisecond)."""
     until = time.monotonic() + START_DEADLINE
     while True:
         assert proxy.returncode is None, proxy.describe()
         assert time.monotonic() < until, proxy.describe()
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", proxy.port)) == 0:
-                return
+        sock = socket.socket()
+        if sock.connect_ex(("127.0.0.1", proxy.port)) == 0:
+            sock.setblocking(False)
+            return sock
+        sock.close()
         time.sleep(0.001)

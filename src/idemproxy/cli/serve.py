@@ -196,6 +196,7 @@ async def _drain(proxy: web.AppRunner, site: GuardedSite, timeout: float) -> Non
     ctx = proxy.app[CONTEXT]
     start_draining(ctx)
     site.close()
+    await site.accepted()
     close_connections(site.server)
     await drain(ctx, deadline, site.server)
 

@@ -35,6 +35,9 @@ class ConnectionGate(asyncio.AbstractServer):
         self.open = 0
         self._room = asyncio.Event()
         self._room.set()
+        self._closing = False
+        # Accept tasks setting a connection up: `close` lets them finish (see there).
+        self._setting_up: set[asyncio.Task[None]] = set()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._accept_forever(sock)) for sock in sockets]
 
@@ -43,8 +46,15 @@ class ConnectionGate(asyncio.AbstractServer):
         return tuple(self._sockets)
 
     def close(self) -> None:
+        """Accept no more. A connection accepted already and being set up is not cut off: a
+        transport cancelled half-way is closed by the loop after its protocol may have read
+        and started a request (the upstream then runs it and its answer has nowhere to go).
+        It finishes, joins the server's connections, and the shutdown treats it as any other
+        (proxy/drain.py): `wait_closed` waits for it."""
+        self._closing = True
         for task in self._tasks:
-            task.cancel()
+            if task not in self._setting_up:
+                task.cancel()
         for sock in self._sockets:
             sock.close()
 
@@ -73,9 +83,16 @@ class ConnectionGate(asyncio.AbstractServer):
                 log.warning("accepting a client connection failed: %s", exc)
                 await asyncio.sleep(_ACCEPT_RETRY_SECONDS)
                 continue
-            while self.open >= self.limit:  # another listening socket took the last place
-                await self._room.wait()
+            try:
+                while self.open >= self.limit:  # another listening socket took the last place
+                    await self._room.wait()
+            except asyncio.CancelledError:
+                conn.close()  # closed: never read, so nothing of it ran
+                raise
             self._opened()
+            task = asyncio.current_task()
+            assert task is not None
+            self._setting_up.add(task)
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 await loop.connect_accepted_socket(lambda: self._factory(self._once()), conn)
@@ -83,6 +100,10 @@ class ConnectionGate(asyncio.AbstractServer):
                 log.info("a client connection was lost while being set up: %s", exc)
                 conn.close()
                 self._closed()
+            finally:
+                self._setting_up.discard(task)
+            if self._closing:
+                return
 
     def _once(self) -> Closed:
         done = False

@@ -262,6 +262,12 @@ class GuardedSite:
         if self.gate is not None:
             self.gate.close()
 
+    async def accepted(self) -> None:
+        """After `close`: until every connection accepted before it is set up and among the
+        server's connections (a shutdown then sees each one, proxy/drain.py)."""
+        if self.gate is not None:
+            await self.gate.wait_closed()
+
     async def stop(self, shutdown_timeout: float = 1.0) -> None:
         """Accept no more connections, close idle ones, and give busy ones `shutdown_timeout`
         to finish their response before they are closed."""
