@@ -34,6 +34,7 @@ def test_the_charts_copy_of_the_settings_keys_is_current() -> None:
         ("proxy.config.owner.stratgy=authorization", "stratgy"),
         ("proxy.config.limits.respons_buffer=1", "respons_buffer"),
         ("proxy.config.log_fromat=json", "log_fromat"),
+        ("proxy.config.redis_options.tiemout=1", "tiemout"),  # the old name of redis's options
     ],
 )
 def test_a_mistyped_settings_key_stops_the_chart(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
 
+import pytest
+
+from idemproxy.cli.ops import _redis_cli
 from idemproxy.core.types import Attempt, AttemptState, Evidence, Job, JobState, StoredResponse
 from idemproxy.ops.resolution import ResponseRules, completed, parse_header_line
 from idemproxy.ops.service import resolution_ttl
@@ -121,3 +124,21 @@ def test_a_session_id_in_the_path_is_masked_in_the_view_and_the_table() -> None:
     assert view["path"] == "/(S(***))/pay;jsessionid=***;v=1"
     assert "SECRET42" not in job_details(view) and "abc123" not in job_details(view)
     assert job_to_json(job(path="/charges;v=1"))["path"] == "/charges;v=1"
+
+
+@pytest.mark.parametrize(
+    ("url", "command"),
+    [
+        ("redis://127.0.0.1:6380?db=3", "redis-cli -h 127.0.0.1 -p 6380 -n 3"),
+        ("redis://:s3cret@cache/5", "redis-cli -h cache -p 6379 -n 5"),
+        ("rediss://default:s3cret@cache:6380/1", "redis-cli -h cache -p 6380 --tls -n 1"),
+        ("unix:///run/redis.sock?db=2", "redis-cli -s /run/redis.sock -n 2"),
+        ("redis://cache", "redis-cli -h cache -p 6379 -n 0"),
+    ],
+)
+def test_the_unlink_remedy_names_the_server_and_database_redis_py_uses(
+    url: str, command: str
+) -> None:
+    """The CLI's remedy for invalidations Redis did not take (SPEC §11): the database as
+    redis-py reads the URL (`?db=` first), a socket's path as the socket, never the password."""
+    assert _redis_cli(url) == command

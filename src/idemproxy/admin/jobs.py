@@ -28,7 +28,7 @@ from idemproxy.errors import InvalidRequest, ProblemError
 from idemproxy.http.offload import off_loop
 from idemproxy.http.problems import problem_response
 from idemproxy.ops import purge, service
-from idemproxy.ops.invalidations import PendingInvalidations, invalidations_left
+from idemproxy.ops.invalidations import PendingInvalidations, invalidations_left, mark
 from idemproxy.ops.resolution import ResponseRules, resolution_from_json
 from idemproxy.ops.view import job_to_json
 from idemproxy.store.ports import Operators
@@ -151,13 +151,15 @@ async def _resolve(request: web.Request) -> web.Response:
 
 async def _delete(request: web.Request) -> web.Response:
     query = _query(request, _DELETE_PARAMETERS)
+    cache = request.app.get(JOBS_INVALIDATIONS)
+    since = mark(cache)
     await service.delete_job(
         request.app[JOBS_STORE],
         request.match_info["id"],
         force=_flag(query.get("force"), "force"),
         version=_version(query.get("version")),
     )
-    left = await invalidations_left(request.app.get(JOBS_INVALIDATIONS))
+    left = await invalidations_left(cache, since)
     if left:
         return web.json_response({"redis_entries_pending": left, "detail": _PENDING}, status=202)
     return web.Response(status=204)
@@ -196,7 +198,8 @@ async def _purge(request: web.Request) -> web.Response:
         size = purge.DEFAULT_BATCH_SIZE
     if not isinstance(size, int) or isinstance(size, bool):
         raise InvalidRequest("batch_size must be an integer")
-    store = request.app[JOBS_STORE]
+    store, cache = request.app[JOBS_STORE], request.app.get(JOBS_INVALIDATIONS)
+    since = mark(cache)
     report = await purge.purge_owner(store, owner, include_in_flight=include, batch_size=size)
     answer = report.to_json()
     if legacy is not None:  # SPEC §5: the owner the credential had before `owner.pepper`
@@ -204,7 +207,7 @@ async def _purge(request: web.Request) -> web.Response:
             store, legacy, include_in_flight=include, batch_size=size
         )
         answer["legacy"] = legacy_report.to_json()
-    left = await invalidations_left(request.app.get(JOBS_INVALIDATIONS))
+    left = await invalidations_left(cache, since)
     answer["redis_entries_pending"] = left
     if left:
         answer["detail"] = _PENDING

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from idemproxy.cli.help import describe_setting_flags
 from idemproxy.config.settings import Settings, load_settings
@@ -426,13 +426,28 @@ def _unsent(entries: list[str], redis_url: str) -> str:
     """A delete, purge or resolution through the proxies' Redis (SPEC §11, Erasure) whose
     entries Redis did not take: the proxies replay them until `redis.ttl` runs out, and this
     process, unlike a proxy, does not stay to send them later."""
-    database = urlsplit(redis_url).path.strip("/") or "0"
     return (
         f"idemproxy: the store is changed, but Redis did not take the invalidation of "
         f"{len(entries)} cache entries: the proxies may replay them until redis.ttl runs out, "
         f"and a proxy that replayed one keeps it in memory up to replay_cache.ttl more. Once "
-        f"Redis answers, remove them: redis-cli -n {database} unlink {' '.join(entries)}"
+        f"Redis answers, remove them (with its password, if it has one): "
+        f"{_redis_cli(redis_url)} unlink {' '.join(entries)}"
     )
+
+
+def _redis_cli(url: str) -> str:
+    """`redis-cli` with the server and database of a Redis URL as redis-py reads it: the
+    database from `?db=`, else the path of a `redis://` URL; a `unix://` URL's path is its
+    socket. Never the password."""
+    parts = urlsplit(url)
+    database = parse_qs(parts.query).get("db", [""])[0]
+    if parts.scheme == "unix":
+        where = f"-s {parts.path}"
+    else:
+        database = database or parts.path.strip("/")
+        where = f"-h {parts.hostname or 'localhost'} -p {parts.port or 6379}"
+        where += " --tls" if parts.scheme == "rediss" else ""
+    return f"redis-cli {where} -n {database or '0'}"
 
 
 async def _invalidations_left(stack: StoreStack) -> list[str]:

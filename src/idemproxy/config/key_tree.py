@@ -3,9 +3,11 @@
 `helm install` then refuses a mistyped key (`owner.stratgy`) before anything is deployed,
 rather than a pod refusing to start. Only the keys are checked, at every level of the tree: a
 value's type, range and form stay the proxy's to check at start-up (a duration may be `5` or
-`"5s"`, a block may be given in a shorter form), so a file the proxy takes is never refused by
-the chart. The `properties` and `additionalProperties` keywords constrain objects alone: where a
-setting is also given as a string or a list, those pass unchecked.
+`"5s"`, a block may be given in a shorter form), so a file the proxy takes is not refused by
+the chart, with one exception: the keys must be written as the settings name them, in lower
+case (the proxy also takes the top level's in another case, `Listen:`). The `properties` and
+`additionalProperties` keywords constrain objects alone: where a setting is also given as a
+string or a list, those pass unchecked.
 
     scripts/chart-schema           # writes it into helm/idemproxy/values.schema.json
 """
@@ -21,8 +23,9 @@ JsonSchema = dict[str, Any]
 
 # Where the chart's schema keeps the tree (its `definitions`, JSON Schema draft 7).
 ROOT = "settings"
-# Keys the proxy still reads, with a warning, though the settings no longer name them.
-_RENAMED = ("redis_options",)
+# Keys the proxy still reads, with a warning, though the settings no longer name them, and
+# the block each is read as.
+_RENAMED = {"redis_options": "RedisSettings"}
 
 
 def keys_schema() -> dict[str, JsonSchema]:
@@ -65,7 +68,7 @@ def keys_schema() -> dict[str, JsonSchema]:
         return {"properties": properties, "additionalProperties": False}
 
     root = keys(full)
-    root["properties"].update({name: {} for name in _RENAMED})
+    root["properties"].update({name: block(model) for name, model in _RENAMED.items()})
     definitions[ROOT] = root
     return dict(sorted(definitions.items()))
 

@@ -20,19 +20,28 @@ _PAUSE_SECONDS = 1.0
 class PendingInvalidations(Protocol):
     """What store/redis/client.py `RedisCache` says of the invalidations it holds."""
 
+    @property
+    def drops_made(self) -> int: ...
+
     async def flush_drops(self) -> bool: ...
 
-    @property
-    def pending_entries(self) -> list[str]: ...
+    def pending_since(self, mark: int) -> list[str]: ...
 
 
-async def invalidations_left(cache: PendingInvalidations | None) -> list[str]:
-    """The Redis entries whose invalidation did not go through after `TRIES` more tries (none
-    without Redis)."""
+def mark(cache: PendingInvalidations | None) -> int:
+    """Where an operator's change begins: the entries it leaves pending are those asked for
+    after it (others' left pending before, or in the meantime, are not its own)."""
+    return 0 if cache is None else cache.drops_made
+
+
+async def invalidations_left(cache: PendingInvalidations | None, since: int = 0) -> list[str]:
+    """The Redis entries asked for after `since` whose invalidation did not go through after
+    `TRIES` more tries (none without Redis)."""
     if cache is None:
         return []
     for _ in range(TRIES):
-        if await cache.flush_drops():
+        await cache.flush_drops()
+        if not cache.pending_since(since):
             return []
         await asyncio.sleep(_PAUSE_SECONDS)
-    return cache.pending_entries
+    return cache.pending_since(since)

@@ -94,6 +94,10 @@ class RedisCache:
         self._outage = False
         # (entry, tombstone) → Unix time until which the tombstone must live (None: no tombstone)
         self._drops: dict[tuple[str, str], float | None] = {}
+        # Invalidations asked for so far, and the count when each pending one was last asked
+        # for: what one operator's change left pending (`pending_since`).
+        self.drops_made = 0
+        self._made: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -114,7 +118,12 @@ class RedisCache:
     @property
     def pending_entries(self) -> list[str]:
         """The entries whose invalidation has not reached Redis, by name."""
-        return sorted({entry for entry, _ in self._drops})
+        return self.pending_since(0)
+
+    def pending_since(self, mark: int) -> list[str]:
+        """The entries pending among those whose invalidation was asked for after `mark` (a
+        value of `drops_made`), by name."""
+        return sorted({entry for (entry, _), made in self._made.items() if made > mark})
 
     @property
     def has_drops(self) -> bool:
@@ -154,12 +163,18 @@ class RedisCache:
         """Invalidate an entry now, tombstoning its job until `until` (Unix time); if Redis
         cannot take it, keep it pending and retry."""
         self._drops[name, tombstone] = until
+        self._asked((name, tombstone))
         await self.flush_drops()
 
     def drop_soon(self, name: str, tombstone: str) -> None:
         """Invalidate an entry in the background (no tombstone), or keep it pending."""
         self._drops.setdefault((name, tombstone), None)
+        self._asked((name, tombstone))
         self._spawn(self._flush_quietly())
+
+    def _asked(self, drop: tuple[str, str]) -> None:
+        self.drops_made += 1
+        self._made[drop] = self.drops_made
 
     async def flush_drops(self) -> bool:
         """Send every pending invalidation; False when Redis could not take them all."""
@@ -171,6 +186,7 @@ class RedisCache:
             except CacheDown:
                 return False
             self._drops.pop(pending, None)
+            self._made.pop(pending, None)
         return True
 
     async def drain(self) -> None:
