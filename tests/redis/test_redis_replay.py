@@ -246,11 +246,12 @@ async def test_the_admin_api_answers_202_naming_the_entries_redis_did_not_take(
     admin_app = create_admin_app(settings, store.record, Readiness(), invalidations=store.cache)
     async with TestClient(TestServer(admin_app)) as admin:
         redis_server.stop()
-        async with admin.delete(f"/jobs/{first.id}") as deleted:
-            assert deleted.status == 202
-            assert (await deleted.json())["redis_entries_pending"] == [
-                entry_name(first.owner, first.key)
-            ]
+        deleting = asyncio.create_task(_delete(admin, first.id))
+        await asyncio.sleep(0.3)  # while it waits for Redis, another change's entry is pending
+        store.cache.drop_soon(entry_name("bob", "k9"), tombstone_name("x", "y"))
+        status, deleted = await deleting
+        assert status == 202
+        assert deleted["redis_entries_pending"] == [entry_name(first.owner, first.key)]
         async with admin.post("/owners/purge", json={"owner": second.owner}) as purged:
             report = await purged.json()
         assert purged.status == 202 and report["removed_jobs"] == 1
@@ -260,6 +261,11 @@ async def test_the_admin_api_answers_202_naming_the_entries_redis_did_not_take(
         async with admin.post("/owners/purge", json={"owner": second.owner}) as again:
             assert again.status == 200  # the entries went through once Redis was back
             assert (await again.json())["redis_entries_pending"] == []
+
+
+async def _delete(admin: TestClient[Any, Any], job_id: str) -> tuple[int, Any]:
+    async with admin.delete(f"/jobs/{job_id}") as deleted:
+        return deleted.status, await deleted.json()
 
 
 async def test_a_cached_completion_counts_the_hedges_of_the_version_that_won(

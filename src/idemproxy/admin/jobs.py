@@ -159,7 +159,7 @@ async def _delete(request: web.Request) -> web.Response:
         force=_flag(query.get("force"), "force"),
         version=_version(query.get("version")),
     )
-    left = await invalidations_left(cache, since)
+    left = await invalidations_left(cache, since, mark(cache))
     if left:
         return web.json_response({"redis_entries_pending": left, "detail": _PENDING}, status=202)
     return web.Response(status=204)
@@ -207,7 +207,7 @@ async def _purge(request: web.Request) -> web.Response:
             store, legacy, include_in_flight=include, batch_size=size
         )
         answer["legacy"] = legacy_report.to_json()
-    left = await invalidations_left(cache, since)
+    left = await invalidations_left(cache, since, mark(cache))
     answer["redis_entries_pending"] = left
     if left:
         answer["detail"] = _PENDING

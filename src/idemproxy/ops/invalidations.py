@@ -25,23 +25,28 @@ class PendingInvalidations(Protocol):
 
     async def flush_drops(self) -> bool: ...
 
-    def pending_since(self, mark: int) -> list[str]: ...
+    def pending_between(self, since: int, until: int) -> list[str]: ...
 
 
 def mark(cache: PendingInvalidations | None) -> int:
-    """Where an operator's change begins: the entries it leaves pending are those asked for
-    after it (others' left pending before, or in the meantime, are not its own)."""
+    """Where an operator's change begins, and where it ends: the entries it leaves pending are
+    those asked for between the two (others' left pending before, or asked for while it waits
+    for Redis, are not its own)."""
     return 0 if cache is None else cache.drops_made
 
 
-async def invalidations_left(cache: PendingInvalidations | None, since: int = 0) -> list[str]:
-    """The Redis entries asked for after `since` whose invalidation did not go through after
-    `TRIES` more tries (none without Redis)."""
+async def invalidations_left(
+    cache: PendingInvalidations | None, since: int = 0, until: int | None = None
+) -> list[str]:
+    """The Redis entries asked for after `since` and up to `until` (the change's two marks;
+    None: everything asked for so far) whose invalidation did not go through after `TRIES`
+    more tries (none without Redis)."""
     if cache is None:
         return []
+    end = cache.drops_made if until is None else until
     for _ in range(TRIES):
         await cache.flush_drops()
-        if not cache.pending_since(since):
+        if not cache.pending_between(since, end):
             return []
         await asyncio.sleep(_PAUSE_SECONDS)
-    return cache.pending_since(since)
+    return cache.pending_between(since, end)

@@ -118,12 +118,12 @@ class RedisCache:
     @property
     def pending_entries(self) -> list[str]:
         """The entries whose invalidation has not reached Redis, by name."""
-        return self.pending_since(0)
+        return self.pending_between(0, self.drops_made)
 
-    def pending_since(self, mark: int) -> list[str]:
-        """The entries pending among those whose invalidation was asked for after `mark` (a
-        value of `drops_made`), by name."""
-        return sorted({entry for (entry, _), made in self._made.items() if made > mark})
+    def pending_between(self, since: int, until: int) -> list[str]:
+        """The entries pending among those whose invalidation was asked for after `since` and
+        up to `until` (values of `drops_made`), by name."""
+        return sorted({entry for (entry, _), made in self._made.items() if since < made <= until})
 
     @property
     def has_drops(self) -> bool:
