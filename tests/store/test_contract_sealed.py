@@ -242,14 +242,25 @@ async def test_require_sealed_refuses_a_response_planted_in_the_clear(
         strict.opened(job, job.response)
 
 
-async def test_require_sealed_still_lets_a_reseal_seal_clear_rows(stack: StoreStack) -> None:
+async def test_under_require_sealed_a_reseal_leaves_rows_in_the_clear_and_lists_them(
+    stack: StoreStack,
+) -> None:
+    """SPEC §11: with require_sealed on, no proxy writes a response in the clear: one found is
+    planted (or left from before the switch-over). Sealing it would make it replayable, so the
+    reseal leaves it, as it leaves a box that does not open, and names it (the CLI exits 1)."""
     claimed = await claim(stack.jobs, "clear", "alice")
     assert await stack.jobs.complete(claimed.job, 1, PRIVATE, ttl=TTL)
     strict = codec(OLD, require_sealed=True)
     report = await reseal_store(stack.record, strict, batch_size=10)
-    assert report.responses.resealed == 1
+    assert (report.responses.resealed, report.responses.in_the_clear) == (0, [claimed.job.id])
+    assert report.responses.left
+    assert any(claimed.job.id in line and "in the clear" in line for line in report_lines(report))
     job = await job_of(stack.record, claimed.job.id)
-    assert job.response is not None and strict.open(job, job.response) == PRIVATE
+    assert job.response is not None
+    with pytest.raises(ResponseUnreadable):
+        strict.open(job, job.response)  # still in the clear: still refused
+    # Without require_sealed (the switch-over's own rows, sealed before turning it on).
+    assert (await reseal_store(stack.record, codec(OLD), batch_size=10)).responses.resealed == 1
 
 
 async def test_reseal_tells_a_box_that_does_not_open_from_a_key_not_in_the_ring(

@@ -334,7 +334,7 @@ async def _reseal(args: argparse.Namespace, stack: StoreStack, _settings: Settin
     )
     print("\n".join(report_lines(report)))
     left = (report.responses, report.late)
-    if any(counts.unreadable or counts.unopenable for counts in left):
+    if any(counts.left for counts in left):
         raise ResealIncomplete()
 
 

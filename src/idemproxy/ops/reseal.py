@@ -6,7 +6,9 @@ clear or under an older key of the ring is opened, sealed with the primary and w
 a compare-and-swap on the key it was read with, so a proxy serving meanwhile, a second reseal
 running at once, or a job deleted or expired under it change nothing and are only counted.
 Run again, it finds nothing left to do. A response whose key is no longer in the ring is
-counted as unreadable and left as it is: the operator decides (docs/operations.md).
+counted as unreadable and left as it is: the operator decides (docs/operations.md). So is one in
+the clear while `encryption.require_sealed` is on: no proxy wrote it then, and sealing it would
+make what someone planted replayable.
 """
 
 from __future__ import annotations
@@ -24,17 +26,28 @@ from idemproxy.store.seal.codec import ResponseCodec
 class ResealCounts:
     """What one walk did: `resealed` written, `changed` lost their CAS (changed or gone
     meanwhile); left as they are, by job id: `unreadable`, sealed with a key not in the ring,
-    and `unopenable`, whose key is in the ring but whose box does not open (altered, moved)."""
+    `unopenable`, whose key is in the ring but whose box does not open (altered, moved), and
+    `in_the_clear`, not sealed though `require_sealed` is on."""
 
     resealed: int = 0
     changed: int = 0
     unreadable: list[str] = field(default_factory=list)
     unopenable: list[str] = field(default_factory=list)
+    in_the_clear: list[str] = field(default_factory=list)
 
     def refused(self, codec: ResponseCodec, response: KeptResponse, name: str) -> None:
         """Count `response` (named `name`), which did not open, by why."""
-        missing = isinstance(response, SealedResponse) and not codec.holds(response.key_id)
-        (self.unreadable if missing else self.unopenable).append(name)
+        if not isinstance(response, SealedResponse):
+            self.in_the_clear.append(name)
+        elif not codec.holds(response.key_id):
+            self.unreadable.append(name)
+        else:
+            self.unopenable.append(name)
+
+    @property
+    def left(self) -> bool:
+        """Whether any response was left as it is."""
+        return bool(self.unreadable or self.unopenable or self.in_the_clear)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +129,10 @@ def report_lines(report: ResealReport) -> list[str]:
     unopenable = report.responses.unopenable + report.late.unopenable
     if unopenable:
         lines.append(_left("unreadable (do not open: altered or moved)", unopenable))
+    in_the_clear = report.responses.in_the_clear + report.late.in_the_clear
+    if in_the_clear:
+        why = "in the clear while encryption.require_sealed is on (written by no proxy: planted?)"
+        lines.append(_left(why, in_the_clear))
     return lines
 
 

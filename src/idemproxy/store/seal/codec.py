@@ -83,8 +83,10 @@ class ResponseCodec:
         """`response` sealed under the primary key, or None when it is already."""
         if isinstance(response, SealedResponse) and response.key_id == self.primary:
             return None
-        # A response in the clear is what a reseal exists to seal, `require_sealed` or not.
-        sealed = self.seal(job, self._open(job, response))
+        # A response in the clear is what a reseal exists to seal, unless `require_sealed` is
+        # on: then no proxy wrote it (it was planted, or kept from before the switch-over), and
+        # sealing it would make it replayable (SPEC §11). `open` refuses it.
+        sealed = self.seal(job, self.open(job, response))
         return sealed if isinstance(sealed, SealedResponse) else None
 
 
