@@ -11,7 +11,6 @@ import contextlib
 import enum
 import logging
 import platform
-from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -462,11 +461,8 @@ class Metrics:
         return Counter(f"{METRIC_PREFIX}_{name}", help_text, labels, registry=self.registry)
 
     def observe_store(self, operation: str, seconds: float, failed: bool) -> None:
-        """`Store.observer` itself: it runs for every store call, so no wrapper in between, and
-        the histogram's observation is made in place (`HistogramSeries.observe`)."""
-        series = self._store_seconds[operation]
-        series.counts[bisect_left(series.bounds, seconds)] += 1
-        series.sum += seconds
+        """`Store.observer` itself: it runs for every store call, so no wrapper in between."""
+        self._store_seconds[operation].observe(seconds)
         if failed:
             self._store_errors[operation].inc()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -52,22 +53,35 @@ class HistogramSeries:
         self.sum += value
 
 
-class _Family(Collector):
+S = TypeVar("S", "CounterSeries", "HistogramSeries")
+
+
+class _Family(Collector, Generic[S]):
+    """A labelled family: its series by label values, each made on first use (`_new`)."""
+
     def __init__(
         self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
     ) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], S] = {}
         registry.register(self)
 
-    def _key(self, values: tuple[object, ...]) -> tuple[str, ...]:
+    def labels(self, *values: object) -> S:
         if len(values) != len(self.labelnames):
             raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected")
-        return tuple(map(str, values))
+        key = tuple(map(str, values))
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = self._new()
+        return series
 
     def describe(self) -> Iterable[Metric]:
         return [self._family()]
+
+    def _new(self) -> S:
+        raise NotImplementedError
 
     def _family(self) -> Metric:
         raise NotImplementedError
@@ -76,21 +90,11 @@ class _Family(Collector):
         raise NotImplementedError
 
 
-class LoopCounter(_Family):
+class LoopCounter(_Family[CounterSeries]):
     """A labelled counter (`NAME_total`, `NAME_created`), as prometheus_client's `Counter`."""
 
-    def __init__(
-        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
-    ) -> None:
-        super().__init__(name, documentation, labelnames, registry)
-        self._series: dict[tuple[str, ...], CounterSeries] = {}
-
-    def labels(self, *values: object) -> CounterSeries:
-        key = self._key(values)
-        series = self._series.get(key)
-        if series is None:
-            series = self._series[key] = CounterSeries()
-        return series
+    def _new(self) -> CounterSeries:
+        return CounterSeries()
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -102,7 +106,7 @@ class LoopCounter(_Family):
         yield family
 
 
-class LoopHistogram(_Family):
+class LoopHistogram(_Family[HistogramSeries]):
     """A labelled histogram (`_bucket`, `_count`, `_sum`, `_created`), as prometheus_client's
     `Histogram` with the same bounds (+Inf added)."""
 
@@ -118,14 +122,9 @@ class LoopHistogram(_Family):
         bounds = tuple(sorted(float(bound) for bound in buckets if bound != float("inf")))
         self._bounds = bounds
         self._les = [*map(floatToGoString, bounds), "+Inf"]
-        self._series: dict[tuple[str, ...], HistogramSeries] = {}
 
-    def labels(self, *values: object) -> HistogramSeries:
-        key = self._key(values)
-        series = self._series.get(key)
-        if series is None:
-            series = self._series[key] = HistogramSeries(self._bounds)
-        return series
+    def _new(self) -> HistogramSeries:
+        return HistogramSeries(self._bounds)
 
     def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
