@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from idemproxy.cli.ops import _redis_cli
 from idemproxy.core.types import Attempt, AttemptState, Evidence, Job, JobState, StoredResponse
+from idemproxy.ops.invalidations import redis_cli
 from idemproxy.ops.resolution import ResponseRules, completed, parse_header_line
 from idemproxy.ops.service import resolution_ttl
 from idemproxy.ops.table import job_details, jobs_table
@@ -141,4 +141,4 @@ def test_the_unlink_remedy_names_the_server_and_database_redis_py_uses(
 ) -> None:
     """The CLI's remedy for invalidations Redis did not take (SPEC §11): the database as
     redis-py reads the URL (`?db=` first), a socket's path as the socket, never the password."""
-    assert _redis_cli(url) == command
+    assert redis_cli(url) == command

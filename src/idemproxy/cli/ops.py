@@ -17,7 +17,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from idemproxy.cli.help import describe_setting_flags
 from idemproxy.config.settings import Settings, load_settings
@@ -30,7 +29,7 @@ from idemproxy.errors import (
     StoreUnreachable,
 )
 from idemproxy.ops import purge, service
-from idemproxy.ops.invalidations import invalidations_left
+from idemproxy.ops.invalidations import invalidations_left, unsent_remedy
 from idemproxy.ops.reseal import report_lines, reseal_store
 from idemproxy.ops.resolution import (
     Resolution,
@@ -417,37 +416,9 @@ async def _with_store(
         unsent = await _invalidations_left(stack)
         await stack.close()
         if unsent:
-            print(_unsent(unsent, settings.redis.url or ""), file=sys.stderr)
+            print(f"idemproxy: {unsent_remedy(unsent, settings.redis.url or '')}", file=sys.stderr)
     if unsent:
         raise _InvalidationsLeft()
-
-
-def _unsent(entries: list[str], redis_url: str) -> str:
-    """A delete, purge or resolution through the proxies' Redis (SPEC §11, Erasure) whose
-    entries Redis did not take: the proxies replay them until `redis.ttl` runs out, and this
-    process, unlike a proxy, does not stay to send them later."""
-    return (
-        f"idemproxy: the store is changed, but Redis did not take the invalidation of "
-        f"{len(entries)} cache entries: the proxies may replay them until redis.ttl runs out, "
-        f"and a proxy that replayed one keeps it in memory up to replay_cache.ttl more. Once "
-        f"Redis answers, remove them (with its password, if it has one): "
-        f"{_redis_cli(redis_url)} unlink {' '.join(entries)}"
-    )
-
-
-def _redis_cli(url: str) -> str:
-    """`redis-cli` with the server and database of a Redis URL as redis-py reads it: the
-    database from `?db=`, else the path of a `redis://` URL; a `unix://` URL's path is its
-    socket. Never the password."""
-    parts = urlsplit(url)
-    database = parse_qs(parts.query).get("db", [""])[0]
-    if parts.scheme == "unix":
-        where = f"-s {parts.path}"
-    else:
-        database = database or parts.path.strip("/")
-        where = f"-h {parts.hostname or 'localhost'} -p {parts.port or 6379}"
-        where += " --tls" if parts.scheme == "rediss" else ""
-    return f"redis-cli {where} -n {database or '0'}"
 
 
 async def _invalidations_left(stack: StoreStack) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Protocol
+from urllib.parse import parse_qs, urlsplit
 
 # Further tries, a second apart, before the entries left are reported (Redis restarting, a
 # failover): what the operator waits at most.
@@ -50,3 +51,31 @@ async def invalidations_left(
             return []
         await asyncio.sleep(_PAUSE_SECONDS)
     return cache.pending_between(since, end)
+
+
+def unsent_remedy(entries: list[str], redis_url: str) -> str:
+    """What the CLI says of a delete, purge or resolution whose entries Redis did not take:
+    the proxies replay them until `redis.ttl` runs out, and the command, unlike a proxy, does
+    not stay to send them later."""
+    return (
+        f"the store is changed, but Redis did not take the invalidation of "
+        f"{len(entries)} cache entries: the proxies may replay them until redis.ttl runs out, "
+        f"and a proxy that replayed one keeps it in memory up to replay_cache.ttl more. Once "
+        f"Redis answers, remove them (with its password, if it has one): "
+        f"{redis_cli(redis_url)} unlink {' '.join(entries)}"
+    )
+
+
+def redis_cli(url: str) -> str:
+    """`redis-cli` with the server and database of a Redis URL as redis-py reads it: the
+    database from `?db=`, else the path of a `redis://` URL; a `unix://` URL's path is its
+    socket. Never the password."""
+    parts = urlsplit(url)
+    database = parse_qs(parts.query).get("db", [""])[0]
+    if parts.scheme == "unix":
+        where = f"-s {parts.path}"
+    else:
+        database = database or parts.path.strip("/")
+        where = f"-h {parts.hostname or 'localhost'} -p {parts.port or 6379}"
+        where += " --tls" if parts.scheme == "rediss" else ""
+    return f"redis-cli {where} -n {database or '0'}"
