@@ -55,11 +55,12 @@ async def proxy_with_metrics(
     make_settings: MakeSettings,
     metrics: Metrics,
     sweeper: dict[str, float] = TAKEOVER,
+    lease: float = LEASE,
     **overrides: Any,
 ) -> Client:
     # A renewal must fit in the lease: config/settings.py refuses store_timeout >= 2/3 of it.
     overrides.setdefault("pool", {"store_timeout": 0.15})
-    settings = make_settings(lease=LEASE, sweeper=sweeper, **overrides)
+    settings = make_settings(lease=lease, sweeper=sweeper, **overrides)
     client = TestClient(TestServer(create_app(settings, store=store, metrics=metrics)))
     await client.start_server()
     return client
@@ -138,7 +139,11 @@ async def test_a_retry_that_takes_the_job_over_logs_and_counts_it(
     the background's; the retry's own log line names the job its 409 is about."""
     caplog.set_level(logging.INFO)
     metrics = Metrics()
-    client = await proxy_with_metrics(store, make_settings, metrics, sweeper={"interval": 60.0})
+    # A lease the running proxy renews only every 10 s: a renewal between the test's own
+    # (to zero) and the retry would hold the retry instead of letting it take the job over.
+    client = await proxy_with_metrics(
+        store, make_settings, metrics, sweeper={"interval": 60.0}, lease=30.0
+    )
     try:
         upstream.delays.append(RUNNING)
         first = asyncio.create_task(post(client, "taken-by-retry"))
