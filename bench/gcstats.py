@@ -27,9 +27,9 @@ from typing import Any
 import aiohttp  # noqa: F401  (imported before the freeze, as the proxy does at start-up)
 import asyncpg  # noqa: F401
 
-import idemproxy.cli.main
-import idemproxy.cli.serve
-import idemproxy.proxy.app
+import idemproxy.cli.serve  # noqa: F401
+import idemproxy.proxy.app  # noqa: F401
+from idemproxy.cli.main import main as idemproxy_main
 
 STATS: dict[int, dict[str, float]] = {
     generation: {"collections": 0, "seconds": 0.0, "longest": 0.0} for generation in range(3)
@@ -62,7 +62,7 @@ def main() -> int:
         gc.set_threshold(*(int(part) for part in os.environ["GC_THRESHOLD"].split(",")))
     gc.callbacks.append(_callback)
     threading.Thread(target=_dump, args=(Path(os.environ["GCSTATS"]),), daemon=True).start()
-    return idemproxy.cli.main(sys.argv[1:])
+    return idemproxy_main(sys.argv[1:])
 
 
 if __name__ == "__main__":
