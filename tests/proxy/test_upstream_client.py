@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import gc
 import ipaddress
 import socket
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
@@ -200,6 +202,25 @@ async def test_keep_alive_reuses_one_connection() -> None:
         for _ in range(3):
             assert (await call(upstream_client, upstream.url))[0] == 201
     assert upstream.connections == 1
+
+
+@on_both_loops
+async def test_a_finished_exchange_is_freed_without_the_cyclic_collector() -> None:
+    """An exchange left for the cyclic collector costs every request its walk of all of them
+    (docs/benchmarks.md): once the connection is back in the pool, or closed, nothing of the
+    exchange may be left in a reference cycle."""
+    closing = b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx"
+    for answer in (OK, closing):
+        async with serving(answering(answer, then_close=True)) as upstream, client() as c:
+            gc.disable()
+            try:
+                async with c.request("POST", upstream.url, {}, b"{}") as response:
+                    await UpstreamClient.read_body(response, 1 << 20)
+                    left = weakref.ref(response)
+                del response
+                assert left() is None, gc.get_referrers(left())
+            finally:
+                gc.enable()
 
 
 @on_both_loops

@@ -42,8 +42,11 @@ class Deadline:
             self._arm(due)
 
     def close(self) -> None:
-        """Stop, and drop the timer (it refers to the owner): when the connection is lost."""
+        """Stop, and drop the timer and the callback (both refer to the owner, which refers to
+        this deadline): when the connection is lost, reference counting then frees the owner
+        at once, rather than the cyclic collector later."""
         self.due = None
+        self._on_expiry = _expired_after_close
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -62,3 +65,7 @@ class Deadline:
             return
         self.due = None
         self._on_expiry()
+
+
+def _expired_after_close() -> None:
+    """What a closed deadline calls: nothing (it is never started again)."""

@@ -231,6 +231,13 @@ class UpstreamResponse:
             self._error = error
         self._wake()
 
+    def spent(self) -> None:
+        """The exchange is over (its connection went back to the pool or was closed). The
+        parser's callbacks are this object's bound methods, a reference cycle: dropping the
+        parser lets reference counting free both now, where the cyclic collector would walk
+        every finished exchange later (about 5 µs per request at c=32, docs/benchmarks.md)."""
+        del self.parser
+
     # --- llhttp callbacks (httptools) -------------------------------------------------------
 
     def on_message_begin(self) -> None:
@@ -550,6 +557,9 @@ class ConnectionPool:
 
     def release(self, origin: Origin, connection: Connection) -> None:
         exchange = connection.exchange
+        connection.exchange = None
+        if exchange is not None:
+            exchange.spent()
         # Kept for the next exchange only after a whole answer to a whole request, on a
         # connection both sides keep alive.
         reusable = (
@@ -561,7 +571,6 @@ class ConnectionPool:
             and connection.keep_alive
         )
         if reusable and not self._closing:
-            connection.exchange = None
             connection.idle_since = asyncio.get_running_loop().time()
             self._idle.setdefault(origin, []).append(connection)
             if self._sweeper is None:
