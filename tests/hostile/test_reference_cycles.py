@@ -78,6 +78,21 @@ async def test_no_request_leaves_a_reference_cycle(listening_proxy: ListeningPro
                 requests.append(request("/pay", None, close=True))  # keep-alive timeout
             answers = await exchange(address, *requests)
             assert answers.count(b"HTTP/1.1 201") == len(requests), answers
+        # A duplicate held while its first request runs, a chunked answer, a released job.
+        first = exchange(address, request("/pay?delay=0.3", "held", close=True))
+        held = exchange(address, request("/pay?delay=0.3", "held", close=True))
+        others = (
+            exchange(address, request("/pay?chunked=1", "chunked", close=True)),
+            exchange(address, request("/pay?status=503", "released", close=True)),
+        )
+        answers = await asyncio.gather(first, held, *others)
+        assert [a.split(b"\r\n", 1)[0] for a in answers] == [
+            b"HTTP/1.1 201 Created",
+            b"HTTP/1.1 201 Created",
+            b"HTTP/1.1 201 Created",
+            b"HTTP/1.1 503 Service Unavailable",
+        ], answers
+        assert b"Idempotent-Replayed: true" in answers[1]
         await asyncio.sleep(0.5)  # the proxy's side of each connection is closed and dropped
         gc.collect()
         assert the_proxys(garbage) == []
