@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp  # noqa: F401  (imported before the freeze, as the proxy does at start-up)
 import asyncpg  # noqa: F401
 
-import idemproxy.cli.serve  # noqa: F401
+import idemproxy.cli.serve
 import idemproxy.proxy.app  # noqa: F401
 from idemproxy.cli.main import main as idemproxy_main
 
