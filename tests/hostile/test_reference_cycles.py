@@ -85,14 +85,14 @@ async def test_no_request_leaves_a_reference_cycle(listening_proxy: ListeningPro
             exchange(address, request("/pay?chunked=1", "chunked", close=True)),
             exchange(address, request("/pay?status=503", "released", close=True)),
         )
-        answers = await asyncio.gather(first, held, *others)
-        assert [a.split(b"\r\n", 1)[0] for a in answers] == [
+        concurrent = await asyncio.gather(first, held, *others)
+        assert [a.split(b"\r\n", 1)[0] for a in concurrent] == [
             b"HTTP/1.1 201 Created",
             b"HTTP/1.1 201 Created",
             b"HTTP/1.1 201 Created",
             b"HTTP/1.1 503 Service Unavailable",
-        ], answers
-        assert b"Idempotent-Replayed: true" in answers[1]
+        ], concurrent
+        assert b"Idempotent-Replayed: true" in concurrent[1]
         await asyncio.sleep(0.5)  # the proxy's side of each connection is closed and dropped
         gc.collect()
         assert the_proxys(garbage) == []
