@@ -23,6 +23,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     GCCollector,
+    Histogram,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
@@ -35,6 +36,7 @@ from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
 from idemproxy.observe.logs import dropped_log_lines
 from idemproxy.observe.series import CounterSeries, HistogramSeries, LoopCounter, LoopHistogram
+from idemproxy.observe.stalls import GC_GENERATIONS, LAG_INTERVAL_SECONDS, STALL_BUCKETS
 from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import redis_layer
 from idemproxy.store.layers import StoreStack
@@ -377,6 +379,25 @@ class Metrics:
             self.registry,
             _BATCH_BUCKETS,
         )
+        # What held the event loop, and the collector's share of it (observe/stalls.py).
+        self.event_loop_lag = LoopHistogram(
+            f"{METRIC_PREFIX}_event_loop_lag_seconds",
+            f"How late the event loop ran a timer due every {LAG_INTERVAL_SECONDS:g} s: how "
+            "long something held it (every request in flight waited that long).",
+            [],
+            self.registry,
+            STALL_BUCKETS,
+        ).labels()
+        self.gc_pauses = Histogram(
+            f"{METRIC_PREFIX}_gc_pause_seconds",
+            "Duration of each collection of the cyclic garbage collector, by generation: the "
+            "process runs no Python meanwhile.",
+            ["generation"],
+            registry=self.registry,
+            buckets=STALL_BUCKETS,
+        )
+        for generation in range(GC_GENERATIONS):  # every series from the start
+            self.gc_pauses.labels(str(generation))
         self.waiters = Gauge(
             f"{METRIC_PREFIX}_waiters",
             "Duplicates held right now, waiting for a job in flight.",

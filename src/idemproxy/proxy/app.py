@@ -16,6 +16,7 @@ from idemproxy.config.settings import Settings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.observe.metrics import KeyFetchResult, Metrics, refresh_gauges, watch_store
+from idemproxy.observe.stalls import CollectorPauses, measure_loop_lag
 from idemproxy.proxy.background.orphans import take_over_forever
 from idemproxy.proxy.background.reconcile import start_reconciling
 from idemproxy.proxy.background.sweeper import sweep_forever
@@ -146,6 +147,7 @@ def _lifecycle(
             await ctx.owner.start(_fetch_counter(metrics))
             stack.push_async_callback(ctx.owner.close)
             watch_store(metrics, stores)
+            stack.enter_context(CollectorPauses(metrics.gc_pauses).installed())
             await _start_housekeeping(ctx, stores.record, stack)
             # A no-op after `idemproxy serve` drained; tests and the demo stop here.
             stack.push_async_callback(_drain_now, ctx)
@@ -183,6 +185,7 @@ async def _start_housekeeping(
     gates = [route.gate for route in ctx.routes.routes if route.gate is not None]
     await asyncio.gather(*(gate.check(ctx.upstream) for gate in gates))
     tasks = [
+        asyncio.create_task(measure_loop_lag(ctx.metrics.event_loop_lag)),
         asyncio.create_task(refresh_gauges(ctx.metrics, record, settings.sweeper.interval)),
         asyncio.create_task(keep_checking(gates, ctx.upstream)),
         asyncio.create_task(
