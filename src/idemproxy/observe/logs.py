@@ -183,42 +183,41 @@ class BackgroundWriter(logging.Handler):
         super().close()
 
     def _write_forever(self) -> None:
+        """Wait for lines; then write what is queued, and look again `_LINGER_SECONDS` later,
+        until a look finds nothing. Lines come in streams: each one woken for cost the event
+        loop a lock and a condition per request (11 futex calls, 6 % of the proxy's CPU at c=1,
+        measured); while the writer lingers, `emit` only appends (`_asleep` is False). One
+        function: the writer wakes during requests, and its calls count among theirs
+        (bench/calls.py)."""
+        lines = self._lines
         while True:
             # Asleep first, then look: a line appended before `_asleep` was set is seen here,
             # and one appended after it sets `_wake` (emit reads `_asleep` after appending).
             self._asleep = True
-            if not self._lines:
+            if not lines:
                 self._idle.set()
                 if self._closing:
                     return
                 self._wake.wait()
             self._asleep = False
             self._wake.clear()
-            self._write_while_busy()
-
-    def _write_while_busy(self) -> None:
-        """Write what is queued, then look again `_LINGER_SECONDS` later, until a look finds
-        nothing. Lines come in streams: each one woken for cost the event loop a lock and a
-        condition per request (11 futex calls, 6 % of the proxy's CPU at c=1, measured);
-        while the writer lingers, `emit` only appends (`_asleep` is False)."""
-        lines = self._lines
-        while True:
-            while lines:
-                # Up to 256 lines a write. A loop, not a comprehension: that is a call of its
-                # own on Python 3.11, on every write.
-                batch = []
-                for _ in range(min(len(lines), 256)):
-                    batch.append(lines.popleft())
-                try:
-                    self._stream.write("\n".join(batch) + "\n")
-                    self._stream.flush()
-                except (OSError, ValueError):  # stderr closed: nothing more can be written
-                    self.dropped += len(batch)
-            if self._closing:
-                return
-            time.sleep(_LINGER_SECONDS)
-            if not self._lines:
-                return
+            while True:
+                while lines:
+                    # Up to 256 lines a write. A loop, not a comprehension: that is a call of
+                    # its own on Python 3.11, on every write.
+                    batch = []
+                    for _ in range(min(len(lines), 256)):
+                        batch.append(lines.popleft())
+                    try:
+                        self._stream.write("\n".join(batch) + "\n")
+                        self._stream.flush()
+                    except (OSError, ValueError):  # stderr closed: nothing more can be written
+                        self.dropped += len(batch)
+                if self._closing:
+                    break
+                time.sleep(_LINGER_SECONDS)
+                if not lines:
+                    break
 
 
 def configure_logging(level: str, fmt: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from functools import partial
 
 from aiohttp import HttpVersion11, hdrs, web
 
@@ -72,13 +74,20 @@ class Proxy:
                 ctx.requests_in_flight -= 1
             response = only_response(ctx.metrics, request, response)
             trace.by_proxy = ERROR_HEADER in response.headers
-            record(
-                ctx.metrics,
-                trace,
-                response.status,
-                log_requests=settings.log_requests,
-                access_log=settings.access_log,
-                log_query=settings.log_query,
+            # Counted and logged once the answer is written: the log line costs the event
+            # loop about 20 µs (a tenth of a replay's latency) that the client need not wait
+            # for. The callback runs in a copy of this context: the line keeps the request's
+            # id and span.
+            asyncio.get_running_loop().call_soon(
+                partial(
+                    record,
+                    ctx.metrics,
+                    trace,
+                    response.status,
+                    log_requests=settings.log_requests,
+                    access_log=settings.access_log,
+                    log_query=settings.log_query,
+                )
             )
         finally:
             if correlated is not None:

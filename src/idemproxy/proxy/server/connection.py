@@ -132,7 +132,7 @@ class GuardedHandler(web.RequestHandler):
             super().data_received(data)
             return
         self.tail = data[-_TAIL:] if len(data) >= _TAIL else (self.tail + data)[-_TAIL:]
-        if self._draining():
+        if self.unread is not None and self._draining():  # nearly always None: no call
             self.refusable = None
             self._drained(data)
         elif self.serving and body is not None:
