@@ -146,6 +146,7 @@ class BackgroundWriter(logging.Handler):
         # Event.set takes a lock, on every request).
         self._asleep = False
         self._idle = threading.Event()
+        self._stalled = False  # a flush waited in vain; cleared when the writer catches up
         self._closing = False
         self.dropped = 0
         self._thread = threading.Thread(target=self._write_forever, name="idemproxy-log")
@@ -169,17 +170,20 @@ class BackgroundWriter(logging.Handler):
 
     def flush(self) -> None:
         """Wait (bounded) until every queued line was handed to the stream, the batch being
-        written too (taken off the queue already): the writer says so when it comes round."""
-        if self._thread.is_alive():
+        written too (taken off the queue already): the writer says so when it comes round.
+        Once a wait ran out (the stream is stalled), the next ones do not wait again until
+        the writer catches up: at exit `logging.shutdown` flushes and then closes, and the
+        whole exit waits `_EXIT_FLUSH_SECONDS` at most, not once per step."""
+        if self._thread.is_alive() and not self._stalled:
             self._idle.clear()
             self._wake.set()
-            self._idle.wait(_EXIT_FLUSH_SECONDS)
+            self._stalled = not self._idle.wait(_EXIT_FLUSH_SECONDS)
 
     def close(self) -> None:
         self._closing = True
         self.flush()
         self._wake.set()
-        self._thread.join(_EXIT_FLUSH_SECONDS)
+        self._thread.join(0.0 if self._stalled else _EXIT_FLUSH_SECONDS)
         super().close()
 
     def _write_forever(self) -> None:
@@ -195,6 +199,7 @@ class BackgroundWriter(logging.Handler):
             # and one appended after it sets `_wake` (emit reads `_asleep` after appending).
             self._asleep = True
             if not lines:
+                self._stalled = False
                 self._idle.set()
                 if self._closing:
                     return
