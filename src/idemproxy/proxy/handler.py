@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from functools import partial
 
 from aiohttp import HttpVersion11, hdrs, web
 
@@ -79,15 +78,13 @@ class Proxy:
             # for. The callback runs in a copy of this context: the line keeps the request's
             # id and span.
             asyncio.get_running_loop().call_soon(
-                partial(
-                    record,
-                    ctx.metrics,
-                    trace,
-                    response.status,
-                    log_requests=settings.log_requests,
-                    access_log=settings.access_log,
-                    log_query=settings.log_query,
-                )
+                record,
+                ctx.metrics,
+                trace,
+                response.status,
+                settings.log_requests,
+                settings.access_log,
+                settings.log_query,
             )
         finally:
             if correlated is not None:

@@ -128,13 +128,13 @@ def record(
     metrics: Metrics,
     trace: Trace,
     status: int,
-    *,
     log_requests: bool,
     access_log: bool = False,
     log_query: bool = False,
 ) -> None:
     """Count the request, observe its duration and log its line: `log_requests` for governed
-    requests, `access_log` for pass-through ones."""
+    requests, `access_log` for pass-through ones. Positional as well: the handler hands it to
+    the event loop's `call_soon`, which takes no keywords."""
     elapsed = time.perf_counter() - trace.started
     outcome = trace.outcome
     source = _PROXY if trace.by_proxy or outcome == _STATUS_LOOKUP else _UPSTREAM
