@@ -61,12 +61,18 @@ def test_close_writes_the_backlog_and_stops_the_thread() -> None:
     assert not writer._thread.is_alive()  # the thread this test is about
 
 
-def test_a_stalled_stream_does_not_hold_up_close_for_ever() -> None:
+def _stuck_with_a_line_queued() -> tuple[StalledStream, BackgroundWriter]:
+    """A writer stuck in writing line 0, with line 1 waiting behind it."""
     stream = StalledStream()
     writer = BackgroundWriter(stream)
     writer.emit(_record(0))
     assert stream.entered.wait(5)
     writer.emit(_record(1))
+    return stream, writer
+
+
+def test_a_stalled_stream_does_not_hold_up_close_for_ever() -> None:
+    stream, writer = _stuck_with_a_line_queued()
     started = time.monotonic()
     writer.close()  # bounded: the stream never returns until released below
     assert time.monotonic() - started < 3.0
@@ -76,11 +82,7 @@ def test_a_stalled_stream_does_not_hold_up_close_for_ever() -> None:
 def test_the_exit_waits_for_a_stalled_stream_once_not_at_each_step() -> None:
     """docs/operations.md, Logs: at exit the proxy waits up to 2 s for the backlog.
     `logging.shutdown` flushes, then closes (which flushes and joins): one wait in all."""
-    stream = StalledStream()
-    writer = BackgroundWriter(stream)
-    writer.emit(_record(0))
-    assert stream.entered.wait(5)
-    writer.emit(_record(1))
+    stream, writer = _stuck_with_a_line_queued()
     started = time.monotonic()
     writer.flush()
     writer.close()

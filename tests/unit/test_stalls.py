@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
 from idemproxy.config.settings import load_settings
 from idemproxy.observe.metrics import Metrics
-from idemproxy.observe.series import HistogramSeries
+from idemproxy.observe.series import HistogramSeries, LoopHistogram
 from idemproxy.observe.stalls import STALL_BUCKETS, CollectorPauses, measure_loop_lag
 from idemproxy.proxy.app import create_app
 
@@ -43,7 +43,7 @@ async def test_a_loop_held_for_a_while_shows_as_a_late_timer() -> None:
 
 def test_each_collection_is_observed_by_its_generation_while_installed() -> None:
     registry = CollectorRegistry()
-    hook = CollectorPauses(Histogram("pauses", "test", ["generation"], registry=registry))
+    hook = CollectorPauses(LoopHistogram("pauses", "test", ["generation"], registry, STALL_BUCKETS))
 
     def count(generation: str) -> float:
         return registry.get_sample_value("pauses_count", {"generation": generation}) or 0.0

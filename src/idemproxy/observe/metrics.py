@@ -23,7 +23,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     GCCollector,
-    Histogram,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
@@ -388,13 +387,13 @@ class Metrics:
             self.registry,
             STALL_BUCKETS,
         ).labels()
-        self.gc_pauses = Histogram(
+        self.gc_pauses = LoopHistogram(
             f"{METRIC_PREFIX}_gc_pause_seconds",
             "Duration of each collection of the cyclic garbage collector, by generation: the "
             "process runs no Python meanwhile.",
             ["generation"],
-            registry=self.registry,
-            buckets=STALL_BUCKETS,
+            self.registry,
+            STALL_BUCKETS,
         )
         for generation in range(GC_GENERATIONS):  # every series from the start
             self.gc_pauses.labels(str(generation))

@@ -21,9 +21,7 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import Histogram
-
-from idemproxy.observe.series import HistogramSeries
+from idemproxy.observe.series import HistogramSeries, LoopHistogram
 
 # Ten timers a second: a stall of 100 ms or more always delays one; each costs the loop a few
 # microseconds.
@@ -50,11 +48,12 @@ async def measure_loop_lag(lag: HistogramSeries, interval: float = LAG_INTERVAL_
 class CollectorPauses:
     """A `gc.callbacks` hook observing each collection's duration by generation.
 
-    prometheus_client's histogram, not the loop's own series: a collection may run in any
-    thread (the log writer's, the SQLite worker's). The callback is never re-entered: an
-    allocation during a collection starts none."""
+    A collection may run in any thread (the log writer's, the SQLite worker's), but never two
+    at once, and an allocation during one starts none: the hook is the series' only writer,
+    one call at a time, so the series need no lock (a lock taken here could be the one a
+    scrape holds in the thread the collection interrupted)."""
 
-    def __init__(self, pauses: Histogram) -> None:
+    def __init__(self, pauses: LoopHistogram) -> None:
         self._by_generation = [pauses.labels(str(g)) for g in range(GC_GENERATIONS)]
         self._started = 0.0
 
