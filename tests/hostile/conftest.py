@@ -26,7 +26,7 @@ from idemproxy.core.types import Intent
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
-from idemproxy.proxy.server.listener import GuardedSite
+from idemproxy.proxy.server.connection import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 from idemproxy.store.sqlite.store import SqliteStore

@@ -29,7 +29,7 @@ import pytest
 
 from idemproxy.core.types import JobState
 from idemproxy.observe.metrics import Metrics
-from idemproxy.proxy.jobs import attempt as attempt_module
+from idemproxy.proxy.jobs import jobrun
 from idemproxy.store.base import Store
 from idemproxy.store.factory import sqlite_path
 from tests.support.marker_upstream import MarkerUpstream, Play, answer, body_for, cut, reset
@@ -168,7 +168,7 @@ async def test_the_backstop_closes_the_connection_instead_of_writing_a_second_re
     async def unguarded(_attempt: object, storing: Awaitable[object]) -> None:
         await storing
 
-    monkeypatch.setattr(attempt_module, "_after_head", unguarded)
+    monkeypatch.setattr(jobrun, "_after_head", unguarded)
     primary = await upstreams("primary", {"/pay": answer(size=LARGE, chunk=2000, pace=0.08)})
     metrics = Metrics()
     conn = await connect(

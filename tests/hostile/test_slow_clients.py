@@ -2,8 +2,8 @@
 
 The proxy runs as `idemproxy serve` runs it (AppRunner + GuardedSite, see conftest.py), on a
 real socket. aiohttp has no deadline for reading a request head: `server.header_read_timeout`
-(proxy/server/listener.py) is ours. Bodies have `server.body_read_timeout`; pass-through bodies that
-stream are bounded by `upstream_timeout`.
+(proxy/server/connection.py) is ours. Bodies have `server.body_read_timeout`; pass-through bodies
+that stream are bounded by `upstream_timeout`.
 """
 
 from __future__ import annotations

@@ -54,15 +54,6 @@ from hypothesis.stateful import (
 
 from idemproxy.constants import DEFAULT_RELEASE_STATUSES, DEFAULT_UNKNOWN_STATUSES
 from idemproxy.core.attempt_order import race_outcome
-from idemproxy.core.attempts import (
-    Failure,
-    Outcome,
-    StatusPolicy,
-    classify_breach,
-    classify_failure,
-    classify_response,
-    moves_on,
-)
 from idemproxy.core.decision import (
     Decision,
     Forget,
@@ -73,6 +64,15 @@ from idemproxy.core.decision import (
     StartNextAttempt,
     TakeOver,
     decide,
+)
+from idemproxy.core.machine import (
+    Failure,
+    Outcome,
+    StatusPolicy,
+    classify_breach,
+    classify_failure,
+    classify_response,
+    moves_on,
 )
 from idemproxy.core.types import (
     Attempt,
@@ -705,9 +705,9 @@ class IdempotencyMachine(RuleBasedStateMachine):
         lease: float,
         how: str,
     ) -> None:
-        """Record a failed attempt as the proxy does (proxy/jobs/attempt.py, proxy/jobs/jobrun.py):
-        while other attempts of the same job race, only its own end; a fail-over only after an
-        outcome that `moves_on`; the job's settlement, when it is the last, by `race_outcome`."""
+        """Record a failed attempt as the proxy does (proxy/jobs/jobrun.py): while other
+        attempts of the same job race, only its own end; a fail-over only after an outcome that
+        `moves_on`; the job's settlement, when it is the last, by `race_outcome`."""
         job, number = attempt.job, attempt.number
         self.touched.add(job.id)
         race = (job.id, job.version)
@@ -744,7 +744,8 @@ class IdempotencyMachine(RuleBasedStateMachine):
         if race_outcome(self.raced.get((attempt.job.id, attempt.job.version), [])) is not (
             Outcome.RELEASE
         ):
-            return  # proxy/jobs/jobrun.py: no upstream is brought in once a racer may have executed
+            # proxy/jobs/jobrun.py: no upstream is brought in once a racer may have executed
+            return
         number = self.call("add_attempt", attempt.job, UPSTREAMS[1], lease=lease)
         self.touched.add(attempt.job.id)
         if number is not None:

@@ -8,7 +8,7 @@ from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from idemproxy.http.host import split_absolute_form
 from idemproxy.proxy.server.any_path import AnyPath
-from idemproxy.proxy.server.listener import routable
+from idemproxy.proxy.server.connection import routable
 
 
 async def _echo(request: web.Request) -> web.Response:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from idemproxy.core.attempts import Failure
+from idemproxy.core.machine import Failure
 from idemproxy.errors import StoreUnavailable
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.reasons import FailureReason, upstream_reason

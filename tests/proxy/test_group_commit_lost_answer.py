@@ -33,7 +33,7 @@ def _late_batch_answers(relay: SlowReplies, seen: list[int], kind: str, rows: in
 async def test_a_completion_whose_batch_answer_was_lost_replays_its_own_response(
     make_proxy: ProxyFactory, pg_dsn: str, ledger: Ledger, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="idemproxy.proxy.jobs.attempt")
+    caplog.set_level(logging.INFO, logger="idemproxy.proxy.jobs.jobrun")
     relay = SlowReplies(pg_dsn)
     async with relay as slow_dsn:
         # One connection, which has prepared every statement after the first round: a batch's

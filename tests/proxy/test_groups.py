@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestClient
 
 from idemproxy.core.types import AttemptState, Job, JobState, StoredResponse
 from idemproxy.proxy.context import CONTEXT
-from idemproxy.proxy.jobs.attempt import KeptLease
+from idemproxy.proxy.jobs.jobrun import KeptLease
 from idemproxy.store.base import Store
 from tests.support.named_upstream import WRONG_SHAPE, NamedUpstream, write_contract
 from tests.support.proxyapp import ProxyClient

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from idemproxy.core.types import Claimed, Intent
 from idemproxy.errors import StoreUnavailable
-from idemproxy.proxy.jobs.attempt import KeptLease
+from idemproxy.proxy.jobs.jobrun import KeptLease
 from idemproxy.store.sqlite.store import SqliteStore
 
 

@@ -241,7 +241,7 @@ async def test_problem_documents_and_every_line_of_the_request_carry_it(
     finally:
         await proxy.close()
     # The failed attempt's warning, logged in the attempt's own task, names its request.
-    [failed] = [line for line in lines.of("idemproxy.proxy.jobs.attempt")]
+    [failed] = [line for line in lines.of("idemproxy.proxy.jobs.jobrun")]
     assert failed["level"] == "warning" and failed["request_id"] == "r0", failed
 
 

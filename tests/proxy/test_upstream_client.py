@@ -1,5 +1,4 @@
-"""The upstream client (proxy/upstream/h1.py, proxy/upstream/client.py) against scripted raw-socket
-upstreams.
+"""The upstream client (proxy/upstream/client.py) against scripted raw-socket upstreams.
 
 Each upstream here is a real TCP server on loopback that reads a request and writes bytes
 chosen by the test, so that framing, keep-alive and every failure class (SPEC §3.2) are
@@ -32,10 +31,9 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from idemproxy.config.settings import ContractSettings
-from idemproxy.core.attempts import Failure
-from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
+from idemproxy.core.machine import Failure
+from idemproxy.proxy.upstream.client import MAX_HEAD_BYTES, UpstreamClient, UpstreamFailure
 from idemproxy.proxy.upstream.contract import Contract, check_upstream
-from idemproxy.proxy.upstream.h1 import MAX_HEAD_BYTES
 from tests.support.recording_upstream import RecordingUpstream
 
 LOOPS: dict[str, Callable[[Coroutine[Any, Any, None]], None]] = {
@@ -186,7 +184,7 @@ async def test_a_request_goes_out_byte_for_byte_and_its_answer_comes_back() -> N
 
 @on_both_loops
 async def test_the_host_among_the_headers_is_sent_once_first_in_the_urls_place() -> None:
-    """SPEC §10 `forward_host`: the caller (proxy/upstream/target.py) puts the Host to send
+    """SPEC §10 `forward_host`: the caller (proxy/upstream/client.py) puts the Host to send
     among the headers; it replaces the URL's authority, on the Host line the client writes."""
     async with serving(answering(OK)) as upstream, client() as upstream_client:
         headers = CIMultiDict([("X-A", "1"), ("host", "API.Example.com.")])
@@ -444,7 +442,7 @@ async def test_idle_connections_expire_after_keepalive() -> None:
 
 @on_both_loops
 async def test_a_large_streamed_answer_is_flow_controlled_not_timed_out() -> None:
-    """Reading paused by a slow consumer is not upstream slowness (proxy/upstream/h1.py)."""
+    """Reading paused by a slow consumer is not upstream slowness (proxy/upstream/client.py)."""
     size = 8 * 1024 * 1024
 
     async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

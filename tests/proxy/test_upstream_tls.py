@@ -18,7 +18,7 @@ from yarl import URL
 
 from idemproxy.config.settings import load_settings
 from idemproxy.config.upstream import UpstreamSettings, UpstreamTlsSettings
-from idemproxy.core.attempts import Failure
+from idemproxy.core.machine import Failure
 from idemproxy.core.types import JobState
 from idemproxy.errors import ConfigError
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure

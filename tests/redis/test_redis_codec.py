@@ -19,7 +19,7 @@ HEADERS = (
     ("Content-Type", "application/octet-stream"),
     ("X-Dup", "a"),
     ("x-dup", "b"),
-    # obs-text as proxy/upstream/h1.py decodes it (SPEC §7): stored and replayed byte for byte.
+    # obs-text as proxy/upstream/client.py decodes it (SPEC §7): stored and replayed byte for byte.
     ("X-Name", b"caf\xe9 \xff".decode("utf-8", "surrogateescape")),
 )
 

@@ -27,7 +27,7 @@ from yarl import URL
 from idemproxy.config.settings import ServerSettings, load_settings
 from idemproxy.proxy.app import create_app
 from idemproxy.proxy.context import CONTEXT
-from idemproxy.proxy.server.listener import GuardedSite
+from idemproxy.proxy.server.connection import GuardedSite
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
 from idemproxy.store.layers import Stacked
@@ -77,8 +77,8 @@ async def served(app: web.Application) -> AsyncIterator[str]:
 
 class ServeListener(Server):
     """The proxy behind the listener `idemproxy serve` uses (`GuardedSite`: aiohttp's handler
-    with the header-read deadline, one-write responses and no router, proxy/server/listener.py), on
-    an ephemeral port of 127.0.0.1, so that the proxy's tests also test that listener."""
+    with the header-read deadline, one-write responses and no router, proxy/server/connection.py),
+    on an ephemeral port of 127.0.0.1, so that the proxy's tests also test that listener."""
 
     def __init__(self, app: web.Application, settings: ServerSettings) -> None:
         super().__init__(app)

@@ -1,5 +1,5 @@
 """SPEC §2.4, §3.2, §3.4, §7: an attempt's life, and its job's attempts, as tables of
-state x event -> next state (core/attempts.py, core/attempt_order.py)."""
+state x event -> next state (core/machine.py, core/attempt_order.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from idemproxy.core.attempt_order import (
     Wait,
     racer_end,
 )
-from idemproxy.core.attempts import (
+from idemproxy.core.machine import (
     Abort,
     Answer,
     AnswerProblem,

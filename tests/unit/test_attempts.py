@@ -1,4 +1,4 @@
-"""SPEC §3.2, §3.4: what an attempt's result means (core/attempts.py), and the rules of a
+"""SPEC §3.2, §3.4: what an attempt's result means (core/machine.py), and the rules of a
 race (core/attempt_order.py)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from idemproxy.core.attempt_order import (
     race_outcome,
     settling_index,
 )
-from idemproxy.core.attempts import (
+from idemproxy.core.machine import (
     Failure,
     Handling,
     Mode,

@@ -1,4 +1,4 @@
-"""Stored header pairs (store/rows.py) and heads for the client (proxy/server/head.py): every
+"""Stored header pairs (store/rows.py) and heads for the client (proxy/server/whole.py): every
 byte an upstream's header value may hold survives storing and sending (SPEC §7)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from multidict import CIMultiDict
 from idemproxy.core.types import StoredResponse
 from idemproxy.ops.table import _response_details
 from idemproxy.ops.view import response_to_json
-from idemproxy.proxy.server.head import serialise_head
+from idemproxy.proxy.server.whole import serialise_head
 from idemproxy.store.rows import decode_headers, encode_headers, pairs_from_json, pairs_to_json
 
-# What proxy/upstream/h1.py makes of each byte an upstream's header value may hold (all but NUL, CR,
-# LF and the other control characters, which never get that far).
+# What proxy/upstream/client.py makes of each byte an upstream's header value may hold (all but
+# NUL, CR, LF and the other control characters, which never get that far).
 EVERY_BYTE = bytes([0x09, *range(0x20, 0x7F), *range(0x80, 0x100)])
 AS_PARSED = EVERY_BYTE.decode("utf-8", "surrogateescape")
 PAIRS = (

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from idemproxy.core.attempts import Outcome, resend_outcome
+from idemproxy.core.machine import Outcome, resend_outcome
 from idemproxy.core.resolution import (
     Backoff,
     Question,

@@ -31,7 +31,7 @@ from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app, tracing_from_settings
 from idemproxy.proxy.context import CONTEXT
 from idemproxy.proxy.drain import close_connections, drain, start_draining
-from idemproxy.proxy.server.listener import GuardedSite
+from idemproxy.proxy.server.connection import GuardedSite
 from idemproxy.store.factory import redis_layer, serving_store, shown_store, sqlite_path
 from idemproxy.store.layers import StoreStack
 from idemproxy.workers.role import STOP_SIGNALS, WorkerRole
@@ -154,7 +154,7 @@ async def _serve_until_signalled(
     # every request in flight: collections per request 0.03 -> 0, 10 µs of CPU per request at
     # c=32 (bench/findings.md). Reference cycles are still collected, a little later.
     gc.set_threshold(_YOUNG_COLLECTION_THRESHOLD, *gc.get_threshold()[1:])
-    # SPEC §9: the proxy listener cuts off slow request heads (proxy/server/listener.py).
+    # SPEC §9: the proxy listener cuts off slow request heads (proxy/server/connection.py).
     site = GuardedSite(
         proxy,
         settings.listen,

@@ -385,7 +385,7 @@ class ServerSettings(BaseModel):
     keepalive_timeout: Duration = Field(default=15.0, gt=0)
     # A request head must arrive in full within this many seconds of its first byte (of the
     # connection, for a new one): aiohttp has no such deadline (slowloris,
-    # proxy/server/listener.py).
+    # proxy/server/connection.py).
     header_read_timeout: Duration = Field(default=10.0, gt=0)
     body_read_timeout: Duration = Field(default=30.0, gt=0)
     # Governed request bodies larger than this many bytes wait on disk, not in memory; they are
@@ -690,7 +690,7 @@ class Settings(BaseSettings):
     )
     outcomes: OutcomeSettings = Field(default_factory=OutcomeSettings)
     on_store_error: Literal["fail_closed", "passthrough"] = "fail_closed"
-    # --- trusted_proxies (SPEC §10, proxy/upstream/target.py) ---------------------------------
+    # --- trusted_proxies (SPEC §10, proxy/upstream/client.py) ---------------------------------
     # Peers (CIDRs, or single addresses) whose X-Forwarded-*/Forwarded headers are kept, as
     # nginx's set_real_ip_from. Empty (the default): every peer is a client, and the proxy
     # sets X-Forwarded-For/Proto/Host from what it saw.

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import assert_never
 
-from idemproxy.core.attempts import Mode, Outcome, moves_on, order_mode
 from idemproxy.core.frozen import frozen
+from idemproxy.core.machine import Mode, Outcome, moves_on, order_mode
 
 # --- the race's rules -----------------------------------------------------------------------------
 

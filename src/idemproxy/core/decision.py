@@ -3,7 +3,7 @@
 * `decide(job, ...)` says what to do with a request whose key already has a job;
 * `unsent_claim(...)` says what became of a claim this process gave up on.
 
-What an attempt's result means is core/attempts.py's.
+What an attempt's result means is core/machine.py's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Frozen to the type checker, plain slots at run time: for the states and events of the pure
-machines (core/attempts.py, core/attempt_order.py), built several times per request.
+machines (core/machine.py, core/attempt_order.py), built several times per request.
 
 A `@dataclass(frozen=True)` sets each field through `object.__setattr__`, about ten times the
 cost of a plain slot (bench/findings.md measured it for `Job` and `GovernedRequest`); an

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from idemproxy.core.attempts import Outcome, resend_outcome
+from idemproxy.core.machine import Outcome, resend_outcome
 from idemproxy.core.types import Attempt, AttemptState, HeaderPairs, Job, JobState, StoredResponse
 
 
@@ -269,6 +269,6 @@ def may_resend(job: Job, ask: ResendAsk, *, window: float | None) -> Resend:
 
 def read_resend_answer(status: int | None) -> Verdict:
     """The upstream's answer to the request sent again under its key, as evidence: what
-    core/attempts.py `resend_outcome` makes of it."""
+    core/machine.py `resend_outcome` makes of it."""
     executed = resend_outcome(status) is Outcome.COMPLETE
     return Verdict.EXECUTED if executed else Verdict.UNKNOWN

@@ -1,10 +1,10 @@
 """A deadline that is set again for every request and rarely expires, on one timer.
 
-The header-read deadline of a client connection (proxy/server/listener.py) and the wait for the
-upstream on an upstream connection (proxy/upstream/h1.py) are started and stopped one to four times
-per request. Arming and cancelling an event loop timer each time costs more than the rest of that
-bookkeeping (about 2 µs with uvloop; bench/findings.md). Here the deadline is a time, `due`, and
-the owner's one timer, when it fires, calls `on_expiry` only if that time has passed, or is set
+The header-read deadline of a client connection (proxy/server/connection.py) and the wait for the
+upstream on an upstream connection (proxy/upstream/client.py) are started and stopped one to
+four times per request. Arming and cancelling an event loop timer each time costs more than the rest
+of that bookkeeping (about 2 µs with uvloop; bench/findings.md). Here the deadline is a time, `due`,
+and the owner's one timer, when it fires, calls `on_expiry` only if that time has passed, or is set
 again for it: on a busy kept-alive connection it fires about once per timeout, not once per
 request. The owner stops the deadline by setting `due` to None and tells whether one runs by
 reading it: a field, not a call, on the path of every request.

@@ -52,7 +52,7 @@ _FORWARDED = re.compile(rf"{_ITEM}(?:[;,]{_ITEM})*")
 # What each filter drops when `Connection` names nothing beyond the fixed list.
 _REQUEST_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _FRAMING
 # SPEC §10: what a client claims about the hops before this proxy is believed only from a
-# trusted proxy (proxy/upstream/target.py).
+# trusted proxy (proxy/upstream/client.py).
 _UNTRUSTED_DROPPED = _REQUEST_DROPPED | FORWARDING_HEADERS
 _RESPONSE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | frozenset({"content-length"})
 _STORE_DROPPED = HOP_BY_HOP_HEADERS | PROXY_OWNED | _NOT_STORED

@@ -26,8 +26,7 @@ from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.handler import Proxy, expect_continue, handle
 from idemproxy.proxy.jobs.governed import Governor
 from idemproxy.proxy.server.any_path import AnyPath
-from idemproxy.proxy.server.listener import PROXY_ROUTE, ProxyRoute
-from idemproxy.proxy.server.one_response import note_started
+from idemproxy.proxy.server.connection import PROXY_ROUTE, ProxyRoute, note_started
 from idemproxy.proxy.server.whole import own_server_header
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamHooks
 from idemproxy.proxy.upstream.contract import keep_checking
@@ -84,7 +83,7 @@ def create_app(
     )
     # Through the router only (aiohttp's own servers: tests, the demo): the listener of
     # `idemproxy serve` calls the proxy without it, and its writer does what these do, and says
-    # `Connection: close` on the heads of a drain (proxy/server/head.py).
+    # `Connection: close` on the heads of a drain (proxy/server/whole.py).
     app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
     app.on_response_prepare.append(own_server_header(settings.server.server_token))
     app.router.register_resource(AnyPath(handle, expect_handler=expect_continue))

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from idemproxy.config.settings import Settings
-from idemproxy.core.attempts import StatusPolicy
 from idemproxy.core.decision import Policy
+from idemproxy.core.machine import StatusPolicy
 from idemproxy.core.quota import QuotaLimits
 from idemproxy.http.offload import Offload
 from idemproxy.identity.owner import OwnerPolicy

@@ -4,8 +4,8 @@ From its start (`start_draining`) the proxy takes nothing new: a governed reques
 reaches it on a kept-alive connection is refused with `503 shutting-down` before any claim, a
 held duplicate is answered the same way unless its job's result arrives first, idle kept-alive
 connections are closed, and busy ones close after their response (`Connection: close`,
-proxy/server/listener.py); a request whose body is still arriving is read, then refused. Requests in
-flight (and those whose head had begun to arrive: each is read and answered), and the attempts
+proxy/server/connection.py); a request whose body is still arriving is read, then refused. Requests
+in flight (and those whose head had begun to arrive: each is read and answered), and the attempts
 they run, get until the deadline to finish and store their outcome.
 Attempts still running then are cancelled: each marks its job `unknown` on the way out (the
 upstream may have executed it), never `released`.
@@ -19,7 +19,7 @@ import logging
 from aiohttp import web
 
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.server.listener import close_idle_connections, requests_begun
+from idemproxy.proxy.server.connection import close_idle_connections, requests_begun
 
 log = logging.getLogger(__name__)
 _POLL_SECONDS = 0.02

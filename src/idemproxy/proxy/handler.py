@@ -35,18 +35,17 @@ from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.body import RequestBody, read_body
+from idemproxy.proxy.server.connection import PROXY_ROUTE, only_response
 from idemproxy.proxy.server.hangups import client_gone
-from idemproxy.proxy.server.listener import PROXY_ROUTE
-from idemproxy.proxy.server.one_response import only_response
 from idemproxy.proxy.server.trace import Trace, record
 from idemproxy.proxy.sourced import identify_sourced, refuse_hidden_identity
 from idemproxy.proxy.status import answer_status
-from idemproxy.proxy.upstream.h1 import transfer_codings
+from idemproxy.proxy.upstream.client import transfer_codings
 
 
 class Proxy:
     """The proxy's answer to a request, with what it needs: the listener of `idemproxy serve`
-    calls it directly (proxy/server/listener.py), the app's route through `handle`."""
+    calls it directly (proxy/server/connection.py), the app's route through `handle`."""
 
     def __init__(self, ctx: ProxyContext, govern: Governor) -> None:
         self.ctx = ctx

@@ -11,7 +11,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
-from idemproxy.core.attempts import Outcome, classify_failure
+from idemproxy.core.machine import Outcome, classify_failure
 from idemproxy.errors import NEVER, BodyInvalid, ClientDisconnected
 from idemproxy.http.headers import drop_for_client
 from idemproxy.http.host import asks_the_server
@@ -25,8 +25,12 @@ from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.sink import abort
 from idemproxy.proxy.server.trace import Trace
 from idemproxy.proxy.server.whole import AsSentResponse, AsSentStreamResponse
-from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
-from idemproxy.proxy.upstream.target import outgoing
+from idemproxy.proxy.upstream.client import (
+    UpstreamClient,
+    UpstreamFailure,
+    UpstreamResponse,
+    outgoing,
+)
 
 log = logging.getLogger(__name__)
 # Request bodies up to this size with a declared length are read whole rather than streamed;

@@ -10,10 +10,10 @@ import enum
 import ssl
 from typing import assert_never
 
-from idemproxy.core.attempts import Failure
+from idemproxy.core.machine import Failure
 from idemproxy.proxy.upstream.client import UpstreamFailure
 
-# The h1 client's own refusals of what the upstream sent (proxy/upstream/h1.py): not a broken
+# The h1 client's own refusals of what the upstream sent (proxy/upstream/client.py): not a broken
 # connection but an answer that is not valid HTTP/1.1.
 _INVALID_RESPONSE_PREFIXES = (
     "invalid upstream response",

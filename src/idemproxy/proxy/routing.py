@@ -19,8 +19,8 @@ from idemproxy.http.host import host_name
 from idemproxy.identity.key_source import KeySource
 from idemproxy.identity.webhooks import WebhookVerifier
 from idemproxy.proxy.readings import changeable, readings
+from idemproxy.proxy.upstream.client import Edits, HeaderEdits
 from idemproxy.proxy.upstream.contract import Contract, ContractGate
-from idemproxy.proxy.upstream.target import Edits, HeaderEdits
 
 
 @functools.lru_cache(maxsize=256)
@@ -54,7 +54,7 @@ class Route:
     key_source: KeySource | None = None
     # SPEC §4.2: a webhook route's signature check and owner; implies a `key_source`.
     webhook: WebhookVerifier | None = field(default=None, compare=False, hash=False, repr=False)
-    # SPEC §10: the Host its upstreams receive (proxy/upstream/target.py, `outgoing`).
+    # SPEC §10: the Host its upstreams receive (proxy/upstream/client.py, `outgoing`).
     forward_host: str = c.DEFAULT_FORWARD_HOST
     # SPEC §3.6: how this route's `unknown` jobs may resolve themselves: a retry does what the
     # route it takes declares, never what another route of its path does.

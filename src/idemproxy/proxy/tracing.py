@@ -50,7 +50,7 @@ from yarl import URL
 
 from idemproxy import __version__
 from idemproxy.constants import ANONYMOUS_OWNER, ERROR_HEADER
-from idemproxy.core.attempts import Outcome
+from idemproxy.core.machine import Outcome
 from idemproxy.core.types import Claimed, ClaimResult, Job, JobState
 from idemproxy.errors import ConfigError, ProblemError
 from idemproxy.http.correlation import CURRENT, traced
@@ -63,7 +63,7 @@ T = TypeVar("T")
 
 class HandedBack(Protocol):
     """An attempt that ended without a result and left its job to the next one (`HandedBack`,
-    proxy/jobs/attempt.py)."""
+    proxy/jobs/jobrun.py)."""
 
     @property
     def outcome(self) -> Outcome: ...
@@ -75,7 +75,7 @@ class HandedBack(Protocol):
     def problem(self) -> type[ProblemError]: ...
 
 
-# What an attempt ends with (`Step`, proxy/jobs/attempt.py): the client's response, a hand-back,
+# What an attempt ends with (`Step`, proxy/jobs/jobrun.py): the client's response, a hand-back,
 # or None when another attempt completed the job first.
 Attempted = TypeVar("Attempted", bound="web.StreamResponse | HandedBack | None")
 Attributes = dict[str, AttributeValue]

@@ -2,7 +2,7 @@
 stored header pairs into JSON and back.
 
 Header pairs are kept as JSON byte for byte (SPEC §7). In the proxy a header value is the text
-aiohttp and proxy/upstream/h1.py make of its bytes: UTF-8, and each byte outside a UTF-8
+aiohttp and proxy/upstream/client.py make of its bytes: UTF-8, and each byte outside a UTF-8
 sequence (obs-text such as ISO-8859-1 `é`, RFC 9110 §5.5) as a lone surrogate escape. JSON text
 can not hold a lone surrogate: PostgreSQL's `jsonb` refuses `\\udce9`, and so do strict JSON
 readers. A pair whose name or value holds one is therefore kept as its bytes read as

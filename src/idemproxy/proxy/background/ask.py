@@ -24,8 +24,7 @@ from yarl import URL
 from idemproxy.config.resolve import ReconcileSettings
 from idemproxy.constants import ATTEMPT_HEADER, DEFAULT_KEY_HEADER, JOB_HEADER
 from idemproxy.core.resolution import Question
-from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
-from idemproxy.proxy.upstream.target import Edits
+from idemproxy.proxy.upstream.client import Edits, UpstreamClient, UpstreamFailure
 from idemproxy.redact import redact_url
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from idemproxy.config.resolve import ReconcileSettings
 from idemproxy.config.settings import Settings
 from idemproxy.http.host import host_name
 from idemproxy.proxy.routing import Route, header_edits, upstream_origin
-from idemproxy.proxy.upstream.target import Edits
+from idemproxy.proxy.upstream.client import Edits
 
 
 @dataclass(frozen=True, slots=True)

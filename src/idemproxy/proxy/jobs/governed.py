@@ -58,7 +58,12 @@ from idemproxy.core.machine import (
 from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.resolution import Way
 from idemproxy.core.types import Claimed, ClaimResult, Job
-from idemproxy.errors import JobLost, ProblemError, StoreUnavailable, UpstreamTimeout
+from idemproxy.errors import (
+    JobLost,
+    ProblemError,
+    StoreUnavailable,
+    UpstreamTimeout,
+)
 from idemproxy.identity.ids import new_job_id
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
@@ -73,8 +78,13 @@ from idemproxy.proxy.server.replay import SharedBodies, replay_response
 from idemproxy.proxy.server.trace import Trace
 from idemproxy.store.ports import JobStore
 
-if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemproxy[otel]`)
+if TYPE_CHECKING:
+    from idemproxy.proxy.background.unsent import UnsentClaims
+    from idemproxy.proxy.failpoints import Failpoints
+    from idemproxy.proxy.server.trace import Trace
     from idemproxy.proxy.tracing import Tracing
+    from idemproxy.store.ports import JobStore
+
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,6 +92,8 @@ _CUT_OFF = (
     "The proxy shut down before the upstream answered; the request may have executed. Retries "
     "with this Idempotency-Key get 409 outcome-unknown until an operator resolves the job."
 )
+
+
 # The client's response, or None when another attempt completed the job first (jobrun.py).
 RunJob = Callable[[GovernedRequest, Claimed], Coroutine[Any, Any, web.StreamResponse | None]]
 

@@ -11,12 +11,19 @@ bookkeeping; this driver owns the tasks, the hedge timer and the responses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, assert_never
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from multidict import CIMultiDict
+from yarl import URL
 
+from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, STREAMING_MEDIA_TYPES
 from idemproxy.core.attempt_order import (
     AddHedge,
     FailOver,
@@ -30,20 +37,603 @@ from idemproxy.core.attempt_order import (
     Wait,
     racer_end,
 )
-from idemproxy.core.attempts import Failed, Mode, settled_state
-from idemproxy.core.types import Claimed, Job
-from idemproxy.errors import StoreUnavailable
+from idemproxy.core.machine import (
+    Abort,
+    Answer,
+    AnswerProblem,
+    AttemptState,
+    Body,
+    BodyCaptured,
+    BodyCut,
+    BodyEnded,
+    Capture,
+    CheckContract,
+    Checked,
+    Complete,
+    Failed,
+    Finish,
+    Forward,
+    HandBack,
+    Head,
+    KeepReply,
+    Lost,
+    Mode,
+    Outcome,
+    Settle,
+    StatusPolicy,
+    Stream,
+    StreamThrough,
+    TransportFailed,
+    cut_off,
+    settled_state,
+)
+from idemproxy.core.types import Claimed, HeaderPairs, Job, StoredResponse
+from idemproxy.errors import (
+    ProblemError,
+    StoreUnavailable,
+    UpstreamUnavailable,
+)
+from idemproxy.http.headers import headers_to_store, response_headers_for_client
+from idemproxy.http.problems import problem_response
 from idemproxy.identity.ids import new_job_id
-from idemproxy.proxy.jobs.attempt import AttemptRun, AttemptRunner, HandedBack, Step
+from idemproxy.observe.metrics import AttemptOutcome, Metrics, UpstreamOutcome
+from idemproxy.proxy.background.unsent import UnsentClaims
+from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.jobs.request import GovernedRequest
-from idemproxy.proxy.server.capture import drop_unsent
+from idemproxy.proxy.reasons import FailureReason, upstream_reason
+from idemproxy.proxy.routing import upstream_origin
+from idemproxy.proxy.server.capture import Captured, answer, capture, drop_unsent, tee
+from idemproxy.proxy.server.sink import ClientSink
+from idemproxy.proxy.server.trace import Trace
+from idemproxy.proxy.server.whole import AsSentStreamResponse
+from idemproxy.proxy.upstream.client import (
+    UpstreamClient,
+    UpstreamFailure,
+    UpstreamResponse,
+    outgoing,
+)
+from idemproxy.proxy.upstream.contract import ask_checkable
 from idemproxy.store.base import AttemptFailure
+from idemproxy.store.ports import JobStore
 
 if TYPE_CHECKING:
+    from idemproxy.config.settings import Settings
     from idemproxy.proxy.background.unsent import UnsentClaims
+    from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
+    from idemproxy.proxy.failpoints import Failpoints
+    from idemproxy.proxy.server.capture import ResponseBudget
+    from idemproxy.proxy.server.trace import Trace
+    from idemproxy.proxy.tracing import Tracing
     from idemproxy.store.ports import JobStore
 
+
 log = logging.getLogger(__name__)
+
+
+# After forwarding, "the request was not forwarded" (StoreUnavailable's default) would be a lie.
+# The outcome is written once the store answers (proxy/background/unwritten.py); if the job's lease
+# runs out first, it becomes unknown (SPEC §3.5).
+_FORWARDED_NOT_STORED = (
+    "The request was forwarded, but its outcome could not be stored; retry later with the same "
+    "Idempotency-Key to learn it."
+)
+# A failed renewal is tried again this soon, then twice as late each time (up to lease / 10):
+# waiting a third of the lease, as a renewal due on time does, can outlast what is left of it.
+_FIRST_RETRY_SECONDS = 0.05
+# Below this much time left, a try is bounded only by the store's own timeout: a shorter bound
+# could never succeed, and a renewal after the lease ran out still keeps a job that nobody took
+# over (the statement is a CAS on the job's version, not on its lease).
+_MIN_BOUNDED_TRY_SECONDS = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class HandedBack:
+    """The attempt ended without a result; the job was not touched."""
+
+    outcome: Outcome
+    status: int | None
+    error: str | None
+    problem: type[ProblemError] = UpstreamUnavailable
+    # In a race, the upstream's own answer, for the client if no other attempt does better.
+    reply: web.StreamResponse | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRun:
+    """The attempt this request runs: its job as claimed, its number, its upstream, and its
+    place among the job's attempts (core/machine.py, `Mode`)."""
+
+    job: Job
+    number: int
+    upstream: str
+    mode: Mode = Mode.FINAL
+    # SPEC §3.6: the request sent again under the key its upstream honours (core/machine.py
+    # `Forward.resend`).
+    resend: bool = False
+
+
+Step = web.StreamResponse | HandedBack | None
+
+
+@dataclass(slots=True)
+class AttemptRunner:
+    """Runs attempts with the collaborators of one process, given when it is built."""
+
+    settings: Settings
+    store: JobStore
+    upstream: UpstreamClient
+    statuses: StatusPolicy
+    budget: ResponseBudget
+    unwritten: UnwrittenOutcomes
+    metrics: Metrics
+    failpoints: Failpoints
+    tracing: Tracing | None
+
+    async def run(self, governed: GovernedRequest, attempt: AttemptRun) -> Step:
+        request, route, job = governed.request, governed.route, attempt.job
+        edits = route.header_edits.get(attempt.upstream, ())
+        trusted = self.settings.trusted_proxies
+        url, headers = outgoing(request, attempt.upstream, route.forward_host, edits, trusted)
+        headers[JOB_HEADER] = job.id  # SPEC §10: the backend can honour the same identity
+        headers[ATTEMPT_HEADER] = str(attempt.number)
+        if route.gate is not None:  # SPEC §3.4: only answers the contract check can decode
+            ask_checkable(headers)
+        _names(governed.trace, attempt)  # a fail-over's too
+        forwarding = self._forward(governed, attempt, url, headers)
+        if self.tracing is not None:  # its traceparent joins `headers` before they are sent
+            ids = (job.id, attempt.number)
+            return await self.tracing.attempt(request.method, url, headers, ids, forwarding)
+        return await forwarding
+
+    async def _forward(
+        self, governed: GovernedRequest, attempt: AttemptRun, url: URL, headers: CIMultiDict[str]
+    ) -> Step:
+        request, body = governed.request, governed.body
+        forward = Forward(
+            attempt.mode, governed.route.gate is not None, self.statuses, attempt.resend
+        )
+        started = time.perf_counter()
+        try:
+            async with (
+                KeptLease(self.store, attempt.job, lease=self.settings.lease),
+                self.upstream.request(
+                    request.method,
+                    url,
+                    headers,
+                    body.memory if body.memory is not None else body.reader(),
+                    content_length=body.size,
+                    timeout=governed.route.upstream_timeout,
+                ) as upstream,
+            ):
+                media_type = upstream.headers.get("Content-Type", "").partition(";")[0]
+                stream = media_type.strip().lower() in STREAMING_MEDIA_TYPES
+                head = Head(upstream.status, stream)
+                step = await self._drive(governed, attempt, upstream, forward.next(head))
+                # Until the upstream's answer was whole, not until it was stored: the store's
+                # time is idemproxy_store_seconds' (SPEC §13).
+                ended = upstream.finished_at or time.perf_counter()
+                handed = type(step) is HandedBack
+                answered = UpstreamOutcome.FAILED if handed else UpstreamOutcome.ANSWERED
+                by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
+                by_outcome[answered].observe(ended - started)
+                return step
+        except UpstreamFailure as failure:  # no (whole) response before its head went out
+            state = forward.next(TransportFailed(failure.failure, failure.reason))
+            assert isinstance(state, Settle | HandBack)
+            failed = state.failed
+            by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
+            by_outcome[UpstreamOutcome(failed.outcome.value)].observe(time.perf_counter() - started)
+            self._log_failure(governed, attempt, failure)
+            if self.tracing is not None:
+                self.tracing.upstream_failed(failure.reason, failed.outcome)
+            if isinstance(state, HandBack):
+                return _handed_back(failed)
+            await self.settle(attempt, failed)
+            return self.problem(attempt, failed)
+        except asyncio.CancelledError:
+            # Cut off by shutdown: the request may have reached the upstream (SPEC §3.2).
+            await asyncio.shield(self.settle(attempt, cut_off("cut off by shutdown")))
+            raise
+
+    async def _drive(  # noqa: C901, PLR0912, PLR0915 -- one case per state of the machine
+        self,
+        governed: GovernedRequest,
+        attempt: AttemptRun,
+        upstream: UpstreamResponse,
+        state: AttemptState,
+    ) -> Step:
+        kept: Captured | None = None  # the body as captured (or teed), until handed on
+        client: ClientSink | None = None  # once the head went to the client
+        response: web.StreamResponse | None = None
+        try:
+            while True:
+                match state:
+                    case Capture():
+                        kept = await self._capture(upstream, state.mode)
+                        state = state.next(BodyCaptured(kept.whole))
+                    case CheckContract():
+                        assert kept is not None
+                        broken = await self._violations(governed, attempt, upstream, kept)
+                        if broken:  # neither stored nor passed on
+                            kept.close()
+                            kept = None
+                        state = state.next(Checked(broken))
+                    case Complete():
+                        stored = StoredResponse(
+                            upstream.status,
+                            self._stored_headers(upstream),
+                            await kept.content()
+                            if state.body is Body.KEPT and kept is not None and kept.whole
+                            else None,
+                        )
+                        completing = self._completed(attempt, stored, governed.route.ttl)
+                        if state.after_head:
+                            state = state.next(await _after_head(attempt, completing))
+                            continue
+                        buffered = state.body is Body.KEPT
+                        # Test-only crash points (proxy/failpoints.py): none armed in service.
+                        armed = buffered and self.failpoints.armed is not None
+                        if armed:
+                            self.failpoints.hit("before_store")
+                        won = await completing
+                        if won and armed:
+                            self.failpoints.hit("after_store")
+                        state = state.next(won)
+                    case Settle():
+                        settling = self.settle(attempt, state.failed)
+                        if state.after_head:
+                            await _after_head(attempt, settling)
+                        else:
+                            await settling
+                        state = state.next()
+                    case Stream():
+                        response, client = await self._open(governed, upstream, attempt.job)
+                        try:
+                            kept = await tee(
+                                upstream, client, self.settings.max_stored_body, self.budget
+                            )
+                        except UpstreamFailure as failure:
+                            state = state.next(BodyCut(failure.reason))
+                        else:
+                            state = state.next(BodyEnded())
+                    case StreamThrough():
+                        # SPEC §7: a body over max_stored_body streams through and is not kept.
+                        assert kept is not None
+                        response, client = await self._open(
+                            governed, upstream, attempt.job, sized=True
+                        )
+                        head, kept = kept, None
+                        state = state.next(await _pass_through(head, upstream, client))
+                    case Answer():
+                        assert kept is not None
+                        answered, kept = kept, None  # the response owns it now
+                        # A race's winner, not the attempt started last (SPEC §13).
+                        _names(governed.trace, attempt)
+                        headers = self._client_headers(upstream, attempt.job)
+                        return answer(answered, upstream.status, upstream.reason, headers)
+                    case Finish():
+                        assert client is not None
+                        _names(governed.trace, attempt)
+                        if kept is not None:
+                            kept.close()
+                            kept = None
+                        await client.finish()
+                        return response
+                    case Abort():
+                        assert client is not None
+                        client.abort()
+                        return response
+                    case AnswerProblem():
+                        return self.problem(attempt, state.failed)
+                    case HandBack():
+                        return _handed_back(state.failed)
+                    case KeepReply():  # it may be the last answer the race gets
+                        reply = await self._reply(upstream, attempt)
+                        return _handed_back(state.failed, reply)
+                    case Lost():
+                        return None
+                    case Forward():
+                        raise AssertionError("an attempt forwards once")
+                    case _:
+                        assert_never(state)
+        finally:
+            if kept is not None:
+                kept.close()
+
+    async def _capture(self, upstream: UpstreamResponse, mode: Mode) -> Captured:
+        """The body up to max_stored_body, within the response budget (proxy/server/capture.py).
+        A body declared larger is not waited for: it streams through at once (SPEC §7). In a
+        race it is: its head alone wins nothing, a racer wins once more than max_stored_body
+        bytes of it arrived (docs/attempts.md, Hedging), and one cut off before is unknown."""
+        limit = self.settings.max_stored_body
+        declared = upstream.content_length
+        if (
+            declared is not None
+            and declared > limit
+            and upstream.method != "HEAD"
+            and mode is not Mode.HEDGED
+        ):
+            return Captured(self.budget)
+        return await capture(upstream, limit, self.budget)
+
+    async def _reply(
+        self, upstream: UpstreamResponse, attempt: AttemptRun
+    ) -> web.StreamResponse | None:
+        try:
+            captured = await capture(upstream, self.settings.max_stored_body, self.budget)
+        except UpstreamFailure:
+            return None
+        if not captured.whole:
+            captured.close()
+            return None
+        headers = self._client_headers(upstream, attempt.job)
+        return answer(captured, upstream.status, upstream.reason, headers)
+
+    async def _open(
+        self,
+        governed: GovernedRequest,
+        upstream: UpstreamResponse,
+        job: Job,
+        *,
+        sized: bool = False,
+    ) -> tuple[web.StreamResponse, ClientSink]:
+        """The client's response, its head sent now rather than with the first byte of the body;
+        `sized` keeps the upstream's Content-Length (a body passed through whole)."""
+        response = AsSentStreamResponse(status=upstream.status, reason=upstream.reason)
+        response.headers.extend(self._client_headers(upstream, job))
+        if sized and upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        client = ClientSink(governed.request, response)
+        await client.write(b"")
+        return response, client
+
+    async def _violations(
+        self,
+        governed: GovernedRequest,
+        attempt: AttemptRun,
+        upstream: UpstreamResponse,
+        kept: Captured,
+    ) -> tuple[str, ...]:
+        """What the captured response breaks of the route's contract (SPEC §3.4); a body too
+        large to check is a breach too."""
+        gate = governed.route.gate
+        assert gate is not None
+        content = await kept.content() if kept.whole else None
+        limit = self.settings.max_stored_body
+        broken = await gate.contract.check(upstream.status, upstream.headers, content, limit)
+        if broken:
+            governed.trace.failed(attempt.upstream, FailureReason.CONTRACT)
+            _log_breach(attempt, upstream.status, broken)
+        return tuple(broken)
+
+    def problem(self, attempt: AttemptRun, failed: Failed) -> web.StreamResponse:
+        problem = failed.problem().about(attempt.job.id, settled_state(failed.outcome).value)
+        settings = self.settings
+        return problem_response(problem, profile=settings.profile, types=settings.problem_types)
+
+    def _log_failure(
+        self, governed: GovernedRequest, attempt: AttemptRun, failure: UpstreamFailure
+    ) -> None:
+        reason = upstream_reason(failure)
+        governed.trace.failed(attempt.upstream, reason)
+        log.warning(
+            "job %s attempt %d on %s failed (%s): %s",
+            attempt.job.id,
+            attempt.number,
+            upstream_origin(attempt.upstream),
+            reason,
+            failure.reason,
+        )
+
+    async def _completed(self, attempt: AttemptRun, stored: StoredResponse, ttl: float) -> bool:
+        """The completion CAS (SPEC §1); a losing result is discarded, counted and logged."""
+        completing = self.store.complete(attempt.job, attempt.number, stored, ttl=ttl)
+        if self.tracing is not None:
+            completing = self.tracing.complete(attempt.job.id, attempt.number, completing)
+        try:
+            won = await completing
+        except StoreUnavailable as exc:
+            self.unwritten.completion(attempt.job, attempt.number, stored, ttl)
+            raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
+        outcome = AttemptOutcome.SUCCEEDED if won else AttemptOutcome.DISCARDED
+        self.metrics.attempt_outcome[outcome].inc()
+        if not won:
+            self.metrics.late_results.inc()
+            log.info("late result discarded: job %s attempt %d", attempt.job.id, attempt.number)
+        return won
+
+    def count_failed(self, outcome: Outcome) -> None:
+        self.metrics.attempt_outcome[
+            AttemptOutcome.FAILED if outcome is Outcome.RELEASE else AttemptOutcome.UNKNOWN
+        ].inc()
+
+    async def settle(self, attempt: AttemptRun, failed: Failed) -> None:
+        self.count_failed(failed.outcome)
+        state = settled_state(failed.outcome)
+        job, number = attempt.job, attempt.number
+        settling = self.store.settle(job, number, state, status=failed.status, error=failed.error)
+        if self.tracing is not None:
+            settling = self.tracing.settle(job.id, number, state, settling)
+        try:
+            won = await settling
+        except StoreUnavailable as exc:
+            self.unwritten.settlement(job, number, state, failed.status, failed.error)
+            raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
+        if not won:
+            log.info("job %s attempt %d: settle lost the CAS", job.id, number)
+
+    def _client_headers(self, upstream: UpstreamResponse, job: Job) -> CIMultiDict[str]:
+        headers = response_headers_for_client(upstream.headers)
+        if upstream.method == "HEAD":
+            headers.extend(_head_length(upstream))
+        headers[JOB_HEADER] = job.id
+        return headers
+
+    def _stored_headers(self, upstream: UpstreamResponse) -> HeaderPairs:
+        stored = headers_to_store(upstream.headers, self.settings.unreplayed_headers)
+        return stored + _head_length(upstream) if upstream.method == "HEAD" else stored
+
+
+async def _pass_through(
+    head: Captured, upstream: UpstreamResponse, client: ClientSink
+) -> BodyEnded | BodyCut:
+    """What was captured, then the rest of the upstream's body, to the client."""
+    try:
+        async for piece in head.pieces():
+            await client.write(piece)
+    finally:
+        head.close()
+    try:
+        async for chunk in UpstreamClient.iter_body(upstream):
+            await client.write(chunk)
+    except UpstreamFailure as failure:
+        return BodyCut(failure.reason)
+    return BodyEnded()
+
+
+def _handed_back(failed: Failed, reply: web.StreamResponse | None = None) -> HandedBack:
+    return HandedBack(failed.outcome, failed.status, failed.error, failed.problem, reply)
+
+
+def _log_breach(attempt: AttemptRun, status: int, broken: list[str]) -> None:
+    """SPEC §3.4: the upstream acted, so the breach is unknown, never a release; its response
+    is neither stored nor passed on."""
+    log.warning(
+        "job %s attempt %d on %s broke the contract (%d): %s",
+        attempt.job.id,
+        attempt.number,
+        attempt.upstream,
+        status,
+        "contract: " + "; ".join(broken),
+    )
+
+
+async def _after_head(attempt: AttemptRun, storing: Awaitable[bool | None]) -> bool | None:
+    """Store an outcome whose response is on its way to the client already (SPEC §7: one
+    response per request): what the store said, or None when it could not be reached.
+
+    A StoreUnavailable must not reach the handler: its 503 would follow the response on the
+    same connection, and the next request on it (behind a pooling load balancer, maybe another
+    client's) would read it as its answer. `_completed` and `settle` kept the outcome, and
+    proxy/background/unwritten.py writes it once the store answers.
+    """
+    try:
+        return await storing
+    except StoreUnavailable:
+        log.warning(
+            "job %s attempt %d: outcome not stored after its response started; "
+            "kept to write when the store answers",
+            attempt.job.id,
+            attempt.number,
+        )
+        return None
+
+
+def _head_length(upstream: UpstreamResponse) -> HeaderPairs:
+    """RFC 9110 §9.3.2, §8.6: a HEAD answer's Content-Length is that of the body a GET would
+    get, not of its own (it has none), so it is not recomputed as every other one is (SPEC §7):
+    the upstream's, for the first answer and, stored, for each replay."""
+    if upstream.method == "HEAD" and upstream.content_length is not None:
+        return ((hdrs.CONTENT_LENGTH, str(upstream.content_length)),)
+    return ()
+
+
+class KeptLease:
+    """Renew the job's lease every third of its length until the block ends.
+
+    If this process dies, renewals stop and the next request for the key takes the job over
+    as `unknown` once the lease ran out by the database clock.
+
+    Almost every attempt ends long before its first renewal is due, so the renewing task is
+    only created when that moment comes: until then the block costs one timer.
+
+    A renewal that fails (the store's timeout, a lock, a lost connection) is retried at once,
+    each try bounded by the time the lease has left, so that one slow try does not let the lease
+    run out under a healthy attempt. The time left is counted from when the statement that set
+    the lease was sent (for the first one, from the start of this block), by this process's
+    clock; the database's clock only started later, so the lease ends no sooner than that.
+    Settings whose `pool.store_timeout` leaves no room for a try are refused at start-up
+    (config/settings.py).
+    """
+
+    def __init__(self, store: JobStore, job: Job, *, lease: float) -> None:
+        self._store = store
+        self._job = job
+        self._lease = lease
+        self._granted = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._renewer: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._granted = loop.time()
+        self._timer = loop.call_later(self._lease / 3, self._start_renewing)
+
+    async def __aexit__(
+        self,
+        _type: type[BaseException] | None,
+        _value: BaseException | None,
+        _traceback: TracebackType | None,
+    ) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        renewer = self._renewer
+        if renewer is not None:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+
+    def _start_renewing(self) -> None:
+        self._renewer = asyncio.get_running_loop().create_task(
+            _renew(self._store, self._job, self._lease, self._granted)
+        )
+
+
+async def _renew(store: JobStore, job: Job, lease: float, granted: float) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        renewed = await _renew_once(store, job, lease, expires=granted + lease)
+        if renewed is None:
+            return
+        granted = renewed
+        await asyncio.sleep(max(granted + lease / 3 - loop.time(), 0.0))
+
+
+async def _renew_once(store: JobStore, job: Job, lease: float, *, expires: float) -> float | None:
+    """Try until the store renews the lease: when the successful try was sent, or None when
+    the lease is lost (taken over, or the job settled by another attempt)."""
+    loop = asyncio.get_running_loop()
+    delay = _FIRST_RETRY_SECONDS
+    while True:
+        sent = loop.time()
+        left = expires - sent
+        try:
+            async with asyncio.timeout(try_bound(left)):
+                renewed = await store.renew_lease(job, lease=lease)
+        except (StoreUnavailable, TimeoutError):
+            log.warning(
+                "job %s: lease renewal failed, %.2fs of the lease left; retrying", job.id, left
+            )
+        else:
+            if not renewed:
+                log.warning("job %s: lease lost (taken over or settled elsewhere)", job.id)
+                return None
+            return sent
+        await asyncio.sleep(min(delay, lease / 10))
+        delay *= 2
+
+
+def try_bound(left: float) -> float | None:
+    """How long one renewal try may take: what is left of the lease, or only the store's own
+    timeout once too little is left to bound it usefully."""
+    return left if left >= _MIN_BOUNDED_TRY_SECONDS else None
+
+
+def _names(trace: Trace, attempt: AttemptRun) -> None:
+    """The request's log line names this attempt and its upstream together (SPEC §13)."""
+    trace.upstream, trace.forwarded = attempt.upstream, attempt.number
+
+
 Racing = dict["asyncio.Task[Step]", AttemptRun]
 Ended = list[tuple[AttemptRun, HandedBack]]  # the racers that failed, in the order they ended
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from idemproxy.core.attempts import Mode
+from idemproxy.core.machine import Mode
 from idemproxy.core.resolution import (
     Resend,
     ResendAsk,
@@ -33,8 +33,7 @@ from idemproxy.core.types import Claimed, Evidence, Job
 from idemproxy.errors import OutcomeUnknown, ProblemError, StoreUnavailable
 from idemproxy.identity.ids import new_job_id
 from idemproxy.proxy.background.endpoints import Endpoint
-from idemproxy.proxy.jobs.attempt import AttemptRun, AttemptRunner, HandedBack
-from idemproxy.proxy.jobs.jobrun import run_job
+from idemproxy.proxy.jobs.jobrun import AttemptRun, AttemptRunner, HandedBack, run_job
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.resending import sent_digest
 from idemproxy.proxy.routing import Route

@@ -169,7 +169,7 @@ _PIECE = 256 * 1024  # read back from a temporary file in pieces of this size
 
 
 class BodySource(Protocol):
-    """What is read here of an upstream response (proxy/upstream/h1.py's `UpstreamResponse`)."""
+    """What is read here of an upstream response (proxy/upstream/client.py's `UpstreamResponse`)."""
 
     async def read_chunk(self) -> bytes:
         """The next piece of the body; b"" once it is complete."""

@@ -3,7 +3,7 @@
 A group may declare a response contract (a JSON Schema for its 2xx bodies) and sample requests.
 A fallback is eligible only after its answers to the samples validated; at run time, a 2xx
 from any upstream of the group that violates the contract is never stored, replayed or passed
-on, and makes the job unknown (core/attempts.py, classify_breach): the upstream acted.
+on, and makes the job unknown (core/machine.py, classify_breach): the upstream acted.
 
 A coded answer (`Content-Encoding: gzip`, which most HTTP clients ask for) is checked decoded;
 the bytes stored and sent stay as the upstream sent them. So that an upstream preferring `br`
@@ -31,8 +31,7 @@ from idemproxy.config.settings import ContractSettings
 from idemproxy.errors import ConfigError
 from idemproxy.http.codings import DECODABLE, Undecodable, coding_names, decode
 from idemproxy.http.offload import in_thread, off_loop
-from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
-from idemproxy.proxy.upstream.target import Edits
+from idemproxy.proxy.upstream.client import Edits, UpstreamClient, UpstreamFailure
 from idemproxy.redact import escaped, redact_url
 
 log = logging.getLogger(__name__)

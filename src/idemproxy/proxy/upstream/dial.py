@@ -20,16 +20,18 @@ import ipaddress
 import logging
 import os
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 from idemproxy.config.upstream import NO_PROXY, UpstreamSettings, check_proxy_url, origin_of
 from idemproxy.errors import ConfigError
-from idemproxy.proxy.upstream.h1 import Connection, Origin
 from idemproxy.proxy.upstream.tls import tls_context
 from idemproxy.redact import escaped, redact_url
+
+Origin = tuple[str, int, bool]  # host, port, TLS
+P = TypeVar("P", bound=asyncio.BaseProtocol)  # what speaks on a connection once it is open
 
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
@@ -68,14 +70,21 @@ class Dialer:
     server_name: str | None = None  # SNI and the name checked, instead of the host
     proxy: EgressProxy | None = None
 
-    async def connect(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> Connection:
+    async def connect(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        host: str,
+        port: int,
+        protocol: Callable[[], P],
+    ) -> P:
+        """A connection to `host`:`port`, spoken by a new `protocol()`."""
         name = None if self.tls is None else self.server_name or host
         if self.proxy is None:
             _, connection = await loop.create_connection(
-                lambda: Connection(loop), host, port, ssl=self.tls, server_hostname=name
+                protocol, host, port, ssl=self.tls, server_hostname=name
             )
             return connection
-        return await _tunnel(loop, self.proxy, host, port, self.tls, name)
+        return await _tunnel(loop, self.proxy, (host, port), protocol, self.tls, name)
 
 
 _DIRECT = Dialer()
@@ -285,12 +294,13 @@ class _TunnelOpening(asyncio.Protocol):
 async def _tunnel(
     loop: asyncio.AbstractEventLoop,
     proxy: EgressProxy,
-    host: str,
-    port: int,
+    address: tuple[str, int],
+    protocol: Callable[[], P],
     tls: ssl.SSLContext | None,
     server_name: str | None,
-) -> Connection:
-    """A connection to `host`:`port` through a CONNECT tunnel (RFC 9110 §9.3.6), TLS inside."""
+) -> P:
+    """A connection to `address` through a CONNECT tunnel (RFC 9110 §9.3.6), TLS inside."""
+    host, port = address
     transport, opening = await loop.create_connection(
         lambda: _TunnelOpening(loop), proxy.host, proxy.port
     )
@@ -301,7 +311,7 @@ async def _tunnel(
             request += f"Proxy-Authorization: {proxy.authorization}\r\n"
         transport.write(f"{request}\r\n".encode("latin-1"))
         _check_tunnel(await opening.answer, proxy, authority)
-        connection = Connection(loop)
+        connection = protocol()
         if tls is None:
             transport.set_protocol(connection)
             connection.connection_made(transport)
