@@ -6,7 +6,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
-from idemproxy.http.host import split_absolute_form
+from idemproxy.http.headers import split_absolute_form
 from idemproxy.proxy.server.any_path import AnyPath
 from idemproxy.proxy.server.connection import routable
 

@@ -16,9 +16,8 @@ import pytest
 
 from idemproxy.core.types import Claimed, Intent, StoredResponse
 from idemproxy.errors import StoreUnavailable
-from idemproxy.identity.ids import new_job_id
-from idemproxy.store.postgres.kept import _live_connection_next
-from idemproxy.store.postgres.store import Connections, PostgresStore
+from idemproxy.identity.fingerprint import new_job_id
+from idemproxy.store.postgres.store import Connections, PostgresStore, _live_connection_next
 
 pytestmark = pytest.mark.postgres
 

@@ -1,4 +1,4 @@
-"""The handoff between store calls when every pooled connection is in use (store/postgres/kept.py).
+"""The handoff between store calls when every pooled connection is in use (store/postgres/store.py).
 
 A stand-in pool counts what goes in and out, so the edge cases (a waiter cancelled in the very
 instant it was handed a connection, a timed-out waiter, a failed statement's free place) can be
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from idemproxy.errors import StoreUnavailable
-from idemproxy.store.postgres.kept import KeptConnections
+from idemproxy.store.postgres.store import KeptConnections
 
 
 class Conn:

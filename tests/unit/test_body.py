@@ -12,7 +12,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.test_utils import make_mocked_request
 
 from idemproxy.errors import BodyTooLarge, RequestTimeout
-from idemproxy.proxy.server.body import RequestBody, read_body
+from idemproxy.proxy.server.connection import RequestBody, read_body
 
 BODY = b'{"amount":1250,"currency":"EUR","note":"bench"}'
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from idemproxy.http.host import asks_the_server, host_problem, split_absolute_form, valid_host
+from idemproxy.http.headers import asks_the_server, host_problem, split_absolute_form, valid_host
 
 
 @pytest.mark.parametrize(

@@ -198,7 +198,7 @@ RULES = {
             "errors",
             "constants",
             "redact",
-            "http.host",  # the Host grammar, which `forward_host` is checked against
+            "http.headers",  # the Host grammar, which `forward_host` is checked against
         ),
     ),
     "so are the quotas' settings": Rule("config.quotas", only=("config.quotas", "config.units")),
@@ -283,7 +283,7 @@ def test_a_circle_is_found_with_its_imports() -> None:
     )
     assert find_cycle((e.source, e.target, e) for e in (c_d, a_b, b_c, c_a)) == [a_b, b_c, c_a]
     assert find_cycle((e.source, e.target, e) for e in (c_d, a_b, b_c)) is None
-    assert member("idemproxy.proxy", "idemproxy.proxy.server.body") == "server"
+    assert member("idemproxy.proxy", "idemproxy.proxy.server.connection") == "server"
     assert member("idemproxy.proxy", "idemproxy.store.base") is None
 
 

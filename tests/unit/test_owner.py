@@ -23,8 +23,8 @@ from idemproxy.identity.owner import (
     hash_credential,
     owner_of_credential,
     owner_policy,
+    per_request_signature,
 )
-from idemproxy.identity.signed import per_request_signature
 
 TOKEN = "Bearer sk-live-4f9a1c2e7b"
 OTHER_TOKEN = "Bearer sk-live-4f9a1c2e7c"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from idemproxy.http.correlation import correlation_of, new_request_id
+from idemproxy.http.headers import correlation_of, new_request_id
 
 
 def test_a_made_up_request_id_is_a_version_4_uuid_of_the_rfc_variant() -> None:

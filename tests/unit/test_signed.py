@@ -15,8 +15,13 @@ from multidict import CIMultiDict
 
 from idemproxy.config.settings import OwnerSettings
 from idemproxy.errors import InvalidRequest, OwnerUnstable
-from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential, log_owner_hint
-from idemproxy.identity.signed import per_request_signature
+from idemproxy.identity.owner import (
+    OwnerPolicy,
+    derive_owner,
+    hash_credential,
+    log_owner_hint,
+    per_request_signature,
+)
 from idemproxy.ops.purge import owners_of_credential
 from tests.support.signatures import digest_authorization, hawk_authorization, message_signature
 from tests.support.vendor_signatures import SIGNERS, STABLE_SIGNED_LOOKING, qbox

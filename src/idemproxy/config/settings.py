@@ -61,7 +61,7 @@ from idemproxy.config.upstream import (
     origin_of,
 )
 from idemproxy.errors import ConfigError
-from idemproxy.http.host import host_name, valid_host
+from idemproxy.http.headers import host_name, valid_host
 from idemproxy.redact import redact_url
 
 _STRICT = ConfigDict(extra="forbid")

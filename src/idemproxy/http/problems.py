@@ -13,7 +13,7 @@ from idemproxy.constants import (
     PROBLEM_TYPE_PREFIX,
 )
 from idemproxy.errors import NEVER, NO_JOB, OperatorError, PayloadMismatch, ProblemError, one_line
-from idemproxy.http.correlation import CURRENT
+from idemproxy.http.headers import CURRENT
 
 # SPEC §8 / draft-ietf-httpapi-idempotency-key-header-07 §2.7: a reused key with another
 # payload is 422 in the ietf profile.

@@ -5,14 +5,17 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from idemproxy.errors import ConfigError
+from idemproxy.constants import KEY_MAX_LENGTH
+from idemproxy.errors import ConfigError, KeyInvalid
 from idemproxy.identity import deep_json
 from idemproxy.identity.reencoded import Body, gzip_digest, multipart_boundary, parts_digest
+from idemproxy.randomness import RANDOM_128, refill
 
 _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 # One encoder for every body: `json.dumps` with any non-default option builds a new one per
@@ -91,7 +94,7 @@ def fingerprint_of_digest(
     head: FingerprintedHead, body_sha256: bytes, media_type: str | None = None
 ) -> str:
     """The fingerprint from the SHA-256 of the (canonical) body. A body spooled to disk
-    (proxy/server/body.py) is hashed as its bytes arrive: it is not canonicalised, but a body
+    (proxy/server/connection.py) is hashed as its bytes arrive: it is not canonicalised, but a body
     a client may encode anew is hashed as `reencoding` says, its `media_type` given with it.
 
     The body's content codings (`Content-Encoding`, RFC 9110 §8.4) change what the same bytes
@@ -363,3 +366,91 @@ def _array_index(token: str, array: list[Any]) -> int | None:
         return None
     index = int(token)
     return index if index < len(array) else None
+
+
+# Parsing and validating the Idempotency-Key header (SPEC §4).
+
+
+_VISIBLE_ASCII = re.compile(r"[\x21-\x7e]*")  # one C loop, not a Python one per character
+
+
+def parse_key(values: Sequence[str]) -> str | None:
+    """The normalised key from every value of the header, or None when it is absent.
+
+    The RFC 8941 sf-string form (`"abc"`) and a bare token (`abc`) give the same key. More than one
+    header line, a comma-joined list, or anything outside 1-255 visible ASCII is `key-invalid`.
+    """
+    if not values:
+        return None
+    if len(values) > 1:
+        raise KeyInvalid("Send exactly one Idempotency-Key header.")
+    raw = values[0].strip(" \t")
+    if raw.startswith('"'):
+        key = _unquote(raw)
+    elif '"' in raw or "," in raw or "\\" in raw:
+        raise KeyInvalid("A bare key may not contain quotes, commas or backslashes.")
+    else:
+        key = raw
+    # `check_characters`'s tests, in place for a valid key; it says what is wrong otherwise.
+    if not 1 <= len(key) <= KEY_MAX_LENGTH or _VISIBLE_ASCII.fullmatch(key) is None:
+        check_characters(key)
+    return key
+
+
+def _unquote(raw: str) -> str:
+    # RFC 8941 §3.3.3: DQUOTE *( unescaped / "\" ( DQUOTE / "\" ) ) DQUOTE
+    chars: list[str] = []
+    escaped = False
+    for index, char in enumerate(raw[1:], start=1):
+        if escaped:
+            if char not in '"\\':
+                raise KeyInvalid('Only \\" and \\\\ may be escaped in a quoted key.')
+            chars.append(char)
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == '"':
+            if index != len(raw) - 1:
+                raise KeyInvalid("A quoted key must be a single sf-string.")
+            return "".join(chars)
+        else:
+            chars.append(char)
+    raise KeyInvalid("The quoted key is not terminated.")
+
+
+def check_characters(key: str) -> None:
+    if not 1 <= len(key) <= KEY_MAX_LENGTH:
+        raise KeyInvalid(f"The key must be 1-{KEY_MAX_LENGTH} characters long.")
+    if _VISIBLE_ASCII.fullmatch(key) is None:
+        raise KeyInvalid("The key may contain visible ASCII characters only.")
+
+
+# Job ids: UUIDv7 (RFC 9562 §5.7), time-ordered.
+#
+# A random (v4) id lands on a random leaf of every index over it, so on a large store each new
+# job read about one uncached index page per id index (bench/findings.md, store growth). A v7 id
+# starts with the time in milliseconds: new ids land on the right-most leaves, which stay cached.
+# The 74 bits after the time are random, so ids stay unguessable.
+
+
+_TIME_BITS = (1 << 48) - 1
+_RAND_A_BITS = (1 << 12) - 1
+_RAND_B_BITS = (1 << 62) - 1
+
+
+def new_job_id() -> str:
+    millis = time.time_ns() // 1_000_000
+    try:
+        rand = RANDOM_128.pop() >> 48  # 80 bits, as many as the id has room for
+    except IndexError:
+        rand = refill() >> 48
+    value = (
+        (millis & _TIME_BITS) << 80
+        | 0x7 << 76  # version 7
+        | ((rand >> 62) & _RAND_A_BITS) << 64
+        | 0b10 << 62  # the RFC 9562 variant
+        | (rand & _RAND_B_BITS)
+    )
+    # The canonical 8-4-4-4-12 text, without building a uuid.UUID (twice as fast).
+    digits = f"{value:032x}"
+    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TextIO
 
-from idemproxy.http.correlation import CURRENT, Correlation, current_fields
+from idemproxy.http.headers import CURRENT, Correlation, current_fields
 
 _HANDLER_NAME = "idemproxy"
 # Lines that may wait for a slow stderr (about 2 MB of request lines) before lines are dropped.

@@ -20,25 +20,28 @@ from idemproxy.errors import (
     PathInvalid,
     ProblemError,
 )
-from idemproxy.http.correlation import CURRENT, correlation_of
-from idemproxy.http.host import asks_the_server, host_problem
+from idemproxy.http.headers import CURRENT, asks_the_server, correlation_of, host_problem
 from idemproxy.http.offload import OFF_LOOP_CONTAINERS, heavy
 from idemproxy.http.problems import problem_response
+from idemproxy.identity.fingerprint import parse_key
 from idemproxy.identity.jwt_owner import KeyNotLoaded
-from idemproxy.identity.key import parse_key
 from idemproxy.identity.owner import derive_owners
 from idemproxy.observe.metrics import DisconnectStage
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.intent import intent_of, intent_off_loop, owners_after_refresh
+from idemproxy.proxy.intent import (
+    identify_sourced,
+    intent_of,
+    intent_off_loop,
+    owners_after_refresh,
+    refuse_hidden_identity,
+)
 from idemproxy.proxy.jobs.governed import Governor
 from idemproxy.proxy.jobs.request import GovernedRequest, OwnerTransition
 from idemproxy.proxy.passthrough import passthrough
 from idemproxy.proxy.routing import Route
-from idemproxy.proxy.server.body import RequestBody, read_body
-from idemproxy.proxy.server.connection import PROXY_ROUTE, only_response
+from idemproxy.proxy.server.connection import PROXY_ROUTE, RequestBody, only_response, read_body
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.trace import Trace, record
-from idemproxy.proxy.sourced import identify_sourced, refuse_hidden_identity
 from idemproxy.proxy.status import answer_status
 from idemproxy.proxy.upstream.client import transfer_codings
 
@@ -281,7 +284,7 @@ def _asks_status(header: str, request: web.Request) -> bool:
 async def _govern_sourced(
     ctx: ProxyContext, govern: Governor, request: web.Request, route: Route, trace: Trace
 ) -> web.StreamResponse:
-    """A governed request on a route with a key source or a webhook (proxy/sourced.py)."""
+    """A governed request on a route with a key source or a webhook (proxy/intent.py)."""
     assert route.key_source is not None  # the caller's test, for mypy
     intent, body, transition = await identify_sourced(ctx, request, route, route.key_source)
     if intent is None or body is None:

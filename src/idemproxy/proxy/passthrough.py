@@ -13,14 +13,13 @@ from yarl import URL
 
 from idemproxy.core.machine import Outcome, classify_failure
 from idemproxy.errors import NEVER, BodyInvalid, ClientDisconnected
-from idemproxy.http.headers import drop_for_client
-from idemproxy.http.host import asks_the_server
+from idemproxy.http.headers import asks_the_server, drop_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import DisconnectStage
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.reasons import upstream_reason
 from idemproxy.proxy.routing import Route, upstream_origin
-from idemproxy.proxy.server.body import RequestBody, read_body
+from idemproxy.proxy.server.connection import RequestBody, read_body
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.sink import abort
 from idemproxy.proxy.server.trace import Trace

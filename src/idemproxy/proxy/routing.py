@@ -15,7 +15,7 @@ from idemproxy.config.resolve import ResolveSettings
 from idemproxy.config.settings import RouteSettings, Settings
 from idemproxy.config.upstream import UpstreamHeaderSettings
 from idemproxy.errors import PathInvalid
-from idemproxy.http.host import host_name
+from idemproxy.http.headers import host_name
 from idemproxy.identity.key_source import KeySource
 from idemproxy.identity.webhooks import WebhookVerifier
 from idemproxy.proxy.readings import changeable, readings
@@ -23,6 +23,7 @@ from idemproxy.proxy.upstream.client import Edits, HeaderEdits
 from idemproxy.proxy.upstream.contract import Contract, ContractGate
 
 
+@functools.lru_cache(maxsize=256)
 @functools.lru_cache(maxsize=256)
 def upstream_origin(upstream: str) -> str:
     """`scheme://host:port` of a configured upstream URL: the `upstream` log field and metric

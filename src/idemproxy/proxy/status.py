@@ -14,13 +14,12 @@ from aiohttp import web
 from idemproxy.core.states import EXPIRABLE
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import KeyNotFound
-from idemproxy.identity.key import parse_key
+from idemproxy.identity.fingerprint import parse_key
 from idemproxy.observe.metrics import RequestOutcome
 from idemproxy.proxy.context import ProxyContext
-from idemproxy.proxy.intent import request_owners
+from idemproxy.proxy.intent import refuse_hidden, request_owners
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.trace import Trace
-from idemproxy.proxy.sourced import refuse_hidden
 
 
 async def answer_status(

@@ -53,7 +53,7 @@ from idemproxy.constants import ANONYMOUS_OWNER, ERROR_HEADER
 from idemproxy.core.machine import Outcome
 from idemproxy.core.types import Claimed, ClaimResult, Job, JobState
 from idemproxy.errors import ConfigError, ProblemError
-from idemproxy.http.correlation import CURRENT, traced
+from idemproxy.http.headers import CURRENT, traced
 from idemproxy.proxy.server.trace import Trace
 from idemproxy.redact import redact_path
 

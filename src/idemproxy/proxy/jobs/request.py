@@ -10,7 +10,7 @@ from aiohttp import web
 from idemproxy.core.types import Intent
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.routing import Route
-from idemproxy.proxy.server.body import RequestBody
+from idemproxy.proxy.server.connection import RequestBody
 from idemproxy.proxy.server.trace import Trace
 
 

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
-from idemproxy.http.host import asks_the_server, split_absolute_form
+from idemproxy.http.headers import asks_the_server, split_absolute_form
 
 ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
 _NOTHING: set[str] = set()

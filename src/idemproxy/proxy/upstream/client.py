@@ -29,10 +29,13 @@ from yarl import URL
 
 from idemproxy.core.machine import Failure
 from idemproxy.http.as_sent import TARGET_AS_SENT
-from idemproxy.http.correlation import CURRENT
 from idemproxy.http.deadline import Deadline
-from idemproxy.http.headers import request_headers_for_upstream
-from idemproxy.http.host import asks_the_server, split_absolute_form
+from idemproxy.http.headers import (
+    CURRENT,
+    asks_the_server,
+    request_headers_for_upstream,
+    split_absolute_form,
+)
 from idemproxy.proxy.upstream.dial import Dialing, Origin
 
 # Flow control of a streamed response body: stop reading the upstream above HIGH buffered

@@ -20,8 +20,11 @@ from idemproxy.core.quota import QuotaLimits, QuotaUsage, exceeded, window_start
 from idemproxy.errors import StoreUnavailable
 from idemproxy.store.postgres.citus import ClaimRow
 
-if TYPE_CHECKING:
-    from idemproxy.store.postgres.kept import Pooled
+if TYPE_CHECKING:  # PoolConnectionProxy is generic only in asyncpg-stubs, not at runtime
+    import asyncpg
+    from asyncpg.pool import PoolConnectionProxy
+
+    Pooled = PoolConnectionProxy[asyncpg.Record]
 
 
 class _Turn:

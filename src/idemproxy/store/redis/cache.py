@@ -41,7 +41,7 @@ from idemproxy.core.types import (
     KeptResponse,
 )
 from idemproxy.store.base import Store
-from idemproxy.store.cache.replay import (
+from idemproxy.store.cache.memory import (
     MIN_ENTRY_SECONDS,
     ReplayCache,
     body_bytes,
