@@ -4,12 +4,16 @@ workers' merge (admin/peers.py) read the same text."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import sys
+import threading
+from types import FrameType
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from idemproxy.observe.series import LoopCounter, LoopHistogram
+from idemproxy.observe.series import HistogramSeries, LoopCounter, LoopHistogram, fold_forever
 
 BUCKETS = (0.0005, 0.001, 0.25, 1, 2.5, 60)
 OBSERVED = (0.0, 0.0005, 0.0007, 0.25, 0.2500001, 1.0, 3.0, 60.0, 61.0, 1e9)
@@ -64,3 +68,58 @@ def test_a_name_already_registered_is_refused() -> None:
     LoopCounter("x_requests", "Help.", ["outcome"], registry)
     with pytest.raises(ValueError):
         Counter("x_requests", "Help.", ["outcome"], registry=registry)
+
+
+def test_an_observation_runs_no_python_frame() -> None:
+    """A histogram's `observe` is a C call: on the request's path it costs no frame of ours."""
+    series = HistogramSeries(BUCKETS)
+    frames: list[str] = []
+
+    def profile(frame: FrameType, event: str, _arg: object) -> None:
+        if event == "call":
+            frames.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        series.observe(0.3)
+    finally:
+        sys.setprofile(None)
+    assert frames == []
+    assert series.waiting == 1
+    assert series.counts == [0, 0, 0, 1, 0, 0, 0]  # read: folded
+    assert series.waiting == 0
+
+
+def test_no_observation_is_lost_to_a_fold_in_another_thread() -> None:
+    series = HistogramSeries(BUCKETS)
+    per_thread, threads = 20_000, 4
+
+    def observe() -> None:
+        for _ in range(per_thread):
+            series.observe(0.0007)
+
+    workers = [threading.Thread(target=observe) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    while any(worker.is_alive() for worker in workers):
+        series.fold()
+    for worker in workers:
+        worker.join()
+    assert sum(series.counts) == per_thread * threads
+    assert series.counts[1] == per_thread * threads  # le=0.001
+    assert series.sum == pytest.approx(0.0007 * per_thread * threads)
+
+
+async def test_the_app_folds_waiting_observations_without_a_scrape() -> None:
+    """Nobody may ever scrape: the observations waiting in a series stay few."""
+    family = LoopHistogram("x_seconds", "Help.", ["route"], CollectorRegistry(), BUCKETS)
+    series = family.labels("/pay")
+    folding = asyncio.create_task(fold_forever([family], interval=0.01))
+    try:
+        for _ in range(1_000):
+            series.observe(1.0)
+        await asyncio.sleep(0.1)
+        assert series.waiting == 0
+    finally:
+        folding.cancel()
+    assert series.counts[3] == 1_000  # le=1

@@ -379,14 +379,15 @@ class Metrics:
             _BATCH_BUCKETS,
         )
         # What held the event loop, and the collector's share of it (observe/stalls.py).
-        self.event_loop_lag = LoopHistogram(
+        event_loop_lag = LoopHistogram(
             f"{METRIC_PREFIX}_event_loop_lag_seconds",
             f"How late the event loop ran a timer due every {LAG_INTERVAL_SECONDS:g} s: how "
             "long something held it (every request in flight waited that long).",
             [],
             self.registry,
             STALL_BUCKETS,
-        ).labels()
+        )
+        self.event_loop_lag = event_loop_lag.labels()
         self.gc_pauses = LoopHistogram(
             f"{METRIC_PREFIX}_gc_pause_seconds",
             "Duration of each collection of the cyclic garbage collector, by generation: the "
@@ -397,6 +398,15 @@ class Metrics:
         )
         for generation in range(GC_GENERATIONS):  # every series from the start
             self.gc_pauses.labels(str(generation))
+        # What `fold_forever` folds (observe/series.py).
+        self.histograms = (
+            self.upstream_seconds,
+            self.request_seconds,
+            self.store_seconds,
+            self.store_batch_rows,
+            event_loop_lag,
+            self.gc_pauses,
+        )
         self.waiters = Gauge(
             f"{METRIC_PREFIX}_waiters",
             "Duplicates held right now, waiting for a job in flight.",

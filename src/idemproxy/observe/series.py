@@ -10,9 +10,10 @@ same names, help, labels, buckets and `_created` series as prometheus_client's o
 
 from __future__ import annotations
 
+import asyncio
 import time
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -38,19 +39,52 @@ class CounterSeries:
 class HistogramSeries:
     """One labelled histogram: each observation counted in the first bucket whose bound is at
     least the value (`le`), the last bucket being +Inf; the counts made cumulative when
-    exposed."""
+    exposed.
 
-    __slots__ = ("bounds", "counts", "created", "sum")
+    `observe` is the list's own `append`: an observation on the request's path is one C call,
+    no frame of ours (bench/calls.py). The values are sorted into the buckets when the series
+    is read (`counts`, `sum`, a scrape) and by `fold`, which the app runs every
+    `FOLD_INTERVAL_SECONDS`, so the list stays short when nobody scrapes. An observation may
+    come from another thread (the collector's hook): `fold` takes only what it read, and an
+    append meanwhile stays for the next one."""
+
+    __slots__ = ("_counts", "_pending", "_sum", "bounds", "created", "observe")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
         self.created = time.time()
+        self._pending: list[float] = []
+        self.observe: Callable[[float], None] = self._pending.append
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
+    def fold(self) -> None:
+        pending = self._pending
+        taken = len(pending)
+        if not taken:
+            return
+        values = pending[:taken]
+        del pending[:taken]
+        counts, bounds, total = self._counts, self.bounds, self._sum
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+            total += value  # in order, as prometheus_client's sum
+        self._sum = total
+
+    @property
+    def waiting(self) -> int:
+        """Observations not yet folded into the buckets."""
+        return len(self._pending)
+
+    @property
+    def counts(self) -> list[int]:
+        self.fold()
+        return self._counts
+
+    @property
+    def sum(self) -> float:
+        self.fold()
+        return self._sum
 
 
 S = TypeVar("S", "CounterSeries", "HistogramSeries")
@@ -126,6 +160,10 @@ class LoopHistogram(_Family[HistogramSeries]):
     def _new(self) -> HistogramSeries:
         return HistogramSeries(self._bounds)
 
+    def fold(self) -> None:
+        for series in list(self._series.values()):
+            series.fold()
+
     def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
@@ -141,3 +179,17 @@ class LoopHistogram(_Family[HistogramSeries]):
             created = dict(zip(self.labelnames, values, strict=True))
             family.add_sample(f"{self.name}_created", created, series.created)
         yield family
+
+
+# Folded this often, the observations waiting in a busy process's series stay in the thousands.
+FOLD_INTERVAL_SECONDS = 0.25
+
+
+async def fold_forever(
+    histograms: Sequence[LoopHistogram], interval: float = FOLD_INTERVAL_SECONDS
+) -> None:
+    """Sort the histograms' waiting observations into their buckets, until cancelled."""
+    while True:
+        await asyncio.sleep(interval)
+        for histogram in histograms:
+            histogram.fold()

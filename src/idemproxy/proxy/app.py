@@ -16,6 +16,7 @@ from idemproxy.config.settings import Settings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.owner import OwnerPolicy
 from idemproxy.observe.metrics import KeyFetchResult, Metrics, refresh_gauges, watch_store
+from idemproxy.observe.series import fold_forever
 from idemproxy.observe.stalls import CollectorPauses, measure_loop_lag
 from idemproxy.proxy.background.orphans import take_over_forever
 from idemproxy.proxy.background.reconcile import start_reconciling
@@ -185,6 +186,7 @@ async def _start_housekeeping(
     await asyncio.gather(*(gate.check(ctx.upstream) for gate in gates))
     tasks = [
         asyncio.create_task(measure_loop_lag(ctx.metrics.event_loop_lag)),
+        asyncio.create_task(fold_forever(ctx.metrics.histograms)),
         asyncio.create_task(refresh_gauges(ctx.metrics, record, settings.sweeper.interval)),
         asyncio.create_task(keep_checking(gates, ctx.upstream)),
         asyncio.create_task(
