@@ -15,7 +15,7 @@ import pytest
 
 from idemproxy.core.machine import Failure
 from idemproxy.errors import StoreUnavailable
-from idemproxy.observe.metrics import Metrics
+from idemproxy.observe.metrics import Metrics, RequestOutcome
 from idemproxy.proxy.reasons import FailureReason, upstream_reason
 from idemproxy.proxy.server.trace import Trace, record
 from idemproxy.proxy.upstream.client import UpstreamFailure
@@ -183,7 +183,7 @@ def test_a_failure_made_good_by_a_fallback_logs_no_reason(
     caplog.set_level(logging.INFO, logger="idemproxy.requests")
     trace = Trace()
     trace.failed("http://primary:8080", FailureReason.CONNECT_REFUSED)
-    trace.ran("j-1", 2)
+    trace.outcome, trace.job_id, trace.attempt = RequestOutcome.NEW, "j-1", 2  # it ran the job
     record(Metrics(), trace, 201, log_requests=True)
     [line] = _lines(caplog)
     assert "reason" not in line or line["reason"] is None

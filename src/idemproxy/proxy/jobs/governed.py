@@ -65,7 +65,7 @@ from idemproxy.errors import (
     UpstreamTimeout,
 )
 from idemproxy.identity.fingerprint import new_job_id
-from idemproxy.observe.metrics import Metrics
+from idemproxy.observe.metrics import Metrics, RequestOutcome
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.failpoints import Failpoints
@@ -87,6 +87,7 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
+_NEW = RequestOutcome.NEW
 T = TypeVar("T")
 _CUT_OFF = (
     "The proxy shut down before the upstream answered; the request may have executed. Retries "
@@ -487,8 +488,9 @@ class JobObserver:
         self._metrics.quota_refusals.labels(limit).inc()
 
     def running(self, trace: Trace, claimed: Claimed) -> None:
-        """The request runs the job it claimed (its attempts follow)."""
-        trace.ran(claimed.job.id, claimed.attempt)
+        """The request runs the job it claimed (its attempts follow): the record's fields set
+        here, where the observer is, rather than through a call into the record's module."""
+        trace.outcome, trace.job_id, trace.attempt = _NEW, claimed.job.id, claimed.attempt
         if self._failpoints.armed is not None:  # test-only (proxy/failpoints.py)
             self._failpoints.hit("after_claim")
 

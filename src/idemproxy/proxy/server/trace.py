@@ -109,9 +109,6 @@ class Trace:
     def failed(self, upstream: str, reason: FailureReason) -> None:
         self.upstream, self.reason = upstream, reason
 
-    def ran(self, job_id: str, attempt: int) -> None:
-        self.outcome, self.job_id, self.attempt = _NEW, job_id, attempt
-
     def replayed(self, job_id: str) -> None:
         self.job_id = job_id
         if self.outcome != _NEW:  # a request whose own attempt lost the CAS still ran
