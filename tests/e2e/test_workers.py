@@ -188,7 +188,7 @@ async def test_two_workers_answer_on_one_port_and_one_admin_endpoint(
     # Each worker's process series are its own, under its label, never summed into one.
     for name in ("process_resident_memory_bytes", "process_start_time_seconds"):
         assert set(await series(proxy, name)) == {(("worker", "0"),), (("worker", "1"),)}, name
-    # Each worker times its own event loop (observe/stalls.py), ten timers a second.
+    # Each worker times its own event loop (observe/metrics.py), ten timers a second.
     lags = await series(proxy, "idemproxy_event_loop_lag_seconds_count")
     assert set(lags) == {(("worker", "0"),), (("worker", "1"),)} and min(lags.values()) > 0
     pauses = await series(proxy, "idemproxy_gc_pause_seconds_count")

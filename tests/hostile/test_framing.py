@@ -239,7 +239,7 @@ async def test_a_declined_upgrade_and_the_request_behind_it_are_each_answered_on
 ) -> None:
     """aiohttp stops parsing after an `Upgrade` request and feeds what followed it once that
     request is answered: such an answer goes aiohttp's own way, not one write
-    (proxy/server/whole.py)."""
+    (proxy/server/connection.py)."""
     upgrade = request(
         "/one", f"upgrade-1-{parser}", b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
     )

@@ -1,4 +1,4 @@
-"""Stored header pairs (store/rows.py) and heads for the client (proxy/server/whole.py): every
+"""Stored header pairs (store/rows.py) and heads for the client (proxy/server/connection.py): every
 byte an upstream's header value may hold survives storing and sending (SPEC §7)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 from idemproxy.core.types import StoredResponse
 from idemproxy.ops.table import _response_details
 from idemproxy.ops.view import response_to_json
-from idemproxy.proxy.server.whole import serialise_head
+from idemproxy.proxy.server.connection import serialise_head
 from idemproxy.store.rows import decode_headers, encode_headers, pairs_from_json, pairs_to_json
 
 # What proxy/upstream/client.py makes of each byte an upstream's header value may hold (all but

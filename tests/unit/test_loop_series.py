@@ -1,4 +1,4 @@
-"""The request path's counters and histograms (observe/series.py) expose exactly what
+"""The request path's counters and histograms (observe/metrics.py) expose exactly what
 prometheus_client's own would for the same observations (SPEC §13): dashboards, alerts and the
 workers' merge (admin/peers.py) read the same text."""
 
@@ -13,7 +13,7 @@ from types import FrameType
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from idemproxy.observe.series import HistogramSeries, LoopCounter, LoopHistogram, fold_forever
+from idemproxy.observe.metrics import HistogramSeries, LoopCounter, LoopHistogram, fold_forever
 
 BUCKETS = (0.0005, 0.001, 0.25, 1, 2.5, 60)
 OBSERVED = (0.0, 0.0005, 0.0007, 0.25, 0.2500001, 1.0, 3.0, 60.0, 61.0, 1e9)

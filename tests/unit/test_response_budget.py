@@ -15,7 +15,7 @@ from idemproxy.proxy.server.capture import (
     drop_unsent,
     on_disk,
 )
-from idemproxy.proxy.server.whole import NotifiedResponse
+from idemproxy.proxy.server.connection import NotifiedResponse
 
 
 async def test_try_take_never_waits_and_never_exceeds_the_limit() -> None:

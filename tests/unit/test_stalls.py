@@ -1,4 +1,4 @@
-"""observe/stalls.py: the event loop's lag and the garbage collector's pauses, as measured."""
+"""observe/metrics.py: the event loop's lag and the garbage collector's pauses, as measured."""
 
 from __future__ import annotations
 
@@ -12,9 +12,14 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from idemproxy.config.settings import load_settings
-from idemproxy.observe.metrics import Metrics
-from idemproxy.observe.series import HistogramSeries, LoopHistogram
-from idemproxy.observe.stalls import STALL_BUCKETS, CollectorPauses, measure_loop_lag
+from idemproxy.observe.metrics import (
+    STALL_BUCKETS,
+    CollectorPauses,
+    HistogramSeries,
+    LoopHistogram,
+    Metrics,
+    measure_loop_lag,
+)
 from idemproxy.proxy.app import create_app
 
 

@@ -1,4 +1,5 @@
-"""proxy/server/whole.py: a complete response's bytes, the same as aiohttp's own path writes."""
+"""proxy/server/connection.py: a complete response's bytes, the same as aiohttp's own path
+writes."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from multidict import CIMultiDict
 from idemproxy.core.types import StoredResponse
 from idemproxy.errors import PayloadMismatch
 from idemproxy.http.problems import problem_response
-from idemproxy.proxy.server.connection import SentResponse
+from idemproxy.proxy.server.connection import (
+    AsSentResponse,
+    SentResponse,
+    own_server_header,
+    serialise_whole,
+)
 from idemproxy.proxy.server.replay import replay_response
-from idemproxy.proxy.server.whole import AsSentResponse, own_server_header, serialise_whole
 
 _DATE = re.compile(rb"\r\nDate: [^\r]*")
 

@@ -20,7 +20,7 @@ from idemproxy.errors import StoreUnavailable, Unauthorized
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import Metrics, metrics_handler
 from idemproxy.ops.invalidations import PendingInvalidations
-from idemproxy.proxy.server.whole import own_server_header
+from idemproxy.proxy.server.connection import own_server_header
 from idemproxy.store.ports import Lifecycle, Operators
 
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import gc
 import logging
 import platform
-from collections.abc import Callable, Hashable, Iterable
-from typing import TYPE_CHECKING, Protocol, TypeVar
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -27,15 +30,19 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from idemproxy import __version__
 from idemproxy.constants import METRIC_PREFIX
 from idemproxy.errors import StoreUnavailable
 from idemproxy.observe.logs import dropped_log_lines
-from idemproxy.observe.series import CounterSeries, HistogramSeries, LoopCounter, LoopHistogram
-from idemproxy.observe.stalls import GC_GENERATIONS, LAG_INTERVAL_SECONDS, STALL_BUCKETS
 from idemproxy.store.cache.memory import MemoryReplayCache
 from idemproxy.store.factory import redis_layer
 from idemproxy.store.layers import StoreStack
@@ -44,8 +51,240 @@ from idemproxy.store.ports import Operators
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
 
+
+# What holds the event loop: how late its timers run, and the cyclic collector's pauses.
+#
+# A proxy process serves every request on one event loop (docs/operations.md, "Several workers
+# on one host"): whatever holds that loop (a CPU-bound burst, a collection, a blocking call)
+# delays every request in flight at once, and the request histograms only show it spread over
+# all of them. Two histograms show it where it happens:
+#
+# * `idemproxy_event_loop_lag_seconds`: a timer set every `LAG_INTERVAL_SECONDS`, how late the
+#   loop ran it. Near 0 on a loop that keeps up; a stall shows as a late timer whatever held it.
+# * `idemproxy_gc_pause_seconds{generation}`: the duration of every collection of the cyclic
+#   garbage collector, in whichever thread it ran (it holds the interpreter for all of them).
+
+
+# Ten timers a second: a stall of 100 ms or more always delays one; each costs the loop a few
+# microseconds.
+LAG_INTERVAL_SECONDS = 0.1
+STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+GC_GENERATIONS = 3  # gc.get_count()
+
+
+async def measure_loop_lag(lag: HistogramSeries, interval: float = LAG_INTERVAL_SECONDS) -> None:
+    """Observe, until cancelled, how late the loop runs a timer due every `interval` seconds."""
+    loop = asyncio.get_running_loop()
+    observe = lag.observe
+    while True:
+        due = loop.time() + interval
+        await asyncio.sleep(interval)
+        observe(max(0.0, loop.time() - due))
+
+
+class CollectorPauses:
+    """A `gc.callbacks` hook observing each collection's duration by generation.
+
+    A collection may run in any thread (the log writer's, the SQLite worker's), but never two
+    at once, and an allocation during one starts none: the hook is the series' only writer,
+    one call at a time, so the series need no lock (a lock taken here could be the one a
+    scrape holds in the thread the collection interrupted)."""
+
+    def __init__(self, pauses: LoopHistogram) -> None:
+        self._by_generation = [pauses.labels(str(g)) for g in range(GC_GENERATIONS)]
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self._by_generation[info["generation"]].observe(time.perf_counter() - self._started)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        gc.callbacks.append(self)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self)
+
+
+class CounterSeries:
+    """One labelled counter: `inc` as prometheus_client's (never negative)."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.value += amount
+
+
+class HistogramSeries:
+    """One labelled histogram: each observation counted in the first bucket whose bound is at
+    least the value (`le`), the last bucket being +Inf; the counts made cumulative when
+    exposed.
+
+    `observe` is the list's own `append`: an observation on the request's path is one C call,
+    no frame of ours (bench/calls.py). The values are sorted into the buckets when the series
+    is read (`counts`, `sum`, a scrape) and by `fold`, which the app runs every
+    `FOLD_INTERVAL_SECONDS`, so the list stays short when nobody scrapes. An observation may
+    come from another thread (the collector's hook): `fold` takes only what it read, and an
+    append meanwhile stays for the next one."""
+
+    __slots__ = ("_counts", "_pending", "_sum", "bounds", "created", "observe")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+        self.created = time.time()
+        self._pending: list[float] = []
+        self.observe: Callable[[float], None] = self._pending.append
+
+    def fold(self) -> None:
+        pending = self._pending
+        taken = len(pending)
+        if not taken:
+            return
+        values = pending[:taken]
+        del pending[:taken]
+        counts, bounds, total = self._counts, self.bounds, self._sum
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+            total += value  # in order, as prometheus_client's sum
+        self._sum = total
+
+    @property
+    def waiting(self) -> int:
+        """Observations not yet folded into the buckets."""
+        return len(self._pending)
+
+    @property
+    def counts(self) -> list[int]:
+        self.fold()
+        return self._counts
+
+    @property
+    def sum(self) -> float:
+        self.fold()
+        return self._sum
+
+
+S = TypeVar("S", "CounterSeries", "HistogramSeries")
+
+
+class _Family(Collector, Generic[S]):
+    """A labelled family: its series by label values, each made on first use (`_new`)."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], S] = {}
+        registry.register(self)
+
+    def labels(self, *values: object) -> S:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected")
+        key = tuple(map(str, values))
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = self._new()
+        return series
+
+    def describe(self) -> Iterable[Metric]:
+        return [self._family()]
+
+    def _new(self) -> S:
+        raise NotImplementedError
+
+    def _family(self) -> Metric:
+        raise NotImplementedError
+
+    def collect(self) -> Iterable[Metric]:
+        raise NotImplementedError
+
+
+class LoopCounter(_Family[CounterSeries]):
+    """A labelled counter (`NAME_total`, `NAME_created`), as prometheus_client's `Counter`."""
+
+    def _new(self) -> CounterSeries:
+        return CounterSeries()
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        for values, series in list(self._series.items()):
+            family.add_metric(values, series.value, created=series.created)
+        yield family
+
+
+class LoopHistogram(_Family[HistogramSeries]):
+    """A labelled histogram (`_bucket`, `_count`, `_sum`, `_created`), as prometheus_client's
+    `Histogram` with the same bounds (+Inf added)."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+        buckets: Sequence[float],
+    ) -> None:
+        super().__init__(name, documentation, labelnames, registry)
+        bounds = tuple(sorted(float(bound) for bound in buckets if bound != float("inf")))
+        self._bounds = bounds
+        self._les = [*map(floatToGoString, bounds), "+Inf"]
+
+    def _new(self) -> HistogramSeries:
+        return HistogramSeries(self._bounds)
+
+    def fold(self) -> None:
+        for series in list(self._series.values()):
+            series.fold()
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        for values, series in list(self._series.items()):
+            counts, total = list(series.counts), series.sum  # one snapshot of the counts
+            cumulative, buckets = 0, []
+            for le, count in zip(self._les, counts, strict=True):
+                cumulative += count
+                buckets.append((le, float(cumulative)))
+            family.add_metric(values, buckets, total)
+            created = dict(zip(self.labelnames, values, strict=True))
+            family.add_sample(f"{self.name}_created", created, series.created)
+        yield family
+
+
+# Folded this often, the observations waiting in a busy process's series stay in the thousands.
+FOLD_INTERVAL_SECONDS = 0.25
+
+
+async def fold_forever(
+    histograms: Sequence[LoopHistogram], interval: float = FOLD_INTERVAL_SECONDS
+) -> None:
+    """Sort the histograms' waiting observations into their buckets, until cancelled."""
+    while True:
+        await asyncio.sleep(interval)
+        for histogram in histograms:
+            histogram.fold()
+
+
 log = logging.getLogger("idemproxy.metrics")
-C = TypeVar("C")  # a child: a prometheus_client metric's, or a series of observe/series.py
+C = TypeVar("C")  # a child: a prometheus_client metric's, or a series of observe/metrics.py
 L = TypeVar("L", bound=str)  # a label value: one of the enums below, or a store operation
 K = TypeVar("K", bound=Hashable)  # a child's key: a label value, or a tuple of them
 # How often the unknown-jobs gauge is refreshed at most (one cheap COUNT on the store).
@@ -257,7 +496,7 @@ class Metrics:
         """`buckets`: the request and upstream histograms' (`metrics.buckets`, or
         `latency_buckets` of the longest upstream timeout)."""
         self.registry = registry or CollectorRegistry()
-        # The request path's series are the loop's own (observe/series.py); the rest are
+        # The request path's series are the loop's own (observe/metrics.py); the rest are
         # prometheus_client's.
         self.requests = LoopCounter(
             f"{METRIC_PREFIX}_requests",
@@ -378,7 +617,7 @@ class Metrics:
             self.registry,
             _BATCH_BUCKETS,
         )
-        # What held the event loop, and the collector's share of it (observe/stalls.py).
+        # What held the event loop, and the collector's share of it (observe/metrics.py).
         event_loop_lag = LoopHistogram(
             f"{METRIC_PREFIX}_event_loop_lag_seconds",
             f"How late the event loop ran a timer due every {LAG_INTERVAL_SECONDS:g} s: how "
@@ -398,7 +637,7 @@ class Metrics:
         )
         for generation in range(GC_GENERATIONS):  # every series from the start
             self.gc_pauses.labels(str(generation))
-        # What `fold_forever` folds (observe/series.py).
+        # What `fold_forever` folds (observe/metrics.py).
         self.histograms = (
             self.upstream_seconds,
             self.request_seconds,

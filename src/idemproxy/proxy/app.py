@@ -15,9 +15,15 @@ from aiohttp import web
 from idemproxy.config.settings import Settings
 from idemproxy.errors import ConfigError
 from idemproxy.identity.owner import OwnerPolicy
-from idemproxy.observe.metrics import KeyFetchResult, Metrics, refresh_gauges, watch_store
-from idemproxy.observe.series import fold_forever
-from idemproxy.observe.stalls import CollectorPauses, measure_loop_lag
+from idemproxy.observe.metrics import (
+    CollectorPauses,
+    KeyFetchResult,
+    Metrics,
+    fold_forever,
+    measure_loop_lag,
+    refresh_gauges,
+    watch_store,
+)
 from idemproxy.proxy.background.orphans import take_over_forever
 from idemproxy.proxy.background.reconcile import start_reconciling
 from idemproxy.proxy.background.sweeper import sweep_forever
@@ -27,8 +33,12 @@ from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.handler import Proxy, expect_continue, handle
 from idemproxy.proxy.jobs.governed import Governor
 from idemproxy.proxy.server.any_path import AnyPath
-from idemproxy.proxy.server.connection import PROXY_ROUTE, ProxyRoute, note_started
-from idemproxy.proxy.server.whole import own_server_header
+from idemproxy.proxy.server.connection import (
+    PROXY_ROUTE,
+    ProxyRoute,
+    note_started,
+    own_server_header,
+)
 from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamHooks
 from idemproxy.proxy.upstream.contract import keep_checking
 from idemproxy.proxy.upstream.dial import Dialing
@@ -84,7 +94,7 @@ def create_app(
     )
     # Through the router only (aiohttp's own servers: tests, the demo): the listener of
     # `idemproxy serve` calls the proxy without it, and its writer does what these do, and says
-    # `Connection: close` on the heads of a drain (proxy/server/whole.py).
+    # `Connection: close` on the heads of a drain (proxy/server/connection.py).
     app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
     app.on_response_prepare.append(own_server_header(settings.server.server_token))
     app.router.register_resource(AnyPath(handle, expect_handler=expect_continue))

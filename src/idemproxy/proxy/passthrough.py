@@ -19,11 +19,15 @@ from idemproxy.observe.metrics import DisconnectStage
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.reasons import upstream_reason
 from idemproxy.proxy.routing import Route, upstream_origin
-from idemproxy.proxy.server.connection import RequestBody, read_body
+from idemproxy.proxy.server.connection import (
+    AsSentResponse,
+    AsSentStreamResponse,
+    RequestBody,
+    read_body,
+)
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.sink import abort
 from idemproxy.proxy.server.trace import Trace
-from idemproxy.proxy.server.whole import AsSentResponse, AsSentStreamResponse
 from idemproxy.proxy.upstream.client import (
     UpstreamClient,
     UpstreamFailure,

@@ -83,9 +83,9 @@ from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.reasons import FailureReason, upstream_reason
 from idemproxy.proxy.routing import upstream_origin
 from idemproxy.proxy.server.capture import Captured, answer, capture, drop_unsent, tee
+from idemproxy.proxy.server.connection import AsSentStreamResponse
 from idemproxy.proxy.server.sink import ClientSink
 from idemproxy.proxy.server.trace import Trace
-from idemproxy.proxy.server.whole import AsSentStreamResponse
 from idemproxy.proxy.upstream.client import (
     UpstreamClient,
     UpstreamFailure,

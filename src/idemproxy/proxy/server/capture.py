@@ -24,7 +24,8 @@ is held, so that it is stored rather than refused (the bound is then that body's
 The budget never makes a request wait without bound (SPEC §9: never a reason to stall or refuse
 a request): `take` waits at most `limits.response_buffer_wait`, then goes over the budget (an
 overdraft, counted and logged), and a response being written to its client holds its bytes for
-at most `limits.response_buffer_hold` (proxy/server/whole.py). A client that does not read can then
+at most `limits.response_buffer_hold` (proxy/server/connection.py). A client that does not read can
+then
 make the process hold more than the budget for a while, never freeze the answers of others.
 """
 
@@ -43,13 +44,13 @@ from typing import Any, BinaryIO, Protocol
 from aiohttp import web
 from multidict import CIMultiDict
 
-from idemproxy.proxy.server.sink import ClientSink
-from idemproxy.proxy.server.whole import (
+from idemproxy.proxy.server.connection import (
     ONE_WRITE_BODY,
     AsSentResponse,
     AsSentStreamResponse,
     NotifiedResponse,
 )
+from idemproxy.proxy.server.sink import ClientSink
 
 log = logging.getLogger(__name__)
 _LOG_EVERY = 60.0  # seconds between two log lines about overdrafts
@@ -344,10 +345,10 @@ def answer(
         captured.release()  # its store write, if any, is done: the client is answered from disk
         return SpooledResponse(captured, status=status, reason=reason, headers=headers)
     if len(content) <= ONE_WRITE_BODY:
-        # One write when its handler returns (proxy/server/whole.py): given back then.
+        # One write when its handler returns (proxy/server/connection.py): given back then.
         captured.release()
         return AsSentResponse(status=status, reason=reason, body=content, headers=headers)
-    # Given back once written (proxy/server/whole.py), not when the handler returns.
+    # Given back once written (proxy/server/connection.py), not when the handler returns.
     return NotifiedResponse(
         status=status,
         reason=reason,

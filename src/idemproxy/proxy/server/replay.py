@@ -8,7 +8,7 @@ from multidict import CIMultiDict
 from idemproxy.constants import ERROR_HEADER, JOB_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
 from idemproxy.core.types import StoredResponse
 from idemproxy.proxy.server.capture import ResponseBudget, SpooledResponse, on_disk
-from idemproxy.proxy.server.whole import ONE_WRITE_BODY, AsSentResponse, NotifiedResponse
+from idemproxy.proxy.server.connection import ONE_WRITE_BODY, AsSentResponse, NotifiedResponse
 
 
 def replay_response(

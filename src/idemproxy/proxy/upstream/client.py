@@ -263,8 +263,9 @@ class UpstreamResponse:
             self.dropped_headers.append(name.decode("latin-1"))
             return
         # Decoded as aiohttp decodes request headers: UTF-8, any other byte as a surrogate
-        # escape. The proxy writes such a value back with the same codec (proxy/server/whole.py) and
-        # stores it losslessly (store/rows.py): obs-text passes byte for byte (SPEC §7).
+        # escape. The proxy writes such a value back with the same codec
+        # (proxy/server/connection.py) and stores it losslessly (store/rows.py): obs-text passes
+        # byte for byte (SPEC §7).
         self._raw_headers.append(
             (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
         )
