@@ -8,7 +8,7 @@ import pytest
 
 from idemproxy.batch.input import Item
 from idemproxy.batch.keys import check_prefix, identify, prefix_of
-from idemproxy.identity.fingerprint import parse_key
+from idemproxy.identity.intent import parse_key
 
 ITEM = Item("q-1", "POST", "/v1/chat", headers=(("X-Model", "m"),), body={"a": 1, "b": 2})
 

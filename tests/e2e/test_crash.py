@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 
 from idemproxy.core.types import AttemptState, Job, JobState, StoredResponse
-from idemproxy.identity.owner import hash_credential
+from idemproxy.identity.intent import hash_credential
 from idemproxy.proxy.failpoints import ENV as FAILPOINT_ENV
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store

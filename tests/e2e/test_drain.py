@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from idemproxy.core.types import AttemptState, Job, JobState
-from idemproxy.identity.owner import hash_credential
+from idemproxy.identity.intent import hash_credential
 from idemproxy.store.factory import create_store
 from tests.support.client import Answer, send
 

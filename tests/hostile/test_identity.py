@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from idemproxy.core.types import JobState
-from idemproxy.identity.owner import hash_credential
+from idemproxy.identity.intent import hash_credential
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.faultproxy import FaultProxy, replace

@@ -11,7 +11,7 @@ import pytest
 from multidict import CIMultiDict
 
 from idemproxy.errors import HeaderInvalid
-from idemproxy.identity.owner import OwnerPolicy, derive_owner
+from idemproxy.identity.intent import OwnerPolicy, derive_owner
 from tests.support.backend import Ledger
 from tests.support.jwtkit import SECRET, claims, hs256, token
 

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from idemproxy.http.offload import IN_PROCESS_BYTES
-from idemproxy.identity import fingerprint
+from idemproxy.identity import intent
 from idemproxy.proxy.app import STORES
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
@@ -179,7 +179,7 @@ async def test_a_large_json_body_is_parsed_off_the_event_loop(
     # SPEC §6: the canonical fingerprint, whichever process computed it.
     head = ("POST", "/orders", "", JSON["Content-Type"], "")
     for n, body in enumerate(bodies):
-        assert await stored_fingerprint(client, f"big-{n}") == fingerprint.fingerprint(head, body)
+        assert await stored_fingerprint(client, f"big-{n}") == intent.fingerprint(head, body)
 
 
 async def test_a_pass_through_request_is_answered_within_50_ms_during_large_uploads(

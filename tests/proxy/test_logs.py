@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from idemproxy.config.settings import load_settings
-from idemproxy.identity.owner import hash_credential
+from idemproxy.identity.intent import hash_credential
 from idemproxy.observe.logs import JsonFormatter, PlainFormatter, configure_logging
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app

@@ -21,7 +21,7 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.errors import InvalidRequest
-from idemproxy.identity.fingerprint import new_job_id
+from idemproxy.identity.intent import new_job_id
 from idemproxy.ops.purge import purge_owner
 from idemproxy.ops.service import find_by_key, list_jobs
 from idemproxy.store.ports import JobStore, Operators

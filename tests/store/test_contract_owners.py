@@ -6,7 +6,7 @@ import asyncio
 
 from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import Claimed, Existing, Intent, JobState, StoredResponse
-from idemproxy.identity.fingerprint import new_job_id
+from idemproxy.identity.intent import new_job_id
 from idemproxy.store.ports import JobStore
 
 TTL, LEASE = 600.0, 30.0

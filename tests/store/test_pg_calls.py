@@ -16,7 +16,7 @@ import pytest
 
 from idemproxy.core.types import Claimed, Intent, StoredResponse
 from idemproxy.errors import StoreUnavailable
-from idemproxy.identity.fingerprint import new_job_id
+from idemproxy.identity.intent import new_job_id
 from idemproxy.store.postgres.store import Connections, PostgresStore, _live_connection_next
 
 pytestmark = pytest.mark.postgres

@@ -32,7 +32,7 @@ _JOBS = 100_000
 # index entries it writes); a scan of one owner's 100,000 jobs reads hundreds.
 _MOST_BLOCKS = 120
 _SQL = load_queries("postgres")
-# Time-ordered ids (UUIDv7, identity/fingerprint.py) from before the quotas' rate window, as the
+# Time-ordered ids (UUIDv7, identity/intent.py) from before the quotas' rate window, as the
 # proxy makes them: the old jobs' from a day ago, one millisecond apart, the live ones' older.
 _LIVE = ("018f0000-0000-7111-8111-111111111111", "018f0000-0000-7222-8222-222222222222")
 _OLD_ID = (

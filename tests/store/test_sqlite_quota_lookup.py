@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from idemproxy.core.quota import window_start_id
-from idemproxy.identity.fingerprint import new_job_id
+from idemproxy.identity.intent import new_job_id
 from idemproxy.store.queries import load_queries
 from idemproxy.store.sqlite.statements import migrate
 

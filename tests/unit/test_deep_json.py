@@ -15,8 +15,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from idemproxy.errors import BodyTooLarge, KeyAmbiguous, KeyInvalid
 from idemproxy.identity import deep_json, key_source
-from idemproxy.identity import fingerprint as fingerprint_module
-from idemproxy.identity.fingerprint import canonical_json, fingerprint
+from idemproxy.identity import intent as fingerprint_module
+from idemproxy.identity.intent import canonical_json, fingerprint
 from idemproxy.identity.key_source import KeySource
 
 NO_HEADERS: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
@@ -185,7 +185,7 @@ def test_canonical_json_is_what_it_was_for_every_body_the_c_path_handled(text: s
 def _old_canonical_json(body: bytes) -> bytes:
     """canonical_json before deep_json, on top of the same decoders (test_fingerprint.py pins
     the decoders themselves against `json.loads`)."""
-    from idemproxy.identity import fingerprint as module
+    from idemproxy.identity import intent as module
 
     try:
         # The text as json.loads finds it, and the decoder with the -0 hook (which the module

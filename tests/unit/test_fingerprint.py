@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from idemproxy.errors import ConfigError
-from idemproxy.identity.fingerprint import (
+from idemproxy.identity.intent import (
     FingerprintedHead,
     canonical_json,
     fingerprint,

@@ -9,7 +9,7 @@ import pytest
 
 from idemproxy.errors import BodyTooLarge, KeyInvalid
 from idemproxy.http.offload import IN_PROCESS_BYTES, Offload
-from idemproxy.identity.fingerprint import fingerprint
+from idemproxy.identity.intent import fingerprint
 from idemproxy.identity.key_source import KeySource
 
 HEAD = ("POST", "/orders", "", "application/json; charset=utf-8", "")

@@ -6,7 +6,7 @@ import os
 import time
 import uuid
 
-from idemproxy.identity.fingerprint import new_job_id
+from idemproxy.identity.intent import new_job_id
 
 
 def test_a_job_id_is_a_version_7_uuid_of_the_rfc_variant() -> None:

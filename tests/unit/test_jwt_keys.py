@@ -19,9 +19,9 @@ from pydantic import ValidationError
 from idemproxy.cli.main import main
 from idemproxy.config.settings import JwtSettings, OwnerSettings, load_settings
 from idemproxy.errors import ConfigError
+from idemproxy.identity.intent import OwnerPolicy, owner_policy
 from idemproxy.identity.jwt_keys import load_keys, parse_jwks
 from idemproxy.identity.jwt_owner import JwtVerifier
-from idemproxy.identity.owner import OwnerPolicy, owner_policy
 from tests.support.jwtkit import (
     AUDIENCE,
     SECRET,

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from idemproxy.config.settings import JwtSettings
 from idemproxy.constants import ANONYMOUS_OWNER
 from idemproxy.errors import OwnerMissing
+from idemproxy.identity.intent import OwnerPolicy, derive_owner, hash_credential
 from idemproxy.identity.jwt_owner import JwtVerifier, hash_claim
-from idemproxy.identity.owner import OwnerPolicy, derive_owner, hash_credential
 from tests.support.jwtkit import (
     AUDIENCE,
     ISSUER,

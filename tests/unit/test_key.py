@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from idemproxy.constants import KEY_MAX_LENGTH
 from idemproxy.errors import KeyInvalid
-from idemproxy.identity.fingerprint import parse_key
+from idemproxy.identity.intent import parse_key
 
 VISIBLE_ASCII = "".join(chr(code) for code in range(0x21, 0x7F))
 BARE_SAFE = "".join(char for char in VISIBLE_ASCII if char not in '",\\')

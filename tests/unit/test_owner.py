@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from idemproxy.config.settings import load_settings
 from idemproxy.constants import ANONYMOUS_OWNER, GLOBAL_OWNER
 from idemproxy.errors import ConfigError, OwnerMissing
-from idemproxy.identity.owner import (
+from idemproxy.identity.intent import (
     OwnerPolicy,
     derive_owner,
     derive_owners,

@@ -15,7 +15,7 @@ from multidict import CIMultiDict
 
 from idemproxy.config.settings import OwnerSettings
 from idemproxy.errors import InvalidRequest, OwnerUnstable
-from idemproxy.identity.owner import (
+from idemproxy.identity.intent import (
     OwnerPolicy,
     derive_owner,
     hash_credential,

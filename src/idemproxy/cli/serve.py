@@ -25,7 +25,7 @@ from idemproxy.admin.app import Readiness, create_admin_app
 from idemproxy.admin.peers import Peers
 from idemproxy.config.settings import Settings, log_settings_warnings, parse_listen
 from idemproxy.errors import ListenFailed, StoreUnreachable
-from idemproxy.identity.owner import OwnerPolicy, log_owner_hint
+from idemproxy.identity.intent import OwnerPolicy, log_owner_hint
 from idemproxy.observe.logs import configure_logging
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.app import create_app, tracing_from_settings
@@ -51,7 +51,7 @@ _POSTGRES_SCHEMES = ("postgres://", "postgresql://")
 
 def serve(settings: Settings, owner: OwnerPolicy, worker: WorkerRole | None = None) -> None:
     """One proxy process; `worker` when it is one of a supervisor's (`server.workers` > 1).
-    `owner` is built from `settings.owner` before (identity/owner.py), so that a bad JWT key
+    `owner` is built from `settings.owner` before (identity/intent.py), so that a bad JWT key
     stops the start before the store is opened."""
     configure_logging(settings.log_level, settings.log_format)
     if worker is None:  # a supervisor's workers: the supervisor warned

@@ -70,7 +70,7 @@ def retry_after(limit: str) -> int:
 
 
 def window_start_id(now: float | None = None) -> str:
-    """The lowest job id (UUIDv7, identity/fingerprint.py: milliseconds in the top 48 bits) a job
+    """The lowest job id (UUIDv7, identity/intent.py: milliseconds in the top 48 bits) a job
     created in the rate window can have: the store counts recent jobs on its (owner, id)
     index instead of scanning the owner's jobs."""
     millis = int(((time.time() if now is None else now) - RATE_WINDOW_SECONDS) * 1000)

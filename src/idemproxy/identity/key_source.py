@@ -13,7 +13,7 @@ from multidict import CIMultiDictProxy
 
 from idemproxy.errors import KeyAmbiguous, KeyInvalid
 from idemproxy.identity import deep_json
-from idemproxy.identity.fingerprint import check_characters, parse_key
+from idemproxy.identity.intent import check_characters, parse_key
 
 # RFC 6901 §4: an array index is "0" or ASCII digits without a leading zero (`²` and `१` are
 # digits to `str.isdigit`, and no index).

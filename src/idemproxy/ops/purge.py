@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from idemproxy.config.settings import OwnerSettings
 from idemproxy.core.types import Job, JobState
 from idemproxy.errors import InvalidRequest, OwnerMissing, OwnerUnstable
+from idemproxy.identity.intent import derive_owners, owner_policy
 from idemproxy.identity.jwt_owner import KeyNotLoaded
-from idemproxy.identity.owner import derive_owners, owner_policy
 from idemproxy.ops.service import owner_filter
 from idemproxy.store.ports import Operators
 
@@ -69,7 +69,7 @@ class PurgeReport:
 
 def owners_of_credential(credential: str, settings: OwnerSettings) -> tuple[str, str | None]:
     """The owner scope the proxy derives from `credential` (the owner header's value) under
-    the configured strategy, hashed exactly as the proxy hashes it (identity/owner.py); and in
+    the configured strategy, hashed exactly as the proxy hashes it (identity/intent.py); and in
     the transition to `owner.pepper` (`legacy_owners`), the owner it had before, whose jobs are
     the same customer's (SPEC §5), else None."""
     credential = credential.strip(_OWS)  # as the proxy's parser hands the value over

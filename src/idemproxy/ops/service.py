@@ -35,7 +35,7 @@ from idemproxy.store.ports import Operators
 
 log = logging.getLogger(__name__)
 _VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
-OWNER_HASH_DIGITS = 64  # a SHA-256 in hex (identity/owner.py)
+OWNER_HASH_DIGITS = 64  # a SHA-256 in hex (identity/intent.py)
 
 
 async def find_job(store: Operators, job_id: str) -> Job:
@@ -81,7 +81,7 @@ def sender_owner(sender: str) -> str:
 
 def owner_filter(owner: str) -> str:
     """An owner as the store keeps it, checked before it reaches the store: a hash in
-    lower-case hex, as identity/owner.py writes it, whatever the case it was given in;
+    lower-case hex, as identity/intent.py writes it, whatever the case it was given in;
     `anonymous`, `global` or `webhook:<sender>`. Anything else names no owner, and is refused
     rather than matched to nothing, which would read as "no jobs" (and, for an erasure, as
     done): a hash's first 8 digits or `owner=` and them, as a log line shows them, a hash with a

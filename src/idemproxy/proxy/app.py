@@ -14,7 +14,7 @@ from aiohttp import web
 
 from idemproxy.config.settings import Settings
 from idemproxy.errors import ConfigError
-from idemproxy.identity.owner import OwnerPolicy
+from idemproxy.identity.intent import OwnerPolicy
 from idemproxy.observe.metrics import (
     CollectorPauses,
     KeyFetchResult,

@@ -13,7 +13,7 @@ from idemproxy.core.decision import Policy
 from idemproxy.core.machine import StatusPolicy
 from idemproxy.core.quota import QuotaLimits
 from idemproxy.http.offload import Offload
-from idemproxy.identity.owner import OwnerPolicy
+from idemproxy.identity.intent import OwnerPolicy
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # imported only when tracing is on (the optional extra `idemp
 @dataclass(frozen=True, slots=True)
 class Services:
     """What the process gives every context it builds, injected so that tests pass their own:
-    the owner policy, when not given, is built from `settings.owner` (identity/owner.py), and
+    the owner policy, when not given, is built from `settings.owner` (identity/intent.py), and
     no tracing means none."""
 
     failpoints: Failpoints | None = None

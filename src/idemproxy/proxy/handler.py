@@ -38,15 +38,15 @@ from idemproxy.http.headers import (
 )
 from idemproxy.http.offload import OFF_LOOP_CONTAINERS, heavy, off_loop
 from idemproxy.http.problems import problem_response
-from idemproxy.identity.fingerprint import (
+from idemproxy.identity.intent import (
     FingerprintedHead,
+    derive_owners,
     fingerprint,
     fingerprint_of_digest,
     parse_key,
 )
 from idemproxy.identity.jwt_owner import UNVERIFIED, KeyNotLoaded
 from idemproxy.identity.key_source import KeySource
-from idemproxy.identity.owner import derive_owners
 from idemproxy.identity.webhooks import WebhookVerifier
 from idemproxy.observe.metrics import DisconnectStage, RequestOutcome
 from idemproxy.proxy.context import ProxyContext

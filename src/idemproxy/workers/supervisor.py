@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from idemproxy.config.settings import Settings, log_settings_warnings
-from idemproxy.identity.owner import log_owner_hint
+from idemproxy.identity.intent import log_owner_hint
 from idemproxy.observe.logs import configure_logging
 from idemproxy.store.factory import command_store
 from idemproxy.workers.listen import claim_listen

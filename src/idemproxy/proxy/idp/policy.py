@@ -6,7 +6,7 @@ import logging
 
 from idemproxy.config.settings import OwnerSettings
 from idemproxy.errors import ConfigError
-from idemproxy.identity.owner import OwnerPolicy, owner_policy
+from idemproxy.identity.intent import OwnerPolicy, owner_policy
 from idemproxy.proxy.idp.fetch import JwksClient
 from idemproxy.proxy.idp.keys import RemoteKeys
 from idemproxy.proxy.upstream.tls import tls_context

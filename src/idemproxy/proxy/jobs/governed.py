@@ -64,7 +64,7 @@ from idemproxy.errors import (
     StoreUnavailable,
     UpstreamTimeout,
 )
-from idemproxy.identity.fingerprint import new_job_id
+from idemproxy.identity.intent import new_job_id
 from idemproxy.observe.metrics import Metrics, RequestOutcome
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.context import ProxyContext

@@ -75,7 +75,7 @@ from idemproxy.errors import (
 )
 from idemproxy.http.headers import headers_to_store, response_headers_for_client
 from idemproxy.http.problems import problem_response
-from idemproxy.identity.fingerprint import new_job_id
+from idemproxy.identity.intent import new_job_id
 from idemproxy.observe.metrics import AttemptOutcome, Metrics, UpstreamOutcome
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.failpoints import Failpoints

@@ -31,7 +31,7 @@ from idemproxy.core.resolution import (
 )
 from idemproxy.core.types import Claimed, Evidence, Job
 from idemproxy.errors import OutcomeUnknown, ProblemError, StoreUnavailable
-from idemproxy.identity.fingerprint import new_job_id
+from idemproxy.identity.intent import new_job_id
 from idemproxy.proxy.background.endpoints import Endpoint
 from idemproxy.proxy.jobs.jobrun import AttemptRun, AttemptRunner, HandedBack, run_job
 from idemproxy.proxy.jobs.request import GovernedRequest

@@ -57,7 +57,7 @@ from idemproxy.http.as_sent import TARGET_AS_SENT
 from idemproxy.http.deadline import Deadline
 from idemproxy.http.headers import asks_the_server, split_absolute_form
 from idemproxy.http.problems import problem_response
-from idemproxy.identity.fingerprint import Reencoding, reencoding
+from idemproxy.identity.intent import Reencoding, reencoding
 from idemproxy.identity.reencoded import Body
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.server.any_path import proxied
@@ -1326,7 +1326,7 @@ class RequestBody:
         self.size = size if spool is not None else len(memory)
         self.raw_sha256 = raw_sha256
         # A spooled body its client may encode anew for each try, hashed as the fingerprint
-        # takes it (identity/fingerprint.py `reencoding`), with the media type it hashes then.
+        # takes it (identity/intent.py `reencoding`), with the media type it hashes then.
         self.form_sha256, self.form_media_type = form_sha256, form_media_type
         if spool is not None:
             # Closed (and so deleted) when the last attempt using it is done.
