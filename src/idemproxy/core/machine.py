@@ -1,13 +1,14 @@
-"""A governed request's life at the job level, as one state machine (SPEC §2.2-§2.4, §3, §5, §8,
-§9). Pure: no I/O, no clock, no asyncio.
+"""A governed request's life as state machines: at the job level (SPEC §2.2-§2.4, §3, §5, §8,
+§9), and one attempt's steps with what its result means (SPEC §2.4, §3.2, §3.4; below the job
+level's). Pure: no I/O, no clock, no asyncio.
 
 Every state is a value; `state.next(...)` takes what the I/O of that state gave and returns the
 next state (never changing the one it is called on). The states named `Need…` ask the driver
 (proxy/jobs/governed.py) for one I/O step: a store call, the process's drain flag, a wait, the
 attempts; the others end the request: `Replaying` (answer with the stored response), `Refused`
 (answer with a problem), `JobGone` (this request's own job was lost under its attempt). What an
-attempt does is core/machine.py's; what to do with a job read is core/decision.py's `decide`,
-which this machine applies.
+attempt does is the attempt's machine's, below; what to do with a job read is
+core/decision.py's `decide`, which this machine applies.
 
 `Terms` are what the request brings (its fingerprint, `max_wait`, the legacy owner of SPEC §5),
 `Seen` what it learnt so far (the job it last read, the one whose attempt it ran, its deadline).

@@ -1,4 +1,5 @@
-"""Header handling on both legs (SPEC §7, §10).
+"""Header handling on both legs (SPEC §7, §10): the filters, the Host grammar and the request
+id (its header, made or taken from the client).
 
 Every request runs these filters two or three times, so the common case is kept cheap: the
 sets of dropped names are built once, and a `Connection` header only costs a set union when it
@@ -385,7 +386,7 @@ def _normalised(value: str, scheme: str) -> tuple[str, str]:
 
 @functools.lru_cache(maxsize=256)
 def host_name(host: str) -> str:
-    """The name a Host value (`host[:port]`, http/headers.py) routes by: no port, lower-case,
+    """The name a Host value (`host[:port]`) routes by: no port, lower-case,
     no trailing dot, percent-decoded. `API.example.com.:443` is the same name in DNS, and with the
     first character only it missed a host route and fell through to one without a host."""
     if host.startswith("["):  # an IP literal: the port follows the bracket (RFC 3986 §3.2.2)

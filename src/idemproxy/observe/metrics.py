@@ -1,4 +1,6 @@
-"""Prometheus metrics (SPEC §13), on a registry of their own that the admin listener serves.
+"""Prometheus metrics (SPEC §13), on a registry of their own that the admin listener serves:
+the request path's series (kept by the event loop), what holds the loop (its lag, the
+collector's pauses), and the families and children the proxy observes.
 
 Every label value is a member of one of the enums below (`RequestOutcome`, ...), so that a
 misspelt one fails the type check instead of starting a new series.
@@ -284,7 +286,7 @@ async def fold_forever(
 
 
 log = logging.getLogger("idemproxy.metrics")
-C = TypeVar("C")  # a child: a prometheus_client metric's, or a series of observe/metrics.py
+C = TypeVar("C")  # a child: a prometheus_client metric's, or one of the series above
 L = TypeVar("L", bound=str)  # a label value: one of the enums below, or a store operation
 K = TypeVar("K", bound=Hashable)  # a child's key: a label value, or a tuple of them
 # How often the unknown-jobs gauge is refreshed at most (one cheap COUNT on the store).
@@ -496,7 +498,7 @@ class Metrics:
         """`buckets`: the request and upstream histograms' (`metrics.buckets`, or
         `latency_buckets` of the longest upstream timeout)."""
         self.registry = registry or CollectorRegistry()
-        # The request path's series are the loop's own (observe/metrics.py); the rest are
+        # The request path's series are the loop's own; the rest are
         # prometheus_client's.
         self.requests = LoopCounter(
             f"{METRIC_PREFIX}_requests",
@@ -617,7 +619,7 @@ class Metrics:
             self.registry,
             _BATCH_BUCKETS,
         )
-        # What held the event loop, and the collector's share of it (observe/metrics.py).
+        # What held the event loop, and the collector's share of it.
         event_loop_lag = LoopHistogram(
             f"{METRIC_PREFIX}_event_loop_lag_seconds",
             f"How late the event loop ran a timer due every {LAG_INTERVAL_SECONDS:g} s: how "
@@ -637,7 +639,7 @@ class Metrics:
         )
         for generation in range(GC_GENERATIONS):  # every series from the start
             self.gc_pauses.labels(str(generation))
-        # What `fold_forever` folds (observe/metrics.py).
+        # What `fold_forever` folds.
         self.histograms = (
             self.upstream_seconds,
             self.request_seconds,

@@ -1,4 +1,7 @@
-"""The request handler: route, identify (before any storage call), then govern or pass through."""
+"""The request handler: route, identify (before any storage call), then govern or pass through.
+
+Identifying a governed request (its bounded body, its intent; on a route with a key source or
+webhooks, the signature and the key found in the body) and the status lookup are below it."""
 
 from __future__ import annotations
 
@@ -568,7 +571,7 @@ def _asks_status(header: str, request: web.Request) -> bool:
 async def _govern_sourced(
     ctx: ProxyContext, govern: Governor, request: web.Request, route: Route, trace: Trace
 ) -> web.StreamResponse:
-    """A governed request on a route with a key source or a webhook (proxy/handler.py)."""
+    """A governed request on a route with a key source or a webhook."""
     assert route.key_source is not None  # the caller's test, for mypy
     intent, body, transition = await identify_sourced(ctx, request, route, route.key_source)
     if intent is None or body is None:

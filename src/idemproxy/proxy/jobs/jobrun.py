@@ -1,5 +1,7 @@
-"""Running a job's attempts across an upstream group: the driver of core/attempt_order.py
-(SPEC §3.4).
+"""Running a job's attempts: across an upstream group, the driver of core/attempt_order.py
+(SPEC §3.4), and each attempt's steps, the driver of the attempt's machine in core/machine.py
+(`AttemptRunner`: forward under a kept lease, capture or stream, check, complete or settle,
+answer).
 
 In order: the primary, then each fallback while the outcome proves nothing executed (released),
 every try a new attempt under the same job. Hedged (`hedge_after`): after that delay with no

@@ -1,4 +1,6 @@
-"""One client connection: the slow-client deadline aiohttp lacks (SPEC §9), quiet 400s (§8).
+"""One client connection, from its bytes to its answers: the slow-client deadline aiohttp
+lacks (SPEC §9), quiet 400s (§8), the listener of `idemproxy serve`, a governed request's
+bounded body, whole answers in one write, and one answer per request. In that order below.
 
 aiohttp reads a request head without a deadline of its own. Before 3.14 a connection that
 trickles header bytes (slowloris) is never cut off; since then only by `keepalive_timeout`, which
@@ -73,7 +75,7 @@ from idemproxy.redact import redact_path
 # coroutines deep: about 45,000 instructions a response, a fifth of aiohttp's own cost per request
 # (bench/findings.md). For a plain `web.Response` whose body is bytes, this module builds the same
 # bytes directly: the headers aiohttp would add, in the order it adds them, serialised as every
-# head of the listener is (proxy/server/connection.py: header values byte for byte; CR or LF in a
+# head of the listener is (header values byte for byte; CR or LF in a
 # status line or header refused). Anything that needs more of that machinery (a streamed body,
 # compression, cookies, chunking, HEAD, a status without a body, a declared Content-Length, a
 # Connection header of the handler's) goes aiohttp's usual way.
@@ -120,7 +122,7 @@ def name_server(
 
 
 class ServingConnection(Protocol):
-    """What a head needs of the listener's connection (proxy/server/connection.py)."""
+    """What a head needs of the listener's connection."""
 
     @property
     def closing(self) -> bool:
@@ -134,16 +136,16 @@ class ServingConnection(Protocol):
 class HeadWriter(StreamWriter):
     """aiohttp's payload writer, with the head serialised by `serialise_head` and written at
     once (aiohttp 3.12 and later hold it back to send it with the first body bytes; a whole
-    response, the common case, is one write anyway: proxy/server/connection.py).
+    response, the common case, is one write anyway: `serialise_whole`).
 
     One per request. On `connection`'s requests a head also gets what the app's prepare hooks
     would give it: its Server field (`name_server`), `Connection: close` once a shutdown began,
     and it is noted (`started_headers`: the headers of the response whose head went out, so
-    that no other response follows it, proxy/server/connection.py)."""
+    that no other response follows it)."""
 
     # Class defaults, not an __init__ of its own: one writer is made per request.
     connection: ServingConnection | None = None
-    # Set by an upstream's response as it prepares (proxy/server/connection.py): the fields aiohttp
+    # Set by an upstream's response as it prepares: the fields aiohttp
     # is about to invent for it. None for the proxy's own answers.
     upstream_absent: tuple[str, ...] | None = None
     started_line = ""
@@ -299,7 +301,7 @@ def own_server_header(
 
 def as_sent(request: web.BaseRequest, headers: CIMultiDict[str]) -> tuple[str, ...]:
     """The fields aiohttp is about to invent for an upstream's response (`absent_fields`), told
-    to the listener's writer too, which takes them out again (proxy/server/connection.py)."""
+    to the listener's writer too, which takes them out again."""
     absent = absent_fields(headers)
     writer = request.writer
     if type(writer) is HeadWriter:
@@ -403,7 +405,7 @@ class SentResponse(web.StreamResponse):
     """What aiohttp's connection loop gets back for a response the listener wrote itself: its
     own `prepare` and `write_eof` have nothing left to do, and `keep_alive` says whether the
     connection serves another request. `status` and `headers` are those of the response
-    written, where something reads them (proxy/server/connection.py)."""
+    written, where something reads them."""
 
     # A field, not StreamResponse's property: aiohttp reads it after every request.
     keep_alive: bool = True
@@ -670,7 +672,7 @@ class GuardedHandler(web.RequestHandler):
         self, request: web.BaseRequest, response: web.StreamResponse
     ) -> web.StreamResponse:
         """Write `response` (every answer of the listener's handler ends here), in one write
-        when it is whole (proxy/server/connection.py); what aiohttp's loop then gets back."""
+        when it is whole; what aiohttp's loop then gets back."""
         if self.closing:
             # A shutdown closes this connection after the response (proxy/drain.py): say so,
             # so that the client sends its next request elsewhere (RFC 9112 §9.6).
@@ -966,12 +968,11 @@ def _problem_tail(error: ProblemError, server_token: str) -> bytes:
 # The client-facing listener of `idemproxy serve`: aiohttp's low-level server (`web.Server`)
 # calling the proxy's handler directly (`direct`: not through the app's router, which would
 # resolve the one catch-all route and build a match info for every request), with connections
-# served by `GuardedHandler` (the slow-client deadline, SPEC §9; quiet 400s, §8:
-# proxy/server/connection.py), accepted by the connection gate (proxy/server/gate.py), each
-# request's head written by `HeadWriter` (header values byte for byte, SPEC §7, §10; what the
-# app's prepare hooks do: proxy/server/connection.py) and each whole response in one write
-# (proxy/server/connection.py). Public aiohttp API only, so that any aiohttp 3.x from the oldest
-# pyproject.toml admits serves it alike.
+# served by `GuardedHandler` (the slow-client deadline, SPEC §9; quiet 400s, §8), accepted by
+# the connection gate (proxy/server/gate.py), each request's head written by `HeadWriter`
+# (header values byte for byte, SPEC §7, §10; what the app's prepare hooks do) and each whole
+# response in one write (`serialise_whole`). Public aiohttp API only, so that any aiohttp 3.x
+# from the oldest pyproject.toml admits serves it alike.
 
 
 RequestHandler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
@@ -1097,7 +1098,7 @@ def requests_with_head_writer(loop: asyncio.AbstractEventLoop) -> RequestFactory
     """The listener's request factory: a `web.Request` (what the app's factory makes, without
     its frame: the proxy reads no body through `client_max_size`, left at its default), with a
     writer that sends header values byte for byte and does what the app's prepare hooks do
-    (proxy/server/connection.py) in place of aiohttp's, not used yet; and it tells the connection
+    in place of aiohttp's, not used yet; and it tells the connection
     that a request's head was read."""
 
     def make(
@@ -1235,8 +1236,8 @@ class GuardedSite:
 # response that started: a truncated answer the client can tell from a whole one, never a second.
 #
 # Every head aiohttp writes is noted, so that the check does not depend on where in the proxy the
-# response was started: on the listener of `idemproxy serve` by its writer (`HeadWriter`,
-# proxy/server/connection.py), which sees the head's fields but not the response; through the app's
+# response was started: on the listener of `idemproxy serve` by its writer (`HeadWriter`),
+# which sees the head's fields but not the response; through the app's
 # router (aiohttp's own servers: tests, the demo) by `note_started`, the app's
 # `on_response_prepare` signal, which sees the response.
 

@@ -642,7 +642,7 @@ class ConnectionPool:
 
 class Exchange:
     """One request and its response on a pooled connection, as `UpstreamClient.request`
-    (proxy/upstream/client.py) prepared it. A class rather than a generator context manager: it
+    prepared it. A class rather than a generator context manager: it
     runs for every request, and a generator's frame and its `asynccontextmanager` wrapper cost
     more than the two methods."""
 
@@ -879,7 +879,7 @@ class UpstreamClient:
         """`async with client.request(…) as response`: sends the request and gives the response
         once its head arrived; leaving the block gives the connection back. `timeout` overrides
         the client's for this request (a route's `upstream_timeout`). The Host sent is the one
-        in `headers` (a CIMultiDict; SPEC §10 `forward_host`, proxy/upstream/client.py), by
+        in `headers` (a CIMultiDict; SPEC §10 `forward_host`), by
         default the URL's authority. `target` is sent in place of the URL's path and query: `*`
         for `OPTIONS *` (RFC 9112 §3.2.4), which no URL holds."""
         if self._link is None:

@@ -1,4 +1,5 @@
-"""An in-process replay cache of completed jobs in front of the PostgreSQL store (SPEC §11).
+"""An in-process replay cache of completed jobs in front of the PostgreSQL store (SPEC §11),
+and what every replay cache does in front of the store (`ReplayCache`, also Redis's).
 
 Without it every duplicate costs a round trip and a read on PostgreSQL: about a third of a
 replay's CPU across all processes (bench/findings.md). A completed job never changes again
@@ -48,7 +49,7 @@ from idemproxy.store.base import Store
 from idemproxy.store.hooks import Change
 from idemproxy.store.layers import JobLayer
 
-# What both replay caches (store/redis/cache.py, store/cache/memory.py) need besides their
+# What both replay caches (this one and store/redis/cache.py) need besides their
 # entries: to keep the job a winning completion wrote without reading it back, the attempts this
 # process added to jobs in flight (hedging), which the job snapshot the runner holds does not
 # count; and how long an entry may live.

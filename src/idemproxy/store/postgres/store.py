@@ -1,4 +1,5 @@
-"""The PostgreSQL store (asyncpg): the source of truth for production and many replicas."""
+"""The PostgreSQL store (asyncpg): the source of truth for production and many replicas, with
+the pooled connections it keeps between statements (`KeptConnections`)."""
 
 from __future__ import annotations
 
@@ -304,7 +305,7 @@ log = logging.getLogger(__name__)
 _MIGRATION_LOCK = 0x1DE3_9A0C
 _CLAIM_RETRIES = 5
 # Seconds a connection may stay idle before it is closed (asyncpg's default): kept ones are
-# first released to the pool (store/postgres/store.py), whose own timer then closes them.
+# first released to the pool, whose own timer then closes them.
 _IDLE_LIFETIME = 300.0
 # The shortest timeout a batched row's statement gets, even when its caller's deadline has passed
 # while it was queued: enough for a healthy store to answer.
