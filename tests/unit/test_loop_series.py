@@ -85,9 +85,9 @@ def test_an_observation_runs_no_python_frame() -> None:
     finally:
         sys.setprofile(None)
     assert frames == []
-    assert series.waiting == 1
+    assert len(series.pending) == 1
     assert series.counts == [0, 0, 0, 1, 0, 0, 0]  # read: folded
-    assert series.waiting == 0
+    assert len(series.pending) == 0
 
 
 def test_no_observation_is_lost_to_a_fold_in_another_thread() -> None:
@@ -119,7 +119,7 @@ async def test_the_app_folds_waiting_observations_without_a_scrape() -> None:
         for _ in range(1_000):
             series.observe(1.0)
         await asyncio.sleep(0.1)
-        assert series.waiting == 0
+        assert len(series.pending) == 0
     finally:
         folding.cancel()
     assert series.counts[3] == 1_000  # le=1
