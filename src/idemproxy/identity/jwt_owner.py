@@ -42,7 +42,7 @@ from idemproxy.identity.jwt_keys import (
     unobserved,
 )
 
-log = logging.getLogger("idemproxy.identity.intent")
+log = logging.getLogger("idemproxy.identity.owner")
 
 # RFC 6750 §2.1: b64token. Anything else (spaces, non-ASCII, undecodable bytes) is no JWT.
 _B64TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")

@@ -24,7 +24,6 @@ from idemproxy.proxy.upstream.contract import Contract, ContractGate
 
 
 @functools.lru_cache(maxsize=256)
-@functools.lru_cache(maxsize=256)
 def upstream_origin(upstream: str) -> str:
     """`scheme://host:port` of a configured upstream URL: the `upstream` log field and metric
     label, bounded by the configuration and without its path or credentials (SPEC §13)."""
