@@ -123,3 +123,21 @@ async def test_the_app_folds_waiting_observations_without_a_scrape() -> None:
     finally:
         folding.cancel()
     assert series.counts[3] == 1_000  # le=1
+
+
+async def test_a_value_that_is_no_number_stops_no_fold(caplog: pytest.LogCaptureFixture) -> None:
+    """A bug that observes something else loses that batch, logged, and folding goes on: a
+    stopped fold would let every later observation pile up."""
+    family = LoopHistogram("x_seconds", "Help.", [], CollectorRegistry(), BUCKETS)
+    series = family.labels()
+    folding = asyncio.create_task(fold_forever([family], interval=0.01))
+    try:
+        series.observe(None)  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        series.observe(1.0)
+        await asyncio.sleep(0.05)
+        assert not series.pending and not folding.done()
+    finally:
+        folding.cancel()
+    assert series.counts[3] == 1
+    assert "observations not numbers dropped" in caplog.text

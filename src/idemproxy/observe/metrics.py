@@ -283,7 +283,10 @@ async def fold_forever(
         for histogram in histograms:
             for series in list(histogram._series.values()):
                 if series.pending:
-                    series.fold()
+                    try:
+                        series.fold()
+                    except Exception:  # a value no bucket takes: its batch is dropped
+                        log.exception("%s: observations not numbers dropped", histogram.name)
 
 
 log = logging.getLogger("idemproxy.metrics")
