@@ -4,6 +4,7 @@ failpoints through one observer (proxy/jobs/governed.py); spans only when tracin
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 from prometheus_client import CollectorRegistry
 
@@ -11,6 +12,7 @@ from idemproxy.core.types import Claimed, Job, JobState
 from idemproxy.observe.metrics import Metrics, RequestOutcome
 from idemproxy.proxy.failpoints import Failpoints
 from idemproxy.proxy.jobs.governed import JobObserver, TracedJobObserver, job_observer
+from idemproxy.proxy.jobs.jobrun import AttemptObserver, attempt_observer
 from idemproxy.proxy.server.trace import Trace
 
 JOB = Job("job-1", "owner", "key", "f" * 64, JobState.IN_FLIGHT, 1, 1)
@@ -58,3 +60,22 @@ def test_a_quota_refusal_is_counted_by_limit() -> None:
     untraced.over_quota("in_flight")
     refused = registry.get_sample_value("idemproxy_quota_refusals_total", {"limit": "in_flight"})
     assert refused == 1.0
+
+
+def test_without_tracing_an_attempts_steps_go_through_as_they_are() -> None:
+    """The attempt's driver awaits what its observer gives back: with tracing off, the very
+    awaitable of each step, nothing wrapped around it and nothing made per request."""
+    untraced = attempt_observer(None)
+    assert type(untraced) is AttemptObserver and untraced is attempt_observer(None)
+
+    async def step() -> bool:
+        return True
+
+    completing, settling = step(), step()
+    assert untraced.completing("job-1", 1, completing) is completing
+    assert untraced.settling("job-1", 1, JobState.UNKNOWN, settling) is settling
+    assert asyncio.run(_both(completing, settling)) == (True, True)
+
+
+async def _both(first: Awaitable[bool], second: Awaitable[bool]) -> tuple[bool, bool]:
+    return await first, await second

@@ -2,8 +2,9 @@
 
 The only module that imports opentelemetry, the optional extra `idemproxy[otel]`; it is imported
 only when `tracing.enabled` is set (proxy/app.py, `tracing_from_settings`). With tracing off the
-hooks in the request path are a single `if ctx.tracing is not None` each: no span, no context
-and no `traceparent` is made, and the upstream gets exactly the bytes it got without tracing.
+governed path's observers (`JobObserver`, `AttemptObserver`) hand each step back as it is, and
+the other hooks are a single `if ctx.tracing is not None` each: no span, no context and no
+`traceparent` is made, and the upstream gets exactly the bytes it got without tracing.
 
 The spans of a request (W3C Trace Context continues the client's `traceparent`):
 

@@ -69,7 +69,7 @@ from idemproxy.core.machine import (
     cut_off,
     settled_state,
 )
-from idemproxy.core.types import Claimed, HeaderPairs, Job, StoredResponse
+from idemproxy.core.types import Claimed, HeaderPairs, Job, JobState, StoredResponse
 from idemproxy.errors import (
     ProblemError,
     StoreUnavailable,
@@ -169,7 +169,7 @@ class AttemptRunner:
     unwritten: UnwrittenOutcomes
     metrics: Metrics
     failpoints: Failpoints
-    tracing: Tracing | None
+    observer: AttemptObserver
 
     async def run(self, governed: GovernedRequest, attempt: AttemptRun) -> Step:
         request, route, job = governed.request, governed.route, attempt.job
@@ -182,10 +182,9 @@ class AttemptRunner:
             ask_checkable(headers)
         _names(governed.trace, attempt)  # a fail-over's too
         forwarding = self._forward(governed, attempt, url, headers)
-        if self.tracing is not None:  # its traceparent joins `headers` before they are sent
-            ids = (job.id, attempt.number)
-            return await self.tracing.attempt(request.method, url, headers, ids, forwarding)
-        return await forwarding
+        # Its traceparent, when spans are on, joins `headers` before they are sent.
+        ids = (job.id, attempt.number)
+        return await self.observer.forwarding(request.method, url, headers, ids, forwarding)
 
     async def _forward(
         self, governed: GovernedRequest, attempt: AttemptRun, url: URL, headers: CIMultiDict[str]
@@ -226,8 +225,7 @@ class AttemptRunner:
             by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
             by_outcome[UpstreamOutcome(failed.outcome.value)].observe(time.perf_counter() - started)
             self._log_failure(governed, attempt, failure)
-            if self.tracing is not None:
-                self.tracing.upstream_failed(failure.reason, failed.outcome)
+            self.observer.upstream_failed(failure.reason, failed.outcome)
             if isinstance(state, HandBack):
                 return _handed_back(failed)
             await self.settle(attempt, failed)
@@ -429,9 +427,11 @@ class AttemptRunner:
 
     async def _completed(self, attempt: AttemptRun, stored: StoredResponse, ttl: float) -> bool:
         """The completion CAS (SPEC §1); a losing result is discarded, counted and logged."""
-        completing = self.store.complete(attempt.job, attempt.number, stored, ttl=ttl)
-        if self.tracing is not None:
-            completing = self.tracing.complete(attempt.job.id, attempt.number, completing)
+        completing = self.observer.completing(
+            attempt.job.id,
+            attempt.number,
+            self.store.complete(attempt.job, attempt.number, stored, ttl=ttl),
+        )
         try:
             won = await completing
         except StoreUnavailable as exc:
@@ -453,9 +453,12 @@ class AttemptRunner:
         self.count_failed(failed.outcome)
         state = settled_state(failed.outcome)
         job, number = attempt.job, attempt.number
-        settling = self.store.settle(job, number, state, status=failed.status, error=failed.error)
-        if self.tracing is not None:
-            settling = self.tracing.settle(job.id, number, state, settling)
+        settling = self.observer.settling(
+            job.id,
+            number,
+            state,
+            self.store.settle(job, number, state, status=failed.status, error=failed.error),
+        )
         try:
             won = await settling
         except StoreUnavailable as exc:
@@ -645,7 +648,7 @@ async def run_job(governed: GovernedRequest, claimed: Claimed) -> web.StreamResp
     ctx, route = governed.ctx, governed.route
     attempts = AttemptRunner(
         ctx.settings, ctx.store, ctx.upstream, ctx.statuses, ctx.budget, ctx.unwritten,
-        ctx.metrics, ctx.failpoints, ctx.tracing,
+        ctx.metrics, ctx.failpoints, attempt_observer(ctx.tracing),
     )  # fmt: skip
     if route.gate is None and not route.fallbacks:  # most routes: no call to `upstreams`
         upstreams: tuple[str, ...] = (route.upstream,)
@@ -880,3 +883,72 @@ def _note_failure(task: asyncio.Task[Step]) -> None:
         log.info("hedged attempt could not reach the store: %s", error)
     else:
         log.error("hedged attempt failed", exc_info=error)
+
+
+class AttemptObserver:
+    """What an attempt's steps tell besides the request's record, its metrics and its log
+    lines: with tracing off, nothing (each step's awaitable goes through as it is)."""
+
+    __slots__ = ()
+
+    def forwarding(
+        self,
+        method: str,
+        url: URL,
+        headers: CIMultiDict[str],
+        ids: tuple[str, int],
+        forwarding: Awaitable[Step],
+    ) -> Awaitable[Step]:
+        """The attempt `ids` (job, number) about to send `headers` upstream."""
+        return forwarding
+
+    def upstream_failed(self, reason: str, outcome: Outcome) -> None:
+        """No (whole) answer came back, for `reason`; what that makes of the attempt."""
+
+    def completing(self, job_id: str, number: int, completing: Awaitable[bool]) -> Awaitable[bool]:
+        """The completion CAS of an attempt (SPEC §1), about to be awaited."""
+        return completing
+
+    def settling(
+        self, job_id: str, number: int, state: JobState, settling: Awaitable[bool]
+    ) -> Awaitable[bool]:
+        """An attempt's failure written as `state`, about to be awaited."""
+        return settling
+
+
+class TracedAttemptObserver(AttemptObserver):
+    """As `AttemptObserver`, and each step's span (proxy/tracing.py)."""
+
+    __slots__ = ("_tracing",)
+
+    def __init__(self, tracing: Tracing) -> None:
+        self._tracing = tracing
+
+    def forwarding(
+        self,
+        method: str,
+        url: URL,
+        headers: CIMultiDict[str],
+        ids: tuple[str, int],
+        forwarding: Awaitable[Step],
+    ) -> Awaitable[Step]:
+        return self._tracing.attempt(method, url, headers, ids, forwarding)
+
+    def upstream_failed(self, reason: str, outcome: Outcome) -> None:
+        self._tracing.upstream_failed(reason, outcome)
+
+    def completing(self, job_id: str, number: int, completing: Awaitable[bool]) -> Awaitable[bool]:
+        return self._tracing.complete(job_id, number, completing)
+
+    def settling(
+        self, job_id: str, number: int, state: JobState, settling: Awaitable[bool]
+    ) -> Awaitable[bool]:
+        return self._tracing.settle(job_id, number, state, settling)
+
+
+UNTRACED = AttemptObserver()
+
+
+def attempt_observer(tracing: Tracing | None) -> AttemptObserver:
+    """The observer of an attempt: with spans only when tracing is on."""
+    return UNTRACED if tracing is None else TracedAttemptObserver(tracing)

@@ -33,7 +33,13 @@ from idemproxy.core.types import Claimed, Evidence, Job
 from idemproxy.errors import OutcomeUnknown, ProblemError, StoreUnavailable
 from idemproxy.identity.intent import new_job_id
 from idemproxy.proxy.background.endpoints import Endpoint
-from idemproxy.proxy.jobs.jobrun import AttemptRun, AttemptRunner, HandedBack, run_job
+from idemproxy.proxy.jobs.jobrun import (
+    AttemptRun,
+    AttemptRunner,
+    HandedBack,
+    attempt_observer,
+    run_job,
+)
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.resending import sent_digest
 from idemproxy.proxy.routing import Route
@@ -202,7 +208,7 @@ def _runner(governed: GovernedRequest) -> AttemptRunner:
     ctx = governed.ctx
     return AttemptRunner(
         ctx.settings, ctx.store, ctx.upstream, ctx.statuses, ctx.budget, ctx.unwritten,
-        ctx.metrics, ctx.failpoints, ctx.tracing,
+        ctx.metrics, ctx.failpoints, attempt_observer(ctx.tracing),
     )  # fmt: skip
 
 
