@@ -81,7 +81,7 @@ def test_a_pointer_is_excluded_from_a_deep_body() -> None:
 
 
 def _old_canonical_parts(node: Any, encoder: json.JSONEncoder) -> Iterator[str]:
-    """fingerprint.py's recursive writer before deep_json: the reference."""
+    """identity/intent.py's recursive writer before deep_json: the reference."""
     if isinstance(node, dict):
         yield "{"
         for index, name in enumerate(sorted(node)):

@@ -886,7 +886,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _request_id_is_no_proxy_header(self) -> Settings:
         # A route's own `key.header` may be the request id header: what a client sends there
-        # goes upstream untouched, and an id is made up only when it sent none (correlation.py).
+        # goes upstream untouched, and an id is made up only when it sent none (http/headers.py).
         name = self.request_id_header.lower()
         if name == self.key_header.lower():
             why = "is the idempotency key header (key_header)"

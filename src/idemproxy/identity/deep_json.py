@@ -4,7 +4,7 @@ The standard `json` decoder and encoder recurse in C, one level of the interpret
 limit per nesting level: a valid body about 1,000 levels deep raises `RecursionError`, and a key
 in it would be missed. RFC 8259 §9 lets a parser limit nesting, but the body is valid JSON that
 the backend may parse, so the proxy must read it whole. The fast C path stays the first choice
-(key_source.py, fingerprint.py); this module is the fallback, with an explicit stack, that gives
+(key_source.py, intent.py); this module is the fallback, with an explicit stack, that gives
 the same values and writes the same text for every document the C path handles.
 """
 
@@ -23,7 +23,7 @@ _WHITESPACE = re.compile(r"[ \t\n\r]*")  # RFC 8259 §2
 
 class Verbatim:
     """A value the canonical writer writes as `text`, unchanged (a number token a float would
-    change, in fingerprint.py)."""
+    change, in intent.py)."""
 
     __slots__ = ("text",)
 

@@ -95,7 +95,7 @@ def create_app(
     # Through the router only (aiohttp's own servers: tests, the demo): the listener of
     # `idemproxy serve` calls the proxy without it, and its writer does what these do, and says
     # `Connection: close` on the heads of a drain (proxy/server/connection.py).
-    app.on_response_prepare.append(note_started)  # never a second response (one_response.py)
+    app.on_response_prepare.append(note_started)  # never a second response (connection.py)
     app.on_response_prepare.append(own_server_header(settings.server.server_token))
     app.router.register_resource(AnyPath(handle, expect_handler=expect_continue))
     return app
