@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -112,6 +113,17 @@ def closed_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
+
+
+@contextlib.contextmanager
+def refusing(port: int) -> Iterator[None]:
+    """`port` of 127.0.0.1, whose server just closed, held bound without listening while the
+    block runs: a connection to it is refused, and no server of another test (the kernel hands
+    its ephemeral ports out again) can be given it meanwhile and answer instead."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past its TIME_WAITs
+        sock.bind(("127.0.0.1", port))
+        yield
 
 
 def http_date_age(value: str) -> float:
