@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient
 
 from idemproxy.core.types import Job, JobState
 from idemproxy.store.ports import Operators
+from tests.support.ports import free_port
 
 KEY = "Idempotency-Key"
 JOB = "Idempotency-Job"
@@ -108,11 +109,11 @@ async def settle_quietly(seconds: float = 0.05) -> None:
 
 
 def closed_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on (connection refused)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+    """A port on 127.0.0.1 that nothing listens on (connection refused), and that no server of
+    a test is given later: one of the tests' own ports (tests/support/ports.py), claimed for
+    this process and never bound. A port the kernel chose and let go may be handed to another
+    worker's server before the connection is tried."""
+    return free_port()
 
 
 @contextlib.contextmanager
