@@ -221,6 +221,49 @@ async def test_a_finished_exchange_is_freed_without_the_cyclic_collector() -> No
                 gc.enable()
 
 
+async def _pieces(c: UpstreamClient, url: URL) -> list[tuple[bytes, bool]]:
+    """Every `read_piece` of one answer, through `send` and `close`, up to the one that
+    says it was the last."""
+    exchange, response = await c.send("POST", url, {}, b"{}")
+    try:
+        pieces = [await response.read_piece()]
+        while not pieces[-1][1]:
+            pieces.append(await response.read_piece())
+        return pieces
+    finally:
+        await exchange.close()
+
+
+@on_both_loops
+async def test_a_piece_says_whether_the_body_ended_with_it() -> None:
+    """A capture reads no further than the body's last piece (proxy/server/capture.py): a
+    body that came with its head is one piece, the last; any other ends on a piece that says
+    so, and its pieces are the whole body, whatever its framing."""
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n"
+    rest = b"2\r\nde\r\n0\r\n\r\n"
+
+    async def in_two_writes(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await upstream_of[in_two_writes].read_request(reader)
+        writer.write(chunked)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(rest)
+        await writer.drain()
+        await reader.read()
+
+    async with serving(answering(OK, OK)) as upstream, client() as c:
+        assert await _pieces(c, upstream.url) == [(b"ok", True)]
+        assert await _pieces(c, upstream.url) == [(b"ok", True)]
+    assert upstream.connections == 1  # `close` gave the connection back
+    async with serving(in_two_writes) as upstream, client() as c:
+        pieces = await _pieces(c, upstream.url)
+    assert b"".join(piece for piece, _ in pieces) == b"abcde"
+    assert [last for _, last in pieces] == [False] * (len(pieces) - 1) + [True]
+    empty = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+    async with serving(answering(empty)) as upstream, client() as c:
+        assert await _pieces(c, upstream.url) == [(b"", True)]
+
+
 @on_both_loops
 async def test_connection_close_is_honoured() -> None:
     closing = b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx"

@@ -17,6 +17,8 @@ import pytest
 from idemproxy.core.types import Claimed, Intent, StoredResponse
 from idemproxy.errors import StoreUnavailable
 from idemproxy.identity.intent import new_job_id
+from idemproxy.observe.metrics import Metrics, watch_store
+from idemproxy.store.layers import StoreStack
 from idemproxy.store.postgres.store import Connections, PostgresStore, _live_connection_next
 
 pytestmark = pytest.mark.postgres
@@ -216,6 +218,39 @@ async def test_a_claim_the_store_refuses_is_timed_as_failed(
             Intent("alice", "k", "fp", "POST", "/"), new_job_id(), "u", ttl=60, lease=30
         )
     assert seen == [("claim", True)]
+
+
+async def test_the_metrics_time_claims_and_completions_in_place_and_count_a_refusal(
+    pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
+) -> None:
+    """SPEC §13 through the process's own wiring (`watch_store`): a claim and a completion
+    that succeed go straight to their `store_seconds` series; one that fails is timed and
+    counted as an error, through the observer as every other call."""
+    store, _ = pg_store
+    metrics = Metrics()
+    watch_store(metrics, StoreStack.of(store))
+    intent = Intent("alice", "k", "fp", "POST", "/")
+    claimed = await store.claim(intent, new_job_id(), "u", ttl=60, lease=30)
+    assert isinstance(claimed, Claimed)
+    assert await store.complete(claimed.job, 1, StoredResponse(201, (), b"{}"), ttl=60)
+
+    async def refused(_request: object) -> Claimed:
+        raise StoreUnavailable("refused")
+
+    store.claims.alone = refused
+    with pytest.raises(StoreUnavailable):
+        await store.claim(
+            Intent("alice", "k2", "fp", "POST", "/"), new_job_id(), "u", ttl=60, lease=30
+        )
+    samples = {
+        (sample.name, tuple(sample.labels.items())): sample.value
+        for family in metrics.registry.collect()
+        for sample in family.samples
+    }
+    assert samples[("idemproxy_store_seconds_count", (("operation", "claim"),))] == 2
+    assert samples[("idemproxy_store_seconds_count", (("operation", "complete"),))] == 1
+    assert samples[("idemproxy_store_errors_total", (("operation", "claim"),))] == 1
+    assert samples[("idemproxy_store_errors_total", (("operation", "complete"),))] == 0
 
 
 async def test_a_closed_store_is_unavailable_and_not_timed(

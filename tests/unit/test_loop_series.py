@@ -141,3 +141,33 @@ async def test_a_value_that_is_no_number_stops_no_fold(caplog: pytest.LogCapture
         folding.cancel()
     assert series.counts[3] == 1
     assert "observations not numbers dropped" in caplog.text
+
+
+async def test_a_counters_add_runs_no_python_frame_and_is_folded_without_a_scrape() -> None:
+    """The request path counts with `add` (a C call); the amounts reach the value when it is
+    read, and the app's fold takes them when nobody reads it."""
+    family = LoopCounter("x_requests", "Help.", ["outcome"], CollectorRegistry())
+    series = family.labels("new")
+    frames: list[str] = []
+
+    def profile(frame: FrameType, event: str, _arg: object) -> None:
+        if event == "call":
+            frames.append(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        series.add(1)
+    finally:
+        sys.setprofile(None)
+    assert frames == []
+    assert series.value == 1
+    folding = asyncio.create_task(fold_forever([family], interval=0.01))
+    try:
+        for _ in range(1_000):
+            series.add(1)
+        series.inc(2.5)
+        await asyncio.sleep(0.1)
+        assert len(series.pending) == 0
+    finally:
+        folding.cancel()
+    assert series.value == 1_003.5

@@ -112,18 +112,41 @@ class CollectorPauses:
 
 
 class CounterSeries:
-    """One labelled counter: `inc` as prometheus_client's (never negative)."""
+    """One labelled counter: `inc` as prometheus_client's (never negative).
 
-    __slots__ = ("created", "value")
+    `add` is the list's own `append`, as a histogram's `observe`: the request path counts with
+    one C call and no frame of ours (bench/calls.py), a non-negative amount it chooses itself.
+    The amounts are summed into the value when it is read (`value`, a scrape) and by `fold`."""
+
+    __slots__ = ("_value", "add", "created", "pending")
 
     def __init__(self) -> None:
-        self.value = 0.0
+        self._value = 0.0
         self.created = time.time()
+        self.pending: list[float] = []  # added, not yet in the value
+        self.add: Callable[[float], None] = self.pending.append
 
     def inc(self, amount: float = 1.0) -> None:
         if amount < 0:
             raise ValueError("Counters can only be incremented by non-negative amounts.")
-        self.value += amount
+        self.pending.append(amount)
+
+    def fold(self) -> None:
+        pending = self.pending
+        taken = len(pending)
+        if not taken:
+            return
+        amounts = pending[:taken]
+        del pending[:taken]
+        total = self._value
+        for amount in amounts:
+            total += amount  # in order, as prometheus_client's value
+        self._value = total
+
+    @property
+    def value(self) -> float:
+        self.fold()
+        return self._value
 
 
 class HistogramSeries:
@@ -215,6 +238,11 @@ class LoopCounter(_Family[CounterSeries]):
     def _new(self) -> CounterSeries:
         return CounterSeries()
 
+    def fold(self) -> None:
+        for series in list(self._series.values()):
+            if series.pending:
+                series.fold()
+
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
@@ -273,20 +301,22 @@ FOLD_INTERVAL_SECONDS = 1.0
 
 
 async def fold_forever(
-    histograms: Sequence[LoopHistogram], interval: float = FOLD_INTERVAL_SECONDS
+    families: Sequence[LoopCounter | LoopHistogram], interval: float = FOLD_INTERVAL_SECONDS
 ) -> None:
-    """Sort the histograms' waiting observations into their buckets, until cancelled. One
-    loop over every series, a series with nothing waiting tested in place: a fold that comes
-    during a request adds only the folds of the series that request observed to its calls."""
+    """Sort the histograms' waiting observations into their buckets and add the counters'
+    waiting amounts to their values, until cancelled. One loop over every series, a series
+    with nothing waiting tested in place: a fold that comes during a request adds only the
+    folds of the series that request observed to its calls."""
     while True:
         await asyncio.sleep(interval)
-        for histogram in histograms:
-            for series in list(histogram._series.values()):
+        for family in families:
+            waiting: list[CounterSeries | HistogramSeries] = list(family._series.values())
+            for series in waiting:
                 if series.pending:
                     try:
                         series.fold()
-                    except Exception:  # a value no bucket takes: its batch is dropped
-                        log.exception("%s: observations not numbers dropped", histogram.name)
+                    except Exception:  # a value that is no number: its batch is dropped
+                        log.exception("%s: observations not numbers dropped", family.name)
 
 
 log = logging.getLogger("idemproxy.metrics")
@@ -644,7 +674,9 @@ class Metrics:
         for generation in range(GC_GENERATIONS):  # every series from the start
             self.gc_pauses.labels(str(generation))
         # What `fold_forever` folds.
-        self.histograms = (
+        self.folded = (
+            self.requests,
+            self.attempts,
             self.upstream_seconds,
             self.request_seconds,
             self.store_seconds,
@@ -741,6 +773,11 @@ class Metrics:
         if failed:
             self._store_errors[operation].inc()
 
+    def store_seconds_of(self, operation: str) -> Callable[[float], None]:
+        """The `store_seconds` series of `operation`'s own `observe` (an append): a call of
+        it that did not fail, timed with no call of ours in between."""
+        return self._store_seconds[operation].observe
+
     def batch_observer(self, kind: str) -> Callable[[int], None]:
         """`GroupCommit.observer` of `kind`: the rows of each of its statements, observed by the
         histogram's own method (no call of ours in between, on every claim and completion)."""
@@ -752,6 +789,8 @@ def watch_store(metrics: Metrics, stack: StoreStack) -> None:
     store of record; the in-process replay cache's counts when it is there."""
     store = stack.record
     store.observer = metrics.observe_store
+    store.claim_seconds = metrics.store_seconds_of("claim")
+    store.complete_seconds = metrics.store_seconds_of("complete")
     for batcher in store.group_commits():
         batcher.observer = metrics.batch_observer(batcher.kind)
     metrics.waiters.set_function(lambda: store.watch.waiting)

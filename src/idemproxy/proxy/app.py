@@ -196,7 +196,7 @@ async def _start_housekeeping(
     await asyncio.gather(*(gate.check(ctx.upstream) for gate in gates))
     tasks = [
         asyncio.create_task(measure_loop_lag(ctx.metrics.event_loop_lag)),
-        asyncio.create_task(fold_forever(ctx.metrics.histograms)),
+        asyncio.create_task(fold_forever(ctx.metrics.folded)),
         asyncio.create_task(refresh_gauges(ctx.metrics, record, settings.sweeper.interval)),
         asyncio.create_task(keep_checking(gates, ctx.upstream)),
         asyncio.create_task(

@@ -195,29 +195,30 @@ class AttemptRunner:
         )
         started = time.perf_counter()
         try:
-            async with (
-                KeptLease(self.store, attempt.job, lease=self.settings.lease),
-                self.upstream.request(
+            async with KeptLease(self.store, attempt.job, lease=self.settings.lease):
+                exchange, upstream = await self.upstream.send(
                     request.method,
                     url,
                     headers,
                     body.memory if body.memory is not None else body.reader(),
                     content_length=body.size,
                     timeout=governed.route.upstream_timeout,
-                ) as upstream,
-            ):
-                media_type = upstream.headers.get("Content-Type", "").partition(";")[0]
-                stream = media_type.strip().lower() in STREAMING_MEDIA_TYPES
-                head = Head(upstream.status, stream)
-                step = await self._drive(governed, attempt, upstream, forward.next(head))
-                # Until the upstream's answer was whole, not until it was stored: the store's
-                # time is idemproxy_store_seconds' (SPEC §13).
-                ended = upstream.finished_at or time.perf_counter()
-                handed = type(step) is HandedBack
-                answered = UpstreamOutcome.FAILED if handed else UpstreamOutcome.ANSWERED
-                by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
-                by_outcome[answered].observe(ended - started)
-                return step
+                )
+                try:
+                    media_type = upstream.headers.get("Content-Type", "").partition(";")[0]
+                    stream = media_type.strip().lower() in STREAMING_MEDIA_TYPES
+                    head = Head(upstream.status, stream)
+                    step = await self._drive(governed, attempt, upstream, forward.next(head))
+                    # Until the upstream's answer was whole, not until it was stored: the
+                    # store's time is idemproxy_store_seconds' (SPEC §13).
+                    ended = upstream.finished_at or time.perf_counter()
+                    handed = type(step) is HandedBack
+                    answered = UpstreamOutcome.FAILED if handed else UpstreamOutcome.ANSWERED
+                    by_outcome = self.metrics.upstream_call[upstream_origin(attempt.upstream)]
+                    by_outcome[answered].observe(ended - started)
+                    return step
+                finally:
+                    await exchange.close()
         except UpstreamFailure as failure:  # no (whole) response before its head went out
             state = forward.next(TransportFailed(failure.failure, failure.reason))
             assert isinstance(state, Settle | HandBack)
@@ -438,7 +439,7 @@ class AttemptRunner:
             self.unwritten.completion(attempt.job, attempt.number, stored, ttl)
             raise StoreUnavailable(_FORWARDED_NOT_STORED) from exc
         outcome = AttemptOutcome.SUCCEEDED if won else AttemptOutcome.DISCARDED
-        self.metrics.attempt_outcome[outcome].inc()
+        self.metrics.attempt_outcome[outcome].add(1)
         if not won:
             self.metrics.late_results.inc()
             log.info("late result discarded: job %s attempt %d", attempt.job.id, attempt.number)

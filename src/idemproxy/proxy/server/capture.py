@@ -176,6 +176,11 @@ class BodySource(Protocol):
         """The next piece of the body; b"" once it is complete."""
         ...
 
+    async def read_piece(self) -> tuple[bytes, bool]:
+        """The next piece of the body, and whether it was the last; (b"", True) once it is
+        complete."""
+        ...
+
 
 class Captured:
     """Up to `limit` bytes of an upstream body, in memory or on disk; `whole` when that was
@@ -298,11 +303,12 @@ async def capture(upstream: BodySource, limit: int, budget: ResponseBudget) -> C
     captured = Captured(budget)
     try:
         while captured.size <= limit:
-            chunk = await upstream.read_chunk()
-            if not chunk:
-                captured.whole = True
+            chunk, last = await upstream.read_piece()
+            if chunk:
+                captured.add(chunk)
+            if last:
+                captured.whole = captured.size <= limit
                 break
-            captured.add(chunk)
     except BaseException:
         captured.close()
         raise

@@ -138,7 +138,7 @@ def record(
     # `2xx` for 201 (RFC 9110 §15); a status outside 100-599 counts in the nearest class.
     status_class = STATUS_CLASSES[min(max(status // 100, 1), 5) - 1]
     key = (outcome, status_class, source)
-    metrics.request_answer[key].inc()
+    metrics.request_answer[key].add(1)
     route = trace.route
     metrics.request_route[UNROUTED if route is None else route.prefix][key].observe(elapsed)
     if not (access_log if outcome == _PASSTHROUGH else log_requests):

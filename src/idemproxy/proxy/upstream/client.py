@@ -194,6 +194,23 @@ class UpstreamResponse:
                 return b""
             await self._wait("upstream body timed out")
 
+    async def read_piece(self) -> tuple[bytes, bool]:
+        """`read_chunk`, and whether the body ended with that piece: a reader of the whole
+        body (a capture) makes no read past its end, where nearly every body is one piece."""
+        while True:
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                self._buffered -= len(chunk)
+                if self._paused and self._buffered < _LOW_WATER:
+                    self._paused = False
+                    self._connection.resume_reading()
+                return chunk, not self._chunks and self.stage is _Stage.DONE
+            if self._error is not None:
+                raise self._error
+            if self.stage is _Stage.DONE:
+                return b"", True
+            await self._wait("upstream body timed out")
+
     @property
     def complete(self) -> bool:
         return self.stage is _Stage.DONE
@@ -675,7 +692,8 @@ class Exchange:
         self._connection: Connection | None = None
         self._sender: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> UpstreamResponse:
+    async def open(self) -> UpstreamResponse:
+        """Send the request and wait for the response's head."""
         link = self._link
         connection = await link.pool.acquire(self._origin, link.connect_timeout)
         self._connection = connection
@@ -705,13 +723,15 @@ class Exchange:
                 )
             await exchange.wait_head()
         except BaseException as exc:
-            await self.__aexit__()
+            await self.close()
             if isinstance(exc, ConnectionError | OSError):
                 raise UpstreamFailure(Failure.BROKEN, f"upstream connection broke: {exc}") from exc
             raise
         if exchange.dropped_headers:
             self._report_dropped(exchange.dropped_headers)
         return exchange
+
+    __aenter__ = open
 
     def _report_dropped(self, names: list[str]) -> None:
         host, port, _ = self._origin
@@ -726,7 +746,7 @@ class Exchange:
         if on_dropped is not None:
             on_dropped(len(names))
 
-    async def __aexit__(self, *_exc: object) -> None:
+    async def close(self, *_exc: object) -> None:
         """The connection goes back to the pool, or is closed when it cannot serve again."""
         connection, self._connection = self._connection, None
         if connection is None:
@@ -736,6 +756,8 @@ class Exchange:
             sender.cancel()  # answered before the whole body was sent: not reusable
             connection.abort()
         self._link.pool.release(self._origin, connection)
+
+    __aexit__ = close
 
 
 async def send_stream(
@@ -898,6 +920,24 @@ class UpstreamClient:
         if body is None or isinstance(body, bytes | bytearray):
             return Exchange(self._link, origin, method, head, body, wait)
         return Exchange(self._link, origin, method, head, StreamedBody(body, content_length), wait)
+
+    async def send(
+        self,
+        method: str,
+        url: URL,
+        headers: Any,
+        body: bytes | AsyncIterable[bytes] | None,
+        *,
+        content_length: int | None = None,
+        timeout: float | None = None,
+    ) -> tuple[Exchange, UpstreamResponse]:
+        """`request`, opened: the exchange, to `close` once done with its response, and the
+        response with its head. For a caller that holds the exchange beyond one block (an
+        attempt), in one call rather than two."""
+        exchange = self.request(
+            method, url, headers, body, content_length=content_length, timeout=timeout
+        )
+        return exchange, await exchange.open()
 
     def _origin(self, url: URL) -> tuple[Origin, str]:
         """(host, port, TLS) and the Host header for an upstream URL, the first time; `request`

@@ -471,8 +471,11 @@ class PostgresStore(Store):
             failed = True
             raise
         finally:
-            if self.observer is not None:
-                self.observer("claim", time.perf_counter() - started, failed)
+            seconds = time.perf_counter() - started
+            if self.claim_seconds is not None and not failed:
+                self.claim_seconds(seconds)
+            elif self.observer is not None:
+                self.observer("claim", seconds, failed)
 
     async def _claim_batch(self, batch: list[ClaimRequest]) -> Sequence[Outcome[ClaimResult]]:
         """`claims`' statement: a lone claim alone, several in one `claim_batch`. On Citus each
@@ -603,8 +606,11 @@ class PostgresStore(Store):
             failed = True
             raise
         finally:
-            if self.observer is not None:
-                self.observer("complete", time.perf_counter() - started, failed)
+            seconds = time.perf_counter() - started
+            if self.complete_seconds is not None and not failed:
+                self.complete_seconds(seconds)
+            elif self.observer is not None:
+                self.observer("complete", seconds, failed)
 
     async def _complete_batch(self, batch: list[CompleteRequest]) -> Sequence[Outcome[bool]]:
         """`completions`' statement: a lone one alone; several as one pipeline of `complete`,
