@@ -17,7 +17,7 @@ import pytest
 
 from idemproxy.core.types import Claimed, Intent, JobState, StoredResponse
 from idemproxy.errors import StoreRefused
-from idemproxy.observe.metrics import Metrics
+from idemproxy.observe.metrics import AttemptOutcome, Metrics
 from idemproxy.proxy.background.unwritten import UnwrittenOutcomes
 from idemproxy.store.base import Store
 from idemproxy.store.factory import create_store
@@ -71,7 +71,7 @@ async def test_a_refused_outcome_is_given_up_and_another_jobs_outcome_still_writ
     metrics = Metrics()
     refused = await _claimed(store, "refused")
     fine = await _claimed(store, "fine")
-    unwritten = UnwrittenOutcomes(store, metrics.unwritten_outcome)
+    unwritten = UnwrittenOutcomes(store, metrics.unwritten_outcome, metrics.attempt_outcome)
     # In this order: each round tries the refused one first.
     unwritten.completion(refused.job, refused.attempt, REFUSED, ttl=60.0)
     unwritten.completion(fine.job, fine.attempt, FINE, ttl=60.0)
@@ -85,6 +85,14 @@ async def test_a_refused_outcome_is_given_up_and_another_jobs_outcome_still_writ
     left = await store.get("alice", "refused")
     assert left is not None and left.state is JobState.IN_FLIGHT  # to its lease, then unknown
     assert (_counted(metrics, "refused"), _counted(metrics, "written")) == (1, 1)
+    # The refused one's job goes to its lease, then unknown: its attempt is counted so.
+    attempts = {o: metrics.attempt_outcome[o].value for o in AttemptOutcome}
+    assert attempts == {
+        AttemptOutcome.SUCCEEDED: 1,
+        AttemptOutcome.UNKNOWN: 1,
+        AttemptOutcome.FAILED: 0,
+        AttemptOutcome.DISCARDED: 0,
+    }
     assert f"the follow-up of job {refused.job.id} was refused by the store" in caplog.text
 
 

@@ -50,12 +50,17 @@ class FailingWrites:
         self.until = 0.0
 
 
-def _counted(client: TestClient[Any, Any], outcome: str) -> float:
+def _counted(
+    client: TestClient[Any, Any], outcome: str, name: str = "idemproxy_unwritten_outcomes_total"
+) -> float:
     metrics: Metrics = client.app[CONTEXT].metrics
-    value = metrics.registry.get_sample_value(
-        "idemproxy_unwritten_outcomes_total", {"outcome": outcome}
-    )
+    value = metrics.registry.get_sample_value(name, {"outcome": outcome})
     return value or 0.0
+
+
+def _attempts(client: TestClient[Any, Any], outcome: str) -> float:
+    """`idemproxy_attempts_total{outcome}`: every attempt counted once it ended."""
+    return _counted(client, outcome, "idemproxy_attempts_total")
 
 
 async def _post(
@@ -86,6 +91,8 @@ async def test_a_completion_the_store_missed_is_written_and_retries_get_it(
     assert (job.state, job.completed_by) == (JobState.COMPLETED, 1)
     assert [a.state for a in job.attempts] == [AttemptState.SUCCEEDED]
     assert _counted(client, "written") == 1
+    # The attempt ended when its completion was written, not when the client got its 503.
+    assert (_attempts(client, "succeeded"), _attempts(client, "unknown")) == (1, 0)
     status, replayed, body = await _post(client, "k")
     assert (status, replayed) == (201, "true")
     assert json.loads(body)["execution"] == 1
@@ -122,6 +129,7 @@ async def test_a_settlement_the_store_missed_is_written(
     job = await job_with_attempts(failing.record, "k")
     assert job.state is JobState.RELEASED
     assert [a.state for a in job.attempts] == [AttemptState.FAILED]
+    assert _attempts(client, "failed") == 1  # when it failed, and only then
     status, replayed, _ = await _post(client, "k", "/payments?status=503")
     assert (status, replayed) == (503, None)  # the retry ran: the upstream's own 503 again
     assert ledger.count("k") == 2
@@ -142,4 +150,6 @@ async def test_a_job_taken_over_first_stays_unknown(proxy: ProxyFactory, ledger:
     await eventually(lambda: len(client.app[CONTEXT].unwritten) == 0, timeout=5.0)
     assert await _state(failing.store, "k") is JobState.UNKNOWN
     assert _counted(client, "moved_on") == 1
+    # Its result lost to the job's move: the attempt is counted as a discarded result.
+    assert (_attempts(client, "discarded"), _attempts(client, "succeeded")) == (1, 0)
     assert ledger.count("k") == 1

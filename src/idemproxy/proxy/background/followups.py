@@ -70,6 +70,7 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
         over_bytes = self._max_bytes and self._bytes + size > self._max_bytes
         if len(self._pending) >= self._max_items or over_bytes:
             self._counted[self._dropped].inc()
+            self._ended(item, self._dropped)
             return
         self._pending[job_id] = item
         self._bytes += size
@@ -106,6 +107,9 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
 
     def _size(self, item: Item) -> int:
         return 0
+
+    def _ended(self, item: Item, outcome: Done) -> None:
+        """What else an item's end is told to (counted as `outcome`); nothing by default."""
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -147,6 +151,7 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
             if outcome is not None:
                 self._drop(job_id)
                 self._counted[outcome].inc()
+                self._ended(item, outcome)
                 settled = True
         return settled
 

@@ -22,7 +22,7 @@ from typing import NamedTuple
 from prometheus_client import Counter
 
 from idemproxy.core.types import Job, JobState, StoredResponse
-from idemproxy.observe.metrics import UnwrittenOutcome
+from idemproxy.observe.metrics import AttemptOutcome, CounterSeries, UnwrittenOutcome
 from idemproxy.proxy.background.followups import FollowUps
 from idemproxy.store.ports import JobStore
 
@@ -44,9 +44,27 @@ class _Outcome(NamedTuple):
     error: str | None
 
 
+# How an attempt whose completion waited here ended (`idemproxy_attempts_total`): its result
+# stored; the job gone on without it (taken over, or completed by another attempt); or never
+# written, so that its lease runs out and the job becomes unknown (SPEC §3.5).
+_ATTEMPT_ENDED = {
+    UnwrittenOutcome.WRITTEN: AttemptOutcome.SUCCEEDED,
+    UnwrittenOutcome.MOVED_ON: AttemptOutcome.DISCARDED,
+    UnwrittenOutcome.DROPPED: AttemptOutcome.UNKNOWN,
+    UnwrittenOutcome.REFUSED: AttemptOutcome.UNKNOWN,
+}
+
+
 class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
-    def __init__(self, store: JobStore, counted: Mapping[UnwrittenOutcome, Counter]) -> None:
-        """`counted`: Metrics.unwritten_outcome."""
+    def __init__(
+        self,
+        store: JobStore,
+        counted: Mapping[UnwrittenOutcome, Counter],
+        attempts: Mapping[AttemptOutcome, CounterSeries] | None = None,
+    ) -> None:
+        """`counted`: Metrics.unwritten_outcome. `attempts`: Metrics.attempt_outcome, where an
+        attempt whose completion is written here is counted once that write ends (a failed
+        attempt's settlement was counted when it failed)."""
         super().__init__(
             store,
             counted,
@@ -55,6 +73,7 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
             max_items=MAX_UNWRITTEN,
             max_bytes=MAX_UNWRITTEN_BYTES,
         )
+        self._attempts = attempts
 
     def completion(self, job: Job, attempt: int, response: StoredResponse, ttl: float) -> None:
         completed = JobState.COMPLETED
@@ -71,6 +90,10 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
             return 0
         headers = sum(len(name) + len(value) for name, value in response.headers)
         return len(response.body or b"") + headers
+
+    def _ended(self, item: _Outcome, outcome: UnwrittenOutcome) -> None:
+        if self._attempts is not None and item.response is not None:
+            self._attempts[_ATTEMPT_ENDED[outcome]].inc()
 
     async def _settle(self, store: JobStore, outcome: _Outcome) -> UnwrittenOutcome:
         job, attempt = outcome.job, outcome.attempt
