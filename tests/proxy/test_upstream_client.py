@@ -265,6 +265,34 @@ async def test_a_piece_says_whether_the_body_ended_with_it() -> None:
 
 
 @on_both_loops
+async def test_with_keepalive_zero_each_request_has_a_connection_of_its_own() -> None:
+    """`pool.upstream_keepalive: 0`: nothing is reused, and the upstream is told so; bytes an
+    upstream writes after its answer then reach no other request (docs/operations.md)."""
+    late = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nLATE!"
+
+    async def answers_then_writes_again(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await upstream_of[answers_then_writes_again].read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        with contextlib.suppress(ConnectionError):
+            writer.write(late)
+            await writer.drain()
+        await reader.read()
+
+    async with serving(answers_then_writes_again) as upstream, client(keepalive=0) as c:
+        for _ in range(3):
+            status, _, body = await call(c, upstream.url)
+            assert (status, body) == (201, b"ok")
+            await asyncio.sleep(0.05)
+    assert upstream.connections == 3
+    assert all(b"\r\nConnection: close\r\n" in request for request in upstream.requests)
+    assert all(request.count(b"\r\n\r\n") == 1 for request in upstream.requests)
+
+
+@on_both_loops
 async def test_connection_close_is_honoured() -> None:
     closing = b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx"
     async with serving(answering(closing, then_close=True)) as upstream, client() as c:

@@ -70,6 +70,7 @@ def test_methods_accept_a_comma_list() -> None:
         ({"fingerprint_exclude": ["nonce"]}, "fingerprint_exclude"),
         ({"routes": [{"prefix": "api", "upstream": "http://x:1"}]}, "routes.0.prefix"),
         ({"no_such_setting": 1}, "no_such_setting"),
+        ({"pool": {"upstream_keepalive": -1}}, "pool.upstream_keepalive"),
     ],
 )
 def test_bad_values_name_the_field(overrides: dict[str, Any], field: str) -> None:
@@ -78,6 +79,12 @@ def test_bad_values_name_the_field(overrides: dict[str, Any], field: str) -> Non
         load_settings(**{**base, **overrides})
     locations = {".".join(str(p) for p in error["loc"]) for error in caught.value.errors()}
     assert field in locations
+
+
+def test_upstream_keepalive_zero_reuses_no_connection() -> None:
+    """docs/operations.md, "Bytes from an upstream after its answer": 0 is a setting."""
+    settings = load_settings(upstream="http://x:1", pool={"upstream_keepalive": 0})
+    assert settings.pool.upstream_keepalive == 0
 
 
 def test_an_upstream_is_required() -> None:

@@ -414,8 +414,10 @@ class PoolSettings(BaseModel):
     store_timeout: Duration = Field(default=5.0, gt=0)
     upstream_connections: int = Field(default=256, gt=0)
     # Shorter than common upstream idle timeouts (Node.js: 5 s) so that a pooled connection is
-    # rarely closed under a request: a POST cut off that way would leave its job unknown.
-    upstream_keepalive: Duration = Field(default=4.0, gt=0)
+    # rarely closed under a request: a POST cut off that way would leave its job unknown. 0:
+    # every request on a connection of its own, sent with `Connection: close` (a backend that
+    # writes after its answer; docs/operations.md, "Bytes from an upstream after its answer").
+    upstream_keepalive: Duration = Field(default=4.0, ge=0)
     # PostgreSQL connections of each proxy process reserved for lease renewals (SPEC §3.5), on
     # top of store_connections: a renewal never waits behind request traffic for a connection.
     lease_connections: int = Field(default=2, ge=1, le=c.MAX_LEASE_CONNECTIONS)

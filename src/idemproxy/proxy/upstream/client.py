@@ -584,7 +584,8 @@ class ConnectionPool:
         # Kept for the next exchange only after a whole answer to a whole request, on a
         # connection both sides keep alive.
         reusable = (
-            not connection.closed
+            self._keepalive > 0
+            and not connection.closed
             and exchange is not None
             and exchange.stage is _Stage.DONE
             and exchange.request_sent
@@ -873,6 +874,8 @@ class UpstreamClient:
         self._connect_timeout = connect_timeout
         self._connections = connections
         self._keepalive = keepalive
+        # `keepalive` 0: no connection is reused, and the upstream is told so (RFC 9112 §9.6).
+        self._closing_each = "Connection: close\r\n" if keepalive == 0 else ""
         self._hooks = hooks
         self._link: Link | None = None
         self._origins: dict[tuple[str | None, str | None, int | None], tuple[Origin, str]] = {}
@@ -915,7 +918,7 @@ class UpstreamClient:
         host = headers.get("Host") or authority
         if target is None:
             target = url.raw_path_qs
-        head = request_head(method, target, host, headers, framing)
+        head = request_head(method, target, host, headers, framing + self._closing_each)
         wait = self._timeout if timeout is None else timeout
         if body is None or isinstance(body, bytes | bytearray):
             return Exchange(self._link, origin, method, head, body, wait)
@@ -984,7 +987,7 @@ def request_head(method: str, target: str, host: str, headers: Any, framing: str
     head = "".join(lines)
     # Values come from a parsed request, which can not hold CR or LF; a line more than the
     # headers would be a request smuggled into the head: refuse to send it.
-    breaks = len(lines) + 1 - (framing == "")
+    breaks = len(lines) + framing.count("\n")  # the request line and Host: two
     if head.count("\n") != breaks or head.count("\r") != breaks:
         raise UpstreamFailure(Failure.CONNECT, "refused to send a header with a line break")
     return head.encode("utf-8", "surrogateescape")
