@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -104,3 +106,26 @@ def test_help_renders(capsys: pytest.CaptureFixture[str]) -> None:
         _parser().parse_args(["serve", "--help"])
     out = capsys.readouterr().out
     assert "env IDEMPROXY_STORE" in out
+
+
+def test_an_operators_command_starts_without_the_batch_runner_or_an_http_client() -> None:
+    """`idemproxy jobs …` at 3 a.m.: the batch runner's and the contract check's imports (an
+    HTTP client, a progress display) are theirs alone; every command is still listed, and
+    those two still parse their flags when they are the command."""
+    probe = (
+        "import sys\n"
+        "from idemproxy.cli.main import _parser\n"
+        "parser = _parser('jobs')\n"
+        "loaded = [m for m in ('idemproxy.batch.runner', 'aiohttp.client') if m in sys.modules]\n"
+        "print(','.join(loaded) or 'none')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "none"
+    with pytest.raises(SystemExit) as unknown:
+        _parser("jobs").parse_args(["nonsense"])
+    assert unknown.value.code == 2
+    args = _parser("batch").parse_args(["batch", "status", "results.jsonl"])
+    assert args.run is not None
+    assert _parser("contract").parse_args(["contract", "check", "--config", "x.yaml"]).run
