@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from idemproxy.cli.help import SETTING_FLAGS, env_variable, setting_default
-from idemproxy.cli.main import _parser
+from idemproxy.cli.main import _parser, main
 
 
 def _commands(
@@ -129,3 +129,14 @@ def test_an_operators_command_starts_without_the_batch_runner_or_an_http_client(
     args = _parser("batch").parse_args(["batch", "status", "results.jsonl"])
     assert args.run is not None
     assert _parser("contract").parse_args(["contract", "check", "--config", "x.yaml"]).run
+
+
+@pytest.mark.parametrize("argv", [["-h", "jobs"], ["--help", "batch"], ["-h"]])
+def test_the_top_level_help_lists_every_command_whatever_follows_it(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)
+    listed = capsys.readouterr().out
+    for command in ("serve", "migrate", "demo", "batch", "contract", "jobs", "store"):
+        assert f"    {command} " in listed, command

@@ -84,8 +84,14 @@ def _report(exc: ValidationError | IdemproxyError) -> int:
 
 def _command_of(argv: Sequence[str]) -> str | None:
     """The command a command line runs: its first argument that is no option (the top level
-    has only `--version` and `--help`); None without one."""
-    return next((arg for arg in argv if not arg.startswith("-")), None)
+    has only `--version` and `--help`); None without one, or when the top level's own help
+    comes first (`idemproxy -h jobs` lists every command)."""
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            return None
+        if not arg.startswith("-"):
+            return arg
+    return None
 
 
 def _parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -112,7 +112,9 @@ class ProxyContext:
             failpoints=failpoints,
             metrics=metrics,
             unsent=UnsentClaims(store, metrics.unsent_outcome, lease=settings.lease),
-            unwritten=UnwrittenOutcomes(store, metrics.unwritten_outcome, metrics.attempt_outcome),
+            unwritten=UnwrittenOutcomes(
+                store, metrics.unwritten_outcome, metrics.attempt_outcome, metrics.late_results
+            ),
             budget=budget,
             replays=_replays(budget, metrics),
             offload=Offload(settings.server.parse_processes),

@@ -61,10 +61,12 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
         store: JobStore,
         counted: Mapping[UnwrittenOutcome, Counter],
         attempts: Mapping[AttemptOutcome, CounterSeries] | None = None,
+        late: Counter | None = None,
     ) -> None:
         """`counted`: Metrics.unwritten_outcome. `attempts`: Metrics.attempt_outcome, where an
         attempt whose completion is written here is counted once that write ends (a failed
-        attempt's settlement was counted when it failed)."""
+        attempt's settlement was counted when it failed); `late`: Metrics.late_results, a
+        result the job moved on from."""
         super().__init__(
             store,
             counted,
@@ -74,6 +76,25 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
             max_bytes=MAX_UNWRITTEN_BYTES,
         )
         self._attempts = attempts
+        self._late = late
+
+    def _add(self, job_id: str, item: _Outcome) -> None:
+        """One outcome per job waits here. A race's other attempt may end while one does: a
+        newer result takes an older one's place (the job moves on from the older), but no
+        settlement takes the place of a result (written first, it could release or give up a
+        job whose result this process holds)."""
+        older = self._pending.get(job_id)
+        if older is not None:
+            kept, superseded = (
+                (older, item)
+                if older.response is not None and item.response is None
+                else (item, older)
+            )
+            self._counted[UnwrittenOutcome.MOVED_ON].inc()
+            self._ended(superseded, UnwrittenOutcome.MOVED_ON)
+            if kept is older:
+                return
+        super()._add(job_id, item)
 
     def completion(self, job: Job, attempt: int, response: StoredResponse, ttl: float) -> None:
         completed = JobState.COMPLETED
@@ -92,8 +113,12 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
         return len(response.body or b"") + headers
 
     def _ended(self, item: _Outcome, outcome: UnwrittenOutcome) -> None:
-        if self._attempts is not None and item.response is not None:
+        if item.response is None:
+            return
+        if self._attempts is not None:
             self._attempts[_ATTEMPT_ENDED[outcome]].inc()
+        if self._late is not None and outcome is UnwrittenOutcome.MOVED_ON:
+            self._late.inc()
 
     async def _settle(self, store: JobStore, outcome: _Outcome) -> UnwrittenOutcome:
         job, attempt = outcome.job, outcome.attempt
@@ -104,6 +129,11 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
                 job, attempt, outcome.state, status=outcome.status, error=outcome.error
             )
         if not won:
+            if outcome.response is not None and await _completed_by(store, job, attempt):
+                # Its first statement committed after all, its answer lost on the way back:
+                # the compare-and-swap lost to itself.
+                log.warning("job %s completed: its first write had committed", job.id)
+                return UnwrittenOutcome.WRITTEN
             return UnwrittenOutcome.MOVED_ON
         log.warning(
             "job %s %s: its outcome was written after the proxy had answered 503",
@@ -111,3 +141,9 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
             outcome.state.value,
         )
         return UnwrittenOutcome.WRITTEN
+
+
+async def _completed_by(store: JobStore, job: Job, attempt: int) -> bool:
+    """Whether `job` stands completed by `attempt` (read from the store)."""
+    current = await store.get(job.owner, job.key)
+    return current is not None and current.id == job.id and current.completed_by == attempt
