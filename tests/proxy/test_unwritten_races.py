@@ -5,7 +5,9 @@ to its own earlier commit counts as written."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from typing import Any
 
 from idemproxy.core.types import AttemptState, Claimed, Intent, Job, JobState, StoredResponse
 from idemproxy.observe.metrics import AttemptOutcome, Metrics
@@ -99,3 +101,50 @@ async def test_a_write_that_lost_to_its_own_earlier_commit_counts_as_written(
     assert attempts[AttemptOutcome.SUCCEEDED] == 1
     assert attempts[AttemptOutcome.DISCARDED] == 0
     assert late == 0
+
+
+class _HeldFirstWrite:
+    """The store, its first completion held until `go` is set (a write under way)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.started, self.go = asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def complete(self, job: Job, attempt: int, response: Any, *, ttl: float) -> bool:
+        if not self.started.is_set():
+            self.started.set()
+            await self.go.wait()
+        return await self._store.complete(job, attempt, response, ttl=ttl)
+
+
+async def test_a_result_that_comes_while_another_is_being_written_is_written_next(
+    store: Store,
+) -> None:
+    """The hedge's result arrives while the primary's late write is under way: that write is
+    counted by its own outcome, and the hedge's is written after it (it loses: discarded)."""
+    job, metrics = await _raced(store, "during-a-write"), Metrics()
+    held = _HeldFirstWrite(store)
+    unwritten = UnwrittenOutcomes(
+        held,
+        metrics.unwritten_outcome,
+        metrics.attempt_outcome,
+        metrics.late_results,
+    )
+    try:
+        unwritten.completion(job, 1, FIRST, ttl=3600.0)
+        await asyncio.wait_for(held.started.wait(), 10)
+        unwritten.completion(job, 2, SECOND, ttl=3600.0)
+        held.go.set()
+        await eventually(lambda: len(unwritten) == 0)
+    finally:
+        await unwritten.close()
+    stored = await store.get("alice", "during-a-write")
+    assert stored is not None and (stored.state, stored.completed_by) == (JobState.COMPLETED, 1)
+    unwritten_counts, attempts, late = _counts(metrics)
+    assert (unwritten_counts["written"], unwritten_counts["moved_on"]) == (1, 1)
+    assert attempts[AttemptOutcome.SUCCEEDED] == 1
+    assert attempts[AttemptOutcome.DISCARDED] == 1
+    assert late == 1

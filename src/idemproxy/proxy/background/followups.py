@@ -60,6 +60,9 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
         self._bytes = 0
         self._pending: dict[str, Item] = {}
         self._task: asyncio.Task[None] | None = None
+        # The item whose write is under way: one that replaces it leaves it to be counted
+        # by that write's own outcome.
+        self._writing: Item | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -149,7 +152,8 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
             except (StoreUnavailable, TimeoutError):
                 break  # still away (every other try would fail the same way), or out of time
             if outcome is not None:
-                self._drop(job_id)
+                if self._pending.get(job_id) is item:  # else replaced while it was written
+                    self._drop(job_id)
                 self._counted[outcome].inc()
                 self._ended(item, outcome)
                 settled = True
@@ -158,6 +162,7 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
     async def _try(self, job_id: str, item: Item) -> Done | None:
         """`_settle`, with the errors that are final for this item made its outcome: the
         others are still tried (one item the store refuses held up every one behind it)."""
+        self._writing = item
         try:
             return await self._settle(self._store, item)
         except StoreRefused:
@@ -170,3 +175,5 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
         except Exception:  # a bug: loud, and this item is tried again later (the others now)
             log.exception("the follow-up of job %s failed", job_id)
             return None
+        finally:
+            self._writing = None

@@ -90,8 +90,9 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
                 if older.response is not None and item.response is None
                 else (item, older)
             )
-            self._counted[UnwrittenOutcome.MOVED_ON].inc()
-            self._ended(superseded, UnwrittenOutcome.MOVED_ON)
+            if superseded is not self._writing:  # else counted when that write ends
+                self._counted[UnwrittenOutcome.MOVED_ON].inc()
+                self._ended(superseded, UnwrittenOutcome.MOVED_ON)
             if kept is older:
                 return
         super()._add(job_id, item)
