@@ -69,19 +69,45 @@ async def test_redis_holds_only_sealed_bytes_and_a_hit_replays_them_opened(
     assert ledger.count("k1") == 1
 
 
-async def test_a_tampered_entry_is_refused_and_never_forwarded(
+async def test_a_tampered_entry_is_answered_from_the_store_and_never_forwarded(
     make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
 ) -> None:
-    _, client, _ = await _sealed_and_cached(make_store, make_proxy, redis_client)
+    """Whoever can write to Redis can break an entry's seal, not the answer: the entry that
+    does not open is dropped and the store of record's response replayed (SPEC §11)."""
+    _, client, body = await _sealed_and_cached(make_store, make_proxy, redis_client)
     [(name, entry)] = (await _entries(redis_client)).items()
     flipped = bytearray(entry)
     flipped[-3] ^= 0x40
     await redis_client.set(name, bytes(flipped), keepttl=True)
 
-    status, code, body = await _post(client)
-    assert (status, code) == (500, "response-unreadable")
-    assert SECRET not in body
+    for _ in range(2):
+        status, code, again = await _post(client)
+        assert (status, code, again) == (201, "", body)
     assert ledger.count("k1") == 1
+    # The tampered entry is gone; the store's copy is cached again in its place.
+    await wait_for(lambda: _entry_is(redis_client, name, lambda value: value != bytes(flipped)))
+
+
+async def test_an_entry_that_does_not_open_like_the_stores_own_copy_is_still_refused(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
+) -> None:
+    """The store of record holds the same box, under a key this proxy's ring lacks: there is
+    nothing better to answer with (SPEC §11, `500 response-unreadable`)."""
+    store = SealingStore(await make_store(), codec(OLD))
+    first = await make_proxy(store)
+    assert (await _post(first))[0] == 201
+    await wait_for(lambda: _any_entry(redis_client))
+    other = await make_proxy(SealingStore(store.inner, codec(OTHER)))
+    for _ in range(2):
+        status, code, body = await _post(other)
+        assert (status, code) == (500, "response-unreadable")
+        assert SECRET not in body
+    assert ledger.count("k1") == 1
+
+
+async def _entry_is(redis_client: Redis, name: bytes, test: Any) -> bool:
+    value = await redis_client.get(name)
+    return value is not None and bool(test(value))
 
 
 async def test_a_payload_mismatch_is_answered_before_any_decryption(

@@ -16,6 +16,9 @@ class Change(enum.Enum):
     RESOLVED = "resolved"  # an operator's (or unknown_ttl's) resolution (SPEC §3.3)
     DELETED = "deleted"  # an operator's deletion or an erasure's (SPEC §3.3, §11)
     RESEALED = "resealed"  # `idemproxy store reseal` replaced the box (SPEC §11)
+    # A cache's copy of the job's response did not open (SPEC §11: a Redis entry changed by
+    # someone with write access to it): every cache drops it; the store of record is asked.
+    UNREADABLE = "unreadable"
 
 
 class ChangeHook(Protocol):

@@ -14,7 +14,7 @@ a new key's claim crosses only the caches that answer claims.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TypeAlias, TypeVar
@@ -31,6 +31,7 @@ from idemproxy.core.types import (
     StoredResponse,
 )
 from idemproxy.store.base import Store
+from idemproxy.store.hooks import Change
 from idemproxy.store.ports import AttemptFailure, JobStore, Observer
 from idemproxy.store.watch import JobWatch
 
@@ -199,6 +200,28 @@ class JobLayer(JobStore):
 Layer = TypeVar("Layer", bound=JobLayer)
 # The store of record with its layers in front, given by the outermost (or the record alone).
 Stacked: TypeAlias = Store | JobLayer
+
+
+def record_reread(top: JobStore) -> Callable[[Job, KeptResponse], Awaitable[Job | None]] | None:
+    """For a job whose response, read through the caches in front of the store of record, did
+    not open (SPEC §11): the job as the record holds it when its response is another (the
+    caches then drop their copies), else None. None when no cache stands in front: the copy
+    was the record's."""
+    record = top.record if isinstance(top, JobLayer) else None
+    if record is None:
+        return None
+
+    async def reread(job: Job, unopened: KeptResponse) -> Job | None:
+        if not record.hooks:
+            return None
+        fresh = await record.get(job.owner, job.key)
+        if fresh is None or fresh.response == unopened:
+            return None  # the record's own copy, or none: nothing better to answer with
+        for cache in record.hooks:
+            cache.changed(job, Change.UNREADABLE, True)
+        return fresh
+
+    return reread
 
 
 @dataclass(frozen=True, slots=True)

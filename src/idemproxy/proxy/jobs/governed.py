@@ -57,10 +57,11 @@ from idemproxy.core.machine import (
 )
 from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.resolution import Way
-from idemproxy.core.types import Claimed, ClaimResult, Job
+from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, KeptResponse
 from idemproxy.errors import (
     JobLost,
     ProblemError,
+    ResponseUnreadable,
     StoreUnavailable,
     UpstreamTimeout,
 )
@@ -76,6 +77,7 @@ from idemproxy.proxy.server.capture import drop_unsent
 from idemproxy.proxy.server.fit import fitted, unfit
 from idemproxy.proxy.server.replay import SharedBodies, replay_response
 from idemproxy.proxy.server.trace import Trace
+from idemproxy.store.layers import record_reread
 from idemproxy.store.ports import JobStore
 
 if TYPE_CHECKING:
@@ -143,6 +145,9 @@ class Collaborators:
     observer: JobObserver
     # SPEC §3.6: resending and asking about `unknown` jobs; None when no route resolves them.
     unknown: UnknownJobs | None = None
+    # SPEC §11: a job whose response did not open, read again from the store of record once
+    # the caches dropped their copies (store/layers.py); None when no cache stands in front.
+    reread: Callable[[Job, KeptResponse], Awaitable[Job | None]] | None = None
 
 
 class Governor:
@@ -180,6 +185,7 @@ class Governor:
                 replays=ctx.replays,
                 observer=observer,
                 unknown=unknown,
+                reread=record_reread(ctx.store),
             )
         )
 
@@ -208,7 +214,13 @@ class Governor:
                     case Replaying():
                         # The answer is given here, without a coroutine of its own: a replay is
                         # the hot path.
-                        stored = at.store.opened(state.seen.job, state.response)
+                        try:
+                            stored = at.store.opened(state.seen.job, state.response)
+                        except ResponseUnreadable as unreadable:
+                            state = await _from_the_record(
+                                state, at.reread, unreadable, terms, at.draining(), clock()
+                            )
+                            continue
                         # SPEC §7: fitted to this retry's Accept-Encoding and Origin, on every
                         # path that replays (a completed job, a held duplicate, either cache).
                         request = governed.request
@@ -422,6 +434,29 @@ def _scope(governed: GovernedRequest, seen: Seen) -> str:
     """The owner a job is read under: the job's own in the transition (peppered or legacy,
     SPEC §5), the request's otherwise."""
     return governed.intent.owner if governed.transition is None else seen.job.owner
+
+
+async def _from_the_record(
+    replaying: Replaying,
+    reread: Callable[[Job, KeptResponse], Awaitable[Job | None]] | None,
+    unreadable: ResponseUnreadable,
+    terms: Terms,
+    draining: bool,
+    now: float,
+) -> State:
+    """SPEC §11: the response that did not open came through the caches, whose copy someone
+    may have changed (a Redis entry is theirs to write). The caches drop it, and the request is
+    decided again on the store of record's job: the same answer the store would have given
+    without them. When the record holds the same response, it is the 500 it always was."""
+    job = replaying.seen.job
+    fresh = None if reread is None else await reread(job, replaying.response)
+    if fresh is None:
+        raise unreadable
+    log.warning(
+        "job %s: a cached copy of its response did not open; answered from the store", job.id
+    )
+    state = begin(terms, draining)
+    return state.next(Existing(fresh), now) if isinstance(state, NeedClaim) else state
 
 
 class Shield:

@@ -263,7 +263,7 @@ class MemoryReplayCache(ReplayCache):
         self._on_change(job.id)
 
     def changed(self, job: Job, change: Change, won: bool) -> None:
-        if change is Change.DELETED:
+        if change is Change.DELETED or change is Change.UNREADABLE:
             self._on_change(job.id)
 
     # --- the cache ------------------------------------------------------------------------------
