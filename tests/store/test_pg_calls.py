@@ -208,6 +208,12 @@ async def test_a_claim_the_store_refuses_is_timed_as_failed(
     pg_store: tuple[PostgresStore, list[tuple[str, bool]]],
 ) -> None:
     store, seen = pg_store
+    await _refused_claim(store, "k")
+    assert seen == [("claim", True)]
+
+
+async def _refused_claim(store: PostgresStore, key: str) -> None:
+    """A claim of `key` whose statement the store refuses: StoreUnavailable."""
 
     async def refused(_request: object) -> Claimed:
         raise StoreUnavailable("refused")
@@ -215,9 +221,8 @@ async def test_a_claim_the_store_refuses_is_timed_as_failed(
     store.claims.alone = refused
     with pytest.raises(StoreUnavailable):
         await store.claim(
-            Intent("alice", "k", "fp", "POST", "/"), new_job_id(), "u", ttl=60, lease=30
+            Intent("alice", key, "fp", "POST", "/"), new_job_id(), "u", ttl=60, lease=30
         )
-    assert seen == [("claim", True)]
 
 
 async def test_the_metrics_time_claims_and_completions_in_place_and_count_a_refusal(
@@ -233,15 +238,7 @@ async def test_the_metrics_time_claims_and_completions_in_place_and_count_a_refu
     claimed = await store.claim(intent, new_job_id(), "u", ttl=60, lease=30)
     assert isinstance(claimed, Claimed)
     assert await store.complete(claimed.job, 1, StoredResponse(201, (), b"{}"), ttl=60)
-
-    async def refused(_request: object) -> Claimed:
-        raise StoreUnavailable("refused")
-
-    store.claims.alone = refused
-    with pytest.raises(StoreUnavailable):
-        await store.claim(
-            Intent("alice", "k2", "fp", "POST", "/"), new_job_id(), "u", ttl=60, lease=30
-        )
+    await _refused_claim(store, "k2")
     samples = {
         (sample.name, tuple(sample.labels.items())): sample.value
         for family in metrics.registry.collect()

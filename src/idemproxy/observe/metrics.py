@@ -111,6 +111,15 @@ class CollectorPauses:
             gc.callbacks.remove(self)
 
 
+def _taken(pending: list[float]) -> list[float]:
+    """What a series' list holds now, taken out of it: an append from another thread meanwhile
+    (the collector's hook) stays for the next fold."""
+    taken = len(pending)
+    values = pending[:taken]
+    del pending[:taken]
+    return values
+
+
 class CounterSeries:
     """One labelled counter: `inc` as prometheus_client's (never negative).
 
@@ -132,12 +141,7 @@ class CounterSeries:
         self.pending.append(amount)
 
     def fold(self) -> None:
-        pending = self.pending
-        taken = len(pending)
-        if not taken:
-            return
-        amounts = pending[:taken]
-        del pending[:taken]
+        amounts = _taken(self.pending)
         total = self._value
         for amount in amounts:
             total += amount  # in order, as prometheus_client's value
@@ -172,12 +176,7 @@ class HistogramSeries:
         self.observe: Callable[[float], None] = self.pending.append
 
     def fold(self) -> None:
-        pending = self.pending
-        taken = len(pending)
-        if not taken:
-            return
-        values = pending[:taken]
-        del pending[:taken]
+        values = _taken(self.pending)
         counts, bounds, total = self._counts, self.bounds, self._sum
         for value in values:
             counts[bisect_left(bounds, value)] += 1
@@ -237,11 +236,6 @@ class LoopCounter(_Family[CounterSeries]):
 
     def _new(self) -> CounterSeries:
         return CounterSeries()
-
-    def fold(self) -> None:
-        for series in list(self._series.values()):
-            if series.pending:
-                series.fold()
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)

@@ -182,12 +182,7 @@ class UpstreamResponse:
         """The next piece of the body; b"" once it is complete."""
         while True:
             if self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._paused and self._buffered < _LOW_WATER:
-                    self._paused = False
-                    self._connection.resume_reading()
-                return chunk
+                return self._take()
             if self._error is not None:
                 raise self._error
             if self.stage is _Stage.DONE:
@@ -199,17 +194,22 @@ class UpstreamResponse:
         body (a capture) makes no read past its end, where nearly every body is one piece."""
         while True:
             if self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._paused and self._buffered < _LOW_WATER:
-                    self._paused = False
-                    self._connection.resume_reading()
+                chunk = self._take()
                 return chunk, not self._chunks and self.stage is _Stage.DONE
             if self._error is not None:
                 raise self._error
             if self.stage is _Stage.DONE:
                 return b"", True
             await self._wait("upstream body timed out")
+
+    def _take(self) -> bytes:
+        """The first piece buffered; reading from the upstream again once below the low water."""
+        chunk = self._chunks.popleft()
+        self._buffered -= len(chunk)
+        if self._paused and self._buffered < _LOW_WATER:
+            self._paused = False
+            self._connection.resume_reading()
+        return chunk
 
     @property
     def complete(self) -> bool:
