@@ -187,3 +187,30 @@ async def test_a_fail_over_that_commits_late_is_awaited_then_released(store: Sto
         (_REFUSED, "refused"),
         (_FAILED, NEVER_FORWARDED),
     ]
+
+
+async def test_a_later_statement_for_the_same_job_takes_the_watch_and_counts_the_older_moved_on(
+    store: Store,
+) -> None:
+    """One statement per job is watched: a later one for the same job (the job moved on from
+    the older) takes its place, and the older is counted as moved on, not lost from the
+    counts (proxy/background/followups.py)."""
+    intent = Intent("alice", "twice", "fp", "POST", "/payments")
+    claimed = await store.claim(intent, str(uuid.uuid4()), "a", ttl=3600.0, lease=30.0)
+    metrics = Metrics()
+    unsent = UnsentClaims(store, metrics.unsent_outcome, lease=30.0)
+    token = str(uuid.uuid4())
+    unsent.note("alice", "twice", claimed.job.id)
+    unsent.note_next(claimed.job, token)
+    assert len(unsent) == 1
+
+    def counted(outcome: str) -> float | None:
+        labels = {"outcome": outcome}
+        return metrics.registry.get_sample_value("idemproxy_unsent_claims_total", labels)
+
+    assert counted("moved_on") == 1
+    failure = AttemptFailure(None, "refused")
+    assert await store.fail_over(claimed.job, 1, "b", failure=failure, lease=30.0, token=token)
+    await eventually(lambda: len(unsent) == 0)
+    await unsent.close()
+    assert (counted("released"), counted("moved_on")) == (1, 1)

@@ -12,7 +12,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter
 
-from idemproxy.proxy.background.followups import FollowUps
+from idemproxy.proxy.background.followups import Ends, FollowUps
 from idemproxy.store.ports import JobStore
 
 
@@ -20,6 +20,7 @@ class Done(enum.StrEnum):
     WRITTEN = "written"
     DROPPED = "dropped"
     REFUSED = "refused"
+    MOVED_ON = "moved_on"
 
 
 class SlowFollowUps(FollowUps[str, Done]):
@@ -29,7 +30,8 @@ class SlowFollowUps(FollowUps[str, Done]):
         counter = Counter("t_followups", "test", ["outcome"], registry=CollectorRegistry())
         counted = {done: counter.labels(done.value) for done in Done}
         store: JobStore = None  # type: ignore[assignment]  # never reached: `_settle` is ours
-        super().__init__(store, counted, dropped=Done.DROPPED, refused=Done.REFUSED, max_items=100)
+        ends = Ends(Done.DROPPED, Done.REFUSED, Done.MOVED_ON)
+        super().__init__(store, counted, ends=ends, max_items=100)
         self.seconds = seconds
         self.tried: list[str] = []
 

@@ -23,7 +23,7 @@ import contextlib
 import enum
 import logging
 from collections.abc import Mapping
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from prometheus_client import Counter
 
@@ -38,23 +38,29 @@ Item = TypeVar("Item")
 Done = TypeVar("Done", bound=enum.StrEnum)  # what became of an item: a metric's label value
 
 
+class Ends(NamedTuple, Generic[Done]):
+    """The outcomes every kind of follow-up counts the same way."""
+
+    dropped: Done  # one more item than this process holds
+    refused: Done  # the store refused the write for its data
+    moved_on: Done  # another item for the same job took its place
+
+
 class FollowUps(abc.ABC, Generic[Item, Done]):
     def __init__(
         self,
         store: JobStore,
         counted: Mapping[Done, Counter],
         *,
-        dropped: Done,
-        refused: Done,
+        ends: Ends[Done],
         max_items: int,
         max_bytes: int = 0,
     ) -> None:
-        """`counted`: a counter by outcome (one of Metrics' `Children`), `dropped` (more items
-        than this process holds) and `refused` (by the store, for their data) among them."""
+        """`counted`: a counter by outcome (one of Metrics' `Children`), the `ends` among
+        them."""
         self._store = store
         self._counted = counted
-        self._dropped = dropped
-        self._refused = refused
+        self._dropped, self._refused, self._moved_on = ends
         self._max_items = max_items
         self._max_bytes = max_bytes
         self._bytes = 0
@@ -68,12 +74,23 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
         return len(self._pending)
 
     def _add(self, job_id: str, item: Item) -> None:
-        self._drop(job_id)  # a newer item for the same job replaces the older one
+        """Hold `item` for its job. One item per job is held: a newer one takes the older one's
+        place unless the older is to be kept (`_keeps`); the one left out is counted as moved
+        on, since the job moved on from it (one whose write is under way is counted by that
+        write's own outcome instead)."""
+        older = self._pending.get(job_id)
+        if older is not None:
+            kept = self._keeps(older, item)
+            left_out = item if kept else older
+            if left_out is not self._writing:
+                self._ended_as(left_out, self._moved_on)
+            if kept:
+                return
+            self._drop(job_id)
         size = self._size(item)
         over_bytes = self._max_bytes and self._bytes + size > self._max_bytes
         if len(self._pending) >= self._max_items or over_bytes:
-            self._counted[self._dropped].inc()
-            self._ended(item, self._dropped)
+            self._ended_as(item, self._dropped)
             return
         self._pending[job_id] = item
         self._bytes += size
@@ -111,10 +128,19 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
     def _size(self, item: Item) -> int:
         return 0
 
+    def _keeps(self, older: Item, newer: Item) -> bool:
+        """Whether `older`, held for a job, stays in the place of `newer` for the same job;
+        by default the newer takes its place (the later statement is the job's)."""
+        return False
+
     def _ended(self, item: Item, outcome: Done) -> None:
         """What else an item's end is told to (counted as `outcome`); nothing by default."""
 
     # --- the loop -----------------------------------------------------------------------------
+
+    def _ended_as(self, item: Item, outcome: Done) -> None:
+        self._counted[outcome].inc()
+        self._ended(item, outcome)
 
     def _drop(self, job_id: str) -> None:
         item = self._pending.pop(job_id, None)
@@ -154,8 +180,7 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
             if outcome is not None:
                 if self._pending.get(job_id) is item:  # else replaced while it was written
                     self._drop(job_id)
-                self._counted[outcome].inc()
-                self._ended(item, outcome)
+                self._ended_as(item, outcome)
                 settled = True
         return settled
 

@@ -33,7 +33,7 @@ from prometheus_client import Counter
 from idemproxy.core.decision import Unsent, unsent_claim
 from idemproxy.core.types import Job, JobState
 from idemproxy.observe.metrics import UnsentOutcome
-from idemproxy.proxy.background.followups import FollowUps
+from idemproxy.proxy.background.followups import Ends, FollowUps
 from idemproxy.store.ports import JobStore
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,7 @@ class UnsentClaims(FollowUps[_Claim, UnsentOutcome]):
         super().__init__(
             store,
             counted,
-            dropped=UnsentOutcome.DROPPED,
-            refused=UnsentOutcome.REFUSED,
+            ends=Ends(UnsentOutcome.DROPPED, UnsentOutcome.REFUSED, UnsentOutcome.MOVED_ON),
             max_items=max_items,
         )
         self._lease = lease

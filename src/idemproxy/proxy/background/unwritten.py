@@ -23,7 +23,7 @@ from prometheus_client import Counter
 
 from idemproxy.core.types import Job, JobState, StoredResponse
 from idemproxy.observe.metrics import AttemptOutcome, CounterSeries, UnwrittenOutcome
-from idemproxy.proxy.background.followups import FollowUps
+from idemproxy.proxy.background.followups import Ends, FollowUps
 from idemproxy.store.ports import JobStore
 
 log = logging.getLogger(__name__)
@@ -70,32 +70,21 @@ class UnwrittenOutcomes(FollowUps[_Outcome, UnwrittenOutcome]):
         super().__init__(
             store,
             counted,
-            dropped=UnwrittenOutcome.DROPPED,
-            refused=UnwrittenOutcome.REFUSED,
+            ends=Ends(
+                UnwrittenOutcome.DROPPED, UnwrittenOutcome.REFUSED, UnwrittenOutcome.MOVED_ON
+            ),
             max_items=MAX_UNWRITTEN,
             max_bytes=MAX_UNWRITTEN_BYTES,
         )
         self._attempts = attempts
         self._late = late
 
-    def _add(self, job_id: str, item: _Outcome) -> None:
-        """One outcome per job waits here. A race's other attempt may end while one does: a
-        newer result takes an older one's place (the job moves on from the older), but no
-        settlement takes the place of a result (written first, it could release or give up a
-        job whose result this process holds)."""
-        older = self._pending.get(job_id)
-        if older is not None:
-            kept, superseded = (
-                (older, item)
-                if older.response is not None and item.response is None
-                else (item, older)
-            )
-            if superseded is not self._writing:  # else counted when that write ends
-                self._counted[UnwrittenOutcome.MOVED_ON].inc()
-                self._ended(superseded, UnwrittenOutcome.MOVED_ON)
-            if kept is older:
-                return
-        super()._add(job_id, item)
+    def _keeps(self, older: _Outcome, newer: _Outcome) -> bool:
+        """A race's other attempt may end while one's outcome waits here: a newer result takes
+        an older one's place (the job moves on from the older), but no settlement takes the
+        place of a result (written first, it could release or give up a job whose result this
+        process holds)."""
+        return older.response is not None and newer.response is None
 
     def completion(self, job: Job, attempt: int, response: StoredResponse, ttl: float) -> None:
         completed = JobState.COMPLETED
