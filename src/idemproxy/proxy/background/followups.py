@@ -100,8 +100,8 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
     async def close(self, grace: float = 0.0) -> None:
         """Stop. What is still held gets one more chance, tried at once and then as before for
         at most `grace` seconds: on a shutdown the store is usually there, and an item dropped
-        here leaves its job to the lease, `unknown` (SPEC §3.5): a result lost, or a key no
-        retry may run although nothing was forwarded under it."""
+        here (counted as dropped) leaves its job to the lease, `unknown` (SPEC §3.5): a result
+        lost, or a key no retry may run although nothing was forwarded under it."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -117,6 +117,12 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
                 len(self._pending),
                 ", ".join(sorted(self._pending)[:10]),
             )
+            # Counted as dropped, as one more than the process holds is: every item ends
+            # counted once, this process's last scrape included.
+            for job_id in list(self._pending):
+                item = self._pending[job_id]
+                self._drop(job_id)
+                self._ended_as(item, self._dropped)
 
     # --- what each kind defines ---------------------------------------------------------------
 
