@@ -88,6 +88,32 @@ async def test_a_tampered_entry_is_answered_from_the_store_and_never_forwarded(
     await wait_for(lambda: _entry_is(redis_client, name, lambda value: value != bytes(flipped)))
 
 
+async def test_an_entry_for_a_key_the_store_has_no_job_for_is_dropped_and_the_request_run(
+    make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
+) -> None:
+    """An entry that does not open, for a key whose job the store of record no longer holds (a
+    deleted job's entry put back, broken): not a 500 for every retry until it expires, but what
+    the store alone would answer, a new key, run once (SPEC §11); the entry is gone."""
+    store, client, _ = await _sealed_and_cached(make_store, make_proxy, redis_client)
+    [(name, entry)] = (await _entries(redis_client)).items()
+    [job] = await store.record.list_jobs()
+    hooks, store.record.hooks = store.record.hooks, []  # deleted past the caches
+    try:
+        assert await store.record.delete(job, force=True)
+    finally:
+        store.record.hooks = hooks
+    flipped = bytearray(entry)
+    flipped[-3] ^= 0x40
+    await redis_client.set(name, bytes(flipped))  # no expiry: it would stay for good
+
+    status, code, body = await _post(client)
+    assert (status, code) == (201, "") and SECRET in body
+    assert ledger.count("k1") == 2  # once before the deletion, once now
+    again = await _post(client)
+    assert again[:2] == (201, "") and ledger.count("k1") == 2  # replayed: one execution
+    await wait_for(lambda: _entry_is(redis_client, name, lambda value: value != bytes(flipped)))
+
+
 async def test_an_entry_that_does_not_open_like_the_stores_own_copy_is_still_refused(
     make_store: CachedStoreFactory, make_proxy: ProxyFactory, redis_client: Redis, ledger: Ledger
 ) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
+from typing import NamedTuple, TypeAlias, TypeVar
 
 from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.types import (
@@ -202,24 +202,41 @@ Layer = TypeVar("Layer", bound=JobLayer)
 Stacked: TypeAlias = Store | JobLayer
 
 
-def record_reread(top: JobStore) -> Callable[[Job, KeptResponse], Awaitable[Job | None]] | None:
+class Reread(NamedTuple):
+    """What the store of record holds under the key of a job whose response, read through the
+    caches, did not open; every cache has dropped its copy."""
+
+    job: Job | None  # None: no job, so the request is claimed as new (SPEC §11)
+
+
+Rereader: TypeAlias = Callable[[Job, KeptResponse], Awaitable[Reread | None]]
+
+
+def record_reread(top: JobStore) -> Rereader | None:
     """For a job whose response, read through the caches in front of the store of record, did
-    not open (SPEC §11): the job as the record holds it when its response is another (the
-    caches then drop their copies), else None. None when no cache stands in front: the copy
-    was the record's."""
+    not open (SPEC §11): the record's job when its response is another, or no job when it has
+    none (the caches then drop their copies), else None: the record's own copy did not open.
+    None when no cache stands in front: the copy was the record's."""
     record = top.record if isinstance(top, JobLayer) else None
     if record is None:
         return None
 
-    async def reread(job: Job, unopened: KeptResponse) -> Job | None:
+    async def reread(job: Job, unopened: KeptResponse) -> Reread | None:
         if not record.hooks:
             return None
         fresh = await record.get(job.owner, job.key)
-        if fresh is None or fresh.response == unopened:
-            return None  # the record's own copy, or none: nothing better to answer with
+        if fresh is None:
+            # An entry for a job the record does not hold (planted, or a deleted job's put
+            # back): dropped and tombstoned as a deleted job's is, before the claim that
+            # follows reads the caches again.
+            for cache in reversed(record.hooks):
+                await cache.deleting(job)
+            return Reread(None)
+        if fresh.response == unopened:
+            return None  # the record's own copy: nothing better to answer with
         for cache in record.hooks:
             cache.changed(job, Change.UNREADABLE, True)
-        return fresh
+        return Reread(fresh)
 
     return reread
 

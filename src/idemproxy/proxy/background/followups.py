@@ -175,6 +175,8 @@ class FollowUps(abc.ABC, Generic[Item, Done]):
         was settled."""
         settled = False
         for job_id, item in list(self._pending.items()):
+            if self._pending.get(job_id) is not item:
+                continue  # replaced during this round, and counted then (`_add`)
             try:
                 if until is None:
                     outcome = await self._try(job_id, item)

@@ -57,7 +57,7 @@ from idemproxy.core.machine import (
 )
 from idemproxy.core.quota import QuotaLimits
 from idemproxy.core.resolution import Way
-from idemproxy.core.types import Claimed, ClaimResult, Existing, Job, KeptResponse
+from idemproxy.core.types import Claimed, ClaimResult, Existing, Job
 from idemproxy.errors import (
     JobLost,
     ProblemError,
@@ -77,7 +77,7 @@ from idemproxy.proxy.server.capture import drop_unsent
 from idemproxy.proxy.server.fit import fitted, unfit
 from idemproxy.proxy.server.replay import SharedBodies, replay_response
 from idemproxy.proxy.server.trace import Trace
-from idemproxy.store.layers import record_reread
+from idemproxy.store.layers import Rereader, record_reread
 from idemproxy.store.ports import JobStore
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class Collaborators:
     unknown: UnknownJobs | None = None
     # SPEC §11: a job whose response did not open, read again from the store of record once
     # the caches dropped their copies (store/layers.py); None when no cache stands in front.
-    reread: Callable[[Job, KeptResponse], Awaitable[Job | None]] | None = None
+    reread: Rereader | None = None
 
 
 class Governor:
@@ -204,6 +204,7 @@ class Governor:
         )
         state = begin(terms, at.draining())
         clock = asyncio.get_running_loop().time
+        reread = at.reread
         try:
             while True:
                 # Class patterns without captures: a capture makes CPython build a set of the
@@ -218,8 +219,11 @@ class Governor:
                             stored = at.store.opened(state.seen.job, state.response)
                         except ResponseUnreadable as unreadable:
                             state = await _from_the_record(
-                                state, at.reread, unreadable, terms, at.draining(), clock()
+                                state, reread, unreadable, terms, at.draining(), clock()
                             )
+                            # Once per request: a copy that does not open again (put back
+                            # meanwhile) is the 500, never a loop.
+                            reread = None
                             continue
                         # SPEC §7: fitted to this retry's Accept-Encoding and Origin, on every
                         # path that replays (a completed job, a held duplicate, either cache).
@@ -438,7 +442,7 @@ def _scope(governed: GovernedRequest, seen: Seen) -> str:
 
 async def _from_the_record(
     replaying: Replaying,
-    reread: Callable[[Job, KeptResponse], Awaitable[Job | None]] | None,
+    reread: Rereader | None,
     unreadable: ResponseUnreadable,
     terms: Terms,
     draining: bool,
@@ -446,17 +450,28 @@ async def _from_the_record(
 ) -> State:
     """SPEC §11: the response that did not open came through the caches, whose copy someone
     may have changed (a Redis entry is theirs to write). The caches drop it, and the request is
-    decided again on the store of record's job: the same answer the store would have given
-    without them. When the record holds the same response, it is the 500 it always was."""
+    decided again on the store of record's job, or claimed as new where the record has none:
+    the same answer the store would have given without them. When the record holds the same
+    response, it is the 500 it always was."""
     job = replaying.seen.job
-    fresh = None if reread is None else await reread(job, replaying.response)
-    if fresh is None:
+    reread_as = None if reread is None else await reread(job, replaying.response)
+    if reread_as is None:
         raise unreadable
-    log.warning(
-        "job %s: a cached copy of its response did not open; answered from the store", job.id
-    )
+    if reread_as.job is None:
+        log.warning(
+            "job %s: a cached copy of its response did not open, and the store holds no job"
+            " under its key: claimed as new",
+            job.id,
+        )
+    else:
+        log.warning(
+            "job %s: a cached copy of its response did not open; answered from the store",
+            job.id,
+        )
     state = begin(terms, draining)
-    return state.next(Existing(fresh), now) if isinstance(state, NeedClaim) else state
+    if reread_as.job is None or not isinstance(state, NeedClaim):
+        return state
+    return state.next(Existing(reread_as.job), now)
 
 
 class Shield:
