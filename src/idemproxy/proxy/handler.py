@@ -538,9 +538,7 @@ async def _route(
         intent, body, transition = await _identify(ctx, request, key)
         trace.owner = intent.owner
         # Positional: a dataclass's keyword call costs twice as much, on every governed request.
-        response = await govern(
-            GovernedRequest(ctx, request, route, intent, body, trace, transition)
-        )
+        response = await govern(GovernedRequest(request, route, intent, body, trace, transition))
         if response is None:
             # The store could not take the claim and `on_store_error: passthrough` forwards the
             # request ungoverned (SPEC §11). A response is a mapping: never test it for truth.
@@ -577,7 +575,7 @@ async def _govern_sourced(
     if intent is None or body is None:
         return await passthrough(ctx, request, route, body, trace=trace)
     trace.owner = intent.owner
-    response = await govern(GovernedRequest(ctx, request, route, intent, body, trace, transition))
+    response = await govern(GovernedRequest(request, route, intent, body, trace, transition))
     if response is None:  # SPEC §11, as in `_route`
         return await passthrough(ctx, request, route, body, trace=trace)
     return response

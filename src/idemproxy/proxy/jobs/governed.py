@@ -70,7 +70,12 @@ from idemproxy.observe.metrics import Metrics, RequestOutcome
 from idemproxy.proxy.background.unsent import UnsentClaims
 from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.failpoints import Failpoints
-from idemproxy.proxy.jobs.jobrun import run_job
+from idemproxy.proxy.jobs.jobrun import (
+    AttemptRunner,
+    JobRunner,
+    Jobs,
+    attempt_observer,
+)
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.jobs.unknown import UnknownJobs, next_check_of
 from idemproxy.proxy.server.capture import drop_unsent
@@ -168,8 +173,9 @@ class Governor:
             quotas=ctx.quotas is not None,
         )
         observer = job_observer(ctx.metrics, ctx.failpoints, ctx.tracing)
-        unknown = _unknown_jobs(ctx, observer)
-        run = run_job if unknown is None else unknown.run_claimed
+        jobs = _jobs(ctx)
+        unknown = _unknown_jobs(ctx, observer, jobs)
+        run = jobs.run if unknown is None else unknown.run_claimed
         return cls(
             Collaborators(
                 store=ctx.store,
@@ -421,7 +427,17 @@ def _refusal(state: Refused | JobGone) -> ProblemError:
     return stand(JobLost(), state.about)
 
 
-def _unknown_jobs(ctx: ProxyContext, observer: JobObserver) -> UnknownJobs | None:
+def _jobs(ctx: ProxyContext) -> Jobs:
+    """What runs a claimed job's attempts, with this process's collaborators."""
+    attempts = AttemptRunner(
+        ctx.settings, ctx.store, ctx.upstream, ctx.statuses, ctx.budget, ctx.unwritten,
+        ctx.metrics, ctx.failpoints, attempt_observer(ctx.tracing),
+    )  # fmt: skip
+    runner = JobRunner(attempts, ctx.store, ctx.unsent, ctx.attempts, ctx.settings.lease)
+    return Jobs(attempts, runner)
+
+
+def _unknown_jobs(ctx: ProxyContext, observer: JobObserver, jobs: Jobs) -> UnknownJobs | None:
     """SPEC §3.6: only with a route that resolves unknown jobs (either way)."""
     resolves = (route.resolve for route in ctx.settings.all_routes)
     if not any(way.upstream_honours_key or way.reconcile for way in resolves):
@@ -429,6 +445,7 @@ def _unknown_jobs(ctx: ProxyContext, observer: JobObserver) -> UnknownJobs | Non
     return UnknownJobs(
         ctx.store,
         lambda: ctx.reconciler,
+        jobs,
         lease=ctx.settings.lease,
         on_resent=observer.resent,
     )
@@ -475,7 +492,7 @@ async def _from_the_record(
 
 
 class Shield:
-    """Runs a claimed job's attempts (`run_job`) in a task of their own, kept in `attempts`
+    """Runs a claimed job's attempts (`Jobs.run`) in a task of their own, kept in `attempts`
     (shutdown waits for them)."""
 
     __slots__ = ("_attempts", "_run_job")

@@ -644,26 +644,30 @@ Racing = dict["asyncio.Task[Step]", AttemptRun]
 Ended = list[tuple[AttemptRun, HandedBack]]  # the racers that failed, in the order they ended
 
 
-async def run_job(governed: GovernedRequest, claimed: Claimed) -> web.StreamResponse | None:
-    """The client's response, or None when another attempt won: the caller re-reads the job."""
-    ctx, route = governed.ctx, governed.route
-    attempts = AttemptRunner(
-        ctx.settings, ctx.store, ctx.upstream, ctx.statuses, ctx.budget, ctx.unwritten,
-        ctx.metrics, ctx.failpoints, attempt_observer(ctx.tracing),
-    )  # fmt: skip
-    if route.gate is None and not route.fallbacks:  # most routes: no call to `upstreams`
-        upstreams: tuple[str, ...] = (route.upstream,)
-    else:
-        upstreams = route.upstreams  # the fallbacks eligible now (SPEC §3.4), for the whole job
-    if len(upstreams) == 1:  # neither fail-over nor race: the attempt is final (Mode.FINAL)
-        only = AttemptRun(claimed.job, claimed.attempt, upstreams[0])
-        step = await attempts.run(governed, only)
-        assert not isinstance(step, HandedBack), "a final attempt settles its job"
-        return step
-    runner = JobRunner(attempts, ctx.store, ctx.unsent, ctx.attempts, ctx.settings.lease)
-    if route.hedge_after is not None:
-        return await runner.hedged(governed, claimed, upstreams, route.hedge_after)
-    return await runner.in_order(governed, claimed, upstreams)
+@dataclass(frozen=True, slots=True)
+class Jobs:
+    """Runs a claimed job's attempts (SPEC §2.2, §3.4) with the collaborators of one process,
+    built once (`jobs_of`): its attempt runner and the runner of fail-overs and races."""
+
+    attempts: AttemptRunner
+    runner: JobRunner
+
+    async def run(self, governed: GovernedRequest, claimed: Claimed) -> web.StreamResponse | None:
+        """The client's response, or None when another attempt won: the caller re-reads the
+        job."""
+        route = governed.route
+        if route.gate is None and not route.fallbacks:  # most routes: no call to `upstreams`
+            upstreams: tuple[str, ...] = (route.upstream,)
+        else:
+            upstreams = route.upstreams  # the fallbacks eligible now (SPEC §3.4), for the job
+        if len(upstreams) == 1:  # neither fail-over nor race: the attempt is final (Mode.FINAL)
+            only = AttemptRun(claimed.job, claimed.attempt, upstreams[0])
+            step = await self.attempts.run(governed, only)
+            assert not isinstance(step, HandedBack), "a final attempt settles its job"
+            return step
+        if route.hedge_after is not None:
+            return await self.runner.hedged(governed, claimed, upstreams, route.hedge_after)
+        return await self.runner.in_order(governed, claimed, upstreams)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,6 @@ from typing import NamedTuple
 from aiohttp import web
 
 from idemproxy.core.types import Intent
-from idemproxy.proxy.context import ProxyContext
 from idemproxy.proxy.routing import Route
 from idemproxy.proxy.server.connection import RequestBody
 from idemproxy.proxy.server.trace import Trace
@@ -24,14 +23,14 @@ class OwnerTransition(NamedTuple):
 @dataclass(slots=True)
 class GovernedRequest:
     """Built once by the handler, after the request was identified (SPEC §2.1): what it is
-    (`intent`, `body`), where it goes (`route`), the process it runs in (`ctx`), the client's
-    connection (`request`) and what is recorded about it (`trace`, which the loop fills in).
+    (`intent`, `body`), where it goes (`route`), the client's connection (`request`) and what
+    is recorded about it (`trace`, which the loop fills in). The process's collaborators are
+    not in it: the driver was given them when it was built.
 
     Nothing assigns to it once built. It is not frozen because a frozen dataclass sets each
     field through `object.__setattr__`, about ten times the cost of this one's `__init__`, on
     every governed request (bench/findings.md measured the same for jobs)."""
 
-    ctx: ProxyContext
     request: web.Request
     route: Route
     intent: Intent

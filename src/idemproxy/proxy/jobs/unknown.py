@@ -33,13 +33,7 @@ from idemproxy.core.types import Claimed, Evidence, Job
 from idemproxy.errors import OutcomeUnknown, ProblemError, StoreUnavailable
 from idemproxy.identity.intent import new_job_id
 from idemproxy.proxy.background.endpoints import Endpoint
-from idemproxy.proxy.jobs.jobrun import (
-    AttemptRun,
-    AttemptRunner,
-    HandedBack,
-    attempt_observer,
-    run_job,
-)
+from idemproxy.proxy.jobs.jobrun import AttemptRun, HandedBack, Jobs
 from idemproxy.proxy.jobs.request import GovernedRequest
 from idemproxy.proxy.resending import sent_digest
 from idemproxy.proxy.routing import Route
@@ -68,18 +62,20 @@ class UnknownJobs:
     `reconciler` is read when asked for: the background reconciler starts with housekeeping,
     after the request path was built (proxy/app.py)."""
 
-    __slots__ = ("_lease", "_on_resent", "_reconciler", "_store")
+    __slots__ = ("_jobs", "_lease", "_on_resent", "_reconciler", "_store")
 
     def __init__(
         self,
         store: JobStore,
         reconciler: Callable[[], Reconciler | None],
+        jobs: Jobs,
         *,
         lease: float,
         on_resent: Callable[[str], None],
     ) -> None:
         self._store = store
         self._reconciler = reconciler
+        self._jobs = jobs  # runs the attempts of a claimed job, a resend's too
         self._lease = lease
         self._on_resent = on_resent  # SPEC §13: idemproxy_resolutions_total{way=upstream_key}
 
@@ -134,16 +130,16 @@ class UnknownJobs:
     async def run_claimed(
         self, governed: GovernedRequest, claimed: Claimed
     ) -> web.StreamResponse | None:
-        """`run_job`, or the resend of a `Resent` claim; on a route whose upstream honours the
+        """`Jobs.run`, or the resend of a `Resent` claim; on a route whose upstream honours the
         key, the digest of what the attempt sends is kept first (SPEC §3.6)."""
         if self.resends(governed.route):
             await self._note_sent(governed, claimed)
         if not isinstance(claimed, Resent):
-            return await run_job(governed, claimed)
+            return await self._jobs.run(governed, claimed)
         attempt = AttemptRun(
             claimed.job, claimed.attempt, claimed.upstream, Mode.FINAL, resend=True
         )
-        step = await _runner(governed).run(governed, attempt)
+        step = await self._jobs.attempts.run(governed, attempt)
         assert not isinstance(step, HandedBack), "a final attempt never hands back"
         await self._record(claimed, await self._answered(claimed), lost=step is None)
         return step
@@ -202,14 +198,6 @@ def next_check_of(problem: ProblemError, next_check: datetime | None) -> Problem
         if type(problem) is OutcomeUnknown:  # a subclass's detail says more (JobLost)
             problem.detail = _ASKED_AGAIN
     return problem
-
-
-def _runner(governed: GovernedRequest) -> AttemptRunner:
-    ctx = governed.ctx
-    return AttemptRunner(
-        ctx.settings, ctx.store, ctx.upstream, ctx.statuses, ctx.budget, ctx.unwritten,
-        ctx.metrics, ctx.failpoints, attempt_observer(ctx.tracing),
-    )  # fmt: skip
 
 
 def _sent(governed: GovernedRequest) -> str:
