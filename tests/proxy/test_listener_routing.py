@@ -139,7 +139,7 @@ async def test_aiohttps_own_error_page_names_the_proxy(
     async def broken(*_args: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(handler_module, "_route", broken)
+    monkeypatch.setattr(handler_module.Proxy, "_route", broken)
     listener, routed = await _both(make_proxy, store=sqlite_dsn, server={"server_token": token})
     head = b"POST /pay HTTP/1.1\r\nHost: proxy\r\nContent-Length: 2\r\n\r\n"
     direct, through_router = await _ask(listener, head, b"{}"), await _ask(routed, head, b"{}")

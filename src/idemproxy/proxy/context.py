@@ -43,6 +43,14 @@ class Services:
 
 
 @dataclass(slots=True)
+class RequestsInFlight:
+    """How many requests the handler is answering now: it counts them, a drain waits for
+    them."""
+
+    now: int = 0
+
+
+@dataclass(slots=True)
 class ProxyContext:
     settings: Settings
     # The hot path: the replay caches and the seal in front of the store of record.
@@ -68,8 +76,9 @@ class ProxyContext:
     # Attempts run in tasks of their own so that a client hanging up cannot cancel the upstream
     # call or the completion write (SPEC §2); shutdown waits for them.
     attempts: set[asyncio.Task[Any]] = field(default_factory=set)
-    # Requests being handled right now, for the graceful drain (proxy/drain.py).
-    requests_in_flight: int = 0
+    # Requests being handled right now, counted by the handler, for the graceful drain
+    # (proxy/drain.py).
+    in_flight: RequestsInFlight = field(default_factory=RequestsInFlight)
     # A graceful shutdown began: no new claims, held duplicates answer (proxy/drain.py).
     draining: bool = False
     drained: bool = False

@@ -45,10 +45,10 @@ async def drain(ctx: ProxyContext, deadline: float, server: web.Server | None = 
     if ctx.drained:
         return
     loop = asyncio.get_running_loop()
-    if ctx.requests_in_flight or ctx.attempts:
+    if ctx.in_flight.now or ctx.attempts:
         log.info(
             "draining %d requests and %d attempts for up to %.1fs",
-            ctx.requests_in_flight,
+            ctx.in_flight.now,
             len(ctx.attempts),
             max(deadline - loop.time(), 0.0),
         )
@@ -65,4 +65,4 @@ async def drain(ctx: ProxyContext, deadline: float, server: web.Server | None = 
 
 
 def _busy(ctx: ProxyContext, server: web.Server | None) -> bool:
-    return bool(ctx.requests_in_flight or ctx.attempts) or requests_begun(server)
+    return bool(ctx.in_flight.now or ctx.attempts) or requests_begun(server)
