@@ -11,7 +11,9 @@ from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX
 from idemproxy.core.decision import Policy, Reject, Replay, decide
 from idemproxy.core.types import Job, JobState, SealedResponse, StoredResponse
 from idemproxy.store.redis.codec import decode, encode, entry_name, tombstone_name
-from tests.support.keyring import OLD, codec
+from idemproxy.store.seal.codec import EntryTags
+from idemproxy.store.seal.keyring import parse_key_ring
+from tests.support.keyring import NEW, OLD, codec
 
 OWNER = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 BODY = b"\x00\xff\n\r\n not utf-8 \x80\xc3\x28\n"
@@ -158,3 +160,60 @@ def test_a_sealed_entry_is_never_read_as_a_clear_one() -> None:
     sealed = job._replace(response=codec(OLD).seal(job, job.response))  # type: ignore[arg-type]
     as_format_1 = b"1" + encode(sealed)[1:]  # an older proxy's format byte on a sealed entry
     assert decode(as_format_1, job.owner, job.key) is None  # no "h": a miss, not garbage
+
+
+# --- tags under the key ring (SPEC §11): an entry's fields in the clear cannot be changed ------
+
+
+def _tags(*entries: str) -> EntryTags:
+    return EntryTags(parse_key_ring(",".join(entries)))
+
+
+def _sealed() -> Job:
+    job = _job()
+    return job._replace(response=codec(OLD).seal(job, job.response))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("job", [_job(), _sealed()], ids=["clear", "sealed"])
+def test_a_tagged_entry_reads_back_under_its_key_and_any_ring_holding_it(job: Job) -> None:
+    payload = encode(job, _tags(OLD))
+    assert payload.startswith(b"3k1:")
+    assert decode(payload, job.owner, job.key, _tags(OLD)) == job
+    assert decode(payload, job.owner, job.key, _tags(NEW, OLD)) == job  # after a rotation
+    assert decode(payload, job.owner, job.key, _tags(NEW)) is None  # its key retired
+    assert decode(payload, job.owner, job.key) is None  # no ring: it cannot be checked
+
+
+@pytest.mark.parametrize("job", [_job(), _sealed()], ids=["clear", "sealed"])
+@pytest.mark.parametrize(
+    ("field", "value"), [("fp", "another payload's"), ("exp", 4102444800.0), ("v", 9)]
+)
+def test_a_tagged_entry_with_a_field_changed_is_a_miss(job: Job, field: str, value: object) -> None:
+    """Whoever writes to Redis cannot make another payload replay the response (`fp`), keep
+    the entry past its job's expiry (`exp`) or change what the store holds (`v`)."""
+    tagged = encode(job, _tags(OLD))
+    line, _, entry = tagged.partition(b"\n")
+    head, _, body = entry[1:].partition(b"\n")
+    meta = json.loads(head) | {field: value}
+    changed = entry[:1] + json.dumps(meta, separators=(",", ":")).encode() + b"\n" + body
+    assert decode(changed, job.owner, job.key) is not None  # untagged, it would be read
+    assert decode(line + b"\n" + changed, job.owner, job.key, _tags(OLD)) is None
+
+
+def test_a_tagged_clear_entry_with_its_body_changed_is_a_miss() -> None:
+    tagged = bytearray(encode(_job(), _tags(OLD)))
+    tagged[-2] ^= 0x01
+    assert decode(bytes(tagged), OWNER, 'k"1 é', _tags(OLD)) is None
+
+
+@pytest.mark.parametrize("job", [_job(), _sealed()], ids=["clear", "sealed"])
+def test_with_a_ring_an_untagged_entry_is_a_miss(job: Job) -> None:
+    """Planted, or written by an older proxy: read once from the store, then tagged."""
+    assert decode(encode(job), job.owner, job.key, _tags(OLD)) is None
+
+
+@pytest.mark.parametrize(
+    "payload", [b"3", b"3k1:zz\n1{}\n", b"3k1\n1{}\n", b"3k1:00\n", b"3k1:" + b"00" * 28 + b"\n2"]
+)
+def test_a_tagged_entry_it_cannot_read_is_a_miss(payload: bytes) -> None:
+    assert decode(payload, OWNER, 'k"1 é', _tags(OLD)) is None

@@ -16,6 +16,7 @@ from idemproxy.store.layers import Stacked, StoreStack
 if TYPE_CHECKING:
     from idemproxy.config.settings import Settings
     from idemproxy.store.redis.cache import RedisCachedStore
+    from idemproxy.store.seal.codec import EntryTags
 
 
 def create_store(
@@ -151,7 +152,19 @@ def wrap_with_cache(store: Stacked, settings: Settings) -> Stacked:
             ttl=redis.ttl,
             max_body=redis.max_body,
         ),
+        _entry_tags(settings),
     )
+
+
+def _entry_tags(settings: Settings) -> EntryTags | None:
+    """With `encryption.keys`, the tags of Redis entries under the same ring (SPEC §11)."""
+    keys = settings.encryption.keys
+    if keys is None:
+        return None
+    from idemproxy.store.seal.codec import EntryTags
+    from idemproxy.store.seal.keyring import parse_key_ring
+
+    return EntryTags(parse_key_ring(keys.get_secret_value()))
 
 
 def sqlite_path(dsn: str) -> str:

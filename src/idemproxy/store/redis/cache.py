@@ -51,7 +51,14 @@ from idemproxy.store.feed import stop_feed
 from idemproxy.store.hooks import Change
 from idemproxy.store.layers import JobLayer
 from idemproxy.store.redis.client import EntryKeys, RedisCache, connect
-from idemproxy.store.redis.codec import decode, encode, entry_name, tombstone_name, watch_name
+from idemproxy.store.redis.codec import (
+    Tags,
+    decode,
+    encode,
+    entry_name,
+    tombstone_name,
+    watch_name,
+)
 from idemproxy.store.redis.feed import listen_forever
 
 log = logging.getLogger("idemproxy.store.redis")
@@ -72,22 +79,33 @@ _DEFAULT_OPTIONS = RedisCacheOptions()
 
 class RedisCachedStore(ReplayCache):
     def __init__(
-        self, inner: Store | JobLayer, client: Redis, options: RedisCacheOptions = _DEFAULT_OPTIONS
+        self,
+        inner: Store | JobLayer,
+        client: Redis,
+        options: RedisCacheOptions = _DEFAULT_OPTIONS,
+        tags: Tags | None = None,
     ) -> None:
+        """`tags`: with encryption at rest, what entries are tagged with under the key ring
+        (codec.py): an entry whose fields someone changed is then a miss."""
         super().__init__(inner)
         self.cache = RedisCache(
             client, timeout=options.timeout, write_timeout=options.write_timeout
         )
         self._ttl = options.ttl
         self._max_body = options.max_body
+        self._tags = tags
         self._feed: asyncio.Task[None] | None = None
         self.record.hooks.append(self)
 
     @classmethod
     def from_url(
-        cls, inner: Store | JobLayer, url: str, options: RedisCacheOptions = _DEFAULT_OPTIONS
+        cls,
+        inner: Store | JobLayer,
+        url: str,
+        options: RedisCacheOptions = _DEFAULT_OPTIONS,
+        tags: Tags | None = None,
     ) -> RedisCachedStore:
-        return cls(inner, connect(url, timeout=options.write_timeout), options)
+        return cls(inner, connect(url, timeout=options.write_timeout), options, tags)
 
     async def open(self) -> None:
         where = self.cache.client.connection_pool.connection_kwargs  # never the password
@@ -119,7 +137,7 @@ class RedisCachedStore(ReplayCache):
         """The completed job cached for (owner, key), if Redis has it in time."""
         started = time.perf_counter()
         payload = await self.cache.get(entry_name(owner, key))
-        job = None if payload is None else decode(payload, owner, key)
+        job = None if payload is None else decode(payload, owner, key, self._tags)
         if job is not None and seconds_left(job, self.watch.clock_offset) <= 0:
             job = None  # SPEC §11: an expired job is gone, whatever a late write left behind
         if self.observer is not None:  # store_seconds{operation="redis_hit"|"redis_miss"}
@@ -213,7 +231,7 @@ class RedisCachedStore(ReplayCache):
         name = entry_name(job.owner, job.key)
         if self._cacheable(job) and ttl >= MIN_ENTRY_SECONDS:
             keys = EntryKeys(name, tombstone_name(name, job.id), watch_name(name))
-            self.cache.put(keys, encode(job), ttl, job.id if publish else "")
+            self.cache.put(keys, encode(job, self._tags), ttl, job.id if publish else "")
         elif publish:
             self._announce(job)
 

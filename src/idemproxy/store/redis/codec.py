@@ -6,7 +6,9 @@ order, body bytes, omitted flag), and the (owner, key) it belongs to, as a hash:
 under another name is a miss. Layout: one format byte, a JSON line of metadata, then the
 body bytes as they are (no base64). With encryption at rest (SPEC §11) the entry holds the
 sealed box instead of the headers and body, under format `2`, which an older proxy reads as
-a miss: Redis then holds no response in the clear. Entries are named by a hash of (owner,
+a miss: Redis then holds no response in the clear; and every entry goes behind a tag of its
+fields under the same key ring (format `3`, store/seal/codec.py `EntryTags`), so that one whose
+fingerprint or expiry someone changed is a miss too. Entries are named by a hash of (owner,
 key): the owner is already a hash of the credential (SPEC §5), and neither appears in Redis in
 the clear.
 """
@@ -18,7 +20,7 @@ import json
 import math
 import re
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from idemproxy.constants import REDIS_GONE_PREFIX, REDIS_JOB_PREFIX, REDIS_WATCH_PREFIX
 from idemproxy.core.types import Job, JobState, KeptResponse, SealedResponse, StoredResponse
@@ -26,6 +28,17 @@ from idemproxy.store.rows import pairs_from_json, pairs_to_json
 
 _FORMAT = b"1"  # an entry of any other format is a miss, never an error
 _SEALED_FORMAT = b"2"
+# An entry of format 1 or 2 behind a tag under the key ring (store/seal/codec.py `EntryTags`):
+# `3`, the tag's key id, `:`, the tag in hex, a newline, then the entry.
+_TAGGED_FORMAT = b"3"
+
+
+class Tags(Protocol):
+    """How entries are tagged with encryption at rest (store/seal/codec.py `EntryTags`)."""
+
+    def tag(self, data: bytes) -> tuple[str, bytes]: ...
+
+    def checks(self, key_id: str, data: bytes, tag: bytes) -> bool: ...
 
 
 def entry_name(owner: str, key: str) -> str:
@@ -48,8 +61,9 @@ def watch_name(entry: str) -> str:
     return f"{REDIS_WATCH_PREFIX}{entry.removeprefix(REDIS_JOB_PREFIX)}"
 
 
-def encode(job: Job) -> bytes:
-    """A completed job with its response and expiry (callers check both)."""
+def encode(job: Job, tags: Tags | None = None) -> bytes:
+    """A completed job with its response and expiry (callers check both); with `tags`, behind
+    a tag of its fields (all of an entry in the clear; a sealed one's box has its own)."""
     response = job.response
     assert response is not None and job.expires_at is not None, "only completed jobs are cached"
     meta = {
@@ -72,13 +86,29 @@ def encode(job: Job) -> bytes:
         meta["h"] = pairs_to_json(response.headers)  # no lone surrogate (store/rows.py)
         form, body = _FORMAT, response.body or b""
     head = json.dumps(meta, separators=(",", ":")).encode()  # ASCII: never holds a newline
-    return b"".join((form, head, b"\n", body))
+    entry = b"".join((form, head, b"\n", body))
+    if tags is None:
+        return entry
+    key_id, tag = tags.tag(_tagged_part(entry, len(head)))
+    return b"".join((_TAGGED_FORMAT, key_id.encode(), b":", tag.hex().encode(), b"\n", entry))
 
 
-def decode(payload: bytes, owner: str, key: str) -> Job | None:
+def _tagged_part(entry: bytes, head_length: int) -> bytes:
+    """What an entry's tag covers: all of it in the clear; a sealed one's format byte and
+    fields, its box being bound to its job by its own seal."""
+    return entry[: 1 + head_length] if entry.startswith(_SEALED_FORMAT) else entry
+
+
+def decode(payload: bytes, owner: str, key: str, tags: Tags | None = None) -> Job | None:
     """The job in an entry, or None for an entry this version cannot read: any other format,
     or one whose fields are not what `encode` writes (SPEC §11: a miss, never an error, and
-    never a replay of what no upstream could have answered)."""
+    never a replay of what no upstream could have answered). With `tags` only a tagged entry
+    whose tag holds is read; without, no tagged one is."""
+    if tags is not None:
+        untagged = _untagged(payload, tags)
+        if untagged is None:
+            return None
+        payload = untagged
     if not payload.startswith((_FORMAT, _SEALED_FORMAT)):
         return None
     sealed = payload.startswith(_SEALED_FORMAT)
@@ -92,6 +122,23 @@ def decode(payload: bytes, owner: str, key: str) -> Job | None:
         return _job(meta, (owner, key), body, sealed=sealed)
     except (ValueError, KeyError, TypeError, OverflowError, OSError):
         return None
+
+
+def _untagged(payload: bytes, tags: Tags) -> bytes | None:
+    """The entry behind a tag that holds, else None."""
+    if not payload.startswith(_TAGGED_FORMAT):
+        return None
+    line, sep, entry = payload[1:].partition(b"\n")
+    key_id, colon, tag_hex = line.partition(b":")
+    head_length = entry.find(b"\n") - 1
+    if not (sep and colon) or head_length < 0:
+        return None
+    try:
+        tag = bytes.fromhex(tag_hex.decode("ascii"))
+        name = key_id.decode("ascii")
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return entry if tags.checks(name, _tagged_part(entry, head_length), tag) else None
 
 
 def _job(meta: dict[str, Any], scope: tuple[str, str], body: bytes, *, sealed: bool) -> Job:

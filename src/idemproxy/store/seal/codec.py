@@ -120,3 +120,39 @@ def _response(job: Job, sealed: SealedResponse, plain: bytes) -> StoredResponse:
     # Parsed through the rows' cache of header lists: every replay of a job opens the same ones.
     headers = decode_headers(head.decode("ascii"))
     return StoredResponse(sealed.status, headers, None if sealed.omitted else body)
+
+
+_TAG_PREFIX = b"idemproxy/redis-entry/1\x00"
+
+
+class EntryTags:
+    """Tags a replay cache's entry under the ring's primary key and checks a tag under any key
+    of the ring (SPEC §11): GMAC, AES-GCM over no plaintext with the entry as associated data.
+    The sealed box binds a response to its job, but an entry's other fields (its fingerprint,
+    expiry, version) sit in the clear beside it; tagged, a changed field makes the entry a
+    miss, so that whoever writes to Redis cannot make a retry with another payload replay the
+    response or keep an entry past its expiry."""
+
+    __slots__ = ("_ring",)
+
+    def __init__(self, ring: KeyRing) -> None:
+        self._ring = ring
+
+    def tag(self, data: bytes) -> tuple[str, bytes]:
+        """The primary key's id and the tag of `data` (a nonce and GCM's tag)."""
+        ring = self._ring
+        nonce = os.urandom(NONCE_BYTES)
+        return ring.primary, nonce + ring.ciphers[ring.primary].encrypt(
+            nonce, b"", _TAG_PREFIX + data
+        )
+
+    def checks(self, key_id: str, data: bytes, tag: bytes) -> bool:
+        """Whether `tag` is the tag of `data` under the ring's key `key_id`."""
+        cipher = self._ring.ciphers.get(key_id)
+        if cipher is None or len(tag) <= NONCE_BYTES:
+            return False
+        try:
+            cipher.decrypt(tag[:NONCE_BYTES], tag[NONCE_BYTES:], _TAG_PREFIX + data)
+        except (InvalidTag, ValueError):
+            return False
+        return True
