@@ -217,3 +217,11 @@ def test_with_a_ring_an_untagged_entry_is_a_miss(job: Job) -> None:
 )
 def test_a_tagged_entry_it_cannot_read_is_a_miss(payload: bytes) -> None:
     assert decode(payload, OWNER, 'k"1 é', _tags(OLD)) is None
+
+
+def test_a_tag_spelled_otherwise_than_encode_writes_it_is_a_miss() -> None:
+    line, _, entry = encode(_job(), _tags(OLD)).partition(b"\n")
+    key_id, _, tag = line.partition(b":")
+    assert decode(line + b"\n" + entry, OWNER, 'k"1 é', _tags(OLD)) is not None
+    for spelled in (b" " + tag, tag.upper(), tag[:8] + b" " + tag[8:]):
+        assert decode(key_id + b":" + spelled + b"\n" + entry, OWNER, 'k"1 é', _tags(OLD)) is None

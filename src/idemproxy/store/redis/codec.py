@@ -131,8 +131,8 @@ def _untagged(payload: bytes, tags: Tags) -> bytes | None:
     line, sep, entry = payload[1:].partition(b"\n")
     key_id, colon, tag_hex = line.partition(b":")
     head_length = entry.find(b"\n") - 1
-    if not (sep and colon) or head_length < 0:
-        return None
+    if not (sep and colon) or head_length < 0 or not _HEX.fullmatch(tag_hex):
+        return None  # one spelling of a tag only, as `encode` writes it
     try:
         tag = bytes.fromhex(tag_hex.decode("ascii"))
         name = key_id.decode("ascii")
@@ -194,6 +194,7 @@ def _header_pairs(value: Any) -> list[list[str]]:
 
 
 _FORBIDDEN = re.compile("[\r\n\x00]")
+_HEX = re.compile(rb"[0-9a-f]+")
 
 
 def _integer(meta: dict[str, Any], name: str) -> int:
