@@ -71,3 +71,19 @@ async def test_a_shorter_timeout_after_a_longer_one_expires_on_time() -> None:
     deadline.start(0.1)
     await asyncio.sleep(0.4)
     assert len(expiries.at) == 1 and 0.09 <= expiries.at[0] < 0.35
+
+
+async def test_a_due_set_as_a_field_where_the_timer_fires_before_it_is_kept_to() -> None:
+    """The hot path's start (proxy/server/connection.py, proxy/upstream/client.py): `due` set
+    directly when `armed <= due` expires at that `due`, neither earlier nor never."""
+    expiries = _Expiries()
+    deadline = Deadline(asyncio.get_running_loop(), expiries)
+    assert deadline.armed == float("inf")  # no timer: such a start must go through `start`
+    deadline.start(0.05)
+    deadline.due = None
+    due = deadline.time() + 0.15
+    assert deadline.armed <= due
+    deadline.due = due  # the timer fires at about 0.05 s, finds 0.15, and is set again for it
+    await asyncio.sleep(0.3)
+    assert len(expiries.at) == 1 and 0.14 <= expiries.at[0] < 0.28
+    assert deadline.armed == float("inf")  # fired, not set again: nothing runs

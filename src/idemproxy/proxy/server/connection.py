@@ -516,8 +516,13 @@ class GuardedHandler(web.RequestHandler):
                 self.burst, self.burst_at, self.refusable = data, 0, data
                 self.burst_reads = 1
             self.head_started = True
-            if self.head_deadline.due is None:  # the first byte of the next head
-                self.head_deadline.start(self.header_timeout)
+            deadline = self.head_deadline
+            if deadline.due is None:  # the first byte of the next head
+                due = deadline.time() + self.header_timeout
+                if deadline.armed <= due:  # its timer checks by then: a field (http/deadline.py)
+                    deadline.due = due
+                else:
+                    deadline.start(self.header_timeout)
             super().data_received(data)
         else:
             super().data_received(data)  # empty lines before a head: ignored (RFC 9112 §2.2)

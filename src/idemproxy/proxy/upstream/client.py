@@ -171,7 +171,11 @@ class UpstreamResponse:
             waiter = self._waiter = self._loop.create_future()
             self._waiting_for = "upstream timed out"
             deadline = self._connection.deadline
-            deadline.start(self._timeout)
+            due = deadline.time() + self._timeout
+            if deadline.armed <= due:  # its timer checks by then: a field (http/deadline.py)
+                deadline.due = due
+            else:
+                deadline.start(self._timeout)
             try:
                 await waiter
             finally:
@@ -226,7 +230,11 @@ class UpstreamResponse:
         waiter = self._waiter = self._loop.create_future()
         self._waiting_for = reason
         deadline = self._connection.deadline
-        deadline.start(self._timeout)
+        due = deadline.time() + self._timeout
+        if deadline.armed <= due:  # as in `wait_head`
+            deadline.due = due
+        else:
+            deadline.start(self._timeout)
         try:
             await waiter
         finally:
