@@ -7,38 +7,19 @@ answers slowly does: what is under test is the loop's deadline, not a store."""
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 
-from prometheus_client import CollectorRegistry, Counter
-
-from idemproxy.proxy.background.followups import Ends, FollowUps
 from idemproxy.store.ports import JobStore
+from tests.support.followups import CountedFollowUps, Done
 
 
-class Done(enum.StrEnum):
-    WRITTEN = "written"
-    DROPPED = "dropped"
-    REFUSED = "refused"
-    MOVED_ON = "moved_on"
-
-
-class SlowFollowUps(FollowUps[str, Done]):
+class SlowFollowUps(CountedFollowUps[str]):
     """Each try takes `seconds` and then settles its item."""
 
     def __init__(self, seconds: float) -> None:
-        self.registry = CollectorRegistry()
-        counter = Counter("t_followups", "test", ["outcome"], registry=self.registry)
-        counted = {done: counter.labels(done.value) for done in Done}
-        store: JobStore = None  # type: ignore[assignment]  # never reached: `_settle` is ours
-        ends = Ends(Done.DROPPED, Done.REFUSED, Done.MOVED_ON)
-        super().__init__(store, counted, ends=ends, max_items=100)
+        super().__init__()
         self.seconds = seconds
         self.tried: list[str] = []
-
-    def counted(self, outcome: Done) -> float:
-        labels = {"outcome": outcome.value}
-        return self.registry.get_sample_value("t_followups_total", labels) or 0.0
 
     def hold(self, job_id: str) -> None:
         self._add(job_id, job_id)

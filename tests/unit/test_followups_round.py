@@ -7,44 +7,21 @@ store that is slow for one statement does: what is under test is the loop, not a
 from __future__ import annotations
 
 import asyncio
-import enum
 
-from prometheus_client import CollectorRegistry, Counter
-
-from idemproxy.proxy.background.followups import Ends, FollowUps
 from idemproxy.store.ports import JobStore
+from tests.support.followups import CountedFollowUps, Done
 
 
-class Done(enum.StrEnum):
-    WRITTEN = "written"
-    DROPPED = "dropped"
-    REFUSED = "refused"
-    MOVED_ON = "moved_on"
-
-
-class HeldFollowUps(FollowUps[tuple[str, str], Done]):
+class HeldFollowUps(CountedFollowUps[tuple[str, str]]):
     """Items are (job id, label); the write of `j1` waits for `released`."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        counter = Counter("t_round", "test", ["outcome"], registry=self.registry)
-        counted = {done: counter.labels(done.value) for done in Done}
-        store: JobStore = None  # type: ignore[assignment]  # never reached: `_settle` is ours
-        ends = Ends(Done.DROPPED, Done.REFUSED, Done.MOVED_ON)
-        super().__init__(store, counted, ends=ends, max_items=100)
+        super().__init__()
         self.released = asyncio.Event()
         self.written: list[str] = []
 
     def hold(self, job_id: str, label: str) -> None:
         self._add(job_id, (job_id, label))
-
-    def counted(self) -> dict[str, float]:
-        counts = {}
-        for done in Done:
-            value = self.registry.get_sample_value("t_round_total", {"outcome": done.value})
-            if value:
-                counts[done.value] = value
-        return counts
 
     async def _settle(self, store: JobStore, item: tuple[str, str]) -> Done | None:
         if item[0] == "j1":
@@ -67,4 +44,4 @@ async def test_an_item_replaced_during_a_round_is_not_written_by_it_and_counted_
         await asyncio.sleep(0.02)
     await follow_ups.close()
     assert sorted(follow_ups.written) == ["first", "newer"]  # "older" never written
-    assert follow_ups.counted() == {"written": 2, "moved_on": 1}  # three items, three counts
+    assert follow_ups.counts() == {"written": 2, "moved_on": 1}  # three items, three counts

@@ -10,6 +10,7 @@ from idemproxy.http.headers import (
     forwarded_element,
     headers_to_store,
     request_headers_for_upstream,
+    response_headers,
     response_headers_for_client,
 )
 
@@ -281,3 +282,23 @@ def test_a_trusted_peers_valid_forwarded_list_is_kept_and_appended_to(relayed: s
         incoming, client_ip="10.0.0.1", scheme="https", host="api.example.com", trusted=True
     )
     assert out.getall("Forwarded") == [f"{relayed}, for=10.0.0.1;host=api.example.com;proto=https"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "unreplayed"),
+    [
+        ([("ETag", '"v1"'), ("Content-Type", "text/plain")], ()),
+        ([("Date", "Mon, 07 Dec 2026 10:00:00 GMT"), ("ETag", '"v1"')], ()),
+        ([("Set-Cookie", "a=1"), ("set-cookie", "b=2"), ("Link", "<a>")], ("set-cookie",)),
+        ([("Connection", "x-tag, keep-alive"), ("X-Tag", "1"), ("Date", "d")], ("X-Other",)),
+        ([("Content-Length", "3"), ("Transfer-Encoding", "chunked"), ("X-A", "1")], ("date",)),
+        ([("WWW-Authenticate", "Basic"), ("X-A", "1"), ("X-A", "2")], ("X-A", "content-length")),
+    ],
+)
+def test_the_client_and_stored_headers_made_at_once_are_those_made_apart(
+    fields: list[tuple[str, str]], unreplayed: tuple[str, ...]
+) -> None:
+    upstream = CIMultiDict(fields)
+    client, stored = response_headers(upstream, unreplayed)
+    assert list(client.items()) == list(response_headers_for_client(upstream).items())
+    assert stored == headers_to_store(upstream, list(unreplayed))

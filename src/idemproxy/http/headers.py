@@ -205,6 +205,32 @@ def _store_dropped(unreplayed: tuple[str, ...]) -> frozenset[str]:
     return _STORE_DROPPED | {h.lower() for h in unreplayed}
 
 
+def response_headers(
+    headers: Headers, unreplayed: tuple[str, ...]
+) -> tuple[CIMultiDict[str], HeaderPairs]:
+    """`response_headers_for_client` and `headers_to_store` of one response at once: what the
+    first client gets and what is stored differ only by what a replay recomputes and
+    `unreplayed` (SPEC §7), so the second is the first minus those."""
+    client = _without(headers, _RESPONSE_DROPPED)
+    not_replayed = _not_replayed(unreplayed)
+    for name in not_replayed:
+        if name in client:
+            break
+    else:  # nearly never: an upstream's answer brings its Date
+        return client, tuple(client.items())
+    stored = CIMultiDict[str](client)
+    for name in not_replayed:
+        if name in stored:
+            del stored[name]
+    return client, tuple(stored.items())
+
+
+@functools.lru_cache(maxsize=16)
+def _not_replayed(unreplayed: tuple[str, ...]) -> frozenset[str]:
+    """What `headers_to_store` drops beyond `response_headers_for_client`."""
+    return _store_dropped(unreplayed) - _RESPONSE_DROPPED
+
+
 def multidict(pairs: Iterable[tuple[str, str]]) -> CIMultiDict[str]:
     return CIMultiDict[str](pairs)
 

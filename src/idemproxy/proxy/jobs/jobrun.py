@@ -75,7 +75,7 @@ from idemproxy.errors import (
     StoreUnavailable,
     UpstreamUnavailable,
 )
-from idemproxy.http.headers import headers_to_store, response_headers_for_client
+from idemproxy.http.headers import response_headers, response_headers_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.intent import new_job_id
 from idemproxy.observe.metrics import AttemptOutcome, Metrics, UpstreamOutcome
@@ -244,6 +244,8 @@ class AttemptRunner:
         state: AttemptState,
     ) -> Step:
         kept: Captured | None = None  # the body as captured (or teed), until handed on
+        # The client's headers, once the completion made them with the stored ones.
+        client_headers: CIMultiDict[str] | None = None
         client: ClientSink | None = None  # once the head went to the client
         response: web.StreamResponse | None = None
         try:
@@ -260,9 +262,12 @@ class AttemptRunner:
                             kept = None
                         state = state.next(Checked(broken))
                     case Complete():
+                        client_headers, stored_headers = self._response_headers(
+                            upstream, attempt.job
+                        )
                         stored = StoredResponse(
                             upstream.status,
-                            self._stored_headers(upstream),
+                            stored_headers,
                             await kept.content()
                             if state.body is Body.KEPT and kept is not None and kept.whole
                             else None,
@@ -310,8 +315,9 @@ class AttemptRunner:
                         answered, kept = kept, None  # the response owns it now
                         # A race's winner, not the attempt started last (SPEC §13).
                         _names(governed.trace, attempt)
-                        headers = self._client_headers(upstream, attempt.job)
-                        return answer(answered, upstream.status, upstream.reason, headers)
+                        if client_headers is None:  # a settled attempt's answer
+                            client_headers = self._client_headers(upstream, attempt.job)
+                        return answer(answered, upstream.status, upstream.reason, client_headers)
                     case Finish():
                         assert client is not None
                         _names(governed.trace, attempt)
@@ -475,9 +481,17 @@ class AttemptRunner:
         headers[JOB_HEADER] = job.id
         return headers
 
-    def _stored_headers(self, upstream: UpstreamResponse) -> HeaderPairs:
-        stored = headers_to_store(upstream.headers, self.settings.unreplayed_headers)
-        return stored + _head_length(upstream) if upstream.method == "HEAD" else stored
+    def _response_headers(
+        self, upstream: UpstreamResponse, job: Job
+    ) -> tuple[CIMultiDict[str], HeaderPairs]:
+        """The client's headers (`_client_headers`) and those stored (SPEC §7), made at once."""
+        client, stored = response_headers(upstream.headers, tuple(self.settings.unreplayed_headers))
+        if upstream.method == "HEAD":
+            length = _head_length(upstream)
+            client.extend(length)
+            stored += length
+        client[JOB_HEADER] = job.id
+        return client, stored
 
 
 async def _pass_through(
