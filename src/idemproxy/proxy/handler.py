@@ -384,11 +384,15 @@ class Proxy:
                 response = await routing
             finally:
                 in_flight.now -= 1
+            # `only_response`'s test in place on the listener (one call less per request):
+            # its writer started no response, or this one. aiohttp's own servers (tests, the
+            # demo) ask `only_response`.
             writer = request.writer
-            # `only_response`'s test in place for the listener's writer, which started no
-            # other response for nearly every request: one call less on every request.
-            started = writer.started_headers if type(writer) is HeadWriter else response
-            if started is not None and started is not response.headers:
+            alone = False
+            if type(writer) is HeadWriter:
+                started = writer.started_headers
+                alone = started is None or started is response.headers
+            if not alone:
                 response = only_response(self._metrics, request, response)
             trace.by_proxy = ERROR_HEADER in response.headers
             # Counted and logged once the answer is written: the log line costs the event
