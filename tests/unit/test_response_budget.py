@@ -9,6 +9,7 @@ import pytest
 from multidict import CIMultiDict
 
 from idemproxy.proxy.server.capture import (
+    Captured,
     Held,
     ResponseBudget,
     SpooledResponse,
@@ -129,3 +130,25 @@ async def test_an_unsent_spooled_answer_closes_its_file_and_an_unsent_notified_o
     drop_unsent(notified)
     drop_unsent(None)
     assert len(given) == 1
+
+
+async def test_a_captured_body_s_memory_field_is_its_content_while_one_piece_in_memory() -> None:
+    """`Captured.memory`, which the completion reads in place of `content`: the body while it is
+    one bytes object in memory, None in pieces or on disk, never another body's bytes."""
+    budget = ResponseBudget(1_000)
+    one = Captured(budget)
+    assert one.memory == b""
+    one.add(b"abc")
+    assert one.memory == b"abc" == await one.content()
+    one.add(b"def")  # two pieces: `content` joins them
+    assert one.memory is None
+    assert await one.content() == b"abcdef" == one.memory
+    one.close()
+    assert one.memory is None and budget.used == 0
+
+    tight = Captured(ResponseBudget(4))
+    tight.add(b"abc")
+    tight.add(b"defgh")  # no room: both pieces go to disk
+    assert tight.spooled and tight.memory is None
+    assert await tight.content() == b"abcdefgh"
+    tight.close()

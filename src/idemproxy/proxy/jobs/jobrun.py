@@ -265,13 +265,14 @@ class AttemptRunner:
                         client_headers, stored_headers = self._response_headers(
                             upstream, attempt.job
                         )
-                        stored = StoredResponse(
-                            upstream.status,
-                            stored_headers,
-                            await kept.content()
-                            if state.body is Body.KEPT and kept is not None and kept.whole
-                            else None,
-                        )
+                        body = None
+                        if state.body is Body.KEPT and kept is not None and kept.whole:
+                            # Its `memory`, nearly always: `content` only for a body in
+                            # pieces or on disk.
+                            body = kept.memory
+                            if body is None:
+                                body = await kept.content()
+                        stored = StoredResponse(upstream.status, stored_headers, body)
                         completing = self._completed(attempt, stored, governed.route.ttl)
                         if state.after_head:
                             state = state.next(await _after_head(attempt, completing))

@@ -192,6 +192,9 @@ class Captured:
         self.held = Held(budget)
         self._chunks: list[bytes] = []
         self._spool: BinaryIO | None = None
+        # The body while it is one bytes object in memory (nearly every body: one piece, or
+        # joined); None in pieces or on disk. A field, where `content` is a call.
+        self.memory: bytes | None = b""
         self.size = 0
         self.whole = False
 
@@ -207,6 +210,7 @@ class Captured:
         self.size += len(chunk)
         if self._spool is None and self.held.add(len(chunk)):
             self._chunks.append(chunk)
+            self.memory = chunk if len(self._chunks) == 1 else None
             return
         self._spill()
         assert self._spool is not None
@@ -219,7 +223,7 @@ class Captured:
         weakref.finalize(self, spool.close)
         for chunk in self._chunks:
             spool.write(chunk)
-        self._spool, self._chunks = spool, []
+        self._spool, self._chunks, self.memory = spool, [], None
         self.held.release()
 
     def in_memory(self) -> bytes | None:
@@ -233,9 +237,8 @@ class Captured:
     async def content(self) -> bytes:
         """The body in memory, held against the budget until `release` (for its store write and
         a contract check). A spooled body waits for room first."""
-        chunks = self._chunks
-        if self._spool is None and len(chunks) <= 1:  # `in_memory`'s common case: one piece
-            return chunks[0] if chunks else b""
+        if self.memory is not None:  # `in_memory`'s common case: one piece
+            return self.memory
         content = self.in_memory()
         if content is not None:
             return content
@@ -267,6 +270,7 @@ class Captured:
             self._spill()
             return
         self._chunks = [b"".join(self._chunks)]
+        self.memory = self._chunks[0]
         self._budget.give_back(self.size)
         self.held.size -= self.size
 
@@ -293,7 +297,7 @@ class Captured:
 
     def close(self) -> None:
         self.release()
-        self._chunks = []
+        self._chunks, self.memory = [], None
         if self._spool is not None:
             self._spool.close()
 
@@ -342,10 +346,8 @@ def answer(
     captured: Captured, status: int, reason: str, headers: CIMultiDict[str]
 ) -> web.StreamResponse:
     """The first client's response to a whole captured body (stored, or settled, by now)."""
-    chunks = captured._chunks
-    if captured._spool is None and len(chunks) <= 1:  # `in_memory`'s common case: one piece
-        content: bytes | None = chunks[0] if chunks else b""
-    else:
+    content = captured.memory
+    if content is None:  # in pieces (joined now, if the budget has room) or on disk
         content = captured.in_memory()
     if content is None:
         captured.release()  # its store write, if any, is done: the client is answered from disk
