@@ -35,7 +35,7 @@ HOP_BY_HOP_HEADERS: Final = frozenset(
 )
 
 # SPEC §10: what a client may claim about the hops before this proxy; believed only from a
-# trusted proxy (proxy/upstream/client.py), dropped from anyone else (http/headers.py).
+# trusted proxy, dropped from anyone else (http/headers.py `outgoing`).
 FORWARDING_HEADERS: Final = frozenset(
     {
         "forwarded",  # RFC 7239

@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from idemproxy.proxy.upstream.client import is_trusted
+from idemproxy.http.headers import is_trusted
 
 NETWORKS = [ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("2001:db8::/32")]
 

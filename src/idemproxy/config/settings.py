@@ -692,7 +692,7 @@ class Settings(BaseSettings):
     )
     outcomes: OutcomeSettings = Field(default_factory=OutcomeSettings)
     on_store_error: Literal["fail_closed", "passthrough"] = "fail_closed"
-    # --- trusted_proxies (SPEC §10, proxy/upstream/client.py) ---------------------------------
+    # --- trusted_proxies (SPEC §10, http/headers.py `outgoing`) -------------------------------
     # Peers (CIDRs, or single addresses) whose X-Forwarded-*/Forwarded headers are kept, as
     # nginx's set_real_ip_from. Empty (the default): every peer is a client, and the proxy
     # sets X-Forwarded-For/Proto/Host from what it saw.

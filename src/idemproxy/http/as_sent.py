@@ -3,7 +3,7 @@
 An absolute-form target without a path (`GET http://host?q`) is handled as the same target with
 its `/` (proxy/server/connection.py `routable`): a clone, whose target is its URL's text. A URL
 holds no empty query (`http://host?` becomes `http://host/`), so the target goes upstream from
-the one kept here (proxy/upstream/client.py, SPEC §10: as sent).
+the one kept here (http/headers.py `outgoing`, SPEC §10: as sent).
 """
 
 from __future__ import annotations

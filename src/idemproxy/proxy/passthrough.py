@@ -15,7 +15,7 @@ from yarl import URL
 from idemproxy.config.settings import Settings
 from idemproxy.core.machine import Outcome, classify_failure
 from idemproxy.errors import NEVER, BodyInvalid, ClientDisconnected, ProblemError
-from idemproxy.http.headers import asks_the_server, drop_for_client
+from idemproxy.http.headers import asks_the_server, drop_for_client, outgoing
 from idemproxy.http.problems import problem_response
 from idemproxy.observe.metrics import DisconnectStage, Metrics
 from idemproxy.proxy.reasons import upstream_reason
@@ -29,12 +29,7 @@ from idemproxy.proxy.server.connection import (
 from idemproxy.proxy.server.hangups import client_gone
 from idemproxy.proxy.server.sink import abort
 from idemproxy.proxy.server.trace import Trace
-from idemproxy.proxy.upstream.client import (
-    UpstreamClient,
-    UpstreamFailure,
-    UpstreamResponse,
-    outgoing,
-)
+from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
 
 if TYPE_CHECKING:
     from idemproxy.proxy.tracing import Tracing

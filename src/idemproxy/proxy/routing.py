@@ -15,11 +15,10 @@ from idemproxy.config.resolve import ResolveSettings
 from idemproxy.config.settings import RouteSettings, Settings
 from idemproxy.config.upstream import UpstreamHeaderSettings
 from idemproxy.errors import PathInvalid
-from idemproxy.http.headers import host_name
+from idemproxy.http.headers import Edits, HeaderEdits, host_name
 from idemproxy.identity.key_source import KeySource
 from idemproxy.identity.webhooks import WebhookVerifier
 from idemproxy.proxy.readings import changeable, readings
-from idemproxy.proxy.upstream.client import Edits, HeaderEdits
 from idemproxy.proxy.upstream.contract import Contract, ContractGate
 
 
@@ -54,7 +53,7 @@ class Route:
     key_source: KeySource | None = None
     # SPEC §4.2: a webhook route's signature check and owner; implies a `key_source`.
     webhook: WebhookVerifier | None = field(default=None, compare=False, hash=False, repr=False)
-    # SPEC §10: the Host its upstreams receive (proxy/upstream/client.py, `outgoing`).
+    # SPEC §10: the Host its upstreams receive (http/headers.py, `outgoing`).
     forward_host: str = c.DEFAULT_FORWARD_HOST
     # SPEC §3.6: how this route's `unknown` jobs may resolve themselves: a retry does what the
     # route it takes declares, never what another route of its path does.

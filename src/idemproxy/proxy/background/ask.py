@@ -24,7 +24,8 @@ from yarl import URL
 from idemproxy.config.resolve import ReconcileSettings
 from idemproxy.constants import ATTEMPT_HEADER, DEFAULT_KEY_HEADER, JOB_HEADER
 from idemproxy.core.resolution import Question
-from idemproxy.proxy.upstream.client import Edits, UpstreamClient, UpstreamFailure
+from idemproxy.http.headers import Edits
+from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
 from idemproxy.redact import redact_url
 
 log = logging.getLogger(__name__)

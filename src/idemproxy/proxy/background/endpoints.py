@@ -20,9 +20,8 @@ from urllib.parse import unquote
 
 from idemproxy.config.resolve import ReconcileSettings
 from idemproxy.config.settings import Settings
-from idemproxy.http.headers import host_name
+from idemproxy.http.headers import Edits, host_name
 from idemproxy.proxy.routing import Route, header_edits, upstream_origin
-from idemproxy.proxy.upstream.client import Edits
 
 
 @dataclass(frozen=True, slots=True)

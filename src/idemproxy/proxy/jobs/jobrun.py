@@ -75,7 +75,7 @@ from idemproxy.errors import (
     StoreUnavailable,
     UpstreamUnavailable,
 )
-from idemproxy.http.headers import response_headers, response_headers_for_client
+from idemproxy.http.headers import outgoing, response_headers, response_headers_for_client
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.intent import new_job_id
 from idemproxy.observe.metrics import AttemptOutcome, Metrics, UpstreamOutcome
@@ -88,12 +88,7 @@ from idemproxy.proxy.server.capture import Captured, answer, capture, drop_unsen
 from idemproxy.proxy.server.connection import AsSentStreamResponse
 from idemproxy.proxy.server.sink import ClientSink
 from idemproxy.proxy.server.trace import Trace
-from idemproxy.proxy.upstream.client import (
-    UpstreamClient,
-    UpstreamFailure,
-    UpstreamResponse,
-    outgoing,
-)
+from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure, UpstreamResponse
 from idemproxy.proxy.upstream.contract import ask_checkable
 from idemproxy.store.base import AttemptFailure
 from idemproxy.store.ports import JobStore

@@ -30,8 +30,9 @@ from yarl import URL
 from idemproxy.config.settings import ContractSettings
 from idemproxy.errors import ConfigError
 from idemproxy.http.codings import DECODABLE, Undecodable, coding_names, decode
+from idemproxy.http.headers import Edits
 from idemproxy.http.offload import in_thread, off_loop
-from idemproxy.proxy.upstream.client import Edits, UpstreamClient, UpstreamFailure
+from idemproxy.proxy.upstream.client import UpstreamClient, UpstreamFailure
 from idemproxy.redact import escaped, redact_url
 
 log = logging.getLogger(__name__)
