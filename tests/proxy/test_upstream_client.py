@@ -265,25 +265,6 @@ async def test_a_piece_says_whether_the_body_ended_with_it() -> None:
 
 
 @on_both_loops
-async def test_a_body_read_whole_gives_its_connection_back_before_the_exchange_closes() -> None:
-    """An attempt stores its answer after reading it and closes its exchange after that: the
-    connection is free for others from the body's last piece on (a pool of one serves the
-    next request while the first is still being stored), and the late `close` is a no-op."""
-    async with serving(answering(OK, OK)) as upstream, client(connections=1) as c:
-        first, response = await c.send("POST", upstream.url, {}, b"{}")
-        assert not first.released
-        assert await response.read_piece() == (b"ok", True)
-        assert first.released
-        # The first exchange is not closed yet (its answer being stored): the pool's one
-        # connection serves the next request all the same.
-        second, again = await asyncio.wait_for(c.send("POST", upstream.url, {}, b"{}"), 1.0)
-        assert await again.read_piece() == (b"ok", True)
-        await first.close()
-        await second.close()
-    assert upstream.connections == 1
-
-
-@on_both_loops
 async def test_with_keepalive_zero_each_request_has_a_connection_of_its_own() -> None:
     """`pool.upstream_keepalive: 0`: nothing is reused, and the upstream is told so; bytes an
     upstream writes after its answer then reach no other request (docs/operations.md)."""

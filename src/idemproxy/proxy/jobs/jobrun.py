@@ -213,8 +213,7 @@ class AttemptRunner:
                     by_outcome[answered].observe(ended - started)
                     return step
                 finally:
-                    if not exchange.released:  # a body read whole gave its connection back
-                        await exchange.close()
+                    await exchange.close()
         except UpstreamFailure as failure:  # no (whole) response before its head went out
             state = forward.next(TransportFailed(failure.failure, failure.reason))
             assert isinstance(state, Settle | HandBack)

@@ -151,9 +151,6 @@ class UpstreamResponse:
         self.request_sent = False
         self.head_bytes = 0  # received while the head was incomplete (MAX_HEAD_BYTES)
         self.finished_at: float | None = None  # time.perf_counter() when the body was whole
-        # What gives the connection back once the body was read whole (`read_piece`): its
-        # exchange's `release`, so that it serves others while this answer is stored.
-        self.on_read: Callable[[], None] | None = None
 
     # --- reading, for the proxy -------------------------------------------------------------
 
@@ -189,21 +186,14 @@ class UpstreamResponse:
 
     async def read_piece(self) -> tuple[bytes, bool]:
         """`read_chunk`, and whether the body ended with that piece: a reader of the whole
-        body (a capture) makes no read past its end, where nearly every body is one piece.
-        With the last piece the connection goes back to the pool (`on_read`)."""
+        body (a capture) makes no read past its end, where nearly every body is one piece."""
         while True:
             if self._chunks:
                 chunk = self._take()
-                if self._chunks or self.stage is not _Stage.DONE:
-                    return chunk, False
-                if self.on_read is not None:
-                    self.on_read()
-                return chunk, True
+                return chunk, not self._chunks and self.stage is _Stage.DONE
             if self._error is not None:
                 raise self._error
             if self.stage is _Stage.DONE:
-                if self.on_read is not None:
-                    self.on_read()
                 return b"", True
             await self._wait("upstream body timed out")
 
@@ -682,7 +672,6 @@ class Exchange:
         "_origin",
         "_sender",
         "_timeout",
-        "released",
     )
 
     def __init__(
@@ -702,9 +691,6 @@ class Exchange:
         self._body = body
         self._connection: Connection | None = None
         self._sender: asyncio.Task[None] | None = None
-        # The connection went back (or was closed): `close` has nothing left to do. A field
-        # for the caller's `finally`: a capture's whole read gives it back (`release`).
-        self.released = False
 
     async def open(self) -> UpstreamResponse:
         """Send the request and wait for the response's head."""
@@ -712,7 +698,6 @@ class Exchange:
         connection = await link.pool.acquire(self._origin, link.connect_timeout)
         self._connection = connection
         exchange = UpstreamResponse(connection, self._method, self._timeout)
-        exchange.on_read = self.release
         connection.exchange = exchange
         body = self._body
         try:
@@ -763,11 +748,6 @@ class Exchange:
 
     async def close(self, *_exc: object) -> None:
         """The connection goes back to the pool, or is closed when it cannot serve again."""
-        self.release()
-
-    def release(self) -> None:
-        """`close`, synchronously: what its response calls once its body was read whole."""
-        self.released = True
         connection, self._connection = self._connection, None
         if connection is None:
             return
