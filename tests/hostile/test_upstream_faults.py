@@ -9,15 +9,18 @@ never runs it again).
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
-from idemproxy.core.types import AttemptState, JobState
+from idemproxy.core.types import AttemptState, Job, JobState, KeptResponse
 from idemproxy.store.base import Store
+from idemproxy.store.sqlite.store import SqliteStore
 from tests.support.backend import Ledger
 from tests.support.faultproxy import (
     RESET_BEFORE_RESPONSE,
@@ -26,6 +29,7 @@ from tests.support.faultproxy import (
     drip,
     replace,
     reset_mid_body,
+    trail,
 )
 from tests.support.proxyapp import ProxyFactory
 from tests.support.proxychecks import KEY, REPLAYED, assert_problem, only_job
@@ -245,6 +249,53 @@ async def test_length_that_lies_long_never_leaks_into_the_next_request(
         await assert_problem(first, "upstream-unavailable", 502)
         assert jobs == {"long": JobState.UNKNOWN, "next": JobState.COMPLETED}
     assert (ledger.count("long"), ledger.count("next")) == (1, 1)
+
+
+class SlowCompletions(SqliteStore):
+    """The real SQLite store, whose completions take `seconds` longer: an answer being stored
+    while later requests wait for the upstream."""
+
+    def __init__(self, path: str, seconds: float) -> None:
+        super().__init__(path)
+        self.seconds = seconds
+
+    async def complete(self, job: Job, attempt: int, response: KeptResponse, *, ttl: float) -> bool:
+        await asyncio.sleep(self.seconds)
+        return await super().complete(job, attempt, response, ttl=ttl)
+
+
+async def test_bytes_sent_after_an_answer_while_it_is_stored_never_answer_the_next_request(
+    make_proxy: ProxyFactory, fault_proxy: FaultProxy, ledger: Ledger, tmp_path: Path
+) -> None:
+    """The upstream connection goes back to the pool once the answer is stored, not once it
+    was read: bytes the upstream sends meanwhile (here a whole forged response, 50 ms after
+    the answer) land on the finished exchange, and the connection is not reused. Given back
+    as soon as its answer was read, a pool of one handed it to the request waiting for it,
+    which took the forged bytes as its answer, stored them, and replayed them."""
+    path = str(tmp_path / "slow.db")
+    store = SlowCompletions(path, seconds=0.3)
+    await store.open()
+    await store.migrate()
+    try:
+        client = await make_proxy(
+            inject_store=store,
+            store=f"sqlite:///{path}",
+            upstream=fault_proxy.url,
+            pool={"upstream_connections": 1},
+        )
+        fault_proxy.inject(trail(FORGED, delay=0.05))
+        first = asyncio.create_task(post(client, "first"))
+        await asyncio.sleep(0.02)  # the first request has the pool's one connection
+        second = await post(client, "second")
+        assert (await first).status == 201
+        assert second.status == 201 and "X-Forged" not in second.headers
+        for key in ("first", "second"):
+            replay = await post(client, key)
+            assert replay.headers[REPLAYED] == "true" and "X-Forged" not in replay.headers
+            assert ledger.count(key) == 1
+        assert fault_proxy.connections == 2  # the first connection was not reused
+    finally:
+        await store.close()
 
 
 async def test_gzip_body_is_relayed_and_stored_byte_for_byte(

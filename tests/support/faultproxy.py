@@ -51,6 +51,12 @@ def replace(data: bytes, *, keep_open: bool = False) -> Fault:
     return Fault("replace", data=data, keep_open=keep_open)
 
 
+def trail(data: bytes, delay: float) -> Fault:
+    """The backend's response, then `data` `delay` seconds later on the same connection: bytes
+    an upstream sends after its answer (a forged second response, a late error page)."""
+    return Fault("trail", data=data, delay=delay)
+
+
 @dataclass
 class Exchange:
     """One request the relay saw, and the response the backend gave it (None if not asked)."""
@@ -141,6 +147,13 @@ class FaultProxy:
                 client.write(response[start : start + fault.size])
                 await client.drain()
                 await asyncio.sleep(fault.delay)
+            return True
+        if fault.kind == "trail":
+            client.write(response)
+            await client.drain()
+            await asyncio.sleep(fault.delay)
+            client.write(fault.data)
+            await client.drain()
             return True
         client.write(fault.data if fault.kind == "replace" else response)
         await client.drain()

@@ -213,6 +213,9 @@ class AttemptRunner:
                     by_outcome[answered].observe(ended - started)
                     return step
                 finally:
+                    # Only now, the answer stored: bytes the upstream sends after its answer
+                    # land on this finished exchange (and the connection is not reused), never
+                    # on the next request's (tests/hostile/test_upstream_faults.py).
                     await exchange.close()
         except UpstreamFailure as failure:  # no (whole) response before its head went out
             state = forward.next(TransportFailed(failure.failure, failure.reason))
