@@ -474,11 +474,7 @@ class AttemptRunner:
             log.info("job %s attempt %d: settle lost the CAS", job.id, number)
 
     def _client_headers(self, upstream: UpstreamResponse, job: Job) -> CIMultiDict[str]:
-        headers = response_headers_for_client(upstream.headers)
-        if upstream.method == "HEAD":
-            headers.extend(_head_length(upstream))
-        headers[JOB_HEADER] = job.id
-        return headers
+        return _as_answered(response_headers_for_client(upstream.headers), upstream, job)
 
     def _response_headers(
         self, upstream: UpstreamResponse, job: Job
@@ -486,11 +482,19 @@ class AttemptRunner:
         """The client's headers (`_client_headers`) and those stored (SPEC §7), made at once."""
         client, stored = response_headers(upstream.headers, tuple(self.settings.unreplayed_headers))
         if upstream.method == "HEAD":
-            length = _head_length(upstream)
-            client.extend(length)
-            stored += length
-        client[JOB_HEADER] = job.id
-        return client, stored
+            stored += _head_length(upstream)
+        return _as_answered(client, upstream, job), stored
+
+
+def _as_answered(
+    headers: CIMultiDict[str], upstream: UpstreamResponse, job: Job
+) -> CIMultiDict[str]:
+    """The upstream's headers, filtered for the client, as an attempt's answer carries them: a
+    HEAD answer's length (`_head_length`) and the job's id (SPEC §7)."""
+    if upstream.method == "HEAD":
+        headers.extend(_head_length(upstream))
+    headers[JOB_HEADER] = job.id
+    return headers
 
 
 async def _pass_through(
