@@ -32,6 +32,7 @@ from idemproxy.constants import ATTEMPT_HEADER, JOB_HEADER, REPLAY_OMITTED_HEADE
 from idemproxy.core.types import JobState
 from idemproxy.observe.metrics import Metrics
 from idemproxy.proxy.context import CONTEXT
+from tests.support.keyring import key_entry
 
 from .conftest import ProxyFactory, RawUpstream
 
@@ -325,6 +326,80 @@ async def test_a_reason_phrase_with_a_control_character_is_not_forwarded(
     assert answer.upstream_fields() == OBS_TEXT
     raw_upstream.response = upstream_answer(OBS_TEXT, b"ok").replace(b" OK", b" Tr\xe8s bien", 1)
     assert (await exchange(client, post(b"pay"))).status_line == b"HTTP/1.1 200 Tr\xe8s bien"
+
+
+# --- the status line: a replay's is the first answer's (SPEC §7) -----------------------------
+
+# Another phrase than the standard one, obs-text, UTF-8, an empty one, a status without a
+# standard phrase, and the standard phrase itself (stored as nothing).
+STATUS_LINES = [
+    b"201 Made Fresh",
+    b"200 Tr\xe8s bien",
+    "201 Créé ✓".encode(),
+    b"201 ",
+    b"299 Custom",
+    b"299 ",
+    b"200 OK",
+]
+
+
+@pytest.mark.parametrize("status_line", STATUS_LINES)
+async def test_every_replay_s_status_line_is_the_first_answer_s(
+    client: TestClient[Any, Any], raw_upstream: RawUpstream, status_line: bytes
+) -> None:
+    raw_upstream.response = upstream_answer(OBS_TEXT, b"ok").replace(b"200 OK", status_line, 1)
+    answers = await first_and_replays(client, raw_upstream)
+    assert [answer.status_line for answer in answers] == [b"HTTP/1.1 " + status_line] * 3
+    for answer in answers:
+        assert (answer.upstream_fields(), answer.body) == (OBS_TEXT, b"ok")
+
+
+@pytest.mark.parametrize("store_options", ["sqlite", "postgres+redis"], indirect=True)
+@pytest.mark.parametrize("size", [16 * 1024, 200 * 1024], ids=["one-write", "shared"])
+async def test_the_status_line_of_a_large_or_streamed_first_answer_is_replayed(
+    store_options: dict[str, Any], make_proxy: ProxyFactory, raw_upstream: RawUpstream, size: int
+) -> None:
+    """A body stored whole (replayed in one write, or shared by the job's replays) and one
+    over max_stored_body (streamed to the first client, its replay without it)."""
+    options = {**store_options, "max_stored_body": 100 * 1024}
+    client = await make_proxy(upstream=raw_upstream.url, **options)
+    body = b"x" * size
+    raw_upstream.response = upstream_answer([], body).replace(b"200 OK", b"202 Taken", 1)
+    first, *replays = await first_and_replays(client, raw_upstream)
+    assert (first.status_line, first.body) == (b"HTTP/1.1 202 Taken", body)
+    for replay in replays:
+        assert replay.status_line == b"HTTP/1.1 202 Taken"
+        assert replay.body == (body if size <= 100 * 1024 else b"")
+
+
+@pytest.mark.parametrize("store_options", ["sqlite"], indirect=True)
+async def test_the_status_line_is_replayed_from_a_sealed_response(
+    store_options: dict[str, Any], make_proxy: ProxyFactory, raw_upstream: RawUpstream
+) -> None:
+    """With encryption at rest (SPEC §11) the phrase is sealed with the headers: not in the
+    clear in the row, replayed as it came."""
+    options = {**store_options, "encryption": {"keys": key_entry("k1", 1)}}
+    client = await make_proxy(upstream=raw_upstream.url, **options)
+    raw_upstream.response = upstream_answer(OBS_TEXT, b"ok").replace(b"200 OK", b"201 Booked", 1)
+    answers = await first_and_replays(client, raw_upstream)
+    assert [answer.status_line for answer in answers] == [b"HTTP/1.1 201 Booked"] * 3
+
+
+@pytest.mark.parametrize("store_options", ["sqlite", "postgres"], indirect=True)
+async def test_a_standard_phrase_is_stored_as_nothing_and_another_ahead_of_the_headers(
+    client: TestClient[Any, Any], raw_upstream: RawUpstream
+) -> None:
+    store = client.app[CONTEXT].store
+    raw_upstream.response = upstream_answer(OBS_TEXT, b"ok")
+    standard, other = new_key(), new_key()
+    assert (await exchange(client, post(b"pay", standard))).status == 200
+    raw_upstream.response = upstream_answer(OBS_TEXT, b"ok").replace(b"200 OK", b"200 Fine", 1)
+    assert (await exchange(client, post(b"pay", other))).status == 200
+    kept = [await store.get("anonymous", key) for key in (standard, other)]
+    headers = [job.response.headers for job in kept if job is not None and job.response]
+    assert len(headers) == 2
+    assert [name for name, _ in headers[0]] == [name.decode() for name, _ in OBS_TEXT]
+    assert headers[1][0] == (":reason", "Fine") and headers[1][1:] == headers[0]
 
 
 @pytest.mark.parametrize(

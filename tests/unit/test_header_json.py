@@ -10,6 +10,7 @@ from aiohttp.http_writer import _serialize_headers
 from multidict import CIMultiDict
 
 from idemproxy.core.types import StoredResponse
+from idemproxy.http.headers import stored_reason
 from idemproxy.ops.table import _response_details
 from idemproxy.ops.view import response_to_json
 from idemproxy.proxy.server.connection import serialise_head
@@ -108,3 +109,38 @@ def test_the_jobs_views_show_such_a_header_as_json_can_carry_it() -> None:
     assert "\\udc" not in text.lower()
     assert view["headers"][1] == ["X-Name", "caf\xe9", "latin-1"]
     assert "  X-Name: caf\xe9" in _response_details(view)
+
+
+@pytest.mark.parametrize(
+    ("reason", "shown"),
+    [
+        ("Made", {"reason": "Made"}),
+        ("", {"reason": ""}),
+        ("Créé", {"reason": "Créé"}),
+        (
+            b"Tr\xe8s".decode("utf-8", "surrogateescape"),
+            {"reason": "Tr\xe8s", "reason_encoding": "latin-1"},
+        ),
+    ],
+)
+def test_a_stored_reason_phrase_is_shown_apart_from_the_headers(
+    reason: str, shown: dict[str, str]
+) -> None:
+    """SPEC §7: the phrase is kept ahead of the headers; operators see it as its own field."""
+    stored = StoredResponse(201, ((":reason", reason), ("X-A", "1")), b"ok")
+    view = response_to_json(stored)
+    assert view is not None
+    assert {name: view[name] for name in shown} == shown
+    assert view["headers"] == [["X-A", "1"]]
+    assert _response_details(view)[0] == f"  (reason phrase: {shown['reason']})"
+    plain = response_to_json(StoredResponse(201, (("X-A", "1"),), b"ok"))
+    assert plain is not None and "reason" not in plain
+
+
+def test_a_stored_reason_phrase_that_no_status_line_may_carry_is_not_replayed() -> None:
+    """A phrase with a line break or another control character (which the proxy never stores:
+    a row written by someone else) is replayed as the standard phrase, never as a head split."""
+    assert stored_reason(((":reason", "Made"), ("X-A", "1"))) == ("Made", (("X-A", "1"),))
+    assert stored_reason(((":reason", "a\r\nX-B: 2"), ("X-A", "1"))) == (None, (("X-A", "1"),))
+    assert stored_reason(((":reason", "a\x01"),)) == (None, ())
+    assert stored_reason((("X-A", "1"),)) == (None, (("X-A", "1"),))

@@ -14,10 +14,11 @@ from __future__ import annotations
 import functools
 import ipaddress
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Final
 from urllib.parse import unquote
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -210,6 +211,31 @@ def headers_to_store(headers: Headers, unreplayed: Collection[str]) -> HeaderPai
 def _store_dropped(unreplayed: tuple[str, ...]) -> frozenset[str]:
     # The setting is one list for the process's life: lower-cased and merged once, not per call.
     return _STORE_DROPPED | {h.lower() for h in unreplayed}
+
+
+# SPEC §7: a replay's status line is the first answer's. An upstream's reason phrase that is not
+# the standard one for its status (RFC 9112 §4: informational, but part of the bytes the first
+# client got) is stored as a first pair of this name, ahead of the headers. No field can have it:
+# a field name is a token (RFC 9110 §5.1), which a colon ends. A response stored without one
+# (every response with the standard phrase, and those stored before) is replayed with the
+# standard phrase, as aiohttp writes it.
+REASON_FIELD = ":reason"
+STANDARD_REASONS: Final[Mapping[int, str]] = {status.value: status.phrase for status in HTTPStatus}
+
+
+def stored_reason(pairs: HeaderPairs) -> tuple[str | None, HeaderPairs]:
+    """The reason phrase kept with stored headers (None: the standard one) and the headers."""
+    if pairs and pairs[0][0] == REASON_FIELD:
+        reason = pairs[0][1]
+        # Only a phrase a status line may carry; the proxy stores no other (an upstream's with a
+        # control character is not forwarded either: proxy/upstream/client.py).
+        return (reason if _REASON_PHRASE.fullmatch(reason) else None), pairs[1:]
+    return None, pairs
+
+
+# RFC 9112 §4: reason-phrase = 1*( HTAB / SP / VCHAR / obs-text ), or empty: no other control
+# character (the upstream's test, proxy/upstream/client.py, on the decoded text).
+_REASON_PHRASE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
 
 
 def response_headers(

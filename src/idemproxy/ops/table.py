@@ -114,6 +114,8 @@ def _response_details(response: JsonObject | None) -> list[str]:
     if response is None:
         return []
     lines = [f"  {pair[0]}: {_cell(pair[1])}" for pair in response["headers"]]
+    if "reason" in response:  # the upstream's own phrase (SPEC §7)
+        lines.insert(0, f"  (reason phrase: {_cell(response['reason'])})")
     if response["omitted"]:
         lines.append("  (body not stored: it was over max_stored_body)")
     elif "body" in response:

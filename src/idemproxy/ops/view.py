@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from idemproxy.core.types import Attempt, Evidence, Job, KeptResponse, SealedResponse
+from idemproxy.http.headers import stored_reason
 from idemproxy.redact import redact_path, redact_url
 from idemproxy.store.rows import pairs_to_json
 
@@ -92,13 +93,18 @@ def response_to_json(response: KeptResponse | None) -> JsonObject | None:
             "omitted": response.omitted,
             "sealed_with": response.key_id,
         }
-    view: JsonObject = {
-        "status": response.status,
-        # A pair with bytes that are not UTF-8 (obs-text) comes as [name, value, "latin-1"]:
-        # JSON can not carry them otherwise (store/rows.py).
-        "headers": pairs_to_json(response.headers),
-        "omitted": response.omitted,
-    }
+    reason, headers = stored_reason(response.headers)
+    view: JsonObject = {"status": response.status}
+    if reason is not None:  # the upstream's own phrase, which its replays carry (SPEC §7)
+        try:
+            view["reason"] = reason.encode().decode()
+        except UnicodeEncodeError:  # bytes that are not UTF-8: as Latin-1, as a header's are
+            view["reason"] = reason.encode("utf-8", "surrogateescape").decode("latin-1")
+            view["reason_encoding"] = "latin-1"
+    # A pair with bytes that are not UTF-8 (obs-text) comes as [name, value, "latin-1"]: JSON
+    # can not carry them otherwise (store/rows.py).
+    view["headers"] = pairs_to_json(headers)
+    view["omitted"] = response.omitted
     if response.body is not None:
         try:
             view["body"] = response.body.decode("utf-8")

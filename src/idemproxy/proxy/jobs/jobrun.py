@@ -75,7 +75,13 @@ from idemproxy.errors import (
     StoreUnavailable,
     UpstreamUnavailable,
 )
-from idemproxy.http.headers import outgoing, response_headers, response_headers_for_client
+from idemproxy.http.headers import (
+    REASON_FIELD,
+    STANDARD_REASONS,
+    outgoing,
+    response_headers,
+    response_headers_for_client,
+)
 from idemproxy.http.problems import problem_response
 from idemproxy.identity.intent import new_job_id
 from idemproxy.observe.metrics import AttemptOutcome, Metrics, UpstreamOutcome
@@ -483,6 +489,9 @@ class AttemptRunner:
         client, stored = response_headers(upstream.headers, tuple(self.settings.unreplayed_headers))
         if upstream.method == "HEAD":
             stored += _head_length(upstream)
+        reason = upstream.reason
+        if reason != STANDARD_REASONS.get(upstream.status, ""):  # SPEC §7: as the first answer's
+            stored = ((REASON_FIELD, reason), *stored)
         return _as_answered(client, upstream, job), stored
 
 

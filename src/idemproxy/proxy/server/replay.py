@@ -7,6 +7,7 @@ from multidict import CIMultiDict
 
 from idemproxy.constants import ERROR_HEADER, JOB_HEADER, REPLAY_OMITTED_HEADER, REPLAYED_HEADER
 from idemproxy.core.types import StoredResponse
+from idemproxy.http.headers import REASON_FIELD, stored_reason
 from idemproxy.proxy.server.capture import ResponseBudget, SpooledResponse, on_disk
 from idemproxy.proxy.server.connection import ONE_WRITE_BODY, AsSentResponse, NotifiedResponse
 
@@ -22,17 +23,20 @@ def replay_response(
     `decoded`: the body is the stored one decoded for this retry (proxy/server/fit.py), not the
     one the job's other replays share."""
     body = stored.body or b""
+    fields, reason = stored.headers, None
+    if fields and fields[0][0] == REASON_FIELD:  # the upstream's own phrase (SPEC §7)
+        reason, fields = stored_reason(fields)
     if shared is None or len(body) <= ONE_WRITE_BODY:
         # aiohttp copies the fields into a CIMultiDict of its own: marked there, not copied
         # into one of ours first.
-        response = AsSentResponse(status=stored.status, body=body, headers=stored.headers)
+        response = AsSentResponse(status=stored.status, reason=reason, body=body, headers=fields)
         _mark_replayed(response.headers, job_id, stored)
         return response
-    headers = CIMultiDict[str](stored.headers)
+    headers = CIMultiDict[str](fields)
     _mark_replayed(headers, job_id, stored)
     # A decoded body is shared with the job's other decoded replays only (all are the same).
     held = job_id + "/identity" if decoded else job_id
-    return shared.response(held, stored.status, headers, body)
+    return shared.response(held, stored.status, headers, body, reason)
 
 
 def _mark_replayed(headers: CIMultiDict[str], job_id: str, stored: StoredResponse) -> None:
@@ -59,17 +63,25 @@ class SharedBodies:
         self._bodies: dict[str, tuple[bytes, int]] = {}
 
     def response(
-        self, job_id: str, status: int, headers: CIMultiDict[str], body: bytes
+        self,
+        job_id: str,
+        status: int,
+        headers: CIMultiDict[str],
+        body: bytes,
+        reason: str | None = None,
     ) -> web.StreamResponse:
         # A completed job's body never changes (SPEC §3.2: `completed` is terminal).
         held, users = self._bodies.get(job_id, (body, 0))
         if not users and not self._budget.try_take(len(body)):
-            return SpooledResponse(on_disk(self._budget, body), status=status, headers=headers)
+            return SpooledResponse(
+                on_disk(self._budget, body), status=status, reason=reason, headers=headers
+            )
         self._bodies[job_id] = (held, users + 1)
         # Given back once written, or after the budget's `hold` when its client does not read
         # (the bytes stay, shared, until written).
         return NotifiedResponse(
             status=status,
+            reason=reason,
             body=held,
             headers=headers,
             done=lambda: self._give_back(job_id),
