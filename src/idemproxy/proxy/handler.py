@@ -40,6 +40,7 @@ from idemproxy.http.headers import (
     correlation_of,
     hop_by_hop,
     host_problem,
+    valid_host,
 )
 from idemproxy.http.offload import OFF_LOOP_CONTAINERS, Offload, heavy, off_loop
 from idemproxy.http.problems import problem_response
@@ -551,8 +552,13 @@ class Proxy:
 
     async def _route(self, request: web.Request, trace: Trace) -> web.StreamResponse:
         try:
-            host_refused = host_problem(request.headers.get(hdrs.HOST), request.raw_path)
-            if host_refused is not None:
+            host, target = request.headers.get(hdrs.HOST), request.raw_path
+            # `host_problem`'s common case in place: an origin-form target and a Host whose
+            # verdict `valid_host` keeps (a C-level cache hit, no call into http/headers.py).
+            if (
+                not (target.startswith("/") and valid_host(host))
+                and (host_refused := host_problem(host, target)) is not None
+            ):
                 return self._refuse_host(trace, host_refused)
             if hdrs.TRANSFER_ENCODING in request.headers and transfer_codings(request.headers) != [
                 "chunked"
