@@ -198,6 +198,48 @@ async def test_passthrough_opt_out_forwards_untracked(
     assert ledger.count("opt-out") == 3
 
 
+async def test_readiness_says_read_only_while_the_server_takes_no_writes(
+    governed_proxy: GovernedProxy,
+    fault_db: FaultDatabase,
+    recording_backend: tuple[str, Ledger],
+) -> None:
+    """A server made read-only under a running proxy (`default_transaction_read_only`, as a
+    maintenance window sets it; a hot standby answers the same way): governed requests fail
+    closed with nothing forwarded, and /readyz says `read-only` rather than `ok`, so that the
+    reader of the probe sees why. Writable again, both recover without a restart."""
+    ledger = recording_backend[1]
+    proxy = await governed_proxy("process")
+    assert proxy.process is not None
+    admin = proxy.process.admin_url
+    pg = fault_db.server
+    async with aiohttp.ClientSession() as session:
+        assert await store_reported(session, admin) == "ok"
+        await pg.execute("ALTER SYSTEM SET default_transaction_read_only = on")
+        try:
+            await pg.execute("SELECT pg_reload_conf()")
+            # Each session reads the new default once it handles the reload signal.
+            for _ in range(100):
+                if await store_reported(session, admin) == "read-only":
+                    break
+                await asyncio.sleep(0.05)
+            assert await store_reported(session, admin) == "read-only"
+            assert await probes(session, admin) == (200, 200)  # pass-through still flows
+            refused = await send(session, proxy.url, "while-read-only")
+        finally:
+            await pg.execute("ALTER SYSTEM RESET default_transaction_read_only")
+            await pg.execute("SELECT pg_reload_conf()")
+        assert (refused.status, refused.error) == (503, "store-unavailable"), refused
+        assert ledger.count() == 0, "a governed request reached the backend"
+        for _ in range(100):
+            if await store_reported(session, admin) == "ok":
+                break
+            await asyncio.sleep(0.05)
+        assert await store_reported(session, admin) == "ok"
+        healed = await send(session, proxy.url, "while-read-only")
+    assert (healed.status, healed.replayed) == (201, False), healed
+    assert ledger.count("while-read-only") == 1
+
+
 async def test_readiness_answers_in_time_while_the_store_is_stalled(
     governed_proxy: GovernedProxy, fault_db: FaultDatabase
 ) -> None:

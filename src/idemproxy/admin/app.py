@@ -133,12 +133,13 @@ async def _readyz(request: web.Request) -> web.Response:
     peers = request.app.get(PEERS)
     if peers is not None and (worker := await peers.first_not_ready()) is not None:
         return web.json_response({"status": "worker-not-ready", "worker": worker}, status=503)
-    store = "ok" if await request.app[STORE_CHECK].answers() else "unavailable"
+    store = await request.app[STORE_CHECK].state()
     return web.json_response({"status": "ready", "store": store})
 
 
 class StoreCheck:
-    """Whether the store answers a ping, said within READY_STORE_CHECK_SECONDS. A stalled
+    """What the store's ping says (`ok`; `read-only`: it answers, but every claim would fail;
+    `unavailable`: it does not answer), said within READY_STORE_CHECK_SECONDS. A stalled
     server holds a ping for `pool.store_timeout` (a cancelled statement's connection is only
     released once the server acknowledges, store/postgres/), past a probe's own timeout
     (Kubernetes: 1 s by default), and a failed probe pulls the pod all the same: the ping is
@@ -146,14 +147,17 @@ class StoreCheck:
 
     def __init__(self, store: Lifecycle) -> None:
         self._store = store
-        self._ping: asyncio.Task[None] | None = None
+        self._ping: asyncio.Task[bool] | None = None
 
-    async def answers(self) -> bool:
+    async def state(self) -> str:
         if self._ping is None or self._ping.done():
             self._ping = asyncio.create_task(self._store.ping(), name="idemproxy-ready-ping")
             self._ping.add_done_callback(_seen)
-        done, _ = await asyncio.wait({self._ping}, timeout=READY_STORE_CHECK_SECONDS)
-        return bool(done) and not self._ping.cancelled() and self._ping.exception() is None
+        ping = self._ping
+        done, _ = await asyncio.wait({ping}, timeout=READY_STORE_CHECK_SECONDS)
+        if not done or ping.cancelled() or ping.exception() is not None:
+            return "unavailable"
+        return "ok" if ping.result() else "read-only"
 
     async def close(self) -> None:
         if self._ping is not None and not self._ping.done():
@@ -165,7 +169,7 @@ class StoreCheck:
 STORE_CHECK = web.AppKey("idemproxy.admin.store_check", StoreCheck)
 
 
-def _seen(ping: asyncio.Task[None]) -> None:
+def _seen(ping: asyncio.Task[bool]) -> None:
     """A ping that failed after its probe answered: its error is the answer already given."""
     if not ping.cancelled():
         ping.exception()

@@ -344,8 +344,10 @@ class Lifecycle(Protocol):
         """Apply pending versioned migrations; returns the versions applied."""
 
     @abc.abstractmethod
-    async def ping(self) -> None:
-        """Raise `StoreUnavailable` unless the store answers."""
+    async def ping(self) -> bool:
+        """Whether the store takes writes now; False when it answers but only reads (a hot
+        standby, a server or session made read-only, a database file that cannot be written):
+        every claim would fail. `StoreUnavailable` unless it answers."""
 
     @abc.abstractmethod
     def group_commits(self) -> tuple[GroupCommit[Any, Any], ...]:

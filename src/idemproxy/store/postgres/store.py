@@ -952,8 +952,9 @@ class PostgresStore(Store):
         row = await self._fetchrow("count_unknown")
         return 0 if row is None else int(row["unknown"])
 
-    async def ping(self) -> None:
-        await self._fetchrow("ping")
+    async def ping(self) -> bool:
+        row = await self._fetchrow("ping")
+        return row is not None and bool(row["writable"])
 
     async def _announced(
         self, job: Job, row: asyncpg.Record | None, *, watched_only: bool = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -286,8 +287,18 @@ def migrate(db: sqlite3.Connection) -> list[str]:
     return applied
 
 
-def ping(db: sqlite3.Connection) -> None:
-    db.execute("SELECT 1").fetchone()
+def ping(db: sqlite3.Connection, sql: str, path: str) -> bool:
+    """Whether the database takes writes (`sql`: queries.sql `ping`). A file SQLite could only
+    open read-only (one the process may not write) refuses a write that changes nothing; a file
+    system mounted read-only (as Linux does after I/O errors) lets that through, but not
+    `os.access`."""
+    try:
+        db.execute(sql)
+    except sqlite3.OperationalError as exc:
+        if exc.sqlite_errorcode == sqlite3.SQLITE_READONLY:
+            return False
+        raise
+    return path == ":memory:" or os.access(path, os.W_OK)
 
 
 def cas(job: Job) -> Params:

@@ -367,8 +367,8 @@ class SqliteStore(Store):
         row = await self._read("read", self._q.one, "count_unknown", {})
         return int(row["unknown"])
 
-    async def ping(self) -> None:
-        await self._read("read", ping)
+    async def ping(self) -> bool:
+        return await self._read("read", ping, self._sql["ping"], self._path)
 
     def _notify_if(self, won: bool, job: Job) -> bool:
         """Held duplicates in this process learn of the change after the commit."""

@@ -500,7 +500,11 @@ LIMIT $4;
 SELECT count(*) AS unknown FROM idemproxy.jobs WHERE sweep_after IS NULL AND state = 'unknown';
 
 -- name: ping
-SELECT 1;
+-- /readyz: whether the server takes writes. A hot standby (a failover that left the DSN on the
+-- old primary, or a DSN naming a replica) and `default_transaction_read_only` answer reads
+-- and refuse every claim.
+SELECT NOT (pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean)
+    AS writable;
 
 -- name: responses_to_reseal
 -- SPEC §11, `idemproxy store reseal`: completed jobs whose response is not sealed with the
