@@ -399,7 +399,29 @@ async def test_a_standard_phrase_is_stored_as_nothing_and_another_ahead_of_the_h
     headers = [job.response.headers for job in kept if job is not None and job.response]
     assert len(headers) == 2
     assert [name for name, _ in headers[0]] == [name.decode() for name, _ in OBS_TEXT]
-    assert headers[1][0] == (":reason", "Fine") and headers[1][1:] == headers[0]
+    assert headers[1][0] == ("Idempotent-Replayed", "Fine") and headers[1][1:] == headers[0]
+
+
+@pytest.mark.parametrize("store_options", ["sqlite"], indirect=True)
+async def test_a_status_python_renamed_keeps_its_phrase_whatever_it_is(
+    client: TestClient[Any, Any], raw_upstream: RawUpstream
+) -> None:
+    """Python 3.13 renamed the phrases of 413, 414, 416 and 422 (RFC 9110's names): a replay
+    under another runtime than the first answer's would send another phrase than it did."""
+    store = client.app[CONTEXT].store
+    for status_line in (b"422 Unprocessable Entity", b"422 Unprocessable Content"):
+        raw_upstream.response = upstream_answer([], b"no").replace(b"200 OK", status_line, 1)
+        key = new_key()
+        answers = [await exchange(client, post(b"pay", key)) for _ in range(3)]
+        assert [answer.status_line for answer in answers] == [b"HTTP/1.1 " + status_line] * 3
+        assert [answer.get(b"Idempotent-Replayed") for answer in answers] == [
+            None,
+            b"true",
+            b"true",
+        ]
+        job = await store.get("anonymous", key)
+        assert job is not None and job.response is not None
+        assert job.response.headers[0] == ("Idempotent-Replayed", status_line[4:].decode())
 
 
 @pytest.mark.parametrize(

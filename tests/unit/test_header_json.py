@@ -10,7 +10,7 @@ from aiohttp.http_writer import _serialize_headers
 from multidict import CIMultiDict
 
 from idemproxy.core.types import StoredResponse
-from idemproxy.http.headers import stored_reason
+from idemproxy.http.headers import PROXY_OWNED, REASON_FIELD, headers_to_store, stored_reason
 from idemproxy.ops.table import _response_details
 from idemproxy.ops.view import response_to_json
 from idemproxy.proxy.server.connection import serialise_head
@@ -127,7 +127,7 @@ def test_a_stored_reason_phrase_is_shown_apart_from_the_headers(
     reason: str, shown: dict[str, str]
 ) -> None:
     """SPEC §7: the phrase is kept ahead of the headers; operators see it as its own field."""
-    stored = StoredResponse(201, ((":reason", reason), ("X-A", "1")), b"ok")
+    stored = StoredResponse(201, (("Idempotent-Replayed", reason), ("X-A", "1")), b"ok")
     view = response_to_json(stored)
     assert view is not None
     assert {name: view[name] for name in shown} == shown
@@ -140,7 +140,33 @@ def test_a_stored_reason_phrase_is_shown_apart_from_the_headers(
 def test_a_stored_reason_phrase_that_no_status_line_may_carry_is_not_replayed() -> None:
     """A phrase with a line break or another control character (which the proxy never stores:
     a row written by someone else) is replayed as the standard phrase, never as a head split."""
-    assert stored_reason(((":reason", "Made"), ("X-A", "1"))) == ("Made", (("X-A", "1"),))
-    assert stored_reason(((":reason", "a\r\nX-B: 2"), ("X-A", "1"))) == (None, (("X-A", "1"),))
-    assert stored_reason(((":reason", "a\x01"),)) == (None, ())
+    assert stored_reason((("Idempotent-Replayed", "Made"), ("X-A", "1"))) == (
+        "Made",
+        (("X-A", "1"),),
+    )
+    assert stored_reason((("Idempotent-Replayed", "a\r\nX-B: 2"), ("X-A", "1"))) == (
+        None,
+        (("X-A", "1"),),
+    )
+    assert stored_reason((("Idempotent-Replayed", "a\x01"),)) == (None, ())
     assert stored_reason((("X-A", "1"),)) == (None, (("X-A", "1"),))
+
+
+def test_the_reason_is_carried_under_a_name_no_upstream_s_field_is_stored_with() -> None:
+    """The carrier is a field the proxy owns: never stored from an upstream (nor taken in a
+    resolution), and set anew by every replay, so that a replica that predates it replays the
+    standard phrase and its own mark rather than a field no client expects."""
+    assert REASON_FIELD.lower() in PROXY_OWNED
+    upstream = CIMultiDict([("Idempotent-Replayed", "forged"), ("X-A", "1")])
+    assert headers_to_store(upstream, ()) == (("X-A", "1"),)
+    assert stored_reason((("X-A", "1"), (REASON_FIELD, "late"))) == (
+        None,
+        (("X-A", "1"), (REASON_FIELD, "late")),
+    )  # only the first pair: a stray one is replaced by the replay's own mark
+
+
+def test_a_stored_reason_that_cannot_be_written_is_not_replayed() -> None:
+    """A lone surrogate (a row written by hand) has no bytes to be written in."""
+    assert stored_reason(((REASON_FIELD, "\ud800"),)) == (None, ())
+    view = response_to_json(StoredResponse(201, ((REASON_FIELD, "\ud800"),), b"ok"))
+    assert view is not None and "reason" not in view and view["headers"] == []

@@ -215,22 +215,38 @@ def _store_dropped(unreplayed: tuple[str, ...]) -> frozenset[str]:
 
 # SPEC §7: a replay's status line is the first answer's. An upstream's reason phrase that is not
 # the standard one for its status (RFC 9112 §4: informational, but part of the bytes the first
-# client got) is stored as a first pair of this name, ahead of the headers. No field can have it:
-# a field name is a token (RFC 9110 §5.1), which a colon ends. A response stored without one
-# (every response with the standard phrase, and those stored before) is replayed with the
+# client got) is stored as the first pair, under the name of the replay's own mark: a field the
+# proxy owns, which no version has stored from an upstream or taken in a resolution
+# (PROXY_OWNED), and which every version sets anew on a replay. A replica that predates this (a
+# rolling upgrade, a rollback) therefore replays such a response as it always did, with the
+# standard phrase and `Idempotent-Replayed: true`, never with a field no client expects. A
+# response stored without one (the standard phrase, or stored before) is replayed with the
 # standard phrase, as aiohttp writes it.
-REASON_FIELD = ":reason"
-STANDARD_REASONS: Final[Mapping[int, str]] = {status.value: status.phrase for status in HTTPStatus}
+REASON_FIELD = REPLAYED_HEADER
+# The phrases Python's table gave the statuses RFC 9110 renamed (413, 414, 416, 422) changed in
+# Python 3.13: which one is standard depends on the runtime that replays, so a response with one
+# of these statuses keeps its phrase whatever it is.
+_RENAMED = frozenset({413, 414, 416, 422})
+STANDARD_REASONS: Final[Mapping[int, str]] = {
+    status.value: status.phrase for status in HTTPStatus if status.value not in _RENAMED
+}
 
 
 def stored_reason(pairs: HeaderPairs) -> tuple[str | None, HeaderPairs]:
     """The reason phrase kept with stored headers (None: the standard one) and the headers."""
-    if pairs and pairs[0][0] == REASON_FIELD:
-        reason = pairs[0][1]
-        # Only a phrase a status line may carry; the proxy stores no other (an upstream's with a
-        # control character is not forwarded either: proxy/upstream/client.py).
-        return (reason if _REASON_PHRASE.fullmatch(reason) else None), pairs[1:]
-    return None, pairs
+    if not pairs or pairs[0][0] != REASON_FIELD:
+        return None, pairs
+    reason = pairs[0][1]
+    # Only a phrase a status line may carry, in bytes the client's head can be written in; the
+    # proxy stores no other (an upstream's with a control character is not forwarded either:
+    # proxy/upstream/client.py), and the replay's own mark replaces any other stray one.
+    if _REASON_PHRASE.fullmatch(reason) is None:
+        return None, pairs[1:]
+    try:
+        reason.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return None, pairs[1:]
+    return reason, pairs[1:]
 
 
 # RFC 9112 §4: reason-phrase = 1*( HTAB / SP / VCHAR / obs-text ), or empty: no other control
