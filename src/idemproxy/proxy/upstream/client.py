@@ -13,8 +13,10 @@ import collections
 import contextlib
 import enum
 import logging
+import os
 import re
 import select
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
@@ -395,6 +397,10 @@ def _handshake_refusal(exc: BaseException | None) -> str | None:
     return None
 
 
+# A read of what arrived before a connection broke (`Connection._read_what_arrived`).
+_READ_LEFT = 64 * 1024
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection; carries one exchange at a time."""
 
@@ -445,8 +451,11 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.deadline.close()
-        if self.exchange is not None:
-            self.exchange.on_connection_lost(exc)
+        exchange = self.exchange
+        if exchange is not None:
+            if exc is not None and exchange.stage is not _Stage.DONE:
+                self._read_what_arrived()
+            exchange.on_connection_lost(exc)
         drained = self._drained
         if drained is not None and not drained.done():
             drained.set_exception(ConnectionResetError("upstream closed the connection"))
@@ -459,6 +468,34 @@ class Connection(asyncio.Protocol):
         drained = self._drained
         if drained is not None and not drained.done():
             drained.set_result(None)
+
+    def _read_what_arrived(self) -> None:
+        """What the upstream sent before its connection broke, still in the socket's buffer.
+
+        RFC 9112 §9.6: a server may answer before it has read the whole request body (a 413
+        from a size limit, a 401 from an authentication layer) and close; closing with the body
+        unread sends a reset. A write of the rest of the body then fails at once, and the loop
+        closes the transport without reading the answer that arrived before the reset: the
+        exchange would be a reset after sending (`unknown`, SPEC §3.2) where the upstream
+        answered. The bytes are read here, before the transport closes the socket, from a
+        duplicate of its descriptor (the transports have no public read). A TLS connection's
+        bytes are records its transport has not decrypted: left as they are."""
+        transport = self.transport
+        if transport is None or transport.get_extra_info("sslcontext") is not None:
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return
+        try:
+            with socket.socket(fileno=os.dup(sock.fileno())) as duplicate:
+                duplicate.setblocking(False)
+                while self.exchange is not None and self.exchange.stage is not _Stage.DONE:
+                    data = duplicate.recv(_READ_LEFT)
+                    if not data:
+                        break
+                    self.data_received(data)
+        except OSError:  # nothing more to read (EAGAIN), or the reset itself
+            return
 
     # for the exchange and the pool
     def _expire_exchange(self) -> None:
