@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from idemproxy.identity.intent import fingerprint
 from idemproxy.store.base import Store
 from tests.support.backend import Ledger
 from tests.support.proxychecks import KEY, REPLAYED, assert_problem, only_job
@@ -128,3 +129,51 @@ async def test_requests_without_credentials_share_the_anonymous_scope(
             assert response.status == 201
             assert response.headers.get(REPLAYED) == replayed
     assert ledger.count() == 1
+
+
+async def test_a_fingerprinted_header_s_other_value_is_another_payload(
+    proxy: ProxyFactory, ledger: Ledger, jobs: Store
+) -> None:
+    """SPEC §6, `fingerprint_headers`: one credential acting for two accounts (Stripe Connect's
+    `Stripe-Account`) reuses a key for the second. Without the header in the fingerprint the
+    second account was replayed the first's object, and its own request never ran."""
+    client = await proxy(fingerprint_headers=["Stripe-Account"])
+    body = b'{"amount": 100}'
+
+    async def charge(account: str | None, key: str = "order-123") -> tuple[int, bool, bytes]:
+        headers = {KEY: key, "Content-Type": "application/json", "Authorization": "Bearer sk_p"}
+        if account is not None:
+            headers["Stripe-Account"] = account
+        async with client.post("/orders", data=body, headers=headers) as response:
+            return response.status, REPLAYED in response.headers, await response.read()
+
+    first = await charge("acct_A")
+    assert first[:2] == (201, False)
+    assert await charge("acct_A") == (201, True, first[2])  # the same account: a replay
+    async with client.post(
+        "/orders",
+        data=body,
+        headers={
+            KEY: "order-123",
+            "Content-Type": "application/json",
+            "Authorization": "Bearer sk_p",
+            "stripe-account": "acct_B",
+        },
+    ) as other:
+        await assert_problem(other, "payload-mismatch", 409, retry="new-key-safe")
+    assert ledger.count("order-123") == 1
+    # Following the hint, the second account's charge runs once, under its own key.
+    assert (await charge("acct_B", "order-123-b"))[:2] == (201, False)
+    # Without the header the request fingerprints as it did before the setting.
+    assert (await charge(None, "plain"))[:2] == (201, False)
+    plain = await jobs.get(await _owner(jobs, "plain"), "plain")
+    assert plain is not None and plain.fingerprint == await _fingerprint_without_setting(body)
+
+
+async def _owner(jobs: Store, key: str) -> str:
+    [job] = [job for job in await jobs.list_jobs(limit=100) if job.key == key]
+    return job.owner
+
+
+async def _fingerprint_without_setting(body: bytes) -> str:
+    return fingerprint(("POST", "/orders", "", "application/json", "", None), body)

@@ -177,7 +177,7 @@ async def test_a_large_json_body_is_parsed_off_the_event_loop(
     assert statistics.median(latencies) < 0.05, latencies
     assert max(latencies) < 1.0, latencies
     # SPEC §6: the canonical fingerprint, whichever process computed it.
-    head = ("POST", "/orders", "", JSON["Content-Type"], "")
+    head = ("POST", "/orders", "", JSON["Content-Type"], "", None)
     for n, body in enumerate(bodies):
         assert await stored_fingerprint(client, f"big-{n}") == intent.fingerprint(head, body)
 

@@ -68,6 +68,8 @@ def test_methods_accept_a_comma_list() -> None:
         ({"profile": "strict"}, "profile"),
         ({"owner": {"strategy": "bogus"}}, "owner.strategy"),
         ({"fingerprint_exclude": ["nonce"]}, "fingerprint_exclude"),
+        ({"fingerprint_headers": ["Stripe Account"]}, "fingerprint_headers"),
+        ({"fingerprint_headers": ["Stripe-Account", "stripe-account"]}, "fingerprint_headers"),
         ({"routes": [{"prefix": "api", "upstream": "http://x:1"}]}, "routes.0.prefix"),
         ({"no_such_setting": 1}, "no_such_setting"),
         ({"pool": {"upstream_keepalive": -1}}, "pool.upstream_keepalive"),
@@ -156,7 +158,9 @@ def test_lists_from_the_environment_are_comma_separated(monkeypatch: pytest.Monk
     monkeypatch.setenv("IDEMPROXY_METHODS", "POST,PUT")
     monkeypatch.setenv("IDEMPROXY_FALLBACKS", "http://b:1, http://c:1")
     monkeypatch.setenv("IDEMPROXY_FINGERPRINT_EXCLUDE", "/nonce,/ts")
+    monkeypatch.setenv("IDEMPROXY_FINGERPRINT_HEADERS", "Stripe-Account, OpenAI-Project")
     settings = load_settings(upstream="http://a:1")
+    assert settings.fingerprint_headers == ["stripe-account", "openai-project"]
     assert settings.methods == ["POST", "PUT"]
     assert settings.fallbacks == ["http://b:1", "http://c:1"]
     assert settings.fingerprint_exclude == ["/nonce", "/ts"]

@@ -64,7 +64,7 @@ def test_a_deep_body_is_canonicalised() -> None:
     canonical = b'{"a":%s,"b":1}' % (b"[" * DEPTH + b"2.50,-0,1" + b"]" * DEPTH)
     assert canonical_json(spaced) == canonical
     assert canonical_json(canonical) == canonical
-    head = ("POST", "/pay", "", "application/json", None)
+    head = ("POST", "/pay", "", "application/json", None, None)
     assert fingerprint(head, spaced) == fingerprint(head, canonical)
     assert fingerprint(head, spaced) != fingerprint(head, canonical.replace(b"2.50", b"2.5"))
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from multidict import CIMultiDict
 
 from idemproxy.errors import ConfigError
 from idemproxy.identity.intent import (
@@ -18,6 +19,7 @@ from idemproxy.identity.intent import (
     fingerprint,
     fingerprint_of_digest,
     fingerprinted_media_type,
+    headers_field,
     is_json,
     media_type_of,
     parse_pointer,
@@ -30,8 +32,9 @@ def H(
     query: str,
     content_type: str | None = None,
     content_encoding: str | None = None,
+    sent_headers: str | None = None,
 ) -> FingerprintedHead:
-    return (method, path, query, content_type, content_encoding)
+    return (method, path, query, content_type, content_encoding, sent_headers)
 
 
 JSON = "application/json"
@@ -979,3 +982,40 @@ def test_a_gzip_header_with_its_own_crc_is_hashed_as_sent() -> None:
     other = bytearray(member)
     other[4:8] = (2000).to_bytes(4, "little")
     assert fp(body=bytes(member), encoding="gzip") != fp(body=bytes(other), encoding="gzip")
+
+
+# --- fingerprint_headers (SPEC §6) ----------------------------------------------------------
+
+
+def _sent(*pairs: tuple[str, str]) -> str | None:
+    return headers_field(["stripe-account", "openai-project"], CIMultiDict(pairs))
+
+
+def test_a_request_without_the_fingerprinted_headers_hashes_as_without_the_setting() -> None:
+    assert _sent(("X-Other", "1")) is None
+    assert fingerprint(H("POST", "/pay", "", JSON, "", _sent()), BODY) == fp(path="/pay")
+
+
+def test_each_fingerprinted_header_s_value_is_part_of_the_intent() -> None:
+    def of(*pairs: tuple[str, str]) -> str:
+        return fingerprint(H("POST", "/pay", "", JSON, "", _sent(*pairs)), BODY)
+
+    account_a, account_b = of(("Stripe-Account", "acct_A")), of(("Stripe-Account", "acct_B"))
+    assert len({account_a, account_b, fp(path="/pay")}) == 3
+    assert of(("stripe-account", "acct_A")) == account_a  # a field name's case is no value
+    # Which header holds a value, every value and their order are all part of it.
+    assert of(("OpenAI-Project", "acct_A")) != account_a
+    twice = of(("Stripe-Account", "a"), ("Stripe-Account", "b"))
+    assert len({twice, of(("Stripe-Account", "b"), ("Stripe-Account", "a"))}) == 2
+    both = of(("Stripe-Account", "a"), ("OpenAI-Project", "p"))
+    assert both not in {of(("Stripe-Account", "a")), of(("OpenAI-Project", "p"))}
+
+
+def test_the_headers_field_is_never_a_content_coding() -> None:
+    """Both are fields hashed only when there: one request's coding and another's headers
+    must not be the same stream."""
+    field = _sent(("Stripe-Account", "gzip"))
+    assert field is not None and field.startswith("\x00")  # no coding's name holds a NUL
+    digest = b"d" * 32
+    with_header = fingerprint_of_digest(H("POST", "/p", "", JSON, None, field), digest)
+    assert with_header != fingerprint_of_digest(H("POST", "/p", "", JSON, "gzip", None), digest)

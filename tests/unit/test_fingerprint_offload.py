@@ -12,7 +12,7 @@ from idemproxy.http.offload import IN_PROCESS_BYTES, Offload
 from idemproxy.identity.intent import fingerprint
 from idemproxy.identity.key_source import KeySource
 
-HEAD = ("POST", "/orders", "", "application/json; charset=utf-8", "")
+HEAD = ("POST", "/orders", "", "application/json; charset=utf-8", "", None)
 PAD = b"x" * IN_PROCESS_BYTES  # every body below is large enough for a worker process
 DEEP = b"[" * 5_000 + b"]" * 5_000
 

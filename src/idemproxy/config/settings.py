@@ -687,6 +687,10 @@ class Settings(BaseSettings):
     max_waiters_per_key: int = Field(default=c.DEFAULT_MAX_WAITERS_PER_KEY, gt=0)
     max_waiters: int = Field(default=c.DEFAULT_MAX_WAITERS, gt=0)
     fingerprint_exclude: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # SPEC §6: request headers whose values change what a request means to the backend beside
+    # its body (`Stripe-Account`, `OpenAI-Organization`, `OpenAI-Project`: one credential acting
+    # for several accounts), hashed with it when a request sends them.
+    fingerprint_headers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     unreplayed_headers: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(c.DEFAULT_UNREPLAYED_HEADERS)
     )
@@ -790,7 +794,13 @@ class Settings(BaseSettings):
     def _upstream_url(cls, url: str | None) -> str | None:
         return None if url is None else check_upstream_url(url)
 
-    @field_validator("fallbacks", "fingerprint_exclude", "unreplayed_headers", mode="before")
+    @field_validator(
+        "fallbacks",
+        "fingerprint_exclude",
+        "fingerprint_headers",
+        "unreplayed_headers",
+        mode="before",
+    )
     @classmethod
     def _comma_lists(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -830,6 +840,17 @@ class Settings(BaseSettings):
         if not dsn.startswith(("sqlite://", "postgresql://", "postgres://")):
             raise ValueError("must be sqlite:///PATH or postgresql://…")
         return dsn
+
+    @field_validator("fingerprint_headers")
+    @classmethod
+    def _header_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not _TOKEN.fullmatch(name):
+                raise ValueError(f"{name!r} is not a header name (RFC 9110 §5.1)")
+        lowered = [name.lower() for name in names]
+        if len(set(lowered)) != len(lowered):
+            raise ValueError("name each header once")
+        return lowered
 
     @field_validator("fingerprint_exclude")
     @classmethod

@@ -35,10 +35,25 @@ _ARRAY_INDEX = re.compile(r"0|[1-9][0-9]*")
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-# What of a request's head the fingerprint hashes (SPEC §6): its method, path and query, and the
-# two headers that say what its body is, `Content-Type` and `Content-Encoding`. A plain tuple,
-# built on every governed request: a NamedTuple's constructor is a Python call of its own.
-FingerprintedHead = tuple[str, str, str, str | None, str | None]
+# What of a request's head the fingerprint hashes (SPEC §6): its method, path and query, the two
+# headers that say what its body is, `Content-Type` and `Content-Encoding`, and the values of
+# `fingerprint_headers` it sent (`headers_field`; None when it sent none of them). A plain
+# tuple, built on every governed request: a NamedTuple's constructor is a Python call of its own.
+FingerprintedHead = tuple[str, str, str, str | None, str | None, str | None]
+
+
+def headers_field(names: Sequence[str], headers: MultiMapping[str]) -> str | None:
+    """The fingerprint's field for `fingerprint_headers` (lower-cased names): each one the
+    request sent, with every value in order, or None when it sent none of them. A NUL, which no
+    header holds, begins it and parts it: no content coding (the field before it, when there is
+    one) can be the same text."""
+    parts = []
+    for name in names:
+        values = headers.getall(name, ())
+        if values:
+            parts.append(name)
+            parts.extend(values)
+    return "\x00" + "\x00".join(parts) if parts else None
 
 
 def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence[str] = ()) -> str:
@@ -113,7 +128,7 @@ def fingerprint_of_digest(
     are to the backend (`gzip` is decoded, no coding is taken as it is): hashed as one more
     field, only when there is one, so that a request without it fingerprints as it always did.
     """
-    method, path, query, content_type, content_encoding = head
+    method, path, query, content_type, content_encoding, sent_headers = head
     if media_type is None:
         if content_type and ";" not in content_type:
             media_type = content_type.strip().lower()  # `fingerprinted_media_type`, no parameters
@@ -122,6 +137,8 @@ def fingerprint_of_digest(
     fields = [method.upper(), path, query, media_type]
     if content_encoding and (codings := _codings(content_encoding)):
         fields.append(codings)
+    if sent_headers is not None:  # only then: a request without them hashes as it always did
+        fields.append(sent_headers)
     stream = bytearray()  # hashed in one call: the same bytes as one update per part
     for text in fields:
         # Header values and targets hold any byte as a surrogate escape (aiohttp decodes them

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import HttpVersion11, hdrs, web
@@ -50,6 +51,7 @@ from idemproxy.identity.intent import (
     derive_owners,
     fingerprint,
     fingerprint_of_digest,
+    headers_field,
     parse_key,
 )
 from idemproxy.identity.jwt_owner import UNVERIFIED, KeyNotLoaded
@@ -75,16 +77,19 @@ from idemproxy.proxy.upstream.client import transfer_codings
 # A governed request's body and intent, before any storage call (SPEC §2.1, §6).
 
 
-def _head(request: web.Request) -> FingerprintedHead:
-    url = request.rel_url
+def _head(request: web.Request, fingerprinted: Sequence[str]) -> FingerprintedHead:
+    """What of the request's head its fingerprint hashes; `fingerprinted`: the setting
+    `fingerprint_headers`."""
+    url, headers = request.rel_url, request.headers
     # Every field, in order (RFC 9110 §5.3: a list may be split over several).
-    content_encoding = ",".join(request.headers.getall(hdrs.CONTENT_ENCODING, ()))
+    content_encoding = ",".join(headers.getall(hdrs.CONTENT_ENCODING, ()))
     return (
         request.method,
         url.raw_path,
         url.raw_query_string,
-        request.headers.get(hdrs.CONTENT_TYPE),
+        headers.get(hdrs.CONTENT_TYPE),
         content_encoding,
+        headers_field(fingerprinted, headers) if fingerprinted else None,
     )
 
 
@@ -181,6 +186,7 @@ class Identify:
         """SPEC §6: the fingerprint over the request as it arrived, whatever the key's source; on
         the loop, for a body that is not `heavy` (see `intent_off_loop`)."""
         url, headers = request.rel_url, request.headers
+        fingerprinted = self.settings.fingerprint_headers
         # `_head`, in place: every governed request. Every field of Content-Encoding, in order
         # (RFC 9110 §5.3: a list may be split over several).
         content_encoding = ",".join(headers.getall(hdrs.CONTENT_ENCODING, ()))
@@ -190,6 +196,7 @@ class Identify:
             url.raw_query_string,
             headers.get(hdrs.CONTENT_TYPE),
             content_encoding,
+            headers_field(fingerprinted, headers) if fingerprinted else None,
         )
         memory = body.memory
         if (
@@ -211,7 +218,7 @@ class Identify:
         memory = body.memory
         if memory is None or not heavy(memory):
             return self.intent(request, owner, key, body)
-        head = _head(request)
+        head = _head(request, self.settings.fingerprint_headers)
         exclude = self.settings.fingerprint_exclude
         digest = await self.offload(memory, fingerprint, head, memory, exclude)
         return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])
