@@ -213,6 +213,11 @@ class UpstreamResponse:
         return self.stage is _Stage.DONE
 
     @property
+    def ended(self) -> bool:
+        """Whole, or failed: nothing more it is sent changes what it is."""
+        return self.stage is _Stage.DONE or self._error is not None
+
+    @property
     def awaiting_head(self) -> bool:
         return self.stage is _Stage.HEAD
 
@@ -489,7 +494,7 @@ class Connection(asyncio.Protocol):
         try:
             with socket.socket(fileno=os.dup(sock.fileno())) as duplicate:
                 duplicate.setblocking(False)
-                while self.exchange is not None and self.exchange.stage is not _Stage.DONE:
+                while self.exchange is not None and not self.exchange.ended:
                     data = duplicate.recv(_READ_LEFT)
                     if not data:
                         break
