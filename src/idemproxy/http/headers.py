@@ -223,12 +223,13 @@ def _store_dropped(unreplayed: tuple[str, ...]) -> frozenset[str]:
 # response stored without one (the standard phrase, or stored before) is replayed with the
 # standard phrase, as aiohttp writes it.
 REASON_FIELD = REPLAYED_HEADER
-# The phrases Python's table gave the statuses RFC 9110 renamed (413, 414, 416, 422) changed in
-# Python 3.13: which one is standard depends on the runtime that replays, so a response with one
-# of these statuses keeps its phrase whatever it is.
+# The phrase a replay is written with when none is stored (aiohttp's: Python's table, or none
+# for a status it does not name). Those of the statuses RFC 9110 renamed (413, 414, 416, 422)
+# changed in Python 3.13: which one a replay gets depends on the runtime, so a response with one
+# of these statuses keeps its phrase whatever it is (None equals no phrase).
 _RENAMED = frozenset({413, 414, 416, 422})
-STANDARD_REASONS: Final[Mapping[int, str]] = {
-    status.value: status.phrase for status in HTTPStatus if status.value not in _RENAMED
+STANDARD_REASONS: Final[Mapping[int, str | None]] = {
+    status.value: None if status.value in _RENAMED else status.phrase for status in HTTPStatus
 }
 
 
