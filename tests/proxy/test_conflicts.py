@@ -168,6 +168,14 @@ async def test_a_fingerprinted_header_s_other_value_is_another_payload(
     assert (await charge(None, "plain"))[:2] == (201, False)
     plain = await jobs.get(await _owner(jobs, "plain"), "plain")
     assert plain is not None and plain.fingerprint == await _fingerprint_without_setting(body)
+    # Listed in `Connection`, it would be hashed and stripped before the backend saw it.
+    async with client.post(
+        "/orders",
+        data=body,
+        headers={KEY: "hidden", "Stripe-Account": "acct_A", "Connection": "Stripe-Account"},
+    ) as hidden:
+        await assert_problem(hidden, "header-invalid", 400)
+    assert ledger.count("hidden") == 0
 
 
 async def _owner(jobs: Store, key: str) -> str:

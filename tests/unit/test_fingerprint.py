@@ -1007,6 +1007,7 @@ def test_each_fingerprinted_header_s_value_is_part_of_the_intent() -> None:
     assert of(("OpenAI-Project", "acct_A")) != account_a
     twice = of(("Stripe-Account", "a"), ("Stripe-Account", "b"))
     assert len({twice, of(("Stripe-Account", "b"), ("Stripe-Account", "a"))}) == 2
+    assert twice == of(("Stripe-Account", "a, b"))  # RFC 9110 §5.3: the lines combined
     both = of(("Stripe-Account", "a"), ("OpenAI-Project", "p"))
     assert both not in {of(("Stripe-Account", "a")), of(("OpenAI-Project", "p"))}
 

@@ -44,15 +44,14 @@ FingerprintedHead = tuple[str, str, str, str | None, str | None, str | None]
 
 def headers_field(names: Sequence[str], headers: MultiMapping[str]) -> str | None:
     """The fingerprint's field for `fingerprint_headers` (lower-cased names): each one the
-    request sent, with every value in order, or None when it sent none of them. A NUL, which no
-    header holds, begins it and parts it: no content coding (the field before it, when there is
-    one) can be the same text."""
-    parts = []
+    request sent, its lines joined as RFC 9110 §5.3 combines them (`a` and `b` are `a, b`),
+    or None when it sent none of them. A NUL, which no header holds, begins it and parts it: no
+    content coding (the field before it, when there is one) can be the same text."""
+    parts: list[str] = []
     for name in names:
         values = headers.getall(name, ())
         if values:
-            parts.append(name)
-            parts.extend(values)
+            parts += (name, ", ".join(values))
     return "\x00" + "\x00".join(parts) if parts else None
 
 

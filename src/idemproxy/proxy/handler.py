@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiohttp import HttpVersion11, hdrs, web
+from multidict import CIMultiDictProxy
 
 from idemproxy.config.settings import Settings
 from idemproxy.constants import ERROR_HEADER, HOP_BY_HOP_HEADERS
@@ -77,9 +77,9 @@ from idemproxy.proxy.upstream.client import transfer_codings
 # A governed request's body and intent, before any storage call (SPEC §2.1, §6).
 
 
-def _head(request: web.Request, fingerprinted: Sequence[str]) -> FingerprintedHead:
-    """What of the request's head its fingerprint hashes; `fingerprinted`: the setting
-    `fingerprint_headers`."""
+def _head(request: web.Request, sent_headers: str | None) -> FingerprintedHead:
+    """What of the request's head its fingerprint hashes; `sent_headers`: the field of
+    `fingerprint_headers` (`Identify.sent_headers`)."""
     url, headers = request.rel_url, request.headers
     # Every field, in order (RFC 9110 §5.3: a list may be split over several).
     content_encoding = ",".join(headers.getall(hdrs.CONTENT_ENCODING, ()))
@@ -89,7 +89,7 @@ def _head(request: web.Request, fingerprinted: Sequence[str]) -> FingerprintedHe
         url.raw_query_string,
         headers.get(hdrs.CONTENT_TYPE),
         content_encoding,
-        headers_field(fingerprinted, headers) if fingerprinted else None,
+        sent_headers,
     )
 
 
@@ -186,7 +186,6 @@ class Identify:
         """SPEC §6: the fingerprint over the request as it arrived, whatever the key's source; on
         the loop, for a body that is not `heavy` (see `intent_off_loop`)."""
         url, headers = request.rel_url, request.headers
-        fingerprinted = self.settings.fingerprint_headers
         # `_head`, in place: every governed request. Every field of Content-Encoding, in order
         # (RFC 9110 §5.3: a list may be split over several).
         content_encoding = ",".join(headers.getall(hdrs.CONTENT_ENCODING, ()))
@@ -196,7 +195,7 @@ class Identify:
             url.raw_query_string,
             headers.get(hdrs.CONTENT_TYPE),
             content_encoding,
-            headers_field(fingerprinted, headers) if fingerprinted else None,
+            self.sent_headers(headers) if self.settings.fingerprint_headers else None,
         )
         memory = body.memory
         if (
@@ -218,7 +217,8 @@ class Identify:
         memory = body.memory
         if memory is None or not heavy(memory):
             return self.intent(request, owner, key, body)
-        head = _head(request, self.settings.fingerprint_headers)
+        sent = self.sent_headers(request.headers) if self.settings.fingerprint_headers else None
+        head = _head(request, sent)
         exclude = self.settings.fingerprint_exclude
         digest = await self.offload(memory, fingerprint, head, memory, exclude)
         return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])
@@ -299,6 +299,15 @@ class Identify:
         if key is None and route.require_key:
             raise KeyMissing()
         return key
+
+    def sent_headers(self, headers: CIMultiDictProxy[str]) -> str | None:
+        """The fingerprint's field of `fingerprint_headers` (SPEC §6). One of them listed in
+        `Connection` would be hashed and then stripped before the backend sees it (RFC 9110
+        §7.6.1): refused, as the owner's and the key's header are (`refuse_hidden_identity`)."""
+        fingerprinted = self.settings.fingerprint_headers
+        if hdrs.CONNECTION in headers and not hop_by_hop(headers).isdisjoint(fingerprinted):
+            raise HeaderInvalid()
+        return headers_field(fingerprinted, headers)
 
     def refuse_hidden_identity(self, request: web.Request, key_header: str) -> None:
         """RFC 9110 §7.6.1 lets a client list any header in `Connection` to have it stripped. The

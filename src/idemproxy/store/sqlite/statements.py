@@ -287,19 +287,31 @@ def migrate(db: sqlite3.Connection) -> list[str]:
     return applied
 
 
-def ping(db: sqlite3.Connection, sql: str, path: str) -> bool:
-    """Whether the database takes writes (`sql`: queries.sql `ping`). A file SQLite could only
-    open read-only (one the process may not write) refuses a write that changes nothing; a file
-    system mounted read-only (as Linux does after I/O errors) lets that through, but not
-    `os.access`."""
+def ping(db: sqlite3.Connection) -> None:
+    db.execute("SELECT 1").fetchone()
+
+
+def opened_read_only(db: sqlite3.Connection, sql: str) -> bool:
+    """Whether SQLite opened the file for reading only (one the process may not write, or on a
+    file system mounted read-only), which it does without a word: a write that changes nothing
+    (`sql`, queries.sql `read_only`) is refused. Asked once, at open: such a connection stays
+    read-only (a restart opens it anew), and the write waits for any other writer's lock."""
     try:
         db.execute(sql)
     except sqlite3.OperationalError as exc:
         if exc.sqlite_errorcode == sqlite3.SQLITE_READONLY:
-            return False
-        if "no such table" not in str(exc):  # a file not migrated yet answers all the same
+            return True
+        if "no such table" not in str(exc):  # a file not migrated yet: its migration tells
             raise
-    return path == ":memory:" or os.access(path, os.W_OK)
+    return False
+
+
+def on_read_only_mount(path: str) -> bool:
+    """Whether the file system holding `path` is mounted read-only now (as Linux remounts one
+    after I/O errors): the open connection's next write fails."""
+    if path == ":memory:":
+        return False
+    return bool(os.statvfs(os.path.dirname(os.path.abspath(path))).f_flag & os.ST_RDONLY)
 
 
 def cas(job: Job) -> Params:

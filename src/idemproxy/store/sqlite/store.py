@@ -42,7 +42,16 @@ from idemproxy.store.rows import (
     late_response_from_row,
     response_columns,
 )
-from idemproxy.store.sqlite.statements import Params, Statements, cas, migrate, ping, translate
+from idemproxy.store.sqlite.statements import (
+    Params,
+    Statements,
+    cas,
+    migrate,
+    on_read_only_mount,
+    opened_read_only,
+    ping,
+    translate,
+)
 from idemproxy.store.sqlite.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -86,6 +95,7 @@ class SqliteStore(Store):
         # not yet checkpointed live in the log, so a log deleted or replaced loses them too.
         self._companions: list[tuple[int, int] | None] = [None, None]
         self._gone_logged = False
+        self._read_only = False  # SQLite opened the file for reading only (`open`)
         self._busy_timeout = busy_timeout
         self._sql = load_queries("sqlite")
         self._q = Statements(self._sql, late_bytes)
@@ -116,6 +126,10 @@ class SqliteStore(Store):
             raise sqlite_unopenable(self._path, str(exc)) from exc
         if self._path != ":memory:":
             self._file = _file_identity(self._path)
+        try:
+            self._read_only = await self.worker.run(opened_read_only, self._sql["read_only"])
+        except sqlite3.Error:  # another writer held the lock past busy_timeout: not known
+            self._read_only = False
 
     async def close(self) -> None:
         await self.claims.close()
@@ -368,7 +382,8 @@ class SqliteStore(Store):
         return int(row["unknown"])
 
     async def ping(self) -> bool:
-        return await self._read("read", ping, self._sql["ping"], self._path)
+        await self._read("read", ping)
+        return not self._read_only and not on_read_only_mount(self._path)
 
     def _notify_if(self, won: bool, job: Job) -> bool:
         """Held duplicates in this process learn of the change after the commit."""

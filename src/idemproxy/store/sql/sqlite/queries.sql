@@ -336,7 +336,7 @@ WHERE owner = :owner AND id = :id AND version = :version AND state = 'unknown'
               WHERE a.owner = :owner AND a.job_id = :id AND a.number = :number
                 AND a.started_at > (julianday('now') - 2440587.5) * 86400.0 - :window);
 
--- name: ping
--- /readyz: a write that changes nothing, which a database SQLite could only open read-only (a
+-- name: read_only
+-- At open: a write that changes nothing, which a database SQLite could only open read-only (a
 -- file the process may not write) refuses.
 UPDATE jobs SET version = version WHERE 0;
