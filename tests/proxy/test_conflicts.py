@@ -164,10 +164,12 @@ async def test_a_fingerprinted_header_s_other_value_is_another_payload(
     assert ledger.count("order-123") == 1
     # Following the hint, the second account's charge runs once, under its own key.
     assert (await charge("acct_B", "order-123-b"))[:2] == (201, False)
-    # Without the header the request fingerprints as it did before the setting.
+    # Without the header too, the fingerprint is not the one before the setting: such a job is
+    # never taken for one stored before it (`test_a_job_stored_before_the_setting_…`).
     assert (await charge(None, "plain"))[:2] == (201, False)
     plain = await jobs.get(await _owner(jobs, "plain"), "plain")
-    assert plain is not None and plain.fingerprint == await _fingerprint_without_setting(body)
+    assert plain is not None and plain.fingerprint != await _fingerprint_without_setting(body)
+    assert (await charge("acct_B", "plain"))[:2] == (409, False)
     # Listed in `Connection`, it would be hashed and stripped before the backend saw it.
     async with client.post(
         "/orders",
@@ -185,3 +187,28 @@ async def _owner(jobs: Store, key: str) -> str:
 
 async def _fingerprint_without_setting(body: bytes) -> str:
     return fingerprint(("POST", "/orders", "", "application/json", "", None), body)
+
+
+async def test_a_job_stored_before_the_setting_is_matched_as_it_was(
+    proxy: ProxyFactory, ledger: Ledger
+) -> None:
+    """SPEC §6: turning `fingerprint_headers` on changes every fingerprint; a job stored before
+    still matches the retries that matched it (by the fingerprint they had then), so no retry
+    of it gets a `409 payload-mismatch` that invites a new key and a second execution."""
+    headers = {
+        KEY: "before",
+        "Content-Type": "application/json",
+        "Authorization": "Bearer sk_p",
+        "Stripe-Account": "acct_A",
+    }
+    body = b'{"amount": 100}'
+    before = await proxy()
+    async with before.post("/orders", data=body, headers=headers) as first:
+        assert first.status == 201
+        answer = await first.read()
+    after = await proxy(fingerprint_headers=["Stripe-Account"])
+    for sent in (headers, {k: v for k, v in headers.items() if k != "Stripe-Account"}):
+        async with after.post("/orders", data=body, headers=sent) as retry:
+            assert (retry.status, REPLAYED in retry.headers) == (201, True)
+            assert await retry.read() == answer
+    assert ledger.count("before") == 1

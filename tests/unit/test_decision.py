@@ -141,6 +141,16 @@ def test_different_fingerprint_is_payload_mismatch(state: JobState) -> None:
     assert decide(make_job(state), OTHER_FINGERPRINT, IETF) == Reject(PayloadMismatch)
 
 
+def test_a_job_stored_before_fingerprint_headers_matches_the_earlier_fingerprint() -> None:
+    """SPEC §6: with `fingerprint_headers` set, a job stored before holds the fingerprint the
+    request had without the headers' field (`earlier`): its retries still replay. Any other
+    fingerprint is still a mismatch."""
+    completed = make_job(JobState.COMPLETED)
+    assert decide(completed, OTHER_FINGERPRINT, HOLD, earlier=FINGERPRINT) == Replay(RESPONSE)
+    assert decide(completed, OTHER_FINGERPRINT, HOLD, earlier="1" * 64) == Reject(PayloadMismatch)
+    assert decide(completed, FINGERPRINT, HOLD, earlier="1" * 64) == Replay(RESPONSE)
+
+
 def test_released_starts_the_next_attempt_by_cas_on_its_version() -> None:
     assert decide(make_job(JobState.RELEASED, version=42), FINGERPRINT, HOLD) == StartNextAttempt(
         42

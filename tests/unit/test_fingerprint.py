@@ -19,6 +19,8 @@ from idemproxy.identity.intent import (
     fingerprint,
     fingerprint_of_digest,
     fingerprinted_media_type,
+    fingerprints,
+    fingerprints_of_digest,
     headers_field,
     is_json,
     media_type_of,
@@ -987,13 +989,24 @@ def test_a_gzip_header_with_its_own_crc_is_hashed_as_sent() -> None:
 # --- fingerprint_headers (SPEC §6) ----------------------------------------------------------
 
 
-def _sent(*pairs: tuple[str, str]) -> str | None:
+def _sent(*pairs: tuple[str, str]) -> str:
     return headers_field(["stripe-account", "openai-project"], CIMultiDict(pairs))
 
 
-def test_a_request_without_the_fingerprinted_headers_hashes_as_without_the_setting() -> None:
-    assert _sent(("X-Other", "1")) is None
-    assert fingerprint(H("POST", "/pay", "", JSON, "", _sent()), BODY) == fp(path="/pay")
+def test_the_fingerprint_before_the_setting_is_the_earlier_one() -> None:
+    """With the setting, every request has the field (one without the headers too): its jobs
+    are told apart from those stored before, which match the earlier fingerprint."""
+    plain = fp(path="/pay")
+    for sent in (_sent(("X-Other", "1")), _sent(("Stripe-Account", "acct_A"))):
+        head = H("POST", "/pay", "", JSON, "", sent)
+        now, earlier = fingerprints(head, BODY)
+        assert (now, earlier) == (fingerprint(head, BODY), plain) and now != plain
+        digest = hashlib.sha256(BODY).digest()
+        assert fingerprints_of_digest(head, digest) == (
+            fingerprint_of_digest(head, digest),
+            fingerprint_of_digest(H("POST", "/pay", "", JSON, ""), digest),
+        )
+    assert fingerprints(H("POST", "/pay", "", JSON, ""), BODY) == (plain, None)
 
 
 def test_each_fingerprinted_header_s_value_is_part_of_the_intent() -> None:
@@ -1001,7 +1014,7 @@ def test_each_fingerprinted_header_s_value_is_part_of_the_intent() -> None:
         return fingerprint(H("POST", "/pay", "", JSON, "", _sent(*pairs)), BODY)
 
     account_a, account_b = of(("Stripe-Account", "acct_A")), of(("Stripe-Account", "acct_B"))
-    assert len({account_a, account_b, fp(path="/pay")}) == 3
+    assert len({account_a, account_b, of(), fp(path="/pay")}) == 4
     assert of(("stripe-account", "acct_A")) == account_a  # a field name's case is no value
     # Which header holds a value, every value and their order are all part of it.
     assert of(("OpenAI-Project", "acct_A")) != account_a
@@ -1016,7 +1029,7 @@ def test_the_headers_field_is_never_a_content_coding() -> None:
     """Both are fields hashed only when there: one request's coding and another's headers
     must not be the same stream."""
     field = _sent(("Stripe-Account", "gzip"))
-    assert field is not None and field.startswith("\x00")  # no coding's name holds a NUL
+    assert field.startswith("\x00") and _sent() == "\x00"  # no coding's name holds a NUL
     digest = b"d" * 32
     with_header = fingerprint_of_digest(H("POST", "/p", "", JSON, None, field), digest)
     assert with_header != fingerprint_of_digest(H("POST", "/p", "", JSON, "gzip", None), digest)

@@ -77,14 +77,22 @@ class Policy:
 
 
 def decide(
-    job: Job, fingerprint: str, policy: Policy, *, wait_expired: bool = False, ask: bool = False
+    job: Job,
+    fingerprint: str,
+    policy: Policy,
+    *,
+    wait_expired: bool = False,
+    ask: bool = False,
+    earlier: str | None = None,
 ) -> Decision:
     """What to do with a request for an existing job (SPEC §2.3). `ask`: an `unknown` job may
-    be asked about once more for this request (SPEC §3.6)."""
+    be asked about once more for this request (SPEC §3.6). `earlier`: the fingerprint the
+    request had before `fingerprint_headers` was set, which a job stored then matches (SPEC §6):
+    no job stored since has it, as every fingerprint then has the headers' field."""
     if job.expired and job.state in EXPIRABLE:
         # SPEC §3.1: an expired job is gone, whatever its sweeper has not deleted yet.
         return Forget(job.version)
-    if job.fingerprint != fingerprint:
+    if job.fingerprint != fingerprint and (earlier is None or job.fingerprint != earlier):
         return Reject(PayloadMismatch)
     match job.state:
         case JobState.COMPLETED:

@@ -94,6 +94,9 @@ class Terms:
     # the key its upstream honours (`resends`), ask its reconcile endpoint (`asks`).
     resends: bool = False
     asks: bool = False
+    # SPEC §6: the fingerprint the request had before `fingerprint_headers` was set, which a job
+    # stored then still matches (`Intent.earlier_fingerprint`).
+    earlier_fingerprint: str | None = None
 
 
 @dataclass(slots=True)
@@ -357,7 +360,14 @@ def _act(terms: Terms, seen: Seen, now: float) -> State:
     job = seen.job
     wait_expired = now >= seen.deadline
     ask = (terms.resends or terms.asks) and not seen.asked
-    outcome = decide(job, terms.fingerprint, terms.rules.policy, wait_expired=wait_expired, ask=ask)
+    outcome = decide(
+        job,
+        terms.fingerprint,
+        terms.rules.policy,
+        wait_expired=wait_expired,
+        ask=ask,
+        earlier=terms.earlier_fingerprint,
+    )
     # Class patterns without captures: a capture makes CPython build a set of the attribute
     # names (match_class), on every replay.
     match outcome:

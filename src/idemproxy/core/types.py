@@ -67,6 +67,9 @@ class Intent:
     fingerprint: str
     method: str
     path: str
+    # With `fingerprint_headers`, the fingerprint the same request had before that setting: a
+    # job stored then still matches it (SPEC §6). Never stored.
+    earlier_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,17 +42,38 @@ _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_asci
 FingerprintedHead = tuple[str, str, str, str | None, str | None, str | None]
 
 
-def headers_field(names: Sequence[str], headers: MultiMapping[str]) -> str | None:
-    """The fingerprint's field for `fingerprint_headers` (lower-cased names): each one the
-    request sent, its lines joined as RFC 9110 §5.3 combines them (`a` and `b` are `a, b`),
-    or None when it sent none of them. A NUL, which no header holds, begins it and parts it: no
-    content coding (the field before it, when there is one) can be the same text."""
+def headers_field(names: Sequence[str], headers: MultiMapping[str]) -> str:
+    """The fingerprint's field for `fingerprint_headers` (lower-cased names, at least one): each
+    one the request sent, its lines joined as RFC 9110 §5.3 combines them (`a` and `b` are
+    `a, b`). A request that sends none of them has the field too, so that its jobs are told
+    apart from those stored before the setting (`fingerprints`). A NUL, which no header holds,
+    begins it and parts it: no content coding (the field before it, when there is one) can be
+    the same text."""
     parts: list[str] = []
     for name in names:
         values = headers.getall(name, ())
         if values:
             parts += (name, ", ".join(values))
-    return "\x00" + "\x00".join(parts) if parts else None
+    return "\x00" + "\x00".join(parts)
+
+
+def fingerprints(
+    head: FingerprintedHead, body: bytes, exclude_pointers: Sequence[str] = ()
+) -> tuple[str, str | None]:
+    """`fingerprint`, and with a field of `fingerprint_headers` the fingerprint the request had
+    without it, as before that setting: a job stored then matches it (SPEC §6). The body is
+    hashed once."""
+    return fingerprints_of_digest(head, *_hashed_body(head, body, exclude_pointers))
+
+
+def fingerprints_of_digest(
+    head: FingerprintedHead, body_sha256: bytes, media_type: str | None = None
+) -> tuple[str, str | None]:
+    """`fingerprints` of a body hashed as it arrived (`fingerprint_of_digest`)."""
+    plain = None
+    if head[5] is not None:
+        plain = fingerprint_of_digest((*head[:5], None), body_sha256, media_type)
+    return fingerprint_of_digest(head, body_sha256, media_type), plain
 
 
 def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence[str] = ()) -> str:
@@ -62,16 +83,24 @@ def fingerprint(head: FingerprintedHead, body: bytes, exclude_pointers: Sequence
     JSON pointers removed, so that semantically equal JSON matches. Every field is length-prefixed
     so that no two different requests can produce the same hashed byte stream.
     """
+    return fingerprint_of_digest(head, *_hashed_body(head, body, exclude_pointers))
+
+
+def _hashed_body(
+    head: FingerprintedHead, body: bytes, exclude_pointers: Sequence[str]
+) -> tuple[bytes, str | None]:
+    """The SHA-256 of the body as the fingerprint takes it, and the media type it is hashed
+    under when not the head's (`fingerprint_of_digest`)."""
     content_type, content_encoding = head[3], head[4]
     # `is_json(media_type_of(content_type))`, in place: every governed request's.
     media_type = content_type.split(";", 1)[0].strip().lower() if content_type else ""
     if content_encoding or media_type.startswith("multipart/"):
         form = reencoding(content_type, content_encoding)
         if form is not None and (digest := form.digest(body)) is not None:
-            return fingerprint_of_digest(head, digest, form.media_type)
+            return digest, form.media_type
     if media_type == "application/json" or media_type.endswith("+json"):
         body = canonical_json(body, exclude_pointers)
-    return fingerprint_of_digest(head, hashlib.sha256(body).digest())
+    return hashlib.sha256(body).digest(), None
 
 
 @dataclass(frozen=True, slots=True)

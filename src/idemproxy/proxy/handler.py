@@ -50,7 +50,8 @@ from idemproxy.identity.intent import (
     OwnerPolicy,
     derive_owners,
     fingerprint,
-    fingerprint_of_digest,
+    fingerprints,
+    fingerprints_of_digest,
     headers_field,
     parse_key,
 )
@@ -197,18 +198,18 @@ class Identify:
             content_encoding,
             self.sent_headers(headers) if self.settings.fingerprint_headers else None,
         )
-        memory = body.memory
-        if (
-            memory is None
-        ):  # hashed as it arrived; too large to canonicalise (proxy/server/connection.py)
+        memory, earlier = body.memory, None
+        if memory is None:  # hashed as it arrived; too large to canonicalise (connection.py)
             form = body.form_sha256
             if form is None:
-                digest = fingerprint_of_digest(head, body.raw_sha256)
+                digest, earlier = fingerprints_of_digest(head, body.raw_sha256)
             else:  # a body its client may encode anew, hashed as the fingerprint takes it
-                digest = fingerprint_of_digest(head, form, body.form_media_type)
-        else:
+                digest, earlier = fingerprints_of_digest(head, form, body.form_media_type)
+        elif head[5] is None:  # no `fingerprint_headers`: every governed request but those
             digest = fingerprint(head, memory, self.settings.fingerprint_exclude)
-        return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])
+        else:
+            digest, earlier = fingerprints(head, memory, self.settings.fingerprint_exclude)
+        return Intent(owner, key, digest, head[0], head[1], earlier)
 
     async def intent_off_loop(
         self, request: web.Request, owner: str, key: str, body: RequestBody
@@ -220,8 +221,8 @@ class Identify:
         sent = self.sent_headers(request.headers) if self.settings.fingerprint_headers else None
         head = _head(request, sent)
         exclude = self.settings.fingerprint_exclude
-        digest = await self.offload(memory, fingerprint, head, memory, exclude)
-        return Intent(owner=owner, key=key, fingerprint=digest, method=head[0], path=head[1])
+        digest, earlier = await self.offload(memory, fingerprints, head, memory, exclude)
+        return Intent(owner, key, digest, head[0], head[1], earlier)
 
     async def sourced(
         self, request: web.Request, route: Route, source: KeySource

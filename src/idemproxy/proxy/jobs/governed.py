@@ -203,8 +203,15 @@ class Governor:
         at = self._with
         transition = governed.transition
         legacy = None if transition is None else transition.legacy
+        intent = governed.intent
         terms = (
-            Terms(at.rules, governed.intent.fingerprint, governed.route.max_wait, legacy)
+            Terms(
+                at.rules,
+                intent.fingerprint,
+                governed.route.max_wait,
+                legacy,
+                earlier_fingerprint=intent.earlier_fingerprint,
+            )
             if at.unknown is None
             else self._resolving_terms(governed, legacy, at.unknown)
         )
@@ -271,8 +278,16 @@ class Governor:
         """The request's terms on a process with routes that resolve unknown jobs (SPEC §3.6):
         with what its own route can do about one."""
         resends, asks = unknown.resends(governed.route), unknown.asks(governed.route)
-        fingerprint, max_wait = governed.intent.fingerprint, governed.route.max_wait
-        return Terms(self._with.rules, fingerprint, max_wait, legacy, resends, asks)
+        intent, max_wait = governed.intent, governed.route.max_wait
+        return Terms(
+            self._with.rules,
+            intent.fingerprint,
+            max_wait,
+            legacy,
+            resends,
+            asks,
+            intent.earlier_fingerprint,
+        )
 
     async def _step(
         self, governed: GovernedRequest, state: OffHotPath, clock: Callable[[], float]
