@@ -260,8 +260,12 @@ class UpstreamResponse:
         """The exchange is over (its connection went back to the pool or was closed). The
         parser's callbacks are this object's bound methods, a reference cycle: dropping the
         parser lets reference counting free both now, where the cyclic collector would walk
-        every finished exchange later (about 5 µs per request at c=32, docs/benchmarks.md)."""
+        every finished exchange later (about 5 µs per request at c=32, docs/benchmarks.md).
+        Its failure goes too: raised through the frames that waited for it, it holds them in
+        its traceback, this exchange among their locals, and with them the request they sent
+        (a spooled body's open file) until that collector ran."""
         del self.parser
+        self._error = None
 
     # --- llhttp callbacks (httptools) -------------------------------------------------------
 
